@@ -1,0 +1,44 @@
+"""torchdist_magic: a notebook cell or a function as distributed PyTorch, on local processes
+or a Spark cluster.
+
+``%load_ext torchdist_magic`` registers ``%%torchdist``; ``Distributor(...).run(fn, *args)`` is
+the Python API.  Heavy modules (torch, pyspark, ipywidgets, IPython) are imported only when used.
+"""
+
+from __future__ import annotations
+
+from .errors import JobTimeout, RankFailure, RunCancelled
+from .options import LaunchOptions
+from .runtime import device, is_main, local_rank, progress, rank, report, world_size
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Distributor", "LaunchOptions", "RankFailure", "JobTimeout", "RunCancelled", "Run",
+    "last_run", "progress", "report", "rank", "world_size", "local_rank", "is_main", "device",
+    "load_ipython_extension", "unload_ipython_extension",
+]
+
+_LAZY = {"Distributor": "distributor", "Run": "distributor", "last_run": "distributor"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'torchdist_magic' has no attribute {name!r}")
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext torchdist_magic``: register ``%%torchdist`` and ``%torchdist_panel``."""
+    from .magic import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """``%unload_ext torchdist_magic``: remove the magics again."""
+    from .magic import unload
+
+    unload(ipython)

@@ -1,0 +1,81 @@
+"""Local backend: N worker processes on this machine (the embedded default: no Spark)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from typing import List, Optional
+
+from ..launcher import RankProcess, rank_environment, read_result, reserve_port, stop_all
+from ..options import LaunchOptions
+from . import Backend, BackendRun, LaunchContext
+
+
+def visible_gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+class LocalProcessBackend(Backend):
+    name = "local"
+
+    def describe(self) -> str:
+        return f"local processes on {socket.gethostname()}"
+
+    def check(self, options: LaunchOptions) -> None:
+        if options.use_gpu:
+            gpus = visible_gpu_count()
+            if gpus == 0:
+                raise ValueError("use_gpu/--gpu was asked for, but no CUDA device is visible on this machine")
+            if options.num_processes > gpus:
+                raise ValueError(
+                    f"{options.num_processes} ranks with use_gpu/--gpu need {options.num_processes} GPUs; "
+                    f"this machine has {gpus}")
+
+    def start(self, ctx: LaunchContext) -> "LocalRun":
+        run = LocalRun(tempfile.mkdtemp(prefix=f"torchdist-{ctx.run_id}-"))
+        try:
+            run.launch(ctx)
+        except BaseException:
+            run.close()
+            raise
+        return run
+
+
+class LocalRun(BackendRun):
+    def __init__(self, workdir: str):
+        self.workdir = workdir
+        self.procs: List[RankProcess] = []
+        self._port: Optional[socket.socket] = None
+
+    def launch(self, ctx: LaunchContext) -> None:
+        job_file = os.path.join(self.workdir, "job.pkl")
+        fd = os.open(job_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(ctx.job_bytes)
+        self._port = reserve_port("127.0.0.1")
+        n = ctx.options.num_processes
+        for rank in range(n):
+            env = rank_environment(
+                os.environ, rank=rank, local_rank=rank, world_size=n, local_world_size=n,
+                master_addr="127.0.0.1", master_port=self._port.getsockname()[1],
+                extra=ctx.options.env, channel=ctx.channel_address, secret=ctx.secret,
+                run_id=ctx.run_id, use_gpu=ctx.options.use_gpu)
+            self.procs.append(RankProcess(rank, job_file, os.path.join(self.workdir, f"rank-{rank}"),
+                                          env, ctx.emit))
+
+    def stop(self, grace: float) -> None:
+        stop_all(self.procs, grace)
+
+    def result(self, rank: int) -> Optional[bytes]:
+        return read_result(os.path.join(self.workdir, f"rank-{rank}"))
+
+    def close(self) -> None:
+        stop_all(self.procs, grace=0.5)
+        if self._port is not None:
+            self._port.close()
+            self._port = None
+        shutil.rmtree(self.workdir, ignore_errors=True)

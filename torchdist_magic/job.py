@@ -1,0 +1,144 @@
+"""Jobs: what every rank runs, as one self-contained picklable value.
+
+A job is built on the driver (from a function, a script path or a notebook cell) and read
+by ``torchdist_magic.worker`` from a file the driver wrote, never from a socket.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import types
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
+
+
+@dataclass
+class CellCode:
+    """A notebook cell captured for remote execution (see ``capture``)."""
+
+    source: str
+    filename: str
+    imports: List[Tuple[str, str]] = field(default_factory=list)  # (statement, origin)
+    values: bytes = b""                                            # cloudpickled {name: value}
+    value_names: List[str] = field(default_factory=list)
+    init_process_group: bool = True
+    line_offset: int = 1
+    silent: bool = False                                           # trailing ';'
+
+
+@dataclass
+class Job:
+    """What each rank runs.  ``kind`` is ``"function"``, ``"script"`` or ``"cell"``."""
+
+    kind: str
+    name: str
+    payload: bytes = b""                      # function: cloudpickle of (fn, args, kwargs)
+    script_path: str = ""
+    script_source: str = ""
+    script_args: List[str] = field(default_factory=list)
+    cell: Optional[CellCode] = None
+    use_gpu: bool = False
+    all_ranks: bool = False
+    sys_path: List[str] = field(default_factory=list)
+    cwd: str = ""
+
+
+def _installed_roots() -> List[str]:
+    paths = sysconfig.get_paths()
+    roots = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    roots.update(p for p in sys.path if p.endswith(("site-packages", "dist-packages")))
+    return [os.path.realpath(r) for r in roots if r]
+
+
+def _pickled_by_value(module_name: Optional[str]) -> Optional[types.ModuleType]:
+    """The caller's own module (a test file, a helper next to the notebook): workers cannot be
+    assumed to import it by name, so its functions travel by value."""
+    if not module_name or module_name == "__main__":
+        return None
+    module = sys.modules.get(module_name)
+    path = getattr(module, "__file__", None)
+    if module is None or not path:
+        return None
+    real = os.path.realpath(path)
+    if any(real.startswith(root + os.sep) for root in _installed_roots()):
+        return None
+    return module
+
+
+def dumps_by_value(obj: Any, modules: List[types.ModuleType]) -> bytes:
+    import cloudpickle
+
+    registered = []
+    try:
+        for m in modules:
+            if m is not None and m.__name__ not in cloudpickle.list_registry_pickle_by_value():
+                cloudpickle.register_pickle_by_value(m)
+                registered.append(m)
+        return cloudpickle.dumps(obj)
+    finally:
+        for m in registered:
+            cloudpickle.unregister_pickle_by_value(m)
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}".replace("builtins.", "")
+
+
+def find_unpicklable(named: List[Tuple[str, Any]], modules: List[types.ModuleType]) -> Optional[str]:
+    """Name the first of ``named`` that cannot be pickled, with its type and the reason."""
+    for label, value in named:
+        try:
+            dumps_by_value(value, modules)
+        except Exception as exc:  # cloudpickle raises TypeError, PicklingError, AttributeError...
+            return f"{label} (a {_describe(value)}) cannot be pickled: {exc}"
+    return None
+
+
+def _function_references(fn: Any) -> List[Tuple[str, Any]]:
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    refs = []
+    fn_globals = getattr(fn, "__globals__", {})
+    for name in code.co_names:
+        if name in fn_globals and not isinstance(fn_globals[name], types.ModuleType):
+            refs.append((f"global {name!r} used by {fn.__qualname__}", fn_globals[name]))
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            refs.append((f"variable {name!r} captured by {fn.__qualname__}", cell.cell_contents))
+        except ValueError:
+            pass
+    return refs
+
+
+def function_job(fn: Any, args: tuple, kwargs: dict, use_gpu: bool, all_ranks: bool) -> Job:
+    if not callable(fn):
+        raise TypeError(f"train_object must be a function or a path to a .py file, got {type(fn).__name__}")
+    modules = [_pickled_by_value(getattr(fn, "__module__", None))]
+    try:
+        payload = dumps_by_value((fn, tuple(args), dict(kwargs)), modules)
+    except Exception as exc:
+        named = [(f"argument {i} of run()", a) for i, a in enumerate(args)]
+        named += [(f"keyword argument {k!r} of run()", v) for k, v in kwargs.items()]
+        named += _function_references(fn)
+        culprit = find_unpicklable(named, modules)
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(culprit or f"function {name} cannot be pickled: {exc}") from exc
+    return Job(kind="function", name=getattr(fn, "__qualname__", "function"), payload=payload,
+               use_gpu=use_gpu, all_ranks=all_ranks, sys_path=list(sys.path), cwd=os.getcwd())
+
+
+def script_job(path: str, args: tuple, use_gpu: bool, all_ranks: bool) -> Job:
+    full = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(full):
+        raise ValueError(f"script {path!r} does not exist" + (" (it is a directory)" if os.path.isdir(full) else ""))
+    bad = [a for a in args if not isinstance(a, (str, int, float))]
+    if bad:
+        raise TypeError(f"script arguments must be strings or numbers, got {bad[0]!r}")
+    with open(full, encoding="utf-8") as fh:
+        source = fh.read()
+    return Job(kind="script", name=os.path.basename(full), script_path=full, script_source=source,
+               script_args=[str(a) for a in args], use_gpu=use_gpu, all_ranks=all_ranks,
+               sys_path=list(sys.path), cwd=os.getcwd())

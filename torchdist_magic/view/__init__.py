@@ -1,0 +1,1 @@
+"""Renderers of a ``RunState``: ``text`` (terminals, CI, nbconvert) and ``widget`` (Jupyter)."""

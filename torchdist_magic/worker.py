@@ -1,0 +1,218 @@
+"""The entry point every rank runs, locally or inside a Spark task.
+
+    python -m torchdist_magic.worker JOB_FILE RESULT_DIR
+
+The launcher sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT`` and the channel variables (``TORCHDIST_CHANNEL``,
+``TORCHDIST_SECRET``, ``TORCHDIST_RUN_ID``), reads this process's stdout/stderr, and after it
+exits reads ``RESULT_DIR/result.pkl`` (the rank's value, when it is wanted) or
+``RESULT_DIR/error.json`` (what failed).  The worker imports neither IPython nor ipywidgets.
+"""
+
+from __future__ import annotations
+
+import ast
+import faulthandler
+import json
+import linecache
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+RESULT_FILE = "result.pkl"
+ERROR_FILE = "error.json"
+#: names a cell gets from the run, in place of any notebook value of the same name
+CELL_PROVIDED = ("rank", "local_rank", "world_size", "device", "progress", "report", "is_main")
+
+
+class CellImportError(ImportError):
+    """An import statement replayed from the notebook failed on this rank."""
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit when the launcher dies, so no rank outlives a killed kernel or Spark task."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os._exit(70)
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh)
+    os.replace(tmp, path)
+
+
+def _format_exception(exc: BaseException) -> str:
+    """The traceback without this module's own frames: it starts at the user's code."""
+    te = traceback.TracebackException.from_exception(exc)
+    here = os.path.abspath(__file__)
+    frames = [f for f in te.stack if os.path.abspath(f.filename) != here]
+    te.stack = traceback.StackSummary.from_list(frames)
+    return "".join(te.format())
+
+
+def _run_function(job):
+    import cloudpickle
+
+    fn, args, kwargs = cloudpickle.loads(job.payload)
+    return fn(*args, **kwargs)
+
+
+def _run_script(job):
+    sys.argv = [job.script_path, *job.script_args]
+    sys.path.insert(0, os.path.dirname(job.script_path))
+    source = job.script_source
+    if os.path.isfile(job.script_path):
+        with open(job.script_path, encoding="utf-8") as fh:
+            source = fh.read()
+    namespace = {"__name__": "__main__", "__file__": job.script_path, "__builtins__": __builtins__}
+    exec(compile(source, job.script_path, "exec"), namespace)
+    return None
+
+
+def _cell_namespace(use_gpu: bool) -> dict:
+    from torchdist_magic import runtime
+
+    ns = {"__name__": "__main__", "__builtins__": __builtins__}
+    ns.update(rank=runtime.rank(), local_rank=runtime.local_rank(), world_size=runtime.world_size(),
+              progress=runtime.progress, report=runtime.report, is_main=runtime.is_main())
+    ns["device"] = runtime.device()
+    return ns
+
+
+def _init_process_group(use_gpu: bool) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    if use_gpu and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    return True
+
+
+def _run_cell(job):
+    import cloudpickle
+
+    cell = job.cell
+    ns = _cell_namespace(job.use_gpu)
+    for statement, origin in cell.imports:
+        try:
+            exec(compile(statement, f"<import from {origin}>", "exec"), ns)
+        except Exception as exc:
+            raise CellImportError(
+                f"the notebook import `{statement}` ({origin}) failed on rank "
+                f"{os.environ.get('RANK', '0')} ({socket.gethostname()}): {type(exc).__name__}: {exc}"
+            ) from None
+    if cell.values:
+        ns.update(cloudpickle.loads(cell.values))
+    padded = "\n" * cell.line_offset + cell.source
+    linecache.cache[cell.filename] = (len(padded), None, padded.splitlines(True), cell.filename)
+    tree = ast.parse(padded, cell.filename)
+    last = tree.body[-1] if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    body = ast.Module(body=tree.body[:-1] if last else tree.body, type_ignores=[])
+    ours = _init_process_group(job.use_gpu) if cell.init_process_group else False
+    try:
+        exec(compile(body, cell.filename, "exec"), ns)
+        value = eval(compile(ast.Expression(last.value), cell.filename, "eval"), ns) if last else None
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and (ours or not cell.init_process_group):
+            dist.destroy_process_group()
+    return None if cell.silent else value
+
+
+RUNNERS = {"function": _run_function, "script": _run_script, "cell": _run_cell}
+
+
+def run_job(job, result_dir: str) -> int:
+    """Run ``job`` in this process; write its value or its failure into ``result_dir``."""
+    import cloudpickle
+
+    from torchdist_magic import runtime
+
+    rank = runtime.rank()
+    try:
+        for p in job.sys_path:
+            if p not in sys.path and (p == "" or os.path.isdir(p)):
+                sys.path.append(p)
+        if job.cwd and os.path.isdir(job.cwd):
+            os.chdir(job.cwd)
+        value = RUNNERS[job.kind](job)
+    except SystemExit as exc:
+        code = exc.code
+        if code is None or code == 0:
+            return 0
+        if not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+        _write_json(os.path.join(result_dir, ERROR_FILE), {
+            "exc_type": "SystemExit", "message": f"exit code {code}",
+            "traceback": _format_exception(exc), "time": time.time(), "exit_code": code})
+        return code
+    except BaseException as exc:
+        _write_json(os.path.join(result_dir, ERROR_FILE), {
+            "exc_type": type(exc).__qualname__, "message": str(exc),
+            "traceback": _format_exception(exc), "time": time.time()})
+        return 1
+    if rank == 0 or job.all_ranks:
+        try:
+            data = cloudpickle.dumps(value)
+        except Exception as exc:
+            _write_json(os.path.join(result_dir, ERROR_FILE), {
+                "exc_type": "TypeError",
+                "message": f"the value of rank {rank} (a {type(value).__qualname__}) cannot be pickled: {exc}",
+                "traceback": "", "time": time.time()})
+            return 1
+        tmp = os.path.join(result_dir, RESULT_FILE + ".tmp")
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, os.path.join(result_dir, RESULT_FILE))
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m torchdist_magic.worker JOB_FILE RESULT_DIR", file=sys.stderr)
+        return 2
+    job_file, result_dir = argv
+    faulthandler.enable()
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+
+    import cloudpickle
+
+    from torchdist_magic import channel, runtime
+
+    client = channel.client_from_env()
+    os.environ.pop("TORCHDIST_SECRET", None)
+    runtime._install_sink(client)
+    if client is not None:
+        client.send({"type": "status", "state": "running", "host": socket.gethostname(),
+                     "pid": os.getpid(), "time": time.time()})
+    with open(job_file, "rb") as fh:
+        job = cloudpickle.load(fh)
+    code = run_job(job, result_dir)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if client is not None:
+        client.send({"type": "status", "state": "done" if code == 0 else "failed", "time": time.time()})
+        client.close()
+    return code
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: user threads or a half-closed process group must not hang exit.
+    os._exit(code)
