@@ -202,6 +202,14 @@ class Distributor:
                                      backend=backend, **options)
         self.show = show
 
+    @classmethod
+    def from_options(cls, options: LaunchOptions, show: Optional[str] = "text") -> "Distributor":
+        """A Distributor for an existing ``LaunchOptions`` (what the magic and the panel use)."""
+        self = cls.__new__(cls)
+        self.options = options
+        self.show = show
+        return self
+
     @property
     def num_processes(self) -> int:
         return self.options.num_processes

@@ -1,0 +1,46 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture
+def local_distributor():
+    """``make(num_processes, **options)`` -> a silent local-process Distributor."""
+    from torchdist_magic import Distributor
+
+    def make(num_processes=2, **options):
+        return Distributor(num_processes, local_mode=True, show=None, **options)
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _no_temp_leftovers(tmp_path_factory):
+    """Every test: the run directories it created under the temp dir are gone afterwards."""
+    import glob
+    import tempfile
+
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "torchdist-*")))
+    yield
+    after = set(glob.glob(os.path.join(tempfile.gettempdir(), "torchdist-*")))
+    assert not (after - before), f"temp files left behind: {sorted(after - before)}"
+
+
+#: backends the contract suite runs against; Spark variants are added by the Spark tests' fixtures
+CONTRACT_BACKENDS = [pytest.param("local", id="local")]
+
+
+@pytest.fixture(params=CONTRACT_BACKENDS)
+def dist(request):
+    """``dist(num_processes, **options)`` -> a silent Distributor on the parametrized backend."""
+    from torchdist_magic import Distributor
+
+    kind = request.param
+    if kind == "local":
+        return lambda n=2, **o: Distributor(n, local_mode=True, show=None, **o)
+    session = request.getfixturevalue(f"spark_{kind.replace('-', '_')}")
+    assert session is not None
+    return lambda n=2, **o: Distributor(n, local_mode=False, show=None, **o)

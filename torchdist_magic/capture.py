@@ -1,0 +1,286 @@
+"""Cell -> Job: what makes a notebook cell runnable on every rank without refactoring.
+
+``capture_cell`` reads the cell's AST and its scopes, finds the names it takes from the
+notebook, replays the notebook's import statements (from history) and sends every other value
+it uses by value with cloudpickle.  Names the cell assigns before using are not sent, and
+nothing the cell does not use is sent.  It launches nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import symtable
+import tokenize
+import types
+import warnings
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+from .job import CellCode, _describe
+from .worker import CELL_PROVIDED
+
+#: notebook names that never travel (IPython's own machinery)
+NOT_SENT = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_ih", "_oh", "_dh"}
+DEFAULT_WARN_BYTES = 100 * 1024 * 1024
+
+
+class CaptureError(ValueError):
+    """The cell cannot be turned into a job (syntax error, unpicklable value...)."""
+
+
+@dataclass
+class Capture:
+    cell: CellCode
+    payload_bytes: int
+    sizes: Dict[str, int]
+
+
+def _position(node: ast.AST) -> Tuple[int, int]:
+    return (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
+
+
+class _TopLevelOrder(ast.NodeVisitor):
+    """First load and first store of each name in the cell's own (module) scope.
+
+    Bodies of functions, lambdas and classes run later (or in their own scope), so a name they
+    read is "used later": it is local to the cell when the cell binds it anywhere at top level.
+    """
+
+    def __init__(self) -> None:
+        self.first_load: Dict[str, Tuple[int, int]] = {}
+        self.first_store: Dict[str, Tuple[int, int]] = {}
+
+    def _load(self, name: str, node: ast.AST) -> None:
+        self.first_load.setdefault(name, _position(node))
+
+    def _store(self, name: str, node: ast.AST) -> None:
+        self.first_store.setdefault(name, _position(node))
+
+    def visit_Name(self, node: ast.Name) -> None:
+        (self._load if isinstance(node.ctx, ast.Load) else self._store)(node.id, node)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        self.visit(node.value)
+        if isinstance(node.target, ast.Name):
+            self._load(node.target.id, node.target)
+            self._store(node.target.id, node.target)
+        else:
+            self.visit(node.target)
+
+    def _deferred(self, node, name: Optional[str]) -> None:
+        for deco in getattr(node, "decorator_list", []):
+            self.visit(deco)
+        args = getattr(node, "args", None)
+        if isinstance(args, ast.arguments):
+            for default in args.defaults + [d for d in args.kw_defaults if d is not None]:
+                self.visit(default)
+        for base in getattr(node, "bases", []):
+            self.visit(base)
+        if name:
+            self._store(name, node)
+
+    def visit_FunctionDef(self, node) -> None:
+        self._deferred(node, node.name)
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_ClassDef(self, node) -> None:
+        self._deferred(node, node.name)
+
+    def visit_Lambda(self, node) -> None:
+        self._deferred(node, None)
+
+    def visit_Import(self, node) -> None:
+        for alias in node.names:
+            self._store((alias.asname or alias.name).split(".")[0], node)
+
+    visit_ImportFrom = visit_Import
+
+    def visit_ExceptHandler(self, node) -> None:
+        if node.name:
+            self._store(node.name, node)
+        self.generic_visit(node)
+
+
+def _needed_names(tree_source: str, filename: str) -> Set[str]:
+    """Every global name the cell or anything defined in it reads."""
+    table = symtable.symtable(tree_source, filename, "exec")
+    names = {s.get_name() for s in table.get_symbols() if s.is_referenced()}
+
+    def walk(t) -> None:
+        for child in t.get_children():
+            names.update(s.get_name() for s in child.get_symbols()
+                         if s.is_global() and s.is_referenced())
+            walk(child)
+
+    walk(table)
+    return names
+
+
+def free_names(source: str, filename: str = "<cell>") -> List[str]:
+    """Names the cell reads from outside itself, in a stable order.
+
+    A name the cell binds at top level before it first reads it (or reads only inside
+    functions/classes it defines) is the cell's own and is not listed.
+    """
+    tree = ast.parse(source, filename)
+    order = _TopLevelOrder()
+    for stmt in tree.body:
+        order.visit(stmt)
+    needed = _needed_names(source, filename)
+    out = []
+    for name in sorted(needed):
+        store = order.first_store.get(name)
+        load = order.first_load.get(name)
+        if store is not None and (load is None or store < load):
+            continue
+        out.append(name)
+    return out
+
+
+def _import_names(node: ast.AST) -> List[str]:
+    """Names an import statement binds (``import a.b`` binds ``a``)."""
+    if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
+        return []
+    return [(a.asname or a.name).split(".")[0] if isinstance(node, ast.Import) else (a.asname or a.name)
+            for a in node.names]
+
+
+def notebook_imports(history: Iterable[str], namespace: dict) -> List[Tuple[str, str]]:
+    """Top-level import statements from earlier cells that ran successfully, in order, once each.
+
+    An import whose bound names are not in the namespace (it failed, or was deleted) is left out.
+    """
+    seen: Set[str] = set()
+    out: List[Tuple[str, str]] = []
+    for index, source in enumerate(history):
+        if not source or ("import" not in source):
+            continue
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.ImportFrom) and (node.level or node.module == "__future__"):
+                continue
+            names = _import_names(node)
+            if any(n not in namespace for n in names):
+                continue
+            statement = ast.unparse(node)
+            if statement not in seen:
+                seen.add(statement)
+                out.append((statement, f"In[{index}]"))
+    return out
+
+
+def _module_import(name: str, module: types.ModuleType) -> Optional[str]:
+    modname = getattr(module, "__name__", None)
+    if not modname or modname == "__main__":
+        return None
+    return f"import {modname}" if modname == name else f"import {modname} as {name}"
+
+
+def _bound_by(statements: Sequence[Tuple[str, str]]) -> Set[str]:
+    bound: Set[str] = set()
+    for statement, _ in statements:
+        for node in ast.parse(statement).body:
+            bound.update(_import_names(node))
+    return bound
+
+
+def _ends_with_semicolon(source: str) -> bool:
+    last = None
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type not in (tokenize.NEWLINE, tokenize.NL, tokenize.COMMENT, tokenize.ENDMARKER,
+                                tokenize.DEDENT, tokenize.INDENT):
+                last = tok
+    except (tokenize.TokenError, SyntaxError):
+        return False
+    return last is not None and last.type == tokenize.OP and last.string == ";"
+
+
+def _calls_init_process_group(tree: ast.AST) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if name == "init_process_group":
+                return True
+    return False
+
+
+def capture_cell(source: str, namespace: dict, history: Iterable[str] = (), *,
+                 filename: str = "<torchdist cell>", line_offset: int = 1,
+                 warn_bytes: int = DEFAULT_WARN_BYTES) -> Capture:
+    """Turn a cell into a self-contained ``CellCode``; nothing is launched.
+
+    ``line_offset`` is how many notebook lines precede the cell body (1 for the ``%%torchdist``
+    line), so line numbers in errors and tracebacks are the notebook's.
+    """
+    import cloudpickle
+
+    padded = "\n" * line_offset + source
+    try:
+        tree = ast.parse(padded, filename)
+    except SyntaxError as exc:
+        raise CaptureError(_syntax_message(exc)) from None
+    history = list(history)
+    imports = notebook_imports(history, namespace)
+    imported = _bound_by(imports)
+    values: Dict[str, object] = {}
+    for name in free_names(padded, filename):
+        if name in CELL_PROVIDED or name in NOT_SENT or name not in namespace:
+            continue
+        value = namespace[name]
+        if isinstance(value, types.ModuleType):
+            if name not in imported:
+                statement = _module_import(name, value)
+                if statement:
+                    imports.append((statement, f"the notebook's {name!r}"))
+            continue
+        if name in imported:
+            continue
+        values[name] = value
+    try:
+        blob = cloudpickle.dumps(values) if values else b""
+    except Exception as exc:
+        raise CaptureError(_unpicklable_message(values, exc)) from None
+    sizes: Dict[str, int] = {}
+    if len(blob) > warn_bytes:
+        sizes = {k: len(cloudpickle.dumps(v)) for k, v in values.items()}
+        largest = sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+        warnings.warn(
+            f"the cell sends {len(blob) / 2**20:.0f} MB of notebook values to every rank; largest: "
+            + ", ".join(f"{k} ({v / 2**20:.0f} MB)" for k, v in largest)
+            + ". Load large data inside the cell (per rank) instead.", stacklevel=3)
+    cell = CellCode(source=source, filename=filename, imports=imports, values=blob,
+                    value_names=sorted(values), init_process_group=not _calls_init_process_group(tree),
+                    line_offset=line_offset, silent=_ends_with_semicolon(source))
+    return Capture(cell=cell, payload_bytes=len(blob), sizes=sizes)
+
+
+def _syntax_message(exc: SyntaxError) -> str:
+    text = (exc.text or "").rstrip("\n")
+    lines = [f"SyntaxError in the cell, line {exc.lineno}: {exc.msg}"]
+    if text:
+        lines.append(f"    {text.strip()}")
+        if exc.offset:
+            indent = len(text) - len(text.lstrip())
+            lines.append("    " + " " * max(exc.offset - 1 - indent, 0) + "^")
+    return "\n".join(lines)
+
+
+def _unpicklable_message(values: Dict[str, object], exc: Exception) -> str:
+    import cloudpickle
+
+    for name, value in values.items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception as inner:
+            return (f"the cell uses {name!r} (a {_describe(value)}) from the notebook, which cannot be "
+                    f"sent to the ranks: {inner}. Create it inside the cell instead.")
+    return f"the cell's notebook values cannot be sent to the ranks: {exc}"
