@@ -18,15 +18,16 @@ def local_distributor():
 
 
 @pytest.fixture(autouse=True)
-def _no_temp_leftovers(tmp_path_factory):
-    """Every test: the run directories it created under the temp dir are gone afterwards."""
-    import glob
+def _no_temp_leftovers(tmp_path, monkeypatch):
+    """Every test gets its own temp dir for run directories, which must be empty afterwards."""
     import tempfile
 
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "torchdist-*")))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     yield
-    after = set(glob.glob(os.path.join(tempfile.gettempdir(), "torchdist-*")))
-    assert not (after - before), f"temp files left behind: {sorted(after - before)}"
+    left = sorted(p.name for p in scratch.iterdir())
+    assert not left, f"temp files left behind: {left}"
 
 
 #: backends the contract suite runs against; Spark variants are added by the Spark tests' fixtures

@@ -3,7 +3,7 @@
 Wire format: every frame is a 4-byte big-endian length and a UTF-8 JSON object.  Nothing
 read from a socket is ever unpickled.  A connection starts with a challenge: the server
 sends ``{"nonce": ...}``, the client answers with ``HMAC-SHA256(secret, nonce)``, its run id
-and rank; a wrong answer closes the connection.  After that each frame is
+and rank; the server acknowledges with ``{"ok": true}`` or closes the connection.  After that each frame is
 ``{"events": [...]}``.  A malformed or oversized frame closes that one connection; the server
 keeps serving the others.
 
@@ -127,6 +127,7 @@ class ChannelServer:
         rank = hello.get("rank")
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise FrameError("hello without a rank")
+        write_frame(conn, {"ok": True})
         conn.settimeout(None)
         return rank
 
@@ -201,6 +202,10 @@ class ChannelClient:
         sock = socket.create_connection(self._addr, timeout=HANDSHAKE_TIMEOUT)
         nonce = read_frame(sock)["nonce"]
         write_frame(sock, {"mac": _mac(self._secret, nonce), "run_id": self._run_id, "rank": self._rank})
+        try:
+            read_frame(sock)
+        except EOFError:
+            raise PermissionError("the driver refused this rank's credentials") from None
         sock.settimeout(None)
         return sock
 
@@ -228,7 +233,7 @@ class ChannelClient:
             if self._sock is None:
                 self._sock = self._connect()
             write_frame(self._sock, {"events": events})
-        except (OSError, EOFError, FrameError, KeyError) as exc:
+        except (OSError, EOFError, FrameError, KeyError, PermissionError) as exc:
             self._broken = True
             print(f"torchdist_magic: event channel to the driver lost ({exc}); "
                   "progress and metrics of this rank will not be shown", file=sys.__stderr__)

@@ -9,8 +9,10 @@ Unlike TorchDistributor it always returns rank 0's value, turns any rank's failu
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
+import sys
 import threading
 import time
 import uuid
@@ -38,7 +40,9 @@ def last_run() -> Optional["Run"]:
 def build_job(train_object: Any, args: tuple, kwargs: dict, options: LaunchOptions) -> Job:
     """A ``Job`` from a function or a script path; bad input raises before anything starts."""
     if isinstance(train_object, Job):
-        return train_object
+        return dataclasses.replace(train_object, use_gpu=options.use_gpu, all_ranks=options.all_ranks,
+                                   sys_path=train_object.sys_path or list(sys.path),
+                                   cwd=train_object.cwd or os.getcwd())
     if isinstance(train_object, (str, os.PathLike)):
         if kwargs:
             raise TypeError("keyword arguments cannot be passed to a script; give them as "

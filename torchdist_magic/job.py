@@ -126,7 +126,7 @@ def function_job(fn: Any, args: tuple, kwargs: dict, use_gpu: bool, all_ranks: b
         culprit = find_unpicklable(named, modules)
         name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(culprit or f"function {name} cannot be pickled: {exc}") from exc
-    return Job(kind="function", name=getattr(fn, "__qualname__", "function"), payload=payload,
+    return Job(kind="function", name=getattr(fn, "__name__", "function"), payload=payload,
                use_gpu=use_gpu, all_ranks=all_ranks, sys_path=list(sys.path), cwd=os.getcwd())
 
 

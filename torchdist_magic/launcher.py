@@ -149,8 +149,7 @@ class RankProcess:
         event = {"type": "exit", "rank": self.rank, "code": code, "time": when,
                  "host": self.host, "stopped": self.stopping and code != 0}
         if code != 0:
-            failure = read_failure(self.result_dir) or {}
-            failure.pop("time", None)
+            failure = read_failure(self.result_dir) or {}  # its "time" is when the exception was caught
             failure.setdefault("exc_type", "")
             failure.setdefault("message", "")
             failure["exit_code"] = failure.get("exit_code", code) if code > 0 else code

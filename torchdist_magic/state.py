@@ -13,6 +13,7 @@ Events are plain dicts (they may have crossed the channel as JSON):
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,15 @@ from .errors import FailureInfo
 RANK_STATES = ("starting", "running", "done", "failed", "cancelled")
 RUN_STATES = ("starting", "running", "succeeded", "failed", "cancelled", "timed out")
 MAX_POINTS = 10_000
+#: what a rank raises when a *peer* died: never the root cause while another failure is known
+COLLATERAL = re.compile(
+    r"Connection closed by peer|Connection reset by peer|remote worker crashing|Broken pipe"
+    r"|NCCL communicator was aborted|ProcessGroupNCCL.*(watchdog|abort)|recvBytes|sendBytes"
+    r"|failed to recv, got 0 bytes|The server socket has failed")
+
+
+def is_collateral(failure: FailureInfo) -> bool:
+    return bool(failure.exc_type) and bool(COLLATERAL.search(failure.message))
 
 
 @dataclass
@@ -124,7 +134,7 @@ class RunState:
             points = rs.history.setdefault(name, [])
             points.append((int(step) if isinstance(step, int) else len(points) + 1, float(value)))
             if len(points) > MAX_POINTS:
-                del points[::2]  # halve the resolution, keep the shape of the curve
+                del points[-2::-2]  # halve the resolution; keep the first and newest points
 
     def _on_exit(self, rs: RankState, e: dict) -> None:
         if rs.state in ("done", "failed", "cancelled") and rs.exit_code is not None:
@@ -184,10 +194,11 @@ class RunState:
         return (self.ended or time.time()) - self.started
 
     def failures(self) -> List[FailureInfo]:
-        """Failed ranks, earliest first: the first one is the root cause."""
+        """Failed ranks, root cause first: the earliest failure that is not merely a peer
+        noticing that another rank went away (clocks of different hosts may disagree)."""
         with self._lock:
             found = [rs.failure for rs in self.ranks if rs.failure is not None]
-        return sorted(found, key=lambda f: (f.time, f.rank))
+        return sorted(found, key=lambda f: (is_collateral(f), f.time, f.rank))
 
     def all_exited_ok(self) -> bool:
         with self._lock:

@@ -120,14 +120,18 @@ def _run_cell(job):
     last = tree.body[-1] if tree.body and isinstance(tree.body[-1], ast.Expr) else None
     body = ast.Module(body=tree.body[:-1] if last else tree.body, type_ignores=[])
     ours = _init_process_group(job.use_gpu) if cell.init_process_group else False
-    try:
-        exec(compile(body, cell.filename, "exec"), ns)
-        value = eval(compile(ast.Expression(last.value), cell.filename, "eval"), ns) if last else None
-    finally:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        if dist.is_initialized() and (ours or not cell.init_process_group):
-            dist.destroy_process_group()
+    exec(compile(body, cell.filename, "exec"), ns)
+    value = eval(compile(ast.Expression(last.value), cell.filename, "eval"), ns) if last else None
+    # Only on success: a failing rank exits with its group intact, so that its peers see the
+    # connection drop after its own failure was recorded, never before (root-cause order).
+    if dist.is_initialized():
+        if ours:
+            # a rank that finishes first must not tear down the group while a peer still
+            # connects to it (gloo closes the mesh under the slower rank)
+            dist.barrier()
+        dist.destroy_process_group()
     return None if cell.silent else value
 
 

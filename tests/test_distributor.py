@@ -1,0 +1,302 @@
+"""Python API and local backend: inputs, environment, scripts, logs, pickling by value."""
+
+import importlib
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from helpers import alive, assert_no_survivors
+from torchdist_magic import Distributor, RankFailure, last_run
+
+
+def env_of_rank(names):
+    return {n: os.environ.get(n) for n in names}
+
+
+RANK_VARS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "OMP_NUM_THREADS", "MY_SETTING", "TORCHDIST_SECRET"]
+
+
+def test_rank_environment(local_distributor):
+    run = local_distributor(2, all_ranks=True, env={"MY_SETTING": "42"}).submit(env_of_rank, RANK_VARS)
+    envs = run.result(timeout=60)
+    cores = len(os.sched_getaffinity(0))
+    for r, env in enumerate(envs):
+        assert env["RANK"] == env["LOCAL_RANK"] == str(r)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert 1024 < int(env["MASTER_PORT"]) < 65536
+        assert env["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+        assert env["MY_SETTING"] == "42"
+        assert env["TORCHDIST_SECRET"] is None  # the channel secret is not left for user code
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
+    assert_no_survivors(run)
+
+
+def test_user_omp_threads_kept(local_distributor):
+    value = local_distributor(1, env=["OMP_NUM_THREADS=7"]).run(env_of_rank, ["OMP_NUM_THREADS"])
+    assert value == {"OMP_NUM_THREADS": "7"}
+
+
+def all_reduce_sum():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.item()
+
+
+def test_process_group_on_reserved_port(local_distributor):
+    run = local_distributor(2).submit(all_reduce_sum)
+    assert run.result(timeout=120) == 3.0
+    assert_no_survivors(run)
+
+
+def print_lines(n):
+    from torchdist_magic import rank
+
+    for i in range(n):
+        print(f"r{rank()} line {i}")
+    return n
+
+
+def test_ten_thousand_lines_per_rank_all_arrive_in_order(local_distributor):
+    run = local_distributor(2).submit(print_lines, 10_000)
+    assert run.result(timeout=120) == 10_000
+    for r in range(2):
+        lines = run.logs(r).splitlines()
+        assert lines == [f"r{r} line {i}" for i in range(10_000)]
+    assert_no_survivors(run)
+
+
+def carriage_returns():
+    sys.stdout.write("step 1\rstep 2\rstep 3\r\ndone\n")
+    sys.stderr.write("warned\n")
+
+
+def test_cr_lines_are_lines_with_their_stream(local_distributor):
+    run = local_distributor(1).submit(carriage_returns)
+    run.result(timeout=60)
+    logs = run.state.ranks[0].logs
+    assert [(l.text, l.cr) for l in logs if l.stream == "stdout"] == [
+        ("step 1", True), ("step 2", True), ("step 3", False), ("done", False)]
+    assert [l.text for l in logs if l.stream == "stderr"] == ["warned"]
+    assert run.logs(0).count("\r") == 2
+    with pytest.raises(IndexError):
+        run.logs(5)
+
+
+def test_text_view_prefixes_and_summary(capsys):
+    def shout():
+        print("hello")
+        return 1
+
+    assert Distributor(2, show="text").run(shout) == 1
+    out = capsys.readouterr().out
+    assert "[rank 0] hello" in out and "[rank 1] hello" in out
+    assert "torchdist: run shout on local processes" in out
+    assert "torchdist: succeeded" in out and "rank 1  done" in out
+
+
+# -- scripts ---------------------------------------------------------------------------------
+SCRIPT = """
+import os, sys
+from helper_mod import double
+print("args", sys.argv[1:], "rank", os.environ["RANK"], "double", double(21))
+if "--fail" in sys.argv and os.environ["RANK"] == "1":
+    sys.exit(7)
+"""
+
+
+def test_script_runs_with_args(local_distributor, tmp_path):
+    (tmp_path / "helper_mod.py").write_text("def double(x):\n    return 2 * x\n")
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    run = local_distributor(2).submit(str(script), "--lr", 0.1)
+    assert run.result(timeout=60) is None
+    assert "args ['--lr', '0.1'] rank 1 double 42" in run.logs(1)
+    assert_no_survivors(run)
+
+
+def test_script_exit_code_fails_the_run(local_distributor, tmp_path):
+    (tmp_path / "helper_mod.py").write_text("def double(x):\n    return 2 * x\n")
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    with pytest.raises(RankFailure) as info:
+        local_distributor(2).run(str(script), "--fail")
+    assert info.value.rank == 1 and info.value.exit_code == 7
+    assert "rank 1 on" in str(info.value) and "SystemExit: exit code 7" in str(info.value)
+
+
+# -- bad input: clear errors before anything starts ------------------------------------------
+@pytest.mark.parametrize("n,error,text", [
+    (0, ValueError, "num_processes must be at least 1, got 0"),
+    (-2, ValueError, "num_processes must be at least 1, got -2"),
+    ("2", TypeError, "num_processes must be an int, got str '2'"),
+    (2.0, TypeError, "num_processes must be an int, got float 2.0"),
+    (True, TypeError, "num_processes must be an int, got bool True"),
+])
+def test_bad_num_processes(n, error, text):
+    with pytest.raises(error, match="^" + text.replace("(", r"\(").replace(")", r"\)") + "$"):
+        Distributor(n)
+
+
+@pytest.mark.parametrize("env,text", [
+    (["NOEQUALS"], "env entry 'NOEQUALS' is not of the form KEY=VALUE"),
+    (["1BAD=x"], "env name '1BAD' is not a valid environment variable name"),
+    ({"A": None}, "env value for A must be a string or number, got NoneType"),
+    ({"A": "x\x00y"}, "env value for A contains a NUL byte"),
+    (42, "env must be a dict or a list of 'KEY=VALUE' strings, got int"),
+])
+def test_bad_env(env, text):
+    with pytest.raises((ValueError, TypeError), match=text.replace("(", r"\(")):
+        Distributor(1, env=env)
+
+
+@pytest.mark.parametrize("kwargs,text", [
+    ({"timeout": 0}, "timeout must be a positive number of seconds, got 0"),
+    ({"timeout": "10"}, "timeout must be a number of seconds, got '10'"),
+    ({"backend": "yarn"}, "backend must be one of auto, local, spark; got 'yarn'"),
+    ({"use_gpu": "yes"}, "use_gpu must be True or False, got 'yes'"),
+    ({"all_ranks": 1}, "all_ranks must be True or False, got 1"),
+    ({"nprocs": 2}, "unknown option(s): nprocs"),
+    ({"show": "widget"}, "show must be 'text' or None, got 'widget'"),
+    ({"backend": "local", "local_mode": False}, "give either local_mode or backend, not both"),
+])
+def test_bad_options(kwargs, text):
+    with pytest.raises((ValueError, TypeError), match=text.replace("(", r"\(").replace(")", r"\)")):
+        Distributor(1, **kwargs)
+
+
+def test_missing_script(local_distributor, tmp_path):
+    with pytest.raises(ValueError, match="script '.*nope.py' does not exist"):
+        local_distributor(1).run(str(tmp_path / "nope.py"))
+    with pytest.raises(ValueError, match=r"\(it is a directory\)"):
+        local_distributor(1).run(str(tmp_path))
+
+
+def test_script_with_keyword_arguments(local_distributor, tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("")
+    with pytest.raises(TypeError, match="keyword arguments cannot be passed to a script"):
+        local_distributor(1).run(str(script), lr=0.1)
+    with pytest.raises(TypeError, match="script arguments must be strings or numbers, got \\[1\\]"):
+        local_distributor(1).run(str(script), [1])
+
+
+def test_not_callable(local_distributor):
+    with pytest.raises(TypeError, match="train_object must be a function or a path to a .py file, got int"):
+        local_distributor(1).run(42)
+
+
+def test_unpicklable_argument_is_named(local_distributor):
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match=r"argument 1 of run\(\) \(a _thread.lock\) cannot be pickled"):
+        local_distributor(1).run(print, "ok", lock)
+    with pytest.raises(TypeError, match=r"keyword argument 'guard' of run\(\) \(a _thread.lock\)"):
+        local_distributor(1).run(print, guard=lock)
+
+
+def test_unpicklable_closure_is_named(local_distributor):
+    lock = threading.Lock()
+
+    def train():
+        with lock:
+            return 1
+
+    with pytest.raises(TypeError, match=r"variable 'lock' captured by .*train \(a _thread.lock\) cannot be pickled"):
+        local_distributor(1).run(train)
+
+
+def unpicklable_result():
+    return threading.Lock()
+
+
+def test_unpicklable_result_is_a_rank_failure(local_distributor):
+    with pytest.raises(RankFailure, match=r"the value of rank 0 \(a lock\) cannot be pickled"):
+        local_distributor(1).run(unpicklable_result)
+
+
+# -- a function from a module the workers cannot import by name ------------------------------
+def test_function_from_unimportable_module_travels_by_value(local_distributor, tmp_path, monkeypatch):
+    (tmp_path / "my_training_helpers.py").write_text(textwrap.dedent("""
+        FACTOR = 3
+        def scale(x):
+            return x * FACTOR
+        def train(x):
+            from torchdist_magic import rank
+            return scale(x) + rank()
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("my_training_helpers")
+    os.remove(tmp_path / "my_training_helpers.py")  # workers cannot import it by name now
+    try:
+        run = local_distributor(2, all_ranks=True).submit(module.train, 5)
+        assert run.result(timeout=60) == [15, 16]
+    finally:
+        sys.modules.pop("my_training_helpers", None)
+
+
+# -- grandchildren, Ctrl-C, last_run ---------------------------------------------------------
+def spawn_grandchild_and_fail():
+    import subprocess
+
+    from torchdist_magic import rank
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(f"grandchild {child.pid}", flush=True)
+    if rank() == 1:
+        time.sleep(0.5)
+        raise RuntimeError("after spawning")
+    time.sleep(600)
+
+
+def test_no_grandchild_survives(local_distributor):
+    run = local_distributor(2).submit(spawn_grandchild_and_fail)
+    with pytest.raises(RankFailure, match="after spawning"):
+        run.result(timeout=60)
+    pids = [int(line.split()[1]) for r in range(2) for line in run.logs(r).splitlines()
+            if line.startswith("grandchild")]
+    assert len(pids) == 2
+    assert_no_survivors(run, extra_pids=pids)
+
+
+def test_keyboard_interrupt_stops_every_rank():
+    def sleepy():
+        print("started", flush=True)
+        time.sleep(600)
+
+    previous = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.setitimer(signal.ITIMER_REAL, 2.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Distributor(2, show=None).run(sleepy)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    run = last_run()
+    assert run.done() and run.state.state == "cancelled"
+    assert all(not alive(rs.pid) for rs in run.state.ranks if rs.pid)
+    assert_no_survivors(run)
+
+
+def test_result_wait_timeout_leaves_run_going(local_distributor):
+    def slow():
+        time.sleep(600)
+
+    run = local_distributor(1).submit(slow)
+    with pytest.raises(TimeoutError, match="the run is still going after waiting 0.2 s"):
+        run.result(timeout=0.2)
+    assert not run.done()
+    run.cancel()
+    run.wait(30)
+    assert_no_survivors(run)
+    assert "cancelled" in repr(run)

@@ -1,0 +1,286 @@
+"""%%torchdist through a real IPython shell, with real worker processes."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from helpers import assert_no_survivors
+from torchdist_magic import RankFailure, last_run
+
+
+@pytest.fixture(scope="module")
+def ip():
+    from IPython.testing.globalipapp import start_ipython
+
+    shell = start_ipython()
+    shell.run_line_magic("load_ext", "torchdist_magic")
+    shell.run_line_magic("config", "TorchdistMagics.view = 'text'")
+    yield shell
+    shell.run_line_magic("unload_ext", "torchdist_magic")
+
+
+def cell(ip, source):
+    """Run a cell; return (result, captured stdout+stderr)."""
+    return ip.run_cell(textwrap.dedent(source).strip("\n"), store_history=True)
+
+
+def test_load_is_light():
+    code = ("import sys, time; from IPython.testing.globalipapp import start_ipython; ip = start_ipython(); "
+            "t = time.perf_counter(); ip.run_line_magic('load_ext', 'torchdist_magic'); "
+            "print(sorted(m for m in ('torch', 'pyspark', 'ipywidgets', 'cloudpickle') if m in sys.modules)); "
+            "print('torchdist' in ip.magics_manager.magics['cell'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["[]", "True"]
+
+
+def test_notebook_imports_classes_and_helpers(ip):
+    cell(ip, """
+        import numpy as np
+        import torch
+        from torch import nn as tnn
+        import torch.nn.functional as F
+        from collections import OrderedDict as OD
+        SCALE = 3
+        class Net(tnn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = tnn.Linear(4, 2)
+            def forward(self, x):
+                return F.relu(self.fc(x))
+        def helper(x):
+            return x * SCALE
+    """)
+    result = cell(ip, """
+        %%torchdist --np 2
+        net = Net()
+        out = net(torch.ones(1, 4))
+        (helper(rank), np.arange(3).sum().item(), list(OD(a=1)), tuple(out.shape), world_size)
+    """)
+    assert result.error_in_exec is None
+    assert result.result == (0, 3, ["a"], (1, 2), 2)
+    assert ip.user_ns["Out"][result.execution_count] == result.result
+    assert_no_survivors(last_run())
+
+
+def test_captured_values_are_only_what_the_cell_uses(ip):
+    from torchdist_magic.capture import capture_cell
+
+    ns = {"used": 1, "unused": 2, "later": 3, "np": __import__("numpy"), "f": len}
+    cap = capture_cell("x = used + 1\nlater = 5\nprint(later, f(x), np.pi)\n", ns, [])
+    assert cap.cell.value_names == ["f", "used"]
+    assert ("import numpy as np", "the notebook's 'np'") in cap.cell.imports
+
+
+def test_databricks_seed_code_unchanged(ip):
+    result = cell(ip, """
+        %%torchdist --np 2
+        import torch
+        import torch.distributed as dist
+        import torch.nn as nn
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+        dist.init_process_group("gloo")
+        torch.manual_seed(0)
+        data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+        sampler = DistributedSampler(data)
+        loader = DataLoader(data, batch_size=8, sampler=sampler)
+        model = DDP(nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for x, y in loader:
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+        state = {k: v.clone() for k, v in model.module.state_dict().items()}
+        dist.destroy_process_group()
+        sorted(state)
+    """)
+    assert result.error_in_exec is None
+    assert result.result == ["bias", "weight"]
+
+
+def test_cell_defines_and_uses_its_own_function_and_class(ip):
+    result = cell(ip, """
+        %%torchdist --np 2
+        import torch.distributed as dist
+        class Acc:
+            def __init__(self):
+                self.total = 0
+        def square(v):
+            return v * v
+        acc = Acc()
+        for i in progress(range(4), desc="steps"):
+            acc.total += square(i)
+            report(total=acc.total)
+        t = torch.tensor([float(acc.total)])
+        dist.all_reduce(t)
+        t.item()
+    """)
+    assert result.error_in_exec is None
+    assert result.result == 28.0
+    state = last_run().state
+    assert state.ranks[1].current_progress()["n"] == 4
+    assert state.ranks[0].metrics["total"] == 14.0
+
+
+def test_out_variable_and_semicolon(ip):
+    result = cell(ip, """
+        %%torchdist --np 2 --out weights
+        {"rank": rank}
+    """)
+    assert result.result is None and ip.user_ns["weights"] == {"rank": 0}
+    result = cell(ip, """
+        %%torchdist --np 1
+        41 + 1;
+    """)
+    assert result.error_in_exec is None and result.result is None
+
+
+def test_all_ranks(ip):
+    result = cell(ip, """
+        %%torchdist --np 2 --all-ranks
+        rank * 10
+    """)
+    assert result.result == [0, 10]
+
+
+def test_env_flag_and_config_default(ip):
+    ip.run_line_magic("config", "TorchdistMagics.default_np = 2")
+    try:
+        result = cell(ip, """
+            %%torchdist --env MODE=fast --env DEPTH=3
+            import os
+            (world_size, os.environ["MODE"], os.environ["DEPTH"])
+        """)
+    finally:
+        ip.run_line_magic("config", "TorchdistMagics.default_np = 1")
+    assert result.result == (2, "fast", "3")
+
+
+def test_failing_rank_shows_cell_line(ip, capsys):
+    result = cell(ip, """
+        %%torchdist --np 2
+        x = 1
+        if rank == 1:
+            raise ValueError("bad shard")
+        x
+    """)
+    err = result.error_in_exec
+    assert isinstance(err, RankFailure) and err.rank == 1
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert f'File "<torchdist cell In[{result.execution_count}]>", line 4, in <module>' in text
+    assert 'raise ValueError("bad shard")' in text
+    assert "RankFailure: rank 1 on" in text and "raised ValueError: bad shard" in text
+    assert_no_survivors(last_run())
+    assert cell(ip, "1 + 1").result == 2  # the kernel stays usable
+
+
+@pytest.mark.parametrize("source,expected", [
+    ("%%torchdist --np 0\n1", "UsageError: num_processes must be at least 1, got 0"),
+    ("%%torchdist --np x\n1", "UsageError: argument --np: invalid int value: 'x'"),
+    ("%%torchdist --bogus\n1", "UsageError: unrecognized arguments: --bogus"),
+    ("%%torchdist --backend yarn\n1", "UsageError: argument --backend: invalid choice: 'yarn'"),
+    ("%%torchdist --timeout -1\n1", "UsageError: timeout must be a positive number of seconds, got -1.0"),
+    ("%%torchdist --env NOVALUE\n1", "UsageError: env entry 'NOVALUE' is not of the form KEY=VALUE"),
+    ("%%torchdist --out 1x\n1", "UsageError: --out needs a variable name, got '1x'"),
+    ("%%torchdist script.py\n1", "UsageError: unexpected argument 'script.py': %%torchdist takes only flags"),
+    ("%%torchdist\n\n", "UsageError: the %%torchdist cell is empty"),
+    ("%torchdist --np 2", "UsageError: %torchdist needs a script"),
+    ("%torchdist missing_script.py", "UsageError: script 'missing_script.py' does not exist"),
+    ("%%torchdist --np 2\nx = (1,\ny = 2", "UsageError: SyntaxError in the cell, line 2: '(' was never closed"),
+])
+def test_usage_errors_without_traceback(ip, capsys, source, expected):
+    result = ip.run_cell(source)
+    assert result.error_in_exec is not None or result.error_before_exec is not None
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert expected in text
+    assert "Traceback" not in text
+
+
+def test_unpicklable_global_named(ip, capsys):
+    cell(ip, "import threading\nguard = threading.Lock()")
+    cell(ip, """
+        %%torchdist --np 2
+        with guard:
+            pass
+    """)
+    text = "".join(capsys.readouterr())
+    assert "UsageError: the cell uses 'guard' (a _thread.lock) from the notebook, which cannot be sent" in text
+    assert "Traceback" not in text
+
+
+def test_large_payload_warns_with_names(ip):
+    cell(ip, "big = b'x' * (3 * 2**20)\nsmall = 1")
+    ip.run_line_magic("config", "TorchdistMagics.payload_warning_mb = 1.0")
+    try:
+        with pytest.warns(UserWarning, match=r"the cell sends 3 MB of notebook values to every rank; largest: big \(3 MB\)"):
+            result = cell(ip, "%%torchdist\nlen(big) + small")
+    finally:
+        ip.run_line_magic("config", "TorchdistMagics.payload_warning_mb = 100.0")
+    assert result.result == 3 * 2**20 + 1
+
+
+def test_import_failing_on_worker_names_the_statement(ip, tmp_path, capsys):
+    (tmp_path / "only_on_driver.py").write_text("VALUE = 1\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        cell(ip, "import only_on_driver as odd")
+        os.remove(tmp_path / "only_on_driver.py")
+        result = cell(ip, "%%torchdist\nodd.VALUE")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("only_on_driver", None)
+        ip.user_ns.pop("odd", None)
+    assert isinstance(result.error_in_exec, RankFailure)
+    assert result.error_in_exec.exc_type == "CellImportError"
+    assert "the notebook import `import only_on_driver as odd`" in result.error_in_exec.message
+    assert "ModuleNotFoundError" in result.error_in_exec.message
+
+
+def test_line_form_runs_a_script(ip, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import sys, os\nprint('script', os.environ['RANK'], sys.argv[1:])\n")
+    result = cell(ip, f"%torchdist --np 2 {script} --lr 0.1 --epochs 2")
+    assert result.error_in_exec is None
+    assert "script 1 ['--lr', '0.1', '--epochs', '2']" in last_run().logs(1)
+
+
+def test_help_text(ip):
+    from torchdist_magic.magic import TorchdistMagics
+
+    doc = ip.magics_manager.magics["cell"]["torchdist"].__doc__
+    for flag in ("--np N", "--gpu", "--local", "--spark", "--timeout SECONDS", "--env <KEY=VALUE>",
+                 "--out NAME", "--all-ranks", "--backend"):
+        assert flag in doc
+    assert "rank 0's value is the result" in doc
+    assert TorchdistMagics.default_np.help
+
+
+def test_flags_match_launch_options():
+    from IPython.core.magic_arguments import construct_parser
+
+    from torchdist_magic.magic import TorchdistMagics
+    from torchdist_magic.options import option_fields
+
+    parser = construct_parser(TorchdistMagics.torchdist)
+    dests = {a.dest for a in parser._actions}
+    assert {f.name for f in option_fields()} <= dests
+    assert dests - {f.name for f in option_fields()} == {"out", "quiet", "script", "script_args"}
+
+
+def test_unload_removes_magics():
+    code = ("from IPython.testing.globalipapp import start_ipython; ip = start_ipython(); "
+            "ip.run_line_magic('load_ext', 'torchdist_magic'); ip.run_line_magic('unload_ext', 'torchdist_magic'); "
+            "m = ip.magics_manager.magics; print('torchdist' in m['cell'], 'torchdist' in m['line'], "
+            "'torchdist_panel' in m['line']); ip.run_line_magic('load_ext', 'torchdist_magic'); "
+            "print('torchdist' in m['cell'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["False False False", "True"]
