@@ -128,7 +128,7 @@ def free_names(source: str, filename: str = "<cell>") -> List[str]:
     order = _TopLevelOrder()
     for stmt in tree.body:
         order.visit(stmt)
-    needed = _needed_names(source, filename)
+    needed = _needed_names(source, filename) | set(order.first_load)  # symtable misses `x += 1`
     out = []
     for name in sorted(needed):
         store = order.first_store.get(name)

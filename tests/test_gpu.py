@@ -1,0 +1,66 @@
+"""GPU runs: nccl process group, one device per rank.  Skipped without CUDA."""
+
+import pytest
+
+from torchdist_magic import Distributor
+
+
+def cuda_count():
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+needs_cuda = pytest.mark.skipif(cuda_count() == 0, reason="needs a CUDA device")
+
+
+def nccl_all_reduce():
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from torchdist_magic import device, local_rank
+
+    torch.cuda.set_device(local_rank())
+    dist.init_process_group("nccl")
+    t = torch.ones(1, device=device()) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    name = torch.cuda.get_device_name(device())
+    dist.destroy_process_group()
+    return t.item(), str(device()), name, os.environ["TORCHDIST_USE_GPU"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_nccl_all_reduce_on_gpus():
+    n = cuda_count()
+    total, dev, name, flag = Distributor(n, use_gpu=True, show=None).run(nccl_all_reduce)
+    assert total == n * (n + 1) / 2
+    assert dev == "cuda:0" and flag == "1" and name
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cell_gets_nccl_group_and_device():
+    from IPython.testing.globalipapp import start_ipython
+
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "torchdist_magic")
+    result = ip.run_cell("%%torchdist --np 1 --gpu --quiet\n"
+                         "import torch.distributed as dist\n(dist.get_backend(), str(device))")
+    ip.run_line_magic("unload_ext", "torchdist_magic")
+    assert result.result == ("nccl", "cuda:0")
+
+
+@pytest.mark.skipif(cuda_count() > 0, reason="checks the error on a machine without CUDA")
+def test_gpu_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match="use_gpu/--gpu was asked for, but no CUDA device is visible on this machine"):
+        Distributor(1, use_gpu=True, show=None).run(print)
+
+
+@pytest.mark.skipif(cuda_count() == 0 or cuda_count() > 8, reason="needs CUDA")
+def test_more_ranks_than_gpus_is_a_clear_error():
+    n = cuda_count()
+    with pytest.raises(ValueError, match=f"{n + 1} ranks with use_gpu/--gpu need {n + 1} GPUs; this machine has {n}"):
+        Distributor(n + 1, use_gpu=True, show=None).run(print)
