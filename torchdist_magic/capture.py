@@ -91,6 +91,19 @@ class _TopLevelOrder(ast.NodeVisitor):
     def visit_Lambda(self, node) -> None:
         self._deferred(node, None)
 
+    def visit_ListComp(self, node) -> None:
+        """A comprehension is a scope: its targets are its own; its first iterable is ours."""
+        self.visit(node.generators[0].iter)
+        targets = {n.id for g in node.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
+        parts = [getattr(node, "elt", None), getattr(node, "key", None), getattr(node, "value", None)]
+        parts += [g.iter for g in node.generators[1:]] + [c for g in node.generators for c in g.ifs]
+        for part in parts:
+            for n in ast.walk(part) if part is not None else ():
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in targets:
+                    self._load(n.id, n)
+
+    visit_SetComp = visit_GeneratorExp = visit_DictComp = visit_ListComp
+
     def visit_Import(self, node) -> None:
         for alias in node.names:
             self._store((alias.asname or alias.name).split(".")[0], node)
