@@ -300,3 +300,35 @@ def test_result_wait_timeout_leaves_run_going(local_distributor):
     run.wait(30)
     assert_no_survivors(run)
     assert "cancelled" in repr(run)
+
+
+DRIVER = """
+import sys, time
+from torchdist_magic import Distributor
+def sleepy():
+    print("up", flush=True)
+    time.sleep(600)
+run = Distributor(2, show=None).submit(sleepy)
+while "up" not in run.logs(0) or "up" not in run.logs(1):
+    time.sleep(0.05)
+print(run.run_id, run.state.ranks[0].pid, run.state.ranks[1].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_ranks_exit_when_the_driver_is_killed(tmp_path):
+    import subprocess
+
+    from helpers import pids_of_run
+
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True)
+    try:
+        run_id, *pids = driver.stdout.readline().split()
+        assert pids_of_run(run_id)
+    finally:
+        driver.kill()
+        driver.wait()
+    deadline = time.monotonic() + 10
+    while (pids_of_run(run_id) or any(alive(int(p)) for p in pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pids_of_run(run_id), "ranks outlived their killed driver"
