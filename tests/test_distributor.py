@@ -168,7 +168,7 @@ def test_bad_env(env, text):
     ({"use_gpu": "yes"}, "use_gpu must be True or False, got 'yes'"),
     ({"all_ranks": 1}, "all_ranks must be True or False, got 1"),
     ({"nprocs": 2}, "unknown option(s): nprocs"),
-    ({"show": "widget"}, "show must be 'text' or None, got 'widget'"),
+    ({"show": "html"}, "show must be one of 'text', 'auto', 'widget', None, got 'html'"),
     ({"backend": "local", "local_mode": False}, "give either local_mode or backend, not both"),
 ])
 def test_bad_options(kwargs, text):

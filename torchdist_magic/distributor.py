@@ -25,6 +25,7 @@ from .job import Job, function_job, script_job
 from .options import LaunchOptions
 from .state import RunState
 
+SHOW_CHOICES = ("text", "auto", "widget", None)
 STOP_GRACE = 2.0       # seconds between SIGTERM and SIGKILL when ranks are stopped
 POLL_INTERVAL = 0.02
 
@@ -186,7 +187,8 @@ class Distributor:
     ``local_mode=True`` runs local processes on this machine and ``local_mode=False`` runs a
     Spark barrier stage; the other keywords are ``LaunchOptions`` fields (``timeout``, ``env``,
     ``all_ranks``, ``backend``).  ``show`` picks the live view of ``run``: ``"text"`` (default),
-    or ``None`` for silence.
+    ``"auto"`` (the widget in a Jupyter kernel with ipywidgets, text elsewhere), ``"widget"``, or
+    ``None`` for silence.
     """
 
     def __init__(self, num_processes: int = 1, local_mode: Optional[bool] = True,
@@ -200,8 +202,8 @@ class Distributor:
         if unknown:
             raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}; "
                             f"known: {', '.join(LaunchOptions.__dataclass_fields__)}")
-        if show not in (None, "text"):
-            raise ValueError(f"show must be 'text' or None, got {show!r}")
+        if show not in SHOW_CHOICES:
+            raise ValueError(f"show must be one of {', '.join(map(repr, SHOW_CHOICES))}, got {show!r}")
         self.options = LaunchOptions(num_processes=num_processes, use_gpu=use_gpu,
                                      backend=backend, **options)
         self.show = show
@@ -242,11 +244,12 @@ class Distributor:
 
 
 def follow(run: Run, show: Optional[str] = "text", view=None) -> Any:
-    """Wait for ``run`` in the calling thread, rendering it with ``view``; Ctrl-C cancels it."""
-    if view is None and show == "text":
-        from .view.text import TextView
+    """Wait for ``run`` in the calling thread, rendering it with ``view`` (or a new view of kind
+    ``show``); Ctrl-C cancels it."""
+    if view is None and show is not None:
+        from .view import make_view
 
-        view = TextView(run.state)
+        view = make_view(run, show)
     try:
         while not run.wait(0.1):
             if view is not None:
