@@ -101,6 +101,7 @@ def test_timeout_raises_builtin_timeout_error(dist):
         run.result(timeout=120)
     assert isinstance(info.value, JobTimeout)
     assert "timed out after 3 s" in str(info.value)
+    assert info.value._render_traceback_()[0].startswith("JobTimeout: distributed run timed out after 3 s")
     assert run.state.state == "timed out"
     assert_no_survivors(run)
 
@@ -111,8 +112,9 @@ def test_cancel_stops_every_rank(dist):
     while "sleeping" not in run.logs(1) and time.monotonic() < deadline:
         time.sleep(0.05)
     run.cancel()
-    with pytest.raises(RunCancelled):
+    with pytest.raises(RunCancelled) as info:
         run.result(timeout=60)
+    assert info.value._render_traceback_() == ["RunCancelled: the run was cancelled; every rank was stopped"]
     assert run.done()
     assert {rs.state for rs in run.state.ranks} == {"cancelled"}
     assert_no_survivors(run)

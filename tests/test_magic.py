@@ -13,9 +13,9 @@ from torchdist_magic import RankFailure, last_run
 
 @pytest.fixture(scope="module")
 def ip():
-    from IPython.testing.globalipapp import start_ipython
+    from IPython.testing.globalipapp import get_ipython, start_ipython
 
-    shell = start_ipython()
+    shell = start_ipython() or get_ipython()  # None when another test module started it first
     shell.run_line_magic("load_ext", "torchdist_magic")
     shell.run_line_magic("config", "TorchdistMagics.view = 'text'")
     yield shell
@@ -154,13 +154,13 @@ def test_env_flag_and_config_default(ip):
     ip.run_line_magic("config", "TorchdistMagics.default_np = 2")
     try:
         result = cell(ip, """
-            %%torchdist --env MODE=fast --env DEPTH=3
+            %%torchdist --env MODE=fast --env DEPTH=3 --env 'NOTE=two words'
             import os
-            (world_size, os.environ["MODE"], os.environ["DEPTH"])
+            (world_size, os.environ["MODE"], os.environ["DEPTH"], os.environ["NOTE"])
         """)
     finally:
         ip.run_line_magic("config", "TorchdistMagics.default_np = 1")
-    assert result.result == (2, "fast", "3")
+    assert result.result == (2, "fast", "3", "two words")
 
 
 def test_failing_rank_shows_cell_line(ip, capsys):
@@ -192,6 +192,7 @@ def test_failing_rank_shows_cell_line(ip, capsys):
     ("%%torchdist --out 1x\n1", "UsageError: --out needs a variable name, got '1x'"),
     ("%%torchdist script.py\n1", "UsageError: unexpected argument 'script.py': %%torchdist takes only flags"),
     ("%%torchdist\n\n", "UsageError: the %%torchdist cell is empty"),
+    ("%%torchdist --env 'A=b\n1", "UsageError: cannot parse the flags: No closing quotation"),
     ("%torchdist --np 2", "UsageError: %torchdist needs a script"),
     ("%torchdist missing_script.py", "UsageError: script 'missing_script.py' does not exist"),
     ("%%torchdist --np 2\nx = (1,\ny = 2", "UsageError: SyntaxError in the cell, line 2: '(' was never closed"),

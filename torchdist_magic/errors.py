@@ -101,7 +101,14 @@ class RankFailure(RuntimeError):
         return self.details()
 
 
-class JobTimeout(TimeoutError):
+class _PlainRender:
+    """Shown in a notebook as its message alone: the driver's stack says nothing useful."""
+
+    def _render_traceback_(self) -> List[str]:
+        return f"{type(self).__name__}: {self}".splitlines()
+
+
+class JobTimeout(_PlainRender, TimeoutError):
     """The run passed its ``timeout``; every rank was stopped."""
 
     def __init__(self, seconds: float, state_summary: str = ""):
@@ -112,5 +119,5 @@ class JobTimeout(TimeoutError):
         super().__init__(text)
 
 
-class RunCancelled(RuntimeError):
+class RunCancelled(_PlainRender, RuntimeError):
     """The run was cancelled (``Run.cancel()`` or the Stop button); every rank was stopped."""

@@ -8,6 +8,7 @@ IPython (``capture_cell``, ``Distributor``, ``follow``).
 from __future__ import annotations
 
 import argparse
+import shlex
 from typing import Any, Optional
 
 from IPython.core import magic_arguments
@@ -49,6 +50,15 @@ def _flag_arguments(func):
     for args, kwargs in reversed(specs):
         func = magic_arguments.argument(*args, **kwargs)(func)
     return magic_arguments.magic_arguments()(func)
+
+
+def parse_flags(line: str) -> argparse.Namespace:
+    """Flags with shell quoting (``--env 'A=x y'``); mistakes become ``UsageError``."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as exc:
+        raise UsageError(f"cannot parse the flags: {exc}") from None
+    return TorchdistMagics.torchdist.parser.parse_args(argv)
 
 
 @magics_class
@@ -102,7 +112,7 @@ class TorchdistMagics(Magics):
         ``is_main`` are provided.  A process group (gloo, nccl with --gpu) is set up around the
         cell unless the cell calls ``init_process_group`` itself.
         """
-        args = magic_arguments.parse_argstring(self.torchdist, line)
+        args = parse_flags(line)
         options = self.launch_options(args)
         if args.out is not None and not args.out.isidentifier():
             raise UsageError(f"--out needs a variable name, got {args.out!r}")

@@ -1,0 +1,1 @@
+"""Helpers of the browser tests: JupyterLab and headless Chromium (see ``lab``)."""

@@ -1,0 +1,281 @@
+"""The launch panel: controls generated from LaunchOptions (and in step with the magic's flags),
+validation next to each control, the equivalent %%torchdist cell, and real runs from the panel."""
+
+import threading
+import time
+import types
+
+import ipywidgets as widgets
+import pytest
+from IPython.core import magic_arguments
+
+from helpers import assert_no_survivors
+from torchdist_magic.magic import TorchdistMagics
+from torchdist_magic.options import LaunchOptions, option_fields
+from torchdist_magic.view import panel as P
+from torchdist_magic.view.widget import rank_rows
+
+#: magic flags that are not launch settings: where the value goes and whether a view shows
+NOT_LAUNCH_SETTINGS = {"out", "quiet"}
+
+
+class Notebook:
+    """What the panel reads of an IPython shell: the notebook namespace (with its ``In`` history)
+    and the registered ``TorchdistMagics`` (whose ``%config`` defaults the panel starts from)."""
+
+    def __init__(self):
+        self.user_ns = {"__name__": "__main__", "In": [""]}
+        self.magics = TorchdistMagics(shell=None)
+        self.magics_manager = types.SimpleNamespace(registry={"TorchdistMagics": self.magics})
+
+    def run_cell(self, source):
+        self.user_ns["In"].append(source)
+        exec(compile(source, f"<cell {len(self.user_ns['In']) - 1}>", "exec"), self.user_ns)
+
+
+@pytest.fixture
+def ip():
+    return Notebook()
+
+
+@pytest.fixture
+def panel(ip):
+    return P.LaunchPanel(ip)
+
+
+def magic_parser():
+    return TorchdistMagics.torchdist.parser
+
+
+def parse_line(ip, line):
+    """``LaunchOptions`` the magic builds from a ``%%torchdist ...`` line."""
+    assert line.startswith("%%torchdist")
+    return ip.magics.launch_options(magic_arguments.parse_argstring(ip.magics.torchdist, line[len("%%torchdist"):]))
+
+
+# -- controls and flags agree ----------------------------------------------------------------------
+def test_every_option_field_has_a_control_and_every_flag_maps_to_a_field(panel):
+    names = [f.name for f in option_fields()]
+    assert list(panel.controls) == names == list(panel.notes)
+    for name, control in panel.controls.items():
+        assert {"torchdist-option", f"torchdist-option-{name}"} <= set(control._dom_classes)
+    flags = {flag: a.dest for a in magic_parser()._actions for flag in a.option_strings}
+    for field in option_fields():
+        assert flags[field.metadata["flag"]] == field.name
+    unmapped = {flag for flag, dest in flags.items() if dest not in names}
+    assert {flags[f] for f in unmapped} == NOT_LAUNCH_SETTINGS, f"magic flags without a LaunchOptions field: {unmapped}"
+    assert flags["--local"] == flags["--spark"] == "backend"  # shortcuts of --backend
+
+
+def test_control_kinds_follow_the_field_metadata(panel):
+    kinds = {name: type(c) for name, c in panel.controls.items()}
+    assert kinds == {"num_processes": widgets.IntText, "use_gpu": widgets.Checkbox,
+                     "backend": widgets.Dropdown, "timeout": widgets.Text, "env": widgets.Textarea,
+                     "all_ranks": widgets.Checkbox}
+    backend = next(f for f in option_fields() if f.name == "backend")
+    assert panel.controls["backend"].options == tuple(backend.metadata["choices"])
+    assert panel.options() == LaunchOptions()
+    for field in option_fields():  # the help text is next to the control until there is an error
+        assert panel.controls[field.name].tooltip == field.metadata["help"]
+        assert field.metadata["help"].split("(")[0].strip() in panel.notes[field.name].value.replace("&#x27;", "'")
+
+
+def test_panel_starts_from_the_configured_defaults(ip):
+    ip.magics.default_np = 3          # %config TorchdistMagics.default_np = 3
+    ip.magics.default_backend = "local"
+    panel = P.LaunchPanel(ip)
+    assert panel.options() == LaunchOptions(num_processes=3, backend="local")
+    ip.magics.default_np = 0          # a bad default: the panel starts from LaunchOptions()
+    assert P.LaunchPanel(ip).options() == LaunchOptions()
+    assert P.LaunchPanel(types.SimpleNamespace(user_ns={})).options() == LaunchOptions()  # no magics
+
+
+# -- validation ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, text, value", [
+    ("num_processes", 0, 0),
+    ("num_processes", -2, -2),
+    ("timeout", "-1", -1.0),
+    ("timeout", "inf", float("inf")),
+    ("env", "1BAD=x", ["1BAD=x"]),
+    ("env", "NO_EQUALS_SIGN", ["NO_EQUALS_SIGN"]),
+])
+def test_bad_settings_are_shown_next_to_the_control_and_block_launch(panel, name, text, value):
+    panel.code.value = "rank"
+    assert not panel.launch_button.disabled
+    panel.controls[name].value = text
+    with pytest.raises((TypeError, ValueError)) as expected:
+        LaunchOptions(**{name: value})
+    assert panel.field_errors() == {name: str(expected.value)}
+    assert "torchdist-option-error" in panel.notes[name].value
+    assert str(expected.value).split(",")[0].replace("'", "&#x27;") in panel.notes[name].value
+    assert panel.launch_button.disabled and panel.command.value == ""
+    assert panel.launch() is None
+    panel.controls[name].value = {"num_processes": 1, "timeout": "", "env": ""}[name]
+    assert panel.field_errors() == {} and not panel.launch_button.disabled
+
+
+def test_text_that_is_not_a_number_is_refused(panel):
+    panel.code.value = "rank"
+    panel.controls["timeout"].value = "soon"
+    assert panel.field_errors() == {"timeout": "--timeout needs a number (SECONDS), got 'soon'"}
+    assert panel.launch_button.disabled
+    panel.controls["timeout"].value = " 12.5 "
+    assert panel.options().timeout == 12.5 and not panel.launch_button.disabled
+    panel.controls["timeout"].value = ""
+    assert panel.options().timeout is None
+
+
+def test_what_to_run_is_checked_too(ip, panel):
+    assert panel.what_errors() == ["write the code to run"] and panel.launch_button.disabled
+    panel.code.value = "for i in range(3)\n    pass"
+    assert panel.what_errors()[0].startswith("SyntaxError, line 1") and panel.launch_button.disabled
+    assert "torchdist-what-error" in panel.code_note.value
+    panel.code.value = "rank * 2"
+    assert panel.what_errors() == [] and not panel.launch_button.disabled
+    ip.run_cell("def panel_fn(x, scale=1):\n    return x * scale\nPANEL_X = 21")
+    panel.source.value = P.FUNCTION  # lists the notebook's functions again
+    panel.function.value = "panel_fn"
+    panel.arguments.value = "PANEL_X, scale=nope"
+    assert panel.what_errors() == ["arguments: 'nope' is not defined in the notebook"]
+    assert panel.launch_button.disabled and "torchdist-what-error" in panel.function_note.value
+    panel.arguments.value = "PANEL_X, scale=2"
+    assert not panel.launch_button.disabled
+
+
+def test_call_arguments_are_literals_or_notebook_names():
+    ns = {"data": [1, 2], "lr": 0.1}
+    assert P.parse_call_arguments("", ns) == ((), {})
+    assert P.parse_call_arguments("10, -2.5, 'x', (1, None), lr=lr, data=data", ns) == \
+        ((10, -2.5, "x", (1, None)), {"lr": 0.1, "data": [1, 2]})
+    for text, message in [("missing", "'missing' is not defined"), ("1 +", "arguments: "),
+                          ("len(data)", "neither a literal nor a notebook variable"),
+                          ("*data", "not supported"), ("**ns", "not supported")]:
+        with pytest.raises(ValueError, match=message):
+            P.parse_call_arguments(text, ns)
+
+
+def test_only_the_notebooks_own_functions_are_offered():
+    import os.path
+
+    def mine():
+        pass
+
+    mine.__module__ = "__main__"
+
+    def _private():
+        pass
+
+    _private.__module__ = "__main__"
+    ns = {"mine": mine, "_private": _private, "join": os.path.join, "value": 3, "cls": dict}
+    assert P.notebook_functions(ns) == ["mine"]
+
+
+# -- the equivalent cell ---------------------------------------------------------------------------
+@pytest.mark.parametrize("settings", [
+    {},
+    {"num_processes": 4},
+    {"num_processes": 2, "backend": "local", "timeout": "90"},
+    {"use_gpu": True, "all_ranks": True, "backend": "spark", "timeout": "0.5"},
+    {"env": "A=1\nPATH_EXTRA=/opt/x:/opt/y\nEMPTY="},
+])
+def test_equivalent_cell_reproduces_the_options(ip, panel, settings):
+    for name, value in settings.items():
+        panel.controls[name].value = value
+    panel.code.value = "model = train()\nmodel"
+    text = panel.command_text()
+    line, body = text.split("\n", 1)
+    assert body == "model = train()\nmodel"
+    assert line.startswith("%%torchdist --np ")
+    assert parse_line(ip, line) == panel.options()
+    assert panel.command.value and "the same run in a cell" in panel.command.value
+
+
+def test_equivalent_cell_of_a_function_call(ip, panel):
+    ip.run_cell("def panel_train(epochs, lr=0.1):\n    return epochs * lr")
+    panel.source.value = P.FUNCTION
+    panel.function.value = "panel_train"
+    panel.arguments.value = " 3, lr=0.5 "
+    panel.controls["num_processes"].value = 2
+    assert panel.command_text() == "%%torchdist --np 2\npanel_train(3, lr=0.5)"
+
+
+def test_command_line_leaves_out_defaults_but_always_names_np():
+    assert P.command_line(LaunchOptions()) == "%%torchdist --np 1"
+    assert P.command_line(LaunchOptions(num_processes=2, use_gpu=True, timeout=30.0, env={"A": "x y"})) == \
+        "%%torchdist --np 2 --gpu --timeout 30 --env 'A=x y'"
+
+
+# -- real runs from the panel ----------------------------------------------------------------------
+def wait_for(panel, timeout=120):
+    assert panel.wait(timeout), "the panel's run did not end"
+
+
+def test_launch_code_runs_in_the_background_and_shows_the_value(ip, panel):
+    ip.run_cell("import math as m\nSCALE = 3")  # notebook imports and values, as a cell sees them
+    panel.controls["num_processes"].value = 2
+    panel.code.value = "print('hello from', rank)\nm.sqrt(16) * SCALE + rank"
+    run = panel.launch()
+    assert run is not None and panel.run is run
+    assert panel._updater is not threading.current_thread() and panel._updater.daemon
+    assert panel.launch_button.disabled and not panel.stop_button.disabled
+    assert panel.launch() is None  # one run at a time
+    assert panel.view_box.children == (panel._view.widget,)
+    wait_for(panel)
+    assert panel.value == 12.0 and run.result() == 12.0
+    assert "12.0" in panel.result.value and "torchdist-value" in panel.result.value
+    assert [r.state for r in rank_rows(run.state)] == ["done", "done"]
+    assert 'data-state="succeeded"' in panel._view.header.value
+    assert "hello from 0" in panel._view.logs.value
+    assert not panel.launch_button.disabled and panel.stop_button.disabled
+    assert run.job.cell.filename == "<torchdist panel>"
+    assert_no_survivors(run)
+
+
+def test_launch_a_notebook_function_with_notebook_arguments(ip, panel):
+    ip.run_cell("from torchdist_magic import rank as _rank\n"
+                "def scaled(x, factor=1):\n    return (x * factor, _rank())\nBASE = 21")
+    panel.controls["num_processes"].value = 2
+    panel.controls["all_ranks"].value = True
+    panel.source.value = P.FUNCTION
+    panel.function.value = "scaled"
+    panel.arguments.value = "BASE, factor=2"
+    run = panel.launch()
+    wait_for(panel)
+    assert panel.value == [(42, 0), (42, 1)]
+    assert run.state.job_name == "scaled"
+    assert_no_survivors(run)
+
+
+def test_a_failing_rank_shows_its_traceback_in_the_panel(panel):
+    panel.controls["num_processes"].value = 2
+    panel.code.value = "x = 1\nif rank == 1:\n    raise ValueError(f'bad batch on rank {rank}')\nx"
+    run = panel.launch()
+    wait_for(panel)
+    assert panel.value is None
+    assert "RankFailure: rank 1" in panel.result.value and "ValueError: bad batch on rank 1" in panel.result.value
+    assert "&lt;torchdist panel&gt;&quot;, line 3" in panel.result.value  # the panel code's own lines
+    assert [r.state for r in rank_rows(run.state)][1] == "failed"
+    assert not panel.launch_button.disabled
+    assert_no_survivors(run)
+
+
+def test_stop_cancels_the_panels_run(panel):
+    panel.controls["num_processes"].value = 2
+    panel.code.value = "import time\nfor i in progress(range(2000), desc='step'):\n    time.sleep(0.05)"
+    run = panel.launch()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(r.state == "running" for r in rank_rows(run.state)):
+        time.sleep(0.1)
+    panel.stop_button.click()
+    wait_for(panel, 60)
+    assert run.state.state == "cancelled"
+    assert "RunCancelled" in panel.result.value
+    assert 'data-state="cancelled"' in panel._view.header.value
+    assert_no_survivors(run)
+
+
+def test_a_cell_that_cannot_be_captured_is_refused_before_anything_starts(ip, panel):
+    ip.run_cell("import threading\nPANEL_LOCK = threading.Lock()")
+    panel.code.value = "with PANEL_LOCK:\n    pass"
+    assert panel.launch() is None and panel.run is None
+    assert "PANEL_LOCK" in panel.message.value and "torchdist-launch-error" in panel.message.value

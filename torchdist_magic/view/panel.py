@@ -1,0 +1,429 @@
+"""``%torchdist_panel``: a launch panel for distributed runs.
+
+Its option controls are generated from ``LaunchOptions`` (one control per field, from the
+field's flag, help text and choices), so they cannot drift from ``%%torchdist``'s flags.  What
+runs is either code typed into the panel (captured like a ``%%torchdist`` cell) or a function
+from the notebook with its arguments.  The run starts without blocking the kernel; its live view
+appears in the panel, refreshed from a background thread; the panel shows the equivalent
+``%%torchdist`` cell so the run can be reproduced in the notebook.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import html
+import shlex
+import threading
+import types
+from typing import Any, Dict, List, Optional, Tuple
+
+import ipywidgets as widgets
+
+from ..options import LaunchOptions, option_fields
+from .widget import STATE_COLOURS, WidgetView, close_tree, follow_in_background
+
+CODE = "code"
+FUNCTION = "function"
+RESULT_CHARS = 3000  # of rank 0's value's repr shown in the panel
+_MUTED = "var(--jp-ui-font-color2, #757575)"
+_ERROR = "#d32f2f"
+_MONO = "var(--jp-code-font-family, monospace)"
+_NOTE = "display:inline-block;font-size:12px;line-height:1.35"
+
+
+def _is_bool(field: dataclasses.Field) -> bool:
+    return field.type in (bool, "bool")
+
+
+def control_for(field: dataclasses.Field, value: Any) -> widgets.Widget:
+    """The control of one ``LaunchOptions`` field, showing ``value``."""
+    meta = field.metadata
+    layout = widgets.Layout(width="220px")
+    if "choices" in meta:
+        control = widgets.Dropdown(options=list(meta["choices"]), value=value, layout=layout)
+    elif _is_bool(field):
+        control = widgets.Checkbox(value=bool(value), indent=False, layout=widgets.Layout(width="auto"))
+    elif meta.get("repeat"):
+        control = widgets.Textarea(value="\n".join(f"{k}={v}" for k, v in dict(value).items()),
+                                   placeholder=f"{meta.get('metavar', '')}, one per line",
+                                   rows=2, layout=layout)
+    elif meta.get("type") is int:
+        control = widgets.IntText(value=value, layout=layout)
+    else:
+        optional = field.default is None
+        control = widgets.Text(value="" if value is None else f"{value:g}" if isinstance(value, float) else str(value),
+                               placeholder=f"{meta.get('metavar', '')}" + (" (empty: none)" if optional else ""),
+                               layout=layout)
+    control.add_class("torchdist-option")
+    control.add_class(f"torchdist-option-{field.name}")
+    control.tooltip = meta["help"]
+    return control
+
+
+def control_value(field: dataclasses.Field, control: widgets.Widget) -> Any:
+    """The value a control holds, as ``LaunchOptions`` takes it; ``ValueError`` when the text
+    cannot be read as one."""
+    meta = field.metadata
+    value = control.value
+    if meta.get("repeat"):
+        return [line.strip() for line in value.splitlines() if line.strip()]
+    if not isinstance(control, widgets.Text):
+        return value
+    text = value.strip()
+    if not text:
+        return None if field.default is None else field.default
+    kind = meta.get("type", str)
+    try:
+        return kind(text)
+    except ValueError:
+        noun = {"int": "a whole number", "float": "a number"}.get(kind.__name__, f"a {kind.__name__}")
+        raise ValueError(f"{meta['flag']} needs {noun} ({meta.get('metavar', '')}), got {text!r}") from None
+
+
+def command_line(options: LaunchOptions) -> str:
+    """The ``%%torchdist`` line that launches with ``options`` (``--np`` always, other flags
+    where they differ from the defaults)."""
+    defaults = LaunchOptions()
+    parts = ["%%torchdist"]
+    for field in option_fields():
+        flag, value = field.metadata["flag"], getattr(options, field.name)
+        if field.name != "num_processes" and value == getattr(defaults, field.name):
+            continue
+        if _is_bool(field):
+            parts.append(flag)
+        elif field.metadata.get("repeat"):
+            for key, item in value.items():
+                parts += [flag, shlex.quote(f"{key}={item}")]
+        else:
+            parts += [flag, shlex.quote(f"{value:g}" if isinstance(value, float) else str(value))]
+    return " ".join(parts)
+
+
+def parse_call_arguments(text: str, namespace: dict) -> Tuple[tuple, dict]:
+    """``10, lr=0.1, data=train_set`` -> ``((10,), {"lr": 0.1, "data": <train_set>})``.
+
+    Each argument is a Python literal or the name of a notebook variable; nothing is evaluated.
+    """
+    try:
+        call = ast.parse(f"f({text})", mode="eval").body
+    except SyntaxError as exc:
+        raise ValueError(f"arguments: {exc.msg}") from None
+    assert isinstance(call, ast.Call)
+
+    def value(node: ast.AST) -> Any:
+        if isinstance(node, ast.Name):
+            if node.id not in namespace:
+                raise ValueError(f"arguments: {node.id!r} is not defined in the notebook")
+            return namespace[node.id]
+        if isinstance(node, (ast.Starred, ast.keyword)):
+            raise ValueError("arguments: *args and **kwargs are not supported; list the arguments")
+        try:
+            return ast.literal_eval(node)
+        except ValueError:
+            raise ValueError(f"arguments: {ast.unparse(node)!r} is neither a literal nor a notebook "
+                             "variable; assign it to a variable in a cell first") from None
+
+    args = tuple(value(a) for a in call.args)
+    kwargs = {}
+    for kw in call.keywords:
+        if kw.arg is None:
+            raise ValueError("arguments: *args and **kwargs are not supported; list the arguments")
+        kwargs[kw.arg] = value(kw.value)
+    return args, kwargs
+
+
+def notebook_functions(namespace: dict) -> List[str]:
+    """Functions defined in the notebook (not imported, not private), by name."""
+    return sorted(name for name, obj in namespace.items()
+                  if isinstance(obj, types.FunctionType) and not name.startswith("_")
+                  and getattr(obj, "__module__", None) == "__main__")
+
+
+class LaunchPanel:
+    """Options, what to run, Launch/Stop, the equivalent cell, and the run's live view."""
+
+    def __init__(self, shell):
+        self.shell = shell
+        self.run = None
+        self.value: Any = None
+        self._lock = threading.Lock()
+        self._view: Optional[WidgetView] = None
+        self._updater: Optional[threading.Thread] = None
+        initial = self._configured_defaults()
+
+        self.fields = {f.name: f for f in option_fields()}
+        self.controls: Dict[str, widgets.Widget] = {}
+        self.notes: Dict[str, widgets.HTML] = {}
+        grid: List[widgets.Widget] = []
+        for name, field in self.fields.items():
+            label = widgets.HTML(f'<code style="font-size:12px">{html.escape(field.metadata["flag"])}</code>')
+            control = control_for(field, getattr(initial, name))
+            note = widgets.HTML(layout=widgets.Layout(min_width="0"))
+            note.add_class("torchdist-option-note")
+            control.observe(self._changed, "value")
+            self.controls[name], self.notes[name] = control, note
+            grid += [label, control, note]
+        self.options_grid = widgets.GridBox(
+            grid, layout=widgets.Layout(grid_template_columns="90px 230px minmax(0, 1fr)",
+                                        grid_gap="4px 8px", align_items="center"))
+
+        self.source = widgets.ToggleButtons(options=[("code", CODE), ("function", FUNCTION)], value=CODE,
+                                            style={"button_width": "90px"})
+        self.source.add_class("torchdist-source")
+        self.code = widgets.Textarea(placeholder="code to run on every rank, as in a %%torchdist cell",
+                                     rows=8, layout=widgets.Layout(width="100%"))
+        self.code.add_class("torchdist-code")
+        self.code_note = widgets.HTML()
+        self.function = widgets.Dropdown(options=[], description="function",
+                                         layout=widgets.Layout(width="280px"))
+        self.function.add_class("torchdist-function")
+        self.refresh = widgets.Button(icon="refresh", tooltip="list the notebook's functions again",
+                                      layout=widgets.Layout(width="36px"))
+        self.refresh.on_click(lambda _b: self._list_functions())
+        self.arguments = widgets.Text(placeholder="10, lr=0.1, data=train_set", description="arguments",
+                                      layout=widgets.Layout(width="420px"))
+        self.arguments.add_class("torchdist-arguments")
+        self.function_note = widgets.HTML()
+        self.function_box = widgets.VBox([widgets.HBox([self.function, self.refresh, self.arguments]),
+                                          self.function_note])
+        self.code_box = widgets.VBox([self.code, self.code_note])
+        self.what = widgets.VBox([self.code_box])
+        self.source.observe(self._source_changed, "value")
+        for w in (self.code, self.function, self.arguments):
+            w.observe(self._changed, "value")
+
+        self.launch_button = widgets.Button(description="Launch", icon="play", button_style="primary")
+        self.launch_button.add_class("torchdist-launch")
+        self.launch_button.on_click(lambda _b: self.launch())
+        self.stop_button = widgets.Button(description="Stop", icon="stop", button_style="danger", disabled=True,
+                                          tooltip="stop every rank of the run")
+        self.stop_button.add_class("torchdist-panel-stop")
+        self.stop_button.on_click(lambda _b: self.stop())
+        self.command = widgets.HTML()
+        self.command.add_class("torchdist-command")
+        self.message = widgets.HTML()
+        self.message.add_class("torchdist-message")
+        self.view_box = widgets.VBox()
+        self.result = widgets.HTML()
+        self.result.add_class("torchdist-result")
+        # the code area is a notebook cell in spirit: the notebook's code font (ipywidgets has no
+        # font-family setting for text areas)
+        title = widgets.HTML('<style>.torchdist-code textarea{font-family:var(--jp-code-font-family,monospace);'
+                             'font-size:var(--jp-code-font-size,13px)}</style>'
+                             '<div style="font-size:14px;font-weight:700;margin-bottom:4px">torchdist · launch</div>')
+        self.widget = widgets.VBox(
+            [title, self.options_grid,
+             widgets.HTML(f'<div style="margin-top:8px;color:{_MUTED};font-size:12px">what to run</div>'),
+             self.source, self.what,
+             widgets.HBox([self.launch_button, self.stop_button], layout=widgets.Layout(margin="6px 0")),
+             self.message, self.command, self.view_box, self.result],
+            layout=widgets.Layout(border="1px solid var(--jp-border-color2, #e0e0e0)", padding="8px 12px",
+                                  max_width="1100px"))
+        self.widget.add_class("torchdist-panel")
+        self._list_functions()
+        self.validate()
+
+    def _configured_defaults(self) -> LaunchOptions:
+        """What ``%%torchdist`` with no flags would use (``%config TorchdistMagics`` defaults)."""
+        magics = getattr(getattr(self.shell, "magics_manager", None), "registry", {}).get("TorchdistMagics")
+        if magics is None:
+            return LaunchOptions()
+        from IPython.core import magic_arguments
+        from IPython.core.error import UsageError
+
+        try:
+            return magics.launch_options(magic_arguments.parse_argstring(magics.torchdist, ""))
+        except UsageError:  # an invalid %config default: the panel starts from the plain defaults
+            return LaunchOptions()
+
+    # -- reading the controls -------------------------------------------------------------------
+    def option_values(self) -> Dict[str, Any]:
+        """``{field: value}`` as the controls hold them; ``ValueError`` names a control's bad text."""
+        return {name: control_value(self.fields[name], control) for name, control in self.controls.items()}
+
+    def options(self) -> LaunchOptions:
+        """The ``LaunchOptions`` the controls describe (raises what ``LaunchOptions`` raises)."""
+        return LaunchOptions(**self.option_values())
+
+    def field_errors(self) -> Dict[str, str]:
+        """``{field: message}`` for each control whose value ``LaunchOptions`` refuses."""
+        errors = {}
+        for name, control in self.controls.items():
+            try:
+                LaunchOptions(**{name: control_value(self.fields[name], control)})
+            except (TypeError, ValueError) as exc:
+                errors[name] = str(exc)
+        return errors
+
+    def what_errors(self) -> List[str]:
+        """Why the code or function cannot be launched (empty when it can)."""
+        if self.source.value == CODE:
+            if not self.code.value.strip():
+                return ["write the code to run"]
+            try:
+                ast.parse(self.code.value)
+            except SyntaxError as exc:
+                return [f"SyntaxError, line {exc.lineno}: {exc.msg}"]
+            return []
+        if not self.function.value:
+            return ["define a function in the notebook, then pick it here (↻ lists them again)"]
+        try:
+            parse_call_arguments(self.arguments.value, self.shell.user_ns)
+        except ValueError as exc:
+            return [str(exc)]
+        return []
+
+    def command_text(self) -> Optional[str]:
+        """The equivalent ``%%torchdist`` cell, or None while the settings are invalid."""
+        try:
+            line = command_line(self.options())
+        except (TypeError, ValueError):
+            return None
+        if self.source.value == CODE:
+            return f"{line}\n{self.code.value.rstrip()}"
+        return f"{line}\n{self.function.value}({self.arguments.value.strip()})"
+
+    # -- reacting --------------------------------------------------------------------------------
+    def _changed(self, _change=None) -> None:
+        self.validate()
+
+    def _source_changed(self, _change=None) -> None:
+        if self.source.value == FUNCTION:
+            self._list_functions()
+        self.validate()
+
+    def validate(self) -> bool:
+        """Show every problem next to its control; Launch is enabled only without any."""
+        self.what.children = [self.code_box] if self.source.value == CODE else [self.function_box]
+        errors = self.field_errors()
+        for name, note in self.notes.items():
+            if name in errors:
+                note.value = (f'<span class="torchdist-option-error" style="{_NOTE};color:{_ERROR}">'
+                              f'{html.escape(errors[name])}</span>')
+            else:
+                note.value = (f'<span style="{_NOTE};color:{_MUTED}">'
+                              f'{html.escape(self.fields[name].metadata["help"])}</span>')
+        overall: Optional[str] = None
+        if not errors:
+            try:
+                self.options()
+            except (TypeError, ValueError) as exc:
+                overall = str(exc)
+        what = self.what_errors()
+        note = self.code_note if self.source.value == CODE else self.function_note
+        note.value = "".join(f'<span class="torchdist-what-error" style="color:{_ERROR};font-size:12px">'
+                             f'{html.escape(e)}</span>' for e in what)
+        ok = not errors and overall is None and not what
+        self.message.value = (f'<span class="torchdist-option-error" style="color:{_ERROR}">{html.escape(overall)}</span>'
+                              if overall else "")
+        command = self.command_text() if ok else None
+        self.command.value = (
+            f'<div style="color:{_MUTED};font-size:12px">the same run in a cell:</div>'
+            f'<pre style="margin:2px 0 6px 0;padding:6px 8px;background:var(--jp-layout-color2, #f5f5f5);'
+            f'border-radius:4px;font-family:{_MONO};font-size:12px;max-height:160px;overflow:auto">'
+            f'{html.escape(command)}</pre>') if command else ""
+        self.launch_button.disabled = not ok or self.running
+        return ok
+
+    def _list_functions(self) -> None:
+        names = notebook_functions(self.shell.user_ns)
+        current = self.function.value
+        self.function.options = names
+        self.function.value = current if current in names else (names[0] if names else None)
+
+    @property
+    def running(self) -> bool:
+        return self.run is not None and not self.run.done()
+
+    # -- launching -------------------------------------------------------------------------------
+    def launch(self):
+        """Start the run the panel describes; its ``Run`` handle, or None when it could not start
+        (the reason is shown in the panel)."""
+        from ..capture import CaptureError
+        from ..distributor import Distributor
+
+        with self._lock:
+            if self.running or not self.validate():
+                return None
+            options = self.options()
+            try:
+                target, args, kwargs = self._target()
+                run = Distributor.from_options(options, show=None).submit(target, *args, **kwargs)
+            except (CaptureError, TypeError, ValueError) as exc:
+                self.message.value = (f'<pre class="torchdist-launch-error" style="color:{_ERROR};white-space:pre-wrap;'
+                                      f'margin:0">{html.escape(str(exc))}</pre>')
+                return None
+            self.message.value = ""
+            self.result.value = ""
+            self.value = None
+            if self._view is not None:
+                close_tree(self._view.widget)
+            self.run = run
+            self._view = WidgetView(run, display=False, stop=False)
+            self.view_box.children = [self._view.widget]
+            self.launch_button.disabled = True
+            self.stop_button.disabled = False
+            self._updater = follow_in_background(run, self._view, on_done=self._finished)
+            return run
+
+    def _target(self) -> Tuple[Any, tuple, dict]:
+        """What ``Distributor.submit`` runs: a cell ``Job`` built like the magic's (``submit``
+        gives it the options' GPU and all-ranks settings), or the chosen function with its
+        arguments."""
+        if self.source.value == FUNCTION:
+            args, kwargs = parse_call_arguments(self.arguments.value, self.shell.user_ns)
+            return self.shell.user_ns[self.function.value], args, kwargs
+        from ..capture import capture_cell
+        from ..job import Job
+
+        history = list(self.shell.user_ns.get("In", []))
+        captured = capture_cell(self.code.value, self.shell.user_ns, history,
+                                filename="<torchdist panel>", line_offset=0)
+        return Job(kind="cell", name="panel code", cell=captured.cell), (), {}
+
+    def stop(self) -> None:
+        """Cancel the run (every rank is stopped), as the Stop button does."""
+        if self.run is not None:
+            self.stop_button.disabled = True
+            self.run.cancel()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the run has ended and the panel shows its outcome."""
+        updater = self._updater
+        if updater is None:
+            return True
+        updater.join(timeout)
+        return not updater.is_alive()
+
+    def _finished(self, run) -> None:
+        """From the updater thread, after the run: show rank 0's value or the error."""
+        from ..errors import RankFailure
+
+        if run is not self.run:
+            return
+        self.stop_button.disabled = True
+        error = run.exception
+        if error is None:
+            self.value = run.result()
+            text = repr(self.value)
+            if len(text) > RESULT_CHARS:
+                text = text[:RESULT_CHARS] + " …"
+            self.result.value = (
+                f'<div style="color:{_MUTED};font-size:12px;margin-top:6px">rank 0 returned'
+                f' (also <code>torchdist_magic.last_run().result()</code>):</div>'
+                f'<pre class="torchdist-value" style="margin:2px 0;font-family:{_MONO};font-size:12px;'
+                f'white-space:pre-wrap">{html.escape(text)}</pre>')
+        else:
+            text = error.details() if isinstance(error, RankFailure) else f"{type(error).__name__}: {error}"
+            colour = STATE_COLOURS.get(run.state.state, _ERROR)
+            self.result.value = (f'<pre class="torchdist-error" style="margin:6px 0 0 0;color:{colour};'
+                                 f'font-family:{_MONO};font-size:12px;white-space:pre-wrap">'
+                                 f'{html.escape(text)}</pre>')
+        self.validate()
+
+    def show(self) -> None:
+        """Display the panel in the notebook."""
+        from IPython.display import display
+
+        display(self.widget)
