@@ -7,10 +7,9 @@ import types
 
 import ipywidgets as widgets
 import pytest
-from IPython.core import magic_arguments
 
 from helpers import assert_no_survivors
-from torchdist_magic.magic import TorchdistMagics
+from torchdist_magic.magic import TorchdistMagics, parse_flags
 from torchdist_magic.options import LaunchOptions, option_fields
 from torchdist_magic.view import panel as P
 from torchdist_magic.view.widget import rank_rows
@@ -50,7 +49,7 @@ def magic_parser():
 def parse_line(ip, line):
     """``LaunchOptions`` the magic builds from a ``%%torchdist ...`` line."""
     assert line.startswith("%%torchdist")
-    return ip.magics.launch_options(magic_arguments.parse_argstring(ip.magics.torchdist, line[len("%%torchdist"):]))
+    return ip.magics.launch_options(parse_flags(line[len("%%torchdist"):]))
 
 
 # -- controls and flags agree ----------------------------------------------------------------------
@@ -203,6 +202,11 @@ def test_command_line_leaves_out_defaults_but_always_names_np():
     assert P.command_line(LaunchOptions()) == "%%torchdist --np 1"
     assert P.command_line(LaunchOptions(num_processes=2, use_gpu=True, timeout=30.0, env={"A": "x y"})) == \
         "%%torchdist --np 2 --gpu --timeout 30 --env 'A=x y'"
+
+
+def test_quoted_env_round_trips_through_the_magic(ip):
+    opts = LaunchOptions(num_processes=2, env={"A": "x y", "B": "it's"})
+    assert parse_line(ip, P.command_line(opts)) == opts
 
 
 # -- real runs from the panel ----------------------------------------------------------------------

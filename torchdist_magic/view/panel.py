@@ -229,11 +229,12 @@ class LaunchPanel:
         magics = getattr(getattr(self.shell, "magics_manager", None), "registry", {}).get("TorchdistMagics")
         if magics is None:
             return LaunchOptions()
-        from IPython.core import magic_arguments
         from IPython.core.error import UsageError
 
+        from ..magic import parse_flags
+
         try:
-            return magics.launch_options(magic_arguments.parse_argstring(magics.torchdist, ""))
+            return magics.launch_options(parse_flags(""))
         except UsageError:  # an invalid %config default: the panel starts from the plain defaults
             return LaunchOptions()
 
