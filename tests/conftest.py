@@ -5,6 +5,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from spark_fixtures import *  # noqa: E402,F401,F403  spark_local2, spark_cluster, test ordering
+
 
 @pytest.fixture
 def local_distributor():
@@ -31,7 +33,11 @@ def _no_temp_leftovers(tmp_path, monkeypatch):
 
 
 #: backends the contract suite runs against; Spark variants are added by the Spark tests' fixtures
-CONTRACT_BACKENDS = [pytest.param("local", id="local")]
+CONTRACT_BACKENDS = [
+    pytest.param("local", id="local"),
+    pytest.param("local2", id="spark-local2", marks=pytest.mark.spark),
+    pytest.param("cluster", id="spark-cluster", marks=pytest.mark.spark),
+]
 
 
 @pytest.fixture(params=CONTRACT_BACKENDS)

@@ -321,7 +321,10 @@ def test_ranks_exit_when_the_driver_is_killed(tmp_path):
 
     from helpers import pids_of_run
 
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True)
+    scratch = tmp_path / "driver-tmp"
+    scratch.mkdir()
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, TMPDIR=str(scratch)))
     try:
         run_id, *pids = driver.stdout.readline().split()
         assert pids_of_run(run_id)
@@ -332,3 +335,17 @@ def test_ranks_exit_when_the_driver_is_killed(tmp_path):
     while (pids_of_run(run_id) or any(alive(int(p)) for p in pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not pids_of_run(run_id), "ranks outlived their killed driver"
+    assert list(scratch.iterdir()) == []  # the orphaned ranks removed the run directory
+
+
+def test_text_view_shows_outer_and_inner_bars():
+    from torchdist_magic.state import RunState
+    from torchdist_magic.view.text import rank_progress_text
+
+    state = RunState("r", 1)
+    state.apply({"type": "progress", "rank": 0, "bar": "epoch#0", "desc": "epoch", "n": 1, "total": 3,
+                 "elapsed": 2.0, "state": "running"})
+    state.apply({"type": "progress", "rank": 0, "bar": "batch#1", "desc": "batch", "n": 8, "total": 10,
+                 "elapsed": 1.0, "state": "running"})
+    assert rank_progress_text(state.ranks[0]) == (
+        "epoch 1/3 (33%) [00:02<00:04, 0.50 it/s] · batch 8/10 (80%) [00:01<00:00, 8.00 it/s]")

@@ -285,3 +285,30 @@ def test_unload_removes_magics():
             "print('torchdist' in m['cell'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split("\n")[:2] == ["False False False", "True"]
+
+
+def test_function_that_sets_up_its_own_group_runs_in_a_cell(ip):
+    cell(ip, """
+        import torch.distributed as dist
+        def torchdistributor_style(x):
+            dist.init_process_group("gloo")
+            r = dist.get_rank()
+            return r + x
+    """)
+    result = cell(ip, "%%torchdist --np 2 --all-ranks\ntorchdistributor_style(10)")
+    assert result.error_in_exec is None
+    assert result.result == [10, 11]
+
+
+def test_traceback_through_a_notebook_function_shows_its_source(ip):
+    cell(ip, """
+        def bad_shard(r):
+            if r == 1:
+                raise KeyError("shard " + str(r))
+            return r
+    """)
+    result = cell(ip, "%%torchdist --np 2\nbad_shard(rank)")
+    err = result.error_in_exec
+    assert isinstance(err, RankFailure) and err.exc_type == "KeyError"
+    assert 'raise KeyError("shard " + str(r))' in err.traceback
+    assert "bad_shard(rank)" in err.traceback

@@ -21,7 +21,7 @@ from typing import Any, List, Optional, Union
 from .backends import Backend, BackendRun, LaunchContext, make_backend
 from .channel import ChannelServer, new_secret
 from .errors import FailureInfo, JobTimeout, RankFailure, RunCancelled
-from .job import Job, function_job, script_job
+from .job import Job, function_job, in_memory_sources, script_job
 from .options import LaunchOptions
 from .state import RunState
 
@@ -41,15 +41,18 @@ def last_run() -> Optional["Run"]:
 def build_job(train_object: Any, args: tuple, kwargs: dict, options: LaunchOptions) -> Job:
     """A ``Job`` from a function or a script path; bad input raises before anything starts."""
     if isinstance(train_object, Job):
-        return dataclasses.replace(train_object, use_gpu=options.use_gpu, all_ranks=options.all_ranks,
-                                   sys_path=train_object.sys_path or list(sys.path),
-                                   cwd=train_object.cwd or os.getcwd())
-    if isinstance(train_object, (str, os.PathLike)):
+        job = dataclasses.replace(train_object, use_gpu=options.use_gpu, all_ranks=options.all_ranks,
+                                  sys_path=train_object.sys_path or list(sys.path),
+                                  cwd=train_object.cwd or os.getcwd())
+    elif isinstance(train_object, (str, os.PathLike)):
         if kwargs:
             raise TypeError("keyword arguments cannot be passed to a script; give them as "
                             f"command-line strings (got {', '.join(kwargs)})")
-        return script_job(os.fspath(train_object), args, options.use_gpu, options.all_ranks)
-    return function_job(train_object, args, kwargs, options.use_gpu, options.all_ranks)
+        job = script_job(os.fspath(train_object), args, options.use_gpu, options.all_ranks)
+    else:
+        job = function_job(train_object, args, kwargs, options.use_gpu, options.all_ranks)
+    job.sources = in_memory_sources()
+    return job
 
 
 class Run:

@@ -11,7 +11,7 @@ import sys
 import sysconfig
 import types
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 
 @dataclass
@@ -43,6 +43,28 @@ class Job:
     all_ranks: bool = False
     sys_path: List[str] = field(default_factory=list)
     cwd: str = ""
+    #: source of code that exists only in the driver's memory (notebook cells), so that
+    #: tracebacks on the ranks show its lines: {filename: lines}
+    sources: Dict[str, List[str]] = field(default_factory=dict)
+
+
+MAX_SHIPPED_SOURCE = 2 * 1024 * 1024
+
+
+def in_memory_sources() -> Dict[str, List[str]]:
+    """``linecache`` entries with no file behind them (IPython's and ipykernel's cells)."""
+    import linecache
+
+    out: Dict[str, List[str]] = {}
+    size = 0
+    for filename, entry in list(linecache.cache.items()):
+        if len(entry) != 4 or not isinstance(entry[2], list) or os.path.exists(filename):
+            continue
+        size += sum(len(line) for line in entry[2])
+        if size > MAX_SHIPPED_SOURCE:
+            break
+        out[filename] = list(entry[2])
+    return out
 
 
 def _installed_roots() -> List[str]:

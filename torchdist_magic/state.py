@@ -61,6 +61,16 @@ class RankState:
     def log_text(self) -> str:
         return "".join(line.text + ("\r" if line.cr else "\n") for line in self.logs)
 
+    def shown_progress(self) -> List[dict]:
+        """The bars a view shows: while loops run, the outermost and the innermost running one
+        (``epoch`` and ``batch``: bars are kept in the order they started); afterwards the
+        first one (the outer loop)."""
+        bars = list(self.progress.values())
+        running = [b for b in bars if b.get("state") == "running"]
+        if not running:
+            return bars[:1]
+        return running[:1] if len(running) == 1 else [running[0], running[-1]]
+
     def current_progress(self) -> Optional[dict]:
         """The bar to show: the newest one still running, else the newest one."""
         bars = list(self.progress.values())

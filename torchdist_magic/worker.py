@@ -16,6 +16,7 @@ import faulthandler
 import json
 import linecache
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -33,10 +34,14 @@ class CellImportError(ImportError):
 
 
 def _watch_parent(parent: int) -> None:
-    """Exit when the launcher dies, so no rank outlives a killed kernel or Spark task."""
+    """Exit when the launcher dies, so no rank outlives a killed kernel or Spark task; remove
+    the run's directory (``TORCHDIST_CLEANUP``) that the dead launcher can no longer remove."""
+    cleanup = os.environ.pop("TORCHDIST_CLEANUP", "")
     while True:
         time.sleep(0.5)
         if os.getppid() != parent:
+            if cleanup:
+                shutil.rmtree(cleanup, ignore_errors=True)
             os._exit(70)
 
 
@@ -85,12 +90,29 @@ def _cell_namespace(use_gpu: bool) -> dict:
     return ns
 
 
+def _init_once(dist) -> None:
+    """Inside a cell whose process group the run set up, code that calls
+    ``init_process_group`` itself (a function written for TorchDistributor, say) gets that
+    group instead of "trying to initialize the default process group twice"."""
+    original = dist.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        if dist.is_initialized():
+            return None
+        return original(*args, **kwargs)
+
+    init_process_group.__doc__ = original.__doc__
+    dist.init_process_group = init_process_group
+    dist.distributed_c10d.init_process_group = init_process_group
+
+
 def _init_process_group(use_gpu: bool) -> bool:
     import torch
     import torch.distributed as dist
 
     if dist.is_initialized():
         return False
+    _init_once(dist)
     if use_gpu and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         dist.init_process_group("nccl")
@@ -145,6 +167,8 @@ def run_job(job, result_dir: str) -> int:
     from torchdist_magic import runtime
 
     rank = runtime.rank()
+    for filename, lines in job.sources.items():
+        linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
     try:
         for p in job.sys_path:
             if p not in sys.path and (p == "" or os.path.isdir(p)):

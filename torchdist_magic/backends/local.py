@@ -64,6 +64,7 @@ class LocalRun(BackendRun):
                 master_addr="127.0.0.1", master_port=self._port.getsockname()[1],
                 extra=ctx.options.env, channel=ctx.channel_address, secret=ctx.secret,
                 run_id=ctx.run_id, use_gpu=ctx.options.use_gpu)
+            env["TORCHDIST_CLEANUP"] = self.workdir  # if this driver dies, the orphaned ranks remove it
             self.procs.append(RankProcess(rank, job_file, os.path.join(self.workdir, f"rank-{rank}"),
                                           env, ctx.emit))
 

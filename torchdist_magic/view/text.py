@@ -44,6 +44,11 @@ def progress_text(bar: Optional[dict]) -> str:
     return f"{head} [{timing}{rate_text}]"
 
 
+def rank_progress_text(rs: RankState) -> str:
+    """Every bar a rank shows, outer loop first: ``epoch 1/3 [...] · batch 8/10 [...]``."""
+    return " · ".join(progress_text(bar) for bar in rs.shown_progress())
+
+
 def metrics_text(metrics: dict) -> str:
     return " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
 
@@ -64,7 +69,7 @@ def summary(state: RunState) -> str:
             bits.append(f"host={rs.host}")
         if rs.exit_code is not None:
             bits.append(f"exit={rs.exit_code}")
-        p = progress_text(rs.current_progress())
+        p = rank_progress_text(rs)
         if p:
             bits.append(p)
         if rs.metrics:
@@ -125,7 +130,7 @@ class TextView:
 
     def _show_progress(self) -> None:
         for rs in self.state.ranks:
-            text = progress_text(rs.current_progress())
+            text = rank_progress_text(rs)
             if rs.metrics:
                 text = f"{text}  {metrics_text(rs.metrics)}".strip()
             if text and text != self._progress_seen[rs.rank]:

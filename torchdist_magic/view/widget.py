@@ -96,17 +96,6 @@ class RankRow:
     dropped: int
 
 
-def shown_bars(rs: RankState) -> List[dict]:
-    """The bars a row shows: while loops run, the outermost and the innermost running one
-    (``epoch`` and ``batch``: bars are kept in the order they started); afterwards the first
-    one (the outer loop)."""
-    bars = list(rs.progress.values())
-    running = [b for b in bars if b.get("state") == "running"]
-    if not running:
-        return bars[:1]
-    return running[:1] if len(running) == 1 else [running[0], running[-1]]
-
-
 def bar_view(bar: dict) -> BarView:
     n, total = bar.get("n") or 0, bar.get("total")
     fraction = min(max(n / total, 0.0), 1.0) if total else None
@@ -118,7 +107,7 @@ def bar_view(bar: dict) -> BarView:
 
 
 def rank_row(rs: RankState) -> RankRow:
-    bars = [bar_view(b) for b in shown_bars(rs)]
+    bars = [bar_view(b) for b in rs.shown_progress()]
     if not bars and rs.state == "done":
         # finished without progress(): a full (green) bar says "done"
         bars = [BarView(desc="", n=0, total=None, fraction=1.0, text="", title="done")]

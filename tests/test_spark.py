@@ -1,0 +1,193 @@
+"""Spark backend beyond the contract suite: ranks really run inside executors, big values come
+back through collect, bad placements are refused before anything starts, a stage that fails
+outside any rank still ends as a readable RankFailure, and nothing is left behind."""
+
+import glob
+import os
+import signal
+import tempfile
+import time
+
+import pytest
+
+from helpers import assert_no_survivors
+from torchdist_magic import Distributor, LaunchOptions, RankFailure, RunCancelled, rank
+from torchdist_magic.backends import make_backend
+from torchdist_magic.backends.spark import SparkBarrierBackend
+
+#: where Spark's Python workers make their temp dirs (taken before a test redirects ``tempfile``)
+EXECUTOR_TMP = tempfile.gettempdir()
+
+
+def spark_dist(n=2, **options):
+    return Distributor(n, local_mode=False, show=None, **options)
+
+
+def assert_nothing_left(run):
+    assert_no_survivors(run)
+    left = glob.glob(os.path.join(EXECUTOR_TMP, f"torchdist-{run.run_id}-*"))
+    assert not left, f"task directories left behind: {left}"
+
+
+def ancestors_and_environment():
+    """(pid, command line) of every process above this one, and the rank's environment."""
+    chain = []
+    pid = os.getppid()
+    while pid > 1:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            chain.append((pid, fh.read().replace(b"\0", b" ").decode(errors="replace")))
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            pid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "FROM_OPTIONS")
+    return {"rank": rank(), "ancestors": chain, "env": {k: os.environ.get(k) for k in names}}
+
+
+def state_dict_of_mib(mib):
+    import torch
+
+    return {"weight": torch.arange(mib * 2**18, dtype=torch.float32), "rank": rank()}
+
+
+def kill_my_spark_task(bad_rank):
+    print("started", flush=True)
+    if rank() == bad_rank:
+        time.sleep(0.5)
+        os.kill(os.getppid(), signal.SIGKILL)  # the Python process of this rank's Spark task
+    time.sleep(600)
+
+
+def say_stopped_on_sigterm():
+    def on_sigterm(signum, frame):
+        print(f"rank {rank()} stopping cleanly", flush=True)
+        raise SystemExit(143)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    print("ready", flush=True)
+    time.sleep(600)
+
+
+def one():
+    return 1
+
+
+@pytest.mark.spark
+def test_ranks_run_inside_executor_processes(spark_cluster):
+    run = spark_dist(2, all_ranks=True, env={"FROM_OPTIONS": "yes"}).submit(ancestors_and_environment)
+    values = run.result(timeout=180)
+    executors = []
+    for r, value in enumerate(values):
+        # both executors of the local cluster are on this host: local ranks 0 and 1 of 2
+        assert value["env"] == {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                "FROM_OPTIONS": "yes"}
+        jvms = [cmd for _, cmd in value["ancestors"] if "CoarseGrainedExecutorBackend" in cmd]
+        assert jvms, f"rank {value['rank']} is not below an executor JVM: {value['ancestors']}"
+        words = jvms[0].split()
+        executors.append(words[words.index("--executor-id") + 1])
+    assert len(set(executors)) == 2, f"both ranks ran in one executor: {executors}"
+    assert run.state.backend == "Spark barrier stage on local-cluster[2,1,1024]"
+    assert_nothing_left(run)
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("session", ["spark_local2", "spark_cluster"])
+def test_50_mib_value_comes_back_through_collect(request, session):
+    request.getfixturevalue(session)
+    run = spark_dist(2).submit(state_dict_of_mib, 50)
+    value = run.result(timeout=180)
+    assert value["rank"] == 0
+    assert value["weight"].numel() * 4 == 50 * 2**20
+    assert float(value["weight"][-1]) == 50 * 2**18 - 1
+    assert_nothing_left(run)
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("session", ["spark_local2", "spark_cluster"])
+def test_more_ranks_than_task_slots_is_refused_before_start(request, session):
+    from torchdist_magic.distributor import last_run
+
+    request.getfixturevalue(session)
+    before = last_run()
+    with pytest.raises(ValueError) as info:
+        spark_dist(3).submit(one)
+    text = str(info.value)
+    assert "3 ranks need 3 Spark task slots" in text
+    assert "has 2" in text
+    assert last_run() is before
+
+
+@pytest.mark.spark
+def test_gpu_without_spark_task_gpus_is_refused(spark_local2):
+    with pytest.raises(ValueError, match=r"spark\.task\.resource\.gpu\.amount is not set"):
+        spark_dist(1, use_gpu=True).submit(one)
+
+
+def test_spark_connect_session_is_refused():
+    connect_session = type("SparkSession", (), {"__module__": "pyspark.sql.connect.session"})()
+    backend = SparkBarrierBackend(spark=connect_session)
+    with pytest.raises(ValueError, match="needs a classic SparkSession"):
+        backend.check(LaunchOptions(num_processes=2))
+
+
+@pytest.mark.spark
+def test_auto_backend_is_spark_when_a_session_is_active(spark_local2):
+    assert isinstance(make_backend(LaunchOptions(backend="auto")), SparkBarrierBackend)
+    run = Distributor(2, local_mode=None, show=None).submit(one)
+    assert run.result(timeout=120) == 1
+    assert run.state.backend == "Spark barrier stage on local[2]"
+    assert_nothing_left(run)
+
+
+@pytest.mark.spark
+def test_killed_spark_task_is_rank_failure_with_spark_reason(spark_local2):
+    run = spark_dist(2).submit(kill_my_spark_task, 1)
+    with pytest.raises(RankFailure) as info:
+        run.result(timeout=120)
+    err = info.value
+    assert err.rank == 1
+    assert err.exc_type == "SparkException"
+    assert "Python worker exited unexpectedly" in err.message
+    assert "Py4JJavaError" not in str(err) and "\tat org.apache" not in str(err)
+    assert_nothing_left(run)  # the task's guard stopped the orphaned worker and removed its files
+
+
+class ClosureFailsOnExecutorBackend(SparkBarrierBackend):
+    """A task function that fails in the Spark task itself, before any rank starts."""
+
+    def task_function(self, spec):
+        def task(partition):
+            raise ImportError("No module named 'torchdist_magic' (simulated on the executor)")
+
+        return task
+
+
+@pytest.mark.spark
+def test_stage_failure_is_rank_failure_with_the_python_exception(spark_local2, monkeypatch):
+    import torchdist_magic.distributor as distributor
+
+    monkeypatch.setattr(distributor, "make_backend", lambda options: ClosureFailsOnExecutorBackend())
+    run = spark_dist(2).submit(one)
+    with pytest.raises(RankFailure) as info:
+        run.result(timeout=120)
+    err = info.value
+    assert err.exc_type == "ImportError"
+    assert err.message == "No module named 'torchdist_magic' (simulated on the executor)"
+    assert "raise ImportError(" in err.traceback
+    assert "Py4JJavaError" not in str(err) and "\tat org.apache" not in str(err)
+    assert {rs.state for rs in run.state.ranks} == {"failed", "cancelled"}
+    assert_nothing_left(run)
+
+
+@pytest.mark.spark
+def test_cancel_gives_ranks_their_sigterm_grace(spark_local2):
+    run = spark_dist(2).submit(say_stopped_on_sigterm)
+    deadline = time.monotonic() + 60
+    while not all("ready" in run.logs(r) for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.cancel()
+    with pytest.raises(RunCancelled):
+        run.result(timeout=60)
+    for r in (0, 1):
+        assert f"rank {r} stopping cleanly" in run.logs(r)
+    assert {rs.state for rs in run.state.ranks} == {"cancelled"}
+    assert_nothing_left(run)
