@@ -27,13 +27,19 @@ def cell(ip, source):
     return ip.run_cell(textwrap.dedent(source).strip("\n"), store_history=True)
 
 
-def test_load_is_light():
-    code = ("import sys, time; from IPython.testing.globalipapp import start_ipython; ip = start_ipython(); "
-            "t = time.perf_counter(); ip.run_line_magic('load_ext', 'torchdist_magic'); "
-            "print(sorted(m for m in ('torch', 'pyspark', 'ipywidgets', 'cloudpickle') if m in sys.modules)); "
-            "print('torchdist' in ip.magics_manager.magics['cell'])")
+def fresh_ipython(*lines):
+    """The first two lines a new IPython process prints after ``%load_ext`` and ``lines``."""
+    code = "\n".join(("import sys", "from IPython.testing.globalipapp import start_ipython",
+                      "ip = start_ipython()", "ip.run_line_magic('load_ext', 'torchdist_magic')",
+                      "m = ip.magics_manager.magics") + lines)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split("\n")[:2] == ["[]", "True"]
+    return out.split("\n")[:2]
+
+
+def test_load_is_light():
+    assert fresh_ipython(
+        "print(sorted(x for x in ('torch', 'pyspark', 'ipywidgets', 'cloudpickle') if x in sys.modules))",
+        "print('torchdist' in m['cell'])") == ["[]", "True"]
 
 
 def test_notebook_imports_classes_and_helpers(ip):
@@ -278,13 +284,11 @@ def test_flags_match_launch_options():
 
 
 def test_unload_removes_magics():
-    code = ("from IPython.testing.globalipapp import start_ipython; ip = start_ipython(); "
-            "ip.run_line_magic('load_ext', 'torchdist_magic'); ip.run_line_magic('unload_ext', 'torchdist_magic'); "
-            "m = ip.magics_manager.magics; print('torchdist' in m['cell'], 'torchdist' in m['line'], "
-            "'torchdist_panel' in m['line']); ip.run_line_magic('load_ext', 'torchdist_magic'); "
-            "print('torchdist' in m['cell'])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split("\n")[:2] == ["False False False", "True"]
+    assert fresh_ipython(
+        "ip.run_line_magic('unload_ext', 'torchdist_magic')",
+        "print('torchdist' in m['cell'], 'torchdist' in m['line'], 'torchdist_panel' in m['line'])",
+        "ip.run_line_magic('load_ext', 'torchdist_magic')",
+        "print('torchdist' in m['cell'])") == ["False False False", "True"]
 
 
 def test_function_that_sets_up_its_own_group_runs_in_a_cell(ip):
