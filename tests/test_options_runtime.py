@@ -83,3 +83,12 @@ def test_rank_failure_pickles():
     err = RankFailure(FailureInfo(rank=1, exc_type="ValueError", message="m", traceback="tb"))
     again = pickle.loads(pickle.dumps(err))
     assert (again.rank, again.exc_type, again.traceback) == (1, "ValueError", "tb")
+
+
+def test_late_exit_after_the_run_ended_does_not_turn_a_stop_into_a_failure():
+    state = RunState("r", 2)
+    state.apply({"type": "status", "rank": 1, "state": "running"})
+    state.finish("cancelled")
+    state.apply({"type": "exit", "rank": 1, "code": -15, "time": 1.0, "failure": {}})
+    assert state.ranks[1].state == "cancelled" and state.ranks[1].exit_code == -15
+    assert state.failures() == []

@@ -139,7 +139,9 @@ def test_auto_backend_is_spark_when_a_session_is_active(spark_local2):
 
 
 @pytest.mark.spark
-def test_killed_spark_task_is_rank_failure_with_spark_reason(spark_local2):
+@pytest.mark.parametrize("session", ["spark_local2", "spark_cluster"])
+def test_killed_spark_task_is_rank_failure_with_spark_reason(request, session):
+    request.getfixturevalue(session)
     run = spark_dist(2).submit(kill_my_spark_task, 1)
     with pytest.raises(RankFailure) as info:
         run.result(timeout=120)

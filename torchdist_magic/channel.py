@@ -23,6 +23,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from typing import Callable, Optional
 
 MAX_FRAME = 4 * 1024 * 1024
@@ -167,8 +168,9 @@ class ChannelServer:
         with self._lock:
             threads = list(self._threads)
             conns = list(self._conns)
+        deadline = time.monotonic() + 2.0  # one deadline for all, not 2 s per connection
         for t in threads:
-            t.join(timeout=2.0)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
         for c in conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)

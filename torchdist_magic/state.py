@@ -154,6 +154,8 @@ class RunState:
         rs.ended = float(e.get("time") or time.time())
         if isinstance(e.get("host"), str) and e["host"]:
             rs.host = e["host"]
+        if self.ended is not None and rs.state == "cancelled":
+            return  # a rank stopped by the run's end: its late exit is not a failure of its own
         if e.get("stopped"):
             rs.state = "cancelled"
         elif code == 0:

@@ -14,9 +14,9 @@ after ``spark.python.task.killTimeout``), and then no ``finally`` runs: so each 
 a small guard process in a session of its own, which notices the task's end and, unless the
 task said "done", stops the worker's process group and removes the task's files.
 
-A stage that fails outside any rank (the task's Python code itself, a lost executor) is retried
-by Spark as usual for barrier stages; when Spark gives up, the run fails with the Python
-exception (or Spark's reason) of the failed task instead of a Py4JJavaError.
+A stage that fails outside any rank (the task's Python code itself, a killed task, a lost
+executor) is not retried by Spark (a barrier result stage cannot be); the run fails with the
+Python exception, or Spark's reason, of the failed task instead of a Py4JJavaError.
 """
 
 from __future__ import annotations
@@ -537,6 +537,7 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, emit: Callable[[dict], 
             local_world_size=len(same_host), master_addr=hosts[0], master_port=peers[0]["port"],
             extra=extra, channel=spec.channel_address, secret=spec.secret, run_id=spec.run_id,
             use_gpu=spec.use_gpu)
+        env["TORCHDIST_CLEANUP"] = workdir  # the worker removes it if it outlives this task
         job_file = os.path.join(workdir, "job.pkl")
         fd = os.open(job_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as fh:
