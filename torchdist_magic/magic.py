@@ -139,8 +139,11 @@ class TorchdistMagics(Magics):
         from .capture import CaptureError, capture_cell
         from .job import Job
 
-        n = self.shell.execution_count
-        history = self.shell.user_ns.get("In", [])[:-1] if "In" in self.shell.user_ns else []
+        inputs = self.shell.user_ns.get("In")
+        # ``In`` holds this cell already; its index is the cell's number on IPython 8 and 9 alike
+        # (IPython 9 counts execution_count up before the cell runs, IPython 8 after)
+        n = len(inputs) - 1 if inputs else self.shell.execution_count
+        history = inputs[:-1] if inputs else []
         try:
             cap = capture_cell(cell, self.shell.user_ns, history,
                                filename=self.cell_filename.format(n=n),
