@@ -80,7 +80,7 @@ def _run_script(job):
     return None
 
 
-def _cell_namespace(use_gpu: bool) -> dict:
+def _cell_namespace() -> dict:
     from torchdist_magic import runtime
 
     ns = {"__name__": "__main__", "__builtins__": __builtins__}
@@ -125,7 +125,7 @@ def _run_cell(job):
     import cloudpickle
 
     cell = job.cell
-    ns = _cell_namespace(job.use_gpu)
+    ns = _cell_namespace()
     for statement, origin in cell.imports:
         try:
             exec(compile(statement, f"<import from {origin}>", "exec"), ns)
