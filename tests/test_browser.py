@@ -4,7 +4,6 @@ reach their total, the Stop button stops a cell that blocks the kernel, and the 
 refuses a bad setting and launches a run.  Screenshots go to ``artifacts/``."""
 
 import os
-import time
 
 import pytest
 
@@ -25,7 +24,7 @@ f"rank {rank} of {world_size}"
 """
 LONG_CELL = """%%torchdist --np 2
 import time
-for i in progress(range(3000), desc="step"):
+for i in progress(range(30000), desc="step"):  # ten minutes unless stopped
     time.sleep(0.02)
 """
 PANEL_CODE = "import time\nfor i in progress(range(20), desc='step'):\n    time.sleep(0.05)\nrank + 40"
@@ -110,9 +109,7 @@ def test_run_view_shows_every_rank_and_stop_ends_a_blocking_cell(browser, lab):
         note_runs(page, lab)
         page.locator(f"{long} .jp-OutputArea").screenshot(path=artifact("browser-run-before-stop.png"))
         page.locator(f"{long} .torchdist-view .torchdist-stop").click()
-        clicked = time.monotonic()
         page.wait_for_selector(f"{long} .torchdist-summary .torchdist-header[data-state=cancelled]", timeout=30_000)
-        assert time.monotonic() - clicked < 30  # the loop alone would take a minute
         page.wait_for_selector(f"{long} .jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']")
         assert "RunCancelled" in page.locator(f"{long} .jp-OutputArea").inner_text()
         assert page.locator(f"{long} .torchdist-summary .torchdist-rank-row[data-state=cancelled]").count() == 2

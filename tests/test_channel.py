@@ -1,6 +1,5 @@
 """Event channel: authentication, garbage frames, ordering, non-blocking send."""
 
-import json
 import socket
 import struct
 import threading

@@ -4,7 +4,6 @@ no leftover processes, event delivery).  The ``dist`` fixture is parametrized by
 import os
 import signal
 import sys
-import threading
 import time
 
 import pytest

@@ -331,11 +331,15 @@ def test_ranks_exit_when_the_driver_is_killed(tmp_path):
     finally:
         driver.kill()
         driver.wait()
+    def leftovers():
+        return pids_of_run(run_id) + [p for p in pids if alive(int(p))], sorted(scratch.rglob("*"))
+
     deadline = time.monotonic() + 10
-    while (pids_of_run(run_id) or any(alive(int(p)) for p in pids)) and time.monotonic() < deadline:
+    while any(leftovers()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not pids_of_run(run_id), "ranks outlived their killed driver"
-    assert list(scratch.iterdir()) == []  # the orphaned ranks removed the run directory
+    procs, files = leftovers()
+    assert not procs, f"ranks outlived their killed driver: {procs}"
+    assert not files, f"the orphaned ranks did not remove the run directory: {files}"
 
 
 def test_text_view_shows_outer_and_inner_bars():
@@ -349,3 +353,19 @@ def test_text_view_shows_outer_and_inner_bars():
                  "elapsed": 1.0, "state": "running"})
     assert rank_progress_text(state.ranks[0]) == (
         "epoch 1/3 (33%) [00:02<00:04, 0.50 it/s] · batch 8/10 (80%) [00:01<00:00, 8.00 it/s]")
+
+
+def test_a_run_cancelled_before_it_starts_starts_nothing():
+    from torchdist_magic.backends.local import LocalProcessBackend
+    from torchdist_magic.distributor import Run, build_job
+    from torchdist_magic.errors import RunCancelled
+    from torchdist_magic.options import LaunchOptions
+
+    opts = LaunchOptions(num_processes=2)
+    run = Run(build_job(print, (), {}, opts), opts, LocalProcessBackend())
+    run.cancel()
+    run._start()
+    with pytest.raises(RunCancelled, match="the run was cancelled before it started"):
+        run.result(timeout=30)
+    assert [rs.pid for rs in run.state.ranks] == [None, None]
+

@@ -20,7 +20,7 @@ from typing import Any, List, Optional, Union
 
 from .backends import Backend, BackendRun, LaunchContext, make_backend
 from .channel import ChannelServer, new_secret
-from .errors import FailureInfo, JobTimeout, RankFailure, RunCancelled
+from .errors import JobTimeout, RankFailure, RunCancelled
 from .job import Job, function_job, in_memory_sources, script_job
 from .options import LaunchOptions
 from .state import RunState
