@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import time
 
 import pytest
@@ -91,6 +92,27 @@ def spark_sessions(tmp_path_factory):
     sessions = SparkSessions(str(tmp_path_factory.mktemp("spark")))
     yield sessions
     sessions.stop()
+    shut_down_gateway_jvm()
+
+
+def shut_down_gateway_jvm() -> None:
+    """End the py4j gateway's JVM, which ``SparkSession.stop`` keeps for the next session and
+    which would otherwise exit only after pytest does, and check by its pid that it is gone."""
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway
+    proc = getattr(gateway, "proc", None)
+    if gateway is None or proc is None:
+        return
+    gateway.shutdown()
+    SparkContext._gateway = SparkContext._jvm = None
+    proc.stdin.close()  # the JVM ends itself when its parent's pipe closes
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode is not None, f"the Spark gateway JVM (pid {proc.pid}) survived"
 
 
 @pytest.fixture
