@@ -1,11 +1,9 @@
-import os
-import sys
+"""Fixtures every test file shares.  Spark's fixtures are a plugin of their own
+(``spark_fixtures``); process helpers are plain functions in ``helpers``."""
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from spark_fixtures import *  # noqa: E402,F401,F403  spark_local2, spark_cluster, test ordering
+pytest_plugins = ["spark_fixtures"]
 
 
 @pytest.fixture
@@ -32,7 +30,7 @@ def _no_temp_leftovers(tmp_path, monkeypatch):
     assert not left, f"temp files left behind: {left}"
 
 
-#: backends the contract suite runs against; Spark variants are added by the Spark tests' fixtures
+#: backends the contract suite runs against
 CONTRACT_BACKENDS = [
     pytest.param("local", id="local"),
     pytest.param("local2", id="spark-local2", marks=pytest.mark.spark),
@@ -48,6 +46,6 @@ def dist(request):
     kind = request.param
     if kind == "local":
         return lambda n=2, **o: Distributor(n, local_mode=True, show=None, **o)
-    session = request.getfixturevalue(f"spark_{kind.replace('-', '_')}")
+    session = request.getfixturevalue(f"spark_{kind}")
     assert session is not None
     return lambda n=2, **o: Distributor(n, local_mode=False, show=None, **o)

@@ -1,9 +1,28 @@
-"""Shared test helpers: find processes that belong to a run, by the run id in their environment."""
+"""Shared test helpers: wait for a condition; find the processes of a run (by the run id in
+their environment) and assert that none survives."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def wait_until(condition: Callable[[], T], timeout: float = 60.0, what: str = "the condition",
+               interval: float = 0.05) -> T:
+    """Poll ``condition`` until it returns something true (which is returned); fail the test
+    naming ``what`` when ``timeout`` seconds pass first.  Never a fixed sleep."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
 
 
 def _environ(pid: str) -> bytes:
@@ -42,11 +61,30 @@ def alive(pid: int) -> bool:
 
 def assert_no_survivors(run, extra_pids=(), wait: float = 5.0) -> None:
     """No process of ``run`` (ranks, their children) and none of ``extra_pids`` is alive."""
-    deadline = time.monotonic() + wait
-    while True:
+    def survivors():
         left = pids_of_run(run.run_id) + [p for p in extra_pids if alive(p)]
         left += [rs.pid for rs in run.state.ranks if rs.pid and alive(rs.pid)]
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert not left, f"processes of run {run.run_id} survived: {sorted(set(left))}"
+        return sorted(set(left))
+
+    try:
+        wait_until(lambda: not survivors(), wait, "every process of the run to end")
+    except AssertionError:
+        raise AssertionError(f"processes of run {run.run_id} survived: {survivors()}") from None
+
+
+class Collector:
+    """An ``on_event`` callback that keeps what it gets, from any thread."""
+
+    def __init__(self):
+        self.records = []
+        self.lock = threading.Lock()
+
+    def __call__(self, record):
+        with self.lock:
+            self.records.append(record)
+
+    def wait_for(self, n):
+        """The records, once there are at least ``n``."""
+        wait_until(lambda: len(self.records) >= n, 10, f"{n} records")
+        with self.lock:
+            return list(self.records)

@@ -4,7 +4,7 @@
 A process can hold one SparkContext at a time, so both fixtures share one session-scoped
 ``spark_sessions`` that stops the running session before it starts one on another master;
 ``pytest_collection_modifyitems`` orders the Spark tests by master so that each session starts
-once.  Imported into ``conftest.py`` with ``from spark_fixtures import *``.
+once.  A pytest plugin, loaded by ``conftest.py``'s ``pytest_plugins``.
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 
 import pytest
 
-__all__ = ["spark_sessions", "spark_local2", "spark_cluster", "pytest_collection_modifyitems"]
+from helpers import wait_until
 
 MASTERS = {"spark_local2": "local[2]", "spark_cluster": "local-cluster[2,1,1024]"}
 EXECUTOR_WAIT = 120.0
@@ -76,15 +75,9 @@ class SparkSessions:
 
 
 def _wait_for_executors(sc, count: int) -> None:
-    deadline = time.monotonic() + EXECUTOR_WAIT
-    while True:
-        registered = sc._jsc.sc().getExecutorMemoryStatus().size() - 1  # the driver counts too
-        if registered >= count:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{count} executors did not register within {EXECUTOR_WAIT:g} s "
-                               f"(have {registered})")
-        time.sleep(0.2)
+    # the driver counts as one
+    wait_until(lambda: sc._jsc.sc().getExecutorMemoryStatus().size() - 1 >= count, EXECUTOR_WAIT,
+               f"{count} executors to register")
 
 
 @pytest.fixture(scope="session")

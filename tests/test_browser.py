@@ -102,6 +102,12 @@ def test_run_view_shows_every_rank_and_stop_ends_a_blocking_cell(browser, lab):
         assert page.locator(f"{train} .torchdist-summary .torchdist-header[data-state=succeeded]").count() == 1
         assert page.locator(f"{train} .torchdist-summary .torchdist-bar-success").count() == 2
         assert "'rank 0 of 2'" in page.locator(f"{train} .jp-OutputArea-executeResult").inner_text()
+        # every rank's last lines stay in the notebook, rank 0's unfolded, the others folded
+        rank_logs = f"{train} .torchdist-summary details.torchdist-rank-log"
+        assert page.locator(rank_logs).count() == 2
+        assert page.locator(f"{rank_logs}[open]").get_attribute("data-rank") == "0"
+        assert "epoch 1 done on rank 1" in page.locator(f"{rank_logs}[data-rank='1']").text_content()
+        assert "_torchdist_run.logs(1)" in page.locator(f"{rank_logs}[data-rank='1'] summary").inner_text()
         page.locator(f"{train} .jp-OutputArea").screenshot(path=artifact("browser-run-done.png"))
 
         # Stop while the next cell blocks the kernel, once both ranks are stepping

@@ -1,80 +1,278 @@
-"""Event channel: authentication, garbage frames, ordering, non-blocking send."""
+"""Event channel: typed records both ways, roles, refusals, dropping, coalescing, closing."""
 
+import dataclasses
+import json
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
-import time
 
 import pytest
 
-from torchdist_magic.channel import (MAX_FRAME, ChannelClient, ChannelServer, FrameError, _coalesce,
-                                     read_frame, write_frame)
-
-
-class Collector:
-    def __init__(self):
-        self.events = []
-        self.lock = threading.Lock()
-
-    def __call__(self, event):
-        with self.lock:
-            self.events.append(event)
-
-    def wait_for(self, n, timeout=10):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.lock:
-                if len(self.events) >= n:
-                    return list(self.events)
-            time.sleep(0.01)
-        return list(self.events)
+from helpers import Collector, wait_until
+from torchdist_magic import channel, events
+from torchdist_magic.channel import MAX_PENDING, ChannelClient, ChannelServer, client_from_env, new_secret
 
 
 @pytest.fixture
 def server():
     got = Collector()
-    srv = ChannelServer(got, run_id="run-1")
+    srv = ChannelServer(got, run_id="run-1", secret=new_secret(), launcher_secret=new_secret())
     srv.got = got
     yield srv
     srv.close()
 
 
-def _address(srv):
+def address(srv):
     return f"{srv.address[0]}:{srv.address[1]}"
 
 
-def test_authenticated_client_delivers_in_order(server):
-    client = ChannelClient(_address(server), server.secret, "run-1", rank=3)
+def worker(srv, rank=0, **kwargs):
+    return ChannelClient(address(srv), srv._secrets["worker"], "run-1", rank, **kwargs)
+
+
+def launcher(srv, rank=0, **kwargs):
+    return ChannelClient(address(srv), srv._secrets["launcher"], "run-1", rank, role="launcher", **kwargs)
+
+
+EVERY_RANK_RECORD = [
+    events.Started(rank=99, host="h", pid=12, time=1.5),
+    events.Log(rank=99, stream="stderr", line="épsilon ☃", cr=True),
+    events.Progress(rank=99, bar="b", desc="epoch", n=3, total=10, elapsed=0.5, state="done"),
+    events.Metrics(rank=99, step=7, values={"loss": 0.25, "acc": "nan"}, time=2.0),
+    events.Dropped(rank=99, count=4),
+    events.Exit(rank=99, code=-9, time=3.0, host="h", stopped=True,
+                failure=events.Failure(rank=99, host="h", exit_code=-9, exc_type="KeyError",
+                                       message="m", traceback="tb", time=3.0, log_tail=["a", "b"])),
+]
+
+
+def test_every_record_type_arrives_intact_with_the_authenticated_rank(server):
+    client = launcher(server, rank=3)
+    for record in EVERY_RANK_RECORD:
+        client.send(record)
+    client.close()
+    assert server.got.records == [dataclasses.replace(r, rank=3) for r in EVERY_RANK_RECORD]
+    assert server.stats["delivered"] == len(EVERY_RANK_RECORD)
+
+
+def test_many_records_arrive_in_order(server):
+    client = launcher(server, rank=1)
+    for i in range(20_000):
+        client.send(events.Log(rank=1, line=f"l{i}"))
+    client.close()  # returns once the driver has handled everything sent before it
+    assert [r.line for r in server.got.records] == [f"l{i}" for i in range(20_000)]
+
+
+def test_a_worker_may_not_send_what_only_its_launcher_may(server):
+    client = worker(server, rank=2)
+    client.send(events.Exit(rank=2, code=0))
+    client.send(events.Log(rank=2, line="forged output"))
+    client.send(events.Metrics(rank=2, step=1, values={"x": 1.0}))
+    client.close()
+    assert server.got.records == [events.Metrics(rank=2, step=1, values={"x": 1.0})]
+    assert server.stats["forbidden"] == 2
+
+
+def test_on_event_errors_are_counted_and_the_channel_goes_on():
+    seen = []
+
+    def on_event(record):
+        seen.append(record)
+        if record.step % 2:
+            raise RuntimeError("handler bug")
+
+    srv = ChannelServer(on_event, "run-1", secret="s", launcher_secret="l")
+    client = ChannelClient(address(srv), "s", "run-1", 0)
+    for step in range(10):
+        client.send(events.Metrics(rank=0, step=step))
+    client.close()
+    srv.close()
+    assert [r.step for r in seen] == list(range(10))
+    assert srv.stats["callback_errors"] == 5 and srv.stats["delivered"] == 5
+
+
+def test_driver_records_reach_on_message(server):
+    got_a, got_b = Collector(), Collector()
+    a = launcher(server, rank=0, on_message=got_a)
+    b = launcher(server, rank=1, on_message=got_b)
+    w = worker(server, rank=0)
+    wait_until(lambda: server.stats["authenticated"] == 3)
+    assert server.send(1, events.RunJob(rank=1, job_id="j2", job_file="/tmp/j2"))
+    assert server.broadcast(events.Stop(rank=-1, grace=1.5)) == 2  # launchers only
+    assert not server.send(7, events.Stop(rank=7))                  # no such rank
+    assert got_b.wait_for(2) == [events.RunJob(rank=1, job_id="j2", job_file="/tmp/j2"),
+                                 events.Stop(rank=-1, grace=1.5)]
+    assert got_a.wait_for(1) == [events.Stop(rank=-1, grace=1.5)]
+    for client in (a, b, w):
+        client.close()
+
+
+def test_close_delivers_what_clients_already_sent(server):
+    client = launcher(server, rank=0)
     for i in range(5000):
-        client.send({"type": "log", "line": f"l{i}", "rank": 99})
+        client.send(events.Log(rank=0, line=str(i)))
+    wait_until(lambda: server.stats["authenticated"] == 1)
+    closing = threading.Thread(target=client.close)
+    closing.start()
+    server.close()
+    closing.join()
+    assert [r.line for r in server.got.records] == [str(i) for i in range(5000)]
+    server.close()  # idempotent
+    assert not server.send(0, events.Stop(rank=0))
+
+
+def test_progress_updates_of_a_bar_are_coalesced_to_the_newest():
+    a1, a2 = events.Progress(rank=0, bar="a", n=1), events.Progress(rank=0, bar="a", n=2)
+    b1, log = events.Progress(rank=0, bar="b", n=1), events.Log(rank=0, line="x")
+    assert channel._coalesce([a1, log, b1, a2]) == [log, b1, a2]
+
+
+class StalledDriver:
+    """A listener that accepts but answers only when told: the client's sender thread waits in
+    its handshake meanwhile, so its queue fills up."""
+
+    def __init__(self, secret):
+        self.secret = secret
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+
+    def handshake(self):
+        conn, _ = self.listener.accept()
+        conn.settimeout(10)
+        conn.sendall(channel._frame({"nonce": "n0"}))
+        hello = channel._read_frame(conn, channel.MAX_HELLO)
+        assert hello["mac"] == channel._mac(self.secret, "n0").decode()
+        conn.sendall(channel._frame({"ok": True, "mac": channel._mac(self.secret, hello["nonce"]).decode()}))
+        return conn
+
+    def cut_off(self):
+        """What a driver flooded by strangers does to a handshake: evict it half-way."""
+        conn, _ = self.listener.accept()
+        conn.sendall(channel._frame({"nonce": "n1"}))
+        conn.close()
+
+    def close(self):
+        self.listener.close()
+
+
+def test_a_full_queue_drops_and_reports_how_many():
+    driver = StalledDriver("s")
+    client = ChannelClient(driver.address, "s", "r", 5, maxsize=10)
+    for i in range(1000):  # far more than the queue holds, and nothing drains it yet: never blocks
+        client.send(events.Metrics(rank=5, step=i))
+    conn = driver.handshake()
+    closing = threading.Thread(target=client.close)
+    closing.start()
+    received = []
+    while True:
+        try:
+            frame = channel._read_frame(conn, channel.MAX_FRAME)
+        except EOFError:
+            break
+        received += [events.decode(e) for e in frame["events"]]
+    conn.close()
+    closing.join()
+    driver.close()
+    metrics = [events.Metrics(rank=5, step=i) for i in range(10)]
+    assert received == metrics + [events.Dropped(rank=5, count=990)]
+
+
+def test_a_handshake_cut_off_is_tried_again(capfd):
+    driver = StalledDriver("s")
+    client = ChannelClient(driver.address, "s", "r", 2)
+    client.send(events.Started(rank=2, pid=2))
+    driver.cut_off()
+    conn = driver.handshake()
+    closing = threading.Thread(target=client.close)
+    closing.start()
+    frame = channel._read_frame(conn, channel.MAX_FRAME)
+    assert [events.decode(e) for e in frame["events"]] == [events.Started(rank=2, pid=2)]
+    conn.close()
+    closing.join()
+    driver.close()
+    assert capfd.readouterr().err == ""
+
+
+def test_a_driver_that_cannot_prove_the_secret_is_not_obeyed(capfd):
+    driver = StalledDriver("s")
+    got = Collector()
+    client = ChannelClient(driver.address, "s", "r", 0, role="launcher", on_message=got)
+    conn, _ = driver.listener.accept()
+    conn.sendall(channel._frame({"nonce": "n0"}))
+    channel._read_frame(conn, channel.MAX_HELLO)
+    conn.sendall(channel._frame({"ok": True, "mac": "0" * 64}))
+    conn.sendall(channel._frame({"events": [events.encode(events.Stop(rank=0))]}))
     client.close()
-    events = server.got.wait_for(5000)
-    assert [e["line"] for e in events] == [f"l{i}" for i in range(5000)]
-    assert {e["rank"] for e in events} == {3}  # the rank is the authenticated one, not the event's
+    conn.close()
+    driver.close()
+    assert got.records == []
+    err = capfd.readouterr().err
+    assert err.count("torchdist_magic:") == 1 and "could not prove" in err, err
 
 
-def _raw_connect(srv):
-    sock = socket.create_connection(srv.address, timeout=5)
-    nonce = read_frame(sock)["nonce"]
-    return sock, nonce
-
-
-def test_wrong_secret_is_rejected(server, capfd):
-    client = ChannelClient(_address(server), "not-the-secret", "run-1", rank=0)
-    client.send({"type": "log", "line": "intruder"})
+def test_records_json_cannot_carry_are_counted_as_dropped(server):
+    client = worker(server, rank=0)
+    client.send(events.Metrics(rank=0, step=1, values={"loss": float("nan")}))
+    client.send(events.Metrics(rank=0, step=2, values={"loss": 1.0}))
     client.close()
-    time.sleep(0.3)
-    assert server.got.events == []
-    assert server.rejected == 1
-    assert "event channel to the driver lost" in capfd.readouterr().err
+    assert server.got.records == [events.Metrics(rank=0, step=2, values={"loss": 1.0}),
+                                  events.Dropped(rank=0, count=1)]
 
 
-def test_wrong_run_id_is_rejected(server):
-    client = ChannelClient(_address(server), server.secret, "another-run", rank=0)
-    client.send({"type": "log", "line": "x"})
+def test_send_takes_only_records(server):
+    client = worker(server)
+    with pytest.raises(TypeError, match="events.Event"):
+        client.send({"type": "log", "line": "x"})
     client.close()
-    time.sleep(0.3)
-    assert server.got.events == [] and server.rejected == 1
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda srv: ChannelClient(address(srv), "not-the-secret", "run-1", 0), "wrong secret for role worker"),
+    (lambda srv: ChannelClient(address(srv), srv._secrets["worker"], "another-run", 0), "wrong run"),
+    # a worker knows only the worker secret: it cannot pose as its launcher
+    (lambda srv: ChannelClient(address(srv), srv._secrets["worker"], "run-1", 0, role="launcher"),
+     "wrong secret for role launcher"),
+], ids=["bad-secret", "wrong-run", "worker-posing-as-launcher"])
+def test_refused_clients_say_why_once_and_deliver_nothing(server, capfd, make, reason):
+    client = make(server)
+    for i in range(3):
+        client.send(events.Metrics(rank=0, step=i))
+    client.close()
+    err = capfd.readouterr().err
+    assert err.count("torchdist_magic:") == 1 and reason in err and "refused" in err, err
+    assert server.got.records == [] and server.stats["rejected"] == 1
+
+
+def test_a_peer_of_another_protocol_version_is_told_both_versions(server):
+    other = events.PROTOCOL_VERSION + 1
+    code = (f"from torchdist_magic import channel, events\n"
+            f"events.PROTOCOL_VERSION = {other}\n"
+            f"c = channel.ChannelClient({address(server)!r}, {server._secrets['worker']!r}, 'run-1', 0)\n"
+            f"c.send(events.Metrics(rank=0))\n"
+            f"c.close()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("torchdist_magic:"), proc.stderr
+    assert f"version {other}" in lines[0] and f"version {events.PROTOCOL_VERSION}" in lines[0]
+    assert "same torchdist_magic version" in lines[0]
+    assert server.got.records == [] and server.stats["rejected"] == 1
+
+
+def test_an_unreachable_driver_costs_one_line_and_never_blocks(capfd):
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    port = dead.getsockname()[1]
+    dead.close()
+    client = ChannelClient(f"127.0.0.1:{port}", "s", "r", rank=0, maxsize=10)
+    for i in range(1000):
+        client.send(events.Metrics(rank=0, step=i))
+    client.close(timeout=5)
+    err = capfd.readouterr().err
+    assert err.count("torchdist_magic:") == 1 and "cannot reach" in err, err
 
 
 @pytest.mark.parametrize("garbage", [
@@ -83,55 +281,58 @@ def test_wrong_run_id_is_rejected(server):
     b"\x00\x00\x00\x02[]",                          # JSON, not an object
     b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",          # a stray HTTP client
 ])
-def test_garbage_before_auth_is_dropped_and_server_survives(server, garbage):
-    sock, _ = _raw_connect(server)
-    sock.sendall(garbage)
-    sock.close()
-    client = ChannelClient(_address(server), server.secret, "run-1", rank=1)
-    client.send({"type": "status", "state": "running"})
+def test_garbage_before_authentication_is_rejected_and_the_server_serves_on(server, garbage):
+    with socket.create_connection(server.address, timeout=5) as sock:
+        sock.sendall(garbage)
+        wait_until(lambda: server.stats["rejected"] == 1)
+    client = worker(server, rank=1)
+    client.send(events.Started(rank=1, pid=1))
     client.close()
-    assert server.got.wait_for(1)[0]["state"] == "running"
+    assert server.got.records == [events.Started(rank=1, pid=1)]
 
 
-def test_garbage_after_auth_closes_only_that_connection(server):
-    from torchdist_magic.channel import _mac
-
-    sock, nonce = _raw_connect(server)
-    write_frame(sock, {"mac": _mac(server.secret, nonce), "run_id": "run-1", "rank": 0})
-    assert read_frame(sock) == {"ok": True}
-    write_frame(sock, {"events": [{"type": "log", "line": "ok"}, "not-an-event", {"no": "type"}]})
-    write_frame(sock, {"not": "events"})
-    sock.sendall(b"\x00\x00\x00\x03abc")
-    assert [e["line"] for e in server.got.wait_for(1)] == ["ok"]
-    good = ChannelClient(_address(server), server.secret, "run-1", rank=1)
-    good.send({"type": "log", "line": "still serving"})
-    good.close()
-    assert server.got.wait_for(2)[-1]["line"] == "still serving"
-    sock.close()
+def _closed_by_peer(sock):
+    try:
+        while sock.recv(4096):  # the challenge, then the end
+            pass
+    except ConnectionResetError:
+        pass
+    return True
 
 
-def test_frame_size_limit():
-    a, b = socket.socketpair()
-    with pytest.raises(FrameError, match="over the"):
-        write_frame(a, {"x": "y" * (MAX_FRAME + 1)})
-    a.sendall(struct.pack(">I", MAX_FRAME + 1))
-    with pytest.raises(FrameError, match="over the"):
-        read_frame(b)
-    a.close(), b.close()
+def test_a_new_connection_evicts_the_oldest_waiting_one(server):
+    idle = [socket.create_connection(server.address, timeout=10) for _ in range(MAX_PENDING)]
+    wait_until(lambda: server.stats["accepted"] == MAX_PENDING)
+    newest = socket.create_connection(server.address, timeout=10)
+    assert _closed_by_peer(idle[0])
+    wait_until(lambda: server.stats["evicted"] == 1)
+    for sock in idle + [newest]:
+        sock.close()
 
 
-def test_send_never_blocks_when_driver_is_unreachable():
-    dead = socket.socket()
-    dead.bind(("127.0.0.1", 0))
-    port = dead.getsockname()[1]
-    dead.close()
-    client = ChannelClient(f"127.0.0.1:{port}", "s", "r", rank=0, maxsize=10)
-    for i in range(1000):  # far more than the queue holds: dropped, not blocked
-        client.send({"type": "metrics", "values": {"i": i}})
-    client.close(timeout=2)
+def test_a_silent_connection_is_closed_at_the_handshake_deadline(monkeypatch):
+    monkeypatch.setattr(channel, "HANDSHAKE_DEADLINE", 0.2)
+    srv = ChannelServer(Collector(), "run-1", secret="s", launcher_secret="l")
+    with socket.create_connection(srv.address, timeout=10) as sock:
+        assert _closed_by_peer(sock)
+    assert srv.stats["rejected"] == 1
+    srv.close()
 
 
-def test_progress_updates_are_coalesced_per_bar():
-    batch = [{"type": "progress", "bar": "a", "n": 1}, {"type": "log", "line": "x"},
-             {"type": "progress", "bar": "b", "n": 1}, {"type": "progress", "bar": "a", "n": 2}]
-    assert _coalesce(batch) == [batch[1], batch[2], batch[3]]
+def test_client_from_env(server, monkeypatch):
+    monkeypatch.delenv("TORCHDIST_CHANNEL", raising=False)
+    assert client_from_env() is None
+    monkeypatch.setenv("TORCHDIST_CHANNEL", address(server))
+    monkeypatch.setenv("TORCHDIST_SECRET", server._secrets["worker"])
+    monkeypatch.setenv("TORCHDIST_RUN_ID", "run-1")
+    monkeypatch.setenv("RANK", "4")
+    client = client_from_env()
+    client.send(events.Started(rank=0, pid=os.getpid()))
+    client.close()
+    assert server.got.records == [events.Started(rank=4, pid=os.getpid())]
+
+
+def test_frames_are_length_prefixed_json():
+    data = channel._frame({"events": [events.encode(events.Stop(rank=1, grace=2.0))]})
+    (length,) = struct.unpack(">I", data[:4])
+    assert json.loads(data[4:4 + length]) == {"events": [{"type": "stop", "rank": 1, "grace": 2.0}]}

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import assert_no_survivors
+from helpers import assert_no_survivors, wait_until
 from torchdist_magic import JobTimeout, RankFailure, RunCancelled, progress, rank, report
 
 
@@ -107,9 +107,7 @@ def test_timeout_raises_builtin_timeout_error(dist):
 
 def test_cancel_stops_every_rank(dist):
     run = dist(2).submit(sleep_forever)
-    deadline = time.monotonic() + 60
-    while "sleeping" not in run.logs(1) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: "sleeping" in run.logs(1), 60, "rank 1 to be sleeping")
     run.cancel()
     with pytest.raises(RunCancelled) as info:
         run.result(timeout=60)

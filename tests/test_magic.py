@@ -1,6 +1,7 @@
 """%%torchdist through a real IPython shell, with real worker processes."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -189,12 +190,17 @@ def test_failing_rank_shows_cell_line(ip, capsys):
 
 
 @pytest.mark.parametrize("source,expected", [
-    ("%%torchdist --np 0\n1", "UsageError: num_processes must be at least 1, got 0"),
+    ("%%torchdist --np 0\n1", "UsageError: --np must be at least 1, got 0"),
     ("%%torchdist --np x\n1", "UsageError: argument --np: invalid int value: 'x'"),
     ("%%torchdist --bogus\n1", "UsageError: unrecognized arguments: --bogus"),
     ("%%torchdist --backend yarn\n1", "UsageError: argument --backend: invalid choice: 'yarn'"),
-    ("%%torchdist --timeout -1\n1", "UsageError: timeout must be a positive number of seconds, got -1.0"),
-    ("%%torchdist --env NOVALUE\n1", "UsageError: env entry 'NOVALUE' is not of the form KEY=VALUE"),
+    ("%%torchdist --timeout -1\n1", "UsageError: --timeout must be a positive number of seconds, got -1"),
+    ("%%torchdist --env NOVALUE\n1", "UsageError: --env entry 'NOVALUE' is not of the form KEY=VALUE"),
+    ("%%torchdist --env 1A=x\n1", "UsageError: --env: '1A' is not a valid environment variable name"),
+    ("%%torchdist --local --spark\n1", "UsageError: --local and --spark contradict each other: give one"),
+    ("%%torchdist --spark --backend local\n1", "UsageError: --spark and --backend local contradict each other"),
+    ("%%torchdist --np 2 --spark\n1", "UsageError: backend 'spark' (--spark, local_mode=False) runs on the "
+                                      "active SparkSession, and this process has none"),
     ("%%torchdist --out 1x\n1", "UsageError: --out needs a variable name, got '1x'"),
     ("%%torchdist script.py\n1", "UsageError: unexpected argument 'script.py': %%torchdist takes only flags"),
     ("%%torchdist\n\n", "UsageError: the %%torchdist cell is empty"),
@@ -280,7 +286,7 @@ def test_flags_match_launch_options():
     parser = construct_parser(TorchdistMagics.torchdist)
     dests = {a.dest for a in parser._actions}
     assert {f.name for f in option_fields()} <= dests
-    assert dests - {f.name for f in option_fields()} == {"out", "quiet", "script", "script_args"}
+    assert dests - {f.name for f in option_fields()} == {"local", "spark", "out", "quiet", "script", "script_args"}
 
 
 def test_unload_removes_magics():
@@ -316,3 +322,32 @@ def test_traceback_through_a_notebook_function_shows_its_source(ip):
     assert isinstance(err, RankFailure) and err.exc_type == "KeyError"
     assert 'raise KeyError("shard " + str(r))' in err.traceback
     assert "bad_shard(rank)" in err.traceback
+
+
+def test_quiet_shows_the_result_and_nothing_else(ip, capsys):
+    capsys.readouterr()
+    result = cell(ip, """
+        %%torchdist --np 2 --quiet
+        print("from a rank")
+        rank + 40
+    """)
+    assert result.result == 40
+    out = capsys.readouterr()
+    assert re.fullmatch(r"Out\[\d+\]: 40\n", out.out) and out.err == ""  # IPython shows the value
+    assert "from a rank" in ip.user_ns["_torchdist_run"].logs(1)
+
+
+def test_the_cells_run_is_kept_in_the_notebook(ip):
+    cell(ip, "%%torchdist --np 2\nprint('hi', rank)")
+    run = ip.user_ns["_torchdist_run"]
+    assert run.done() and run.state.state == "succeeded" and "hi 1" in run.logs(1)
+
+
+def test_invalid_config_default_is_a_usage_error(ip, capsys):
+    ip.run_line_magic("config", "TorchdistMagics.default_np = 0")
+    try:
+        ip.run_cell("%%torchdist\n1")
+    finally:
+        ip.run_line_magic("config", "TorchdistMagics.default_np = 1")
+    text = "".join(capsys.readouterr())
+    assert "UsageError: %config TorchdistMagics: num_processes must be at least 1, got 0" in text

@@ -9,23 +9,20 @@ import ipywidgets as widgets
 import pytest
 
 from helpers import assert_no_survivors
-from torchdist_magic.magic import TorchdistMagics, parse_flags
-from torchdist_magic.options import LaunchOptions, option_fields
+from torchdist_magic.options import LaunchOptions, flag_parser, option_fields, options_from_flags, parse_flags
 from torchdist_magic.view import panel as P
-from torchdist_magic.view.widget import rank_rows
+from torchdist_magic.view.model import rank_rows
 
-#: magic flags that are not launch settings: where the value goes and whether a view shows
-NOT_LAUNCH_SETTINGS = {"out", "quiet"}
+#: flags that are no launch setting: shortcuts of --backend, where the value goes, no view
+MAGIC_ONLY_FLAGS = {"--local", "--spark", "--out", "--quiet"}
 
 
 class Notebook:
-    """What the panel reads of an IPython shell: the notebook namespace (with its ``In`` history)
-    and the registered ``TorchdistMagics`` (whose ``%config`` defaults the panel starts from)."""
+    """What the panel reads of an IPython shell: the notebook namespace (with its ``In``
+    history)."""
 
     def __init__(self):
         self.user_ns = {"__name__": "__main__", "In": [""]}
-        self.magics = TorchdistMagics(shell=None)
-        self.magics_manager = types.SimpleNamespace(registry={"TorchdistMagics": self.magics})
 
     def run_cell(self, source):
         self.user_ns["In"].append(source)
@@ -39,17 +36,13 @@ def ip():
 
 @pytest.fixture
 def panel(ip):
-    return P.LaunchPanel(ip)
+    return P.LaunchPanel(ip, LaunchOptions())
 
 
-def magic_parser():
-    return TorchdistMagics.torchdist.parser
-
-
-def parse_line(ip, line):
-    """``LaunchOptions`` the magic builds from a ``%%torchdist ...`` line."""
+def parse_line(line):
+    """``LaunchOptions`` that a ``%%torchdist ...`` line gives where nothing is configured."""
     assert line.startswith("%%torchdist")
-    return ip.magics.launch_options(parse_flags(line[len("%%torchdist"):]))
+    return options_from_flags(parse_flags(line[len("%%torchdist"):]), LaunchOptions())
 
 
 # -- controls and flags agree ----------------------------------------------------------------------
@@ -58,12 +51,11 @@ def test_every_option_field_has_a_control_and_every_flag_maps_to_a_field(panel):
     assert list(panel.controls) == names == list(panel.notes)
     for name, control in panel.controls.items():
         assert {"torchdist-option", f"torchdist-option-{name}"} <= set(control._dom_classes)
-    flags = {flag: a.dest for a in magic_parser()._actions for flag in a.option_strings}
+    flags = {flag: a.dest for a in flag_parser()._actions for flag in a.option_strings}
     for field in option_fields():
         assert flags[field.metadata["flag"]] == field.name
     unmapped = {flag for flag, dest in flags.items() if dest not in names}
-    assert {flags[f] for f in unmapped} == NOT_LAUNCH_SETTINGS, f"magic flags without a LaunchOptions field: {unmapped}"
-    assert flags["--local"] == flags["--spark"] == "backend"  # shortcuts of --backend
+    assert unmapped == MAGIC_ONLY_FLAGS, f"flags without a LaunchOptions field: {unmapped - MAGIC_ONLY_FLAGS}"
 
 
 def test_control_kinds_follow_the_field_metadata(panel):
@@ -79,14 +71,11 @@ def test_control_kinds_follow_the_field_metadata(panel):
         assert field.metadata["help"].split("(")[0].strip() in panel.notes[field.name].value.replace("&#x27;", "'")
 
 
-def test_panel_starts_from_the_configured_defaults(ip):
-    ip.magics.default_np = 3          # %config TorchdistMagics.default_np = 3
-    ip.magics.default_backend = "local"
-    panel = P.LaunchPanel(ip)
-    assert panel.options() == LaunchOptions(num_processes=3, backend="local")
-    ip.magics.default_np = 0          # a bad default: the panel starts from LaunchOptions()
-    assert P.LaunchPanel(ip).options() == LaunchOptions()
-    assert P.LaunchPanel(types.SimpleNamespace(user_ns={})).options() == LaunchOptions()  # no magics
+def test_panel_starts_from_the_defaults_it_is_given(ip):
+    defaults = LaunchOptions(num_processes=3, backend="local", timeout=90.0, env={"A": "1"}, all_ranks=True)
+    panel = P.LaunchPanel(ip, defaults)  # the magic passes its %config defaults
+    assert panel.options() == defaults
+    assert P.LaunchPanel(types.SimpleNamespace(user_ns={}), LaunchOptions()).options() == LaunchOptions()
 
 
 # -- validation ------------------------------------------------------------------------------------
@@ -104,9 +93,11 @@ def test_bad_settings_are_shown_next_to_the_control_and_block_launch(panel, name
     panel.controls[name].value = text
     with pytest.raises((TypeError, ValueError)) as expected:
         LaunchOptions(**{name: value})
-    assert panel.field_errors() == {name: str(expected.value)}
+    message = expected.value.for_flags()  # named by the flag that labels the control
+    assert message.startswith(panel.fields[name].metadata["flag"])
+    assert panel.field_errors() == {name: message}
     assert "torchdist-option-error" in panel.notes[name].value
-    assert str(expected.value).split(",")[0].replace("'", "&#x27;") in panel.notes[name].value
+    assert message.split(",")[0].replace("'", "&#x27;") in panel.notes[name].value
     assert panel.launch_button.disabled and panel.command.value == ""
     assert panel.launch() is None
     panel.controls[name].value = {"num_processes": 1, "timeout": "", "env": ""}[name]
@@ -185,7 +176,7 @@ def test_equivalent_cell_reproduces_the_options(ip, panel, settings):
     line, body = text.split("\n", 1)
     assert body == "model = train()\nmodel"
     assert line.startswith("%%torchdist --np ")
-    assert parse_line(ip, line) == panel.options()
+    assert parse_line(line) == panel.options()
     assert panel.command.value and "the same run in a cell" in panel.command.value
 
 
@@ -204,9 +195,9 @@ def test_command_line_leaves_out_defaults_but_always_names_np():
         "%%torchdist --np 2 --gpu --timeout 30 --env 'A=x y'"
 
 
-def test_quoted_env_round_trips_through_the_magic(ip):
+def test_quoted_env_round_trips_through_the_flags():
     opts = LaunchOptions(num_processes=2, env={"A": "x y", "B": "it's"})
-    assert parse_line(ip, P.command_line(opts)) == opts
+    assert parse_line(P.command_line(opts)) == opts
 
 
 # -- real runs from the panel ----------------------------------------------------------------------
@@ -232,6 +223,17 @@ def test_launch_code_runs_in_the_background_and_shows_the_value(ip, panel):
     assert "hello from 0" in panel._view.logs.value
     assert not panel.launch_button.disabled and panel.stop_button.disabled
     assert run.job.cell.filename == "<torchdist panel>"
+    assert_no_survivors(run)
+
+
+def test_a_named_panel_says_where_its_runs_logs_and_value_are(ip):
+    panel = P.LaunchPanel(ip, LaunchOptions(num_processes=2, backend="local"), name="_torchdist_panel")
+    panel.code.value = "print('hi from', rank)\nrank + 1"
+    run = panel.launch()
+    wait_for(panel)
+    assert "full log: _torchdist_panel.run.logs(0)" in panel._view.logs.value
+    assert "<code>_torchdist_panel.value</code>" in panel.result.value and panel.value == 1
+    assert panel.run is run
     assert_no_survivors(run)
 
 

@@ -10,10 +10,12 @@ import time
 
 import pytest
 
-from helpers import assert_no_survivors
+from helpers import assert_no_survivors, wait_until
 from torchdist_magic import Distributor, LaunchOptions, RankFailure, RunCancelled, rank
 from torchdist_magic.backends import make_backend
 from torchdist_magic.backends.spark import SparkBarrierBackend
+
+pytestmark = pytest.mark.spark  # also run under pyspark 3.5 (README's test command)
 
 #: where Spark's Python workers make their temp dirs (taken before a test redirects ``tempfile``)
 EXECUTOR_TMP = tempfile.gettempdir()
@@ -124,9 +126,39 @@ def test_gpu_without_spark_task_gpus_is_refused(spark_local2):
 
 def test_spark_connect_session_is_refused():
     connect_session = type("SparkSession", (), {"__module__": "pyspark.sql.connect.session"})()
-    backend = SparkBarrierBackend(spark=connect_session)
-    with pytest.raises(ValueError, match="needs a classic SparkSession"):
-        backend.check(LaunchOptions(num_processes=2))
+    with pytest.raises(ValueError, match="is a Spark Connect session, which torchdist_magic's Spark backend "
+                                         "does not support yet; use a classic SparkSession or --local"):
+        SparkBarrierBackend(connect_session)
+
+
+@pytest.mark.parametrize("master, local", [
+    ("local", True), ("local[2]", True), ("local[*]", True), ("local-cluster[2,1,1024]", True),
+    ("spark://head:7077", False), ("yarn", False), ("k8s://https://k:443", False)])
+def test_which_masters_run_on_this_machine(master, local):
+    from torchdist_magic.backends.spark import is_local_master
+
+    assert is_local_master(master) is local
+
+
+def interpreter():
+    import sys
+
+    return sys.executable
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("session", ["spark_local2", "spark_cluster"])
+def test_local_master_ranks_run_on_the_notebooks_interpreter(request, session, monkeypatch):
+    import sys
+
+    spark = request.getfixturevalue(session)
+    # what Spark would start otherwise: ``python3`` from PATH, here one that does not exist
+    monkeypatch.setattr(spark.sparkContext, "pythonExec", "/nonexistent/python3")
+    monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
+    run = spark_dist(2, all_ranks=True).submit(interpreter)
+    assert run.result(timeout=120) == [sys.executable] * 2
+    assert spark.sparkContext.pythonExec == "/nonexistent/python3"  # the session itself is unchanged
+    assert_nothing_left(run)
 
 
 @pytest.mark.spark
@@ -167,7 +199,7 @@ class ClosureFailsOnExecutorBackend(SparkBarrierBackend):
 def test_stage_failure_is_rank_failure_with_the_python_exception(spark_local2, monkeypatch):
     import torchdist_magic.distributor as distributor
 
-    monkeypatch.setattr(distributor, "make_backend", lambda options: ClosureFailsOnExecutorBackend())
+    monkeypatch.setattr(distributor, "make_backend", lambda options: ClosureFailsOnExecutorBackend(spark_local2))
     run = spark_dist(2).submit(one)
     with pytest.raises(RankFailure) as info:
         run.result(timeout=120)
@@ -183,9 +215,7 @@ def test_stage_failure_is_rank_failure_with_the_python_exception(spark_local2, m
 @pytest.mark.spark
 def test_cancel_gives_ranks_their_sigterm_grace(spark_local2):
     run = spark_dist(2).submit(say_stopped_on_sigterm)
-    deadline = time.monotonic() + 60
-    while not all("ready" in run.logs(r) for r in (0, 1)) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: all("ready" in run.logs(r) for r in (0, 1)), 60, "both ranks to be ready")
     run.cancel()
     with pytest.raises(RunCancelled):
         run.result(timeout=60)

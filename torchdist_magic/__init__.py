@@ -19,7 +19,7 @@ __all__ = [
     "load_ipython_extension", "unload_ipython_extension",
 ]
 
-_LAZY = {"Distributor": "distributor", "Run": "distributor", "last_run": "distributor"}
+_LAZY = {"Distributor": "api", "Run": "distributor", "last_run": "distributor"}
 
 
 def __getattr__(name):

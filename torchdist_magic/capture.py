@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .job import CellCode, _describe
-from .worker import CELL_PROVIDED
+from .runtime import CELL_PROVIDED
 
 #: notebook names that never travel (IPython's own machinery)
 NOT_SENT = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_ih", "_oh", "_dh"}
@@ -31,9 +31,9 @@ class CaptureError(ValueError):
 
 @dataclass
 class Capture:
+    """A captured cell: the ``CellCode`` every rank runs."""
+
     cell: CellCode
-    payload_bytes: int
-    sizes: Dict[str, int]
 
 
 def _position(node: ast.AST) -> Tuple[int, int]:
@@ -262,7 +262,6 @@ def capture_cell(source: str, namespace: dict, history: Iterable[str] = (), *,
         blob = cloudpickle.dumps(values) if values else b""
     except Exception as exc:
         raise CaptureError(_unpicklable_message(values, exc)) from None
-    sizes: Dict[str, int] = {}
     if len(blob) > warn_bytes:
         sizes = {k: len(cloudpickle.dumps(v)) for k, v in values.items()}
         largest = sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
@@ -273,7 +272,7 @@ def capture_cell(source: str, namespace: dict, history: Iterable[str] = (), *,
     cell = CellCode(source=source, filename=filename, imports=imports, values=blob,
                     value_names=sorted(values), init_process_group=not _calls_init_process_group(tree),
                     line_offset=line_offset, silent=_ends_with_semicolon(source))
-    return Capture(cell=cell, payload_bytes=len(blob), sizes=sizes)
+    return Capture(cell=cell)
 
 
 def _syntax_message(exc: SyntaxError) -> str:

@@ -1,59 +1,123 @@
-"""Authenticated event transport, worker -> driver.
+"""Authenticated transport of event records between the driver and its ranks, both ways.
 
-Wire format: every frame is a 4-byte big-endian length and a UTF-8 JSON object.  Nothing
-read from a socket is ever unpickled.  A connection starts with a challenge: the server
-sends ``{"nonce": ...}``, the client answers with ``HMAC-SHA256(secret, nonce)``, its run id
-and rank; the server acknowledges with ``{"ok": true}`` or closes the connection.  After that each frame is
-``{"events": [...]}``.  A malformed or oversized frame closes that one connection; the server
-keeps serving the others.
+Wire format.  Every frame is a 4-byte big-endian length and a UTF-8 JSON object; nothing read
+from a socket is ever unpickled.  A connection starts with a challenge: the server sends
+``{"nonce": ...}``; the client answers ``{"mac": HMAC-SHA256(secret, nonce), "nonce": ...,
+"run_id", "rank", "role", "protocol"}``, with the secret of its role.  A worker knows only the
+run's ``secret``; the launcher of a rank (the local backend, a Spark task) also knows
+``launcher_secret``, so a worker cannot pose as its launcher and report its own exit.  The server
+replies ``{"ok": true, "mac": HMAC-SHA256(secret, client's nonce)}``, so that a rank obeys only
+the driver and not whatever took over its port, or ``{"ok": false, "error": reason}`` and
+closes.  After that every frame, in either direction, is ``{"events": [record, ...]}`` in the
+encoding of ``events``.
 
-The client never blocks the training loop: ``send`` puts the event on a bounded queue that a
-background thread drains, coalescing progress updates of the same bar.
+Strangers.  The driver's port is open to anything on the cluster's network, so a connection that
+has not authenticated may cost only a bounded amount.  One thread serves every connection (a
+selector; no thread per connection); a hello may be at most ``MAX_HELLO`` bytes and must arrive
+within ``HANDSHAKE_DEADLINE``; at most ``MAX_PENDING`` connections wait for their handshake, and
+a new one evicts the oldest: connections that take a slot and say nothing cannot lock the ranks
+out, and a rank whose handshake was cut off tries again.  Nothing a stranger sends is printed or
+raised; it is counted in ``ChannelServer.stats``.
+
+Ranks.  An authenticated peer may send frames of up to ``MAX_FRAME`` bytes.  Every record goes
+through ``events.decode``; a malformed one, or one its role may not send (``events.SENDERS``), is
+dropped and counted, and a delivered record's ``rank`` is the authenticated one, whatever the
+record said.  Records to a rank wait in a per-connection outbox that the server thread writes
+when the peer reads, so a rank that stops reading delays nobody.
+
+The client never blocks the training loop: ``send`` puts the record on a bounded queue that a
+background thread drains, dropping and counting what does not fit and coalescing progress
+updates of the same bar.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import hashlib
 import hmac
 import json
 import os
 import queue
 import secrets
+import selectors
 import socket
 import struct
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
+from . import events
+from .timing import CHANNEL_CLOSE_WAIT, CLIENT_CLOSE_WAIT, HANDSHAKE_DEADLINE
+
+#: largest frame after authentication (a batch of records)
 MAX_FRAME = 4 * 1024 * 1024
-HANDSHAKE_TIMEOUT = 10.0
+#: largest frame before authentication (the challenge, the hello, the reply)
+MAX_HELLO = 4 * 1024
+#: connections waiting for their handshake at once; one more evicts the oldest
+MAX_PENDING = 64
+#: bytes the driver may have queued for one rank that does not read them; more are refused
+MAX_OUTBOX = 4 * MAX_FRAME
+#: records a client sends in one batch (progress updates are coalesced within a batch)
+BATCH = 1000
+
 _LEN = struct.Struct(">I")
+_RECV_CHUNK = 256 * 1024
+#: a rank's handshake cut off by a flood of strangers is retried after this pause, doubling
+_RETRY_PAUSE, _RETRY_PAUSE_MAX = 0.02, 0.5
 
 
 class FrameError(Exception):
     """A peer sent something that is not a well-formed frame."""
 
 
+class _Refused(Exception):
+    """The other end refused the handshake, with a reason worth telling the user."""
+
+
 def new_secret() -> str:
     return secrets.token_hex(32)
 
 
-def _mac(secret: str, nonce: str) -> str:
-    return hmac.new(secret.encode(), nonce.encode(), hashlib.sha256).hexdigest()
+def _mac(secret: str, nonce: str) -> bytes:
+    digest = hmac.new(secret.encode(), nonce.encode("utf-8", "surrogatepass"), hashlib.sha256)
+    return digest.hexdigest().encode()
 
 
-def write_frame(sock: socket.socket, obj: dict) -> None:
-    data = json.dumps(obj, separators=(",", ":"), default=str).encode("utf-8")
-    if len(data) > MAX_FRAME:
-        raise FrameError(f"frame of {len(data)} bytes is over the {MAX_FRAME} byte limit")
-    sock.sendall(_LEN.pack(len(data)) + data)
+def _macs_equal(given: object, expected: bytes) -> bool:
+    # compared as bytes: compare_digest refuses a str with non-ASCII characters (TypeError),
+    # and whatever a stranger sends must be just a wrong MAC
+    return isinstance(given, str) and hmac.compare_digest(given.encode("utf-8", "replace"), expected)
+
+
+def _frame(obj: dict) -> bytes:
+    data = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    return _LEN.pack(len(data)) + data
+
+
+def _parse(body: bytes) -> Optional[dict]:
+    """The JSON object ``body`` holds, or ``None`` for anything else."""
+    try:
+        obj = json.loads(body.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _decode(item: object) -> Optional[events.Event]:
+    try:
+        return events.decode(item)
+    except Exception:  # noqa: BLE001  decode means to raise only MalformedEvent, but a peer's
+        # record must not be able to stop a reader with anything else it provokes (a huge
+        # integer where a float belongs raises OverflowError)
+        return None
 
 
 def _read_exact(sock: socket.socket, n: int) -> bytes:
     chunks = []
     while n:
-        chunk = sock.recv(min(n, 1 << 20))
+        chunk = sock.recv(min(n, _RECV_CHUNK))
         if not chunk:
             raise EOFError("connection closed")
         chunks.append(chunk)
@@ -61,209 +125,606 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_frame(sock: socket.socket) -> dict:
+def _read_frame(sock: socket.socket, limit: int) -> dict:
     (length,) = _LEN.unpack(_read_exact(sock, _LEN.size))
-    if length > MAX_FRAME:
-        raise FrameError(f"frame of {length} bytes is over the {MAX_FRAME} byte limit")
-    try:
-        obj = json.loads(_read_exact(sock, length).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise FrameError(f"frame is not UTF-8 JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise FrameError("frame is not a JSON object")
+    if length > limit:
+        raise FrameError(f"frame of {length} bytes is over the {limit} byte limit")
+    obj = _parse(_read_exact(sock, length))
+    if obj is None:
+        raise FrameError("frame is not a UTF-8 JSON object")
     return obj
 
 
-class ChannelServer:
-    """Driver side: accepts authenticated workers and hands their events to ``on_event``.
+# -- driver side ------------------------------------------------------------------------------
 
-    ``on_event`` is called from the connection threads with a dict that always has
-    ``type`` (str) and ``rank`` (int, taken from the authenticated hello, not from the event).
+class _Conn:
+    """One accepted connection, as the server thread sees it."""
+
+    __slots__ = ("sock", "deadline", "nonce", "inbuf", "outbox", "mask", "role", "rank", "open")
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self.sock = sock
+        self.deadline = deadline
+        self.nonce = secrets.token_hex(16)
+        self.inbuf = bytearray()
+        self.outbox = bytearray()          # guarded by the server's lock
+        self.mask = selectors.EVENT_READ
+        self.role: Optional[str] = None    # set once authenticated
+        self.rank = -1
+        self.open = True
+
+
+class ChannelServer:
+    """Driver side: authenticates ranks, hands their records to ``on_event`` and sends records
+    to them.
+
+    ``on_event`` is called on the server's one thread with every record that passed
+    ``events.decode`` and that its sender's role may send, its ``rank`` the authenticated one.
+    ``stats`` counts what happened: ``accepted``, ``authenticated``, ``rejected`` (failed
+    handshakes), ``evicted`` (unauthenticated connections closed to make room), ``frames`` and
+    ``delivered`` (after authentication), ``malformed`` (undecodable frames or records),
+    ``forbidden`` (records the connection's role may not send), ``callback_errors``.
     """
 
-    def __init__(self, on_event: Callable[[dict], None], run_id: str,
-                 host: str = "127.0.0.1", secret: Optional[str] = None):
-        self.on_event = on_event
-        self.run_id = run_id
-        self.secret = secret or new_secret()
-        self.rejected = 0
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
-        self._sock.listen(128)
-        self.address = self._sock.getsockname()
-        self._closed = threading.Event()
-        self._conns: set = set()
+    def __init__(self, on_event: Callable[[events.Event], None], run_id: str, *,
+                 host: str = "127.0.0.1", secret: str, launcher_secret: str):
+        self._on_event = on_event
+        self._run_id = run_id
+        self._secrets = {"worker": secret, "launcher": launcher_secret}
+        self.stats: Dict[str, int] = dict.fromkeys(
+            ("accepted", "authenticated", "rejected", "evicted", "frames", "delivered",
+             "malformed", "forbidden", "callback_errors"), 0)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener: Optional[socket.socket] = socket.create_server((host, 0), family=family, backlog=512)
+        self._listener.setblocking(False)
+        self.address: Tuple[str, int] = tuple(self._listener.getsockname()[:2])
+        self.port: int = self.address[1]
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        # only the server thread touches these two
+        self._pending: "collections.OrderedDict[_Conn, None]" = collections.OrderedDict()  # oldest first
+        self._authed: set = set()
+        # shared with send(); the outboxes too
         self._lock = threading.Lock()
-        self._threads: list = []
-        self._acceptor = threading.Thread(target=self._accept_loop, name="torchdist-channel", daemon=True)
-        self._acceptor.start()
+        self._routes: Dict[Tuple[str, int], _Conn] = {}   # the newest connection of each role and rank
+        self._dirty: set = set()                          # connections with new output
+        self._close_deadline: Optional[float] = None
+        self._thread = threading.Thread(target=self._serve, name="torchdist-channel", daemon=True)
+        self._thread.start()
 
-    @property
-    def port(self) -> int:
-        return self.address[1]
+    # -- API ------------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            with self._lock:
-                self._conns.add(conn)
-                self._threads = [x for x in self._threads if x.is_alive()] + [t]
-            t.start()
+    def send(self, rank: int, record: events.Event, role: str = "launcher") -> bool:
+        """Queue ``record`` for the connection of ``role`` and ``rank``; ``False`` when there is
+        none (not connected, already gone, the channel closed) or it has stopped reading."""
+        return self._send_to([(role, rank)], _frame({"events": [events.encode(record)]})) == 1
 
-    def _handshake(self, conn: socket.socket) -> int:
-        conn.settimeout(HANDSHAKE_TIMEOUT)
-        nonce = secrets.token_hex(16)
-        write_frame(conn, {"nonce": nonce})
-        hello = read_frame(conn)
-        mac = hello.get("mac")
-        if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(self.secret, nonce)):
-            raise PermissionError("bad secret")
-        if hello.get("run_id") != self.run_id:
-            raise PermissionError("wrong run")
-        rank = hello.get("rank")
-        if isinstance(rank, bool) or not isinstance(rank, int):
-            raise FrameError("hello without a rank")
-        write_frame(conn, {"ok": True})
-        conn.settimeout(None)
-        return rank
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            try:
-                rank = self._handshake(conn)
-            except (PermissionError, FrameError, EOFError, OSError):
-                self.rejected += 1
-                return
-            while True:
-                frame = read_frame(conn)
-                events = frame.get("events")
-                if not isinstance(events, list):
-                    raise FrameError("frame without an events list")
-                for event in events:
-                    if isinstance(event, dict) and isinstance(event.get("type"), str):
-                        event["rank"] = rank
-                        self.on_event(event)
-        except (EOFError, FrameError, OSError):
-            pass
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
+    def broadcast(self, record: events.Event, role: str = "launcher") -> int:
+        """Queue ``record`` for every rank connected as ``role``; the number it was queued for."""
+        with self._lock:
+            keys = [key for key in self._routes if key[0] == role]
+        return self._send_to(keys, _frame({"events": [events.encode(record)]}))
 
     def close(self) -> None:
-        """Stop accepting; wait briefly for open connections to deliver what they sent."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        """Stop accepting; give authenticated connections until ``CHANNEL_CLOSE_WAIT`` (one
+        deadline for all) to deliver what they sent, then close them.  Idempotent."""
         with self._lock:
-            threads = list(self._threads)
-            conns = list(self._conns)
-        deadline = time.monotonic() + 2.0  # one deadline for all, not 2 s per connection
-        for t in threads:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-        for c in conns:
+            if self._close_deadline is None:
+                self._close_deadline = time.monotonic() + CHANNEL_CLOSE_WAIT
+        self._wake()
+        if threading.current_thread() is not self._thread:  # on_event may close the channel
+            self._thread.join()
+
+    # -- server thread --------------------------------------------------------------------
+
+    def _send_to(self, keys: List[Tuple[str, int]], data: bytes) -> int:
+        sent = 0
+        with self._lock:
+            if self._close_deadline is not None:
+                return 0
+            for key in keys:
+                conn = self._routes.get(key)
+                if conn is not None and len(conn.outbox) + len(data) <= MAX_OUTBOX:
+                    conn.outbox += data
+                    self._dirty.add(conn)
+                    sent += 1
+        if sent:
+            self._wake()
+        return sent
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # a wake-up is already pending (buffer full), or the thread has ended
+            pass
+
+    def _serve(self) -> None:
+        try:
+            while not self._finished():
+                for key, mask in self._selector.select(self._timeout()):
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    elif key.fileobj is self._wake_r:
+                        self._drain_wake()
+                    elif key.data.open:  # not closed earlier in this round
+                        if mask & selectors.EVENT_WRITE:
+                            self._write(key.data)
+                        if mask & selectors.EVENT_READ and key.data.open:
+                            self._read(key.data)
+                self._expire()
+                self._flush_dirty()
+        finally:
+            for conn in list(self._pending) + list(self._authed):
+                self._drop(conn)
+            self._stop_accepting()
+            self._selector.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _finished(self) -> bool:
+        if self._close_deadline is None:
+            return False
+        if self._listener is not None:
+            self._stop_accepting()
+            for conn in list(self._pending):
+                self._drop(conn)
+        return not self._authed or time.monotonic() >= self._close_deadline
+
+    def _stop_accepting(self) -> None:
+        if self._listener is not None:
+            self._selector.unregister(self._listener)
+            self._listener.close()
+            self._listener = None
+
+    def _timeout(self) -> Optional[float]:
+        deadlines = [] if self._close_deadline is None else [self._close_deadline]
+        if self._pending:
+            deadlines.append(next(iter(self._pending)).deadline)
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _accept(self) -> None:
+        # at most a pending-table's worth per round, so ranks are served between bursts
+        for _ in range(MAX_PENDING):
             try:
-                c.shutdown(socket.SHUT_RDWR)
+                sock, _ = self._listener.accept()
+            except OSError:  # none left (BlockingIOError), or the peer already gave up
+                return
+            self.stats["accepted"] += 1
+            sock.setblocking(False)
+            if len(self._pending) >= MAX_PENDING:
+                oldest, _ = self._pending.popitem(last=False)
+                self.stats["evicted"] += 1
+                self._drop(oldest)
+            conn = _Conn(sock, time.monotonic() + HANDSHAKE_DEADLINE)
+            self._pending[conn] = None
+            self._selector.register(sock, conn.mask, conn)
+            with self._lock:
+                conn.outbox += _frame({"nonce": conn.nonce})
+            self._write(conn)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._pending:
+            oldest = next(iter(self._pending))
+            if oldest.deadline > now:
+                return
+            self._reject(oldest)
+
+    def _flush_dirty(self) -> None:
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+        for conn in dirty:
+            if conn.open:
+                self._write(conn)
+
+    def _write(self, conn: _Conn) -> None:
+        failed = False
+        with self._lock:
+            if conn.outbox:
+                try:
+                    sent = conn.sock.send(conn.outbox)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError:
+                    sent, failed = 0, True
+                del conn.outbox[:sent]
+            mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbox else 0)
+        if failed:
+            self._drop(conn)
+        elif mask != conn.mask:
+            conn.mask = mask
+            self._selector.modify(conn.sock, mask, conn)
+
+    def _read(self, conn: _Conn) -> None:
+        # before authentication, never buffer more than one hello
+        size = _LEN.size + MAX_HELLO - len(conn.inbuf) if conn.role is None else _RECV_CHUNK
+        try:
+            data = conn.sock.recv(size)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            if conn.role is None:
+                self._reject(conn)
+            else:
+                self._drop(conn)
+            return
+        conn.inbuf += data
+        if conn.role is None:
+            self._handshake(conn)
+        else:
+            self._frames(conn)
+
+    def _reject(self, conn: _Conn, reason: Optional[str] = None) -> None:
+        """End a failed handshake, telling the client why when it deserves to know."""
+        self.stats["rejected"] += 1
+        if reason is not None:
+            try:  # one small frame to a socket that has sent nothing else: it fits its buffer
+                conn.sock.send(_frame({"ok": False, "error": reason}))
             except OSError:
                 pass
+        self._drop(conn)
 
+    def _handshake(self, conn: _Conn) -> None:
+        buf = conn.inbuf
+        if len(buf) < _LEN.size:
+            return
+        (length,) = _LEN.unpack_from(buf)
+        if length > MAX_HELLO:
+            return self._reject(conn)
+        if len(buf) < _LEN.size + length:
+            return
+        hello = _parse(bytes(buf[_LEN.size:_LEN.size + length]))
+        del buf[:_LEN.size + length]
+        if hello is None:
+            return self._reject(conn)
+        reason = self._check_hello(conn, hello)
+        if reason is not None:
+            return self._reject(conn, reason)
+        del self._pending[conn]
+        self._authed.add(conn)
+        conn.role, conn.rank = hello["role"], hello["rank"]
+        self.stats["authenticated"] += 1
+        with self._lock:
+            self._routes[(conn.role, conn.rank)] = conn
+            proof = _mac(self._secrets[conn.role], hello["nonce"]).decode()
+            conn.outbox += _frame({"ok": True, "mac": proof})
+        self._write(conn)
+        if conn.open and buf:
+            self._frames(conn)
+
+    def _check_hello(self, conn: _Conn, hello: dict) -> Optional[str]:
+        """Why ``hello`` does not open this run's channel, or ``None`` when it does."""
+        protocol = hello.get("protocol")
+        if type(protocol) is not int or protocol != events.PROTOCOL_VERSION:
+            return (f"event protocol version mismatch: the rank speaks version {protocol!r:.20}, "
+                    f"the driver speaks version {events.PROTOCOL_VERSION}; the driver and the "
+                    "executors need the same torchdist_magic version")
+        role = hello.get("role")
+        if not isinstance(role, str) or role not in self._secrets:
+            return f"unknown role {role!r:.20}"
+        if not _macs_equal(hello.get("mac"), _mac(self._secrets[role], conn.nonce)):
+            return f"authentication failed: wrong secret for role {role}"
+        if hello.get("run_id") != self._run_id:
+            return f"wrong run: this channel serves run {self._run_id}"
+        rank, nonce = hello.get("rank"), hello.get("nonce")
+        if type(rank) is not int or rank < 0 or not isinstance(nonce, str):
+            return "a hello needs a rank and a nonce"
+        return None
+
+    def _frames(self, conn: _Conn) -> None:
+        buf, offset = conn.inbuf, 0
+        while len(buf) - offset >= _LEN.size:
+            (length,) = _LEN.unpack_from(buf, offset)
+            if length > MAX_FRAME:  # the stream can no longer be split into frames
+                self.stats["malformed"] += 1
+                return self._drop(conn)
+            end = offset + _LEN.size + length
+            if len(buf) < end:
+                break
+            body = bytes(buf[offset + _LEN.size:end])
+            offset = end
+            self._deliver(conn, body)
+        del buf[:offset]
+
+    def _deliver(self, conn: _Conn, body: bytes) -> None:
+        self.stats["frames"] += 1
+        frame = _parse(body)
+        items = frame.get("events") if frame is not None else None
+        if not isinstance(items, list):
+            self.stats["malformed"] += 1
+            return
+        allowed = events.SENDERS[conn.role]
+        for item in items:
+            record = _decode(item)
+            if record is None:
+                self.stats["malformed"] += 1
+            elif type(record) not in allowed:
+                self.stats["forbidden"] += 1
+            else:
+                try:
+                    self._on_event(dataclasses.replace(record, rank=conn.rank))
+                except Exception:  # noqa: BLE001  the driver's handler must not stop the channel
+                    self.stats["callback_errors"] += 1
+                else:
+                    self.stats["delivered"] += 1
+
+    def _drop(self, conn: _Conn) -> None:
+        if not conn.open:
+            return
+        conn.open = False
+        self._pending.pop(conn, None)
+        self._authed.discard(conn)
+        with self._lock:
+            if self._routes.get((conn.role, conn.rank)) is conn:
+                del self._routes[(conn.role, conn.rank)]
+            self._dirty.discard(conn)
+        self._selector.unregister(conn.sock)
+        conn.sock.close()
+
+
+# -- rank side --------------------------------------------------------------------------------
 
 class ChannelClient:
-    """Worker side.  ``send`` never blocks; ``close`` flushes what is queued."""
+    """Rank side (a worker, or the launcher of a rank): ``send`` never blocks, ``close``
+    flushes what is queued; records from the driver go to ``on_message`` (on a thread of the
+    client's), when given.
 
-    def __init__(self, address: str, secret: str, run_id: str, rank: int, maxsize: int = 100_000):
+    If the driver cannot be reached, or refuses this client, one line says so on the process's
+    stderr and records are dropped from then on.
+    """
+
+    def __init__(self, address: str, secret: str, run_id: str, rank: int, *, role: str = "worker",
+                 on_message: Optional[Callable[[events.Event], None]] = None, maxsize: int = 100_000):
+        if role not in events.SENDERS:
+            raise ValueError(f"role is one of {sorted(events.SENDERS)}, not {role!r}")
         host, _, port = address.rpartition(":")
-        self._addr = (host, int(port))
+        self._address = (host.strip("[]"), int(port))
         self._secret = secret
         self._run_id = run_id
         self._rank = rank
-        self._queue: "queue.Queue" = queue.Queue(maxsize=maxsize)
-        self._dropped = 0
+        self._role = role
+        self._on_message = on_message
+        self._queue: "queue.Queue[Optional[events.Event]]" = queue.Queue(maxsize=maxsize)
+        self._lock = threading.Lock()
+        self._dropped = 0                      # records not sent since the last Dropped record
+        self._lost = False                     # no driver to send to: drop everything
+        self._closed = False
         self._sock: Optional[socket.socket] = None
-        self._broken = False
-        self._thread = threading.Thread(target=self._run, name="torchdist-events", daemon=True)
-        self._thread.start()
+        self._reader: Optional[threading.Thread] = None
+        self._sender = threading.Thread(target=self._run, name=f"torchdist-channel-rank{rank}", daemon=True)
+        self._sender.start()
 
-    def send(self, event: dict) -> None:
+    def send(self, event: events.Event) -> None:
+        if not isinstance(event, events.Event):
+            raise TypeError(f"the channel sends events.Event records, not {type(event).__name__}")
+        if self._lost or self._closed:
+            return
         try:
             self._queue.put_nowait(event)
         except queue.Full:
-            self._dropped += 1
+            with self._lock:
+                self._dropped += 1
 
-    def _connect(self) -> socket.socket:
-        sock = socket.create_connection(self._addr, timeout=HANDSHAKE_TIMEOUT)
-        nonce = read_frame(sock)["nonce"]
-        write_frame(sock, {"mac": _mac(self._secret, nonce), "run_id": self._run_id, "rank": self._rank})
-        try:
-            read_frame(sock)
-        except EOFError:
-            raise PermissionError("the driver refused this rank's credentials") from None
-        sock.settimeout(None)
-        return sock
+    def close(self, timeout: float = CLIENT_CLOSE_WAIT) -> None:
+        """Send what is queued and close, within ``timeout`` seconds; after that the rest is
+        dropped (and one line says so)."""
+        deadline = time.monotonic() + timeout
+        if not self._closed:
+            self._closed = True
+            try:
+                self._queue.put(None, timeout=timeout)
+            except queue.Full:
+                pass
+        self._sender.join(max(0.0, deadline - time.monotonic()))
+        reader = self._reader
+        if reader is not None and reader is not threading.current_thread():  # on_message may close
+            reader.join(max(0.0, deadline - time.monotonic()))
+        if self._sender.is_alive():
+            self._give_up(f"the events of rank {self._rank} were not all sent within {timeout:g} s; "
+                          "the rest are dropped")
+        with self._lock:
+            self._lost = True
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the client's threads blocked on it
+            except OSError:
+                pass
+            sock.close()
+
+    def _give_up(self, message: str) -> None:
+        with self._lock:
+            if self._lost:
+                return
+            self._lost = True
+        print(f"torchdist_magic: {message}", file=sys.__stderr__, flush=True)
+
+    # -- sender thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        stop = False
-        while not stop:
+        sock = self._connect()
+        if sock is not None:
+            with self._lock:
+                keep = not self._lost  # close() may have given up while this thread connected
+                if keep:
+                    self._sock = sock
+            if not keep:
+                sock.close()
+            elif self._on_message is not None:
+                self._reader = threading.Thread(target=self._read, args=(sock,),
+                                                name=f"torchdist-channel-rank{self._rank}-in", daemon=True)
+                self._reader.start()
+        while True:
             batch = [self._queue.get()]
-            while len(batch) < 1000:
+            while len(batch) < BATCH:
                 try:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            if any(e is None for e in batch):
-                stop = True
-                batch = [e for e in batch if e is not None]
-            self._write(_coalesce(batch))
+            end = next((i for i, item in enumerate(batch) if item is None), None)
+            if end is not None:  # close(): what came before it is the last to send
+                self._write(batch[:end])
+                break
+            self._write(batch)
+        self._finish()
 
-    def _write(self, events: list) -> None:
-        if self._dropped:
-            events.append({"type": "dropped", "count": self._dropped})
-            self._dropped = 0
-        if not events or self._broken:
+    def _connect(self) -> Optional[socket.socket]:
+        deadline = time.monotonic() + HANDSHAKE_DEADLINE
+        pause = _RETRY_PAUSE
+        where = f"{self._address[0]}:{self._address[1]}"
+        while True:
+            try:
+                return self._handshake(deadline)
+            except _Refused as exc:
+                self._give_up(f"the driver at {where} refused the event channel of rank {self._rank}: {exc}")
+                return None
+            except (EOFError, ConnectionResetError, BrokenPipeError) as exc:
+                # the driver cut the handshake off: a flood of strangers evicted it
+                if time.monotonic() + pause >= deadline:
+                    self._give_up(f"cannot reach the driver's event channel at {where} ({exc}); "
+                                  f"events of rank {self._rank} are dropped")
+                    return None
+                time.sleep(pause)
+                pause = min(2 * pause, _RETRY_PAUSE_MAX)
+            except (OSError, FrameError) as exc:
+                self._give_up(f"cannot reach the driver's event channel at {where} ({exc}); "
+                              f"events of rank {self._rank} are dropped")
+                return None
+
+    def _handshake(self, deadline: float) -> socket.socket:
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no handshake within {HANDSHAKE_DEADLINE:g} s")
+            return remaining
+
+        sock = socket.create_connection(self._address, timeout=left())
+        try:
+            nonce = _read_frame(sock, MAX_HELLO).get("nonce")
+            if not isinstance(nonce, str):
+                raise FrameError("the driver sent no challenge")
+            own_nonce = secrets.token_hex(16)
+            sock.settimeout(left())
+            sock.sendall(_frame({"mac": _mac(self._secret, nonce).decode(), "nonce": own_nonce,
+                                 "run_id": self._run_id, "rank": self._rank, "role": self._role,
+                                 "protocol": events.PROTOCOL_VERSION}))
+            sock.settimeout(left())
+            reply = _read_frame(sock, MAX_HELLO)
+            if reply.get("ok") is not True:
+                raise _Refused(f"{reply.get('error', 'no reason given')!s:.500}")
+            if not _macs_equal(reply.get("mac"), _mac(self._secret, own_nonce)):
+                raise _Refused("it could not prove that it knows this run's secret")
+            sock.settimeout(None)
+            return sock
+        except BaseException:
+            sock.close()
+            raise
+
+    def _write(self, records: List[events.Event]) -> None:
+        with self._lock:
+            dropped, self._dropped = self._dropped, 0
+        if self._lost or self._sock is None:
+            return
+        parts = []
+        for record in _coalesce(records):
+            try:
+                part = events.dumps(record).encode("utf-8")
+            except (TypeError, ValueError):  # a value JSON cannot carry (nan, an object)
+                dropped += 1
+                continue
+            if len(part) > MAX_FRAME - 16:
+                dropped += 1
+                continue
+            parts.append(part)
+        if dropped:
+            parts.append(events.dumps(events.Dropped(rank=self._rank, count=dropped)).encode("utf-8"))
+        if not parts:
             return
         try:
-            if self._sock is None:
-                self._sock = self._connect()
-            write_frame(self._sock, {"events": events})
-        except (OSError, EOFError, FrameError, KeyError, PermissionError) as exc:
-            self._broken = True
-            print(f"torchdist_magic: event channel to the driver lost ({exc}); "
-                  "progress and metrics of this rank will not be shown", file=sys.__stderr__)
+            self._sock.sendall(_pack(parts))
+        except OSError as exc:
+            self._give_up(f"the event channel of rank {self._rank} to the driver was lost ({exc}); "
+                          "its events are dropped from now on")
 
-    def close(self, timeout: float = 5.0) -> None:
+    def _finish(self) -> None:
+        """Half-close and wait for the driver to close its side: it closes a connection only
+        after handling every record that came before the end of it."""
+        sock = self._sock
+        if sock is None or self._lost:
+            return
         try:
-            self._queue.put(None, timeout=timeout)
-        except queue.Full:
+            sock.shutdown(socket.SHUT_WR)
+            if self._reader is None:
+                while sock.recv(_RECV_CHUNK):
+                    pass
+        except OSError:
             pass
-        self._thread.join(timeout)
-        if self._sock is not None:
+
+    # -- reader thread --------------------------------------------------------------------
+
+    def _read(self, sock: socket.socket) -> None:
+        while True:
             try:
-                self._sock.close()
-            except OSError:
-                pass
+                frame = _read_frame(sock, MAX_FRAME)
+            except (OSError, EOFError, FrameError):  # the driver, or close(), ended the connection
+                return
+            items = frame.get("events")
+            for item in items if isinstance(items, list) else ():
+                record = _decode(item)
+                if not isinstance(record, events.DRIVER_TO_RANK):
+                    continue
+                try:
+                    self._on_message(record)
+                except Exception as exc:  # noqa: BLE001  one bad message must not deafen the rank
+                    print(f"torchdist_magic: rank {self._rank} could not handle {record.type!r} from "
+                          f"the driver: {exc!r}", file=sys.__stderr__, flush=True)
 
 
-def _coalesce(batch: list) -> list:
-    """Keep only the newest progress update of each bar; everything else in order."""
-    last = {}
-    for i, e in enumerate(batch):
-        if e.get("type") == "progress":
-            last[e.get("bar")] = i
-    return [e for i, e in enumerate(batch) if e.get("type") != "progress" or last[e.get("bar")] == i]
+def _pack(parts: List[bytes]) -> bytes:
+    """Encoded records as ``{"events": [...]}`` frames of at most ``MAX_FRAME`` bytes."""
+    frames, chunk, size = [], [], 0
+    for part in parts:
+        if chunk and size + len(part) + 16 > MAX_FRAME:
+            frames.append(_events_frame(chunk))
+            chunk, size = [], 0
+        chunk.append(part)
+        size += len(part) + 1
+    if chunk:
+        frames.append(_events_frame(chunk))
+    return b"".join(frames)
+
+
+def _events_frame(parts: List[bytes]) -> bytes:
+    body = b'{"events":[' + b",".join(parts) + b"]}"
+    return _LEN.pack(len(body)) + body
+
+
+def _coalesce(records: List[events.Event]) -> List[events.Event]:
+    """Keep only the newest update of each progress bar; everything else in order."""
+    newest = {}
+    for i, record in enumerate(records):
+        if isinstance(record, events.Progress):
+            newest[(record.rank, record.bar)] = i
+    return [r for i, r in enumerate(records)
+            if not isinstance(r, events.Progress) or newest[(r.rank, r.bar)] == i]
 
 
 def client_from_env() -> Optional[ChannelClient]:
-    """The channel client a worker builds from ``TORCHDIST_CHANNEL``/``_SECRET``/``_RUN_ID``."""
+    """A worker's client, from ``TORCHDIST_CHANNEL`` (host:port), ``TORCHDIST_SECRET``,
+    ``TORCHDIST_RUN_ID`` and ``RANK``; ``None`` when the rank runs without a channel."""
     address = os.environ.get("TORCHDIST_CHANNEL")
     if not address:
         return None

@@ -1,33 +1,28 @@
-"""The Python API: ``Distributor(...).run(train_object, *args)``.
+"""Runs: validate and resolve the options, pick a backend, start, supervise, collect.
 
-Call-compatible with ``pyspark.ml.torch.distributor.TorchDistributor``: ``num_processes``,
-``local_mode``, ``use_gpu``, and ``run`` taking a function (run as ``fn(*args, **kwargs)`` on
-every rank) or a path to a ``.py`` file (run as a script with ``args`` as its command line).
-Unlike TorchDistributor it always returns rank 0's value, turns any rank's failure into a
-``RankFailure`` with that rank's traceback, and never leaves a process behind.
+``submit(target, args, kwargs, options)`` starts a run and returns its ``Run`` handle;
+``follow(run, observer)`` waits for it in the calling thread, calling the observer (a view)
+as it goes.  This module knows nothing of views: callers hand it what to notify.  The Python
+API (``Distributor``, call-compatible with TorchDistributor) is in ``api``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
-import sys
 import threading
 import time
 import uuid
-from typing import Any, List, Optional, Union
+from typing import Any, List, Optional, Protocol
 
 from .backends import Backend, BackendRun, LaunchContext, make_backend
 from .channel import ChannelServer, new_secret
 from .errors import JobTimeout, RankFailure, RunCancelled
-from .job import Job, function_job, in_memory_sources, script_job
+from .job import Job, function_job, script_job
 from .options import LaunchOptions
-from .state import RunState
-
-SHOW_CHOICES = ("text", "auto", "widget", None)
-STOP_GRACE = 2.0       # seconds between SIGTERM and SIGKILL when ranks are stopped
-POLL_INTERVAL = 0.02
+from .rankenv import RunSpec
+from .state import RunState, is_collateral
+from .timing import ROOT_CAUSE_WAIT, STOP_GRACE, SUPERVISE_POLL
 
 _last_run: Optional["Run"] = None
 _run_counter = itertools.count(1)
@@ -38,21 +33,34 @@ def last_run() -> Optional["Run"]:
     return _last_run
 
 
-def build_job(train_object: Any, args: tuple, kwargs: dict, options: LaunchOptions) -> Job:
-    """A ``Job`` from a function or a script path; bad input raises before anything starts."""
-    if isinstance(train_object, Job):
-        job = dataclasses.replace(train_object, use_gpu=options.use_gpu, all_ranks=options.all_ranks,
-                                  sys_path=train_object.sys_path or list(sys.path),
-                                  cwd=train_object.cwd or os.getcwd())
-    elif isinstance(train_object, (str, os.PathLike)):
+def build_job(target: Any, args: tuple, kwargs: dict) -> Job:
+    """A ``Job`` from a ``Job``, a function or a script path; bad input raises before anything
+    starts."""
+    if isinstance(target, Job):
+        if args or kwargs:
+            raise TypeError("a Job takes no arguments; they belong in the job")
+        return target
+    if isinstance(target, (str, os.PathLike)):
         if kwargs:
             raise TypeError("keyword arguments cannot be passed to a script; give them as "
                             f"command-line strings (got {', '.join(kwargs)})")
-        job = script_job(os.fspath(train_object), args, options.use_gpu, options.all_ranks)
-    else:
-        job = function_job(train_object, args, kwargs, options.use_gpu, options.all_ranks)
-    job.sources = in_memory_sources()
-    return job
+        return script_job(os.fspath(target), args)
+    return function_job(target, args, kwargs)
+
+
+def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions) -> "Run":
+    """Start ``target`` (a ``Job``, a function, or a script path) as a run and return its
+    handle at once.  Bad input (options, arguments, an unplaceable run) raises
+    ``TypeError``/``ValueError`` before anything starts."""
+    if not isinstance(options, LaunchOptions):
+        raise TypeError(f"options must be a LaunchOptions, got {type(options).__name__}")
+    options = options.replace()  # validated again: a LaunchOptions can be changed after it was made
+    job = build_job(target, tuple(args), dict(kwargs))
+    backend = make_backend(options)
+    backend.check(options)
+    run = Run(job, options, backend)
+    run._start()
+    return run
 
 
 class Run:
@@ -65,6 +73,8 @@ class Run:
         self.options = options
         self.backend = backend
         self.run_id = f"{next(_run_counter)}-{uuid.uuid4().hex[:8]}"
+        #: host:port of the run's event channel, once it listens
+        self.channel_address: Optional[str] = None
         self.state = RunState(self.run_id, options.num_processes, backend.describe(),
                               options.use_gpu, job.name)
         self._job_bytes = cloudpickle.dumps(job)
@@ -118,11 +128,14 @@ class Run:
         channel = None
         backend_run: Optional[BackendRun] = None
         try:
+            secret, launcher_secret = new_secret(), new_secret()
             channel = ChannelServer(self.state.apply, self.run_id, host=self.backend.channel_host(),
-                                    secret=new_secret())
-            host, port = channel.address
-            ctx = LaunchContext(self.run_id, self.options, self._job_bytes, self.state.apply,
-                                f"{host}:{port}", channel.secret)
+                                    secret=secret, launcher_secret=launcher_secret)
+            host, port = channel.address[:2]
+            self.channel_address = f"{host}:{port}"
+            spec = RunSpec.resolve(self.options, self.run_id, self.channel_address, secret, launcher_secret)
+            ctx = LaunchContext(spec, self._job_bytes, self.state.apply,
+                                lambda record: channel.broadcast(record, role="launcher"))
             deadline = (time.monotonic() + self.options.timeout) if self.options.timeout else None
             if self._cancel.is_set():
                 raise RunCancelled("the run was cancelled before it started")
@@ -140,12 +153,18 @@ class Run:
             self._done.set()
 
     def _watch(self, backend_run: BackendRun, deadline: Optional[float]) -> None:
+        first_failure: Optional[float] = None
         while True:
             failures = self.state.failures()
+            if failures and first_failure is None:
+                first_failure = time.monotonic()
+            if failures and is_collateral(failures[0]) and not self.state.all_exited() \
+                    and time.monotonic() - first_failure < ROOT_CAUSE_WAIT:
+                failures = []  # a peer noticed a failure whose own report is still on its way
             if failures:
                 backend_run.stop(STOP_GRACE)
-                others = [f for f in self.state.failures() if f is not failures[0] and f.rank != failures[0].rank]
-                self._error = RankFailure(failures[0], others)
+                failures = self.state.failures()  # the root cause may have arrived meanwhile
+                self._error = RankFailure(failures[0], failures[1:])
                 self.state.finish("failed", failures[0])
                 return
             if self.state.all_exited_ok():
@@ -162,7 +181,7 @@ class Run:
                 self._error = JobTimeout(self.options.timeout, self._progress_summary())
                 self.state.finish("timed out")
                 return
-            time.sleep(POLL_INTERVAL)
+            time.sleep(SUPERVISE_POLL)
 
     def _collect(self, backend_run: BackendRun) -> Any:
         import cloudpickle
@@ -183,86 +202,28 @@ class Run:
         return "; ".join(parts)
 
 
-class Distributor:
-    """Run a function or a script as ``num_processes`` ranks of distributed PyTorch.
+class Observer(Protocol):
+    """What ``follow`` notifies while it waits: a view."""
 
-    ``Distributor(num_processes=1, local_mode=True, use_gpu=False, **options)`` where
-    ``local_mode=True`` runs local processes on this machine and ``local_mode=False`` runs a
-    Spark barrier stage; the other keywords are ``LaunchOptions`` fields (``timeout``, ``env``,
-    ``all_ranks``, ``backend``).  ``show`` picks the live view of ``run``: ``"text"`` (default),
-    ``"auto"`` (the widget in a Jupyter kernel with ipywidgets, text elsewhere), ``"widget"``, or
-    ``None`` for silence.
-    """
+    def update(self) -> None: ...
 
-    def __init__(self, num_processes: int = 1, local_mode: Optional[bool] = True,
-                 use_gpu: bool = False, *, show: Optional[str] = "text", **options: Any):
-        if "backend" in options and local_mode is not None and local_mode is not True:
-            raise ValueError("give either local_mode or backend, not both")
-        backend = options.pop("backend", None)
-        if backend is None:
-            backend = "auto" if local_mode is None else ("local" if local_mode else "spark")
-        unknown = set(options) - set(LaunchOptions.__dataclass_fields__)
-        if unknown:
-            raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}; "
-                            f"known: {', '.join(LaunchOptions.__dataclass_fields__)}")
-        if show not in SHOW_CHOICES:
-            raise ValueError(f"show must be one of {', '.join(map(repr, SHOW_CHOICES))}, got {show!r}")
-        self.options = LaunchOptions(num_processes=num_processes, use_gpu=use_gpu,
-                                     backend=backend, **options)
-        self.show = show
-
-    @classmethod
-    def from_options(cls, options: LaunchOptions, show: Optional[str] = "text") -> "Distributor":
-        """A Distributor for an existing ``LaunchOptions`` (what the magic and the panel use)."""
-        self = cls.__new__(cls)
-        self.options = options
-        self.show = show
-        return self
-
-    @property
-    def num_processes(self) -> int:
-        return self.options.num_processes
-
-    @property
-    def local_mode(self) -> bool:
-        return self.options.backend == "local"
-
-    @property
-    def use_gpu(self) -> bool:
-        return self.options.use_gpu
-
-    def submit(self, train_object: Union[Any, str], *args: Any, **kwargs: Any) -> Run:
-        """Start the run and return its ``Run`` handle at once."""
-        job = build_job(train_object, args, kwargs, self.options)
-        backend = make_backend(self.options)
-        backend.check(self.options)
-        run = Run(job, self.options, backend)
-        run._start()
-        return run
-
-    def run(self, train_object: Union[Any, str], *args: Any, **kwargs: Any) -> Any:
-        """Run and wait; rank 0's value.  Ctrl-C stops every rank and re-raises."""
-        run = self.submit(train_object, *args, **kwargs)
-        return follow(run, self.show)
+    def close(self) -> None: ...
 
 
-def follow(run: Run, show: Optional[str] = "text", view=None) -> Any:
-    """Wait for ``run`` in the calling thread, rendering it with ``view`` (or a new view of kind
-    ``show``); Ctrl-C cancels it."""
-    if view is None and show is not None:
-        from .view import make_view
-
-        view = make_view(run, show)
+def follow(run: Run, observer: Optional[Observer] = None, interval: float = 0.1) -> Any:
+    """Wait for ``run`` in the calling thread, calling ``observer.update()`` every ``interval``
+    seconds and ``observer.close()`` at the end; Ctrl-C cancels the run and re-raises.
+    Returns rank 0's value or raises the run's error."""
     try:
-        while not run.wait(0.1):
-            if view is not None:
-                view.update()
+        while not run.wait(interval):
+            if observer is not None:
+                observer.update()
     except KeyboardInterrupt:
         run.cancel()
         run.wait()
-        if view is not None:
-            view.close()
+        if observer is not None:
+            observer.close()
         raise
-    if view is not None:
-        view.close()
+    if observer is not None:
+        observer.close()
     return run.result()

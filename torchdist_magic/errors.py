@@ -7,54 +7,9 @@ the traceback in the rank's own terms) and renders itself in a notebook through
 
 from __future__ import annotations
 
-import signal
-from dataclasses import dataclass, field
 from typing import List, Optional
 
-
-@dataclass
-class FailureInfo:
-    """One rank's failure, as reported by its launcher."""
-
-    rank: int
-    host: str = ""
-    exit_code: Optional[int] = None
-    exc_type: str = ""
-    message: str = ""
-    traceback: str = ""
-    time: float = 0.0
-    log_tail: List[str] = field(default_factory=list)
-
-    @property
-    def signal_name(self) -> Optional[str]:
-        if self.exit_code is not None and self.exit_code < 0:
-            try:
-                return signal.Signals(-self.exit_code).name
-            except ValueError:
-                return f"signal {-self.exit_code}"
-        return None
-
-    def summary(self) -> str:
-        where = f"rank {self.rank}" + (f" on {self.host}" if self.host else "")
-        if self.exc_type:
-            return f"{where} raised {self.exc_type}: {self.message}".rstrip(": ")
-        if self.signal_name:
-            return f"{where} was killed by {self.signal_name}"
-        if self.exit_code is not None:
-            return f"{where} exited with code {self.exit_code}"
-        return f"{where} failed: {self.message}"
-
-    def to_dict(self) -> dict:
-        return {
-            "rank": self.rank, "host": self.host, "exit_code": self.exit_code,
-            "exc_type": self.exc_type, "message": self.message,
-            "traceback": self.traceback, "time": self.time, "log_tail": list(self.log_tail),
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "FailureInfo":
-        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-        return cls(**known)
+from .events import Failure
 
 
 class RankFailure(RuntimeError):
@@ -65,7 +20,7 @@ class RankFailure(RuntimeError):
     root cause first).
     """
 
-    def __init__(self, failure: FailureInfo, others: Optional[List[FailureInfo]] = None):
+    def __init__(self, failure: Failure, others: Optional[List[Failure]] = None):
         self.failure = failure
         self.failures = [failure] + list(others or [])
         super().__init__(failure.summary())

@@ -30,7 +30,9 @@ class CellCode:
 
 @dataclass
 class Job:
-    """What each rank runs.  ``kind`` is ``"function"``, ``"script"`` or ``"cell"``."""
+    """What each rank runs (never how: GPUs, placement and which values come back are the run's
+    settings, see ``rankenv``).  ``kind`` is ``"function"``, ``"script"`` or ``"cell"``; build
+    one with ``function_job``, ``script_job`` or ``cell_job``."""
 
     kind: str
     name: str
@@ -39,8 +41,6 @@ class Job:
     script_source: str = ""
     script_args: List[str] = field(default_factory=list)
     cell: Optional[CellCode] = None
-    use_gpu: bool = False
-    all_ranks: bool = False
     sys_path: List[str] = field(default_factory=list)
     cwd: str = ""
     #: source of code that exists only in the driver's memory (notebook cells), so that
@@ -135,7 +135,13 @@ def _function_references(fn: Any) -> List[Tuple[str, Any]]:
     return refs
 
 
-def function_job(fn: Any, args: tuple, kwargs: dict, use_gpu: bool, all_ranks: bool) -> Job:
+def _where() -> dict:
+    """What every job carries from the driver: its import path, working directory, and the
+    source of code that exists only in memory (for tracebacks)."""
+    return {"sys_path": list(sys.path), "cwd": os.getcwd(), "sources": in_memory_sources()}
+
+
+def function_job(fn: Any, args: tuple, kwargs: dict) -> Job:
     if not callable(fn):
         raise TypeError(f"train_object must be a function or a path to a .py file, got {type(fn).__name__}")
     modules = [_pickled_by_value(getattr(fn, "__module__", None))]
@@ -148,11 +154,10 @@ def function_job(fn: Any, args: tuple, kwargs: dict, use_gpu: bool, all_ranks: b
         culprit = find_unpicklable(named, modules)
         name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(culprit or f"function {name} cannot be pickled: {exc}") from exc
-    return Job(kind="function", name=getattr(fn, "__name__", "function"), payload=payload,
-               use_gpu=use_gpu, all_ranks=all_ranks, sys_path=list(sys.path), cwd=os.getcwd())
+    return Job(kind="function", name=getattr(fn, "__name__", "function"), payload=payload, **_where())
 
 
-def script_job(path: str, args: tuple, use_gpu: bool, all_ranks: bool) -> Job:
+def script_job(path: str, args: tuple) -> Job:
     full = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(full):
         raise ValueError(f"script {path!r} does not exist" + (" (it is a directory)" if os.path.isdir(full) else ""))
@@ -162,5 +167,9 @@ def script_job(path: str, args: tuple, use_gpu: bool, all_ranks: bool) -> Job:
     with open(full, encoding="utf-8") as fh:
         source = fh.read()
     return Job(kind="script", name=os.path.basename(full), script_path=full, script_source=source,
-               script_args=[str(a) for a in args], use_gpu=use_gpu, all_ranks=all_ranks,
-               sys_path=list(sys.path), cwd=os.getcwd())
+               script_args=[str(a) for a in args], **_where())
+
+
+def cell_job(cell: CellCode, name: str) -> Job:
+    """The job of a captured notebook cell (see ``capture.capture_cell``)."""
+    return Job(kind="cell", name=name, cell=cell, **_where())

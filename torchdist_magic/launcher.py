@@ -3,6 +3,8 @@
 Shared by the local backend (on the driver) and the Spark backend (inside each barrier task),
 so a rank's logs, exit code and failure look the same wherever it ran.  The worker runs in a
 process group of its own so that stopping it reaches its children (DataLoader workers, ...).
+The launcher is what reports a rank's ``Exit``: what the process did, read from the operating
+system and the worker's ``error.json``, never what a message claims.
 """
 
 from __future__ import annotations
@@ -18,40 +20,11 @@ import threading
 import time
 from typing import Callable, Dict, Optional
 
+from . import events
+from .timing import PIPE_DRAIN_WAIT, REAP_WAIT
 from .worker import ERROR_FILE, RESULT_FILE
 
 _LINE_END = re.compile(rb"\r\n|\n|\r")
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def cores_available() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def rank_environment(base: Dict[str, str], *, rank: int, local_rank: int, world_size: int,
-                     local_world_size: int, master_addr: str, master_port: int,
-                     extra: Dict[str, str], channel: str, secret: str, run_id: str,
-                     use_gpu: bool) -> Dict[str, str]:
-    """The environment of one rank: the launcher's, the user's extras, then the run's own."""
-    env = dict(base)
-    env.update(extra)
-    if "OMP_NUM_THREADS" not in extra and "OMP_NUM_THREADS" not in base:
-        env["OMP_NUM_THREADS"] = str(max(1, cores_available() // max(local_world_size, 1)))
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if _PACKAGE_PARENT not in paths:
-        env["PYTHONPATH"] = os.pathsep.join(paths + [_PACKAGE_PARENT])
-    env.update({
-        "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(local_world_size), "GROUP_RANK": "0",
-        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
-        "TORCHDIST_CHANNEL": channel, "TORCHDIST_SECRET": secret, "TORCHDIST_RUN_ID": run_id,
-        "TORCHDIST_USE_GPU": "1" if use_gpu else "0",
-    })
-    return env
 
 
 def reserve_port(host: str = "") -> socket.socket:
@@ -67,14 +40,13 @@ def reserve_port(host: str = "") -> socket.socket:
     return sock
 
 
-def read_failure(result_dir: str) -> Optional[dict]:
-    path = os.path.join(result_dir, ERROR_FILE)
+def read_failure(result_dir: str) -> Optional[events.Failure]:
+    """The failure the worker wrote, or ``None`` when there is none or it is unreadable."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
+        with open(os.path.join(result_dir, ERROR_FILE), encoding="utf-8") as fh:
+            return events.failure_from_json(json.load(fh))
+    except (OSError, ValueError):  # MalformedEvent is a ValueError
         return None
-    return data if isinstance(data, dict) else None
 
 
 def read_result(result_dir: str) -> Optional[bytes]:
@@ -86,10 +58,11 @@ def read_result(result_dir: str) -> Optional[bytes]:
 
 
 class RankProcess:
-    """One worker process.  Emits ``log`` events while it runs and one ``exit`` event at the end."""
+    """One worker process.  Emits ``Log`` records while it runs and one ``Exit`` at the end."""
 
     def __init__(self, rank: int, job_file: str, result_dir: str, env: Dict[str, str],
-                 emit: Callable[[dict], None], cwd: Optional[str] = None):
+                 emit: Callable[[events.Event], None], cwd: Optional[str] = None,
+                 python: str = sys.executable):
         self.rank = rank
         self.result_dir = result_dir
         self.emit = emit
@@ -97,9 +70,10 @@ class RankProcess:
         self.stopping = False
         self.exited = threading.Event()
         self.returncode: Optional[int] = None
+        self.exit_event: Optional[events.Exit] = None
         os.makedirs(result_dir, exist_ok=True)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torchdist_magic.worker", job_file, result_dir],
+            [python, "-m", "torchdist_magic.worker", job_file, result_dir],
             env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True,
         )
@@ -137,25 +111,25 @@ class RankProcess:
         pipe.close()
 
     def _line(self, stream: str, text: bytes, cr: bool) -> None:
-        self.emit({"type": "log", "rank": self.rank, "stream": stream,
-                   "line": text.decode("utf-8", "replace"), "cr": cr})
+        self.emit(events.Log(rank=self.rank, stream=stream, line=text.decode("utf-8", "replace"), cr=cr))
 
     def _wait(self) -> None:
         code = self.proc.wait()
         when = time.time()
         self.returncode = code
         for t in self._readers:
-            t.join(timeout=2.0)  # a grandchild holding the pipe must not delay the exit report
-        event = {"type": "exit", "rank": self.rank, "code": code, "time": when,
-                 "host": self.host, "stopped": self.stopping and code != 0}
+            t.join(timeout=PIPE_DRAIN_WAIT)  # a grandchild holding the pipe must not delay the exit report
+        failure = None
         if code != 0:
-            failure = read_failure(self.result_dir) or {}  # its "time" is when the exception was caught
-            failure.setdefault("exc_type", "")
-            failure.setdefault("message", "")
-            failure["exit_code"] = failure.get("exit_code", code) if code > 0 else code
-            failure["host"] = self.host
-            event["failure"] = failure
-        self.emit(event)
+            failure = read_failure(self.result_dir) or events.Failure()
+            # the exit code is the process's; a failure file's own code only refines a plain exit
+            exit_code = failure.exit_code if code > 0 and failure.exit_code is not None else code
+            failure = events.Failure(
+                rank=self.rank, host=self.host, exit_code=exit_code, exc_type=failure.exc_type,
+                message=failure.message, traceback=failure.traceback, time=failure.time or when)
+        self.exit_event = events.Exit(rank=self.rank, code=code, time=when, host=self.host,
+                                      stopped=self.stopping and code != 0, failure=failure)
+        self.emit(self.exit_event)
         self.exited.set()
 
     def signal_group(self, sig: int) -> None:
@@ -181,4 +155,4 @@ def stop_all(procs, grace: float) -> None:
         # the group, not just the leader: children of an exited worker must not survive either
         p.signal_group(signal.SIGKILL)
     for p in procs:
-        p.exited.wait(timeout=5.0)
+        p.exited.wait(timeout=REAP_WAIT)

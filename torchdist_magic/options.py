@@ -1,26 +1,62 @@
-"""Launch settings: one dataclass that the magic's flags, the panel's controls and the
-Python API's keywords are all derived from.
+"""Launch settings: one dataclass that the magic's flags, the panel's controls and the Python
+API's keywords are all derived from, and the flag parser built from it.
 
-Each field carries its command-line flag and help text in ``metadata`` so that the
-``%%torchdist`` argument parser and the launch panel are generated from this file and
-cannot drift from it.  Construction validates values only; it never looks at the
-environment (no CUDA probe, no Spark lookup): that happens when a run is resolved.
+Each field carries its command-line flag and help text in ``metadata``, so the ``%%torchdist``
+argument parser and the launch panel are generated from this file and cannot drift from it.
+Construction validates values only; it never looks at the environment (no CUDA probe, no Spark
+lookup): that happens when a run is resolved.
+
+Errors name what the user typed: ``num_processes must be at least 1, got 0`` from Python,
+``--np must be at least 1, got 0`` from the magic (``OptionError.for_flags``).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import re
+import shlex
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, List, Mapping, Optional, Tuple
 
 BACKENDS = ("auto", "local", "spark")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+class OptionError(Exception):
+    """A launch setting was refused.  ``str()`` names the Python keyword; ``for_flags()`` the
+    magic's flag, so each caller shows the name its user typed."""
+
+    def __init__(self, name: str, template: str):
+        self.name = name
+        self.template = template
+        super().__init__(template.format(name=name))
+
+    def for_flags(self) -> str:
+        return self.template.format(name=flag_of(self.name))
+
+
+class OptionValueError(OptionError, ValueError):
+    pass
+
+
+class OptionTypeError(OptionError, TypeError):
+    pass
+
+
+class FlagError(ValueError):
+    """The magic's (or the panel's) flags could not be parsed."""
+
+
 def _flag(flag: str, help: str, **extra: Any) -> dict:
     return {"flag": flag, "help": help, **extra}
+
+
+GPU_HELP = (
+    "one GPU per rank and the nccl process group; rank r uses cuda:LOCAL_RANK. Local processes: "
+    "the machine's GPUs, refused when it has fewer than --np. Spark: the GPU Spark assigns each "
+    "task (needs spark.task.resource.gpu.amount=1), passed as CUDA_VISIBLE_DEVICES")
 
 
 @dataclass
@@ -35,16 +71,13 @@ class LaunchOptions:
         default=1,
         metadata=_flag("--np", "number of ranks (processes) to start", metavar="N", type=int),
     )
-    use_gpu: bool = field(
-        default=False,
-        metadata=_flag("--gpu", "one GPU per rank (CUDA_VISIBLE_DEVICES) and the nccl backend"),
-    )
+    use_gpu: bool = field(default=False, metadata=_flag("--gpu", GPU_HELP))
     backend: str = field(
         default="auto",
         metadata=_flag(
             "--backend",
-            "where ranks run: 'local' processes, a 'spark' barrier stage, or 'auto' "
-            "(Spark when a SparkSession is active, local processes otherwise)",
+            "where ranks run: 'local' processes, a 'spark' barrier stage on the active "
+            "SparkSession, or 'auto' (Spark when a SparkSession is active, local processes otherwise)",
             choices=BACKENDS,
         ),
     )
@@ -70,32 +103,34 @@ class LaunchOptions:
     def __post_init__(self) -> None:
         n = self.num_processes
         if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"num_processes must be an int, got {type(n).__name__} {n!r}")
+            raise OptionTypeError("num_processes", f"{{name}} must be a whole number, got {n!r}")
         if n < 1:
-            raise ValueError(f"num_processes must be at least 1, got {n}")
-        if not isinstance(self.use_gpu, bool):
-            raise TypeError(f"use_gpu must be True or False, got {self.use_gpu!r}")
+            raise OptionValueError("num_processes", f"{{name}} must be at least 1, got {n}")
+        _check_bool("use_gpu", self.use_gpu)
         if self.backend not in BACKENDS:
-            raise ValueError(
-                f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}"
-            )
+            raise OptionValueError("backend", f"{{name}} must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.timeout is not None:
             if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
-                raise TypeError(f"timeout must be a number of seconds, got {self.timeout!r}")
+                raise OptionTypeError("timeout", f"{{name}} must be a number of seconds, got {self.timeout!r}")
             if not math.isfinite(self.timeout) or self.timeout <= 0:
-                raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout}")
+                raise OptionValueError("timeout", f"{{name}} must be a positive number of seconds, got {self.timeout:g}")
         self.env = parse_env(self.env)
-        if not isinstance(self.all_ranks, bool):
-            raise TypeError(f"all_ranks must be True or False, got {self.all_ranks!r}")
+        _check_bool("all_ranks", self.all_ranks)
 
     def replace(self, **changes: Any) -> "LaunchOptions":
+        """A copy with ``changes``, validated like a new one."""
         return dataclasses.replace(self, **changes)
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise OptionTypeError(name, f"{{name}} must be True or False, got {value!r}")
 
 
 def parse_env(env: Any) -> dict:
     """Normalise ``env`` (a mapping, or ``KEY=VALUE`` strings) to ``{str: str}``.
 
-    Raises ``ValueError``/``TypeError`` naming the malformed entry.
+    Raises ``OptionValueError``/``OptionTypeError`` naming the malformed entry.
     """
     if env is None:
         return {}
@@ -108,20 +143,22 @@ def parse_env(env: Any) -> dict:
         items = []
         for entry in env:
             if not isinstance(entry, str) or "=" not in entry:
-                raise ValueError(f"env entry {entry!r} is not of the form KEY=VALUE")
+                raise OptionValueError("env", f"{{name}} entry {entry!r} is not of the form KEY=VALUE")
             key, _, value = entry.partition("=")
             items.append((key, value))
     else:
-        raise TypeError(f"env must be a dict or a list of 'KEY=VALUE' strings, got {type(env).__name__}")
+        raise OptionTypeError("env", f"{{name}} must be a dict or a list of 'KEY=VALUE' strings, "
+                                     f"got {type(env).__name__}")
     out = {}
     for key, value in items:
         if not isinstance(key, str) or not _ENV_NAME.match(key):
-            raise ValueError(f"env name {key!r} is not a valid environment variable name")
+            raise OptionValueError("env", f"{{name}}: {key!r} is not a valid environment variable name")
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise TypeError(f"env value for {key} must be a string or number, got {type(value).__name__}")
+            raise OptionTypeError("env", f"{{name}}: the value of {key} must be a string or number, "
+                                         f"got {type(value).__name__}")
         value = str(value)
         if "\x00" in value:
-            raise ValueError(f"env value for {key} contains a NUL byte")
+            raise OptionValueError("env", f"{{name}}: the value of {key} contains a NUL byte")
         out[key] = value
     return out
 
@@ -129,3 +166,93 @@ def parse_env(env: Any) -> dict:
 def option_fields() -> list:
     """The ``dataclasses.Field`` objects that have a user-facing flag, in declaration order."""
     return [f for f in dataclasses.fields(LaunchOptions) if "flag" in f.metadata]
+
+
+def flag_of(name: str) -> str:
+    """The magic's flag of the ``LaunchOptions`` field ``name`` (the name itself if it has none)."""
+    for f in option_fields():
+        if f.name == name:
+            return f.metadata["flag"]
+    return name
+
+
+# -- flags ------------------------------------------------------------------------------------
+
+def flag_specs() -> List[Tuple[tuple, dict]]:
+    """``(args, kwargs)`` of every ``%%torchdist`` argument for ``argparse.add_argument``: one
+    per ``LaunchOptions`` field, then the magic's own (shortcuts, ``--out``, ``--quiet``, the
+    script).  ``None`` as a parsed value means "not given: use the configured default"."""
+    specs: List[Tuple[tuple, dict]] = []
+    for f in option_fields():
+        meta = f.metadata
+        kwargs: dict = {"help": meta["help"], "dest": f.name, "default": None}
+        if f.type in (bool, "bool"):
+            kwargs["action"] = "store_true"
+        elif meta.get("repeat"):
+            kwargs.update(action="append", metavar=meta.get("metavar"))
+        else:
+            kwargs.update(metavar=meta.get("metavar"), type=meta.get("type", str))
+            if "choices" in meta:
+                kwargs.update(choices=meta["choices"], metavar=None)
+        specs.append(((meta["flag"],), kwargs))
+    specs += [
+        (("--local",), {"dest": "local", "action": "store_true",
+                        "help": "run on local processes on this machine (same as --backend local)"}),
+        (("--spark",), {"dest": "spark", "action": "store_true",
+                        "help": "run as a Spark barrier stage (same as --backend spark)"}),
+        (("--out",), {"metavar": "NAME", "default": None,
+                      "help": "store rank 0's value in the notebook variable NAME instead of showing it"}),
+        (("--quiet",), {"action": "store_true",
+                        "help": "no live view and no summary: only the result or the error"}),
+        (("script",), {"nargs": "?", "default": None,
+                       "help": "line form only: a .py file to run on every rank"}),
+        (("script_args",), {"nargs": argparse.REMAINDER,
+                            "help": "line form only: the script's command-line arguments"}),
+    ]
+    return specs
+
+
+class _FlagParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise FlagError(message)
+
+
+def flag_parser(prog: str = "%torchdist") -> argparse.ArgumentParser:
+    """An argparse parser of the flags that raises ``FlagError`` instead of exiting."""
+    parser = _FlagParser(prog=prog, add_help=False)
+    for args, kwargs in flag_specs():
+        parser.add_argument(*args, **kwargs)
+    return parser
+
+
+def parse_flags(line: str, parser: Optional[argparse.ArgumentParser] = None) -> argparse.Namespace:
+    """Flags with shell quoting (``--env 'A=x y'``); ``FlagError`` for anything wrong, including
+    contradictory choices (``--local`` with ``--spark``)."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as exc:
+        raise FlagError(f"cannot parse the flags: {exc}") from None
+    args = (parser or flag_parser()).parse_args(argv)
+    chosen = [f for f, on in (("--local", args.local), ("--spark", args.spark)) if on]
+    if len(chosen) == 2:
+        raise FlagError("--local and --spark contradict each other: give one")
+    if chosen and args.backend is not None and args.backend != chosen[0][2:]:
+        raise FlagError(f"{chosen[0]} and --backend {args.backend} contradict each other: give one")
+    if chosen:
+        args.backend = chosen[0][2:]
+    return args
+
+
+def options_from_flags(args: argparse.Namespace, defaults: LaunchOptions) -> LaunchOptions:
+    """``LaunchOptions`` from parsed flags; a flag not given takes its value from ``defaults``.
+    A refused value raises ``FlagError`` naming the flag."""
+    values = {}
+    for f in option_fields():
+        given = getattr(args, f.name)
+        if f.type in (bool, "bool"):
+            given = True if given else None
+        values[f.name] = getattr(defaults, f.name) if given is None else given
+    try:
+        return LaunchOptions(**values)
+    except OptionError as exc:
+        raise FlagError(exc.for_flags()) from None

@@ -14,6 +14,11 @@ import threading
 import time
 from typing import Any, Iterable, Iterator, Optional
 
+from . import events
+
+#: names a cell gets from the run, in place of any notebook value of the same name
+CELL_PROVIDED = ("rank", "local_rank", "world_size", "device", "progress", "report", "is_main")
+
 _sink_lock = threading.Lock()
 _sink = None  # set by the worker: an object with .send(dict)
 _report_step = itertools.count(1)
@@ -22,14 +27,15 @@ PROGRESS_INTERVAL = 0.1
 
 
 def _install_sink(sink) -> None:
-    """Called by the worker to route events to the driver (``None`` to detach)."""
+    """Called by the worker to route events (``events`` records) to the driver (``None`` to
+    detach)."""
     global _sink, _report_step
     with _sink_lock:
         _sink = sink
         _report_step = itertools.count(1)
 
 
-def _emit(event: dict) -> None:
+def _emit(event: events.Event) -> None:
     sink = _sink
     if sink is not None:
         sink.send(event)
@@ -67,11 +73,16 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def uses_gpu() -> bool:
+    """Whether the run asked for GPUs (``--gpu`` / ``use_gpu=True``)."""
+    return os.environ.get("TORCHDIST_USE_GPU") == "1"
+
+
 def device():
     """``cuda:<local_rank>`` when the run asked for GPUs and CUDA is there, else ``cpu``."""
     import torch
 
-    if os.environ.get("TORCHDIST_USE_GPU") == "1" and torch.cuda.is_available():
+    if uses_gpu() and torch.cuda.is_available():
         return torch.device("cuda", local_rank() % max(torch.cuda.device_count(), 1))
     return torch.device("cpu")
 
@@ -96,7 +107,7 @@ def report(step: Optional[int] = None, **metrics: Any) -> None:
     if step is None:
         step = next(_report_step)
     clean = {k: (v if math.isfinite(v) else str(v)) for k, v in values.items()}
-    _emit({"type": "metrics", "step": int(step), "values": clean, "time": time.time()})
+    _emit(events.Metrics(rank=rank(), step=int(step), values=clean, time=time.time()))
 
 
 class progress:
@@ -124,8 +135,8 @@ class progress:
         return self.total
 
     def _send(self, start: float, state: str) -> None:
-        _emit({"type": "progress", "bar": self.bar, "desc": self.desc, "n": self.n,
-               "total": self.total, "elapsed": time.time() - start, "state": state})
+        _emit(events.Progress(rank=rank(), bar=self.bar, desc=self.desc, n=self.n, total=self.total,
+                              elapsed=time.time() - start, state=state))
 
     def __iter__(self) -> Iterator:
         start = last = time.time()
@@ -140,3 +151,9 @@ class progress:
                     self._send(start, "running")
         finally:
             self._send(start, "done" if self.total is None or self.n >= self.total else "stopped")
+
+
+def cell_names() -> dict:
+    """What a ``%%torchdist`` cell finds defined: the ``CELL_PROVIDED`` names."""
+    return dict(rank=rank(), local_rank=local_rank(), world_size=world_size(), progress=progress,
+                report=report, is_main=is_main(), device=device())

@@ -1,28 +1,22 @@
-"""RunState: everything known about one run, built from events; the one model that every view
-(text, widget, panel) reads.
+"""RunState: everything known about one run, built from ``events`` records; the one model
+that every view (text, widget, panel) reads.
 
-Events are plain dicts (they may have crossed the channel as JSON):
-
-``log``      rank, stream ("stdout"/"stderr"), line, cr (True for a ``\\r``-terminated line)
-``status``   rank, state, host, pid
-``progress`` rank, bar, desc, n, total, elapsed, state
-``metrics``  rank, step, values {name: number}
-``exit``     rank, code, time, failure (dict of ``FailureInfo`` fields, or absent)
-``dropped``  rank, count (events the worker could not queue)
+``apply`` takes the records a rank or its launcher sends (``Started``, ``Log``, ``Progress``,
+``Metrics``, ``Dropped``, ``Exit``), each through the handler ``HANDLERS`` names for its type.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from .errors import FailureInfo
+from . import events
+from .events import Failure
 
-RANK_STATES = ("starting", "running", "done", "failed", "cancelled")
-RUN_STATES = ("starting", "running", "succeeded", "failed", "cancelled", "timed out")
 MAX_POINTS = 10_000
 #: what a rank raises when a *peer* died: never the root cause while another failure is known
 COLLATERAL = re.compile(
@@ -31,7 +25,7 @@ COLLATERAL = re.compile(
     r"|failed to recv, got 0 bytes|The server socket has failed")
 
 
-def is_collateral(failure: FailureInfo) -> bool:
+def is_collateral(failure: Failure) -> bool:
     return bool(failure.exc_type) and bool(COLLATERAL.search(failure.message))
 
 
@@ -56,7 +50,7 @@ class RankState:
     history: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
     logs: List[LogLine] = field(default_factory=list)
     dropped: int = 0
-    failure: Optional[FailureInfo] = None
+    failure: Optional[Failure] = None
 
     def log_text(self) -> str:
         return "".join(line.text + ("\r" if line.cr else "\n") for line in self.logs)
@@ -91,91 +85,80 @@ class RunState:
         self.state = "starting"
         self.started = time.time()
         self.ended: Optional[float] = None
-        self.failure: Optional[FailureInfo] = None
+        self.failure: Optional[Failure] = None
         self.message = ""
         self.ranks = [RankState(rank=r) for r in range(num_processes)]
         self.version = 0
         self._lock = threading.RLock()
-        self._listeners: List[Callable[["RunState"], None]] = []
 
     # -- writing -------------------------------------------------------------------------
-    def apply(self, event: dict) -> None:
-        rank = event.get("rank")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_processes:
+    def apply(self, event: events.Event) -> None:
+        """Record one event; events of ranks outside the run are ignored."""
+        rank = event.rank
+        if not 0 <= rank < self.num_processes:
             return
-        handler = getattr(self, "_on_" + str(event.get("type")), None)
-        if handler is None:
-            return
+        handler = self.HANDLERS[type(event)]
         with self._lock:
-            handler(self.ranks[rank], event)
+            handler(self, self.ranks[rank], event)
             self.version += 1
-        self._notify()
 
-    def _on_log(self, rs: RankState, e: dict) -> None:
-        rs.logs.append(LogLine(str(e.get("stream", "stdout")), str(e.get("line", "")), bool(e.get("cr"))))
-
-    def _on_status(self, rs: RankState, e: dict) -> None:
-        if e.get("host"):
-            rs.host = str(e["host"])
-        if isinstance(e.get("pid"), int):
-            rs.pid = e["pid"]
-        new = e.get("state")
-        if new == "running" and rs.state == "starting":
+    def _on_started(self, rs: RankState, e: events.Started) -> None:
+        rs.host = e.host or rs.host
+        rs.pid = e.pid or rs.pid
+        if rs.state == "starting":
             rs.state = "running"
             rs.started = rs.started or time.time()
             if self.state == "starting":
                 self.state = "running"
 
-    def _on_progress(self, rs: RankState, e: dict) -> None:
-        bar = str(e.get("bar", ""))
-        rs.progress[bar] = {k: e.get(k) for k in ("desc", "n", "total", "elapsed", "state")}
+    def _on_log(self, rs: RankState, e: events.Log) -> None:
+        rs.logs.append(LogLine(e.stream, e.line, e.cr))
+
+    def _on_progress(self, rs: RankState, e: events.Progress) -> None:
+        rs.progress[e.bar] = {"desc": e.desc, "n": e.n, "total": e.total, "elapsed": e.elapsed,
+                              "state": e.state}
         if rs.state == "starting":
             rs.state = "running"
 
-    def _on_metrics(self, rs: RankState, e: dict) -> None:
-        step = e.get("step")
-        values = e.get("values")
-        if not isinstance(values, dict):
-            return
-        for name, value in values.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+    def _on_metrics(self, rs: RankState, e: events.Metrics) -> None:
+        for name, value in e.values.items():
+            if isinstance(value, str):  # a non-finite value: shown, not plotted
                 continue
-            rs.metrics[name] = float(value)
+            rs.metrics[name] = value
             points = rs.history.setdefault(name, [])
-            points.append((int(step) if isinstance(step, int) else len(points) + 1, float(value)))
+            points.append((e.step, value))
             if len(points) > MAX_POINTS:
                 del points[-2::-2]  # halve the resolution; keep the first and newest points
 
-    def _on_exit(self, rs: RankState, e: dict) -> None:
+    def _on_dropped(self, rs: RankState, e: events.Dropped) -> None:
+        rs.dropped += max(e.count, 0)
+
+    def _on_exit(self, rs: RankState, e: events.Exit) -> None:
         if rs.state in ("done", "failed", "cancelled") and rs.exit_code is not None:
-            return
-        code = e.get("code")
-        rs.exit_code = code if isinstance(code, int) else None
-        rs.ended = float(e.get("time") or time.time())
-        if isinstance(e.get("host"), str) and e["host"]:
-            rs.host = e["host"]
+            return  # a repeated exit (the channel and the Spark stage both report it)
+        rs.exit_code = e.code
+        rs.ended = e.time or time.time()
+        rs.host = e.host or rs.host
         if self.ended is not None and rs.state == "cancelled":
             return  # a rank stopped by the run's end: its late exit is not a failure of its own
-        if e.get("stopped"):
+        if e.stopped:
             rs.state = "cancelled"
-        elif code == 0:
+        elif e.code == 0:
             rs.state = "done"
         else:
             rs.state = "failed"
-            data = dict(e.get("failure") or {})
-            data.setdefault("rank", rs.rank)
-            data.setdefault("host", rs.host)
-            data.setdefault("exit_code", rs.exit_code)
-            data.setdefault("time", rs.ended)
-            data["rank"] = rs.rank
-            data["log_tail"] = [line.text for line in rs.logs[-20:]]
-            rs.failure = FailureInfo.from_dict(data)
+            failure = e.failure or Failure(exit_code=e.code)
+            rs.failure = dataclasses.replace(
+                failure, rank=rs.rank, host=failure.host or rs.host,
+                exit_code=failure.exit_code if failure.exit_code is not None else e.code,
+                time=failure.time or rs.ended, log_tail=[line.text for line in rs.logs[-20:]])
 
-    def _on_dropped(self, rs: RankState, e: dict) -> None:
-        if isinstance(e.get("count"), int):
-            rs.dropped += e["count"]
+    HANDLERS = {
+        events.Started: _on_started, events.Log: _on_log, events.Progress: _on_progress,
+        events.Metrics: _on_metrics, events.Dropped: _on_dropped, events.Exit: _on_exit,
+    }
 
-    def finish(self, state: str, failure: Optional[FailureInfo] = None, message: str = "") -> None:
+    def finish(self, state: str, failure: Optional[Failure] = None, message: str = "") -> None:
         with self._lock:
             if self.ended is not None:
                 return
@@ -187,17 +170,8 @@ class RunState:
                 if rs.state in ("starting", "running"):
                     rs.state = "cancelled" if state in ("cancelled", "timed out", "failed") else rs.state
             self.version += 1
-        self._notify()
 
     # -- reading -------------------------------------------------------------------------
-    def subscribe(self, listener: Callable[["RunState"], None]) -> None:
-        """``listener(state)`` is called after each change, from the thread that made it."""
-        self._listeners.append(listener)
-
-    def _notify(self) -> None:
-        for listener in list(self._listeners):
-            listener(self)
-
     @property
     def finished(self) -> bool:
         return self.ended is not None
@@ -205,12 +179,17 @@ class RunState:
     def elapsed(self) -> float:
         return (self.ended or time.time()) - self.started
 
-    def failures(self) -> List[FailureInfo]:
+    def failures(self) -> List[Failure]:
         """Failed ranks, root cause first: the earliest failure that is not merely a peer
         noticing that another rank went away (clocks of different hosts may disagree)."""
         with self._lock:
             found = [rs.failure for rs in self.ranks if rs.failure is not None]
         return sorted(found, key=lambda f: (is_collateral(f), f.time, f.rank))
+
+    def all_exited(self) -> bool:
+        with self._lock:
+            return all(rs.exit_code is not None or rs.state in ("done", "failed", "cancelled")
+                       for rs in self.ranks)
 
     def all_exited_ok(self) -> bool:
         with self._lock:

@@ -2,31 +2,35 @@
 
     python -m torchdist_magic.worker JOB_FILE RESULT_DIR
 
-The launcher sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT`` and the channel variables (``TORCHDIST_CHANNEL``,
-``TORCHDIST_SECRET``, ``TORCHDIST_RUN_ID``), reads this process's stdout/stderr, and after it
-exits reads ``RESULT_DIR/result.pkl`` (the rank's value, when it is wanted) or
-``RESULT_DIR/error.json`` (what failed).  The worker imports neither IPython nor ipywidgets.
+The launcher sets the environment (``rankenv.rank_environment``: ``RANK``, ``MASTER_ADDR``, ...,
+the channel, ``TORCHDIST_USE_GPU`` and ``TORCHDIST_RETURN_VALUE``), reads this process's
+stdout/stderr, and after it exits reads ``RESULT_DIR/result.pkl`` (the rank's value, when it is
+wanted) or ``RESULT_DIR/error.json`` (an ``events.Failure``).  The worker imports neither
+IPython nor ipywidgets.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import faulthandler
 import json
 import linecache
 import os
 import shutil
+import signal
 import socket
 import sys
 import threading
 import time
 import traceback
+from typing import Optional
+
+from torchdist_magic import events
+from torchdist_magic.timing import PARENT_WATCH_INTERVAL, STOP_GRACE
 
 RESULT_FILE = "result.pkl"
 ERROR_FILE = "error.json"
-#: names a cell gets from the run, in place of any notebook value of the same name
-CELL_PROVIDED = ("rank", "local_rank", "world_size", "device", "progress", "report", "is_main")
 
 
 class CellImportError(ImportError):
@@ -34,21 +38,54 @@ class CellImportError(ImportError):
 
 
 def _watch_parent(parent: int) -> None:
-    """Exit when the launcher dies, so no rank outlives a killed kernel or Spark task; remove
-    the run's directory (``TORCHDIST_CLEANUP``) that the dead launcher can no longer remove."""
+    """End this rank when its launcher dies, so nothing outlives a killed kernel or Spark task:
+    remove the run's directory (``TORCHDIST_CLEANUP``) that the dead launcher can no longer
+    remove, then stop this process's group (the worker leads it), which takes the rank's own
+    children (a ``subprocess``, DataLoader workers) along with it."""
     cleanup = os.environ.pop("TORCHDIST_CLEANUP", "")
     while True:
-        time.sleep(0.5)
+        time.sleep(PARENT_WATCH_INTERVAL)
         if os.getppid() != parent:
-            if cleanup:
-                shutil.rmtree(cleanup, ignore_errors=True)
-            os._exit(70)
+            try:
+                if cleanup:
+                    shutil.rmtree(cleanup, ignore_errors=True)
+                if os.getpgrp() == os.getpid():
+                    for pid in _others_in_my_group():  # they get their chance to clean up
+                        with contextlib.suppress(OSError):  # it may have just exited
+                            os.kill(pid, signal.SIGTERM)
+                    deadline = time.monotonic() + STOP_GRACE
+                    while _others_in_my_group() and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    os.killpg(os.getpid(), signal.SIGKILL)  # this process included
+            finally:
+                os._exit(70)  # whatever failed above, the rank itself must not stay
 
 
-def _write_json(path: str, data: dict) -> None:
+def _others_in_my_group() -> list:
+    """Live processes other than this one in this process's group (read from Linux's
+    ``/proc``; elsewhere none are found, and the group's SIGKILL still reaches them)."""
+    me = os.getpid()
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me]
+    except OSError:
+        return []
+    found = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == me and fields[0] != b"Z":
+            found.append(pid)
+    return found
+
+
+def _write_failure(result_dir: str, failure: events.Failure) -> None:
+    path = os.path.join(result_dir, ERROR_FILE)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh)
+        json.dump(events.failure_to_json(failure), fh)
     os.replace(tmp, path)
 
 
@@ -84,9 +121,7 @@ def _cell_namespace() -> dict:
     from torchdist_magic import runtime
 
     ns = {"__name__": "__main__", "__builtins__": __builtins__}
-    ns.update(rank=runtime.rank(), local_rank=runtime.local_rank(), world_size=runtime.world_size(),
-              progress=runtime.progress, report=runtime.report, is_main=runtime.is_main())
-    ns["device"] = runtime.device()
+    ns.update(runtime.cell_names())
     return ns
 
 
@@ -106,14 +141,16 @@ def _init_once(dist) -> None:
     dist.distributed_c10d.init_process_group = init_process_group
 
 
-def _init_process_group(use_gpu: bool) -> bool:
+def _init_process_group() -> bool:
     import torch
     import torch.distributed as dist
+
+    from torchdist_magic import runtime
 
     if dist.is_initialized():
         return False
     _init_once(dist)
-    if use_gpu and torch.cuda.is_available():
+    if runtime.uses_gpu() and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         dist.init_process_group("nccl")
     else:
@@ -141,7 +178,7 @@ def _run_cell(job):
     tree = ast.parse(padded, cell.filename)
     last = tree.body[-1] if tree.body and isinstance(tree.body[-1], ast.Expr) else None
     body = ast.Module(body=tree.body[:-1] if last else tree.body, type_ignores=[])
-    ours = _init_process_group(job.use_gpu) if cell.init_process_group else False
+    ours = _init_process_group() if cell.init_process_group else False
     import torch.distributed as dist
 
     exec(compile(body, cell.filename, "exec"), ns)
@@ -160,8 +197,18 @@ def _run_cell(job):
 RUNNERS = {"function": _run_function, "script": _run_script, "cell": _run_cell}
 
 
+def _failure(exc: BaseException, exc_type: str, message: str, exit_code: Optional[int] = None,
+             traceback_text: Optional[str] = None) -> events.Failure:
+    from torchdist_magic import runtime
+
+    return events.Failure(rank=runtime.rank(), host=socket.gethostname(), exit_code=exit_code,
+                          exc_type=exc_type, message=message, time=time.time(),
+                          traceback=_format_exception(exc) if traceback_text is None else traceback_text)
+
+
 def run_job(job, result_dir: str) -> int:
-    """Run ``job`` in this process; write its value or its failure into ``result_dir``."""
+    """Run ``job`` in this process; write its value (when this rank's value is wanted) or its
+    failure into ``result_dir``; the exit code."""
     import cloudpickle
 
     from torchdist_magic import runtime
@@ -183,23 +230,18 @@ def run_job(job, result_dir: str) -> int:
         if not isinstance(code, int):
             print(code, file=sys.stderr)
             code = 1
-        _write_json(os.path.join(result_dir, ERROR_FILE), {
-            "exc_type": "SystemExit", "message": f"exit code {code}",
-            "traceback": _format_exception(exc), "time": time.time(), "exit_code": code})
+        _write_failure(result_dir, _failure(exc, "SystemExit", f"exit code {code}", exit_code=code))
         return code
     except BaseException as exc:
-        _write_json(os.path.join(result_dir, ERROR_FILE), {
-            "exc_type": type(exc).__qualname__, "message": str(exc),
-            "traceback": _format_exception(exc), "time": time.time()})
+        _write_failure(result_dir, _failure(exc, type(exc).__qualname__, str(exc)))
         return 1
-    if rank == 0 or job.all_ranks:
+    if os.environ.get("TORCHDIST_RETURN_VALUE", "1") == "1":
         try:
             data = cloudpickle.dumps(value)
         except Exception as exc:
-            _write_json(os.path.join(result_dir, ERROR_FILE), {
-                "exc_type": "TypeError",
-                "message": f"the value of rank {rank} (a {type(value).__qualname__}) cannot be pickled: {exc}",
-                "traceback": "", "time": time.time()})
+            _write_failure(result_dir, _failure(
+                exc, "TypeError", f"the value of rank {rank} (a {type(value).__qualname__}) cannot be "
+                f"pickled: {exc}", traceback_text=""))
             return 1
         tmp = os.path.join(result_dir, RESULT_FILE + ".tmp")
         with open(tmp, "wb") as fh:
@@ -225,15 +267,14 @@ def main(argv=None) -> int:
     os.environ.pop("TORCHDIST_SECRET", None)
     runtime._install_sink(client)
     if client is not None:
-        client.send({"type": "status", "state": "running", "host": socket.gethostname(),
-                     "pid": os.getpid(), "time": time.time()})
+        client.send(events.Started(rank=runtime.rank(), host=socket.gethostname(), pid=os.getpid(),
+                                   time=time.time()))
     with open(job_file, "rb") as fh:
         job = cloudpickle.load(fh)
     code = run_job(job, result_dir)
     sys.stdout.flush()
     sys.stderr.flush()
     if client is not None:
-        client.send({"type": "status", "state": "done" if code == 0 else "failed", "time": time.time()})
         client.close()
     return code
 

@@ -11,23 +11,23 @@ import abc
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from .. import events
 from ..options import LaunchOptions
+from ..rankenv import RunSpec
 
 
 @dataclass
 class LaunchContext:
     """What a backend needs to start one run."""
 
-    run_id: str
-    options: LaunchOptions
+    spec: RunSpec
     job_bytes: bytes
-    emit: Callable[[dict], None]      # feed an event into the run's RunState
-    channel_address: str              # host:port of the driver's event channel
-    secret: str
+    emit: Callable[[events.Event], None]       # feed a record into the run's RunState
+    to_ranks: Callable[[events.Event], int]    # send a record to every rank's launcher
 
 
 class BackendRun(abc.ABC):
-    """A started run.  ``exit`` events (one per rank) arrive through ``LaunchContext.emit``."""
+    """A started run.  ``Exit`` records (one per rank) arrive through ``LaunchContext.emit``."""
 
     @abc.abstractmethod
     def stop(self, grace: float) -> None:
@@ -61,18 +61,33 @@ class Backend(abc.ABC):
         """Start every rank.  A failed start releases whatever it had opened before raising."""
 
 
+NO_SESSION = (
+    "backend 'spark' (--spark, local_mode=False) runs on the active SparkSession, and this "
+    "process has none. Start one first, e.g.:\n"
+    "    from pyspark.sql import SparkSession\n"
+    "    spark = SparkSession.builder.master(\"local[2]\").getOrCreate()\n"
+    "or run on local processes (--local, local_mode=True)")
+
+
 def make_backend(options: LaunchOptions) -> Backend:
-    """The backend for ``options.backend``; ``auto`` picks Spark when a session is active."""
+    """The backend for ``options.backend``; ``auto`` picks Spark when a session is active.
+
+    ``spark`` without an active SparkSession is refused (``ValueError``) rather than starting
+    one: a session started here would silently take ``local[*]`` and many seconds.
+    """
+    session = _active_spark_session()
     kind = options.backend
     if kind == "auto":
-        kind = "spark" if _active_spark_session() is not None else "local"
+        kind = "spark" if session is not None else "local"
     if kind == "local":
         from .local import LocalProcessBackend
 
         return LocalProcessBackend()
+    if session is None:
+        raise ValueError(NO_SESSION)
     from .spark import SparkBarrierBackend
 
-    return SparkBarrierBackend()
+    return SparkBarrierBackend(session)
 
 
 def _active_spark_session():

@@ -8,8 +8,10 @@ import socket
 import tempfile
 from typing import List, Optional
 
-from ..launcher import RankProcess, rank_environment, read_result, reserve_port, stop_all
+from ..launcher import RankProcess, read_result, reserve_port, stop_all
 from ..options import LaunchOptions
+from ..rankenv import place_ranks, rank_environment
+from ..timing import CLOSE_GRACE
 from . import Backend, BackendRun, LaunchContext
 
 
@@ -36,7 +38,7 @@ class LocalProcessBackend(Backend):
                     f"this machine has {gpus}")
 
     def start(self, ctx: LaunchContext) -> "LocalRun":
-        run = LocalRun(tempfile.mkdtemp(prefix=f"torchdist-{ctx.run_id}-"))
+        run = LocalRun(tempfile.mkdtemp(prefix=f"torchdist-{ctx.spec.run_id}-"))
         try:
             run.launch(ctx)
         except BaseException:
@@ -57,16 +59,13 @@ class LocalRun(BackendRun):
         with os.fdopen(fd, "wb") as fh:
             fh.write(ctx.job_bytes)
         self._port = reserve_port("127.0.0.1")
-        n = ctx.options.num_processes
-        for rank in range(n):
-            env = rank_environment(
-                os.environ, rank=rank, local_rank=rank, world_size=n, local_world_size=n,
-                master_addr="127.0.0.1", master_port=self._port.getsockname()[1],
-                extra=ctx.options.env, channel=ctx.channel_address, secret=ctx.secret,
-                run_id=ctx.run_id, use_gpu=ctx.options.use_gpu)
+        n = ctx.spec.num_processes
+        host = socket.gethostname()
+        for place in place_ranks([host] * n, "127.0.0.1", self._port.getsockname()[1]):
+            env = rank_environment(os.environ, ctx.spec, place)
             env["TORCHDIST_CLEANUP"] = self.workdir  # if this driver dies, the orphaned ranks remove it
-            self.procs.append(RankProcess(rank, job_file, os.path.join(self.workdir, f"rank-{rank}"),
-                                          env, ctx.emit))
+            self.procs.append(RankProcess(place.rank, job_file,
+                                          os.path.join(self.workdir, f"rank-{place.rank}"), env, ctx.emit))
 
     def stop(self, grace: float) -> None:
         stop_all(self.procs, grace)
@@ -75,7 +74,7 @@ class LocalRun(BackendRun):
         return read_result(os.path.join(self.workdir, f"rank-{rank}"))
 
     def close(self) -> None:
-        stop_all(self.procs, grace=0.5)
+        stop_all(self.procs, grace=CLOSE_GRACE)
         if self._port is not None:
             self._port.close()
             self._port = None

@@ -6,9 +6,14 @@ and its ``exit`` over the run's event channel, so the driver sees a rank fail as
 does.  Rank 0's value (every rank's with ``all_ranks``) comes back through the stage's
 ``collect``.
 
-Stopping.  The event channel only goes worker -> driver, so each task also holds a connection
-to the run's ``StopBeacon`` on the driver; when the driver fires it, the task gives its worker
-SIGTERM, the grace, then SIGKILL, reports the exit and returns.  A task can also be killed
+Interpreter.  On a master of this machine (``local[...]``, ``local-cluster[...]``) the tasks run
+on the notebook's own interpreter (``sys.executable``), unless the user chose one with
+``PYSPARK_PYTHON`` or ``spark.pyspark.python``: executors otherwise start ``python3`` from PATH,
+which may lack torch or torchdist_magic or have another cloudpickle.
+
+Stopping.  Each task holds a launcher connection on the run's event channel; when the driver
+sends ``events.Stop`` over it, the task gives its worker SIGTERM, the grace, then SIGKILL,
+reports the exit and returns.  A task can also be killed
 outright (Spark kills the Python process of a cancelled or failed stage's task with SIGKILL
 after ``spark.python.task.killTimeout``), and then no ``finally`` runs: so each task also starts
 a small guard process in a session of its own, which notices the task's end and, unless the
@@ -21,6 +26,7 @@ Python exception, or Spark's reason, of the failed task instead of a Py4JJavaErr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -36,17 +42,16 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
+from .. import events
 from ..channel import ChannelClient
-from ..launcher import RankProcess, rank_environment, read_result, reserve_port, stop_all
+from ..launcher import RankProcess, read_result, reserve_port, stop_all
 from ..options import LaunchOptions
+from ..rankenv import RunSpec, place_ranks, rank_environment
+from ..timing import (SPARK_CANCEL_RETRY, SPARK_CANCEL_WAIT, SPARK_SLOT_WAIT, SPARK_STAGE_END_WAIT,
+                      STOP_GRACE)
 from . import Backend, BackendRun, LaunchContext
 
 GPU_AMOUNT_CONF = "spark.task.resource.gpu.amount"
-TASK_STOP_GRACE = 2.0   # seconds between SIGTERM and SIGKILL when a task stops its worker
-SLOT_WAIT = 30.0        # how long a run waits for executors to register before submitting anyway
-CANCEL_RETRY = 0.25     # a cancel can race the job's submission: repeat it until the stage is gone
-STAGE_END_WAIT = 3.0    # after the ranks' grace, how long stop() waits for the tasks to return
-CANCEL_WAIT = 30.0      # how long stop() keeps cancelling a stage that does not end
 
 _LOCAL_CLUSTER = re.compile(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*\]")
 
@@ -91,13 +96,6 @@ shutil.rmtree(workdir, ignore_errors=True)
 
 # -- driver side ------------------------------------------------------------------------------
 
-def active_or_new_session():
-    """The active SparkSession, or ``SparkSession.builder.getOrCreate()`` when none is active."""
-    from pyspark.sql import SparkSession
-
-    return SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
-
-
 def is_spark_connect(spark) -> bool:
     return type(spark).__module__.startswith("pyspark.sql.connect")
 
@@ -122,23 +120,31 @@ def task_slots(sc) -> int:
     return slots
 
 
+def is_local_master(master: str) -> bool:
+    """A master whose executors run on this machine, with this machine's interpreters."""
+    return master.strip().startswith(("local[", "local-cluster[")) or master.strip() == "local"
+
+
+def python_for_tasks(sc) -> str:
+    """The interpreter the stage's tasks run: the notebook's own on a local master unless the
+    user chose one (``PYSPARK_PYTHON``, ``spark.pyspark.python``), else Spark's choice."""
+    chosen = os.environ.get("PYSPARK_PYTHON") or sc.getConf().get("spark.pyspark.python", "")
+    if is_local_master(sc.master) and not chosen:
+        return sys.executable
+    return sc.pythonExec
+
+
 class SparkBarrierBackend(Backend):
-    """Runs the ranks as one barrier stage on ``spark`` (default: the active SparkSession)."""
+    """Runs the ranks as one barrier stage on ``spark``, a classic SparkSession."""
 
     name = "spark"
 
-    def __init__(self, spark=None):
-        self._spark = spark
-
-    @property
-    def spark(self):
-        if self._spark is None:
-            self._spark = active_or_new_session()
-        if is_spark_connect(self._spark):
+    def __init__(self, spark):
+        if is_spark_connect(spark):
             raise ValueError(
-                "the Spark backend needs a classic SparkSession: barrier execution (RDD.barrier) "
-                "is not available over Spark Connect; use a classic session or --backend local")
-        return self._spark
+                "this SparkSession is a Spark Connect session, which torchdist_magic's Spark "
+                "backend does not support yet; use a classic SparkSession or --local")
+        self.spark = spark
 
     def describe(self) -> str:
         return f"Spark barrier stage on {self.spark.sparkContext.master}"
@@ -156,7 +162,7 @@ class SparkBarrierBackend(Backend):
                 "resources (spark.executor.resource.gpu.amount, a discovery script)")
         n = options.num_processes
         slots = task_slots(sc)
-        deadline = time.monotonic() + SLOT_WAIT
+        deadline = time.monotonic() + SPARK_SLOT_WAIT
         while slots < n and not sc.master.startswith("local") and time.monotonic() < deadline:
             time.sleep(0.5)  # executors of a cluster that just started may still be registering
             slots = task_slots(sc)
@@ -168,18 +174,9 @@ class SparkBarrierBackend(Backend):
                 f"spark.task.cpus={cpus}); use {slots} or fewer ranks, or add executors")
 
     def start(self, ctx: LaunchContext) -> "SparkRun":
-        opts = ctx.options
-        beacon = StopBeacon(self.channel_host())
-        try:
-            spec = BarrierTaskSpec(
-                run_id=ctx.run_id, num_processes=opts.num_processes, job_bytes=ctx.job_bytes,
-                channel_address=ctx.channel_address, secret=ctx.secret, stop_address=beacon.address,
-                env=dict(opts.env), use_gpu=opts.use_gpu, all_ranks=opts.all_ranks)
-            run = SparkRun(self.spark.sparkContext, spec, ctx.emit, self.task_function(spec), beacon)
-            run.launch()
-        except BaseException:
-            beacon.close()
-            raise
+        spec = BarrierTaskSpec(run=ctx.spec, job_bytes=ctx.job_bytes)
+        run = SparkRun(self.spark.sparkContext, spec, ctx, self.task_function(spec))
+        run.launch()
         return run
 
     def task_function(self, spec: "BarrierTaskSpec") -> Callable:
@@ -187,119 +184,59 @@ class SparkBarrierBackend(Backend):
         return functools.partial(run_barrier_task, spec)
 
 
-class StopBeacon:
-    """Driver side of the stop signal.  Each task keeps a connection to it while it runs.
-
-    ``fire(grace)`` sends every task the grace and half-closes its connection; the task stops
-    its worker (SIGTERM, grace, SIGKILL), reports the exit over the event channel and closes its
-    end, which ``wait`` waits for.  Nothing a task sends is used: a stranger's connection gains
-    nothing.
-    """
-
-    def __init__(self, host: str):
-        self._server = socket.create_server((host, 0))
-        host, port = self._server.getsockname()[:2]
-        self.address = f"{host}:{port}"
-        self._conns: List[socket.socket] = []
-        self._lock = threading.Lock()
-        self._grace: Optional[float] = None
-        threading.Thread(target=self._accept, name="torchdist-stop-beacon", daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            with self._lock:
-                self._conns.append(conn)
-                grace = self._grace
-            if grace is not None:  # a task that connects after the stop stops at once
-                self._signal(conn, grace)
-
-    @staticmethod
-    def _signal(conn: socket.socket, grace: float) -> None:
-        try:
-            conn.sendall(f"{grace}\n".encode())
-            conn.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-
-    def fire(self, grace: float) -> None:
-        with self._lock:
-            if self._grace is not None:
-                return
-            self._grace = grace
-            conns = list(self._conns)
-        for conn in conns:
-            self._signal(conn, grace)
-
-    def wait(self, timeout: float) -> bool:
-        """True once every connected task has closed its end (it has stopped its rank)."""
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                try:
-                    conn.settimeout(remaining)
-                    if not conn.recv(4096):
-                        break
-                except socket.timeout:
-                    return False
-                except OSError:
-                    break
-        return True
-
-    def close(self) -> None:
-        self._server.close()
-        with self._lock:
-            conns, self._conns = self._conns, []
-        for conn in conns:
-            conn.close()
-
-
 class SparkRun(BackendRun):
     """The barrier stage of one run; ``collect`` runs in a thread of its own, under a job tag."""
 
-    def __init__(self, sc, spec: "BarrierTaskSpec", emit: Callable[[dict], None], task: Callable,
-                 beacon: StopBeacon):
+    def __init__(self, sc, spec: "BarrierTaskSpec", ctx: LaunchContext, task: Callable):
         from pyspark import InheritableThread
 
         self._sc = sc
         self._spec = spec
-        self._emit = emit
+        self._ctx = ctx
         self._task = task
-        self._beacon = beacon
-        self.job_tag = f"torchdist-{spec.run_id}"
+        self.job_tag = f"torchdist-{spec.run.run_id}"
         self._lock = threading.Lock()
         self._stopping = False
         self._closed = False
         self._values: Dict[int, bytes] = {}
         self._error: Optional[BaseException] = None
-        self._thread = InheritableThread(target=self._run_stage, name=f"torchdist-spark-{spec.run_id}",
+        self._thread = InheritableThread(target=self._run_stage, name=f"torchdist-spark-{spec.run.run_id}",
                                          daemon=True)
 
     def launch(self) -> None:
         self._thread.start()
 
+    def _barrier_rdd(self):
+        """The stage's RDD, its Python function bound to the tasks' interpreter.
+
+        PySpark builds a stage's Python function with ``SparkContext.pythonExec``; it is set
+        only while this RDD's function is built, so other jobs of the session are unaffected.
+        """
+        sc, n = self._sc, self._spec.run.num_processes
+        rdd = sc.parallelize(range(n), n).barrier().mapPartitions(self._task)
+        python = python_for_tasks(sc)
+        with _PYTHON_EXEC_LOCK:
+            previous, sc.pythonExec = sc.pythonExec, python
+            try:
+                rdd._jrdd  # noqa: B018  builds the Java-side function now, with ``python``
+            finally:
+                sc.pythonExec = previous
+        return rdd
+
     def _run_stage(self) -> None:
-        sc, n = self._sc, self._spec.num_processes
+        sc, n = self._sc, self._spec.run.num_processes
         with self._lock:
             if self._stopping:
                 return
-            sc.setJobDescription(f"torchdist run {self._spec.run_id}: {n} ranks")
+            sc.setJobDescription(f"torchdist run {self._spec.run.run_id}: {n} ranks")
             sc.setInterruptOnCancel(True)
             sc.addJobTag(self.job_tag)
         try:
-            deadline = time.monotonic() + SLOT_WAIT
+            deadline = time.monotonic() + SPARK_SLOT_WAIT
             # a barrier stage submitted before enough executors registered waits 15 s to retry
             while max_concurrent_tasks(sc) < n and not self._stopping and time.monotonic() < deadline:
                 time.sleep(0.1)
-            rows = sc.parallelize(range(n), n).barrier().mapPartitions(self._task).collect()
+            rows = self._barrier_rdd().collect()
         except Exception as exc:
             self._error = exc
             if not self._stopping:
@@ -311,42 +248,49 @@ class SparkRun(BackendRun):
                 sc.setJobDescription(None)
             except Exception:  # the SparkContext was stopped under the run
                 pass
-        for rank, _code, value, _exit in rows:
+        for rank, value, _exit in rows:
             if value is not None:
                 self._values[rank] = value
-        for _rank, _code, _value, exit_event in rows:
+        for _rank, _value, exit_json in rows:
             # normally the channel delivered it already (a repeated exit is ignored); this covers
             # a rank whose channel to the driver was lost
-            self._emit(exit_event)
+            try:
+                self._ctx.emit(events.decode(exit_json))
+            except events.MalformedEvent:
+                pass  # a task of another version: the channel's handshake said so already
 
     def _report_stage_failure(self, exc: BaseException) -> None:
         """The stage failed outside any rank: one rank fails with Spark's reason, the others stop."""
-        failure = spark_failure(exc)
+        culprit, failure = spark_failure(exc)
         now = time.time()
-        culprit = min(max(failure.pop("rank", 0), 0), self._spec.num_processes - 1)
-        self._emit({"type": "exit", "rank": culprit, "code": 1, "time": now,
-                    "host": failure.get("host", ""), "failure": dict(failure, exit_code=1)})
-        for rank in range(self._spec.num_processes):
+        n = self._spec.run.num_processes
+        culprit = min(max(culprit or 0, 0), n - 1)
+        failure = dataclasses.replace(failure, rank=culprit, exit_code=1, time=now)
+        self._ctx.emit(events.Exit(rank=culprit, code=1, time=now, host=failure.host, failure=failure))
+        for rank in range(n):
             if rank != culprit:
-                self._emit({"type": "exit", "rank": rank, "code": None, "time": now, "stopped": True})
+                self._ctx.emit(events.Exit(rank=rank, code=None, time=now, stopped=True))
 
     def stop(self, grace: float) -> None:
-        """Tell every task to stop its rank and wait for them; cancel the stage if that is not
-        enough (a task not started yet, or stuck before its rank started).
+        """Tell every task to stop its rank and wait for the stage to end; cancel it if that is
+        not enough (a task not started yet, or stuck before its rank started).
 
-        A cancelled task is killed only after ``spark.python.task.killTimeout``, with SIGKILL; its
-        guard then stops the worker.  The beacon makes the usual case quick and graceful.
+        ``Stop`` is sent again while waiting: a task that connects to the channel late still
+        gets it.  A cancelled task is killed only after ``spark.python.task.killTimeout``, with
+        SIGKILL; its guard then stops the worker.
         """
         with self._lock:
             self._stopping = True
-        self._beacon.fire(grace)
-        self._beacon.wait(max(grace, 0.0) + STAGE_END_WAIT)
-        self._thread.join(CANCEL_RETRY)
-        deadline = time.monotonic() + CANCEL_WAIT
+        stop = events.Stop(rank=-1, grace=grace)
+        deadline = time.monotonic() + max(grace, 0.0) + SPARK_STAGE_END_WAIT
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self._ctx.to_ranks(stop)
+            self._thread.join(SPARK_CANCEL_RETRY)
+        deadline = time.monotonic() + SPARK_CANCEL_WAIT
         try:
             while self._thread.is_alive() and time.monotonic() < deadline:
                 self._sc.cancelJobsWithTag(self.job_tag)
-                self._thread.join(CANCEL_RETRY)
+                self._thread.join(SPARK_CANCEL_RETRY)
         except Exception:  # the SparkContext is gone, and with it the stage
             pass
 
@@ -355,9 +299,9 @@ class SparkRun(BackendRun):
         if rank in self._values:
             return self._values[rank]
         if self._error is not None:
-            reason = spark_failure(self._error)
+            _, reason = spark_failure(self._error)
             raise RuntimeError(f"rank {rank} finished, but Spark could not return its value: "
-                               f"{reason['exc_type']}: {reason['message']}")
+                               f"{reason.exc_type}: {reason.message}")
         return None
 
     def close(self) -> None:
@@ -365,11 +309,12 @@ class SparkRun(BackendRun):
             return
         self._closed = True
         if self._thread.is_alive():
-            self.stop(TASK_STOP_GRACE)
-        self._beacon.close()
+            self.stop(STOP_GRACE)
 
 
+_PYTHON_EXEC_LOCK = threading.Lock()
 _PY_TRACEBACK = "Traceback (most recent call last):"
+_EXC_LINE = re.compile(r"([A-Za-z_][\w.$]*): (.*)", re.S)
 _TASK_RANK = (re.compile(r"barrier task ResultTask\(\d+, (\d+)\)"),
               re.compile(r"Lost task (\d+)\.\d+ in stage"))
 _TASK_HOST = re.compile(r"Lost task \d+\.\d+ in stage \S+ \(TID \d+\) \(([^\s)]+) executor")
@@ -377,10 +322,11 @@ _TASK_REASON = (re.compile(r"finished unsuccessfully\.\n(.+)"),
                 re.compile(r"Lost task \d+\.\d+ in stage \S+ \(TID \d+\) \([^)]*\): (.+)"))
 
 
-def spark_failure(exc: BaseException) -> dict:
+def spark_failure(exc: BaseException) -> Tuple[Optional[int], events.Failure]:
     """What a user needs from a failed stage's error (a Py4JJavaError of a few hundred lines):
     the Python exception raised in the task (type, message, traceback) when there is one, else
-    the task's failure reason from Spark; and the task's rank and host when Spark names them."""
+    the task's failure reason from Spark; and the task's rank (``None`` when Spark does not name
+    it) and host."""
     text = str(exc)
     java = getattr(exc, "java_exception", None)
     if java is not None:
@@ -388,15 +334,14 @@ def spark_failure(exc: BaseException) -> dict:
             text = str(java.toString()) + "\n" + text
         except Exception:  # the JVM is gone; str(exc) is all there is
             pass
-    info: dict = {"host": ""}
+    rank: Optional[int] = None
     for pattern in _TASK_RANK:
         m = pattern.search(text)
         if m:
-            info["rank"] = int(m.group(1))
+            rank = int(m.group(1))
             break
     m = _TASK_HOST.search(text)
-    if m:
-        info["host"] = m.group(1)
+    host = m.group(1) if m else ""
     start = text.find(_PY_TRACEBACK)
     if start >= 0:
         block = text[start:].split("\n\tat ", 1)[0]
@@ -409,10 +354,11 @@ def spark_failure(exc: BaseException) -> dict:
         reasons = [m.group(1) for m in (p.search(text) for p in _TASK_REASON) if m]
         exc_line = (reasons or text.strip().splitlines() or [type(exc).__name__])[0].strip()
         traceback_text = ""
-    exc_type, sep, message = exc_line.partition(": ")
-    info.update(exc_type=exc_type.rsplit(".", 1)[-1] if sep else type(exc).__name__,
-                message=message.strip() if sep else exc_line, traceback=traceback_text)
-    return info
+    typed = _EXC_LINE.match(exc_line)  # "pkg.SomeError: message"; anything else is a message
+    return rank, events.Failure(
+        rank=rank or 0, host=host,
+        exc_type=typed.group(1).rsplit(".", 1)[-1] if typed else type(exc).__name__,
+        message=typed.group(2).strip() if typed else exc_line, traceback=traceback_text)
 
 
 # -- task side --------------------------------------------------------------------------------
@@ -421,15 +367,8 @@ def spark_failure(exc: BaseException) -> dict:
 class BarrierTaskSpec:
     """Everything a barrier task needs; travels to the executors inside the stage's closure."""
 
-    run_id: str
-    num_processes: int
+    run: RunSpec
     job_bytes: bytes
-    channel_address: str
-    secret: str
-    stop_address: str
-    env: Dict[str, str] = field(default_factory=dict)
-    use_gpu: bool = False
-    all_ranks: bool = False
 
 
 class RunStopped(Exception):
@@ -437,106 +376,74 @@ class RunStopped(Exception):
 
 
 class StopSignal:
-    """Task side of the ``StopBeacon``: ``is_set()`` once the driver stops the run (or is gone);
-    ``grace`` is the time the driver gives the rank between SIGTERM and SIGKILL."""
+    """Set when the driver sends ``events.Stop`` to this task; ``grace`` is the time the
+    driver gives the rank between SIGTERM and SIGKILL."""
 
-    def __init__(self, address: str):
+    def __init__(self):
         self._event = threading.Event()
-        self.grace = TASK_STOP_GRACE
-        host, _, port = address.rpartition(":")
-        try:
-            self._sock: Optional[socket.socket] = socket.create_connection((host, int(port)), timeout=10)
-        except OSError:  # no beacon: the run still stops, through Spark's task kill and the guard
-            self._sock = None
-            return
-        self._sock.settimeout(None)
-        threading.Thread(target=self._watch, name="torchdist-stop-signal", daemon=True).start()
+        self.grace = STOP_GRACE
 
-    def _watch(self) -> None:
-        data = b""
-        try:
-            while True:
-                chunk = self._sock.recv(64)
-                if not chunk:
-                    break
-                data += chunk
-        except OSError:
-            pass
-        try:
-            self.grace = float(data.decode().strip() or TASK_STOP_GRACE)
-        except ValueError:
-            pass
-        self._event.set()
+    def on_message(self, record: events.Event) -> None:
+        if isinstance(record, events.Stop):
+            self.grace = max(record.grace, 0.0)
+            self._event.set()
 
     def is_set(self) -> bool:
         return self._event.is_set()
 
-    def close(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._sock.close()
 
-
-def run_barrier_task(spec: BarrierTaskSpec, _partition) -> List[Tuple[int, int, Optional[bytes], dict]]:
-    """One barrier task: run one rank; ``[(rank, exit_code, value or None, exit event)]``."""
+def run_barrier_task(spec: BarrierTaskSpec, _partition) -> List[Tuple[int, Optional[bytes], dict]]:
+    """One barrier task: run one rank; ``[(rank, value or None, its Exit record as JSON)]``."""
     from pyspark import BarrierTaskContext
 
     context = BarrierTaskContext.get()
     rank = context.partitionId()
-    channel = ChannelClient(spec.channel_address, spec.secret, spec.run_id, rank)
-    stop = StopSignal(spec.stop_address)
-    exits: List[dict] = []
+    stop = StopSignal()
+    channel = ChannelClient(spec.run.channel_address, spec.run.launcher_secret, spec.run.run_id, rank,
+                            role="launcher", on_message=stop.on_message)
+    exits: List[events.Exit] = []
 
-    def emit(event: dict) -> None:
-        if event.get("type") == "exit":
+    def emit(event: events.Event) -> None:
+        if isinstance(event, events.Exit):
             exits.append(event)
         channel.send(event)
 
     try:
-        code, value = _run_rank(spec, context, rank, emit, stop)
+        value = _run_rank(spec, context, rank, emit, stop)
     except Exception as exc:  # the task's own failure (not the rank's): report it as this rank's
-        code, value = 1, None
+        value = None
         host = socket.gethostname()
-        emit({"type": "exit", "rank": rank, "code": 1, "time": time.time(), "host": host,
-              "stopped": stop.is_set(),
-              "failure": {"exc_type": type(exc).__qualname__, "message": str(exc), "host": host,
-                          "exit_code": 1, "traceback": "".join(
-                              traceback.format_exception(type(exc), exc, exc.__traceback__))}})
+        emit(events.Exit(rank=rank, code=1, time=time.time(), host=host, stopped=stop.is_set(),
+                         failure=events.Failure(
+                             rank=rank, exc_type=type(exc).__qualname__, message=str(exc), host=host,
+                             exit_code=1, time=time.time(), traceback="".join(
+                                 traceback.format_exception(type(exc), exc, exc.__traceback__)))))
     finally:
-        stop.close()
         channel.close()
-    return [(rank, code, value, exits[-1])]
+    return [(rank, value, events.encode(exits[-1]))]
 
 
-def _run_rank(spec: BarrierTaskSpec, context, rank: int, emit: Callable[[dict], None],
-              stop: StopSignal) -> Tuple[int, Optional[bytes]]:
-    workdir = tempfile.mkdtemp(prefix=f"torchdist-{spec.run_id}-rank{rank}-")
+def _run_rank(spec: BarrierTaskSpec, context, rank: int, emit: Callable[[events.Event], None],
+              stop: StopSignal) -> Optional[bytes]:
+    run = spec.run
+    workdir = tempfile.mkdtemp(prefix=f"torchdist-{run.run_id}-rank{rank}-")
     guard = subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", _GUARD_SOURCE, workdir, str(TASK_STOP_GRACE)],
+        [sys.executable, "-I", "-S", "-c", _GUARD_SOURCE, workdir, str(STOP_GRACE)],
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env=dict(os.environ, TORCHDIST_RUN_ID=spec.run_id), start_new_session=True, text=True)
+        env=dict(os.environ, TORCHDIST_RUN_ID=run.run_id), start_new_session=True, text=True)
     port = reserve_port("") if rank == 0 else None
     proc: Optional[RankProcess] = None
     try:
         host = context.getTaskInfos()[rank].address.rpartition(":")[0]
-        mine = {"host": host, "port": port.getsockname()[1] if port is not None else None}
+        gpus = None
+        if run.use_gpu:
+            resource = context.resources().get("gpu")
+            gpus = ",".join(resource.addresses) if resource is not None else None
+        mine = {"host": host, "port": port.getsockname()[1] if port is not None else None, "gpus": gpus}
         peers = [json.loads(p) for p in context.allGather(json.dumps(mine))]
-        hosts = [p["host"] for p in peers]
-        same_host = [r for r, h in enumerate(hosts) if h == host]
-        extra: Dict[str, str] = {}
-        if spec.use_gpu:
-            gpus = context.resources().get("gpu")
-            if gpus is not None:
-                extra["CUDA_VISIBLE_DEVICES"] = ",".join(gpus.addresses)
-        extra.update(spec.env)
-        env = rank_environment(
-            os.environ, rank=rank, local_rank=same_host.index(rank), world_size=spec.num_processes,
-            local_world_size=len(same_host), master_addr=hosts[0], master_port=peers[0]["port"],
-            extra=extra, channel=spec.channel_address, secret=spec.secret, run_id=spec.run_id,
-            use_gpu=spec.use_gpu)
+        place = place_ranks([p["host"] for p in peers], peers[0]["host"], peers[0]["port"],
+                            [p["gpus"] for p in peers])[rank]
+        env = rank_environment(os.environ, run, place)
         env["TORCHDIST_CLEANUP"] = workdir  # the worker removes it if it outlives this task
         job_file = os.path.join(workdir, "job.pkl")
         fd = os.open(job_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -551,11 +458,11 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, emit: Callable[[dict], 
         while not proc.exited.wait(0.05):
             if stop.is_set():
                 stop_all([proc], stop.grace)
-        wanted = proc.returncode == 0 and (rank == 0 or spec.all_ranks)
-        return proc.returncode, read_result(result_dir) if wanted else None
+        wanted = proc.returncode == 0 and run.returns_value(rank)
+        return read_result(result_dir) if wanted else None
     finally:
         if proc is not None:
-            stop_all([proc], TASK_STOP_GRACE)  # also reaches what the worker left in its group
+            stop_all([proc], STOP_GRACE)  # also reaches what the worker left in its group
         if port is not None:
             port.close()
         shutil.rmtree(workdir, ignore_errors=True)

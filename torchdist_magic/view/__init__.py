@@ -1,10 +1,18 @@
-"""Renderers of a ``RunState``: ``text`` (terminals, CI, nbconvert) and ``widget`` (Jupyter)."""
+"""Views of a run: what a ``RunState`` looks like in a terminal and in a notebook.
+
+``model`` computes what every view shows; ``text`` prints it (terminals, CI, nbconvert);
+``html`` draws it (the live widget and the summary a notebook keeps); ``widget`` is the live
+ipywidgets view, with ``kernel_poll`` letting its Stop button work while a cell blocks the
+kernel; ``panel`` is the launch panel.  Importing this package imports neither ipywidgets nor
+IPython.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 import warnings
+from typing import Optional
 
 VIEWS = ("auto", "widget", "text")
 
@@ -21,17 +29,22 @@ def kernel_with_widgets() -> bool:
     return importlib.util.find_spec("ipywidgets") is not None
 
 
-def make_view(run, kind: str = "auto"):
-    """The live view for ``run``: ``text`` always works; ``widget``/``auto`` use ipywidgets when
-    running in a kernel that has them, and fall back to text otherwise (``widget`` says so once,
-    ``auto`` silently)."""
+def make_view(run, kind: str = "auto", *, log_hint: Optional[str] = None):
+    """The live view for ``run`` (an object with ``update()`` and ``close()``): ``text`` always
+    works; ``widget``/``auto`` use ipywidgets when running in a kernel that has them, and fall
+    back to text otherwise (``widget`` says so once, ``auto`` silently).
+
+    ``log_hint`` tells the reader of a widget view where the complete logs are, the word ``rank``
+    standing for a rank's number: ``_torchdist_run.logs(rank)`` gives captions such as
+    ``full log: _torchdist_run.logs(1)``.
+    """
     if kind not in VIEWS:
         raise ValueError(f"view must be one of {', '.join(VIEWS)}, got {kind!r}")
     if kind != "text":
         if kernel_with_widgets():
             from .widget import WidgetView
 
-            return WidgetView(run)
+            return WidgetView(run, log_hint=log_hint)
         if kind == "widget":
             warnings.warn("the widget view needs a Jupyter kernel with ipywidgets; showing the run as text",
                           RuntimeWarning, stacklevel=2)

@@ -5,7 +5,8 @@ field's flag, help text and choices), so they cannot drift from ``%%torchdist``'
 runs is either code typed into the panel (captured like a ``%%torchdist`` cell) or a function
 from the notebook with its arguments.  The run starts without blocking the kernel; its live view
 appears in the panel, refreshed from a background thread; the panel shows the equivalent
-``%%torchdist`` cell so the run can be reproduced in the notebook.
+``%%torchdist`` cell so the run can be reproduced in the notebook.  ``panel.run`` is the handle
+of the panel's latest run.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import html
 import shlex
 import threading
 import types
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ipywidgets as widgets
 
-from ..options import LaunchOptions, option_fields
-from .widget import STATE_COLOURS, WidgetView, close_tree, follow_in_background
+from ..options import LaunchOptions, OptionError, option_fields
+from .html import STATE_COLOURS
+from .widget import UPDATE_EVERY, WidgetView, close_tree
 
 CODE = "code"
 FUNCTION = "function"
@@ -30,6 +32,11 @@ _MUTED = "var(--jp-ui-font-color2, #757575)"
 _ERROR = "#d32f2f"
 _MONO = "var(--jp-code-font-family, monospace)"
 _NOTE = "display:inline-block;font-size:12px;line-height:1.35"
+
+
+def _shown(exc: Exception) -> str:
+    """A refused setting's message, naming the flag the panel labels its control with."""
+    return exc.for_flags() if isinstance(exc, OptionError) else str(exc)
 
 
 def _is_bool(field: dataclasses.Field) -> bool:
@@ -140,17 +147,43 @@ def notebook_functions(namespace: dict) -> List[str]:
                   and getattr(obj, "__module__", None) == "__main__")
 
 
-class LaunchPanel:
-    """Options, what to run, Launch/Stop, the equivalent cell, and the run's live view."""
+def follow_in_background(run, view, on_done: Optional[Callable[[Any], None]] = None) -> threading.Thread:
+    """Refresh ``view`` from a thread until ``run`` ends, then close it and call ``on_done(run)``;
+    the kernel stays free meanwhile."""
 
-    def __init__(self, shell):
+    def loop() -> None:
+        try:
+            while not run.wait(UPDATE_EVERY):
+                view.update()
+        finally:
+            view.close()
+            if on_done is not None:
+                on_done(run)
+
+    thread = threading.Thread(target=loop, name=f"torchdist-view-{run.run_id}", daemon=True)
+    thread.start()
+    return thread
+
+
+class LaunchPanel:
+    """Options, what to run, Launch/Stop, the equivalent cell, and the run's live view.
+
+    ``shell`` is the IPython shell (its ``user_ns`` is the notebook: its functions, variables
+    and ``In`` history); ``defaults`` are the options the controls start from (the magic passes
+    its ``%config`` defaults; None: ``LaunchOptions()``).  ``name``, the notebook expression that holds this panel, lets
+    captions say where the run's full logs and value are (``panel.run.logs(1)``); None leaves
+    that out.
+    """
+
+    def __init__(self, shell, defaults: Optional[LaunchOptions] = None, *, name: Optional[str] = None):
+        defaults = LaunchOptions() if defaults is None else defaults
         self.shell = shell
+        self.name = name
         self.run = None
         self.value: Any = None
         self._lock = threading.Lock()
         self._view: Optional[WidgetView] = None
         self._updater: Optional[threading.Thread] = None
-        initial = self._configured_defaults()
 
         self.fields = {f.name: f for f in option_fields()}
         self.controls: Dict[str, widgets.Widget] = {}
@@ -158,7 +191,7 @@ class LaunchPanel:
         grid: List[widgets.Widget] = []
         for name, field in self.fields.items():
             label = widgets.HTML(f'<code style="font-size:12px">{html.escape(field.metadata["flag"])}</code>')
-            control = control_for(field, getattr(initial, name))
+            control = control_for(field, getattr(defaults, name))
             note = widgets.HTML(layout=widgets.Layout(min_width="0"))
             note.add_class("torchdist-option-note")
             control.observe(self._changed, "value")
@@ -224,20 +257,6 @@ class LaunchPanel:
         self._list_functions()
         self.validate()
 
-    def _configured_defaults(self) -> LaunchOptions:
-        """What ``%%torchdist`` with no flags would use (``%config TorchdistMagics`` defaults)."""
-        magics = getattr(getattr(self.shell, "magics_manager", None), "registry", {}).get("TorchdistMagics")
-        if magics is None:
-            return LaunchOptions()
-        from IPython.core.error import UsageError
-
-        from ..magic import parse_flags
-
-        try:
-            return magics.launch_options(parse_flags(""))
-        except UsageError:  # an invalid %config default: the panel starts from the plain defaults
-            return LaunchOptions()
-
     # -- reading the controls -------------------------------------------------------------------
     def option_values(self) -> Dict[str, Any]:
         """``{field: value}`` as the controls hold them; ``ValueError`` names a control's bad text."""
@@ -254,7 +273,7 @@ class LaunchPanel:
             try:
                 LaunchOptions(**{name: control_value(self.fields[name], control)})
             except (TypeError, ValueError) as exc:
-                errors[name] = str(exc)
+                errors[name] = _shown(exc)
         return errors
 
     def what_errors(self) -> List[str]:
@@ -310,7 +329,7 @@ class LaunchPanel:
             try:
                 self.options()
             except (TypeError, ValueError) as exc:
-                overall = str(exc)
+                overall = _shown(exc)
         what = self.what_errors()
         note = self.code_note if self.source.value == CODE else self.function_note
         note.value = "".join(f'<span class="torchdist-what-error" style="color:{_ERROR};font-size:12px">'
@@ -341,8 +360,7 @@ class LaunchPanel:
     def launch(self):
         """Start the run the panel describes; its ``Run`` handle, or None when it could not start
         (the reason is shown in the panel)."""
-        from ..capture import CaptureError
-        from ..distributor import Distributor
+        from ..distributor import submit
 
         with self._lock:
             if self.running or not self.validate():
@@ -350,10 +368,10 @@ class LaunchPanel:
             options = self.options()
             try:
                 target, args, kwargs = self._target()
-                run = Distributor.from_options(options, show=None).submit(target, *args, **kwargs)
-            except (CaptureError, TypeError, ValueError) as exc:
+                run = submit(target, args, kwargs, options)
+            except (TypeError, ValueError) as exc:  # a CaptureError is a ValueError
                 self.message.value = (f'<pre class="torchdist-launch-error" style="color:{_ERROR};white-space:pre-wrap;'
-                                      f'margin:0">{html.escape(str(exc))}</pre>')
+                                      f'margin:0">{html.escape(_shown(exc))}</pre>')
                 return None
             self.message.value = ""
             self.result.value = ""
@@ -361,7 +379,8 @@ class LaunchPanel:
             if self._view is not None:
                 close_tree(self._view.widget)
             self.run = run
-            self._view = WidgetView(run, display=False, stop=False)
+            log_hint = f"{self.name}.run.logs(rank)" if self.name else None
+            self._view = WidgetView(run, display=False, stop=False, log_hint=log_hint)
             self.view_box.children = [self._view.widget]
             self.launch_button.disabled = True
             self.stop_button.disabled = False
@@ -369,19 +388,18 @@ class LaunchPanel:
             return run
 
     def _target(self) -> Tuple[Any, tuple, dict]:
-        """What ``Distributor.submit`` runs: a cell ``Job`` built like the magic's (``submit``
-        gives it the options' GPU and all-ranks settings), or the chosen function with its
-        arguments."""
+        """What ``distributor.submit`` runs: the panel's code as a cell ``Job`` (captured like a
+        ``%%torchdist`` cell), or the chosen function with its arguments."""
         if self.source.value == FUNCTION:
             args, kwargs = parse_call_arguments(self.arguments.value, self.shell.user_ns)
             return self.shell.user_ns[self.function.value], args, kwargs
         from ..capture import capture_cell
-        from ..job import Job
+        from ..job import cell_job
 
         history = list(self.shell.user_ns.get("In", []))
         captured = capture_cell(self.code.value, self.shell.user_ns, history,
                                 filename="<torchdist panel>", line_offset=0)
-        return Job(kind="cell", name="panel code", cell=captured.cell), (), {}
+        return cell_job(captured.cell, "panel code"), (), {}
 
     def stop(self) -> None:
         """Cancel the run (every rank is stopped), as the Stop button does."""
@@ -410,9 +428,9 @@ class LaunchPanel:
             text = repr(self.value)
             if len(text) > RESULT_CHARS:
                 text = text[:RESULT_CHARS] + " …"
+            also = f" (also <code>{html.escape(self.name)}.value</code>)" if self.name else ""
             self.result.value = (
-                f'<div style="color:{_MUTED};font-size:12px;margin-top:6px">rank 0 returned'
-                f' (also <code>torchdist_magic.last_run().result()</code>):</div>'
+                f'<div style="color:{_MUTED};font-size:12px;margin-top:6px">rank 0 returned{also}:</div>'
                 f'<pre class="torchdist-value" style="margin:2px 0;font-family:{_MONO};font-size:12px;'
                 f'white-space:pre-wrap">{html.escape(text)}</pre>')
         else:

@@ -2,7 +2,8 @@
 
 Output lines are printed as they arrive, prefixed ``[rank N]``; ``\\r``-terminated progress
 lines (tqdm) are collapsed to their latest state; progress from ``progress()`` is summarised
-per rank at a bounded rate; a summary table ends the run.
+per rank at a bounded rate; a summary table ends the run.  ``summary_with_logs`` adds each
+rank's last lines: the ``text/plain`` a notebook keeps of a widget view.
 """
 
 from __future__ import annotations
@@ -12,45 +13,17 @@ import time
 from typing import List, Optional, TextIO
 
 from ..state import RankState, RunState
+from .model import format_duration, metrics_text, progress_text, rank_logs
 
 PROGRESS_EVERY = 5.0   # seconds between progress summaries
 CR_EVERY = 5.0         # seconds between showings of a rank's \r-progress line
-
-
-def format_duration(seconds: Optional[float]) -> str:
-    if seconds is None:
-        return "?"
-    seconds = max(0, int(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
-
-
-def progress_text(bar: Optional[dict]) -> str:
-    """``epoch 2/3 [00:04<00:02, 0.52 it/s]``, as tqdm writes it."""
-    if not bar:
-        return ""
-    n, total, elapsed = bar.get("n") or 0, bar.get("total"), bar.get("elapsed") or 0.0
-    rate = n / elapsed if elapsed > 0 else None
-    desc = f"{bar['desc']} " if bar.get("desc") else ""
-    if total:
-        eta = (total - n) / rate if rate else None
-        timing = f"{format_duration(elapsed)}<{format_duration(eta)}"
-        head = f"{desc}{n}/{total} ({100 * n // total}%)"
-    else:
-        timing = format_duration(elapsed)
-        head = f"{desc}{n}"
-    rate_text = f", {rate:.2f} it/s" if rate else ""
-    return f"{head} [{timing}{rate_text}]"
+SUMMARY_LOG_LINES = 5  # of each rank in ``summary_with_logs``
+SUMMARY_LINE_CHARS = 300  # longer lines are cut there
 
 
 def rank_progress_text(rs: RankState) -> str:
     """Every bar a rank shows, outer loop first: ``epoch 1/3 [...] · batch 8/10 [...]``."""
     return " · ".join(progress_text(bar) for bar in rs.shown_progress())
-
-
-def metrics_text(metrics: dict) -> str:
-    return " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
 
 
 def header(state: RunState) -> str:
@@ -80,11 +53,24 @@ def summary(state: RunState) -> str:
     return "\n".join(rows)
 
 
-class TextView:
-    """Prints a run as it goes; call ``update()`` from the thread that owns the output."""
+def summary_with_logs(state: RunState, log_hint: Optional[str] = None, lines: int = SUMMARY_LOG_LINES) -> str:
+    """``summary`` then each rank's last ``lines`` lines: the ``text/plain`` a notebook keeps of
+    a widget view, for readers without a kernel or without HTML.  ``log_hint`` names where the
+    full logs are (``_torchdist_run.logs(rank)``)."""
+    out = [summary(state), "last lines of each rank" + (f" (full logs: {log_hint})" if log_hint else "") + ":"]
+    for log in rank_logs(state, lines):
+        texts = [line.text for line in log.lines] or ["(no output)"]
+        out += [f"  [rank {log.rank}] " + (text if len(text) <= SUMMARY_LINE_CHARS else text[:SUMMARY_LINE_CHARS] + " …")
+                for text in texts]
+    return "\n".join(out)
 
-    def __init__(self, state: RunState, out: Optional[TextIO] = None, err: Optional[TextIO] = None,
-                 show_header: bool = True):
+
+class TextView:
+    """Prints a run as it goes; call ``update()`` from the thread that owns the output.  ``out``
+    and ``err`` default to ``sys.stdout``/``sys.stderr`` as they are when printing (so that a
+    notebook or pytest capturing them gets the lines)."""
+
+    def __init__(self, state: RunState, out: Optional[TextIO] = None, err: Optional[TextIO] = None):
         self.state = state
         self.out = out
         self.err = err
@@ -94,8 +80,7 @@ class TextView:
         self._progress_shown = 0.0
         self._progress_seen = [None] * state.num_processes
         self._closed = False
-        if show_header:
-            self._print(header(state))
+        self._print(header(state))
 
     def _print(self, text: str, stream: str = "stdout") -> None:
         target = (self.err or sys.stderr) if stream == "stderr" else (self.out or sys.stdout)

@@ -1,0 +1,87 @@
+"""Layers point one way: no module imports one above it in the data flow of DESIGN.md
+(capture -> distributor -> backend -> launcher -> worker; events -> channel -> RunState -> view).
+Function-level (lazy) imports count too."""
+
+import ast
+import pathlib
+
+import torchdist_magic
+
+PACKAGE = pathlib.Path(torchdist_magic.__file__).parent
+
+#: bottom first; a module may import its own layer and those below it
+LAYERS = [
+    ("contract", {"events", "timing", "options"}),
+    ("rank side", {"errors", "runtime", "job", "rankenv"}),
+    ("worker and transport", {"worker", "channel"}),
+    ("launch and state", {"launcher", "state"}),
+    ("backends", {"backends", "backends.local", "backends.spark"}),
+    ("runs", {"capture", "distributor"}),
+    ("views", {"view"}),  # every view.* module but the panel
+    ("entry points", {"api", "magic", "view.panel", "__init__"}),
+]
+
+
+def layer_of(module: str) -> int:
+    for index, (_, names) in enumerate(LAYERS):
+        if module in names:
+            return index
+    if module.startswith("view."):
+        return layer_of("view")
+    raise AssertionError(f"torchdist_magic.{module} has no layer in this test: add it to LAYERS")
+
+
+def module_names():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        yield ".".join(parts), path
+
+
+def imported(module: str, path: pathlib.Path):
+    """Names of torchdist_magic modules that ``module`` imports, relative to the package."""
+    package = module.split(".")[:-1] if path.name != "__init__.py" else module.split(".")
+    if module == "__init__":
+        package = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - (node.level - 1)] if node.level > 1 else package
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif (node.module or "").startswith("torchdist_magic"):
+                target = node.module[len("torchdist_magic"):].lstrip(".")
+            else:
+                continue
+            for alias in node.names:  # ``from pkg import module`` or ``from module import name``
+                yield _known(".".join(filter(None, [target, alias.name])))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("torchdist_magic."):
+                    yield _known(alias.name[len("torchdist_magic."):])
+
+
+def _known(name: str) -> str:
+    """The module a dotted name refers to (``events.Failure`` -> ``events``)."""
+    modules = {m for m, _ in module_names()}
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or "__init__"
+
+
+def test_every_import_points_down():
+    upward = []
+    for module, path in module_names():
+        for target in imported(module, path):
+            if target != module and layer_of(target) > layer_of(module):
+                upward.append(f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} "
+                              f"({LAYERS[layer_of(target)][0]})")
+    assert not upward, "\n".join(upward)
+
+
+def test_the_check_sees_lazy_and_relative_imports():
+    found = dict((m, set(imported(m, p))) for m, p in module_names())
+    assert "view" in found["api"]            # a function-level import
+    assert "events" in found["state"]        # a relative import
+    assert "backends.local" in found["backends"]
+    assert "runtime" in found["worker"]         # ``from torchdist_magic import runtime``

@@ -1,0 +1,343 @@
+"""The view model and its renderers without a kernel: RunState -> header facts, rank rows, bars,
+plots, logs; the HTML and text a notebook keeps after a run (every rank's last lines); the view
+package's layering (no ipywidgets or IPython at import, nothing from the magic)."""
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from html.parser import HTMLParser
+
+from view_helpers import FakeRun, bar, exit_, feed, log, metrics, running
+from torchdist_magic import events
+from torchdist_magic.view import html as H
+from torchdist_magic.view import model as M
+from torchdist_magic.view.text import summary, summary_with_logs
+
+VIEW_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "torchdist_magic", "view")
+
+
+# -- header and rows -------------------------------------------------------------------------------
+def test_rows_show_host_state_progress_and_metrics():
+    run = FakeRun()
+    running(run.state, 0, "node-a")
+    running(run.state, 1, "node-b")
+    bar(run.state, 0, 5, 10, elapsed=2.0)
+    metrics(run.state, 0, 5, loss=0.25, acc=0.5)
+    rows = M.rank_rows(run.state)
+    assert [(r.rank, r.host, r.state) for r in rows] == [(0, "node-a", "running"), (1, "node-b", "running")]
+    (b,) = rows[0].bars
+    assert (b.desc, b.n, b.total, b.fraction) == ("epoch", 5, 10, 0.5)
+    assert b.text == "5/10 [00:02<00:02, 2.50 it/s]"  # n/total [elapsed<ETA, rate]; the bar shows the %
+    assert b.title == "epoch 5/10 (50%) [00:02<00:02, 2.50 it/s]"  # as the text view writes it
+    assert rows[0].metrics == "loss=0.25 acc=0.5"
+    assert rows[0].bar_style == rows[1].bar_style == "info"
+    assert rows[1].bars == []
+    html = H.rows_html(rows)
+    assert html.count('class="torchdist-rank-row"') == 2
+    assert 'data-n="5" data-total="10"' in html and "width:50.0%" in html
+    assert "node-b" in html and "loss=0.25 acc=0.5" in html
+
+
+def test_header_facts():
+    run = FakeRun(3)
+    facts = M.run_facts(run.state)
+    assert (facts.run_id, facts.state, facts.job_name, facts.num_processes, facts.use_gpu, facts.finished) == \
+        ("7-cafe", "starting", "cell In[3]", 3, False, False)
+    assert facts.outcome == ""
+    header = H.header_html(facts)
+    assert 'data-run-id="7-cafe"' in header and "np=3" in header and ">cpu<" in header
+    run.state.finish("timed out", message="the run exceeded its timeout of 5 s")
+    facts = M.run_facts(run.state)
+    assert facts.finished and facts.outcome == "the run exceeded its timeout of 5 s"
+    assert "exceeded its timeout" in H.failure_html(facts)
+
+
+def test_bars_turn_green_on_success_and_red_on_failure():
+    run = FakeRun(3)
+    for r in range(3):
+        running(run.state, r)
+        bar(run.state, r, 3, 10)
+    bar(run.state, 0, 10, 10, state_="done")
+    exit_(run.state, 0, 0)
+    exit_(run.state, 1, 1, exc_type="ValueError", message="bad batch")
+    run.state.finish("failed", run.state.failures()[0])
+    rows = M.rank_rows(run.state)
+    assert [(r.state, r.bar_style) for r in rows] == [("done", "success"), ("failed", "danger"),
+                                                       ("cancelled", "warning")]
+    html = H.rows_html(rows)
+    assert 'torchdist-bar-success" data-n="10" data-total="10"' in html
+    assert "torchdist-bar-danger" in html and "torchdist-bar-warning" in html
+    assert H.BAR_COLOURS["success"] in html and H.BAR_COLOURS["danger"] in html
+    assert "(exit 1)" in html
+    facts = M.run_facts(run.state)
+    assert facts.outcome.startswith("root cause: rank 1") and "bad batch" in H.failure_html(facts)
+    header = H.header_html(facts)
+    assert 'data-state="failed"' in header and H.STATE_COLOURS["failed"] in header
+
+
+def test_nested_loops_show_outer_and_inner_bar_then_the_outer_one():
+    state = FakeRun(1).state
+    running(state, 0)
+    bar(state, 0, 1, 3, desc="epoch", bar_id="epoch#0", elapsed=0.0)
+    bar(state, 0, 7, 20, desc="batch", bar_id="batch#1", state_="done", elapsed=1.0)
+    bar(state, 0, 4, 20, desc="batch", bar_id="batch#2", elapsed=0.5)
+    assert [(b.desc, b.n) for b in M.rank_row(state.ranks[0]).bars] == [("epoch", 1), ("batch", 4)]
+    bar(state, 0, 20, 20, desc="batch", bar_id="batch#2", state_="done")
+    bar(state, 0, 3, 3, desc="epoch", bar_id="epoch#0", state_="done")
+    exit_(state, 0, 0)
+    (only,) = M.rank_row(state.ranks[0]).bars
+    assert (only.desc, only.n, only.total, only.fraction) == ("epoch", 3, 3, 1.0)
+
+
+def test_bar_of_unknown_length_and_a_rank_without_progress():
+    state = FakeRun(2).state
+    running(state, 0)
+    bar(state, 0, 42, None, desc="stream")
+    (b,) = M.rank_row(state.ranks[0]).bars
+    assert b.fraction is None and b.text.startswith("42 [")
+    assert "repeating-linear-gradient" in H.rows_html([M.rank_row(state.ranks[0])])
+    exit_(state, 1, 0)
+    (done,) = M.rank_row(state.ranks[1]).bars
+    assert done.fraction == 1.0  # a finished rank shows a full green bar even without progress()
+
+
+def test_dropped_events_are_flagged_on_the_rank():
+    state = FakeRun(1).state
+    feed(state, events.Dropped(rank=0, count=17))
+    (row,) = M.rank_rows(state)
+    assert row.dropped == 17
+    assert "17 progress or metric events the rank could not send" in H.rows_html([row])
+
+
+# -- plots -----------------------------------------------------------------------------------------
+def test_plot_data_one_line_per_rank_thinned_to_a_bound():
+    state = FakeRun(2).state
+    for step in range(1, 1001):
+        metrics(state, 0, step, loss=1.0 / step)
+    for step in range(1, 11):
+        metrics(state, 1, step, loss=2.0 / step, acc=0.1 * step)
+    series = M.metric_series(state, limit=100)
+    assert list(series) == ["loss", "acc"]  # in order of first report
+    assert set(series["loss"]) == {0, 1}
+    loss0 = series["loss"][0]
+    assert len(loss0) <= 100 and loss0[0] == (1, 1.0) and loss0[-1] == (1000, 0.001)
+    assert series["loss"][1] == [(s, 2.0 / s) for s in range(1, 11)]
+    assert series["acc"] == {1: [(s, 0.1 * s) for s in range(1, 11)]}
+    svg = H.plot_svg("loss", series["loss"])
+    assert len(re.findall(r'<polyline class="torchdist-plot-line" data-rank="(\d)"', svg)) == 2
+    assert svg.count(H.rank_colour(0)) >= 2 and svg.count(H.rank_colour(1)) >= 2
+    html = H.plots_html(M.metric_series(state))
+    assert html.count("<svg") == 2 and 'data-metric="acc"' in html and "rank 1" in html
+
+
+def test_non_finite_values_are_shown_but_not_plotted():
+    state = FakeRun(1).state
+    metrics(state, 0, 1, loss=0.5)
+    metrics(state, 0, 2, loss="nan")
+    assert M.metric_series(state) == {"loss": {0: [(1, 0.5)]}}
+
+
+def test_no_plot_without_metrics_and_a_single_point_plots():
+    state = FakeRun(1).state
+    assert M.metric_series(state) == {} and H.plots_html({}) == ""
+    metrics(state, 0, 1, loss=0.5)
+    svg = H.plots_html(M.metric_series(state))
+    assert "<circle" in svg and "<polyline" not in svg
+
+
+def test_thin_keeps_the_first_and_the_newest_point():
+    points = [(i, float(i)) for i in range(1, 1001)]
+    kept = M.thin(points, 50)
+    assert len(kept) <= 50 and kept[0] == (1, 1.0) and kept[-1] == (1000, 1000.0)
+    assert M.thin(points[:10], 50) == points[:10]
+
+
+def test_nice_ticks_are_round_numbers_inside_the_range():
+    assert H.nice_ticks(-0.1, 2.1) == [0.0, 1.0, 2.0]
+    ticks = H.nice_ticks(0.03, 0.95)
+    assert [round(t, 6) for t in ticks] == [0.2, 0.4, 0.6, 0.8]
+    assert H.nice_ticks(5.0, 5.0) == [5.0]
+
+
+# -- logs ------------------------------------------------------------------------------------------
+def test_rank_log_collapses_carriage_return_lines_and_is_bounded():
+    state = FakeRun(1).state
+    log(state, 0, "start")
+    for pct in range(0, 101, 10):
+        log(state, 0, f"{pct}%|bar|", cr=True)
+    log(state, 0, "100%|bar| done")
+    log(state, 0, "epoch 1")
+    log(state, 0, "", cr=True)
+    log(state, 0, "30%|next|", cr=True)
+    assert [l.text for l in M.rank_log(state, 0).lines] == ["start", "100%|bar| done", "epoch 1", "30%|next|"]
+    for i in range(5000):
+        log(state, 0, f"line {i}")
+    shown = M.rank_log(state, 0, limit=300)
+    assert len(shown.lines) == 300 and shown.lines[-1].text == "line 4999" and shown.total == 5016
+    assert len(state.ranks[0].logs) == 5016  # the state keeps everything: run.logs(rank)
+
+
+def test_all_ranks_log_is_in_arrival_order():
+    state = FakeRun(2).state
+    merged = M.MergedLog(2, limit=4)
+    log(state, 0, "a0")
+    log(state, 1, "b0")
+    log(state, 1, "50%", cr=True)
+    assert merged.drain(state)
+    log(state, 0, "a1")
+    merged.drain(state)
+    assert [(r, l.text) for r, l in merged.shown()] == [(0, "a0"), (1, "b0"), (0, "a1"), (1, "50%")]
+    log(state, 1, "b1")
+    log(state, 0, "a2")
+    log(state, 0, "a3")
+    merged.drain(state)
+    # lines that arrive between two refreshes are taken rank by rank; the oldest fall off
+    assert [(r, l.text) for r, l in merged.shown()] == [(0, "a1"), (0, "a2"), (0, "a3"), (1, "b1")]
+    assert not merged.drain(state)
+    html = H.merged_log_html(merged.shown(), merged.limit, "_torchdist_run.logs(rank)")
+    assert "[rank 1]</span> b1" in html and "[rank 0]</span> a3" in html
+    assert "all ranks · last 4 lines; full logs: _torchdist_run.logs(rank)" in html
+
+
+def test_logs_are_escaped_and_long_lines_cut():
+    state = FakeRun(1).state
+    log(state, 0, "<script>alert(1)</script>", stream="stderr")
+    log(state, 0, "x" * (H.LOG_LINE_CHARS + 500))
+    html = H.rank_log_html(M.rank_log(state, 0))
+    assert "<script>" not in html and "&lt;script&gt;" in html
+    assert "x" * H.LOG_LINE_CHARS + " …" in html and "x" * (H.LOG_LINE_CHARS + 1) not in html
+    assert "#c62828" in html  # stderr in red
+
+
+def test_log_captions_name_where_the_full_log_is_only_when_told():
+    state = FakeRun(2).state
+    for i in range(50):
+        log(state, 1, f"line {i}")
+    rank1 = M.rank_log(state, 1, limit=10)
+    assert H.rank_log_caption(rank1, None) == "rank 1 · last 10 of 50 lines"
+    assert H.rank_log_caption(rank1, "_torchdist_run.logs(rank)") == \
+        "rank 1 · last 10 of 50 lines; full log: _torchdist_run.logs(1)"
+    assert H.rank_log_caption(M.rank_log(state, 0), "panel.run.logs(rank)") == "rank 0 · full log: panel.run.logs(0)"
+    assert H.rank_log_caption(M.rank_log(state, 0), None) == "rank 0"
+
+
+# -- what the notebook keeps after the run ---------------------------------------------------------
+class DetailsParser(HTMLParser):
+    """``{rank: {"open": bool, "summary": text, "lines": [text, ...]}}`` of the summary's
+    per-rank ``<details>``."""
+
+    def __init__(self):
+        super().__init__()
+        self.ranks = {}
+        self._rank = None
+        self._in = None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "details" and "torchdist-rank-log" in attrs.get("class", ""):
+            self._rank = int(attrs["data-rank"])
+            self.ranks[self._rank] = {"open": "open" in attrs, "summary": "", "text": ""}
+        elif self._rank is not None and tag in ("summary", "pre"):
+            self._in = tag
+
+    def handle_endtag(self, tag):
+        if tag == "details":
+            self._rank = None
+        if tag in ("summary", "pre"):
+            self._in = None
+
+    def handle_data(self, data):
+        if self._rank is not None and self._in:
+            key = "summary" if self._in == "summary" else "text"
+            self.ranks[self._rank][key] += data
+
+
+def failed_run_with_output():
+    run = FakeRun(3)
+    for r in range(3):
+        running(run.state, r, f"node-{r}")
+        for i in range(100):
+            log(run.state, r, f"rank {r} says {i}")
+    log(run.state, 2, "Traceback: <ValueError> bad shard", stream="stderr")
+    exit_(run.state, 2, 1, exc_type="ValueError", message="bad shard")
+    exit_(run.state, 0, 0)
+    run.state.finish("failed", run.state.failures()[0])
+    return run
+
+
+def test_static_summary_shows_every_ranks_last_lines_without_a_kernel():
+    run = failed_run_with_output()
+    html = H.summary_html(run.state, "_torchdist_run.logs(rank)")
+    assert "torchdist-summary" in html and html.count('class="torchdist-rank-row"') == 3
+    parser = DetailsParser()
+    parser.feed(html)
+    assert sorted(parser.ranks) == [0, 1, 2]
+    assert [parser.ranks[r]["open"] for r in range(3)] == [False, False, True]  # the root cause's is open
+    for r in range(3):
+        lines = parser.ranks[r]["text"].splitlines()
+        assert len(lines) == H.SUMMARY_LOG_LINES
+        assert f"full log: _torchdist_run.logs({r})" in parser.ranks[r]["summary"]
+    assert parser.ranks[0]["text"].splitlines()[-1] == "rank 0 says 99"
+    assert parser.ranks[1]["text"].splitlines()[-1] == "rank 1 says 99"
+    assert parser.ranks[2]["text"].splitlines()[-1] == "Traceback: <ValueError> bad shard"  # unescaped by the parser
+    assert "(failed)" in parser.ranks[2]["summary"] and "(cancelled)" in parser.ranks[1]["summary"]
+    assert "<script" not in html and "<style" not in html  # what nbviewer and GitHub keep
+
+
+def test_static_summary_opens_the_rank_asked_for():
+    run = failed_run_with_output()
+    parser = DetailsParser()
+    parser.feed(H.summary_html(run.state, open_rank=1))
+    assert [parser.ranks[r]["open"] for r in range(3)] == [False, True, False]
+    assert "full log" not in parser.ranks[1]["summary"]  # no hint given: no variable named
+    ok = FakeRun(2)
+    exit_(ok.state, 0, 0)
+    exit_(ok.state, 1, 0)
+    ok.state.finish("succeeded")
+    parser = DetailsParser()
+    parser.feed(H.summary_html(ok.state))
+    assert [parser.ranks[r]["open"] for r in range(2)] == [True, False]  # rank 0's when none failed
+    assert parser.ranks[1]["text"] == "(no output)"
+
+
+def test_text_summary_lists_every_ranks_last_lines():
+    run = failed_run_with_output()
+    text = summary_with_logs(run.state, "_torchdist_run.logs(rank)")
+    assert text.startswith(summary(run.state))
+    assert "last lines of each rank (full logs: _torchdist_run.logs(rank)):" in text
+    for r in range(3):
+        mine = [line for line in text.splitlines() if line.startswith(f"  [rank {r}] ")]
+        assert len(mine) == 5
+    assert text.splitlines()[-1] == "  [rank 2] Traceback: <ValueError> bad shard"
+    assert "  [rank 0] rank 0 says 99" in text
+    quiet = FakeRun(1)
+    quiet.state.finish("succeeded")
+    assert summary_with_logs(quiet.state).endswith("last lines of each rank:\n  [rank 0] (no output)")
+
+
+# -- layering --------------------------------------------------------------------------------------
+def test_the_view_package_imports_neither_ipywidgets_nor_ipython():
+    code = ("import sys\nimport torchdist_magic.view, torchdist_magic.view.model, torchdist_magic.view.html, "
+            "torchdist_magic.view.text\nprint(sorted(m for m in ('ipywidgets', 'IPython', 'ipykernel') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_views_depend_on_the_run_not_on_the_magic_or_the_api():
+    for name in sorted(os.listdir(VIEW_DIR)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(VIEW_DIR, name)) as fh:
+            source = fh.read()
+        for node in ast.walk(ast.parse(source, name)):
+            if isinstance(node, ast.ImportFrom):
+                module = "." * node.level + (node.module or "")
+                assert not re.search(r"(^|\.)(magic|api)$", module), f"{name} imports {module}"
+                assert not (module.strip(".") == "" and {a.name for a in node.names} & {"magic", "api"}), name
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert not alias.name.startswith(("torchdist_magic.magic", "torchdist_magic.api")), name
+        assert "last_run" not in source, f"{name} refers to last_run()"

@@ -1,0 +1,97 @@
+"""The Python API: ``Distributor(...).run(train_object, *args)``.
+
+Call-compatible with ``pyspark.ml.torch.distributor.TorchDistributor``: ``num_processes``,
+``local_mode``, ``use_gpu``, and ``run`` taking a function (run as ``fn(*args, **kwargs)`` on
+every rank) or a path to a ``.py`` file (run as a script with ``args`` as its command line).
+Unlike TorchDistributor it always returns rank 0's value, turns any rank's failure into a
+``RankFailure`` with that rank's traceback, and never leaves a process behind.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .distributor import Run, follow, submit
+from .options import LaunchOptions
+
+SHOW_CHOICES = ("text", "auto", "widget", None)
+_UNSET: Any = object()  # local_mode not given: True, unless backend= says otherwise
+
+
+def _backend_for(local_mode: Any, backend: Optional[str]) -> str:
+    """The backend that ``local_mode`` and ``backend`` ask for together; refuses a contradiction."""
+    if local_mode is _UNSET:
+        return "local" if backend is None else backend
+    if local_mode is not None and not isinstance(local_mode, bool):
+        raise TypeError(f"local_mode must be True, False or None, got {local_mode!r}")
+    implied = "auto" if local_mode is None else ("local" if local_mode else "spark")
+    if backend is not None and backend != implied:
+        raise ValueError(f"local_mode={local_mode} and backend={backend!r} contradict each other: "
+                         "give one of them")
+    return implied
+
+
+class Distributor:
+    """Run a function or a script as ``num_processes`` ranks of distributed PyTorch.
+
+    ``Distributor(num_processes=1, local_mode=True, use_gpu=False, **options)``:
+    ``local_mode=True`` runs local processes on this machine, ``local_mode=False`` a Spark
+    barrier stage on the active SparkSession, ``local_mode=None`` picks Spark when a session is
+    active.  The other keywords are ``LaunchOptions`` fields (``timeout``, ``env``,
+    ``all_ranks``, ``backend``).  ``show`` picks the live view of ``run``: ``"text"`` (default),
+    ``"auto"`` (the widget in a Jupyter kernel with ipywidgets, text elsewhere), ``"widget"``,
+    or ``None`` for silence.
+    """
+
+    def __init__(self, num_processes: int = 1, local_mode: Optional[bool] = _UNSET,
+                 use_gpu: bool = False, *, show: Optional[str] = "text", **options: Any):
+        known = [name for name in LaunchOptions.__dataclass_fields__ if name not in ("num_processes", "use_gpu")]
+        unknown = set(options) - set(known)
+        if unknown:
+            raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}; known: {', '.join(known)}")
+        backend = _backend_for(local_mode, options.pop("backend", None))
+        self.options = LaunchOptions(num_processes=num_processes, use_gpu=use_gpu, backend=backend,
+                                     **options)
+        self.show = _checked_show(show)
+
+    @classmethod
+    def from_options(cls, options: LaunchOptions, show: Optional[str] = "text") -> "Distributor":
+        """A Distributor for an existing ``LaunchOptions``, validated like the constructor's."""
+        if not isinstance(options, LaunchOptions):
+            raise TypeError(f"options must be a LaunchOptions, got {type(options).__name__}")
+        self = cls.__new__(cls)
+        self.options = options.replace()
+        self.show = _checked_show(show)
+        return self
+
+    @property
+    def num_processes(self) -> int:
+        return self.options.num_processes
+
+    @property
+    def local_mode(self) -> bool:
+        return self.options.backend == "local"
+
+    @property
+    def use_gpu(self) -> bool:
+        return self.options.use_gpu
+
+    def submit(self, train_object: Any, *args: Any, **kwargs: Any) -> Run:
+        """Start the run and return its ``Run`` handle at once."""
+        return submit(train_object, args, kwargs, self.options)
+
+    def run(self, train_object: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run and wait; rank 0's value.  Ctrl-C stops every rank and re-raises."""
+        run = self.submit(train_object, *args, **kwargs)
+        observer = None
+        if self.show is not None:
+            from .view import make_view
+
+            observer = make_view(run, self.show)
+        return follow(run, observer)
+
+
+def _checked_show(show: Any) -> Optional[str]:
+    if show not in SHOW_CHOICES:
+        raise ValueError(f"show must be one of {', '.join(map(repr, SHOW_CHOICES))}, got {show!r}")
+    return show

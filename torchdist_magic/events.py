@@ -1,0 +1,300 @@
+"""The event contract: every message between a rank (or the launcher of a rank) and the driver.
+
+Each message is a typed record defined here and nowhere else, with one JSON encoding
+(``encode``/``decode``: a JSON object whose ``"type"`` names the record) and a protocol
+version that both ends of the channel compare at the handshake.  Records are validated when
+decoded: a field of the wrong type, a missing field or an unknown type raises
+``MalformedEvent``, so a receiver either gets a well-formed record or nothing.
+
+Who may send what (the channel enforces it, ``SENDERS``):
+
+- a **worker** (the rank's own process): ``Started``, ``Progress``, ``Metrics``, ``Dropped``;
+- a **launcher** (what starts and watches a worker: the local backend in the driver, or a
+  Spark task on an executor): ``Log`` (the worker's output) and ``Exit`` (what the process
+  did), and anything a worker may send;
+- the **driver** to ranks: ``Stop`` (stop the rank, with a grace period before the kill) and
+  ``RunJob`` (the next job of a warm rank).
+
+A rank's ``Exit`` is what its launcher saw the process do, never what the worker claims.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import signal
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, List, Optional, Type, Union
+
+#: bumped whenever a record changes shape; the channel refuses a peer with another version
+PROTOCOL_VERSION = 1
+
+
+class MalformedEvent(ValueError):
+    """A message that is not a well-formed record of this protocol."""
+
+
+# -- records ----------------------------------------------------------------------------------
+
+@dataclass
+class Failure:
+    """One rank's failure: what it raised (or how its process ended) and where."""
+
+    rank: int = 0
+    host: str = ""
+    exit_code: Optional[int] = None
+    exc_type: str = ""
+    message: str = ""
+    traceback: str = ""
+    time: float = 0.0
+    log_tail: List[str] = field(default_factory=list)
+
+    @property
+    def signal_name(self) -> Optional[str]:
+        if self.exit_code is not None and self.exit_code < 0:
+            try:
+                return signal.Signals(-self.exit_code).name
+            except ValueError:
+                return f"signal {-self.exit_code}"
+        return None
+
+    def summary(self) -> str:
+        where = f"rank {self.rank}" + (f" on {self.host}" if self.host else "")
+        if self.exc_type:
+            return f"{where} raised {self.exc_type}: {self.message}".rstrip(": ")
+        if self.signal_name:
+            return f"{where} was killed by {self.signal_name}"
+        if self.exit_code is not None:
+            return f"{where} exited with code {self.exit_code}"
+        return f"{where} failed: {self.message}"
+
+
+@dataclass
+class Event:
+    """Base of every record; ``rank`` is the rank it concerns (set by the channel from the
+    authenticated connection, whatever the sender wrote)."""
+
+    type: ClassVar[str] = ""
+    rank: int
+
+
+@dataclass
+class Started(Event):
+    """The worker process is up and about to run the job."""
+
+    type: ClassVar[str] = "started"
+    host: str = ""
+    pid: int = 0
+    time: float = 0.0
+
+
+@dataclass
+class Log(Event):
+    """One line of a rank's output; ``cr`` when it ended with ``\\r`` (a redrawn progress line)."""
+
+    type: ClassVar[str] = "log"
+    stream: str = "stdout"
+    line: str = ""
+    cr: bool = False
+
+
+@dataclass
+class Progress(Event):
+    """The state of one progress bar of a rank (``progress()``, tqdm)."""
+
+    type: ClassVar[str] = "progress"
+    bar: str = ""
+    desc: str = ""
+    n: int = 0
+    total: Optional[int] = None
+    elapsed: float = 0.0
+    state: str = "running"          # running, done, stopped
+
+
+@dataclass
+class Metrics(Event):
+    """Named numbers from ``report()``; non-finite values travel as their text (``"nan"``)."""
+
+    type: ClassVar[str] = "metrics"
+    step: int = 0
+    values: Dict[str, Union[float, str]] = field(default_factory=dict)
+    time: float = 0.0
+
+
+@dataclass
+class Dropped(Event):
+    """The worker could not queue ``count`` events (its channel was full)."""
+
+    type: ClassVar[str] = "dropped"
+    count: int = 0
+
+
+@dataclass
+class Exit(Event):
+    """The rank's process ended with ``code`` (negative: killed by that signal; ``None``: its
+    task ended without a process exit to report).  ``stopped``: the launcher stopped it."""
+
+    type: ClassVar[str] = "exit"
+    code: Optional[int] = None
+    time: float = 0.0
+    host: str = ""
+    stopped: bool = False
+    failure: Optional[Failure] = None
+
+
+@dataclass
+class Stop(Event):
+    """Driver to a rank's launcher: stop the rank, ``grace`` seconds between SIGTERM and SIGKILL."""
+
+    type: ClassVar[str] = "stop"
+    grace: float = 0.0
+
+
+@dataclass
+class RunJob(Event):
+    """Driver to a warm rank: run the job ``job_id``, read from ``job_file`` (a path the rank can
+    read; the job itself never travels over the channel)."""
+
+    type: ClassVar[str] = "run_job"
+    job_id: str = ""
+    job_file: str = ""
+
+
+RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit)
+DRIVER_TO_RANK = (Stop, RunJob)
+RECORDS: Dict[str, Type[Event]] = {cls.type: cls for cls in RANK_TO_DRIVER + DRIVER_TO_RANK}
+
+#: which records each role of connection may send to the driver
+SENDERS: Dict[str, frozenset] = {
+    "worker": frozenset({Started, Progress, Metrics, Dropped}),
+    "launcher": frozenset(RANK_TO_DRIVER),
+}
+
+
+# -- encoding ---------------------------------------------------------------------------------
+
+def _to_json_value(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_json_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {k: _to_json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json_value(v) for v in value]
+    return value
+
+
+def encode(event: Event) -> dict:
+    """The JSON object of a record: its fields and ``"type"``."""
+    data = _to_json_value(event)
+    data["type"] = event.type
+    return data
+
+
+def dumps(event: Event) -> str:
+    return json.dumps(encode(event), separators=(",", ":"), allow_nan=False)
+
+
+def _check(value: Any, annotation: Any, where: str) -> Any:
+    """``value`` if it has the type ``annotation`` describes (recursively), else raise."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is Union:
+        options = [a for a in args if a is not type(None)]
+        if value is None and len(options) < len(args):
+            return None
+        if len(options) == 1:  # Optional[X]: X's own message says what is wrong
+            return _check(value, options[0], where)
+        for option in options:
+            try:
+                return _check(value, option, where)
+            except MalformedEvent:
+                continue
+        raise MalformedEvent(f"{where}: {value!r} is none of {annotation}")
+    if annotation is type(None):
+        if value is None:
+            return None
+    elif annotation is bool:
+        if isinstance(value, bool):
+            return value
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                number = float(value)
+            except OverflowError:  # an integer beyond any float
+                number = math.inf
+            if math.isfinite(number):
+                return number
+    elif annotation is str:
+        if isinstance(value, str):
+            return value
+    elif origin is list:
+        if isinstance(value, list):
+            return [_check(v, args[0], f"{where}[]") for v in value]
+    elif origin is dict:
+        if isinstance(value, dict):
+            return {_check(k, args[0], f"{where} key"): _check(v, args[1], f"{where}[{k!r}]")
+                    for k, v in value.items()}
+    elif dataclasses.is_dataclass(annotation):
+        if isinstance(value, dict):
+            return _build(annotation, value, where)
+    else:
+        raise TypeError(f"no check for {annotation!r}")  # a record field of a type added above
+    expected = (origin or annotation).__name__
+    raise MalformedEvent(f"{where}: expected {expected}, got {value!r:.80}")
+
+
+_HINTS: Dict[type, Dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> Dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _build(cls: type, data: dict, where: str):
+    hints = _hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _check(data[f.name], hints[f.name], f"{where}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise MalformedEvent(f"{where}: missing field {f.name!r}")
+    return cls(**kwargs)
+
+
+def decode(data: Any) -> Event:
+    """The record a JSON object encodes; ``MalformedEvent`` for anything else.
+
+    Unknown fields are ignored (a newer peer of the same protocol version may add optional
+    ones); unknown types, missing or ill-typed fields are refused.
+    """
+    if not isinstance(data, dict):
+        raise MalformedEvent(f"an event is a JSON object, got {type(data).__name__}")
+    kind = data.get("type")
+    cls = RECORDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise MalformedEvent(f"unknown event type {kind!r:.40}")
+    return _build(cls, data, kind)
+
+
+def loads(text: Union[str, bytes]) -> Event:
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise MalformedEvent(f"not JSON: {exc}") from None
+    return decode(data)
+
+
+def failure_from_json(data: Any) -> Failure:
+    """A ``Failure`` from its JSON object (the worker's ``error.json``)."""
+    return _check(data, Failure, "failure")
+
+
+def failure_to_json(failure: Failure) -> dict:
+    return _to_json_value(failure)

@@ -1,0 +1,115 @@
+"""What each rank is told, derived in one place.
+
+``RunSpec`` is ``LaunchOptions`` resolved once for one run (with the run's id and channel);
+``place_ranks`` turns the host of every rank into torchrun's placement variables; and
+``rank_environment`` is the one function that builds a rank's environment from both.  Backends
+call it; nothing else writes a rank's environment, and the worker reads its settings from that
+environment only (``TORCHDIST_USE_GPU``, ``TORCHDIST_RETURN_VALUE``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from .options import LaunchOptions
+
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run's settings as every backend needs them (``LaunchOptions`` resolved once)."""
+
+    run_id: str
+    num_processes: int
+    use_gpu: bool
+    all_ranks: bool
+    env: Dict[str, str]
+    timeout: Optional[float]
+    channel_address: str = ""     # host:port of the driver's event channel
+    secret: str = ""              # what a worker authenticates with
+    launcher_secret: str = ""     # what a launcher on another machine (a Spark task) uses
+
+    @classmethod
+    def resolve(cls, options: LaunchOptions, run_id: str, channel_address: str = "",
+                secret: str = "", launcher_secret: str = "") -> "RunSpec":
+        return cls(run_id=run_id, num_processes=options.num_processes, use_gpu=options.use_gpu,
+                   all_ranks=options.all_ranks, env=dict(options.env), timeout=options.timeout,
+                   channel_address=channel_address, secret=secret, launcher_secret=launcher_secret)
+
+    def returns_value(self, rank: int) -> bool:
+        """Whether ``rank``'s value comes back to the driver."""
+        return rank == 0 or self.all_ranks
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one rank runs, as torchrun describes it."""
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+    group_rank: int               # the index of this rank's host among the run's hosts
+    group_world_size: int         # the number of hosts
+    master_addr: str
+    master_port: int
+    cuda_visible_devices: Optional[str] = None
+
+
+def place_ranks(hosts: List[str], master_addr: str, master_port: int,
+                gpus: Optional[List[Optional[str]]] = None) -> List[Placement]:
+    """Placements of ranks ``0..len(hosts)-1``, where ``hosts[r]`` identifies rank r's machine.
+
+    Ranks on the same host are numbered locally in rank order; hosts are numbered in the order
+    of their first rank, so rank 0's host is group 0.  ``gpus[r]`` is rank r's
+    ``CUDA_VISIBLE_DEVICES`` (``None``: leave it as it is).
+    """
+    order: Dict[str, int] = {}
+    for host in hosts:
+        order.setdefault(host, len(order))
+    seen: Dict[str, int] = {}
+    out = []
+    for rank, host in enumerate(hosts):
+        local = seen.get(host, 0)
+        seen[host] = local + 1
+        out.append(Placement(
+            rank=rank, local_rank=local, local_world_size=hosts.count(host),
+            group_rank=order[host], group_world_size=len(order), master_addr=master_addr,
+            master_port=master_port, cuda_visible_devices=(gpus or [None] * len(hosts))[rank]))
+    return out
+
+
+def cores_available() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def rank_environment(base: Dict[str, str], spec: RunSpec, place: Placement) -> Dict[str, str]:
+    """The environment of one rank: the launcher's own, the user's extras, then the run's."""
+    env = dict(base)
+    if place.cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = place.cuda_visible_devices
+    env.update(spec.env)
+    if "OMP_NUM_THREADS" not in spec.env and "OMP_NUM_THREADS" not in base:
+        env["OMP_NUM_THREADS"] = str(max(1, cores_available() // max(place.local_world_size, 1)))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if _PACKAGE_PARENT not in paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths + [_PACKAGE_PARENT])
+    env.update({
+        "RANK": str(place.rank), "WORLD_SIZE": str(spec.num_processes),
+        "LOCAL_RANK": str(place.local_rank), "LOCAL_WORLD_SIZE": str(place.local_world_size),
+        "GROUP_RANK": str(place.group_rank), "NODE_RANK": str(place.group_rank),
+        "GROUP_WORLD_SIZE": str(place.group_world_size),
+        "ROLE_RANK": str(place.rank), "ROLE_WORLD_SIZE": str(spec.num_processes),
+        "MASTER_ADDR": place.master_addr, "MASTER_PORT": str(place.master_port),
+        "TORCHDIST_RUN_ID": spec.run_id, "TORCHDIST_CHANNEL": spec.channel_address,
+        "TORCHDIST_SECRET": spec.secret,
+        "TORCHDIST_USE_GPU": "1" if spec.use_gpu else "0",
+        "TORCHDIST_RETURN_VALUE": "1" if spec.returns_value(place.rank) else "0",
+    })
+    return env

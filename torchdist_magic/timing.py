@@ -1,0 +1,39 @@
+"""Every stop timing and deadline of a run, in one place (seconds).
+
+Stopping a rank is always: SIGTERM to its process group, wait until one shared deadline, then
+SIGKILL to the group.  The values below say how long each step may take.
+"""
+
+#: between SIGTERM and SIGKILL when a run stops its ranks (cancel, timeout, a peer's failure)
+STOP_GRACE = 2.0
+#: between SIGTERM and SIGKILL when a finished run releases ranks that are somehow still there
+CLOSE_GRACE = 0.5
+#: after SIGKILL, how long to wait for a process's exit to be reported
+REAP_WAIT = 5.0
+#: after a rank exits, how long its exit report waits for its output pipes to close: what the
+#: rank wrote is read by then; a child that inherited the pipes may keep them open, and its
+#: later output still arrives, after the exit
+PIPE_DRAIN_WAIT = 0.2
+#: when every failure seen so far is collateral (a peer noticing that a rank went away), how
+#: long the driver waits for the failure that caused it before naming a root cause
+ROOT_CAUSE_WAIT = 2.0
+#: how often the driver checks a run's state (failures, exits, cancel, deadline)
+SUPERVISE_POLL = 0.02
+#: how often an orphaned worker checks whether its launcher is gone
+PARENT_WATCH_INTERVAL = 0.5
+
+#: a channel connection must complete its handshake within this deadline
+HANDSHAKE_DEADLINE = 5.0
+#: when a run ends, how long the driver waits for open channel connections to deliver
+CHANNEL_CLOSE_WAIT = 2.0
+#: how long a rank waits at exit for its queued events to be sent
+CLIENT_CLOSE_WAIT = 5.0
+
+#: Spark: how long a run waits for executors to register before giving up on slots
+SPARK_SLOT_WAIT = 30.0
+#: Spark: a cancel can race the job's submission; it is repeated at this interval
+SPARK_CANCEL_RETRY = 0.25
+#: Spark: after the ranks' grace, how long a stop waits for the tasks to return
+SPARK_STAGE_END_WAIT = 3.0
+#: Spark: how long a stop keeps cancelling a stage that does not end
+SPARK_CANCEL_WAIT = 30.0

@@ -1,0 +1,255 @@
+"""The view model: what a run view shows, computed from a ``RunState``.
+
+Pure functions and plain records, no ipywidgets and no IPython, so that every renderer (text,
+HTML, the live widget) shows the same facts and tests read them without a kernel:
+
+- ``run_facts``: the header (state, job, backend, np, gpu, elapsed) and the outcome line;
+- ``rank_rows``: one row per rank (host, state, bars, metrics, exit code, dropped events);
+- ``metric_series``: each metric against step, one line per rank, thinned for plotting;
+- ``rank_log`` / ``rank_logs``: a rank's last lines as a terminal would show them;
+- ``MergedLog``: all ranks' lines in arrival order.
+
+Each reader takes the state's lock, so it may run in any thread while events arrive.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Optional, Tuple
+
+from ..state import LogLine, RankState, RunState
+
+LOG_LINES = 300       # lines of a log pane; the complete logs stay on the run's ``logs(rank)``
+LOG_SCAN = 20_000     # lines looked at from the end of a rank's log to fill a pane
+PLOT_POINTS = 400     # points per line in a plot; longer histories are thinned
+
+#: bar style of a rank (ipywidgets' ``bar_style`` names) by rank state
+BAR_STYLES = {"starting": "info", "running": "info", "done": "success", "failed": "danger",
+              "cancelled": "warning"}
+
+Series = Dict[int, List[Tuple[int, float]]]   # {rank: [(step, value), ...]}
+
+
+# -- text shared by every renderer (as tqdm shares ``format_meter``) ---------------------------
+def format_duration(seconds: Optional[float]) -> str:
+    """``01:05``, or ``1:00:05`` past an hour; ``?`` when unknown."""
+    if seconds is None:
+        return "?"
+    seconds = max(0, int(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+def progress_text(bar: Optional[dict]) -> str:
+    """``epoch 2/3 (66%) [00:04<00:02, 0.52 it/s]``, as tqdm writes it."""
+    if not bar:
+        return ""
+    n, total, elapsed = bar.get("n") or 0, bar.get("total"), bar.get("elapsed") or 0.0
+    rate = n / elapsed if elapsed > 0 else None
+    desc = f"{bar['desc']} " if bar.get("desc") else ""
+    if total:
+        eta = (total - n) / rate if rate else None
+        timing = f"{format_duration(elapsed)}<{format_duration(eta)}"
+        head = f"{desc}{n}/{total} ({100 * n // total}%)"
+    else:
+        timing = format_duration(elapsed)
+        head = f"{desc}{n}"
+    rate_text = f", {rate:.2f} it/s" if rate else ""
+    return f"{head} [{timing}{rate_text}]"
+
+
+def metrics_text(metrics: dict) -> str:
+    """``loss=0.31 acc=0.9``"""
+    return " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+
+
+# -- the header -----------------------------------------------------------------------------------
+@dataclass
+class RunFacts:
+    """The run as a whole, as the header shows it."""
+
+    run_id: str
+    state: str                     # starting, running, succeeded, failed, cancelled, timed out
+    job_name: str
+    backend: str
+    num_processes: int
+    use_gpu: bool
+    elapsed: float                 # seconds
+    finished: bool
+    outcome: str                   # "root cause: rank 1 raised ...", or why it stopped; "" else
+
+
+def run_facts(state: RunState) -> RunFacts:
+    with state._lock:
+        if state.failure is not None:
+            outcome = f"root cause: {state.failure.summary()}"
+        elif state.state in ("failed", "timed out", "cancelled"):
+            outcome = state.message
+        else:
+            outcome = ""
+        return RunFacts(run_id=state.run_id, state=state.state, job_name=state.job_name,
+                        backend=state.backend, num_processes=state.num_processes, use_gpu=state.use_gpu,
+                        elapsed=state.elapsed(), finished=state.finished, outcome=outcome)
+
+
+# -- one row per rank -----------------------------------------------------------------------------
+@dataclass
+class BarView:
+    """One progress bar, as shown."""
+
+    desc: str
+    n: int
+    total: Optional[int]
+    fraction: Optional[float]      # 0..1 of the bar that is filled; None: no total known
+    text: str                      # tqdm-like "2/3 [00:04<00:02, 0.52 it/s]" (desc and % apart)
+    title: str                     # all of it: "epoch 2/3 (66%) [00:04<00:02, 0.52 it/s]"
+
+
+@dataclass
+class RankRow:
+    """One rank's row, as shown."""
+
+    rank: int
+    host: str
+    state: str
+    bar_style: str                 # info (running), success, danger (failed), warning (cancelled)
+    bars: List[BarView]            # outer loop first; at most two (outer and innermost)
+    metrics: str                   # "loss=0.31 acc=0.9"
+    exit_code: Optional[int]
+    dropped: int                   # progress or metric events the rank could not send
+
+
+def bar_view(bar: dict) -> BarView:
+    n, total = bar.get("n") or 0, bar.get("total")
+    fraction = min(max(n / total, 0.0), 1.0) if total else None
+    text = progress_text(dict(bar, desc=""))
+    if total:  # the bar itself shows the percentage
+        text = text.replace(f" ({100 * n // total}%)", "", 1)
+    return BarView(desc=str(bar.get("desc") or ""), n=n, total=total, fraction=fraction, text=text,
+                   title=progress_text(bar))
+
+
+def rank_row(rs: RankState) -> RankRow:
+    bars = [bar_view(b) for b in rs.shown_progress()]
+    if not bars and rs.state == "done":
+        # finished without progress(): a full (green) bar says "done"
+        bars = [BarView(desc="", n=0, total=None, fraction=1.0, text="", title="done")]
+    return RankRow(rank=rs.rank, host=rs.host, state=rs.state,
+                   bar_style=BAR_STYLES.get(rs.state, "info"), bars=bars,
+                   metrics=metrics_text(rs.metrics), exit_code=rs.exit_code, dropped=rs.dropped)
+
+
+def rank_rows(state: RunState) -> List[RankRow]:
+    with state._lock:
+        return [rank_row(rs) for rs in state.ranks]
+
+
+# -- plots ----------------------------------------------------------------------------------------
+def thin(points: List[Tuple[int, float]], limit: int = PLOT_POINTS) -> List[Tuple[int, float]]:
+    """At most ``limit`` of ``points``, evenly spread, always keeping the newest."""
+    if len(points) <= limit:
+        return list(points)
+    stride = math.ceil(len(points) / (limit - 1))
+    kept = points[::stride]
+    if kept[-1] != points[-1]:
+        kept.append(points[-1])
+    return kept
+
+
+def metric_series(state: RunState, limit: int = PLOT_POINTS) -> Dict[str, Series]:
+    """``{metric: {rank: [(step, value), ...]}}``, metrics in order of first report, ranks
+    that reported the metric only, non-finite values left out, ``limit`` points per rank."""
+    with state._lock:
+        raw: Dict[str, Dict[int, list]] = {}
+        for rs in state.ranks:
+            for name, points in rs.history.items():
+                raw.setdefault(name, {})[rs.rank] = list(points)
+    series = {}
+    for name, by_rank in raw.items():
+        kept = {r: thin([(x, y) for x, y in pts if math.isfinite(y)], limit) for r, pts in by_rank.items()}
+        kept = {r: pts for r, pts in sorted(kept.items()) if pts}
+        if kept:
+            series[name] = kept
+    return series
+
+
+# -- logs -----------------------------------------------------------------------------------------
+@dataclass
+class RankLog:
+    """The last lines of one rank's output."""
+
+    rank: int
+    state: str
+    lines: List[LogLine]
+    total: int                     # lines the rank wrote in all (``\\r``-lines included)
+
+
+def log_tail(rs: RankState, limit: int = LOG_LINES) -> List[LogLine]:
+    """The last ``limit`` lines of a rank as a terminal would show them: a ``\\r``-line is
+    replaced by whatever comes after it, so only a trailing one (a bar in progress) shows."""
+    tail = rs.logs[-LOG_SCAN:]
+    shown = [line for line in tail[:-1] if not line.cr][-limit:]
+    if tail:
+        last = tail[-1]
+        if not last.cr or last.text:
+            shown.append(last)
+    return shown[-limit:]
+
+
+def rank_log(state: RunState, rank: int, limit: int = LOG_LINES) -> RankLog:
+    with state._lock:
+        rs = state.ranks[rank]
+        return RankLog(rank=rank, state=rs.state, lines=log_tail(rs, limit), total=len(rs.logs))
+
+
+def rank_logs(state: RunState, limit: int = LOG_LINES) -> List[RankLog]:
+    """Every rank's ``rank_log``, by rank."""
+    return [rank_log(state, r, limit) for r in range(state.num_processes)]
+
+
+def root_cause_rank(state: RunState) -> Optional[int]:
+    """The rank whose output explains the run's failure (the root cause's), if one failed."""
+    failed = state.failures()
+    return failed[0].rank if failed else None
+
+
+class MergedLog:
+    """All ranks' lines in the order this view saw them (lines that came between two refreshes
+    rank by rank), the last ``limit`` only.
+
+    ``\\r``-lines are not kept in the order: each rank's latest one (its bar in progress) is
+    shown after the finished lines until that rank writes a finished line.
+    """
+
+    def __init__(self, num_processes: int, limit: int = LOG_LINES):
+        self.limit = limit
+        self.lines: Deque[Tuple[int, LogLine]] = deque(maxlen=limit)
+        self.live: List[Optional[LogLine]] = [None] * num_processes
+        self._cursor = [0] * num_processes
+
+    def drain(self, state: RunState) -> bool:
+        """Take the lines written since the last call; True when there were any."""
+        changed = False
+        with state._lock:
+            for rs in state.ranks:
+                end = len(rs.logs)
+                if end == self._cursor[rs.rank]:
+                    continue
+                start = max(self._cursor[rs.rank], end - 4 * self.limit)
+                self._cursor[rs.rank] = end
+                changed = True
+                for line in rs.logs[start:end]:
+                    if line.cr:
+                        self.live[rs.rank] = line if line.text else self.live[rs.rank]
+                    else:
+                        self.live[rs.rank] = None
+                        self.lines.append((rs.rank, line))
+        return changed
+
+    def shown(self) -> List[Tuple[int, LogLine]]:
+        """``[(rank, line), ...]``, oldest first."""
+        live = [(r, line) for r, line in enumerate(self.live) if line is not None]
+        return list(self.lines) + live
