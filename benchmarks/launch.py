@@ -11,6 +11,12 @@ Launchers (``--only`` takes these names):
     TorchDistributor-local     pyspark.ml.torch TorchDistributor(num_processes=2, local_mode=True)
     torchdist-spark            torchdist_magic Distributor(2, local_mode=False) on local[2]
     TorchDistributor-spark     TorchDistributor(num_processes=2, local_mode=False) on local[2]
+    torchdist-connect          Distributor(2, local_mode=False) on a Spark Connect session
+    TorchDistributor-connect   TorchDistributor(num_processes=2, local_mode=False), same session
+
+The Connect rows run last, on a Spark Connect server (master local[2]) that the benchmark
+starts from the pyspark wheel the way the tests do (``tests/spark_fixtures.ConnectServer``)
+and stops at the end.
 
 Runs are interleaved (one of each launcher per round) so that a slow moment of the machine does
 not land on one launcher only; the warm-up rounds (Spark's Python daemon, the OS file cache) are
@@ -46,12 +52,14 @@ assert t.item() == 3.0
 """
 
 LAUNCHERS = ("torchdist-local", "torchrun", "TorchDistributor-local",
-             "torchdist-spark", "TorchDistributor-spark")
+             "torchdist-spark", "TorchDistributor-spark", "torchdist-connect", "TorchDistributor-connect")
+CONNECT = ("torchdist-connect", "TorchDistributor-connect")
 #: the TorchDistributor row each launcher is compared with (same mode: local or Spark)
 TORCH_DISTRIBUTOR_PEER = {
     "torchdist-local": "TorchDistributor-local", "torchrun": "TorchDistributor-local",
     "TorchDistributor-local": "TorchDistributor-local",
     "torchdist-spark": "TorchDistributor-spark", "TorchDistributor-spark": "TorchDistributor-spark",
+    "torchdist-connect": "TorchDistributor-connect", "TorchDistributor-connect": "TorchDistributor-connect",
 }
 
 
@@ -107,6 +115,8 @@ def make_launchers(script_path: str) -> dict:
         "TorchDistributor-local": torch_distributor(True),
         "torchdist-spark": torchdist(False),
         "TorchDistributor-spark": torch_distributor(False),
+        "torchdist-connect": torchdist(False),
+        "TorchDistributor-connect": torch_distributor(False),
     }
 
 
@@ -125,6 +135,25 @@ def measure(launchers: dict, names: list, repeat: int, warmup: int) -> dict:
             tag = "" if counted else " (warm-up)"
             print(f"  round {round_no + 1}/{warmup + repeat}  {name:<24} {elapsed:7.2f} s{tag}",
                   flush=True)
+    return times
+
+
+def measure_on_connect(launchers: dict, names: list, repeat: int, warmup: int, tmp: str) -> dict:
+    """``measure`` with a Spark Connect session on a server started for it (and stopped)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    from pyspark.sql import SparkSession
+    from spark_fixtures import ConnectServer
+
+    start = time.perf_counter()
+    server = ConnectServer(os.path.join(tmp, "connect"))
+    print(f"Spark Connect server up in {time.perf_counter() - start:.1f} s")
+    try:
+        spark = SparkSession.builder.remote(server.url).getOrCreate()
+        print(f"timing {', '.join(names)}: {warmup} warm-up + {repeat} counted runs each")
+        times = measure(launchers, names, repeat, warmup)
+        spark.stop()
+    finally:
+        server.stop()
     return times
 
 
@@ -155,7 +184,7 @@ def print_table(summary: dict) -> None:
     for name, row in summary.items():
         print(f"{name:<24} {row['median_s']:>9.2f} {row['min_s']:>8.2f} {ratio(row['vs_torchrun']):>12} "
               f"{ratio(row['vs_TorchDistributor']):>20}")
-    print("(vs TorchDistributor compares with TorchDistributor in the same mode: local or Spark)")
+    print("(vs TorchDistributor compares with TorchDistributor in the same mode: local, Spark or Spark Connect)")
 
 
 def main(argv=None) -> int:
@@ -173,14 +202,21 @@ def main(argv=None) -> int:
     import pyspark
     import torch
 
-    spark = spark_session()  # TorchDistributor wants an active session even in local mode
+    classic = [name for name in args.only if name not in CONNECT]
+    connect = [name for name in args.only if name in CONNECT]
+    times = {}
     with tempfile.TemporaryDirectory(prefix="torchdist-bench-") as tmp:
         script = os.path.join(tmp, "all_reduce.py")
         with open(script, "w", encoding="utf-8") as fh:
             fh.write(TORCHRUN_SCRIPT)
-        print(f"timing {', '.join(args.only)}: {args.warmup} warm-up + {args.repeat} counted runs each")
-        times = measure(make_launchers(script), args.only, args.repeat, args.warmup)
-    spark.stop()
+        launchers = make_launchers(script)
+        if classic:
+            spark = spark_session()  # TorchDistributor wants an active session even in local mode
+            print(f"timing {', '.join(classic)}: {args.warmup} warm-up + {args.repeat} counted runs each")
+            times.update(measure(launchers, classic, args.repeat, args.warmup))
+            spark.stop()
+        if connect:  # last: a Connect session makes this process a Connect client for good
+            times.update(measure_on_connect(launchers, connect, args.repeat, args.warmup, tmp))
 
     summary = summarize(times)
     print()
@@ -191,7 +227,7 @@ def main(argv=None) -> int:
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                     "torch": torch.__version__, "pyspark": pyspark.__version__},
-        "spark_master": "local[2]",
+        "spark_master": "local[2] (classic, and the Spark Connect server's)",
         "launchers": summary,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

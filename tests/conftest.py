@@ -35,6 +35,7 @@ CONTRACT_BACKENDS = [
     pytest.param("local", id="local"),
     pytest.param("local2", id="spark-local2", marks=pytest.mark.spark),
     pytest.param("cluster", id="spark-cluster", marks=pytest.mark.spark),
+    pytest.param("connect", id="spark-connect", marks=pytest.mark.spark),
 ]
 
 

@@ -1,5 +1,8 @@
-"""Spark fixtures: ``spark_local2`` (master ``local[2]``) and ``spark_cluster``
-(``local-cluster[2,1,1024]``: two executor JVMs with one core each).
+"""Spark fixtures: ``spark_local2`` (master ``local[2]``), ``spark_cluster``
+(``local-cluster[2,1,1024]``: two executor JVMs with one core each), ``spark_standalone`` (a
+real standalone cluster started from the pyspark wheel: a master and two one-core workers bound
+to 127.0.0.2 and 127.0.0.3, which stand for two hosts) and ``spark_connect`` (a Spark Connect
+session on a Connect server started from the wheel, master ``local[2]``).
 
 A process can hold one SparkContext at a time, so both fixtures share one session-scoped
 ``spark_sessions`` that stops the running session before it starts one on another master;
@@ -11,14 +14,23 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
 import subprocess
+import sys
 
 import pytest
 
 from helpers import wait_until
 
-MASTERS = {"spark_local2": "local[2]", "spark_cluster": "local-cluster[2,1,1024]"}
+#: fixture -> master URL (the standalone cluster's is known once it runs), in test order; the
+#: Connect session comes last (it needs no classic SparkContext in this process)
+MASTERS = {"spark_local2": "local[2]", "spark_cluster": "local-cluster[2,1,1024]", "spark_standalone": None,
+           "spark_connect": None}
+CONNECT_WAIT = 180.0
+CONNECT_READY = b"Spark Connect server started"
 EXECUTOR_WAIT = 120.0
+STANDALONE_HOSTS = ("127.0.0.2", "127.0.0.3")
 
 
 class SparkSessions:
@@ -29,7 +41,7 @@ class SparkSessions:
         self.master = None
         self.session = None
 
-    def get(self, master: str):
+    def get(self, master: str, **conf: str):
         if self.session is not None and self.master == master and self.session.sparkContext._jsc:
             return self.session  # (a test that stopped the session leaves _jsc None)
         self.stop()
@@ -46,11 +58,13 @@ class SparkSessions:
                    .config("spark.driver.host", "127.0.0.1")
                    .config("spark.local.dir", os.path.join(work, "local"))
                    .config("spark.sql.warehouse.dir", os.path.join(work, "warehouse")))
+        for key, value in conf.items():
+            builder = builder.config(key, value)
         session = builder.getOrCreate()
         assert session.sparkContext.master == master, session.sparkContext.master
         session.sparkContext.setLogLevel("ERROR")
         self.session, self.master = session, master
-        if master.startswith("local-cluster"):  # so that the first test does not wait for them
+        if not master.startswith("local["):  # so that the first test does not wait for executors
             _wait_for_executors(session.sparkContext, 2)
         return session
 
@@ -106,6 +120,172 @@ def shut_down_gateway_jvm() -> None:
         proc.kill()
         proc.wait()
     assert proc.returncode is not None, f"the Spark gateway JVM (pid {proc.pid}) survived"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class StandaloneCluster:
+    """A Spark standalone master and one worker per address of ``STANDALONE_HOSTS``, each a
+    JVM started with the wheel's ``spark-class`` in a session of its own, stopped by pid."""
+
+    def __init__(self, base_dir: str):
+        import pyspark
+
+        self.home = os.path.dirname(pyspark.__file__)
+        self.base_dir = base_dir
+        self.port = _free_port()
+        self.url = f"spark://127.0.0.1:{self.port}"
+        self.procs = []
+        self._start("master", "127.0.0.1", "org.apache.spark.deploy.master.Master",
+                    "--host", "127.0.0.1", "--port", str(self.port), "--webui-port", "0")
+        for i, host in enumerate(STANDALONE_HOSTS):
+            self._start(f"worker{i}", host, "org.apache.spark.deploy.worker.Worker", "--host", host,
+                        "--cores", "1", "--memory", "1g", "--webui-port", "0", self.url)
+
+    def _start(self, name: str, host: str, cls: str, *args: str) -> None:
+        work = os.path.join(self.base_dir, name)
+        os.makedirs(work)
+        env = dict(os.environ, SPARK_HOME=self.home, SPARK_LOCAL_IP=host, SPARK_WORKER_DIR=work,
+                   SPARK_LOCAL_DIRS=work, SPARK_LOG_DIR=work,
+                   SPARK_MASTER_OPTS="-Dspark.master.rest.enabled=false")
+        log = open(os.path.join(work, "out.log"), "wb")
+        self.procs.append(subprocess.Popen([os.path.join(self.home, "bin", "spark-class"), cls, *args],
+                                           env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL, start_new_session=True))
+        log.close()
+
+    def stop(self) -> None:
+        """Workers first (they stop their executors), then the master: SIGTERM to each group,
+        a grace, SIGKILL to the group; then no live process may be left in any of the groups."""
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # what the JVM left in its group (executors)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        groups = {proc.pid for proc in self.procs}
+        wait_until(lambda: not _live_members(groups), 20, "the standalone cluster's processes to end")
+
+
+def _live_members(groups) -> list:
+    """Pids of live (not zombie) processes whose process group is one of ``groups``."""
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != b"Z" and int(fields[2]) in groups:
+            found.append(int(pid))
+    return found
+
+
+@pytest.fixture(scope="session")
+def standalone_cluster(tmp_path_factory, spark_sessions):
+    """The running standalone cluster (started the first time a test asks for it)."""
+    cluster = StandaloneCluster(str(tmp_path_factory.mktemp("standalone")))
+    yield cluster
+    spark_sessions.stop()  # the application first: its executors run under the workers
+    cluster.stop()
+
+
+@pytest.fixture
+def spark_standalone(spark_sessions, standalone_cluster):
+    """The active SparkSession on the standalone cluster (one one-core executor per worker)."""
+    return spark_sessions.get(standalone_cluster.url, **{
+        "spark.executor.cores": "1", "spark.executor.memory": "512m", "spark.cores.max": "2"})
+
+
+class ConnectServer:
+    """A Spark Connect server (``SparkConnectServer`` through the wheel's ``spark-submit``) on a
+    free loopback port, its files under ``base_dir``, in a process group of its own."""
+
+    def __init__(self, base_dir: str, master: str = "local[2]"):
+        import pyspark
+
+        home = os.path.dirname(pyspark.__file__)
+        jars = os.listdir(os.path.join(home, "jars"))
+        if not any(j.startswith("spark-connect_") for j in jars):
+            pytest.skip(f"this pyspark ({pyspark.__version__}) ships no Spark Connect server jar")
+        self.port = _free_port()
+        self.base_dir = base_dir
+        tmp = os.path.join(base_dir, "tmp")
+        os.makedirs(tmp)
+        conf = {"spark.connect.grpc.binding.port": str(self.port),
+                "spark.connect.grpc.binding.address": "127.0.0.1",
+                "spark.ui.enabled": "false", "spark.driver.host": "127.0.0.1",
+                "spark.driver.bindAddress": "127.0.0.1",
+                "spark.local.dir": os.path.join(base_dir, "local"),
+                "spark.sql.warehouse.dir": os.path.join(base_dir, "warehouse"),
+                "spark.jars.ivy": os.path.join(base_dir, "ivy"),
+                "spark.driver.extraJavaOptions": f"-Djava.io.tmpdir={tmp}"}
+        command = [os.path.join(home, "bin", "spark-submit"), "--master", master,
+                   "--class", "org.apache.spark.sql.connect.service.SparkConnectServer"]
+        for key, value in conf.items():
+            command += ["--conf", f"{key}={value}"]
+        command.append("spark-internal")
+        # the server's Python workers run the interpreter of these tests, as a cluster's would
+        # run the one its administrator chose
+        env = dict(os.environ, SPARK_HOME=home, PYSPARK_PYTHON=sys.executable, TMPDIR=tmp,
+                   SPARK_LOCAL_DIRS=os.path.join(base_dir, "local"))
+        self.log = os.path.join(base_dir, "server.log")
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, cwd=base_dir, start_new_session=True)
+        wait_until(self._ready, CONNECT_WAIT, "the Spark Connect server to start")
+        self.url = f"sc://127.0.0.1:{self.port}"
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            with open(self.log, "rb") as fh:
+                raise AssertionError(f"the Spark Connect server exited: {fh.read()[-2000:]!r}")
+        with open(self.log, "rb") as fh:
+            return CONNECT_READY in fh.read()
+
+    def stop(self) -> None:
+        """SIGTERM to the server's group, a grace, SIGKILL; no live process may be left in it."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # Python workers the JVM left in its group
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        wait_until(lambda: not _live_members({self.proc.pid}), 20, "the Spark Connect server's processes to end")
+
+
+@pytest.fixture(scope="session")
+def connect_server(tmp_path_factory, spark_sessions):
+    """The running Spark Connect server (started the first time a test asks for it)."""
+    server = ConnectServer(str(tmp_path_factory.mktemp("connect")))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def spark_connect(spark_sessions, connect_server):
+    """The active Spark Connect session (no classic session is active meanwhile)."""
+    spark_sessions.stop()
+    from pyspark.sql import SparkSession
+
+    session = SparkSession.builder.remote(connect_server.url).getOrCreate()
+    yield session
+    session.stop()
 
 
 @pytest.fixture

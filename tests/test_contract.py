@@ -1,15 +1,20 @@
 """Backend contract: every backend passes these (return value, failure, cancel, timeout,
-no leftover processes, event delivery).  The ``dist`` fixture is parametrized by backend."""
+no leftover processes, event delivery; restarts from checkpoints, the hang watchdog's stacks,
+graceful stops).  The ``dist`` fixture is parametrized by backend."""
 
+import inspect
 import os
+import re
 import signal
 import sys
+import threading
 import time
 
 import pytest
 
 from helpers import assert_no_survivors, wait_until
-from torchdist_magic import JobTimeout, RankFailure, RunCancelled, progress, rank, report
+from torchdist_magic import (HangTimeout, JobTimeout, RankFailure, RunCancelled, load_checkpoint, progress, rank,
+                             report, restart_count, save_checkpoint)
 
 
 def rank_value_after_delay(slow_rank):
@@ -102,6 +107,9 @@ def test_timeout_raises_builtin_timeout_error(dist):
     assert "timed out after 3 s" in str(info.value)
     assert info.value._render_traceback_()[0].startswith("JobTimeout: distributed run timed out after 3 s")
     assert run.state.state == "timed out"
+    # where each rank was, as after a hang (what it was doing depends on how far it got in 3 s)
+    assert set(info.value.stacks) == {0, 1} and set(run.stacks) == {0, 1}
+    assert "Where each rank was (innermost frame first):\n  rank 0: " in str(info.value)
     assert_no_survivors(run)
 
 
@@ -127,4 +135,124 @@ def test_events_arrive(dist):
         assert rs.metrics["loss"] == pytest.approx(0.2)
         assert rs.host
     assert "reported" in run.logs(1)
+    assert_no_survivors(run)
+
+
+# -- restarts, hangs, graceful stops ---------------------------------------------------------------
+def count_to(steps, kill_at):
+    """Add 1 per rank and step (an all_reduce), checkpointing every step; rank 1 dies at step
+    ``kill_at`` of the first attempt."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    state = load_checkpoint() or {"step": 0, "total": 0}
+    resumed_at = state["step"]
+    for step in range(resumed_at, steps):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        state = {"step": step + 1, "total": state["total"] + int(t.item())}
+        save_checkpoint(state, step=step + 1)
+        if step + 1 == kill_at and rank() == 1 and restart_count() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+    dist.destroy_process_group()
+    return dict(state, resumed_at=resumed_at, attempt=restart_count())
+
+
+def test_killed_rank_restarts_from_its_checkpoint(dist, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    run = dist(2, max_restarts=1, checkpoint_dir=str(checkpoints)).submit(count_to, 40, 20)
+    value = run.result(timeout=240)
+    # resumed where rank 0's last save was: step 20, or 19 when stopping it cut that save short
+    assert value["attempt"] == 1 and value["resumed_at"] in (19, 20)
+    assert (value["step"], value["total"]) == (40, 80)  # every step counted once, by both ranks
+    assert run.state.state == "succeeded" and run.attempt == 2
+    (first,) = run.attempts
+    assert (first.number, first.failure.rank, first.failure.exit_code) == (1, 1, -signal.SIGKILL)
+    assert sorted(os.listdir(checkpoints)) == [f"checkpoint-{s:09d}.pt" for s in (38, 39, 40)]  # the newest 3
+    assert_no_survivors(run)
+
+
+def test_killed_rank_without_restarts_is_the_failure(dist, tmp_path):
+    run = dist(2, checkpoint_dir=str(tmp_path / "checkpoints")).submit(count_to, 40, 20)
+    with pytest.raises(RankFailure) as info:
+        run.result(timeout=120)
+    assert (info.value.rank, info.value.exit_code) == (1, -signal.SIGKILL)
+    assert info.value.earlier == [] and run.attempts == [] and run.attempt == 1
+    assert_no_survivors(run)
+
+
+def stuck_in_sleep():
+    time.sleep(600)
+
+
+STUCK_LINE = inspect.getsourcelines(stuck_in_sleep)[1] + 1
+
+
+def _say_until(done, text):
+    while not done.wait(0.5):
+        print(text, flush=True)
+
+
+def hang_in_all_reduce():
+    """Rank 1 sleeps in ``stuck_in_sleep`` while rank 0 waits for it in ``all_reduce``.  While
+    they set up (torch's import takes a while), they keep printing: the watchdog must only see
+    the hang."""
+    done = threading.Event()
+    threading.Thread(target=_say_until, args=(done, "setting up"), daemon=True).start()
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+    done.set()
+    print("ready", flush=True)
+    if rank() == 1:
+        stuck_in_sleep()
+    dist.all_reduce(torch.zeros(1))
+
+
+def test_hang_shows_where_each_rank_waits(dist):
+    run = dist(2, hang_timeout=3).submit(hang_in_all_reduce)
+    with pytest.raises(TimeoutError) as info:
+        run.result(timeout=240)
+    err = info.value
+    assert isinstance(err, HangTimeout)
+    text = str(err)
+    assert text.startswith("no rank sent progress, metrics or output for 3 s (hang_timeout); every rank was stopped")
+    assert re.search(r"rank 0: all_reduce \(torch/distributed/distributed_c10d\.py, line \d+\)", text), text
+    assert f"rank 1: stuck_in_sleep ({__file__}, line {STUCK_LINE})" in text, text
+    assert "hang_in_all_reduce" in err.stacks[0].where()  # the user's own frame, under the library's
+    rendered = "\n".join(err._render_traceback_())
+    assert "--- rank 1, main thread (most recent call last) ---" in rendered and "worker.py" not in rendered
+    assert run.state.state == "hung" and set(run.stacks) == {0, 1}
+    assert_no_survivors(run)
+
+
+def _touch(path):
+    open(path, "w").close()
+
+
+def loop_until_stopped(marks):
+    import atexit
+
+    atexit.register(_touch, os.path.join(marks, f"atexit-{rank()}"))
+    try:
+        print("looping", flush=True)
+        while True:
+            time.sleep(0.05)
+    finally:
+        _touch(os.path.join(marks, f"finally-{rank()}"))
+
+
+def test_cancel_runs_every_ranks_finally_and_atexit(dist, tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    run = dist(2).submit(loop_until_stopped, str(marks))
+    wait_until(lambda: all("looping" in run.logs(r) for r in range(2)), 120, "both ranks to loop")
+    run.cancel()
+    with pytest.raises(RunCancelled):
+        run.result(timeout=60)
+    assert sorted(os.listdir(marks)) == ["atexit-0", "atexit-1", "finally-0", "finally-1"]
+    assert {rs.state for rs in run.state.ranks} == {"cancelled"}
     assert_no_survivors(run)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -20,6 +21,12 @@ SAMPLES = [
          failure=Failure(rank=1, exit_code=-9, exc_type="", message="", log_tail=["a", "b"])),
     Exit(rank=0, code=None, stopped=True),
     Stop(rank=-1, grace=2.0),
+    events.DumpStacks(rank=-1),
+    events.Stacks(rank=1, text='Thread 0x0001 (most recent call first):\n  File "a.py", line 3 in f\n',
+                  main_thread=1, time=4.0, note=""),
+    Progress(rank=1, bar="tqdm#0", desc="Epoch 0", n=3, total=5, state="cleared", postfix="loss=0.3"),
+    events.Joined(rank=1, host="h/127.0.0.3", address="127.0.0.3", port=None, gpus="0"),
+    events.Peers(rank=-1, peers=[events.Joined(rank=0, host="h", address="a", port=29500)], use_barrier=False),
     RunJob(rank=0, job_id="j1", job_file="/tmp/j"),
 ]
 
@@ -32,7 +39,8 @@ def test_every_record_round_trips_through_json(record):
 
 
 def test_every_record_type_is_in_the_contract_and_handled():
-    assert set(events.RECORDS.values()) == set(events.RANK_TO_DRIVER) | set(events.DRIVER_TO_RANK)
+    assert set(events.RECORDS.values()) == (set(events.RANK_TO_DRIVER) | set(events.DRIVER_TO_RANK)
+                                            | set(events.LAUNCHER_TO_DRIVER))
     assert set(RunState.HANDLERS) == set(events.RANK_TO_DRIVER)
     assert events.SENDERS["worker"] < events.SENDERS["launcher"]
     assert events.Exit not in events.SENDERS["worker"] and events.Log not in events.SENDERS["worker"]
@@ -142,3 +150,142 @@ def test_late_exit_after_the_run_ended_does_not_turn_a_stop_into_a_failure():
 def test_records_are_plain_dataclasses():
     for cls in events.RECORDS.values():
         assert dataclasses.is_dataclass(cls) and cls.type
+
+
+# -- stacks ------------------------------------------------------------------------------------
+
+def _innermost_of_mine(done):
+    done.wait()
+
+
+def _dump_with_a_waiting_thread(tmp_path):
+    """A real faulthandler dump of this process, with a second thread blocked in a C call."""
+    import faulthandler
+    import threading
+
+    done = threading.Event()
+    waiter = threading.Thread(target=_innermost_of_mine, args=(done,))
+    waiter.start()
+    try:
+        with open(tmp_path / "stacks.txt", "w+") as fh:
+            faulthandler.dump_traceback(fh, all_threads=True)
+            fh.seek(0)
+            return fh.read(), waiter.ident
+    finally:
+        done.set()
+        waiter.join()
+
+
+def test_stacks_of_a_real_dump_name_each_threads_frames(tmp_path):
+    import threading
+
+    text, waiter = _dump_with_a_waiting_thread(tmp_path)
+    main = threading.main_thread().ident
+    record = events.Stacks(rank=0, text=text, main_thread=main)
+    threads = {t.ident: t for t in record.threads()}
+    assert {main, waiter} <= set(threads)
+    assert threads[waiter].frames[0].function == "wait"  # innermost first: threading's wait
+    assert "_innermost_of_mine" in [f.function for f in threads[waiter].frames]
+    assert record.main().ident == main
+    assert record.main().frames[0].function == "_dump_with_a_waiting_thread"
+    assert record.where().startswith(f"_dump_with_a_waiting_thread ({__file__}, line ")
+    # without the main thread's ident, the oldest thread (listed last) is taken
+    assert events.Stacks(rank=0, text=text).main().ident == main
+
+
+def test_where_shows_library_frames_then_the_users_own():
+    text = """Current thread 0x00007f0000000001 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2950 in all_reduce
+  File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 81 in wrapper
+  File "/usr/lib/python3.11/contextlib.py", line 81 in inner
+  File "/home/me/train.py", line 12 in step
+  File "/work/torchdist_magic/worker.py", line 118 in _run_function
+  File "<frozen runpy>", line 88 in _run_code
+"""
+    record = events.Stacks(rank=0, text=text, main_thread=0x7F0000000001)
+    assert record.where() == (
+        "all_reduce (torch/distributed/distributed_c10d.py, line 2950) < wrapper (torch/distributed/c10d_logger.py, "
+        "line 81) < inner (/usr/lib/python3.11/contextlib.py, line 81) < ... < step (/home/me/train.py, line 12)")
+    assert [f.function for f in record.main().job_frames()] == ["all_reduce", "wrapper", "inner", "step"]
+    assert events.is_library_file("/usr/lib/python3.11/threading.py")
+    assert not events.is_library_file("/home/me/train.py") and not events.is_library_file("<torchdist cell In[3]>")
+    assert events.Stacks(rank=1, note="the rank had exited").where() == "the rank had exited"
+    assert events.Stacks(rank=1).where() == "no Python stack"
+
+
+# -- logs ----------------------------------------------------------------------------------------
+
+def test_log_store_spills_and_reads_back_every_line_in_order(tmp_path, monkeypatch):
+    from torchdist_magic import state as S
+
+    monkeypatch.setattr(S, "LOG_MEMORY_LINES", 100)
+    monkeypatch.setattr(S, "SPILL_INDEX_EVERY", 16)
+    store = S.LogStore(lambda: str(tmp_path / "logs"), "rank-0")
+    (tmp_path / "logs").mkdir()
+    texts = [f"line {i} \\ back\\slash" if i % 7 else f"odd\nline\r{i}" for i in range(1000)]
+    for i, text in enumerate(texts):
+        store.append(S.LogLine("stderr" if i % 3 else "stdout", text))
+    assert len(store) == 1000 and store.spilled > 800 and len(store.recent(10_000)) <= 100
+    assert [line.text for line in store] == texts
+    assert [line.text for line in store[123:137]] == texts[123:137]
+    assert store[5].text == texts[5] and store[-1].text == texts[-1] and store[500].stream == "stderr"
+    assert store.text(998) == "".join(t + "\n" for t in texts[998:])
+    with pytest.raises(IndexError, match="log line index out of range"):
+        store[1000]
+    with pytest.raises(ValueError, match="a log is sliced with step 1 only"):
+        store[::2]
+    assert os.listdir(tmp_path / "logs") == ["rank-0.log"]
+
+
+def test_log_store_keeps_a_redrawn_line_s_latest_state_only():
+    from torchdist_magic.state import LogLine, LogStore
+
+    store = LogStore(lambda: pytest.fail("nothing spills"), "rank-0")
+    for pct in (10, 50):
+        store.append(LogLine("stderr", f"{pct}%", cr=True))
+    store.append(LogLine("stdout", "a print meanwhile"))  # another stream: kept
+    store.append(LogLine("stderr", "90%", cr=True))
+    store.append(LogLine("stderr", "100% done"))
+    assert [(l.stream, l.text, l.cr) for l in store] == [
+        ("stderr", "50%", True), ("stdout", "a print meanwhile", False), ("stderr", "100% done", False)]
+    store.append(LogLine("stderr", "next", cr=True))
+    store.seal()  # a new attempt: its first line is a line of its own
+    store.append(LogLine("stderr", "attempt 2"))
+    assert [l.text for l in store][-2:] == ["next", "attempt 2"]
+
+
+def test_restart_keeps_logs_ignores_the_ended_attempts_records_and_records_its_cause():
+    state = RunState("r", 2, max_attempts=2)
+    state.apply(Started(rank=1, pid=7), attempt=1)
+    state.apply(Log(rank=1, line="first"), attempt=1)
+    state.apply(Exit(rank=1, code=-9, time=1.0), attempt=1)
+    state.restart()
+    assert (state.attempt, state.state, state.ranks[1].state) == (2, "restarting", "starting")
+    state.apply(Log(rank=1, line="late"), attempt=1)  # the ended attempt's: ignored
+    state.apply(Log(rank=1, line="second"), attempt=2)
+    state.apply(Started(rank=1, pid=8), attempt=2)
+    assert state.state == "running" and state.ranks[1].pid == 8
+    assert state.logs(1) == "first\nsecond\n"
+    assert (state.logs(1, attempt=1), state.logs(1, attempt=2)) == ("first\n", "second\n")
+    with pytest.raises(IndexError, match=r"attempt 3 is not in this run \(attempts 1\.\.2\)"):
+        state.logs(1, attempt=3)
+    (first,) = state.attempts
+    assert (first.number, first.failure.rank, first.failure.exit_code) == (1, 1, -9)
+
+
+def test_activity_is_output_progress_and_metrics():
+    state = RunState("r", 1)
+    state.last_activity -= 100
+    state.apply(Dropped(rank=0, count=1))
+    assert state.idle() >= 100
+    for record in (Log(rank=0, line="x"), Progress(rank=0, bar="b"), Metrics(rank=0, values={"a": 1.0})):
+        state.last_activity -= 100
+        state.apply(record)
+        assert state.idle() < 100
+
+
+def test_a_cleared_bar_is_gone():
+    state = RunState("r", 1)
+    state.apply(Progress(rank=0, bar="val", n=1, total=2))
+    state.apply(Progress(rank=0, bar="val", n=2, total=2, state="cleared"))
+    assert state.ranks[0].progress == {}

@@ -12,10 +12,11 @@ PACKAGE = pathlib.Path(torchdist_magic.__file__).parent
 #: bottom first; a module may import its own layer and those below it
 LAYERS = [
     ("contract", {"events", "timing", "options"}),
-    ("rank side", {"errors", "runtime", "job", "rankenv"}),
+    ("rank side", {"errors", "runtime", "rank_shell", "job", "rankenv"}),
     ("worker and transport", {"worker", "channel"}),
     ("launch and state", {"launcher", "state"}),
-    ("backends", {"backends", "backends.local", "backends.spark"}),
+    ("backends", {"backends", "backends.local", "backends.spark", "backends.spark_python",
+                  "backends.spark_connect"}),
     ("runs", {"capture", "distributor"}),
     ("views", {"view"}),  # every view.* module but the panel
     ("entry points", {"api", "magic", "view.panel", "__init__"}),

@@ -170,6 +170,26 @@ def test_env_flag_and_config_default(ip):
     assert result.result == (2, "fast", "3", "two words")
 
 
+def test_a_cell_resumes_from_its_checkpoint_after_a_restart(ip, tmp_path, capsys):
+    result = cell(ip, f"""
+        %%torchdist --np 2 --max-restarts 1 --checkpoint-dir {tmp_path / "checkpoints"}
+        import os, signal
+        state = load_checkpoint() or {{"epoch": 0}}
+        start = state["epoch"]
+        for epoch in range(start, 4):
+            save_checkpoint({{"epoch": epoch + 1}})
+            if epoch == 1 and rank == 1 and restart_count() == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+        (start, restart_count())
+    """)
+    assert result.error_in_exec is None, result.error_in_exec
+    start, attempt = result.result
+    assert attempt == 1 and start > 0  # resumed, not started over
+    out = capsys.readouterr().out
+    assert "torchdist: attempt 1 failed (rank 1 on " in out and "restarting: attempt 2 of 2" in out
+    assert ip.user_ns["_torchdist_run"].attempt == 2
+
+
 def test_failing_rank_shows_cell_line(ip, capsys):
     result = cell(ip, """
         %%torchdist --np 2
@@ -200,7 +220,7 @@ def test_failing_rank_shows_cell_line(ip, capsys):
     ("%%torchdist --local --spark\n1", "UsageError: --local and --spark contradict each other: give one"),
     ("%%torchdist --spark --backend local\n1", "UsageError: --spark and --backend local contradict each other"),
     ("%%torchdist --np 2 --spark\n1", "UsageError: backend 'spark' (--spark, local_mode=False) runs on the "
-                                      "active SparkSession, and this process has none"),
+                                      "active SparkSession (classic or Spark Connect), and this process has none"),
     ("%%torchdist --out 1x\n1", "UsageError: --out needs a variable name, got '1x'"),
     ("%%torchdist script.py\n1", "UsageError: unexpected argument 'script.py': %%torchdist takes only flags"),
     ("%%torchdist\n\n", "UsageError: the %%torchdist cell is empty"),
@@ -271,7 +291,8 @@ def test_help_text(ip):
 
     doc = ip.magics_manager.magics["cell"]["torchdist"].__doc__
     for flag in ("--np N", "--gpu", "--local", "--spark", "--timeout SECONDS", "--env <KEY=VALUE>",
-                 "--out NAME", "--all-ranks", "--backend"):
+                 "--out NAME", "--all-ranks", "--backend", "--hang-timeout SECONDS", "--max-restarts N",
+                 "--checkpoint-dir PATH", "--keep-checkpoints K"):
         assert flag in doc
     assert "rank 0's value is the result" in doc
     assert TorchdistMagics.default_np.help

@@ -49,6 +49,15 @@ BAD = [
     ("env", {"A": "a\x00b"}, ValueError, "env: the value of A contains a NUL byte", "--env: the value of A contains"),
     ("env", 3, TypeError, "env must be a dict or a list of 'KEY=VALUE' strings, got int", "--env must be a dict"),
     ("all_ranks", 1, TypeError, "all_ranks must be True or False, got 1", "--all-ranks must be True or False"),
+    ("hang_timeout", 0, ValueError, "hang_timeout must be a positive number of seconds, got 0",
+     "--hang-timeout must be a positive number of seconds, got 0"),
+    ("hang_timeout", "5", TypeError, "hang_timeout must be a number of seconds, got '5'", "--hang-timeout must be"),
+    ("max_restarts", -1, ValueError, "max_restarts must be at least 0, got -1", "--max-restarts must be at least 0"),
+    ("max_restarts", 1.0, TypeError, "max_restarts must be a whole number, got 1.0", "--max-restarts must be a whole"),
+    ("keep_checkpoints", 0, ValueError, "keep_checkpoints must be at least 1, got 0", "--keep-checkpoints must be at"),
+    ("checkpoint_dir", 3, TypeError, "checkpoint_dir must be a path, got 3", "--checkpoint-dir must be a path"),
+    ("checkpoint_dir", " ", ValueError, "checkpoint_dir must be a directory path, got ' '",
+     "--checkpoint-dir must be a directory path"),
 ]
 
 
@@ -59,6 +68,21 @@ def test_refused_values_name_the_keyword_or_the_flag(name, value, error, python_
     assert isinstance(info.value, OptionError)
     assert str(info.value) == python_text
     assert info.value.for_flags().startswith(flag_text)
+
+
+def test_restart_and_watchdog_flags():
+    import pathlib
+
+    opts = options_from_flags(parse_flags("--max-restarts 2 --checkpoint-dir '/dbfs/my runs' --keep-checkpoints 5 "
+                                          "--hang-timeout 120"), LaunchOptions())
+    assert (opts.max_restarts, opts.checkpoint_dir, opts.keep_checkpoints, opts.hang_timeout) == (
+        2, "/dbfs/my runs", 5, 120.0)
+    assert LaunchOptions(checkpoint_dir=pathlib.Path("/tmp/c")).checkpoint_dir == "/tmp/c"
+    defaults = LaunchOptions()
+    assert (defaults.max_restarts, defaults.checkpoint_dir, defaults.keep_checkpoints, defaults.hang_timeout) == (
+        0, None, 3, None)
+    with pytest.raises(FlagError, match=r"^--max-restarts must be at least 0, got -1$"):
+        options_from_flags(parse_flags("--max-restarts -1"), LaunchOptions())
 
 
 def test_replace_validates_again():

@@ -61,7 +61,9 @@ def test_every_option_field_has_a_control_and_every_flag_maps_to_a_field(panel):
 def test_control_kinds_follow_the_field_metadata(panel):
     kinds = {name: type(c) for name, c in panel.controls.items()}
     assert kinds == {"num_processes": widgets.IntText, "use_gpu": widgets.Checkbox,
-                     "backend": widgets.Dropdown, "timeout": widgets.Text, "env": widgets.Textarea,
+                     "backend": widgets.Dropdown, "timeout": widgets.Text, "hang_timeout": widgets.Text,
+                     "max_restarts": widgets.IntText, "checkpoint_dir": widgets.Text,
+                     "keep_checkpoints": widgets.IntText, "env": widgets.Textarea,
                      "all_ranks": widgets.Checkbox}
     backend = next(f for f in option_fields() if f.name == "backend")
     assert panel.controls["backend"].options == tuple(backend.metadata["choices"])
@@ -118,10 +120,18 @@ def test_text_that_is_not_a_number_is_refused(panel):
 def test_what_to_run_is_checked_too(ip, panel):
     assert panel.what_errors() == ["write the code to run"] and panel.launch_button.disabled
     panel.code.value = "for i in range(3)\n    pass"
-    assert panel.what_errors()[0].startswith("SyntaxError, line 1") and panel.launch_button.disabled
+    assert panel.what_errors() == ["SyntaxError in the cell, line 1: expected ':'"] and panel.launch_button.disabled
     assert "torchdist-what-error" in panel.code_note.value
     panel.code.value = "rank * 2"
     assert panel.what_errors() == [] and not panel.launch_button.disabled
+    panel.code.value = "!nvidia-smi -L\n%time rank * 2"  # IPython syntax, as in a %%torchdist cell
+    assert panel.what_errors() == [] and not panel.launch_button.disabled
+    panel.code.value = "x = 1\n%matplotlib inline"
+    assert panel.what_errors() == ["line 2, `%matplotlib inline`: %matplotlib cannot run on the ranks (they run "
+                                   "without IPython); a %%torchdist cell can use !cmd, x = !cmd, %time, %%time, "
+                                   "%timeit, %%timeit, %env, %cd and %pip. Run %matplotlib in a cell of its own."]
+    assert panel.launch_button.disabled
+    panel.code.value = "rank * 2"
     ip.run_cell("def panel_fn(x, scale=1):\n    return x * scale\nPANEL_X = 21")
     panel.source.value = P.FUNCTION  # lists the notebook's functions again
     panel.function.value = "panel_fn"
@@ -167,6 +177,7 @@ def test_only_the_notebooks_own_functions_are_offered():
     {"num_processes": 2, "backend": "local", "timeout": "90"},
     {"use_gpu": True, "all_ranks": True, "backend": "spark", "timeout": "0.5"},
     {"env": "A=1\nPATH_EXTRA=/opt/x:/opt/y\nEMPTY="},
+    {"max_restarts": 2, "checkpoint_dir": "/dbfs/my runs/1", "keep_checkpoints": 5, "hang_timeout": "600"},
 ])
 def test_equivalent_cell_reproduces_the_options(ip, panel, settings):
     for name, value in settings.items():
@@ -249,6 +260,16 @@ def test_launch_a_notebook_function_with_notebook_arguments(ip, panel):
     wait_for(panel)
     assert panel.value == [(42, 0), (42, 1)]
     assert run.state.job_name == "scaled"
+    assert_no_survivors(run)
+
+
+def test_code_with_ipython_syntax_runs_from_the_panel(panel):
+    panel.controls["num_processes"].value = 2
+    panel.code.value = "!echo shell on rank {rank}\n%time value = rank + 1\nvalue"
+    run = panel.launch()
+    wait_for(panel)
+    assert panel.value == 1
+    assert "shell on rank 1" in run.logs(1) and "Wall time:" in run.logs(1)
     assert_no_survivors(run)
 
 

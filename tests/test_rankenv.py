@@ -7,24 +7,31 @@ from torchdist_magic.rankenv import RunSpec, place_ranks, rank_environment
 
 
 def test_placement_on_two_hosts_is_torchruns():
-    places = place_ranks(["a", "b", "a", "b", "c"], "a", 1234, ["0", "0", "1", "1", "0"])
+    places = place_ranks(["a", "b", "a", "b", "c"], "a", 1234, ["0", "3", "1", "2", "0"])
     assert [(p.local_rank, p.local_world_size, p.group_rank, p.group_world_size) for p in places] == [
         (0, 2, 0, 3), (0, 2, 1, 3), (1, 2, 0, 3), (1, 2, 1, 3), (0, 1, 2, 3)]
-    assert [p.cuda_visible_devices for p in places] == ["0", "0", "1", "1", "0"]
+    # one GPU per rank: each rank sees its host's GPUs in local-rank order, cuda:LOCAL_RANK its own
+    assert [p.cuda_visible_devices for p in places] == ["0,1", "3,2", "0,1", "3,2", "0"]
     assert {(p.master_addr, p.master_port) for p in places} == {("a", 1234)}
+
+
+def test_ranks_with_several_gpus_see_their_own():
+    places = place_ranks(["a", "a"], "a", 1, ["0,1", "2,3"])
+    assert [p.cuda_visible_devices for p in places] == ["0,1", "2,3"]
+    assert [p.cuda_visible_devices for p in place_ranks(["a", "a"], "a", 1)] == [None, None]
 
 
 def test_environment_of_a_rank():
     spec = RunSpec.resolve(LaunchOptions(num_processes=4, use_gpu=True, env={"X": "1"}), "run-1",
                            "127.0.0.1:9", "s3cret", "launcher-s3cret")
-    place = place_ranks(["a", "a", "b", "b"], "a", 1234, [None, None, "3", "5"])[3]
+    place = place_ranks(["a", "a", "b", "b"], "a", 1234, [None, None, "3", "5"])[3]  # rank 3: cuda:1
     env = rank_environment({"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1"}, spec, place)
     assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
                                 "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
                                 "TORCHDIST_USE_GPU", "TORCHDIST_RETURN_VALUE", "X", "PATH")} == {
         "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
         "NODE_RANK": "1", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1234",
-        "CUDA_VISIBLE_DEVICES": "5", "TORCHDIST_USE_GPU": "1", "TORCHDIST_RETURN_VALUE": "0", "X": "1",
+        "CUDA_VISIBLE_DEVICES": "3,5", "TORCHDIST_USE_GPU": "1", "TORCHDIST_RETURN_VALUE": "0", "X": "1",
         "PATH": "/bin"}
     assert env["TORCHDIST_SECRET"] == "s3cret" and "launcher-s3cret" not in env.values()
     assert env["OMP_NUM_THREADS"] >= "1"

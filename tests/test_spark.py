@@ -126,18 +126,9 @@ def test_gpu_without_spark_task_gpus_is_refused(spark_local2):
 
 def test_spark_connect_session_is_refused():
     connect_session = type("SparkSession", (), {"__module__": "pyspark.sql.connect.session"})()
-    with pytest.raises(ValueError, match="is a Spark Connect session, which torchdist_magic's Spark backend "
-                                         "does not support yet; use a classic SparkSession or --local"):
+    with pytest.raises(ValueError, match="is a Spark Connect session: its runs go to "
+                                         "spark_connect.SparkConnectBackend"):
         SparkBarrierBackend(connect_session)
-
-
-@pytest.mark.parametrize("master, local", [
-    ("local", True), ("local[2]", True), ("local[*]", True), ("local-cluster[2,1,1024]", True),
-    ("spark://head:7077", False), ("yarn", False), ("k8s://https://k:443", False)])
-def test_which_masters_run_on_this_machine(master, local):
-    from torchdist_magic.backends.spark import is_local_master
-
-    assert is_local_master(master) is local
 
 
 def interpreter():
@@ -148,7 +139,7 @@ def interpreter():
 
 @pytest.mark.spark
 @pytest.mark.parametrize("session", ["spark_local2", "spark_cluster"])
-def test_local_master_ranks_run_on_the_notebooks_interpreter(request, session, monkeypatch):
+def test_ranks_run_on_the_notebooks_interpreter_when_sparks_cannot(request, session, monkeypatch):
     import sys
 
     spark = request.getfixturevalue(session)
@@ -159,6 +150,50 @@ def test_local_master_ranks_run_on_the_notebooks_interpreter(request, session, m
     assert run.result(timeout=120) == [sys.executable] * 2
     assert spark.sparkContext.pythonExec == "/nonexistent/python3"  # the session itself is unchanged
     assert_nothing_left(run)
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory):
+    """A Python of the same version without torch, cloudpickle or torchdist_magic."""
+    import subprocess
+    import sys
+
+    env = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    return str(env / "bin" / "python")
+
+
+@pytest.mark.spark
+def test_executors_with_another_interpreter_are_refused_before_training(spark_local2, bare_python,
+                                                                       monkeypatch):
+    from torchdist_magic.backends.spark_python import InterpreterMismatch
+
+    monkeypatch.setenv("PYSPARK_PYTHON", bare_python)  # the user's choice: no fallback
+    monkeypatch.setattr(spark_local2.sparkContext, "pythonExec", bare_python)
+    with pytest.raises(InterpreterMismatch) as info:
+        spark_dist(2).submit(interpreter)
+    text = str(info.value)
+    assert f"with the interpreter you chose ({bare_python})" in text
+    assert f"executors:     {bare_python} on " in text
+    assert "torch 2.13.0 here, not installed there" in text.replace("+cpu", "")
+    assert "cloudpickle 3." in text and " here, not installed there" in text
+    assert text.count(f"executors:     {bare_python}") == 1  # the same executor facts once
+    assert "spark.pyspark.python" in text and "spark.archives" in text
+
+
+def test_interpreter_differences_are_named():
+    from torchdist_magic.backends.spark_python import describe, differences
+
+    mine = {"executable": "/a/python", "python": "3.11.7", "host": "h",
+            "packages": {"torch": "2.13.0+cpu", "cloudpickle": "3.1.2", "torchdist_magic": "0.1.0"}}
+    same_but_cuda = dict(mine, python="3.11.2", packages=dict(mine["packages"], torch="2.13.0+cu124"))
+    assert differences(mine, same_but_cuda) == []
+    other = dict(mine, python="3.10.12", packages={"torch": None, "cloudpickle": "2.2.1", "torchdist_magic": "0.1.0"})
+    assert differences(mine, other) == ["Python 3.11.7 here, 3.10.12 there",
+                                        "torch 2.13.0+cpu here, not installed there",
+                                        "cloudpickle 3.1.2 here, 2.2.1 there"]
+    assert describe(other) == ("/a/python on h: Python 3.10.12, torch not installed, cloudpickle 2.2.1, "
+                               "torchdist_magic 0.1.0")
 
 
 @pytest.mark.spark
@@ -222,4 +257,74 @@ def test_cancel_gives_ranks_their_sigterm_grace(spark_local2):
     for r in (0, 1):
         assert f"rank {r} stopping cleanly" in run.logs(r)
     assert {rs.state for rs in run.state.ranks} == {"cancelled"}
+    assert_nothing_left(run)
+
+
+def placement_and_all_reduce():
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    names = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "GROUP_WORLD_SIZE",
+             "MASTER_ADDR", "SPARK_LOCAL_IP")
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    return {"env": {k: os.environ.get(k) for k in names}, "sum": total.item(), "python": sys.executable}
+
+
+@pytest.mark.spark
+def test_ranks_on_two_hosts_are_placed_as_torchrun_would(spark_standalone):
+    """Two workers bound to 127.0.0.2 and 127.0.0.3 stand for two hosts; the driver sees both
+    executors' connections come from 127.0.0.1, so hosts must be told apart by the executors."""
+    import sys
+
+    run = spark_dist(2, all_ranks=True).submit(placement_and_all_reduce)
+    values = run.result(timeout=180)
+    envs = [v["env"] for v in values]
+    assert {e["SPARK_LOCAL_IP"] for e in envs} == {"127.0.0.2", "127.0.0.3"}
+    for r, env in enumerate(envs):
+        assert (env["RANK"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (str(r), "0", "1")
+        assert env["GROUP_RANK"] == env["NODE_RANK"] == str(r) and env["GROUP_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == envs[0]["SPARK_LOCAL_IP"]  # rank 0's own address
+    assert [v["sum"] for v in values] == [3.0, 3.0]
+    # the workers' ``python3`` lacks torch: the notebook's interpreter, which is there, runs the ranks
+    assert [v["python"] for v in values] == [sys.executable] * 2
+    assert_nothing_left(run)
+
+
+class OneTaskCannotReachTheDriver(SparkBarrierBackend):
+    """Rank 1's task is given an address where no driver listens (a firewalled driver)."""
+
+    def task_function(self, spec):
+        import dataclasses
+
+        from torchdist_magic.backends.spark import run_barrier_task
+
+        cut_off = dataclasses.replace(spec, run=dataclasses.replace(spec.run, channel_address="127.0.0.1:9"))
+
+        def task(partition):
+            from pyspark import BarrierTaskContext
+
+            return run_barrier_task(cut_off if BarrierTaskContext.get().partitionId() == 1 else spec, partition)
+
+        return task
+
+
+@pytest.mark.spark
+def test_tasks_that_cannot_reach_the_driver_still_rendezvous(spark_local2, monkeypatch):
+    import torchdist_magic.backends.spark as spark_backend
+    import torchdist_magic.distributor as distributor
+
+    monkeypatch.setattr(spark_backend, "SPARK_RENDEZVOUS_WAIT", 1.0)  # the driver's wait for rank 1
+    monkeypatch.setattr(distributor, "make_backend", lambda options: OneTaskCannotReachTheDriver(spark_local2))
+    run = spark_dist(2, all_ranks=True).submit(placement_and_all_reduce)
+    values = run.result(timeout=120)
+    assert [v["sum"] for v in values] == [3.0, 3.0]  # both ranks joined one process group
+    assert [v["env"]["RANK"] for v in values] == ["0", "1"]
+    # rank 1's exit reached the driver through the stage's result, its only way back
+    assert [(rs.state, rs.exit_code) for rs in run.state.ranks] == [("done", 0), ("done", 0)]
+    assert run.state.ranks[1].pid is None and run.state.ranks[0].pid  # no live events from rank 1
     assert_nothing_left(run)

@@ -173,10 +173,10 @@ def test_rank_log_collapses_carriage_return_lines_and_is_bounded():
     log(state, 0, "30%|next|", cr=True)
     assert [l.text for l in M.rank_log(state, 0).lines] == ["start", "100%|bar| done", "epoch 1", "30%|next|"]
     for i in range(5000):
-        log(state, 0, f"line {i}")
+        log(state, 0, f"line {i}")  # the first one takes the \r-line's place, as on a terminal
     shown = M.rank_log(state, 0, limit=300)
-    assert len(shown.lines) == 300 and shown.lines[-1].text == "line 4999" and shown.total == 5016
-    assert len(state.ranks[0].logs) == 5016  # the state keeps everything: run.logs(rank)
+    assert len(shown.lines) == 300 and shown.lines[-1].text == "line 4999" and shown.total == 5003
+    assert len(state.ranks[0].logs) == 5003  # the state keeps every line: run.logs(rank)
 
 
 def test_all_ranks_log_is_in_arrival_order():
@@ -315,6 +315,82 @@ def test_text_summary_lists_every_ranks_last_lines():
     quiet = FakeRun(1)
     quiet.state.finish("succeeded")
     assert summary_with_logs(quiet.state).endswith("last lines of each rank:\n  [rank 0] (no output)")
+
+
+# -- restarts, hangs, tqdm bars --------------------------------------------------------------------
+def test_a_run_that_restarts_shows_its_attempt_and_each_earlier_root_cause():
+    run = FakeRun(2)
+    run.state.max_attempts = 3
+    assert M.run_facts(run.state).attempt_text == "attempt 1 of 3"
+    running(run.state, 1)
+    exit_(run.state, 1, -9)
+    run.state.restart()
+    facts = M.run_facts(run.state)
+    assert (facts.state, facts.attempt_text) == ("restarting", "attempt 2 of 3")
+    assert facts.earlier == ["attempt 1: rank 1 on node-a was killed by SIGKILL"]
+    header = H.header_html(facts)
+    assert 'class="torchdist-attempt" data-attempt="2">attempt 2 of 3<' in header
+    assert "#8e24aa" in header  # the restarting colour
+    assert "attempt 1: rank 1 on node-a was killed by SIGKILL &rarr; restarted" in H.failure_html(facts)
+    assert [r.state for r in M.rank_rows(run.state)] == ["starting", "starting"]
+    assert M.run_facts(FakeRun(1).state).attempt_text == ""  # a run that cannot restart says nothing
+
+
+def _stacks(rank, function, line):
+    text = (f"Thread 0x0000000000000002 (most recent call first):\n  File \"/usr/lib/python3.11/threading.py\", "
+            f"line 320 in wait\n\nCurrent thread 0x0000000000000001 (most recent call first):\n"
+            f"  File \"/home/me/train.py\", line {line} in {function}\n")
+    return events.Stacks(rank=rank, text=text, main_thread=1)
+
+
+def test_stacks_show_where_each_rank_was():
+    run = FakeRun(2)
+    assert M.rank_stacks(run.state) == [] and H.stacks_html([]) == ""
+    feed(run.state, _stacks(1, "stuck_here", 12), _stacks(0, "wait_for_peer", 30))
+    run.state.finish("hung", message="no rank sent progress, metrics or output for 3 s (hang_timeout); every rank "
+                                     "was stopped")
+    stacks = M.rank_stacks(run.state)
+    assert [(s.rank, s.where) for s in stacks] == [(0, "wait_for_peer (/home/me/train.py, line 30)"),
+                                                   (1, "stuck_here (/home/me/train.py, line 12)")]
+    page = H.stacks_html(stacks, open_rank=1)
+    assert page.count('class="torchdist-rank-stack"') == 2 and 'data-rank="1" open' in page
+    assert "threading.py" in page  # every thread is there, unfolded
+    assert "torchdist-stacks" in H.summary_html(run.state)
+    text = summary(run.state)
+    assert "  no rank sent progress" in text
+    assert text.endswith("  where each rank was (innermost frame first):\n"
+                         "    rank 0: wait_for_peer (/home/me/train.py, line 30)\n"
+                         "    rank 1: stuck_here (/home/me/train.py, line 12)")
+
+
+def test_a_tqdm_bar_shows_its_postfix():
+    run = FakeRun(1)
+    feed(run.state, events.Progress(rank=0, bar="tqdm#0", desc="Epoch 0", n=4, total=8, elapsed=2.0,
+                                    postfix="loss=0.31, v_num=0"))
+    (row,) = M.rank_rows(run.state)
+    assert row.bars[0].title == "Epoch 0 4/8 (50%) [00:02<00:02, 2.00 it/s, loss=0.31, v_num=0]"
+
+
+def test_readers_see_a_redrawn_line_that_the_log_replaced_after_they_read_it():
+    import io
+
+    from torchdist_magic.view.text import TextView
+
+    run = FakeRun(1)
+    out, err = io.StringIO(), io.StringIO()
+    view = TextView(run.state, out, err)
+    merged = M.MergedLog(1)
+    log(run.state, 0, "10%", cr=True, stream="stderr")
+    view.update()
+    merged.drain(run.state)
+    assert [l.text for _, l in merged.shown()] == ["10%"]
+    log(run.state, 0, "100% done", stream="stderr")  # takes the 10% line's place in the log
+    assert len(run.state.ranks[0].logs) == 1
+    view.update()
+    assert merged.drain(run.state) and [l.text for _, l in merged.shown()] == ["100% done"]
+    assert not merged.drain(run.state)
+    view.close()
+    assert err.getvalue().count("[rank 0] 100% done") == 1
 
 
 # -- layering --------------------------------------------------------------------------------------

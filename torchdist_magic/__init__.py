@@ -7,15 +7,17 @@ the Python API.  Heavy modules (torch, pyspark, ipywidgets, IPython) are importe
 
 from __future__ import annotations
 
-from .errors import JobTimeout, RankFailure, RunCancelled
+from .errors import HangTimeout, JobTimeout, RankFailure, RunCancelled
 from .options import LaunchOptions
-from .runtime import device, is_main, local_rank, progress, rank, report, world_size
+from .runtime import (RankStopped, device, is_main, load_checkpoint, local_rank, progress, rank, report,
+                      restart_count, save_checkpoint, world_size)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Distributor", "LaunchOptions", "RankFailure", "JobTimeout", "RunCancelled", "Run",
+    "Distributor", "LaunchOptions", "RankFailure", "JobTimeout", "HangTimeout", "RunCancelled", "Run",
     "last_run", "progress", "report", "rank", "world_size", "local_rank", "is_main", "device",
+    "restart_count", "save_checkpoint", "load_checkpoint", "RankStopped",
     "load_ipython_extension", "unload_ipython_extension",
 ]
 

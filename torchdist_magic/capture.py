@@ -4,6 +4,10 @@
 notebook, replays the notebook's import statements (from history) and sends every other value
 it uses by value with cloudpickle.  Names the cell assigns before using are not sent, and
 nothing the cell does not use is sent.  It launches nothing.
+
+IPython syntax in the cell (``!cmd``, ``%time``, ``%%time``, ``%pip``...) is translated by
+``translate_cell`` with IPython's own input transformers, line for line, into calls that the
+ranks' ``get_ipython()`` (``rank_shell``) runs; a magic the ranks cannot run is refused here.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import tokenize
 import types
 import warnings
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
+from . import rank_shell
 from .job import CellCode, _describe
 from .runtime import CELL_PROVIDED
 
@@ -226,6 +231,206 @@ def _calls_init_process_group(tree: ast.AST) -> bool:
     return False
 
 
+# -- IPython syntax ----------------------------------------------------------------------------
+#: the ``get_ipython()`` methods that IPython's translation calls
+SHELL_METHODS = ("system", "getoutput", "run_line_magic", "run_cell_magic")
+
+
+@dataclass
+class Translation:
+    """A cell as the ranks run it.
+
+    ``python``: the cell as Python, line for line (what the user typed on line n runs on line n);
+    ``analysis``: the same code with each magic's call replaced by the code the magic runs
+    (``%time x = f()`` by ``x = f()``) or by the expressions its ``{...}``/``$name`` expansions
+    read, for name analysis.
+    """
+
+    python: str
+    analysis: ast.Module
+
+
+def translate_cell(source: str, line_offset: int = 0) -> Translation:
+    """``source`` with its IPython syntax translated by IPython's own input transformers
+    (imported only for a cell that is not Python as it is).
+
+    ``CaptureError`` for a syntax error or a magic the ranks cannot run, naming the notebook's
+    line (``line_offset`` lines precede the source).
+    """
+    translator = _Translator(source, line_offset)
+    python, statements = translator.code(source, line_offset + 1)
+    return Translation(python=python, analysis=ast.Module(body=statements, type_ignores=[]))
+
+
+def _from_ipython(text: str) -> str:
+    """IPython's translation of ``text`` to Python, with the lines it drops or joins put back as
+    blank lines, so that line n of the result runs what was typed on line n."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    typed = text.splitlines()
+    # IPython drops leading blank lines, and joins a line continued with a backslash into one
+    # call (``!ls \\`` + `` -l``); a plain Python line keeps its backslash
+    lead = next((i for i, line in enumerate(typed) if line and not line.isspace()), len(typed))
+    out = [""] * lead
+    at = lead
+    for line in TransformerManager().transform_cell("\n".join(typed[lead:])).splitlines():
+        out.append(line)
+        joined = 0
+        while not line.endswith("\\") and at + joined + 1 < len(typed) and typed[at + joined].endswith("\\"):
+            joined += 1
+        out.extend([""] * joined)
+        at += joined + 1
+    out.extend([""] * (len(typed) - len(out)))  # a cell magic's body, now inside its call
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
+def _shell_call(node: ast.Call) -> Optional[Tuple[str, Optional[List[str]]]]:
+    """``(method, arguments)`` of a ``get_ipython().<method>(...)`` call; the arguments are
+    ``None`` unless they are strings, as IPython's translation writes them.  ``None`` for any
+    other call."""
+    func = node.func
+    if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Call)
+            and isinstance(func.value.func, ast.Name) and func.value.func.id == "get_ipython"
+            and not func.value.args):
+        return None
+    literal = not node.keywords and all(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in node.args)
+    return func.attr, [a.value for a in node.args] if literal else None
+
+
+class _Translator:
+    """Translates a cell, then checks every ``get_ipython()`` call in it against what a rank
+    runs, translating the code that ``%time``/``%timeit`` run in turn."""
+
+    def __init__(self, source: str, line_offset: int):
+        self.typed = ("\n" * line_offset + source).splitlines()
+
+    def code(self, text: str, first: int) -> Tuple[str, List[ast.stmt]]:
+        """``text``, whose first line is the notebook's line ``first``, as Python (line for line)
+        and its statements for name analysis."""
+        python = text
+        try:
+            tree = ast.parse("\n" * (first - 1) + python)
+        except SyntaxError:
+            python = _from_ipython(text)
+            try:
+                tree = ast.parse("\n" * (first - 1) + python)
+            except SyntaxError as exc:
+                raise CaptureError(self._syntax_message(exc)) from None
+        lines = python.split("\n")
+        tree = _Inliner(self, lines, first).visit(tree)
+        return "\n".join(lines), tree.body
+
+    def where(self, line: int) -> str:
+        return f"line {line}, `{self.typed[line - 1].strip()}`"
+
+    def _syntax_message(self, exc: SyntaxError) -> str:
+        typed = self.typed[exc.lineno - 1] if exc.lineno and 0 < exc.lineno <= len(self.typed) else None
+        if typed is not None and (exc.text or "").rstrip("\n") != typed:
+            # the line was translated: show what was typed, without a column
+            exc = SyntaxError(exc.msg, (exc.filename, exc.lineno, None, typed))
+        return _syntax_message(exc)
+
+    def inline(self, method: str, args: List[str], line: int) -> Tuple[List[ast.stmt], ast.expr, List[str]]:
+        """What the call of ``method`` with ``args`` on the notebook's ``line`` runs, for
+        analysis: ``(statements, expression)``; and the arguments the ranks get (the code of a
+        ``%time``/``%timeit`` translated)."""
+        if method in ("system", "getoutput"):
+            return [], self._expansions(args[0]), args
+        if len(args) != (3 if method == "run_cell_magic" else 2):
+            return [], ast.Constant(None), args  # not IPython's translation: the rank says what is wrong
+        name, arg = args[0], args[1]
+        if method == "run_line_magic":
+            if name.startswith("%"):  # IPython reads %%name past the first line as a line magic %name
+                raise CaptureError(f"{self.where(line)}: a cell magic (%{name}) must be the first line of "
+                                   "the code, and applies to all of it")
+            if name not in rank_shell.LINE_MAGICS:
+                raise CaptureError(f"{self.where(line)}: {rank_shell.unsupported('%' + name)}")
+            if name == "time":
+                python, statements = self.code(arg, line)
+                return (*_value_of(statements), [name, python])
+            if name == "timeit":
+                start = self._timeit_start(arg, line)
+                python, statements = self.code(arg[start:], line)
+                return statements, ast.Constant(None), [name, arg[:start] + python]
+            return [], self._expansions(arg), args
+        if name not in rank_shell.CELL_MAGICS:
+            raise CaptureError(f"{self.where(line)}: {rank_shell.unsupported('%%' + name)}")
+        if name == "time" and arg.strip():
+            raise CaptureError(f"{self.where(line)}: {rank_shell.TIME_TAKES_NO_ARGUMENTS}")
+        body, statements = self.code(args[2], line + 1)
+        if name == "time":
+            return (*_value_of(statements), [name, arg, body])
+        start = self._timeit_start(arg, line)
+        setup, setup_statements = self.code(arg[start:], line)
+        return setup_statements + statements, ast.Constant(None), [name, arg[:start] + setup, body]
+
+    def _timeit_start(self, line_text: str, line: int) -> int:
+        try:
+            return rank_shell.parse_timeit(line_text)[1]
+        except ValueError as exc:
+            raise CaptureError(f"{self.where(line)}: {exc}") from None
+
+    @staticmethod
+    def _expansions(text: str) -> ast.expr:
+        """The expressions that the ranks evaluate to expand ``text`` (a ``{model_dir}`` must reach
+        them), as one tuple."""
+        found = []
+        for expression in rank_shell.expansions(text):
+            try:
+                found.append(ast.parse(expression.strip(), mode="eval").body)
+            except SyntaxError:  # the rank cannot expand it either, and runs the line as it is
+                continue
+        return ast.Tuple(elts=found, ctx=ast.Load())
+
+
+def _value_of(statements: List[ast.stmt]) -> Tuple[List[ast.stmt], ast.expr]:
+    """``%time`` code as statements and the expression whose value it returns (its last line's,
+    when that is an expression)."""
+    if statements and isinstance(statements[-1], ast.Expr):
+        return statements[:-1], statements[-1].value
+    return statements, ast.Constant(None)
+
+
+class _Inliner(ast.NodeTransformer):
+    """Replaces each ``get_ipython()`` call by what it runs (for analysis); the code of a magic
+    becomes statements placed before the statement that holds the call.  Rewrites a call whose
+    arguments ``_Translator.inline`` translated in ``lines`` (the text the ranks compile)."""
+
+    def __init__(self, translator: _Translator, lines: List[str], first: int):
+        self.translator = translator
+        self.lines = lines
+        self.first = first
+        self.before: List[ast.stmt] = []
+
+    def visit(self, node: ast.AST) -> Union[ast.AST, List[ast.AST]]:
+        if not isinstance(node, ast.stmt):
+            return super().visit(node)
+        outer, self.before = self.before, []
+        node = super().visit(node)
+        before, self.before = self.before, outer
+        return before + [node] if before else node
+
+    def visit_Call(self, node: ast.Call) -> ast.expr:
+        self.generic_visit(node)
+        call = _shell_call(node)
+        if call is None:
+            return node
+        method, args = call
+        if method not in SHELL_METHODS:  # ``?`` alone is get_ipython().show_usage()
+            raise CaptureError(f"{self.translator.where(node.lineno)}: "
+                               f"{rank_shell.unsupported(f'get_ipython().{method}')}")
+        if args is None:
+            return node  # computed at run time: the rank's get_ipython() checks it then
+        statements, value, sent = self.translator.inline(method, args, node.lineno)
+        if sent != args and node.lineno == node.end_lineno:
+            index = node.lineno - self.first
+            raw = self.lines[index].encode()
+            rewritten = f"get_ipython().{method}({', '.join(map(repr, sent))})".encode()
+            self.lines[index] = (raw[:node.col_offset] + rewritten + raw[node.end_col_offset:]).decode()
+        self.before.extend(statements)
+        return value
+
+
 def capture_cell(source: str, namespace: dict, history: Iterable[str] = (), *,
                  filename: str = "<torchdist cell>", line_offset: int = 1,
                  warn_bytes: int = DEFAULT_WARN_BYTES) -> Capture:
@@ -236,16 +441,12 @@ def capture_cell(source: str, namespace: dict, history: Iterable[str] = (), *,
     """
     import cloudpickle
 
-    padded = "\n" * line_offset + source
-    try:
-        tree = ast.parse(padded, filename)
-    except SyntaxError as exc:
-        raise CaptureError(_syntax_message(exc)) from None
+    translation = translate_cell(source, line_offset)
     history = list(history)
     imports = notebook_imports(history, namespace)
     imported = _bound_by(imports)
     values: Dict[str, object] = {}
-    for name in free_names(padded, filename):
+    for name in free_names(ast.unparse(translation.analysis), filename):
         if name in CELL_PROVIDED or name in NOT_SENT or name not in namespace:
             continue
         value = namespace[name]
@@ -270,8 +471,10 @@ def capture_cell(source: str, namespace: dict, history: Iterable[str] = (), *,
             + ", ".join(f"{k} ({v / 2**20:.0f} MB)" for k, v in largest)
             + ". Load large data inside the cell (per rank) instead.", stacklevel=3)
     cell = CellCode(source=source, filename=filename, imports=imports, values=blob,
-                    value_names=sorted(values), init_process_group=not _calls_init_process_group(tree),
-                    line_offset=line_offset, silent=_ends_with_semicolon(source))
+                    value_names=sorted(values),
+                    init_process_group=not _calls_init_process_group(translation.analysis),
+                    line_offset=line_offset, silent=_ends_with_semicolon(source),
+                    python="" if translation.python == source else translation.python)
     return Capture(cell=cell)
 
 

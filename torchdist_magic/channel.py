@@ -507,6 +507,12 @@ class ChannelClient:
         self._sender = threading.Thread(target=self._run, name=f"torchdist-channel-rank{rank}", daemon=True)
         self._sender.start()
 
+    @property
+    def lost(self) -> bool:
+        """True once the driver could not be reached, refused this client, or the client was
+        closed: nothing is sent from then on."""
+        return self._lost
+
     def send(self, event: events.Event) -> None:
         if not isinstance(event, events.Event):
             raise TypeError(f"the channel sends events.Event records, not {type(event).__name__}")

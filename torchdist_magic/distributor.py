@@ -4,25 +4,34 @@
 ``follow(run, observer)`` waits for it in the calling thread, calling the observer (a view)
 as it goes.  This module knows nothing of views: callers hand it what to notify.  The Python
 API (``Distributor``, call-compatible with TorchDistributor) is in ``api``.
+
+Supervision.  A run is one or more attempts: each starts every rank (a new process group: its
+own channel, port and Spark stage) and ends when every rank succeeded, or one failed, or the run
+was cancelled, passed its ``timeout``, or hung (no output, progress or metrics from any rank for
+``hang_timeout``).  A failure stops every rank and, while ``max_restarts`` allow, starts the next
+attempt; anything else ends the run.  Before a timeout or a hang stops the ranks, every rank's
+stacks are captured: the error and the view say where each rank was.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
 import time
 import uuid
-from typing import Any, List, Optional, Protocol
+from typing import Any, Dict, List, Optional, Protocol
 
 from .backends import Backend, BackendRun, LaunchContext, make_backend
 from .channel import ChannelServer, new_secret
-from .errors import JobTimeout, RankFailure, RunCancelled
+from .errors import HangTimeout, JobTimeout, RankFailure, RunCancelled
+from .events import Stacks
 from .job import Job, function_job, script_job
 from .options import LaunchOptions
 from .rankenv import RunSpec
-from .state import RunState, is_collateral
-from .timing import ROOT_CAUSE_WAIT, STOP_GRACE, SUPERVISE_POLL
+from .state import Attempt, RunDirectory, RunState, is_collateral
+from .timing import ROOT_CAUSE_WAIT, STACKS_COLLECT_WAIT, STOP_GRACE, SUPERVISE_POLL
 
 _last_run: Optional["Run"] = None
 _run_counter = itertools.count(1)
@@ -63,8 +72,19 @@ def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions) -> "R
     return run
 
 
+def _subdirectory(directory: RunDirectory, name: str) -> str:
+    path = os.path.join(directory.path(), name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 class Run:
-    """A run in progress or finished: its ``state`` (a ``RunState``), result, logs, cancel."""
+    """A run in progress or finished: its ``state`` (a ``RunState``), result, logs, cancel.
+
+    ``directory`` holds what the run keeps on the driver's disk (spilled logs, checkpoints when
+    no ``checkpoint_dir`` was given); it is made when first needed and removed when the ``Run``
+    (and its ``state``) are garbage-collected, or when the process exits.
+    """
 
     def __init__(self, job: Job, options: LaunchOptions, backend: Backend):
         import cloudpickle
@@ -73,10 +93,12 @@ class Run:
         self.options = options
         self.backend = backend
         self.run_id = f"{next(_run_counter)}-{uuid.uuid4().hex[:8]}"
-        #: host:port of the run's event channel, once it listens
+        #: host:port of the current attempt's event channel, once it listens
         self.channel_address: Optional[str] = None
+        self.directory = RunDirectory(f"torchdist-run-{self.run_id}-")
         self.state = RunState(self.run_id, options.num_processes, backend.describe(),
-                              options.use_gpu, job.name)
+                              options.use_gpu, job.name, max_attempts=options.max_restarts + 1,
+                              spill_dir=functools.partial(_subdirectory, self.directory, "logs"))
         self._job_bytes = cloudpickle.dumps(job)
         self._value: Any = None
         self._error: Optional[BaseException] = None
@@ -106,9 +128,25 @@ class Run:
     def wait(self, timeout: Optional[float] = None) -> bool:
         return self._done.wait(timeout)
 
-    def logs(self, rank: int = 0) -> str:
-        """Everything ``rank`` printed (stdout and stderr, in order), complete."""
-        return self.state.logs(rank)
+    def logs(self, rank: int = 0, attempt: Optional[int] = None) -> str:
+        """Everything ``rank`` printed (stdout and stderr, in order), complete: in every attempt,
+        or in attempt ``attempt`` only (1 for the first)."""
+        return self.state.logs(rank, attempt)
+
+    @property
+    def attempt(self) -> int:
+        """The current (or, once finished, the last) attempt: 1 until the first restart."""
+        return self.state.attempt
+
+    @property
+    def attempts(self) -> List[Attempt]:
+        """The attempts before the current one, each with the root cause that ended it."""
+        return list(self.state.attempts)
+
+    @property
+    def stacks(self) -> Dict[int, Stacks]:
+        """Every rank's stacks (all threads) as captured at a hang or a timeout; else empty."""
+        return dict(self.state.stacks)
 
     @property
     def exception(self) -> Optional[BaseException]:
@@ -125,35 +163,62 @@ class Run:
         self._thread.start()
 
     def _supervise(self) -> None:
-        channel = None
-        backend_run: Optional[BackendRun] = None
         try:
-            secret, launcher_secret = new_secret(), new_secret()
-            channel = ChannelServer(self.state.apply, self.run_id, host=self.backend.channel_host(),
-                                    secret=secret, launcher_secret=launcher_secret)
-            host, port = channel.address[:2]
-            self.channel_address = f"{host}:{port}"
-            spec = RunSpec.resolve(self.options, self.run_id, self.channel_address, secret, launcher_secret)
-            ctx = LaunchContext(spec, self._job_bytes, self.state.apply,
-                                lambda record: channel.broadcast(record, role="launcher"))
             deadline = (time.monotonic() + self.options.timeout) if self.options.timeout else None
-            if self._cancel.is_set():
-                raise RunCancelled("the run was cancelled before it started")
-            backend_run = self.backend.start(ctx)
-            self._watch(backend_run, deadline)
+            checkpoints = ""
+            if self.options.max_restarts and not self.options.checkpoint_dir:
+                checkpoints = _subdirectory(self.directory, "checkpoints")
+            while self._attempt(deadline, checkpoints):
+                self.state.restart()
         except BaseException as exc:  # reported through result(), never lost in this thread
             self._error = exc
             if not self.state.finished:
                 self.state.finish("failed", message=str(exc))
         finally:
+            self._done.set()
+
+    def _attempt(self, deadline: Optional[float], checkpoints: str) -> bool:
+        """Run the current attempt to its end; True when the job is to start again."""
+        if self._cancel.is_set():
+            first = self.state.attempt == 1
+            self._error = RunCancelled("the run was cancelled before it started" if first
+                                       else "the run was cancelled; every rank was stopped")
+            self.state.finish("cancelled", message=str(self._error))
+            return False
+        if deadline is not None and time.monotonic() >= deadline:  # spent by the earlier attempts
+            self._timed_out({})
+            return False
+        channel = None
+        backend_run: Optional[BackendRun] = None
+        # records of an attempt that ended (late exits, output) must not reach the next one
+        emit = functools.partial(self.state.apply, attempt=self.state.attempt)
+        routes: dict = {}  # records the backend takes for itself (see LaunchContext.routes)
+
+        def deliver(record) -> None:
+            routes.get(type(record), emit)(record)
+
+        try:
+            secret, launcher_secret = new_secret(), new_secret()
+            channel = ChannelServer(deliver, self.run_id, host=self.backend.channel_host(),
+                                    secret=secret, launcher_secret=launcher_secret)
+            host, port = channel.address[:2]
+            self.channel_address = f"{host}:{port}"
+            spec = RunSpec.resolve(self.options, self.run_id, self.channel_address, secret, launcher_secret,
+                                   attempt=self.state.attempt - 1, checkpoint_dir=checkpoints)
+            ctx = LaunchContext(spec, self._job_bytes, emit,
+                                lambda record: channel.broadcast(record, role="launcher"), routes)
+            backend_run = self.backend.start(ctx)
+            return self._watch(backend_run, deadline)
+        finally:
             if backend_run is not None:
                 backend_run.close()
             if channel is not None:
                 channel.close()
-            self._done.set()
 
-    def _watch(self, backend_run: BackendRun, deadline: Optional[float]) -> None:
+    def _watch(self, backend_run: BackendRun, deadline: Optional[float]) -> bool:
+        """Supervise one attempt; True when it failed and restarts remain."""
         first_failure: Optional[float] = None
+        hang = self.options.hang_timeout
         while True:
             failures = self.state.failures()
             if failures and first_failure is None:
@@ -164,24 +229,51 @@ class Run:
             if failures:
                 backend_run.stop(STOP_GRACE)
                 failures = self.state.failures()  # the root cause may have arrived meanwhile
-                self._error = RankFailure(failures[0], failures[1:])
+                if self.state.attempt <= self.options.max_restarts and not self._cancel.is_set():
+                    return True
+                self._error = RankFailure(failures[0], failures[1:], [a.failure for a in self.state.attempts])
                 self.state.finish("failed", failures[0])
-                return
+                return False
             if self.state.all_exited_ok():
                 self._value = self._collect(backend_run)
                 self.state.finish("succeeded")
-                return
+                return False
             if self._cancel.is_set():
                 backend_run.stop(STOP_GRACE)
                 self._error = RunCancelled("the run was cancelled; every rank was stopped")
                 self.state.finish("cancelled")
-                return
+                return False
             if deadline is not None and time.monotonic() >= deadline:
+                stacks = self._capture_stacks(backend_run)
                 backend_run.stop(STOP_GRACE)
-                self._error = JobTimeout(self.options.timeout, self._progress_summary())
-                self.state.finish("timed out")
-                return
+                self._timed_out(stacks)
+                return False
+            if hang is not None and self.state.idle() >= hang:
+                stacks = self._capture_stacks(backend_run)
+                backend_run.stop(STOP_GRACE)
+                self._error = HangTimeout(hang, stacks, self.options.num_processes)
+                self.state.finish("hung", message=self._error.headline)
+                return False
             time.sleep(SUPERVISE_POLL)
+
+    def _timed_out(self, stacks: Dict[int, Stacks]) -> None:
+        self._error = JobTimeout(self.options.timeout, self._progress_summary(), stacks,
+                                 self.options.num_processes)
+        self.state.finish("timed out", message=self._error.headline)
+
+    def _capture_stacks(self, backend_run: BackendRun) -> Dict[int, Stacks]:
+        """Every running rank's stacks (all threads), as far as they come within
+        ``STACKS_COLLECT_WAIT``; they are also the state's ``stacks`` (the view shows them)."""
+        with self.state._lock:
+            self.state.stacks = {rs.rank: Stacks(rank=rs.rank, time=time.time(),
+                                                 note=f"had exited with code {rs.exit_code}")
+                                 for rs in self.state.ranks if rs.exit_code is not None}
+            running = [rs.rank for rs in self.state.ranks if rs.exit_code is None]
+        backend_run.dump_stacks()
+        end = time.monotonic() + STACKS_COLLECT_WAIT
+        while time.monotonic() < end and not all(r in self.state.stacks for r in running):
+            time.sleep(SUPERVISE_POLL)
+        return dict(self.state.stacks)
 
     def _collect(self, backend_run: BackendRun) -> Any:
         import cloudpickle

@@ -10,10 +10,12 @@ Who may send what (the channel enforces it, ``SENDERS``):
 
 - a **worker** (the rank's own process): ``Started``, ``Progress``, ``Metrics``, ``Dropped``;
 - a **launcher** (what starts and watches a worker: the local backend in the driver, or a
-  Spark task on an executor): ``Log`` (the worker's output) and ``Exit`` (what the process
-  did), and anything a worker may send;
-- the **driver** to ranks: ``Stop`` (stop the rank, with a grace period before the kill) and
-  ``RunJob`` (the next job of a warm rank).
+  Spark task on an executor): ``Log`` (the worker's output), ``Exit`` (what the process
+  did) and ``Stacks`` (every thread's stack, when the driver asked), and anything a worker may
+  send;
+- the **driver** to ranks: ``Stop`` (stop the rank, with a grace period before the kill),
+  ``DumpStacks`` (capture every thread's Python stack) and ``RunJob`` (the next job of a warm
+  rank).
 
 A rank's ``Exit`` is what its launcher saw the process do, never what the worker claims.
 """
@@ -23,13 +25,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import signal
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional, Type, Union
 
 #: bumped whenever a record changes shape; the channel refuses a peer with another version
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 3
 
 
 class MalformedEvent(ValueError):
@@ -110,7 +113,8 @@ class Progress(Event):
     n: int = 0
     total: Optional[int] = None
     elapsed: float = 0.0
-    state: str = "running"          # running, done, stopped
+    state: str = "running"          # running, done, stopped; cleared: the bar is gone (tqdm's leave=False)
+    postfix: str = ""               # what tqdm shows after the bar (``loss=0.31``)
 
 
 @dataclass
@@ -153,6 +157,80 @@ class Stop(Event):
 
 
 @dataclass
+class DumpStacks(Event):
+    """Driver to a rank's launcher: capture every thread's Python stack of the rank and send it
+    back as ``Stacks``."""
+
+    type: ClassVar[str] = "dump_stacks"
+
+
+@dataclass
+class Frame:
+    """One frame of a stack: where a thread was."""
+
+    function: str
+    filename: str
+    line: int
+
+    def describe(self) -> str:
+        return f"{self.function} ({_short_path(self.filename)}, line {self.line})"
+
+
+@dataclass
+class ThreadStack:
+    """One thread's frames, innermost first."""
+
+    ident: int
+    current: bool
+    frames: List[Frame]
+
+    def job_frames(self) -> List[Frame]:
+        """The frames without those of the process around the job (the worker, ``runpy``)."""
+        return [f for f in self.frames if not f.filename.endswith(_RUNNER_FILES)]
+
+
+@dataclass
+class Stacks(Event):
+    """Every thread's Python stack of a rank, as ``faulthandler`` wrote it (also while the
+    thread was blocked in a C call, such as a collective).  ``main_thread``: the ident of the
+    thread that runs the job (0: unknown); ``text`` is empty when the rank had no stack to give
+    (not started yet, or already gone), and ``note`` then says why."""
+
+    type: ClassVar[str] = "stacks"
+    text: str = ""
+    main_thread: int = 0
+    time: float = 0.0
+    note: str = ""
+
+    def threads(self) -> List[ThreadStack]:
+        """The threads in ``text``, in the order faulthandler listed them."""
+        return parse_stacks(self.text)
+
+    def main(self) -> Optional[ThreadStack]:
+        """The thread that runs the job: ``main_thread``, else the one listed last (the oldest
+        thread: CPython lists the newest first)."""
+        threads = self.threads()
+        chosen = [t for t in threads if t.ident == self.main_thread]
+        return (chosen or threads[-1:] or [None])[0]
+
+    def where(self, depth: int = 3) -> str:
+        """The main thread's innermost ``depth`` frames, innermost first, and the innermost frame
+        of the user's own code when those are all library frames: ``all_reduce
+        (torch/distributed/distributed_c10d.py, line 2950) < wrapper (...) < train (/w/t.py,
+        line 12)``."""
+        thread = self.main()
+        frames = thread.job_frames() if thread is not None else []
+        if not frames:
+            return self.note or "no Python stack"
+        shown = frames[:depth]
+        own = next((f for f in frames if not is_library_file(f.filename)), None)
+        text = " < ".join(f.describe() for f in shown)
+        if own is not None and own not in shown:
+            text += f" < ... < {own.describe()}"
+        return text
+
+
+@dataclass
 class RunJob(Event):
     """Driver to a warm rank: run the job ``job_id``, read from ``job_file`` (a path the rank can
     read; the job itself never travels over the channel)."""
@@ -162,14 +240,40 @@ class RunJob(Event):
     job_file: str = ""
 
 
-RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit)
-DRIVER_TO_RANK = (Stop, RunJob)
-RECORDS: Dict[str, Type[Event]] = {cls.type: cls for cls in RANK_TO_DRIVER + DRIVER_TO_RANK}
+@dataclass
+class Joined(Event):
+    """A rank's launcher on another machine (a Spark task) is up: where it runs, for the
+    driver to place the ranks (``rankenv.place_ranks``)."""
+
+    type: ClassVar[str] = "joined"
+    host: str = ""                  # what tells its machine apart from the others'
+    address: str = ""               # where the other ranks reach that machine
+    port: Optional[int] = None      # rank 0's reserved MASTER_PORT
+    gpus: Optional[str] = None      # the GPU addresses Spark gave the task
+
+
+@dataclass
+class Peers(Event):
+    """Driver to every launcher, once all ranks' launchers joined: all of them, in rank order.
+    ``use_barrier``: some launcher could not reach the driver, so they all exchange their
+    ``Joined`` through Spark's barrier instead (slower, but every task takes the same path)."""
+
+    type: ClassVar[str] = "peers"
+    peers: List[Joined] = field(default_factory=list)
+    use_barrier: bool = False
+
+
+RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks)
+DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers)
+#: records that a backend takes for itself, never a RunState
+LAUNCHER_TO_DRIVER = (Joined,)
+RECORDS: Dict[str, Type[Event]] = {
+    cls.type: cls for cls in RANK_TO_DRIVER + DRIVER_TO_RANK + LAUNCHER_TO_DRIVER}
 
 #: which records each role of connection may send to the driver
 SENDERS: Dict[str, frozenset] = {
     "worker": frozenset({Started, Progress, Metrics, Dropped}),
-    "launcher": frozenset(RANK_TO_DRIVER),
+    "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER),
 }
 
 
@@ -298,3 +402,42 @@ def failure_from_json(data: Any) -> Failure:
 
 def failure_to_json(failure: Failure) -> dict:
     return _to_json_value(failure)
+
+
+# -- stacks -----------------------------------------------------------------------------------
+
+_THREAD_LINE = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
+_FRAME_LINE = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+_LIBRARY_PARTS = ("site-packages", "dist-packages", "<frozen ")
+_RUNNER_FILES = ("torchdist_magic/worker.py", "<frozen runpy>")
+
+
+def parse_stacks(text: str) -> List[ThreadStack]:
+    """Threads and frames of a ``faulthandler`` dump (``dump_traceback(all_threads=True)``)."""
+    threads: List[ThreadStack] = []
+    for line in text.splitlines():
+        m = _THREAD_LINE.match(line)
+        if m:
+            threads.append(ThreadStack(ident=int(m.group(2), 16), current=m.group(1) == "Current thread",
+                                       frames=[]))
+            continue
+        m = _FRAME_LINE.match(line)
+        if m and threads:
+            threads[-1].frames.append(Frame(function=m.group(3), filename=m.group(1), line=int(m.group(2))))
+    return threads
+
+
+def is_library_file(filename: str) -> bool:
+    """Whether ``filename`` belongs to an installed package or the standard library rather than
+    to the user's own code (judged by its path alone: it may be another machine's)."""
+    if any(part in filename for part in _LIBRARY_PARTS):
+        return True
+    return bool(re.search(r"/lib(64)?/python\d+\.\d+/", filename))
+
+
+def _short_path(filename: str) -> str:
+    """A library file from its package on (``torch/distributed/distributed_c10d.py``)."""
+    for part in ("site-packages/", "dist-packages/"):
+        if part in filename:
+            return filename.split(part, 1)[1]
+    return filename

@@ -26,6 +26,9 @@ class CellCode:
     init_process_group: bool = True
     line_offset: int = 1
     silent: bool = False                                           # trailing ';'
+    #: what the ranks compile when the source has IPython syntax: the source translated, line for
+    #: line (``capture.translate_cell``); empty when the source is Python as it is
+    python: str = ""
 
 
 @dataclass

@@ -4,7 +4,8 @@ Shared by the local backend (on the driver) and the Spark backend (inside each b
 so a rank's logs, exit code and failure look the same wherever it ran.  The worker runs in a
 process group of its own so that stopping it reaches its children (DataLoader workers, ...).
 The launcher is what reports a rank's ``Exit``: what the process did, read from the operating
-system and the worker's ``error.json``, never what a message claims.
+system and the worker's ``error.json``, never what a message claims.  Asked for the rank's stacks
+(a hang, a timeout), it signals the worker and reports what ``faulthandler`` wrote as ``Stacks``.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import time
 from typing import Callable, Dict, Optional
 
 from . import events
-from .timing import PIPE_DRAIN_WAIT, REAP_WAIT
-from .worker import ERROR_FILE, RESULT_FILE
+from .timing import PIPE_DRAIN_WAIT, REAP_WAIT, STACKS_SETTLE, STACKS_WAIT
+from .worker import ERROR_FILE, RESULT_FILE, STACKS_FILE, STACKS_HEADER, STACKS_SIGNAL
 
 _LINE_END = re.compile(rb"\r\n|\n|\r")
+#: of one stack dump sent to the driver (faulthandler caps threads and frames; this caps the rest)
+MAX_STACKS_CHARS = 256 * 1024
 
 
 def reserve_port(host: str = "") -> socket.socket:
@@ -131,6 +134,50 @@ class RankProcess:
                                       stopped=self.stopping and code != 0, failure=failure)
         self.emit(self.exit_event)
         self.exited.set()
+
+    def dump_stacks(self) -> None:
+        """Ask the worker for every thread's stack; one ``Stacks`` record follows, from a thread
+        of its own (within ``STACKS_WAIT``), with a note instead of stacks when there are none."""
+        threading.Thread(target=self._dump_stacks, name=f"torchdist-stacks-rank{self.rank}", daemon=True).start()
+
+    def _dump_stacks(self) -> None:
+        try:
+            record = self._read_stacks()
+        except OSError as exc:  # the rank ended meanwhile, and its files with it
+            record = events.Stacks(rank=self.rank, time=time.time(), note=f"no stack: {exc}")
+        self.emit(record)
+
+    def _read_stacks(self) -> events.Stacks:
+        path = os.path.join(self.result_dir, STACKS_FILE)
+        try:
+            with open(path, "rb") as fh:
+                header = fh.readline()
+                start = fh.seek(0, os.SEEK_END)
+        except FileNotFoundError:
+            header, start = b"", 0
+        prefix = STACKS_HEADER.encode()
+        if not self.alive():
+            return events.Stacks(rank=self.rank, time=time.time(), note="the rank had exited")
+        if not (header.startswith(prefix) and header.endswith(b"\n")):
+            # before the worker's handler is in place the signal would kill it
+            return events.Stacks(rank=self.rank, time=time.time(), note="the rank had not started its job yet")
+        self.proc.send_signal(STACKS_SIGNAL)
+        size, changed = start, time.monotonic()
+        deadline = changed + STACKS_WAIT
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            now_size = os.path.getsize(path)
+            if now_size != size:
+                size, changed = now_size, time.monotonic()
+            elif size > start and time.monotonic() - changed >= STACKS_SETTLE:
+                break
+        with open(path, "rb") as fh:
+            fh.seek(start)
+            text = fh.read(size - start).decode("utf-8", "replace")
+        if len(text) > MAX_STACKS_CHARS:
+            text = text[:MAX_STACKS_CHARS] + "\n  ... (cut)\n"
+        return events.Stacks(rank=self.rank, text=text, main_thread=int(header[len(prefix):]),
+                             time=time.time(), note="" if text else "the rank did not answer")
 
     def signal_group(self, sig: int) -> None:
         try:

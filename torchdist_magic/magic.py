@@ -65,9 +65,12 @@ class TorchdistMagics(Magics):
         distributed PyTorch on N ranks; rank 0's value is the result.
 
         In the cell, notebook imports are replayed and notebook values it uses are sent by value;
-        ``rank``, ``local_rank``, ``world_size``, ``device``, ``progress``, ``report`` and
-        ``is_main`` are provided.  A process group (gloo, nccl with --gpu) is set up around the
-        cell unless the cell calls ``init_process_group`` itself.
+        ``rank``, ``local_rank``, ``world_size``, ``device``, ``progress``, ``report``,
+        ``is_main``, ``restart_count``, ``save_checkpoint`` and ``load_checkpoint`` are
+        provided.  A process group (gloo, nccl with --gpu) is set up around the cell unless the
+        cell calls ``init_process_group`` itself.  ``!cmd``, ``x = !cmd``,
+        ``%time``, ``%%time`` (as the cell's first line), ``%timeit``, ``%env``, ``%cd`` and
+        ``%pip`` (once per host) run on every rank; other magics are refused before launch.
         """
         try:
             args = parse_flags(line)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -63,8 +64,8 @@ GPU_HELP = (
 class LaunchOptions:
     """Every setting of one distributed launch.
 
-    ``None`` for ``timeout`` means "no deadline".  ``env`` is added to each rank's
-    environment on top of the variables the launcher sets (``RANK``, ``MASTER_ADDR``, ...).
+    ``None`` for ``timeout`` and ``hang_timeout`` means "no deadline".  ``env`` is added to each
+    rank's environment on top of the variables the launcher sets (``RANK``, ``MASTER_ADDR``, ...).
     """
 
     num_processes: int = field(
@@ -88,6 +89,40 @@ class LaunchOptions:
             metavar="SECONDS", type=float,
         ),
     )
+    hang_timeout: Optional[float] = field(
+        default=None,
+        metadata=_flag(
+            "--hang-timeout",
+            "when no rank has sent progress, metrics or output for SECONDS: show every rank's "
+            "Python stack, stop every rank and raise TimeoutError naming where each rank was",
+            metavar="SECONDS", type=float,
+        ),
+    )
+    max_restarts: int = field(
+        default=0,
+        metadata=_flag(
+            "--max-restarts",
+            "when a rank dies or raises, stop every rank and start the whole job again (a new "
+            "process group), up to N times; restart_count() tells the job which attempt it is, "
+            "load_checkpoint() gives it the last save_checkpoint()",
+            metavar="N", type=int,
+        ),
+    )
+    checkpoint_dir: Optional[str] = field(
+        default=None,
+        metadata=_flag(
+            "--checkpoint-dir",
+            "where save_checkpoint() writes and load_checkpoint() reads (every rank must see it: "
+            "local processes, or shared storage such as /dbfs/... for Spark on several machines); "
+            "default with --max-restarts: a directory of the run, removed with it",
+            metavar="PATH",
+        ),
+    )
+    keep_checkpoints: int = field(
+        default=3,
+        metadata=_flag("--keep-checkpoints", "how many of the newest checkpoints to keep; older ones are removed",
+                       metavar="K", type=int),
+    )
     env: dict = field(
         default_factory=dict,
         metadata=_flag(
@@ -101,25 +136,45 @@ class LaunchOptions:
     )
 
     def __post_init__(self) -> None:
-        n = self.num_processes
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise OptionTypeError("num_processes", f"{{name}} must be a whole number, got {n!r}")
-        if n < 1:
-            raise OptionValueError("num_processes", f"{{name}} must be at least 1, got {n}")
+        _check_count("num_processes", self.num_processes, 1)
         _check_bool("use_gpu", self.use_gpu)
         if self.backend not in BACKENDS:
             raise OptionValueError("backend", f"{{name}} must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.timeout is not None:
-            if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
-                raise OptionTypeError("timeout", f"{{name}} must be a number of seconds, got {self.timeout!r}")
-            if not math.isfinite(self.timeout) or self.timeout <= 0:
-                raise OptionValueError("timeout", f"{{name}} must be a positive number of seconds, got {self.timeout:g}")
+        _check_seconds("timeout", self.timeout)
+        _check_seconds("hang_timeout", self.hang_timeout)
+        _check_count("max_restarts", self.max_restarts, 0)
+        if self.checkpoint_dir is not None:
+            if not isinstance(self.checkpoint_dir, (str, os.PathLike)):
+                raise OptionTypeError("checkpoint_dir", f"{{name}} must be a path, got {self.checkpoint_dir!r}")
+            self.checkpoint_dir = os.fspath(self.checkpoint_dir)
+            if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir.strip() \
+                    or "\x00" in self.checkpoint_dir:
+                raise OptionValueError("checkpoint_dir",
+                                       f"{{name}} must be a directory path, got {self.checkpoint_dir!r}")
+        _check_count("keep_checkpoints", self.keep_checkpoints, 1)
         self.env = parse_env(self.env)
         _check_bool("all_ranks", self.all_ranks)
 
     def replace(self, **changes: Any) -> "LaunchOptions":
         """A copy with ``changes``, validated like a new one."""
         return dataclasses.replace(self, **changes)
+
+
+def _check_seconds(name: str, value: Any) -> None:
+    """``None`` (no limit) or a positive, finite number of seconds."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OptionTypeError(name, f"{{name}} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise OptionValueError(name, f"{{name}} must be a positive number of seconds, got {value:g}")
+
+
+def _check_count(name: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OptionTypeError(name, f"{{name}} must be a whole number, got {value!r}")
+    if value < least:
+        raise OptionValueError(name, f"{{name}} must be at least {least}, got {value}")
 
 
 def _check_bool(name: str, value: Any) -> None:

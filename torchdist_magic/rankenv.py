@@ -4,7 +4,9 @@
 ``place_ranks`` turns the host of every rank into torchrun's placement variables; and
 ``rank_environment`` is the one function that builds a rank's environment from both.  Backends
 call it; nothing else writes a rank's environment, and the worker reads its settings from that
-environment only (``TORCHDIST_USE_GPU``, ``TORCHDIST_RETURN_VALUE``).
+environment only (``TORCHDIST_USE_GPU``, ``TORCHDIST_RETURN_VALUE``; the runtime's
+``restart_count()`` and checkpoints read ``TORCHDIST_RESTART_COUNT``, ``TORCHDIST_CHECKPOINT_DIR``
+and ``TORCHDIST_KEEP_CHECKPOINTS``).
 """
 
 from __future__ import annotations
@@ -31,13 +33,23 @@ class RunSpec:
     channel_address: str = ""     # host:port of the driver's event channel
     secret: str = ""              # what a worker authenticates with
     launcher_secret: str = ""     # what a launcher on another machine (a Spark task) uses
+    attempt: int = 0              # 0 for the first start of the job, n for its n-th restart
+    max_restarts: int = 0
+    checkpoint_dir: str = ""      # resolved: the user's, or the run's own directory
+    keep_checkpoints: int = 3
 
     @classmethod
     def resolve(cls, options: LaunchOptions, run_id: str, channel_address: str = "",
-                secret: str = "", launcher_secret: str = "") -> "RunSpec":
+                secret: str = "", launcher_secret: str = "", attempt: int = 0,
+                checkpoint_dir: str = "") -> "RunSpec":
+        """``options`` for attempt ``attempt`` of run ``run_id``; ``checkpoint_dir`` is where
+        checkpoints go when ``options`` names no directory."""
         return cls(run_id=run_id, num_processes=options.num_processes, use_gpu=options.use_gpu,
                    all_ranks=options.all_ranks, env=dict(options.env), timeout=options.timeout,
-                   channel_address=channel_address, secret=secret, launcher_secret=launcher_secret)
+                   channel_address=channel_address, secret=secret, launcher_secret=launcher_secret,
+                   attempt=attempt, max_restarts=options.max_restarts,
+                   checkpoint_dir=options.checkpoint_dir or checkpoint_dir,
+                   keep_checkpoints=options.keep_checkpoints)
 
     def returns_value(self, rank: int) -> bool:
         """Whether ``rank``'s value comes back to the driver."""
@@ -63,21 +75,28 @@ def place_ranks(hosts: List[str], master_addr: str, master_port: int,
     """Placements of ranks ``0..len(hosts)-1``, where ``hosts[r]`` identifies rank r's machine.
 
     Ranks on the same host are numbered locally in rank order; hosts are numbered in the order
-    of their first rank, so rank 0's host is group 0.  ``gpus[r]`` is rank r's
-    ``CUDA_VISIBLE_DEVICES`` (``None``: leave it as it is).
+    of their first rank, so rank 0's host is group 0.  ``gpus[r]`` is the GPU addresses
+    (``"0"``, ``"0,1"``) given to rank r (``None``: leave ``CUDA_VISIBLE_DEVICES`` as it is).
+    When every rank of a host has exactly one GPU, each of them sees the host's GPUs in local
+    rank order, so that ``cuda:LOCAL_RANK`` is its own (as under torchrun); otherwise a rank
+    sees its own GPUs only.
     """
     order: Dict[str, int] = {}
-    for host in hosts:
+    members: Dict[str, List[int]] = {}
+    for rank, host in enumerate(hosts):
         order.setdefault(host, len(order))
-    seen: Dict[str, int] = {}
+        members.setdefault(host, []).append(rank)
+    gpus = gpus or [None] * len(hosts)
     out = []
     for rank, host in enumerate(hosts):
-        local = seen.get(host, 0)
-        seen[host] = local + 1
+        visible = gpus[rank]
+        own = [gpus[r] for r in members[host]]
+        if visible is not None and all(g is not None and g and "," not in g for g in own):
+            visible = ",".join(own)
         out.append(Placement(
-            rank=rank, local_rank=local, local_world_size=hosts.count(host),
+            rank=rank, local_rank=members[host].index(rank), local_world_size=len(members[host]),
             group_rank=order[host], group_world_size=len(order), master_addr=master_addr,
-            master_port=master_port, cuda_visible_devices=(gpus or [None] * len(hosts))[rank]))
+            master_port=master_port, cuda_visible_devices=visible))
     return out
 
 
@@ -111,5 +130,10 @@ def rank_environment(base: Dict[str, str], spec: RunSpec, place: Placement) -> D
         "TORCHDIST_SECRET": spec.secret,
         "TORCHDIST_USE_GPU": "1" if spec.use_gpu else "0",
         "TORCHDIST_RETURN_VALUE": "1" if spec.returns_value(place.rank) else "0",
+        # torchrun's names too, so that code written for torchelastic sees the attempt
+        "TORCHDIST_RESTART_COUNT": str(spec.attempt), "TORCHELASTIC_RESTART_COUNT": str(spec.attempt),
+        "TORCHDIST_MAX_RESTARTS": str(spec.max_restarts), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+        "TORCHDIST_CHECKPOINT_DIR": spec.checkpoint_dir,
+        "TORCHDIST_KEEP_CHECKPOINTS": str(spec.keep_checkpoints),
     })
     return env

@@ -1,23 +1,35 @@
-"""What a job calls: rank information, progress and metric reporting.
+"""What a job calls: rank information, progress and metric reporting, checkpoints.
 
 Usable from any code a rank runs (a ``%%torchdist`` cell, a function given to
 ``Distributor.run``, a script).  Outside a run the helpers behave as rank 0 of 1 and reporting
 does nothing, so the same code runs unchanged in a plain notebook cell.
+
+Inside a run, every ``tqdm`` bar of the rank (Hugging Face's, Lightning's ``TQDMProgressBar``,
+the user's own) reports to the run view as this rank's progress, like ``progress()``, instead of
+redrawing its line on the rank's output; a bar left on screen (``leave=True``) writes its final
+line once.  The tasks of a ``rich`` progress display (Lightning's ``RichProgressBar``, its
+default when rich is installed) report the same way.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.abc
+import importlib.util
 import itertools
 import math
 import os
+import re
+import sys
 import threading
 import time
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from . import events
 
 #: names a cell gets from the run, in place of any notebook value of the same name
-CELL_PROVIDED = ("rank", "local_rank", "world_size", "device", "progress", "report", "is_main")
+CELL_PROVIDED = ("rank", "local_rank", "world_size", "device", "progress", "report", "is_main",
+                 "restart_count", "save_checkpoint", "load_checkpoint")
 
 _sink_lock = threading.Lock()
 _sink = None  # set by the worker: an object with .send(dict)
@@ -26,13 +38,23 @@ _bar_ids = itertools.count()
 PROGRESS_INTERVAL = 0.1
 
 
+class RankStopped(KeyboardInterrupt):
+    """Raised in a rank's main thread when the run stops it (cancel, interrupt, timeout, a peer's
+    failure: the rank got SIGTERM), so that its ``finally`` blocks and ``atexit`` handlers run
+    before the kill that follows the grace period.  A ``KeyboardInterrupt``: code that handles
+    Ctrl-C (Lightning's graceful shutdown) handles it too, and ``except Exception`` does not
+    swallow it."""
+
+
 def _install_sink(sink) -> None:
     """Called by the worker to route events (``events`` records) to the driver (``None`` to
-    detach)."""
+    detach).  With a sink, tqdm bars report to it too."""
     global _sink, _report_step
     with _sink_lock:
         _sink = sink
         _report_step = itertools.count(1)
+    if sink is not None:
+        _report_tqdm()
 
 
 def _emit(event: events.Event) -> None:
@@ -156,4 +178,348 @@ class progress:
 def cell_names() -> dict:
     """What a ``%%torchdist`` cell finds defined: the ``CELL_PROVIDED`` names."""
     return dict(rank=rank(), local_rank=local_rank(), world_size=world_size(), progress=progress,
-                report=report, is_main=is_main(), device=device())
+                report=report, is_main=is_main(), device=device(), restart_count=restart_count,
+                save_checkpoint=save_checkpoint, load_checkpoint=load_checkpoint)
+
+
+# -- restarts and checkpoints -------------------------------------------------------------------
+
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)\.pt$")
+_CHECKPOINT_TMP = re.compile(r"^\.checkpoint-\d+\.pt\.tmp-a(\d+)-\d+$")
+
+
+def restart_count() -> int:
+    """0 on a run's first attempt, n after its n-th restart (``max_restarts``).  Also right
+    under torchrun (``TORCHELASTIC_RESTART_COUNT``); 0 outside a run."""
+    return _env_int("TORCHDIST_RESTART_COUNT", _env_int("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def checkpoint_dir() -> Optional[str]:
+    """The run's checkpoint directory (``checkpoint_dir``, or the run's own); ``None`` outside
+    a run.  Frameworks with checkpoints of their own can write there too."""
+    return os.environ.get("TORCHDIST_CHECKPOINT_DIR") or None
+
+
+def _checkpoints(directory: str) -> List[Tuple[int, str]]:
+    """``[(step, path)]`` of the complete checkpoints in ``directory``, oldest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), os.path.join(directory, name))
+             for name, m in ((n, _CHECKPOINT.match(n)) for n in names) if m]
+    return sorted(found)
+
+
+def save_checkpoint(obj: Any, step: Optional[int] = None, *, rank: int = 0,
+                    directory: Optional[str] = None) -> Optional[str]:
+    """Save ``obj`` (anything ``torch.save`` takes: state dicts, step counters) as the newest
+    checkpoint, on rank ``rank`` only (rank 0 by default: other ranks return ``None`` at once).
+
+    The write is atomic: a temporary file, flushed to disk, then renamed, so a rank killed
+    mid-write never leaves a half-written checkpoint.  ``step`` numbers it (default: one more
+    than the newest); the newest ``keep_checkpoints`` are kept, older ones removed.
+    ``directory`` defaults to the run's checkpoint directory (``checkpoint_dir``, or with
+    ``max_restarts`` a directory of the run's own); outside a run it must be given.
+    Returns the file's path.
+    """
+    import torch
+
+    global_rank = _env_int("RANK", 0)
+    if global_rank != rank:
+        return None
+    directory = directory or checkpoint_dir()
+    if not directory and os.environ.get("TORCHDIST_RUN_ID"):
+        raise ValueError("save_checkpoint: this run has no checkpoint directory; give it one "
+                         "(--checkpoint-dir, checkpoint_dir=), or restarts (--max-restarts: the run "
+                         "then has one of its own), or pass directory=...")
+    if not directory:
+        raise ValueError("save_checkpoint needs a directory outside a run: pass "
+                         "directory=..., or run it under %%torchdist / Distributor")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"save_checkpoint: step must be a whole number of at least 0, got {step!r}")
+    os.makedirs(directory, exist_ok=True)
+    existing = _checkpoints(directory)
+    if step is None:
+        step = existing[-1][0] + 1 if existing else 0
+    path = os.path.join(directory, f"checkpoint-{step:09d}.pt")
+    attempt = restart_count()
+    tmp = os.path.join(directory, f".checkpoint-{step:09d}.pt.tmp-a{attempt}-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+    _sync_directory(directory)
+    _prune(directory, _env_int("TORCHDIST_KEEP_CHECKPOINTS", 3), attempt)
+    return path
+
+
+def load_checkpoint(map_location: Any = "cpu", *, directory: Optional[str] = None) -> Any:
+    """The newest checkpoint's object, or ``None`` when there is none yet (the first attempt;
+    outside a run, unless ``directory`` is given).  Tensors load onto ``map_location``
+    (``torch.load``'s; ``"cpu"`` by default: move them to ``device()`` yourself, or pass it)."""
+    import torch
+
+    directory = directory or checkpoint_dir()
+    if not directory:
+        return None
+    for _step, path in reversed(_checkpoints(directory)):
+        try:
+            with open(path, "rb") as fh:
+                return torch.load(fh, map_location=map_location, weights_only=False)
+        except FileNotFoundError:  # pruned by a newer save meanwhile: the next one is newer still
+            continue
+    return None
+
+
+def _prune(directory: str, keep: int, attempt: int) -> None:
+    """Keep the newest ``keep`` checkpoints; remove older ones and the temporary files of
+    earlier attempts (a rank killed while writing leaves one)."""
+    for _step, path in _checkpoints(directory)[:-max(keep, 1)]:
+        _remove(path)
+    for name in os.listdir(directory):
+        m = _CHECKPOINT_TMP.match(name)
+        if m and int(m.group(1)) < attempt:
+            _remove(os.path.join(directory, name))
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _sync_directory(directory: str) -> None:
+    """Make the rename itself durable (not every file system can: then it is skipped)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# -- progress bars of libraries -------------------------------------------------------------------
+
+def _report_tqdm() -> None:
+    """Make every tqdm bar and rich progress task of this process report as this rank's
+    progress: now for what is imported already, else when it is imported (importing them here
+    would cost every rank their import time)."""
+    waiting = []
+    for name, patch in _PROGRESS_MODULES.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            patch(module)
+        else:
+            waiting.append(name)
+    if waiting and not any(isinstance(finder, _ProgressImportHook) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _ProgressImportHook(waiting))
+
+
+class _ProgressImportHook(importlib.abc.MetaPathFinder):
+    """Patches a progress module (``_PROGRESS_MODULES``) as soon as it is imported: every tqdm
+    class, also ``tqdm.auto``'s outside a notebook, derives from ``tqdm.std.tqdm``."""
+
+    def __init__(self, names: List[str]):
+        self.names = set(names)
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.names:
+            return None
+        self.names.discard(name)
+        sys.meta_path.remove(self)  # find_spec below must not find this hook again
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            if self.names:
+                sys.meta_path.insert(0, self)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _PatchAfterLoading(spec.loader, _PROGRESS_MODULES[name])
+        return spec
+
+
+class _PatchAfterLoading(importlib.abc.Loader):
+    def __init__(self, loader, patch: Callable[[Any], None]):
+        self._loader = loader
+        self._patch = patch
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        self._patch(module)
+
+    def __getattr__(self, name):  # get_source, get_filename, ...: the real loader's
+        return getattr(self._loader, name)
+
+
+class _Discard:
+    """Where a bar that tqdm would have turned off (``disable=None``, no terminal) writes: nowhere."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+class _TqdmReport:
+    """What one tqdm bar sends: its id, and whether it is to stay silent on the terminal."""
+
+    def __init__(self, silent: bool):
+        self.bar = f"tqdm#{next(_bar_ids)}"
+        self.silent = silent
+        self.closing = False
+        self.sent = False
+
+    def send(self, bar, state: str) -> None:
+        n = bar.n
+        total = bar.total if bar.total is not None and math.isfinite(bar.total) else None
+        if not self.sent and not n and total is None:
+            return  # a placeholder bar (Lightning makes some) that never counted anything
+        self.sent = True
+        elapsed = bar._time() - bar.start_t if hasattr(bar, "start_t") else 0.0
+        _emit(events.Progress(rank=rank(), bar=self.bar, desc=str(bar.desc or "").rstrip(": "),
+                              n=int(n), total=None if total is None else int(total),
+                              elapsed=max(float(elapsed), 0.0), state=state,
+                              postfix=str(bar.postfix or "")))
+
+
+def _patch_tqdm(cls) -> None:
+    """Route ``cls``'s bars (and its subclasses') to the run view; see the module's docstring."""
+    if cls.__dict__.get("_torchdist_reports"):
+        return
+    init, display, close = cls.__init__, cls.display, cls.close
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        if kwargs.get("disable") is True:  # turned off on purpose (Lightning's off rank 0): no bar at all
+            init(self, *args, **kwargs)
+            return
+        # disable=None turns a bar off where the output is not a terminal, as a rank's is not:
+        # the run view shows it, and its final line stays off the output too
+        silent = "disable" in kwargs and kwargs["disable"] is None
+        kwargs["disable"] = False
+        if silent:
+            kwargs["file"] = _Discard()
+        self._torchdist = _TqdmReport(silent)
+        init(self, *args, **kwargs)
+
+    @functools.wraps(display)
+    def display_(self, msg=None, pos=None):
+        report = self.__dict__.get("_torchdist")
+        if report is None:
+            return display(self, msg, pos)
+        if not report.closing:
+            report.send(self, "running")
+            return True
+        if msg is None and not report.silent:  # the final line of a bar that stays (leave=True)
+            return display(self, msg, pos)
+        return False  # nothing was drawn, so there is nothing to clear
+
+    @functools.wraps(close)
+    def close_(self):
+        report = self.__dict__.get("_torchdist")
+        if report is None or self.disable:  # not ours, or closed already
+            return close(self)
+        report.closing = True
+        close(self)
+        leave = abs(getattr(self, "pos", 0)) == 0 if self.leave is None else self.leave
+        total = self.total
+        if not leave:
+            state = "cleared"
+        elif total is None or self.n >= total:
+            state = "done"
+        else:
+            state = "stopped"
+        report.send(self, state)
+
+    original_clear = cls.clear
+
+    @functools.wraps(original_clear)
+    def clear(self, nolock=False):
+        if self.__dict__.get("_torchdist") is None:
+            return original_clear(self, nolock)
+        return None  # nothing was drawn, so there is nothing to clear
+
+    cls.__init__, cls.display, cls.close, cls.clear = __init__, display_, close_, clear
+    cls._torchdist_reports = True
+
+
+def _send_rich_task(progress, task_id, state: str) -> None:
+    """One task of a rich ``Progress`` as this rank's ``events.Progress`` (a hidden task: gone)."""
+    task = progress._tasks.get(task_id)
+    if task is None:
+        return
+    ids = progress.__dict__.setdefault("_torchdist_bars", {})
+    if task_id not in ids:
+        ids[task_id] = f"rich#{next(_bar_ids)}"
+    total = task.total if task.total is not None and math.isfinite(task.total) else None
+    if not task.visible:
+        state = "cleared"
+    elif state != "running":
+        state = "done" if total is None or task.completed >= total else "stopped"
+    from rich.text import Text
+
+    desc = task.description if isinstance(task.description, str) else str(task.description)
+    _emit(events.Progress(rank=rank(), bar=ids[task_id], desc=Text.from_markup(desc).plain.strip(),
+                          n=int(task.completed), total=None if total is None else int(total),
+                          elapsed=float(task.elapsed or 0.0), state=state))
+
+
+def _patch_rich(cls) -> None:
+    """Route the tasks of rich's ``Progress`` (``cls``) to the run view: each task is a bar."""
+    if cls.__dict__.get("_torchdist_reports"):
+        return
+
+    def reporting(method, task_of):
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            result = method(self, *args, **kwargs)
+            _send_rich_task(self, task_of(result, args, kwargs), "running")
+            return result
+        return wrapper
+
+    def task_argument(_result, args, kwargs):
+        return args[0] if args else kwargs.get("task_id")
+
+    for name in ("update", "advance", "reset", "start_task"):
+        setattr(cls, name, reporting(getattr(cls, name), task_argument))
+    cls.add_task = reporting(cls.add_task, lambda result, _args, _kwargs: result)
+    remove_task, stop = cls.remove_task, cls.stop
+
+    @functools.wraps(remove_task)
+    def remove_task_(self, task_id):
+        progress_task = self._tasks.get(task_id)
+        if progress_task is not None:
+            progress_task.visible = False
+            _send_rich_task(self, task_id, "cleared")
+        return remove_task(self, task_id)
+
+    @functools.wraps(stop)
+    def stop_(self):
+        result = stop(self)
+        for task_id in list(self._tasks):
+            _send_rich_task(self, task_id, "ended")
+        return result
+
+    cls.remove_task, cls.stop = remove_task_, stop_
+    cls._torchdist_reports = True
+
+
+#: the modules whose progress bars report as the rank's progress, and how each is patched
+_PROGRESS_MODULES: Dict[str, Callable[[Any], None]] = {
+    "tqdm.std": lambda module: _patch_tqdm(module.tqdm),
+    "rich.progress": lambda module: _patch_rich(module.Progress),
+}

@@ -2,22 +2,40 @@
 that every view (text, widget, panel) reads.
 
 ``apply`` takes the records a rank or its launcher sends (``Started``, ``Log``, ``Progress``,
-``Metrics``, ``Dropped``, ``Exit``), each through the handler ``HANDLERS`` names for its type.
+``Metrics``, ``Dropped``, ``Exit``, ``Stacks``), each through the handler ``HANDLERS`` names for
+its type.  A run that restarts (``max_restarts``) has attempts: ``restart`` records how the
+current one ended and starts the next with fresh rank states; records of an earlier attempt
+that arrive late are ignored.
+
+Logs.  Each rank's lines are a ``LogStore``: complete and in order across attempts, the newest
+lines in memory and older ones spilled to a file in the run's directory, so that the driver's
+memory stays flat however much a rank prints.  A line that ends with ``\\r`` (a redrawn progress
+line) is replaced by the next line of its stream, as on a terminal, so redraws do not pile up.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import shutil
+import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from . import events
 from .events import Failure
 
 MAX_POINTS = 10_000
+#: a rank's log keeps at most this many lines (and ``LOG_MEMORY_CHARS`` characters) in memory;
+#: past that the older half goes to the rank's file
+LOG_MEMORY_LINES = 20_000
+LOG_MEMORY_CHARS = 8 * 1024 * 1024
+#: a spilled line's file offset is remembered for every this many lines (to read a range)
+SPILL_INDEX_EVERY = 1024
 #: what a rank raises when a *peer* died: never the root cause while another failure is known
 COLLATERAL = re.compile(
     r"Connection closed by peer|Connection reset by peer|remote worker crashing|Broken pipe"
@@ -36,6 +54,175 @@ class LogLine:
     cr: bool = False
 
 
+class RunDirectory:
+    """A run's directory (spilled logs, default checkpoints): made on first use, removed when its
+    owner is garbage-collected or the process exits."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self._path: Optional[str] = None
+        self._lock = threading.Lock()
+        self._remover: Optional[weakref.finalize] = None
+
+    def path(self) -> str:
+        with self._lock:
+            if self._path is None:
+                self._path = tempfile.mkdtemp(prefix=self.prefix)
+                self._remover = weakref.finalize(self, shutil.rmtree, self._path, True)
+            return self._path
+
+    @property
+    def exists(self) -> bool:
+        return self._path is not None and os.path.isdir(self._path)
+
+    def remove(self) -> None:
+        if self._remover is not None:
+            self._remover()
+
+
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+
+
+_ESCAPED = re.compile(r"\\(.)")
+_UNESCAPE = {"n": "\n", "r": "\r", "\\": "\\"}
+
+
+def _unescape(text: str) -> str:
+    return _ESCAPED.sub(lambda m: _UNESCAPE.get(m.group(1), m.group(1)), text) if "\\" in text else text
+
+
+class LogStore:
+    """One rank's output lines in order, as a read-only sequence of ``LogLine`` (``len``,
+    indexing, slicing, iteration).  Recent lines are in memory; older ones are in a file under
+    ``directory()`` (called on the first spill), read back when asked for.
+
+    ``append`` replaces the last line instead when that line ended with ``\\r`` and came from
+    the same stream: only a bar's latest state is kept.  A reader that keeps a cursor should
+    read a trailing ``\\r``-line again later (``model.MergedLog`` does).
+    """
+
+    def __init__(self, directory: Callable[[], str], name: str):
+        self._directory = directory
+        self._name = name
+        self._memory: List[LogLine] = []
+        self._first = 0                  # index of _memory[0]
+        self._chars = 0                  # characters of the lines in memory
+        self._file = None
+        self._path: Optional[str] = None
+        self._offsets: List[int] = []    # file offset of spilled line k * SPILL_INDEX_EVERY
+        self._file_size = 0
+        self._sealed = False
+
+    def __len__(self) -> int:
+        return self._first + len(self._memory)
+
+    @property
+    def spilled(self) -> int:
+        """Lines that are in the file, not in memory."""
+        return self._first
+
+    def append(self, line: LogLine) -> None:
+        last = self._memory[-1] if self._memory else None
+        if last is not None and last.cr and last.stream == line.stream and not self._sealed:
+            self._memory[-1] = line
+            self._chars += len(line.text) - len(last.text)
+            return
+        self._sealed = False
+        self._memory.append(line)
+        self._chars += len(line.text)
+        if len(self._memory) > LOG_MEMORY_LINES or self._chars > LOG_MEMORY_CHARS:
+            self._spill()
+
+    def seal(self) -> None:
+        """The next line starts afresh (a new attempt): it never replaces the last one."""
+        self._sealed = True
+
+    def _spill(self) -> None:
+        """Move the older half of the lines in memory (by count and size) to the file."""
+        count = 0
+        chars = 0
+        while count < len(self._memory) - 1 and (count < len(self._memory) // 2 or
+                                                  self._chars - chars > LOG_MEMORY_CHARS // 2):
+            chars += len(self._memory[count].text)
+            count += 1
+        if self._file is None:
+            self._path = os.path.join(self._directory(), f"{self._name}.log")
+            self._file = open(self._path, "ab")
+        parts = []
+        for i, line in enumerate(self._memory[:count], start=self._first):
+            if i % SPILL_INDEX_EVERY == 0:
+                self._offsets.append(self._file_size)
+            data = f"{'r' if line.cr else 'n'}{line.stream.replace(chr(9), ' ')}\t{_escape(line.text)}\n".encode(
+                "utf-8", "surrogatepass")
+            self._file_size += len(data)
+            parts.append(data)
+        self._file.write(b"".join(parts))
+        del self._memory[:count]
+        self._first += count
+        self._chars -= chars
+
+    def _read_spilled(self, start: int, stop: int) -> Iterator[Tuple[str, str, bool]]:
+        """``(stream, text, cr)`` of the spilled lines ``start <= i < stop``."""
+        stop = min(stop, self._first)
+        if start >= stop:
+            return
+        self._file.flush()
+        chunk = start // SPILL_INDEX_EVERY
+        with open(self._path, "rb") as fh:
+            fh.seek(self._offsets[chunk])
+            i = chunk * SPILL_INDEX_EVERY
+            for raw in fh:
+                if i >= stop:
+                    break
+                if i >= start:
+                    line = raw.decode("utf-8", "surrogatepass")
+                    stream, _, body = line[1:-1].partition("\t")
+                    yield stream, _unescape(body), line[0] == "r"
+                i += 1
+
+    def __getitem__(self, key: Union[int, slice]):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                raise ValueError("a log is sliced with step 1 only")
+            out = [LogLine(*fields) for fields in self._read_spilled(start, stop)]
+            out += self._memory[max(start - self._first, 0):max(stop - self._first, 0)]
+            return out
+        index = key + len(self) if key < 0 else key
+        if not 0 <= index < len(self):
+            raise IndexError("log line index out of range")
+        if index >= self._first:
+            return self._memory[index - self._first]
+        return LogLine(*next(self._read_spilled(index, index + 1)))
+
+    def __iter__(self) -> Iterator[LogLine]:
+        return iter(self[:])
+
+    def recent(self, limit: int) -> List[LogLine]:
+        """Up to ``limit`` of the newest lines, from memory only (what a view scans)."""
+        return self._memory[-limit:]
+
+    def text(self, start: int = 0, stop: Optional[int] = None) -> str:
+        """Lines ``start:stop`` as the rank wrote them (``\\n`` or ``\\r`` after each)."""
+        start, stop, _ = slice(start, stop).indices(len(self))
+        chunks: List[str] = []
+        part: List[str] = []
+        for _stream, text, cr in self._read_spilled(start, stop):
+            part += (text, "\r" if cr else "\n")
+            if len(part) >= 2 * SPILL_INDEX_EVERY:  # joined as it goes: a spilled log can be large
+                chunks.append("".join(part))
+                part = []
+        chunks.append("".join(part))
+        chunks += [line.text + ("\r" if line.cr else "\n")
+                   for line in self._memory[max(start - self._first, 0):max(stop - self._first, 0)]]
+        return "".join(chunks)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
 @dataclass
 class RankState:
     rank: int
@@ -48,12 +235,12 @@ class RankState:
     progress: Dict[str, dict] = field(default_factory=dict)
     metrics: Dict[str, float] = field(default_factory=dict)
     history: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
-    logs: List[LogLine] = field(default_factory=list)
+    logs: LogStore = None            # every attempt's lines (one store per rank, kept across attempts)
     dropped: int = 0
     failure: Optional[Failure] = None
 
     def log_text(self) -> str:
-        return "".join(line.text + ("\r" if line.cr else "\n") for line in self.logs)
+        return self.logs.text()
 
     def shown_progress(self) -> List[dict]:
         """The bars a view shows: while loops run, the outermost and the innermost running one
@@ -72,11 +259,27 @@ class RankState:
         return (running or bars or [None])[-1]
 
 
+@dataclass
+class Attempt:
+    """One attempt of a run that restarts: when it ran and the failure that ended it."""
+
+    number: int                    # 1 for the first start, 2 after the first restart, ...
+    started: float
+    ended: float
+    failure: Optional[Failure]     # the root cause
+    failures: List[Failure] = field(default_factory=list)   # every failed rank, root cause first
+
+
 class RunState:
-    """Thread-safe: channel threads, log readers and the supervisor all ``apply`` events."""
+    """Thread-safe: channel threads, log readers and the supervisor all ``apply`` events.
+
+    ``spill_dir`` gives the directory where logs spill (made when first needed); by default a
+    directory of this state's own, removed with it.  ``max_attempts``: 1 plus the run's
+    ``max_restarts``.
+    """
 
     def __init__(self, run_id: str, num_processes: int, backend: str = "", use_gpu: bool = False,
-                 job_name: str = ""):
+                 job_name: str = "", *, max_attempts: int = 1, spill_dir: Optional[Callable[[], str]] = None):
         self.run_id = run_id
         self.num_processes = num_processes
         self.backend = backend
@@ -87,40 +290,66 @@ class RunState:
         self.ended: Optional[float] = None
         self.failure: Optional[Failure] = None
         self.message = ""
-        self.ranks = [RankState(rank=r) for r in range(num_processes)]
+        self.attempt = 1
+        self.max_attempts = max_attempts
+        self.attempt_started = self.started
+        self.attempts: List[Attempt] = []            # the attempts before the current one
+        #: every rank's stacks, when a hang or a timeout asked for them (the current attempt's)
+        self.stacks: Dict[int, events.Stacks] = {}
+        #: ``time.monotonic()`` of the newest sign of life (output, progress, metrics) of any rank
+        self.last_activity = time.monotonic()
+        if spill_dir is None:
+            own = RunDirectory(f"torchdist-logs-{run_id}-")
+            spill_dir = own.path
+        self._logs = [LogStore(spill_dir, f"rank-{r}") for r in range(num_processes)]
+        self._attempt_lines: List[List[int]] = [[0] for _ in range(num_processes)]
+        self.ranks = [RankState(rank=r, logs=self._logs[r]) for r in range(num_processes)]
         self.version = 0
         self._lock = threading.RLock()
 
     # -- writing -------------------------------------------------------------------------
-    def apply(self, event: events.Event) -> None:
-        """Record one event; events of ranks outside the run are ignored."""
+    def apply(self, event: events.Event, attempt: Optional[int] = None) -> None:
+        """Record one event of attempt ``attempt`` (``None``: the current one); events of ranks
+        outside the run, or of an attempt that has ended, are ignored."""
         rank = event.rank
         if not 0 <= rank < self.num_processes:
             return
         handler = self.HANDLERS[type(event)]
         with self._lock:
+            if attempt is not None and attempt != self.attempt:
+                return
             handler(self, self.ranks[rank], event)
             self.version += 1
 
+    def _alive(self) -> None:
+        self.last_activity = time.monotonic()
+
     def _on_started(self, rs: RankState, e: events.Started) -> None:
+        self._alive()
         rs.host = e.host or rs.host
         rs.pid = e.pid or rs.pid
         if rs.state == "starting":
             rs.state = "running"
             rs.started = rs.started or time.time()
-            if self.state == "starting":
+            if self.state in ("starting", "restarting"):
                 self.state = "running"
 
     def _on_log(self, rs: RankState, e: events.Log) -> None:
+        self._alive()
         rs.logs.append(LogLine(e.stream, e.line, e.cr))
 
     def _on_progress(self, rs: RankState, e: events.Progress) -> None:
+        self._alive()
+        if e.state == "cleared":  # a bar that leaves no trace (tqdm's leave=False)
+            rs.progress.pop(e.bar, None)
+            return
         rs.progress[e.bar] = {"desc": e.desc, "n": e.n, "total": e.total, "elapsed": e.elapsed,
-                              "state": e.state}
+                              "state": e.state, "postfix": e.postfix}
         if rs.state == "starting":
             rs.state = "running"
 
     def _on_metrics(self, rs: RankState, e: events.Metrics) -> None:
+        self._alive()
         for name, value in e.values.items():
             if isinstance(value, str):  # a non-finite value: shown, not plotted
                 continue
@@ -151,12 +380,38 @@ class RunState:
             rs.failure = dataclasses.replace(
                 failure, rank=rs.rank, host=failure.host or rs.host,
                 exit_code=failure.exit_code if failure.exit_code is not None else e.code,
-                time=failure.time or rs.ended, log_tail=[line.text for line in rs.logs[-20:]])
+                time=failure.time or rs.ended,
+                # the rank's lines seen live; else those its task sent back with the failure
+                log_tail=[line.text for line in rs.logs[max(len(rs.logs) - 20, self._attempt_lines[rs.rank][-1]):]]
+                or failure.log_tail)
+
+    def _on_stacks(self, rs: RankState, e: events.Stacks) -> None:
+        self.stacks[rs.rank] = e
 
     HANDLERS = {
         events.Started: _on_started, events.Log: _on_log, events.Progress: _on_progress,
         events.Metrics: _on_metrics, events.Dropped: _on_dropped, events.Exit: _on_exit,
+        events.Stacks: _on_stacks,
     }
+
+    def restart(self) -> None:
+        """End the current attempt (its root cause is the first of ``failures()``) and start the
+        next: fresh rank states, the logs kept."""
+        with self._lock:
+            failures = self.failures()
+            now = time.time()
+            self.attempts.append(Attempt(self.attempt, self.attempt_started, now,
+                                         failures[0] if failures else None, failures))
+            self.attempt += 1
+            self.attempt_started = now
+            self.state = "restarting"
+            self.stacks = {}
+            self.last_activity = time.monotonic()
+            for r, store in enumerate(self._logs):
+                store.seal()
+                self._attempt_lines[r].append(len(store))
+            self.ranks = [RankState(rank=r, logs=self._logs[r]) for r in range(self.num_processes)]
+            self.version += 1
 
     def finish(self, state: str, failure: Optional[Failure] = None, message: str = "") -> None:
         with self._lock:
@@ -168,7 +423,7 @@ class RunState:
             self.ended = time.time()
             for rs in self.ranks:
                 if rs.state in ("starting", "running"):
-                    rs.state = "cancelled" if state in ("cancelled", "timed out", "failed") else rs.state
+                    rs.state = "cancelled" if state in ("cancelled", "timed out", "hung", "failed") else rs.state
             self.version += 1
 
     # -- reading -------------------------------------------------------------------------
@@ -178,6 +433,10 @@ class RunState:
 
     def elapsed(self) -> float:
         return (self.ended or time.time()) - self.started
+
+    def idle(self) -> float:
+        """Seconds since any rank last sent output, progress or metrics (or the attempt began)."""
+        return time.monotonic() - self.last_activity
 
     def failures(self) -> List[Failure]:
         """Failed ranks, root cause first: the earliest failure that is not merely a peer
@@ -195,8 +454,15 @@ class RunState:
         with self._lock:
             return all(rs.exit_code == 0 for rs in self.ranks)
 
-    def logs(self, rank: int) -> str:
+    def logs(self, rank: int, attempt: Optional[int] = None) -> str:
+        """Everything ``rank`` printed, in order: in every attempt, or in attempt ``attempt``
+        (1 for the first)."""
         if not 0 <= rank < self.num_processes:
             raise IndexError(f"rank {rank} is not in this run (ranks 0..{self.num_processes - 1})")
         with self._lock:
-            return self.ranks[rank].log_text()
+            if attempt is None:
+                return self._logs[rank].text()
+            if not 1 <= attempt <= self.attempt:
+                raise IndexError(f"attempt {attempt} is not in this run (attempts 1..{self.attempt})")
+            bounds = self._attempt_lines[rank] + [None]
+            return self._logs[rank].text(bounds[attempt - 1], bounds[attempt])

@@ -21,6 +21,15 @@ ROOT_CAUSE_WAIT = 2.0
 SUPERVISE_POLL = 0.02
 #: how often an orphaned worker checks whether its launcher is gone
 PARENT_WATCH_INTERVAL = 0.5
+#: at a rank's exit, how long its ``atexit`` handlers may run before the process ends anyway
+ATEXIT_WAIT = 10.0
+
+#: a hang or a timeout: how long a launcher waits for its rank's stack dump to be written
+STACKS_WAIT = 3.0
+#: a stack dump is complete once the rank's stack file stopped growing for this long
+STACKS_SETTLE = 0.1
+#: how long the driver waits for every rank's ``Stacks`` answer (the launchers' wait, and the way back)
+STACKS_COLLECT_WAIT = STACKS_WAIT + 1.0
 
 #: a channel connection must complete its handshake within this deadline
 HANDSHAKE_DEADLINE = 5.0
@@ -37,3 +46,6 @@ SPARK_CANCEL_RETRY = 0.25
 SPARK_STAGE_END_WAIT = 3.0
 #: Spark: how long a stop keeps cancelling a stage that does not end
 SPARK_CANCEL_WAIT = 30.0
+#: Spark: after the first task joined the driver's rendezvous, how long the driver waits for
+#: the others before telling them all to exchange places through Spark's barrier instead
+SPARK_RENDEZVOUS_WAIT = 10.0

@@ -7,6 +7,12 @@ the channel, ``TORCHDIST_USE_GPU`` and ``TORCHDIST_RETURN_VALUE``), reads this p
 stdout/stderr, and after it exits reads ``RESULT_DIR/result.pkl`` (the rank's value, when it is
 wanted) or ``RESULT_DIR/error.json`` (an ``events.Failure``).  The worker imports neither
 IPython nor ipywidgets.
+
+Stopping and hangs.  While the job runs, SIGTERM raises ``runtime.RankStopped`` in the main
+thread, so that the job's ``finally`` blocks and (at exit) its ``atexit`` handlers run within
+the stop's grace period.  ``STACKS_SIGNAL`` makes ``faulthandler`` append every thread's stack
+to ``RESULT_DIR/stacks.txt`` (also while the main thread is blocked in a C call); its first line
+names the main thread.
 """
 
 from __future__ import annotations
@@ -27,10 +33,14 @@ import traceback
 from typing import Optional
 
 from torchdist_magic import events
-from torchdist_magic.timing import PARENT_WATCH_INTERVAL, STOP_GRACE
+from torchdist_magic.timing import ATEXIT_WAIT, PARENT_WATCH_INTERVAL, STOP_GRACE
 
 RESULT_FILE = "result.pkl"
 ERROR_FILE = "error.json"
+STACKS_FILE = "stacks.txt"
+#: the signal that asks a worker for its stacks: one that no library uses (SIGUSR1 is Lightning's on SLURM)
+STACKS_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
+STACKS_HEADER = "torchdist main thread "
 
 
 class CellImportError(ImportError):
@@ -90,10 +100,13 @@ def _write_failure(result_dir: str, failure: events.Failure) -> None:
 
 
 def _format_exception(exc: BaseException) -> str:
-    """The traceback without this module's own frames: it starts at the user's code."""
+    """The traceback without this module's own frames, nor those of ``rank_shell`` (between a
+    ``%time`` line and the code it runs): it starts at, and stays in, the user's code."""
+    from torchdist_magic import rank_shell
+
     te = traceback.TracebackException.from_exception(exc)
-    here = os.path.abspath(__file__)
-    frames = [f for f in te.stack if os.path.abspath(f.filename) != here]
+    ours = {os.path.abspath(__file__), os.path.abspath(rank_shell.__file__)}
+    frames = [f for f in te.stack if os.path.abspath(f.filename) not in ours]
     te.stack = traceback.StackSummary.from_list(frames)
     return "".join(te.format())
 
@@ -118,10 +131,11 @@ def _run_script(job):
 
 
 def _cell_namespace() -> dict:
-    from torchdist_magic import runtime
+    from torchdist_magic import rank_shell, runtime
 
     ns = {"__name__": "__main__", "__builtins__": __builtins__}
     ns.update(runtime.cell_names())
+    ns["get_ipython"] = rank_shell.RankShell().get_ipython  # what the cell's !cmd and %magics call
     return ns
 
 
@@ -174,8 +188,9 @@ def _run_cell(job):
     if cell.values:
         ns.update(cloudpickle.loads(cell.values))
     padded = "\n" * cell.line_offset + cell.source
+    # tracebacks show the cell as it was typed; the ranks run its translation (same line numbers)
     linecache.cache[cell.filename] = (len(padded), None, padded.splitlines(True), cell.filename)
-    tree = ast.parse(padded, cell.filename)
+    tree = ast.parse("\n" * cell.line_offset + (cell.python or cell.source), cell.filename)
     last = tree.body[-1] if tree.body and isinstance(tree.body[-1], ast.Expr) else None
     body = ast.Module(body=tree.body[:-1] if last else tree.body, type_ignores=[])
     ours = _init_process_group() if cell.init_process_group else False
@@ -222,7 +237,8 @@ def run_job(job, result_dir: str) -> int:
                 sys.path.append(p)
         if job.cwd and os.path.isdir(job.cwd):
             os.chdir(job.cwd)
-        value = RUNNERS[job.kind](job)
+        with _stoppable():
+            value = RUNNERS[job.kind](job)
     except SystemExit as exc:
         code = exc.code
         if code is None or code == 0:
@@ -250,6 +266,53 @@ def run_job(job, result_dir: str) -> int:
     return 0
 
 
+def _listen_for_stack_requests(result_dir: str) -> None:
+    """``STACKS_SIGNAL`` appends every thread's stack to ``STACKS_FILE``; the header line, written
+    once the handler is in place, tells the launcher both that it may send the signal and which
+    thread is the main one."""
+    stacks = open(os.path.join(result_dir, STACKS_FILE), "a", encoding="utf-8")  # kept open: faulthandler writes to it
+    faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True, chain=False)
+    stacks.write(f"{STACKS_HEADER}{threading.main_thread().ident}\n")
+    stacks.flush()
+
+
+@contextlib.contextmanager
+def _stoppable():
+    """While the job runs (in the main thread), SIGTERM raises ``RankStopped`` in it; once the
+    job has returned or raised, SIGTERM waits for the kill: writing the job's value or failure
+    must not be cut short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_rank_stopped)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, _ignore_signal)
+
+
+def _raise_rank_stopped(signum, frame) -> None:
+    from torchdist_magic.runtime import RankStopped
+
+    signal.signal(signal.SIGTERM, _ignore_signal)  # once: a second SIGTERM must not cut the cleanup short
+    raise RankStopped("the run stopped this rank (SIGTERM)")
+
+
+def _ignore_signal(signum, frame) -> None:
+    """A handler that does nothing (unlike SIG_IGN, it is not inherited by programs the rank starts)."""
+
+
+def _run_atexit_handlers(code: int) -> None:
+    """The job's ``atexit`` handlers, then the exit: ``os._exit`` skips the interpreter's teardown
+    (a user thread must not hang it), so they are run here, for at most ``ATEXIT_WAIT``."""
+    import atexit
+
+    ender = threading.Timer(ATEXIT_WAIT, os._exit, (code,))
+    ender.daemon = True
+    ender.start()
+    atexit._run_exitfuncs()
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
@@ -271,6 +334,7 @@ def main(argv=None) -> int:
                                    time=time.time()))
     with open(job_file, "rb") as fh:
         job = cloudpickle.load(fh)
+    _listen_for_stack_requests(result_dir)
     code = run_job(job, result_dir)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -281,6 +345,7 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     code = main()
+    _run_atexit_handlers(code)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: user threads or a half-closed process group must not hang exit.

@@ -8,8 +8,8 @@ Spark backend pass the same contract tests.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
 
 from .. import events
 from ..options import LaunchOptions
@@ -24,6 +24,9 @@ class LaunchContext:
     job_bytes: bytes
     emit: Callable[[events.Event], None]       # feed a record into the run's RunState
     to_ranks: Callable[[events.Event], int]    # send a record to every rank's launcher
+    #: where records the backend takes for itself (``events.LAUNCHER_TO_DRIVER``) go, by type;
+    #: the backend fills it in ``start``
+    routes: Dict[type, Callable[[events.Event], None]] = field(default_factory=dict)
 
 
 class BackendRun(abc.ABC):
@@ -32,6 +35,10 @@ class BackendRun(abc.ABC):
     @abc.abstractmethod
     def stop(self, grace: float) -> None:
         """Stop every rank still running: signal, wait until ``grace`` seconds, then kill."""
+
+    def dump_stacks(self) -> None:
+        """Ask every running rank for its threads' stacks; each answers with an
+        ``events.Stacks`` record through ``LaunchContext.emit`` (a backend that cannot, none)."""
 
     @abc.abstractmethod
     def result(self, rank: int) -> Optional[bytes]:
@@ -62,7 +69,8 @@ class Backend(abc.ABC):
 
 
 NO_SESSION = (
-    "backend 'spark' (--spark, local_mode=False) runs on the active SparkSession, and this "
+    "backend 'spark' (--spark, local_mode=False) runs on the active SparkSession (classic or "
+    "Spark Connect), and this "
     "process has none. Start one first, e.g.:\n"
     "    from pyspark.sql import SparkSession\n"
     "    spark = SparkSession.builder.master(\"local[2]\").getOrCreate()\n"
@@ -85,16 +93,26 @@ def make_backend(options: LaunchOptions) -> Backend:
         return LocalProcessBackend()
     if session is None:
         raise ValueError(NO_SESSION)
-    from .spark import SparkBarrierBackend
+    from .spark import SparkBarrierBackend, is_spark_connect
 
+    if is_spark_connect(session):
+        from .spark_connect import SparkConnectBackend
+
+        return SparkConnectBackend(session)
     return SparkBarrierBackend(session)
 
 
 def _active_spark_session():
+    """The active classic SparkSession, else the active Spark Connect session, else None."""
     import sys
 
     if "pyspark" not in sys.modules:  # no session can be active if pyspark was never imported
         return None
     from pyspark.sql import SparkSession
 
-    return SparkSession.getActiveSession()
+    session = SparkSession.getActiveSession()
+    if session is None and "pyspark.sql.connect.session" in sys.modules:
+        from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+        session = ConnectSession.getActiveSession()
+    return session

@@ -70,6 +70,11 @@ class LocalRun(BackendRun):
     def stop(self, grace: float) -> None:
         stop_all(self.procs, grace)
 
+    def dump_stacks(self) -> None:
+        for p in self.procs:
+            if p.alive():
+                p.dump_stacks()
+
     def result(self, rank: int) -> Optional[bytes]:
         return read_result(os.path.join(self.workdir, f"rank-{rank}"))
 

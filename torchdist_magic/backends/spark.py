@@ -6,10 +6,14 @@ and its ``exit`` over the run's event channel, so the driver sees a rank fail as
 does.  Rank 0's value (every rank's with ``all_ranks``) comes back through the stage's
 ``collect``.
 
-Interpreter.  On a master of this machine (``local[...]``, ``local-cluster[...]``) the tasks run
-on the notebook's own interpreter (``sys.executable``), unless the user chose one with
-``PYSPARK_PYTHON`` or ``spark.pyspark.python``: executors otherwise start ``python3`` from PATH,
-which may lack torch or torchdist_magic or have another cloudpickle.
+Interpreter.  Before the stage, ``spark_python.choose_python`` checks that the executors' Python
+matches this notebook's (or uses the notebook's own where it is there), so that a mismatch is a
+clear error before any training, not a ``ModuleNotFoundError`` from inside Spark.
+
+Placement.  Each task tells the others, through the barrier, its own host identity (its host
+name, and its executor's bind address ``SPARK_LOCAL_IP`` when set: executors that stand for
+different hosts on one machine are told apart) and its address; ``rankenv.place_ranks`` turns
+them into torchrun's ``LOCAL_RANK``, ``GROUP_RANK``... and rank 0's address is ``MASTER_ADDR``.
 
 Stopping.  Each task holds a launcher connection on the run's event channel; when the driver
 sends ``events.Stop`` over it, the task gives its worker SIGTERM, the grace, then SIGKILL,
@@ -26,9 +30,9 @@ Python exception, or Spark's reason, of the failed task instead of a Py4JJavaErr
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
-import json
 import os
 import re
 import shutil
@@ -47,11 +51,14 @@ from ..channel import ChannelClient
 from ..launcher import RankProcess, read_result, reserve_port, stop_all
 from ..options import LaunchOptions
 from ..rankenv import RunSpec, place_ranks, rank_environment
-from ..timing import (SPARK_CANCEL_RETRY, SPARK_CANCEL_WAIT, SPARK_SLOT_WAIT, SPARK_STAGE_END_WAIT,
-                      STOP_GRACE)
+from ..timing import (SPARK_CANCEL_RETRY, SPARK_CANCEL_WAIT, SPARK_RENDEZVOUS_WAIT, SPARK_SLOT_WAIT,
+                      SPARK_STAGE_END_WAIT, STOP_GRACE)
 from . import Backend, BackendRun, LaunchContext
+from .spark_python import build_with_python, choose_python
 
 GPU_AMOUNT_CONF = "spark.task.resource.gpu.amount"
+#: lines of a rank's output a task keeps, for when its channel to the driver is lost
+LOG_TAIL = 20
 
 _LOCAL_CLUSTER = re.compile(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*\]")
 
@@ -120,20 +127,6 @@ def task_slots(sc) -> int:
     return slots
 
 
-def is_local_master(master: str) -> bool:
-    """A master whose executors run on this machine, with this machine's interpreters."""
-    return master.strip().startswith(("local[", "local-cluster[")) or master.strip() == "local"
-
-
-def python_for_tasks(sc) -> str:
-    """The interpreter the stage's tasks run: the notebook's own on a local master unless the
-    user chose one (``PYSPARK_PYTHON``, ``spark.pyspark.python``), else Spark's choice."""
-    chosen = os.environ.get("PYSPARK_PYTHON") or sc.getConf().get("spark.pyspark.python", "")
-    if is_local_master(sc.master) and not chosen:
-        return sys.executable
-    return sc.pythonExec
-
-
 class SparkBarrierBackend(Backend):
     """Runs the ranks as one barrier stage on ``spark``, a classic SparkSession."""
 
@@ -141,10 +134,10 @@ class SparkBarrierBackend(Backend):
 
     def __init__(self, spark):
         if is_spark_connect(spark):
-            raise ValueError(
-                "this SparkSession is a Spark Connect session, which torchdist_magic's Spark "
-                "backend does not support yet; use a classic SparkSession or --local")
+            raise ValueError("this SparkSession is a Spark Connect session: its runs go to "
+                             "spark_connect.SparkConnectBackend")
         self.spark = spark
+        self.python: Optional[str] = None  # the executors' interpreter, once check() chose it
 
     def describe(self) -> str:
         return f"Spark barrier stage on {self.spark.sparkContext.master}"
@@ -172,10 +165,12 @@ class SparkBarrierBackend(Backend):
                 f"{n} ranks need {n} Spark task slots at once (a barrier stage starts all its "
                 f"tasks together), but this Spark cluster has {slots} (master {sc.master}, "
                 f"spark.task.cpus={cpus}); use {slots} or fewer ranks, or add executors")
+        self.python = choose_python(sc, n)
 
     def start(self, ctx: LaunchContext) -> "SparkRun":
         spec = BarrierTaskSpec(run=ctx.spec, job_bytes=ctx.job_bytes)
-        run = SparkRun(self.spark.sparkContext, spec, ctx, self.task_function(spec))
+        run = SparkRun(self.spark.sparkContext, spec, ctx, self.task_function(spec),
+                       self.python or self.spark.sparkContext.pythonExec)
         run.launch()
         return run
 
@@ -184,17 +179,59 @@ class SparkBarrierBackend(Backend):
         return functools.partial(run_barrier_task, spec)
 
 
+class DriverRendezvous:
+    """The driver's side of the tasks' rendezvous (see ``rendezvous``): collects every task's
+    ``Joined`` and, once all ranks have joined, sends them all the ``Peers``; when not all join
+    within ``SPARK_RENDEZVOUS_WAIT`` of the first one, tells them to use Spark's barrier."""
+
+    def __init__(self, ctx: LaunchContext, num_processes: int):
+        self._ctx = ctx
+        self._n = num_processes
+        self._lock = threading.Lock()
+        self._joined: Dict[int, events.Joined] = {}
+        self._placed = False  # Peers were sent (or the barrier chosen)
+        self._timer: Optional[threading.Timer] = None
+        ctx.routes[events.Joined] = self._on_joined
+
+    def _on_joined(self, record: events.Joined) -> None:
+        with self._lock:
+            if self._placed or not 0 <= record.rank < self._n:
+                return
+            self._joined[record.rank] = record
+            if len(self._joined) < self._n:
+                if self._timer is None:
+                    self._timer = threading.Timer(SPARK_RENDEZVOUS_WAIT, self._use_barrier)
+                    self._timer.daemon = True
+                    self._timer.start()
+                return
+            self._placed = True
+            peers = [self._joined[r] for r in range(self._n)]
+        self._ctx.to_ranks(events.Peers(rank=-1, peers=peers))
+
+    def _use_barrier(self) -> None:
+        with self._lock:
+            if self._placed:
+                return
+            self._placed = True
+        self._ctx.to_ranks(events.Peers(rank=-1, use_barrier=True))
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
 class SparkRun(BackendRun):
     """The barrier stage of one run; ``collect`` runs in a thread of its own, under a job tag."""
 
-    def __init__(self, sc, spec: "BarrierTaskSpec", ctx: LaunchContext, task: Callable):
+    def __init__(self, sc, spec: "BarrierTaskSpec", ctx: LaunchContext, task: Callable, python: str):
         from pyspark import InheritableThread
 
         self._sc = sc
+        self._python = python
         self._spec = spec
         self._ctx = ctx
         self._task = task
-        self.job_tag = f"torchdist-{spec.run.run_id}"
+        self.job_tag = f"torchdist-{spec.run.run_id}-attempt{spec.run.attempt}"  # each attempt is a stage of its own
         self._lock = threading.Lock()
         self._stopping = False
         self._closed = False
@@ -204,24 +241,14 @@ class SparkRun(BackendRun):
                                          daemon=True)
 
     def launch(self) -> None:
+        self._rendezvous = DriverRendezvous(self._ctx, self._spec.run.num_processes)
         self._thread.start()
 
     def _barrier_rdd(self):
-        """The stage's RDD, its Python function bound to the tasks' interpreter.
-
-        PySpark builds a stage's Python function with ``SparkContext.pythonExec``; it is set
-        only while this RDD's function is built, so other jobs of the session are unaffected.
-        """
+        """The stage's RDD, its Python function bound to the tasks' interpreter."""
         sc, n = self._sc, self._spec.run.num_processes
         rdd = sc.parallelize(range(n), n).barrier().mapPartitions(self._task)
-        python = python_for_tasks(sc)
-        with _PYTHON_EXEC_LOCK:
-            previous, sc.pythonExec = sc.pythonExec, python
-            try:
-                rdd._jrdd  # noqa: B018  builds the Java-side function now, with ``python``
-            finally:
-                sc.pythonExec = previous
-        return rdd
+        return build_with_python(sc, rdd, self._python)
 
     def _run_stage(self) -> None:
         sc, n = self._sc, self._spec.run.num_processes
@@ -248,14 +275,17 @@ class SparkRun(BackendRun):
                 sc.setJobDescription(None)
             except Exception:  # the SparkContext was stopped under the run
                 pass
-        for rank, value, _exit in rows:
-            if value is not None:
-                self._values[rank] = value
-        for _rank, _value, exit_json in rows:
-            # normally the channel delivered it already (a repeated exit is ignored); this covers
+        for outcome in rows:
+            if outcome.value is not None:
+                self._values[outcome.rank] = outcome.value
+        for outcome in rows:
+            # normally the channel delivered all of it (a repeated exit is ignored); this covers
             # a rank whose channel to the driver was lost
+            if outcome.channel_lost:
+                for line in outcome.log_tail:
+                    self._ctx.emit(events.Log(rank=outcome.rank, stream="stderr", line=line))
             try:
-                self._ctx.emit(events.decode(exit_json))
+                self._ctx.emit(events.decode(outcome.exit_json))
             except events.MalformedEvent:
                 pass  # a task of another version: the channel's handshake said so already
 
@@ -294,6 +324,10 @@ class SparkRun(BackendRun):
         except Exception:  # the SparkContext is gone, and with it the stage
             pass
 
+    def dump_stacks(self) -> None:
+        """Each task's launcher signals its worker and sends the ``Stacks`` back over the channel."""
+        self._ctx.to_ranks(events.DumpStacks(rank=-1))
+
     def result(self, rank: int) -> Optional[bytes]:
         self._thread.join()
         if rank in self._values:
@@ -308,11 +342,10 @@ class SparkRun(BackendRun):
         if self._closed:
             return
         self._closed = True
+        self._rendezvous.close()
         if self._thread.is_alive():
             self.stop(STOP_GRACE)
 
-
-_PYTHON_EXEC_LOCK = threading.Lock()
 _PY_TRACEBACK = "Traceback (most recent call last):"
 _EXC_LINE = re.compile(r"([A-Za-z_][\w.$]*): (.*)", re.S)
 _TASK_RANK = (re.compile(r"barrier task ResultTask\(\d+, (\d+)\)"),
@@ -375,56 +408,116 @@ class RunStopped(Exception):
     """The driver stopped the run before this task started its rank."""
 
 
-class StopSignal:
-    """Set when the driver sends ``events.Stop`` to this task; ``grace`` is the time the
-    driver gives the rank between SIGTERM and SIGKILL."""
+class DriverMessages:
+    """What the driver sends this task over the channel: ``Stop`` (``stopped()``, with the
+    ``grace`` it gives the rank between SIGTERM and SIGKILL), ``Peers`` (``peers()``) and
+    ``DumpStacks`` (answered by ``dump_stacks``, once the rank's process is there)."""
 
     def __init__(self):
-        self._event = threading.Event()
+        self._stop = threading.Event()
+        self._peers = threading.Event()
         self.grace = STOP_GRACE
+        self.peer_list: Optional[events.Peers] = None
+        self.dump_stacks: Optional[Callable[[], None]] = None
 
     def on_message(self, record: events.Event) -> None:
         if isinstance(record, events.Stop):
             self.grace = max(record.grace, 0.0)
-            self._event.set()
+            self._stop.set()
+        elif isinstance(record, events.Peers):
+            self.peer_list = record
+            self._peers.set()
+        elif isinstance(record, events.DumpStacks) and self.dump_stacks is not None:
+            self.dump_stacks()
 
-    def is_set(self) -> bool:
-        return self._event.is_set()
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def peers(self, channel: ChannelClient) -> Optional[events.Peers]:
+        """The driver's ``Peers`` once it sent them; ``None`` when the channel is lost first
+        (the driver decides within ``SPARK_RENDEZVOUS_WAIT`` of the first task's ``Joined``)."""
+        while not self._peers.wait(0.01):
+            if channel.lost or self.stopped():
+                return None
+        return self.peer_list
 
 
-def run_barrier_task(spec: BarrierTaskSpec, _partition) -> List[Tuple[int, Optional[bytes], dict]]:
-    """One barrier task: run one rank; ``[(rank, value or None, its Exit record as JSON)]``."""
+@dataclass
+class TaskOutcome:
+    """What a barrier task returns to the driver, for the ranks whose channel may have been lost."""
+
+    rank: int
+    value: Optional[bytes]          # the rank's pickled value, when it is wanted
+    exit_json: dict                 # its ``Exit`` record, encoded
+    channel_lost: bool = False      # the driver heard nothing live from this task
+    log_tail: List[str] = field(default_factory=list)  # the rank's last lines of output
+
+
+def run_barrier_task(spec: BarrierTaskSpec, _partition) -> List[TaskOutcome]:
+    """One barrier task: run one rank, report it live over the channel, and return its outcome."""
     from pyspark import BarrierTaskContext
 
     context = BarrierTaskContext.get()
     rank = context.partitionId()
-    stop = StopSignal()
+    driver = DriverMessages()
     channel = ChannelClient(spec.run.channel_address, spec.run.launcher_secret, spec.run.run_id, rank,
-                            role="launcher", on_message=stop.on_message)
+                            role="launcher", on_message=driver.on_message)
     exits: List[events.Exit] = []
+    tail: "collections.deque[str]" = collections.deque(maxlen=LOG_TAIL)
 
     def emit(event: events.Event) -> None:
         if isinstance(event, events.Exit):
             exits.append(event)
+        elif isinstance(event, events.Log) and not event.cr:
+            tail.append(event.line)
         channel.send(event)
 
     try:
-        value = _run_rank(spec, context, rank, emit, stop)
+        value = _run_rank(spec, context, rank, channel, emit, driver)
     except Exception as exc:  # the task's own failure (not the rank's): report it as this rank's
         value = None
         host = socket.gethostname()
-        emit(events.Exit(rank=rank, code=1, time=time.time(), host=host, stopped=stop.is_set(),
+        emit(events.Exit(rank=rank, code=1, time=time.time(), host=host, stopped=driver.stopped(),
                          failure=events.Failure(
                              rank=rank, exc_type=type(exc).__qualname__, message=str(exc), host=host,
                              exit_code=1, time=time.time(), traceback="".join(
                                  traceback.format_exception(type(exc), exc, exc.__traceback__)))))
-    finally:
-        channel.close()
-    return [(rank, value, events.encode(exits[-1]))]
+    lost = channel.lost
+    channel.close()
+    final = exits[-1]
+    if final.failure is not None:  # its output travels with it when nothing else carries it
+        final = dataclasses.replace(final, failure=dataclasses.replace(final.failure, log_tail=list(tail)))
+    return [TaskOutcome(rank, value, events.encode(final), channel_lost=lost,
+                        log_tail=list(tail))]
 
 
-def _run_rank(spec: BarrierTaskSpec, context, rank: int, emit: Callable[[events.Event], None],
-              stop: StopSignal) -> Optional[bytes]:
+def host_identity() -> str:
+    """What tells this executor's machine apart from the others of the run: its host name, and
+    the address its executor binds (``SPARK_LOCAL_IP``) when one is set."""
+    bind = os.environ.get("SPARK_LOCAL_IP", "")
+    return f"{socket.gethostname()}/{bind}" if bind else socket.gethostname()
+
+
+def task_address(context, rank: int) -> str:
+    """The address other ranks reach this task's host at: its executor's bind address when
+    set, else the address Spark knows the executor by."""
+    return os.environ.get("SPARK_LOCAL_IP") or context.getTaskInfos()[rank].address.rpartition(":")[0]
+
+
+def rendezvous(context, channel: ChannelClient, driver: DriverMessages, mine: events.Joined) -> List[events.Joined]:
+    """Every task's ``Joined``, in rank order: through the driver (its ``Peers``), or, when some
+    task could not reach it, through Spark's barrier ``allGather`` (which waits in steps of a
+    second, the reason it is not the first choice)."""
+    channel.send(mine)
+    peers = driver.peers(channel)
+    if peers is not None and not peers.use_barrier:
+        return peers.peers
+    gathered = context.allGather(events.dumps(mine))
+    return [events.loads(text) for text in gathered]
+
+
+def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
+              emit: Callable[[events.Event], None], driver: DriverMessages) -> Optional[bytes]:
     run = spec.run
     workdir = tempfile.mkdtemp(prefix=f"torchdist-{run.run_id}-rank{rank}-")
     guard = subprocess.Popen(
@@ -434,30 +527,31 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, emit: Callable[[events.
     port = reserve_port("") if rank == 0 else None
     proc: Optional[RankProcess] = None
     try:
-        host = context.getTaskInfos()[rank].address.rpartition(":")[0]
         gpus = None
         if run.use_gpu:
             resource = context.resources().get("gpu")
             gpus = ",".join(resource.addresses) if resource is not None else None
-        mine = {"host": host, "port": port.getsockname()[1] if port is not None else None, "gpus": gpus}
-        peers = [json.loads(p) for p in context.allGather(json.dumps(mine))]
-        place = place_ranks([p["host"] for p in peers], peers[0]["host"], peers[0]["port"],
-                            [p["gpus"] for p in peers])[rank]
+        mine = events.Joined(rank=rank, host=host_identity(), address=task_address(context, rank), gpus=gpus,
+                             port=port.getsockname()[1] if port is not None else None)
+        peers = rendezvous(context, channel, driver, mine)
+        place = place_ranks([p.host for p in peers], peers[0].address, peers[0].port,
+                            [p.gpus for p in peers])[rank]
         env = rank_environment(os.environ, run, place)
         env["TORCHDIST_CLEANUP"] = workdir  # the worker removes it if it outlives this task
         job_file = os.path.join(workdir, "job.pkl")
         fd = os.open(job_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as fh:
             fh.write(spec.job_bytes)
-        if stop.is_set():
+        if driver.stopped():
             raise RunStopped(f"the run was stopped before rank {rank} started")
         result_dir = os.path.join(workdir, f"rank-{rank}")
         proc = RankProcess(rank, job_file, result_dir, env, emit)
+        driver.dump_stacks = proc.dump_stacks
         guard.stdin.write(f"{proc.pgid}\n")
         guard.stdin.flush()
         while not proc.exited.wait(0.05):
-            if stop.is_set():
-                stop_all([proc], stop.grace)
+            if driver.stopped():
+                stop_all([proc], driver.grace)
         wanted = proc.returncode == 0 and run.returns_value(rank)
         return read_result(result_dir) if wanted else None
     finally:

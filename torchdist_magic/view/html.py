@@ -15,8 +15,8 @@ import re
 from typing import Dict, List, Optional, Tuple
 
 from ..state import LogLine, RunState
-from .model import (BarView, RankLog, RankRow, RunFacts, Series, format_duration, metric_series, rank_logs,
-                    rank_rows, root_cause_rank, run_facts)
+from .model import (BarView, RankLog, RankRow, RankStacks, RunFacts, Series, format_duration, metric_series,
+                    rank_logs, rank_rows, rank_stacks, root_cause_rank, run_facts)
 
 LOG_LINE_CHARS = 1000   # longer lines are cut in a pane (not in the run's ``logs(rank)``)
 SUMMARY_LOG_LINES = 40  # lines of each rank in the static summary
@@ -26,7 +26,8 @@ ROWS_SCROLL_AFTER = 16  # ranks; more rows scroll inside the view
 #: colours of states (rank and run), as CSS
 STATE_COLOURS = {
     "starting": "#9e9e9e", "running": "#1e88e5", "done": "#43a047", "succeeded": "#43a047",
-    "failed": "#e53935", "cancelled": "#fb8c00", "timed out": "#fb8c00",
+    "failed": "#e53935", "cancelled": "#fb8c00", "timed out": "#fb8c00", "hung": "#fb8c00",
+    "restarting": "#8e24aa",
 }
 #: colours of ``RankRow.bar_style``
 BAR_COLOURS = {"info": "#1e88e5", "success": "#43a047", "danger": "#e53935", "warning": "#fb8c00"}
@@ -65,6 +66,9 @@ def header_html(facts: RunFacts) -> str:
         f'<span class="torchdist-gpu">{"gpu" if facts.use_gpu else "cpu"}</span>',
         f'<span class="torchdist-elapsed" title="elapsed">{format_duration(facts.elapsed)}</span>',
     ]
+    if facts.attempt_text:
+        parts.append(f'<span class="torchdist-attempt" data-attempt="{facts.attempt}">'
+                     f'{_esc(facts.attempt_text)}</span>')
     return (f'<div class="torchdist-header" data-run-id="{_esc(facts.run_id)}" data-state="{_esc(facts.state)}"'
             f' style="display:flex;align-items:center;gap:8px;font-size:13px;color:{_TEXT};line-height:24px">'
             f'<span style="font-weight:700;letter-spacing:.2px">torchdist</span>'
@@ -138,12 +142,36 @@ def rows_html(rows: List[RankRow]) -> str:
 
 
 def failure_html(facts: RunFacts) -> str:
-    """The outcome line (root cause, or why the run stopped); empty while there is none."""
-    if not facts.outcome:
+    """The root cause of each earlier attempt (a run that restarted), then the outcome line (root
+    cause, or why the run stopped); empty while there is neither."""
+    out = [f'<div class="torchdist-attempt-failure" style="color:{STATE_COLOURS["restarting"]};font-size:12px;'
+           f'margin-top:2px">{_esc(line)} &rarr; restarted</div>' for line in facts.earlier]
+    if facts.outcome:
+        colour = STATE_COLOURS.get(facts.state, "#e53935")
+        out.append(f'<div class="torchdist-failure" style="color:{colour};font-size:12.5px;margin-top:4px;'
+                   f'font-weight:600">{_esc(facts.outcome)}</div>')
+    return "".join(out)
+
+
+def stacks_html(stacks: List[RankStacks], open_rank: Optional[int] = None) -> str:
+    """Where each rank was (a hang, a timeout): its innermost frames, and every thread's stack in
+    a ``<details>`` (``open_rank``'s open); empty when no stacks were captured."""
+    if not stacks:
         return ""
-    colour = STATE_COLOURS.get(facts.state, "#e53935")
-    return (f'<div class="torchdist-failure" style="color:{colour};font-size:12.5px;margin-top:4px;'
-            f'font-weight:600">{_esc(facts.outcome)}</div>')
+    out = [f'<div class="torchdist-stacks" style="margin-top:6px;font-size:11.5px;color:{_TEXT}">'
+           f'<div style="color:{_MUTED};margin:0 0 2px 2px">where each rank was (innermost frame first)</div>']
+    for item in stacks:
+        body = _esc(item.text.strip()) or f'<span style="color:{_MUTED}">(no stack)</span>'
+        out.append(
+            f'<details class="torchdist-rank-stack" data-rank="{item.rank}"{" open" if item.rank == open_rank else ""}'
+            f' style="margin:1px 0"><summary style="cursor:pointer;padding:1px 2px">'
+            f'<span style="color:{rank_colour(item.rank)}">&#9632;</span> rank {item.rank}: '
+            f'<code style="font-size:11px">{_esc(item.where)}</code></summary>'
+            f'<pre style="margin:0;padding:6px 8px;max-height:260px;overflow:auto;background:{_PANE};'
+            f'border-radius:4px;font-family:{_MONO};font-size:11px;line-height:1.35;white-space:pre">{body}</pre>'
+            f'</details>')
+    out.append("</div>")
+    return "".join(out)
 
 
 def _tick(value: float) -> str:
@@ -319,4 +347,5 @@ def summary_html(state: RunState, log_hint: Optional[str] = None, open_rank: Opt
     return (f'<div class="torchdist-summary" style="border:1px solid {BORDER};border-radius:6px;'
             f'padding:8px 12px;max-width:1100px">{header_html(facts)}'
             f'<div style="margin-top:6px">{rows_html(rank_rows(state))}</div>{failure_html(facts)}'
+            f'{stacks_html(rank_stacks(state))}'
             f'{f"<div style=margin-top:8px>{plots}</div>" if plots else ""}{logs}</div>')

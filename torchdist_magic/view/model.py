@@ -3,8 +3,10 @@
 Pure functions and plain records, no ipywidgets and no IPython, so that every renderer (text,
 HTML, the live widget) shows the same facts and tests read them without a kernel:
 
-- ``run_facts``: the header (state, job, backend, np, gpu, elapsed) and the outcome line;
+- ``run_facts``: the header (state, job, backend, np, gpu, elapsed, attempt) and the outcome
+  line, with the root cause of each earlier attempt of a run that restarted;
 - ``rank_rows``: one row per rank (host, state, bars, metrics, exit code, dropped events);
+- ``rank_stacks``: where each rank was when a hang or a timeout stopped it (every thread);
 - ``metric_series``: each metric against step, one line per rank, thinned for plotting;
 - ``rank_log`` / ``rank_logs``: a rank's last lines as a terminal would show them;
 - ``MergedLog``: all ranks' lines in arrival order.
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Tuple
 
 from ..state import LogLine, RankState, RunState
@@ -25,6 +27,8 @@ LOG_LINES = 300       # lines of a log pane; the complete logs stay on the run's
 LOG_SCAN = 20_000     # lines looked at from the end of a rank's log to fill a pane
 PLOT_POINTS = 400     # points per line in a plot; longer histories are thinned
 
+#: run states after which nothing more happens but a message says why
+STOPPED_STATES = ("failed", "timed out", "hung", "cancelled")
 #: bar style of a rank (ipywidgets' ``bar_style`` names) by rank state
 BAR_STYLES = {"starting": "info", "running": "info", "done": "success", "failed": "danger",
               "cancelled": "warning"}
@@ -44,7 +48,8 @@ def format_duration(seconds: Optional[float]) -> str:
 
 
 def progress_text(bar: Optional[dict]) -> str:
-    """``epoch 2/3 (66%) [00:04<00:02, 0.52 it/s]``, as tqdm writes it."""
+    """``epoch 2/3 (66%) [00:04<00:02, 0.52 it/s, loss=0.3]``, as tqdm writes it (the postfix
+    of a tqdm bar last)."""
     if not bar:
         return ""
     n, total, elapsed = bar.get("n") or 0, bar.get("total"), bar.get("elapsed") or 0.0
@@ -58,7 +63,8 @@ def progress_text(bar: Optional[dict]) -> str:
         timing = format_duration(elapsed)
         head = f"{desc}{n}"
     rate_text = f", {rate:.2f} it/s" if rate else ""
-    return f"{head} [{timing}{rate_text}]"
+    postfix = f", {bar['postfix']}" if bar.get("postfix") else ""
+    return f"{head} [{timing}{rate_text}{postfix}]"
 
 
 def metrics_text(metrics: dict) -> str:
@@ -80,19 +86,30 @@ class RunFacts:
     elapsed: float                 # seconds
     finished: bool
     outcome: str                   # "root cause: rank 1 raised ...", or why it stopped; "" else
+    attempt: int = 1               # the current attempt, of ``max_attempts`` (1 + max_restarts)
+    max_attempts: int = 1
+    earlier: List[str] = field(default_factory=list)   # "attempt 1: rank 1 was killed by SIGKILL"
+
+    @property
+    def attempt_text(self) -> str:
+        """``attempt 2 of 3``, for a run that may restart; empty otherwise."""
+        return f"attempt {self.attempt} of {self.max_attempts}" if self.max_attempts > 1 else ""
 
 
 def run_facts(state: RunState) -> RunFacts:
     with state._lock:
         if state.failure is not None:
             outcome = f"root cause: {state.failure.summary()}"
-        elif state.state in ("failed", "timed out", "cancelled"):
+        elif state.state in STOPPED_STATES:
             outcome = state.message
         else:
             outcome = ""
+        earlier = [f"attempt {a.number}: {a.failure.summary() if a.failure else 'failed'}"
+                   for a in state.attempts]
         return RunFacts(run_id=state.run_id, state=state.state, job_name=state.job_name,
                         backend=state.backend, num_processes=state.num_processes, use_gpu=state.use_gpu,
-                        elapsed=state.elapsed(), finished=state.finished, outcome=outcome)
+                        elapsed=state.elapsed(), finished=state.finished, outcome=outcome,
+                        attempt=state.attempt, max_attempts=state.max_attempts, earlier=earlier)
 
 
 # -- one row per rank -----------------------------------------------------------------------------
@@ -147,6 +164,23 @@ def rank_rows(state: RunState) -> List[RankRow]:
         return [rank_row(rs) for rs in state.ranks]
 
 
+# -- stacks ---------------------------------------------------------------------------------------
+@dataclass
+class RankStacks:
+    """Where one rank was when a hang or a timeout stopped it."""
+
+    rank: int
+    where: str                     # the main thread's innermost frames (``events.Stacks.where``)
+    text: str                      # every thread, as faulthandler wrote it ("" when there was none)
+
+
+def rank_stacks(state: RunState) -> List[RankStacks]:
+    """Every rank's stacks, by rank; empty unless stacks were captured."""
+    with state._lock:
+        stacks = dict(state.stacks)
+    return [RankStacks(rank=r, where=s.where(), text=s.text) for r, s in sorted(stacks.items())]
+
+
 # -- plots ----------------------------------------------------------------------------------------
 def thin(points: List[Tuple[int, float]], limit: int = PLOT_POINTS) -> List[Tuple[int, float]]:
     """At most ``limit`` of ``points``, evenly spread, always keeping the newest."""
@@ -190,7 +224,7 @@ class RankLog:
 def log_tail(rs: RankState, limit: int = LOG_LINES) -> List[LogLine]:
     """The last ``limit`` lines of a rank as a terminal would show them: a ``\\r``-line is
     replaced by whatever comes after it, so only a trailing one (a bar in progress) shows."""
-    tail = rs.logs[-LOG_SCAN:]
+    tail = rs.logs.recent(LOG_SCAN)
     shown = [line for line in tail[:-1] if not line.cr][-limit:]
     if tail:
         last = tail[-1]
@@ -221,7 +255,8 @@ class MergedLog:
     rank by rank), the last ``limit`` only.
 
     ``\\r``-lines are not kept in the order: each rank's latest one (its bar in progress) is
-    shown after the finished lines until that rank writes a finished line.
+    shown after the finished lines until that rank writes a finished line.  A trailing
+    ``\\r``-line is read again at the next ``drain``: the log may have replaced it since.
     """
 
     def __init__(self, num_processes: int, limit: int = LOG_LINES):
@@ -229,6 +264,7 @@ class MergedLog:
         self.lines: Deque[Tuple[int, LogLine]] = deque(maxlen=limit)
         self.live: List[Optional[LogLine]] = [None] * num_processes
         self._cursor = [0] * num_processes
+        self._trailing: List[Optional[LogLine]] = [None] * num_processes  # the \r-line read last
 
     def drain(self, state: RunState) -> bool:
         """Take the lines written since the last call; True when there were any."""
@@ -236,12 +272,14 @@ class MergedLog:
         with state._lock:
             for rs in state.ranks:
                 end = len(rs.logs)
-                if end == self._cursor[rs.rank]:
-                    continue
                 start = max(self._cursor[rs.rank], end - 4 * self.limit)
-                self._cursor[rs.rank] = end
+                new = rs.logs[start:end]
+                if not new or (len(new) == 1 and new[0] is self._trailing[rs.rank]):
+                    continue
+                self._cursor[rs.rank] = end - 1 if new[-1].cr else end
+                self._trailing[rs.rank] = new[-1] if new[-1].cr else None
                 changed = True
-                for line in rs.logs[start:end]:
+                for line in new:
                     if line.cr:
                         self.live[rs.rank] = line if line.text else self.live[rs.rank]
                     else:

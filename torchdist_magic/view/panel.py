@@ -281,10 +281,12 @@ class LaunchPanel:
         if self.source.value == CODE:
             if not self.code.value.strip():
                 return ["write the code to run"]
+            from ..capture import CaptureError, translate_cell
+
             try:
-                ast.parse(self.code.value)
-            except SyntaxError as exc:
-                return [f"SyntaxError, line {exc.lineno}: {exc.msg}"]
+                translate_cell(self.code.value)  # IPython syntax (!cmd, %time...) as in a cell
+            except CaptureError as exc:
+                return [str(exc).splitlines()[0]]
             return []
         if not self.function.value:
             return ["define a function in the notebook, then pick it here (↻ lists them again)"]

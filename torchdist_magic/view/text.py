@@ -1,8 +1,9 @@
 """Text renderer of a RunState: what a terminal, CI and a frontend without widgets see.
 
 Output lines are printed as they arrive, prefixed ``[rank N]``; ``\\r``-terminated progress
-lines (tqdm) are collapsed to their latest state; progress from ``progress()`` is summarised
-per rank at a bounded rate; a summary table ends the run.  ``summary_with_logs`` adds each
+lines are collapsed to their latest state; progress from ``progress()`` and tqdm is summarised
+per rank at a bounded rate; a restart is announced with the failure that caused it; a summary
+table ends the run (with where each rank was, when a hang or a timeout stopped it).  ``summary_with_logs`` adds each
 rank's last lines: the ``text/plain`` a notebook keeps of a widget view.
 """
 
@@ -12,8 +13,8 @@ import sys
 import time
 from typing import List, Optional, TextIO
 
-from ..state import RankState, RunState
-from .model import format_duration, metrics_text, progress_text, rank_logs
+from ..state import LogLine, RankState, RunState
+from .model import format_duration, metrics_text, progress_text, rank_logs, rank_stacks, run_facts
 
 PROGRESS_EVERY = 5.0   # seconds between progress summaries
 CR_EVERY = 5.0         # seconds between showings of a rank's \r-progress line
@@ -33,9 +34,12 @@ def header(state: RunState) -> str:
 
 
 def summary(state: RunState) -> str:
-    """The final table: one row per rank, then the outcome."""
+    """The final table: one row per rank, then the outcome (each attempt's root cause when the
+    run restarted; where each rank was after a hang or a timeout)."""
+    facts = run_facts(state)
+    attempt = f", {facts.attempt_text}" if facts.attempt_text else ""
     rows: List[str] = [f"torchdist: {state.state} after {format_duration(state.elapsed())}"
-                       f" ({state.elapsed():.1f} s), np={state.num_processes} on {state.backend}"]
+                       f" ({state.elapsed():.1f} s), np={state.num_processes} on {state.backend}{attempt}"]
     for rs in state.ranks:
         bits = [f"  rank {rs.rank}", rs.state]
         if rs.host:
@@ -48,8 +52,13 @@ def summary(state: RunState) -> str:
         if rs.metrics:
             bits.append(metrics_text(rs.metrics))
         rows.append("  ".join(bits))
-    if state.failure is not None:
-        rows.append(f"  root cause: {state.failure.summary()}")
+    rows += [f"  {line} (restarted)" for line in facts.earlier]
+    if facts.outcome:
+        rows.append(f"  {facts.outcome}")
+    stacks = rank_stacks(state)
+    if stacks:
+        rows.append("  where each rank was (innermost frame first):")
+        rows += [f"    rank {item.rank}: {item.where}" for item in stacks]
     return "\n".join(rows)
 
 
@@ -75,6 +84,8 @@ class TextView:
         self.out = out
         self.err = err
         self._cursor = [0] * state.num_processes
+        self._trailing: List[Optional[LogLine]] = [None] * state.num_processes  # the \r-line read last
+        self._attempt = state.attempt
         self._pending_cr: List[Optional[str]] = [None] * state.num_processes
         self._cr_shown = [0.0] * state.num_processes
         self._progress_shown = 0.0
@@ -88,16 +99,32 @@ class TextView:
 
     def update(self) -> None:
         now = time.monotonic()
+        self._announce_restart()
         for rs in self.state.ranks:
             self._drain_logs(rs, now)
         if now - self._progress_shown >= PROGRESS_EVERY:
             self._progress_shown = now
             self._show_progress()
 
+    def _announce_restart(self) -> None:
+        attempts = self.state.attempts
+        while self._attempt < self.state.attempt and self._attempt <= len(attempts):
+            ended = attempts[self._attempt - 1]
+            cause = ended.failure.summary() if ended.failure else "a rank failed"
+            self._attempt += 1
+            self._print(f"torchdist: attempt {ended.number} failed ({cause}); restarting: attempt "
+                        f"{self._attempt} of {self.state.max_attempts}")
+
     def _drain_logs(self, rs: RankState, now: float) -> None:
         r = rs.rank
-        new = rs.logs[self._cursor[r]:]
-        self._cursor[r] += len(new)
+        start = self._cursor[r]
+        new = rs.logs[start:]
+        if new and new[0] is self._trailing[r]:  # read last time, and not replaced since
+            new, start = new[1:], start + 1
+        if new:
+            # a trailing \r-line may still be replaced by the log: read its place again next time
+            self._trailing[r] = new[-1] if new[-1].cr else None
+            self._cursor[r] = start + len(new) - (1 if self._trailing[r] is not None else 0)
         for line in new:
             if line.cr:
                 self._pending_cr[r] = line.text
@@ -127,6 +154,7 @@ class TextView:
             return
         self._closed = True
         now = time.monotonic()
+        self._announce_restart()
         for rs in self.state.ranks:
             self._drain_logs(rs, now)
             self._flush_cr(rs.rank)

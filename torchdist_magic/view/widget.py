@@ -1,9 +1,9 @@
 """The live run view in a notebook (ipywidgets 8): widget plumbing only.
 
 What it shows is computed by ``model`` and drawn by ``html`` (the same HTML as the static
-summary); this module holds the widgets (header, Stop button, rank rows, plots, a log pane with
-a rank selector), refreshes them at a bounded rate and, for a view shown as a cell's output,
-replaces it by the static summary when it closes.
+summary); this module holds the widgets (header, Stop button, rank rows, the ranks' stacks after
+a hang or a timeout, plots, a log pane with a rank selector), refreshes them at a bounded rate
+and, for a view shown as a cell's output, replaces it by the static summary when it closes.
 
 Updates are coalesced: whatever the event rate, the view refreshes at most every
 ``UPDATE_EVERY`` seconds and redraws plots at most every ``PLOT_EVERY`` seconds, from whichever
@@ -22,9 +22,9 @@ import ipywidgets as widgets
 
 from ..state import RunState
 from .html import (BORDER, failure_html, header_html, merged_log_html, plots_html, rank_log_html, rows_html,
-                   summary_html)
+                   stacks_html, summary_html)
 from .kernel_poll import KernelPoll
-from .model import MergedLog, metric_series, rank_log, rank_rows, root_cause_rank, run_facts
+from .model import MergedLog, metric_series, rank_log, rank_rows, rank_stacks, root_cause_rank, run_facts
 from .text import header, summary_with_logs
 
 UPDATE_EVERY = 0.1    # seconds between refreshes of the view (every part of it together)
@@ -71,6 +71,8 @@ class WidgetView:
         self.rows = widgets.HTML()
         self.rows.add_class("torchdist-rows-view")
         self.failure = widgets.HTML()
+        self.stacks = widgets.HTML()
+        self.stacks.add_class("torchdist-stacks-view")
         self.plots = widgets.HTML(layout=widgets.Layout(margin="6px 0 0 0"))
         self.plots.add_class("torchdist-plots-view")
         options = [(f"rank {r}", r) for r in range(self.state.num_processes)] + [("all ranks", ALL_RANKS)]
@@ -84,7 +86,7 @@ class WidgetView:
         self.widget = widgets.VBox(
             [widgets.HBox([self.header, self.stop_button],
                           layout=widgets.Layout(align_items="center", justify_content="space-between")),
-             self.rows, self.failure, self.plots,
+             self.rows, self.failure, self.stacks, self.plots,
              widgets.VBox([self.log_select, self.logs], layout=widgets.Layout(margin="6px 0 0 0"))],
             layout=widgets.Layout(border=f"1px solid {BORDER}", padding="6px 12px 8px 12px",
                                   max_width="1100px"))
@@ -136,6 +138,7 @@ class WidgetView:
             self._seen_version = version
             _set(self.rows, rows_html(rank_rows(state)))
             _set(self.failure, failure_html(facts))
+            _set(self.stacks, stacks_html(rank_stacks(state)))
             self._merged.drain(state)
             cause = root_cause_rank(state)
             if cause is not None and not self._log_chosen and self.log_select.value != cause:

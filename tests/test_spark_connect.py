@@ -1,0 +1,124 @@
+"""Spark Connect backend beyond the contract suite: chosen for a Connect session, big values in
+chunks, too many ranks refused before starting, and runs whose executors cannot reach the
+notebook (a laptop on Databricks Connect): the value, a failure with the rank's own traceback
+and output, and a cancel all come through the stage itself."""
+
+import dataclasses
+import glob
+import os
+import tempfile
+import time
+
+import pytest
+
+from helpers import assert_no_survivors, wait_until
+from torchdist_magic import Distributor, RankFailure, RunCancelled, rank
+from torchdist_magic.backends.spark_connect import SparkConnectBackend
+
+pytestmark = pytest.mark.spark
+
+EXECUTOR_TMP = tempfile.gettempdir()
+
+
+def assert_nothing_left(run):
+    assert_no_survivors(run)
+    assert not glob.glob(os.path.join(EXECUTOR_TMP, f"torchdist-{run.run_id}-*"))
+
+
+def one():
+    return 1
+
+
+def mib_of_bytes(mib):
+    return bytes(range(256)) * (mib * 4096) + bytes([rank()])
+
+
+def test_a_connect_session_runs_on_the_connect_backend(spark_connect):
+    run = Distributor(2, local_mode=None, show=None).submit(one)
+    assert run.result(timeout=120) == 1
+    assert run.state.backend == "Spark Connect barrier stage on local[2]"
+    assert_nothing_left(run)
+
+
+def test_a_50_mib_value_comes_back_in_chunks(spark_connect):
+    run = Distributor(2, local_mode=False, show=None).submit(mib_of_bytes, 50)
+    value = run.result(timeout=180)
+    assert len(value) == 50 * 2**20 + 1 and value[-1] == 0 and value[:256] == bytes(range(256))
+    assert_nothing_left(run)
+
+
+def test_more_ranks_than_slots_is_refused_in_seconds(spark_connect):
+    with pytest.raises(ValueError, match="3 ranks need 3 Spark task slots at once .* the Spark Connect "
+                                         "server's cluster has 2; use 2 or fewer ranks"):
+        Distributor(3, local_mode=False, show=None).submit(one)
+
+
+class Unreachable(SparkConnectBackend):
+    """Every task gets an address where no driver listens (executors behind a firewall)."""
+
+    def start(self, ctx):
+        ctx.spec = dataclasses.replace(ctx.spec, channel_address="127.0.0.1:9")
+        return super().start(ctx)
+
+
+@pytest.fixture
+def unreachable(spark_connect, monkeypatch):
+    import torchdist_magic.distributor as distributor
+
+    monkeypatch.setattr(distributor, "make_backend", lambda options: Unreachable(spark_connect))
+    return lambda n=2, **o: Distributor(n, local_mode=False, show=None, **o)
+
+
+def fail_on_rank_1():
+    print(f"rank {rank()} working", flush=True)
+    if rank() == 1:
+        raise ValueError("bad shard on rank 1")
+    time.sleep(600)  # rank 0 is stopped with the stage, not waited for
+
+
+def sleep_after_saying_so():
+    print("up", flush=True)
+    time.sleep(600)
+
+
+def test_without_the_channel_the_value_still_comes_back(unreachable):
+    run = unreachable(2, all_ranks=True).submit(mib_of_bytes, 1)
+    values = run.result(timeout=120)
+    assert [v[-1] for v in values] == [0, 1]
+    assert [rs.state for rs in run.state.ranks] == ["done", "done"]
+    assert_nothing_left(run)
+
+
+def test_without_the_channel_a_failure_is_the_ranks_own_and_prompt(unreachable):
+    run = unreachable(2).submit(fail_on_rank_1)
+    with pytest.raises(RankFailure) as info:
+        run.result(timeout=120)  # rank 0 sleeps for 600 s: only the stage's failure can end it
+    err = info.value
+    assert (err.rank, err.exc_type, err.message) == (1, "ValueError", "bad shard on rank 1")
+    assert 'raise ValueError("bad shard on rank 1")' in err.traceback
+    assert "rank 1 working" in err.failure.log_tail
+    assert "rank 1 working" in run.logs(1)  # the output came back with the failure
+    assert_nothing_left(run)
+
+
+def test_without_the_channel_cancel_interrupts_the_stage(unreachable):
+    run = unreachable(2).submit(sleep_after_saying_so)
+    wait_until(lambda: run.state.elapsed() > 5, 30, "the ranks to be well started")
+    run.cancel()
+    with pytest.raises(RunCancelled):
+        run.result(timeout=120)
+    assert_nothing_left(run)
+
+
+def test_executors_with_other_versions_are_refused_before_training(spark_connect, monkeypatch):
+    from torchdist_magic.backends import spark_python
+
+    real = spark_python.local_facts()
+    claimed = dict(real, packages=dict(real["packages"], cloudpickle="0.0.1"))
+    monkeypatch.setattr(spark_python, "local_facts", lambda: claimed)
+    monkeypatch.setattr(spark_python, "_chosen", {})
+    with pytest.raises(spark_python.InterpreterMismatch) as info:
+        Distributor(2, local_mode=False, show=None).submit(one)
+    text = str(info.value)
+    assert "the Spark Connect server's executors cannot run the ranks" in text
+    assert f"cloudpickle 0.0.1 here, {real['packages']['cloudpickle']} there" in text
