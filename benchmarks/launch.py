@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -38,6 +36,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+from report import machine, write_json  # noqa: E402  (this script's folder is on sys.path)
 sys.path.insert(0, os.path.dirname(HERE))
 
 TORCHRUN_SCRIPT = """\
@@ -224,16 +224,11 @@ def main(argv=None) -> int:
     result = {
         "benchmark": "launch: gloo all_reduce of one tensor, 2 ranks, end to end",
         "repeat": args.repeat, "warmup": args.warmup,
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-                    "torch": torch.__version__, "pyspark": pyspark.__version__},
+        "machine": machine(torch=torch.__version__, pyspark=pyspark.__version__),
         "spark_master": "local[2] (classic, and the Spark Connect server's)",
         "launchers": summary,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=2)
-    print(f"\nwrote {args.json}")
+    write_json(args.json, result)
     return 0
 
 

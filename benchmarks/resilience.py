@@ -21,9 +21,7 @@ Prints a table (median, min, max) and writes every time to the JSON file.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import signal
 import statistics
 import sys
@@ -31,6 +29,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+from report import machine, write_json  # noqa: E402  (this script's folder is on sys.path)
 sys.path.insert(0, os.path.dirname(HERE))
 
 
@@ -188,15 +188,10 @@ def main(argv=None) -> int:
     result = {
         "benchmark": "resilience: restart latency and hang watchdog detection, 2 ranks, gloo",
         "repeat": args.repeat, "hang_timeout_s": args.hang_timeout,
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-                    "torch": torch.__version__},
+        "machine": machine(torch=torch.__version__),
         "measures": rows,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=2)
-    print(f"\nwrote {args.json}")
+    write_json(args.json, result)
     return 0
 
 

@@ -6,6 +6,19 @@ import pytest
 pytest_plugins = ["spark_fixtures"]
 
 
+@pytest.fixture(scope="module")
+def ip():
+    """An IPython shell with ``%load_ext torchdist_magic`` and the text view; run cells with
+    ``helpers.cell``."""
+    from IPython.testing.globalipapp import get_ipython, start_ipython
+
+    shell = start_ipython() or get_ipython()  # None when another test module started it first
+    shell.run_line_magic("load_ext", "torchdist_magic")
+    shell.run_line_magic("config", "TorchdistMagics.view = 'text'")
+    yield shell
+    shell.run_line_magic("unload_ext", "torchdist_magic")
+
+
 @pytest.fixture
 def local_distributor():
     """``make(num_processes, **options)`` -> a silent local-process Distributor."""

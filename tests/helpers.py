@@ -4,6 +4,7 @@ their environment) and assert that none survives."""
 from __future__ import annotations
 
 import os
+import textwrap
 import threading
 import time
 from typing import Callable, TypeVar
@@ -88,3 +89,8 @@ class Collector:
         wait_until(lambda: len(self.records) >= n, 10, f"{n} records")
         with self.lock:
             return list(self.records)
+
+
+def cell(ip, source):
+    """Run a notebook cell (dedented) in the shell ``ip``, stored in its history."""
+    return ip.run_cell(textwrap.dedent(source).strip("\n"), store_history=True)

@@ -13,12 +13,11 @@ import os
 import shutil
 import socket
 import sys
-import textwrap
 import zipfile
 
 import pytest
 
-from helpers import assert_no_survivors
+from helpers import assert_no_survivors, cell
 from torchdist_magic import RankFailure
 from torchdist_magic.capture import CaptureError, capture_cell, translate_cell
 from torchdist_magic.rank_shell import MagicError, PipFailed, RankShell, SList, TimeitResult
@@ -224,19 +223,6 @@ def test_pip_runs_once_and_its_failure_reaches_every_rank_of_the_host(tmp_path, 
 
 
 # -- through the magic, on real ranks --------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ip():
-    from IPython.testing.globalipapp import get_ipython, start_ipython
-
-    shell = start_ipython() or get_ipython()  # None when another test module started it first
-    shell.run_line_magic("load_ext", "torchdist_magic")
-    shell.run_line_magic("config", "TorchdistMagics.view = 'text'")
-    yield shell
-    shell.run_line_magic("unload_ext", "torchdist_magic")
-
-
-def cell(ip, source):
-    return ip.run_cell(textwrap.dedent(source).strip("\n"), store_history=True)
 
 
 def tiny_wheel(directory, name):

@@ -4,28 +4,13 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
-from helpers import assert_no_survivors
+from helpers import assert_no_survivors, cell
 from torchdist_magic import RankFailure, last_run
 
 
-@pytest.fixture(scope="module")
-def ip():
-    from IPython.testing.globalipapp import get_ipython, start_ipython
-
-    shell = start_ipython() or get_ipython()  # None when another test module started it first
-    shell.run_line_magic("load_ext", "torchdist_magic")
-    shell.run_line_magic("config", "TorchdistMagics.view = 'text'")
-    yield shell
-    shell.run_line_magic("unload_ext", "torchdist_magic")
-
-
-def cell(ip, source):
-    """Run a cell; return (result, captured stdout+stderr)."""
-    return ip.run_cell(textwrap.dedent(source).strip("\n"), store_history=True)
 
 
 def fresh_ipython(*lines):

@@ -12,7 +12,7 @@ and ``TORCHDIST_KEEP_CHECKPOINTS``).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from .options import LaunchOptions

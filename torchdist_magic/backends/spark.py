@@ -30,6 +30,7 @@ Python exception, or Spark's reason, of the failed task instead of a Py4JJavaErr
 
 from __future__ import annotations
 
+import abc
 import collections
 import dataclasses
 import functools
@@ -215,19 +216,43 @@ class DriverRendezvous:
             self._placed = True
         self._ctx.to_ranks(events.Peers(rank=-1, use_barrier=True))
 
+    @property
+    def placed(self) -> bool:
+        """The tasks were sent their ``Peers`` (or told to use the barrier)."""
+        return self._placed
+
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
 
 
-class SparkRun(BackendRun):
-    """The barrier stage of one run; ``collect`` runs in a thread of its own, under a job tag."""
+#: how a failed rank's task may mark its ``Exit`` in the exception its stage fails with
+FAILURE_MARK = "torchdist-rank-exit:"
+_MARKED_EXIT = re.compile(re.escape(FAILURE_MARK) + r"(\{.*\})")
 
-    def __init__(self, sc, spec: "BarrierTaskSpec", ctx: LaunchContext, task: Callable, python: str):
-        from pyspark import InheritableThread
 
-        self._sc = sc
-        self._python = python
+def marked_exit(exc: BaseException) -> Optional[events.Exit]:
+    """The ``Exit`` a failed rank's task raised with (``FAILURE_MARK``), from the stage's error."""
+    m = _MARKED_EXIT.search(str(exc))
+    if m is None:
+        return None
+    try:
+        record = events.loads(m.group(1))
+    except events.MalformedEvent:
+        return None
+    return record if isinstance(record, events.Exit) else None
+
+
+class BarrierStageRun(BackendRun):
+    """What the classic and the Spark Connect barrier stage share.
+
+    The stage runs in a thread of its own (``_run_stage``) under a job tag, one per attempt;
+    the tasks meet through the driver (``DriverRendezvous``); what comes back through the stage
+    is handed over by ``_deliver``; stopping sends ``Stop`` over the channel, then interrupts
+    the job tag (``_interrupt``) until the stage is gone.
+    """
+
+    def __init__(self, spec: "BarrierTaskSpec", ctx: LaunchContext, task: Callable):
         self._spec = spec
         self._ctx = ctx
         self._task = task
@@ -237,91 +262,83 @@ class SparkRun(BackendRun):
         self._closed = False
         self._values: Dict[int, bytes] = {}
         self._error: Optional[BaseException] = None
-        self._thread = InheritableThread(target=self._run_stage, name=f"torchdist-spark-{spec.run.run_id}",
-                                         daemon=True)
+        self._rendezvous: Optional[DriverRendezvous] = None
+        self._thread = self._make_thread(self._run_stage, f"torchdist-stage-{spec.run.run_id}")
+
+    def _make_thread(self, target: Callable, name: str) -> threading.Thread:
+        return threading.Thread(target=target, name=name, daemon=True)
 
     def launch(self) -> None:
         self._rendezvous = DriverRendezvous(self._ctx, self._spec.run.num_processes)
         self._thread.start()
 
-    def _barrier_rdd(self):
-        """The stage's RDD, its Python function bound to the tasks' interpreter."""
-        sc, n = self._sc, self._spec.run.num_processes
-        rdd = sc.parallelize(range(n), n).barrier().mapPartitions(self._task)
-        return build_with_python(sc, rdd, self._python)
-
+    @abc.abstractmethod
     def _run_stage(self) -> None:
-        sc, n = self._sc, self._spec.run.num_processes
-        with self._lock:
-            if self._stopping:
-                return
-            sc.setJobDescription(f"torchdist run {self._spec.run.run_id}: {n} ranks")
-            sc.setInterruptOnCancel(True)
-            sc.addJobTag(self.job_tag)
-        try:
-            deadline = time.monotonic() + SPARK_SLOT_WAIT
-            # a barrier stage submitted before enough executors registered waits 15 s to retry
-            while max_concurrent_tasks(sc) < n and not self._stopping and time.monotonic() < deadline:
-                time.sleep(0.1)
-            rows = self._barrier_rdd().collect()
-        except Exception as exc:
-            self._error = exc
-            if not self._stopping:
-                self._report_stage_failure(exc)
-            return
-        finally:
-            try:
-                sc.removeJobTag(self.job_tag)
-                sc.setJobDescription(None)
-            except Exception:  # the SparkContext was stopped under the run
-                pass
-        for outcome in rows:
-            if outcome.value is not None:
-                self._values[outcome.rank] = outcome.value
-        for outcome in rows:
-            # normally the channel delivered all of it (a repeated exit is ignored); this covers
-            # a rank whose channel to the driver was lost
-            if outcome.channel_lost:
-                for line in outcome.log_tail:
-                    self._ctx.emit(events.Log(rank=outcome.rank, stream="stderr", line=line))
-            try:
-                self._ctx.emit(events.decode(outcome.exit_json))
-            except events.MalformedEvent:
-                pass  # a task of another version: the channel's handshake said so already
+        """Run the stage to its end; ``_deliver`` its outcome or ``_report_stage_failure``."""
+
+    @abc.abstractmethod
+    def _interrupt(self) -> None:
+        """Cancel the stage's job tag (called again until the stage has ended)."""
+
+    def _deliver(self, values: Dict[int, bytes], exits: Dict[int, events.Exit],
+                 lost_logs: Dict[int, List[str]]) -> None:
+        """The stage's outcome: the values, and every rank's exit, after the last lines of the
+        ranks the channel did not carry (a repeated exit is ignored by the run's state)."""
+        self._values = values
+        for rank in range(self._spec.run.num_processes):
+            for line in lost_logs.get(rank, ()):
+                self._ctx.emit(events.Log(rank=rank, stream="stderr", line=line))
+            if rank in exits:
+                self._ctx.emit(exits[rank])
+
+    def _failed(self, exc: BaseException) -> None:
+        """The stage raised ``exc``: the run's failure, unless the run was being stopped."""
+        self._error = exc
+        if not self._stopping:
+            self._report_stage_failure(exc)
 
     def _report_stage_failure(self, exc: BaseException) -> None:
-        """The stage failed outside any rank: one rank fails with Spark's reason, the others stop."""
-        culprit, failure = spark_failure(exc)
-        now = time.time()
+        """The failing rank's own ``Exit`` when its task raised with it; else Spark's reason as
+        one rank's failure.  The other ranks were stopped with the stage."""
         n = self._spec.run.num_processes
-        culprit = min(max(culprit or 0, 0), n - 1)
-        failure = dataclasses.replace(failure, rank=culprit, exit_code=1, time=now)
-        self._ctx.emit(events.Exit(rank=culprit, code=1, time=now, host=failure.host, failure=failure))
+        now = time.time()
+        failed = marked_exit(exc)
+        if failed is None:
+            rank, failure = spark_failure(exc)
+            rank = min(max(rank or 0, 0), n - 1)
+            failed = events.Exit(rank=rank, code=1, time=now, host=failure.host,
+                                 failure=dataclasses.replace(failure, rank=rank, exit_code=1, time=now))
+        if failed.failure is not None:
+            for line in failed.failure.log_tail:
+                self._ctx.emit(events.Log(rank=failed.rank, stream="stderr", line=line))
+        self._ctx.emit(failed)
         for rank in range(n):
-            if rank != culprit:
+            if rank != failed.rank:
                 self._ctx.emit(events.Exit(rank=rank, code=None, time=now, stopped=True))
 
     def stop(self, grace: float) -> None:
-        """Tell every task to stop its rank and wait for the stage to end; cancel it if that is
-        not enough (a task not started yet, or stuck before its rank started).
+        """Tell every task to stop its rank and wait for the stage to end; interrupt it if that
+        is not enough (a task not started yet, stuck before its rank started, or unable to
+        reach the driver).
 
         ``Stop`` is sent again while waiting: a task that connects to the channel late still
-        gets it.  A cancelled task is killed only after ``spark.python.task.killTimeout``, with
-        SIGKILL; its guard then stops the worker.
+        gets it.  An interrupted task is killed only after ``spark.python.task.killTimeout``,
+        with SIGKILL; its guard then stops the worker.
         """
         with self._lock:
             self._stopping = True
         stop = events.Stop(rank=-1, grace=grace)
         deadline = time.monotonic() + max(grace, 0.0) + SPARK_STAGE_END_WAIT
         while self._thread.is_alive() and time.monotonic() < deadline:
-            self._ctx.to_ranks(stop)
+            if self._ctx.to_ranks(stop) == 0 and self._rendezvous is not None and self._rendezvous.placed:
+                break  # the tasks met and none of them hears the driver: only an interrupt helps
             self._thread.join(SPARK_CANCEL_RETRY)
         deadline = time.monotonic() + SPARK_CANCEL_WAIT
         try:
             while self._thread.is_alive() and time.monotonic() < deadline:
-                self._sc.cancelJobsWithTag(self.job_tag)
+                self._interrupt()
                 self._thread.join(SPARK_CANCEL_RETRY)
-        except Exception:  # the SparkContext is gone, and with it the stage
+        except Exception:  # the session is gone, and with it the stage
             pass
 
     def dump_stacks(self) -> None:
@@ -342,9 +359,66 @@ class SparkRun(BackendRun):
         if self._closed:
             return
         self._closed = True
-        self._rendezvous.close()
+        if self._rendezvous is not None:
+            self._rendezvous.close()
         if self._thread.is_alive():
             self.stop(STOP_GRACE)
+
+
+class SparkRun(BarrierStageRun):
+    """The classic barrier stage: an RDD's ``mapPartitions`` collected under a job tag."""
+
+    def __init__(self, sc, spec: "BarrierTaskSpec", ctx: LaunchContext, task: Callable, python: str):
+        self._sc = sc
+        self._python = python
+        super().__init__(spec, ctx, task)
+
+    def _make_thread(self, target: Callable, name: str) -> threading.Thread:
+        from pyspark import InheritableThread  # the job tag and local properties go with it
+
+        return InheritableThread(target=target, name=name, daemon=True)
+
+    def _barrier_rdd(self):
+        """The stage's RDD, its Python function bound to the tasks' interpreter."""
+        sc, n = self._sc, self._spec.run.num_processes
+        rdd = sc.parallelize(range(n), n).barrier().mapPartitions(self._task)
+        return build_with_python(sc, rdd, self._python)
+
+    def _run_stage(self) -> None:
+        sc, n = self._sc, self._spec.run.num_processes
+        with self._lock:
+            if self._stopping:
+                return
+            sc.setJobDescription(f"torchdist run {self._spec.run.run_id}: {n} ranks")
+            sc.setInterruptOnCancel(True)
+            sc.addJobTag(self.job_tag)
+        try:
+            deadline = time.monotonic() + SPARK_SLOT_WAIT
+            # a barrier stage submitted before enough executors registered waits 15 s to retry
+            while max_concurrent_tasks(sc) < n and not self._stopping and time.monotonic() < deadline:
+                time.sleep(0.1)
+            outcomes = self._barrier_rdd().collect()
+        except Exception as exc:
+            self._failed(exc)
+            return
+        finally:
+            try:
+                sc.removeJobTag(self.job_tag)
+                sc.setJobDescription(None)
+            except Exception:  # the SparkContext was stopped under the run
+                pass
+        exits: Dict[int, events.Exit] = {}
+        for outcome in outcomes:
+            try:
+                exits[outcome.rank] = events.decode(outcome.exit_json)
+            except events.MalformedEvent:
+                pass  # a task of another version: the channel's handshake said so already
+        self._deliver({o.rank: o.value for o in outcomes if o.value is not None}, exits,
+                      {o.rank: o.log_tail for o in outcomes if o.channel_lost})
+
+    def _interrupt(self) -> None:
+        self._sc.cancelJobsWithTag(self.job_tag)
+
 
 _PY_TRACEBACK = "Traceback (most recent call last):"
 _EXC_LINE = re.compile(r"([A-Za-z_][\w.$]*): (.*)", re.S)

@@ -22,27 +22,20 @@ Cancel and timeout: ``Stop`` over the channel when it is there, and the stage's 
 from __future__ import annotations
 
 import functools
-import re
 import socket
-import threading
-import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List
 
 from .. import events
 from ..options import LaunchOptions
-from ..timing import SPARK_CANCEL_RETRY, SPARK_CANCEL_WAIT, SPARK_STAGE_END_WAIT, STOP_GRACE
-from . import Backend, BackendRun, LaunchContext
-from .spark import BarrierTaskSpec, DriverRendezvous, run_barrier_task, spark_failure
+from . import Backend, LaunchContext
+from .spark import FAILURE_MARK, BarrierStageRun, BarrierTaskSpec, run_barrier_task, spark_failure
 from .spark_python import InterpreterMismatch, check_connect_python
 
 #: bytes of a value per result row: well under Spark Connect's default gRPC message limit
 #: (``spark.connect.grpc.maxInboundMessageSize``, 128 MiB) and its Arrow batch size
 CHUNK = 4 * 1024 * 1024
 SCHEMA = "rank int, kind string, chunk binary"
-#: how a failed rank's task marks its ``Exit`` in the exception the stage fails with
-FAILURE_MARK = "torchdist-rank-exit:"
-_FAILURE = re.compile(re.escape(FAILURE_MARK) + r"(\{.*\})")
 
 
 class RankExited(Exception):
@@ -157,38 +150,13 @@ def sort_rows(rows) -> _Rows:
     return _Rows(exits, {r: b"".join(p) for r, p in pieces.items()}, logs)
 
 
-def failure_in(exc: BaseException) -> Optional[events.Exit]:
-    """The ``Exit`` a failed rank's task raised with, found in the stage's error text."""
-    m = _FAILURE.search(str(exc))
-    if m is None:
-        return None
-    try:
-        record = events.loads(m.group(1))
-    except events.MalformedEvent:
-        return None
-    return record if isinstance(record, events.Exit) else None
-
-
-class SparkConnectRun(BackendRun):
-    """The barrier stage of one run: ``collect`` in a thread of its own, under a job tag."""
+class SparkConnectRun(BarrierStageRun):
+    """The barrier stage of a Spark Connect session: ``mapInArrow(barrier=True)`` collected
+    under a job tag, interrupted with ``interruptTag``."""
 
     def __init__(self, spark, spec: BarrierTaskSpec, ctx: LaunchContext, task: Callable):
         self._spark = spark
-        self._spec = spec
-        self._ctx = ctx
-        self._task = task
-        self.job_tag = f"torchdist-{spec.run.run_id}"
-        self._lock = threading.Lock()
-        self._stopping = False
-        self._closed = False
-        self._values: Dict[int, bytes] = {}
-        self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run_stage, name=f"torchdist-connect-{spec.run.run_id}",
-                                        daemon=True)
-
-    def launch(self) -> None:
-        self._rendezvous = DriverRendezvous(self._ctx, self._spec.run.num_processes)
-        self._thread.start()
+        super().__init__(spec, ctx, task)
 
     def _run_stage(self) -> None:
         n = self._spec.run.num_processes
@@ -200,80 +168,14 @@ class SparkConnectRun(BackendRun):
             frame = spark.range(0, n, 1, numPartitions=n).mapInArrow(self._task, SCHEMA, barrier=True)
             rows = sort_rows(r.asDict() for r in frame.collect())
         except Exception as exc:
-            self._error = exc
-            if not self._stopping:
-                self._report_stage_failure(exc)
+            self._failed(exc)
             return
         finally:
             spark.removeTag(self.job_tag)
-        self._values = rows.values
-        for rank in range(n):
-            for line in rows.logs.get(rank, ()):
-                self._ctx.emit(events.Log(rank=rank, stream="stderr", line=line))
-            if rank in rows.exits:
-                self._ctx.emit(rows.exits[rank])
+        self._deliver(rows.values, rows.exits, rows.logs)
 
-    def _report_stage_failure(self, exc: BaseException) -> None:
-        """The failing rank's own ``Exit`` when its task raised with it; else Spark's reason as
-        one rank's failure.  The other ranks were stopped with the stage."""
-        n = self._spec.run.num_processes
-        now = time.time()
-        failed = failure_in(exc)
-        if failed is None:
-            rank, failure = spark_failure(exc)
-            rank = min(max(rank or 0, 0), n - 1)
-            failed = events.Exit(rank=rank, code=1, time=now, host=failure.host,
-                                 failure=events.Failure(rank=rank, exit_code=1, time=now, host=failure.host,
-                                                        exc_type=failure.exc_type, message=failure.message,
-                                                        traceback=failure.traceback))
-        if failed.failure is not None:
-            for line in failed.failure.log_tail:
-                self._ctx.emit(events.Log(rank=failed.rank, stream="stderr", line=line))
-        self._ctx.emit(failed)
-        for rank in range(n):
-            if rank != failed.rank:
-                self._ctx.emit(events.Exit(rank=rank, code=None, time=now, stopped=True))
-
-    def dump_stacks(self) -> None:
-        """Each task that hears the driver signals its worker and sends the ``Stacks`` back."""
-        self._ctx.to_ranks(events.DumpStacks(rank=-1))
-
-    def stop(self, grace: float) -> None:
-        """``Stop`` to every task that can hear the driver, then the job tag's interrupt for
-        whatever is left (a task that cannot reach the driver, or has not started its rank)."""
-        with self._lock:
-            self._stopping = True
-        stop = events.Stop(rank=-1, grace=grace)
-        deadline = time.monotonic() + max(grace, 0.0) + SPARK_STAGE_END_WAIT
-        while self._thread.is_alive() and time.monotonic() < deadline:
-            if self._ctx.to_ranks(stop) == 0:
-                break  # no task hears the driver: interrupting the stage is the only way
-            self._thread.join(SPARK_CANCEL_RETRY)
-        deadline = time.monotonic() + SPARK_CANCEL_WAIT
-        try:
-            while self._thread.is_alive() and time.monotonic() < deadline:
-                self._spark.interruptTag(self.job_tag)
-                self._thread.join(SPARK_CANCEL_RETRY)
-        except Exception:  # the session is gone, and with it the stage
-            pass
-
-    def result(self, rank: int) -> Optional[bytes]:
-        self._thread.join()
-        if rank in self._values:
-            return self._values[rank]
-        if self._error is not None:
-            _, reason = spark_failure(self._error)
-            raise RuntimeError(f"rank {rank} finished, but Spark could not return its value: "
-                               f"{reason.exc_type}: {reason.message}")
-        return None
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._rendezvous.close()
-        if self._thread.is_alive():
-            self.stop(STOP_GRACE)
+    def _interrupt(self) -> None:
+        self._spark.interruptTag(self.job_tag)
 
 
 # -- task side --------------------------------------------------------------------------------
