@@ -78,6 +78,10 @@ def all_reduce_job():
 def spark_session():
     from pyspark.sql import SparkSession
 
+    # TorchDistributor's tasks run Spark's interpreter, ``python3`` from PATH unless this is set;
+    # torchdist_magic would pick this interpreter by itself, TorchDistributor needs it set
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
     spark = (SparkSession.builder.master("local[2]").appName("torchdist launch benchmark")
              .config("spark.ui.enabled", "false")
              .config("spark.ui.showConsoleProgress", "false")

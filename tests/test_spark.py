@@ -327,4 +327,5 @@ def test_tasks_that_cannot_reach_the_driver_still_rendezvous(spark_local2, monke
     # rank 1's exit reached the driver through the stage's result, its only way back
     assert [(rs.state, rs.exit_code) for rs in run.state.ranks] == [("done", 0), ("done", 0)]
     assert run.state.ranks[1].pid is None and run.state.ranks[0].pid  # no live events from rank 1
+    assert run.logs(1).startswith("[torchdist] no live view of this rank") and "no live view" not in run.logs(0)
     assert_nothing_left(run)

@@ -86,6 +86,9 @@ def test_without_the_channel_the_value_still_comes_back(unreachable):
     values = run.result(timeout=120)
     assert [v[-1] for v in values] == [0, 1]
     assert [rs.state for rs in run.state.ranks] == ["done", "done"]
+    for r in (0, 1):  # the view says why there was nothing live, in one line
+        assert run.logs(r).startswith("[torchdist] no live view of this rank: its task could not reach "
+                                      "this notebook's event channel at 127.0.0.1:9")
     assert_nothing_left(run)
 
 
@@ -98,6 +101,7 @@ def test_without_the_channel_a_failure_is_the_ranks_own_and_prompt(unreachable):
     assert 'raise ValueError("bad shard on rank 1")' in err.traceback
     assert "rank 1 working" in err.failure.log_tail
     assert "rank 1 working" in run.logs(1)  # the output came back with the failure
+    assert run.logs(1).startswith("[torchdist] no live view of this rank")
     assert_nothing_left(run)
 
 

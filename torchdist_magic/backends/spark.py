@@ -243,6 +243,13 @@ def marked_exit(exc: BaseException) -> Optional[events.Exit]:
     return record if isinstance(record, events.Exit) else None
 
 
+def no_live_view(run: RunSpec) -> str:
+    """The line a rank's log gets when its task could not reach the notebook."""
+    return (f"[torchdist] no live view of this rank: its task could not reach this notebook's "
+            f"event channel at {run.channel_address} (a firewall, or a notebook outside the "
+            "cluster); its exit and last lines came back with the stage")
+
+
 class BarrierStageRun(BackendRun):
     """What the classic and the Spark Connect barrier stage share.
 
@@ -286,6 +293,8 @@ class BarrierStageRun(BackendRun):
         ranks the channel did not carry (a repeated exit is ignored by the run's state)."""
         self._values = values
         for rank in range(self._spec.run.num_processes):
+            if rank in lost_logs:
+                self._ctx.emit(events.Log(rank=rank, stream="stderr", line=no_live_view(self._spec.run)))
             for line in lost_logs.get(rank, ()):
                 self._ctx.emit(events.Log(rank=rank, stream="stderr", line=line))
             if rank in exits:
@@ -308,7 +317,8 @@ class BarrierStageRun(BackendRun):
             rank = min(max(rank or 0, 0), n - 1)
             failed = events.Exit(rank=rank, code=1, time=now, host=failure.host,
                                  failure=dataclasses.replace(failure, rank=rank, exit_code=1, time=now))
-        if failed.failure is not None:
+        if failed.failure is not None and failed.failure.log_tail:
+            self._ctx.emit(events.Log(rank=failed.rank, stream="stderr", line=no_live_view(self._spec.run)))
             for line in failed.failure.log_tail:
                 self._ctx.emit(events.Log(rank=failed.rank, stream="stderr", line=line))
         self._ctx.emit(failed)
