@@ -37,7 +37,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-from report import machine, write_json  # noqa: E402  (this script's folder is on sys.path)
+from report import machine, spark_session, write_json  # noqa: E402  (this script's folder is on sys.path)
 sys.path.insert(0, os.path.dirname(HERE))
 
 TORCHRUN_SCRIPT = """\
@@ -75,20 +75,12 @@ def all_reduce_job():
     return t.item()
 
 
-def spark_session():
-    from pyspark.sql import SparkSession
-
+def spark_session_for_both():
+    """The session both torchdist_magic and TorchDistributor run on."""
     # TorchDistributor's tasks run Spark's interpreter, ``python3`` from PATH unless this is set;
     # torchdist_magic would pick this interpreter by itself, TorchDistributor needs it set
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-
-    spark = (SparkSession.builder.master("local[2]").appName("torchdist launch benchmark")
-             .config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false")
-             .config("spark.driver.host", "127.0.0.1")
-             .getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
+    return spark_session("torchdist launch benchmark")
 
 
 def make_launchers(script_path: str) -> dict:
@@ -215,7 +207,7 @@ def main(argv=None) -> int:
             fh.write(TORCHRUN_SCRIPT)
         launchers = make_launchers(script)
         if classic:
-            spark = spark_session()  # TorchDistributor wants an active session even in local mode
+            spark = spark_session_for_both()  # TorchDistributor wants an active session even in local mode
             print(f"timing {', '.join(classic)}: {args.warmup} warm-up + {args.repeat} counted runs each")
             times.update(measure(launchers, classic, args.repeat, args.warmup))
             spark.stop()

@@ -1,5 +1,5 @@
-"""What every benchmark script here writes next to its table: the machine it ran on, and the
-JSON file of its figures."""
+"""What the benchmark scripts here share: the Spark session they time on, the machine they ran
+on, and the JSON file of their figures."""
 
 from __future__ import annotations
 
@@ -20,3 +20,16 @@ def write_json(path: str, result: dict) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(result, fh, indent=2)
     print(f"\nwrote {path}")
+
+
+def spark_session(app: str):
+    """A quiet ``local[2]`` SparkSession on the loopback interface, without the UI."""
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master("local[2]").appName(app)
+             .config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false")
+             .config("spark.driver.host", "127.0.0.1")
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark

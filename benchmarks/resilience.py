@@ -30,7 +30,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-from report import machine, write_json  # noqa: E402  (this script's folder is on sys.path)
+from report import machine, spark_session, write_json  # noqa: E402  (this script's folder is on sys.path)
 sys.path.insert(0, os.path.dirname(HERE))
 
 
@@ -125,18 +125,6 @@ def measure_hang(local_mode: bool, hang_timeout: float) -> dict:
             "stacks_captured_after_s": stacks - quiet - hang_timeout}
 
 
-def spark_session():
-    from pyspark.sql import SparkSession
-
-    spark = (SparkSession.builder.master("local[2]").appName("torchdist resilience benchmark")
-             .config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false")
-             .config("spark.driver.host", "127.0.0.1")
-             .getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
-
-
 def stats(values: list) -> dict:
     return {"times_s": [round(v, 4) for v in values], "median_s": round(statistics.median(values), 4),
             "min_s": round(min(values), 4), "max_s": round(max(values), 4)}
@@ -166,7 +154,7 @@ def main(argv=None) -> int:
     modes = [("local", True)]
     spark = None
     if args.spark:
-        spark = spark_session()
+        spark = spark_session("torchdist resilience benchmark")
         modes.append(("spark local[2]", False))
     samples: dict = {}
     for mode, local_mode in modes:
