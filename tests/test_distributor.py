@@ -96,6 +96,29 @@ def test_cr_lines_are_replaced_by_the_next_line_of_their_stream(local_distributo
         run.logs(5)
 
 
+def bar_then_other_stream():
+    import time
+
+    sys.stderr.write("\r 50%|#####     |")  # tqdm writes "\r" + the bar, and the newline apart
+    sys.stderr.flush()
+    time.sleep(0.2)
+    sys.stderr.write("\r100%|##########|")
+    sys.stderr.flush()
+    time.sleep(0.2)
+    print("between", flush=True)  # the other stream, before the bar's newline
+    time.sleep(0.2)
+    sys.stderr.write("\n")
+
+
+def test_a_carriage_return_at_a_line_start_leaves_no_line(local_distributor):
+    run = local_distributor(1).submit(bar_then_other_stream)
+    run.result(timeout=60)
+    lines = [(l.stream, l.text, l.cr) for l in run.state.ranks[0].logs]
+    # the bar's final state, in its own place; no empty or stale redraw left between
+    assert lines == [("stderr", "100%|##########|", False), ("stdout", "between", False)]
+    assert "\r" not in run.logs(0)
+
+
 def test_text_view_prefixes_and_summary(capsys):
     def shout():
         print("hello")

@@ -243,11 +243,12 @@ def test_log_store_keeps_a_redrawn_line_s_latest_state_only():
     store = LogStore(lambda: pytest.fail("nothing spills"), "rank-0")
     for pct in (10, 50):
         store.append(LogLine("stderr", f"{pct}%", cr=True))
-    store.append(LogLine("stdout", "a print meanwhile"))  # another stream: kept
-    store.append(LogLine("stderr", "90%", cr=True))
+    store.append(LogLine("stdout", "a print meanwhile"))  # another stream: its own line
+    store.append(LogLine("stderr", "90%", cr=True))  # the bar's line again, where it was
     store.append(LogLine("stderr", "100% done"))
     assert [(l.stream, l.text, l.cr) for l in store] == [
-        ("stderr", "50%", True), ("stdout", "a print meanwhile", False), ("stderr", "100% done", False)]
+        ("stderr", "100% done", False), ("stdout", "a print meanwhile", False)]
+    assert "\r" not in store.text()
     store.append(LogLine("stderr", "next", cr=True))
     store.seal()  # a new attempt: its first line is a line of its own
     store.append(LogLine("stderr", "attempt 2"))

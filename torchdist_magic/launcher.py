@@ -107,7 +107,8 @@ class RankProcess:
             parts = _LINE_END.split(pending)
             ends = _LINE_END.findall(pending)
             for text, end in zip(parts, ends):
-                self._line(stream, text, end == b"\r")
+                if text or end != b"\r":  # a \r at a line's start (tqdm's redraws begin so) moves nothing
+                    self._line(stream, text, end == b"\r")
             pending = parts[-1] + (b"\r" if hold_cr else b"")
         if pending:
             self._line(stream, pending.rstrip(b"\r"), pending.endswith(b"\r"))

@@ -97,9 +97,9 @@ class LogStore:
     indexing, slicing, iteration).  Recent lines are in memory; older ones are in a file under
     ``directory()`` (called on the first spill), read back when asked for.
 
-    ``append`` replaces the last line instead when that line ended with ``\\r`` and came from
-    the same stream: only a bar's latest state is kept.  A reader that keeps a cursor should
-    read a trailing ``\\r``-line again later (``model.MergedLog`` does).
+    ``append`` replaces the stream's last line instead when that line ended with ``\\r`` (also
+    when the other stream wrote in between): only a bar's latest state is kept.  A reader that
+    keeps a cursor should read a trailing ``\\r``-line again later (``model.MergedLog`` does).
     """
 
     def __init__(self, directory: Callable[[], str], name: str):
@@ -113,6 +113,7 @@ class LogStore:
         self._offsets: List[int] = []    # file offset of spilled line k * SPILL_INDEX_EVERY
         self._file_size = 0
         self._sealed = False
+        self._open_cr: Dict[str, int] = {}  # per stream: its last line's index, when it ended with \r
 
     def __len__(self) -> int:
         return self._first + len(self._memory)
@@ -123,12 +124,20 @@ class LogStore:
         return self._first
 
     def append(self, line: LogLine) -> None:
-        last = self._memory[-1] if self._memory else None
-        if last is not None and last.cr and last.stream == line.stream and not self._sealed:
-            self._memory[-1] = line
+        at = self._open_cr.pop(line.stream, None)
+        if at is not None and at >= self._first and not self._sealed:
+            # the stream's redrawn line takes this line, also when another stream wrote between
+            last = self._memory[at - self._first]
+            self._memory[at - self._first] = line
             self._chars += len(line.text) - len(last.text)
+            if line.cr:
+                self._open_cr[line.stream] = at
             return
+        if self._sealed:
+            self._open_cr.clear()
         self._sealed = False
+        if line.cr:
+            self._open_cr[line.stream] = len(self)
         self._memory.append(line)
         self._chars += len(line.text)
         if len(self._memory) > LOG_MEMORY_LINES or self._chars > LOG_MEMORY_CHARS:
