@@ -100,10 +100,10 @@ def test_driver_records_reach_on_message(server):
     b = launcher(server, rank=1, on_message=got_b)
     w = worker(server, rank=0)
     wait_until(lambda: server.stats["authenticated"] == 3)
-    assert server.send(1, events.RunJob(rank=1, job_id="j2", job_file="/tmp/j2"))
+    assert server.send(1, events.RunJob(rank=1, job_id="j2", data="AAA=", last=True, env={"A": "1"}))
     assert server.broadcast(events.Stop(rank=-1, grace=1.5)) == 2  # launchers only
     assert not server.send(7, events.Stop(rank=7))                  # no such rank
-    assert got_b.wait_for(2) == [events.RunJob(rank=1, job_id="j2", job_file="/tmp/j2"),
+    assert got_b.wait_for(2) == [events.RunJob(rank=1, job_id="j2", data="AAA=", last=True, env={"A": "1"}),
                                  events.Stop(rank=-1, grace=1.5)]
     assert got_a.wait_for(1) == [events.Stop(rank=-1, grace=1.5)]
     for client in (a, b, w):

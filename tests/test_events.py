@@ -27,7 +27,11 @@ SAMPLES = [
     Progress(rank=1, bar="tqdm#0", desc="Epoch 0", n=3, total=5, state="cleared", postfix="loss=0.3"),
     events.Joined(rank=1, host="h/127.0.0.3", address="127.0.0.3", port=None, gpus="0"),
     events.Peers(rank=-1, peers=[events.Joined(rank=0, host="h", address="a", port=29500)], use_barrier=False),
-    RunJob(rank=0, job_id="j1", job_file="/tmp/j"),
+    RunJob(rank=0, job_id="j1", data="AAA=", last=True, env={"K": "v"}, all_ranks=True),
+    events.JobValue(rank=0, job_id="j1", data="gAN9cQAu"),
+    events.JobDone(rank=1, job_id="j1", code=1, time=5.0, has_value=False,
+                   failure=Failure(rank=1, exc_type="ValueError", message="bad", traceback="T")),
+    events.OutputEnd(rank=1, job_id="j1", stream="stderr"),
 ]
 
 
@@ -40,7 +44,7 @@ def test_every_record_round_trips_through_json(record):
 
 def test_every_record_type_is_in_the_contract_and_handled():
     assert set(events.RECORDS.values()) == (set(events.RANK_TO_DRIVER) | set(events.DRIVER_TO_RANK)
-                                            | set(events.LAUNCHER_TO_DRIVER))
+                                            | set(events.LAUNCHER_TO_DRIVER) | set(events.POOL_TO_DRIVER))
     assert set(RunState.HANDLERS) == set(events.RANK_TO_DRIVER)
     assert events.SENDERS["worker"] < events.SENDERS["launcher"]
     assert events.Exit not in events.SENDERS["worker"] and events.Log not in events.SENDERS["worker"]

@@ -12,11 +12,12 @@ PACKAGE = pathlib.Path(torchdist_magic.__file__).parent
 #: bottom first; a module may import its own layer and those below it
 LAYERS = [
     ("contract", {"events", "timing", "options"}),
-    ("rank side", {"errors", "runtime", "rank_shell", "job", "rankenv"}),
+    ("rank side", {"errors", "runtime", "rank_shell", "job", "rankenv", "data"}),
     ("worker and transport", {"worker", "channel"}),
     ("launch and state", {"launcher", "state"}),
     ("backends", {"backends", "backends.local", "backends.spark", "backends.spark_python",
                   "backends.spark_connect"}),
+    ("warm pools", {"pool"}),
     ("runs", {"capture", "distributor"}),
     ("views", {"view"}),  # every view.* module but the panel
     ("entry points", {"api", "magic", "view.panel", "__init__"}),

@@ -292,7 +292,8 @@ def test_flags_match_launch_options():
     parser = construct_parser(TorchdistMagics.torchdist)
     dests = {a.dest for a in parser._actions}
     assert {f.name for f in option_fields()} <= dests
-    assert dests - {f.name for f in option_fields()} == {"local", "spark", "out", "quiet", "script", "script_args"}
+    assert dests - {f.name for f in option_fields()} == {"local", "spark", "out", "quiet", "data", "columns", "script",
+                                                             "script_args"}
 
 
 def test_unload_removes_magics():

@@ -14,7 +14,7 @@ from torchdist_magic.view import panel as P
 from torchdist_magic.view.model import rank_rows
 
 #: flags that are no launch setting: shortcuts of --backend, where the value goes, no view
-MAGIC_ONLY_FLAGS = {"--local", "--spark", "--out", "--quiet"}
+MAGIC_ONLY_FLAGS = {"--local", "--spark", "--out", "--quiet", "--data", "--columns"}
 
 
 class Notebook:
@@ -64,7 +64,7 @@ def test_control_kinds_follow_the_field_metadata(panel):
                      "backend": widgets.Dropdown, "timeout": widgets.Text, "hang_timeout": widgets.Text,
                      "max_restarts": widgets.IntText, "checkpoint_dir": widgets.Text,
                      "keep_checkpoints": widgets.IntText, "env": widgets.Textarea,
-                     "all_ranks": widgets.Checkbox}
+                     "all_ranks": widgets.Checkbox, "warm": widgets.Checkbox, "pool_idle_timeout": widgets.Text}
     backend = next(f for f in option_fields() if f.name == "backend")
     assert panel.controls["backend"].options == tuple(backend.metadata["choices"])
     assert panel.options() == LaunchOptions()

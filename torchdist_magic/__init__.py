@@ -7,6 +7,7 @@ the Python API.  Heavy modules (torch, pyspark, ipywidgets, IPython) are importe
 
 from __future__ import annotations
 
+from .data import shard
 from .errors import HangTimeout, JobTimeout, RankFailure, RunCancelled
 from .options import LaunchOptions
 from .runtime import (RankStopped, device, is_main, load_checkpoint, local_rank, progress, rank, report,
@@ -17,11 +18,12 @@ __version__ = "0.1.0"
 __all__ = [
     "Distributor", "LaunchOptions", "RankFailure", "JobTimeout", "HangTimeout", "RunCancelled", "Run",
     "last_run", "progress", "report", "rank", "world_size", "local_rank", "is_main", "device",
-    "restart_count", "save_checkpoint", "load_checkpoint", "RankStopped",
-    "load_ipython_extension", "unload_ipython_extension",
+    "restart_count", "save_checkpoint", "load_checkpoint", "RankStopped", "shard",
+    "load_ipython_extension", "unload_ipython_extension", "pools", "shutdown_pools",
 ]
 
-_LAZY = {"Distributor": "api", "Run": "distributor", "last_run": "distributor"}
+_LAZY = {"Distributor": "api", "Run": "distributor", "last_run": "distributor",
+         "pools": "pool", "shutdown_pools": "pool"}
 
 
 def __getattr__(name):
@@ -40,7 +42,7 @@ def load_ipython_extension(ipython) -> None:
 
 
 def unload_ipython_extension(ipython) -> None:
-    """``%unload_ext torchdist_magic``: remove the magics again."""
+    """``%unload_ext torchdist_magic``: stop the warm pools and remove the magics again."""
     from .magic import unload
 
     unload(ipython)

@@ -82,7 +82,23 @@ class Distributor:
 
     def run(self, train_object: Any, *args: Any, **kwargs: Any) -> Any:
         """Run and wait; rank 0's value.  Ctrl-C stops every rank and re-raises."""
-        run = self.submit(train_object, *args, **kwargs)
+        return self._follow(self.submit(train_object, *args, **kwargs))
+
+    def train_on_dataframe(self, train_function: Any, spark_dataframe: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``train_function(*args, **kwargs)`` on every rank, each rank reading its own share
+        of ``spark_dataframe``'s rows with ``torchdist_magic.shard(batch_size=...)``; wait, and
+        return rank 0's value (the call of TorchDistributor's ``_train_on_dataframe``).
+
+        On Spark (``local_mode=False``) the rows go from the executors straight to the ranks
+        they run, never through this process: any partition count works (the DataFrame is
+        repartitioned into one partition per rank).  On local processes give a pandas DataFrame
+        (split by rows).  Every column travels: ``select`` the ones the job needs first.  A
+        DataFrame that cannot be trained on (empty, fewer rows than ranks, columns that cannot
+        become tensors, another SparkSession's) raises ``TypeError``/``ValueError`` before
+        anything starts."""
+        return self._follow(submit(train_function, args, kwargs, self.options, data=spark_dataframe))
+
+    def _follow(self, run: Run) -> Any:
         observer = None
         if self.show is not None:
             from .view import make_view

@@ -728,11 +728,13 @@ def _coalesce(records: List[events.Event]) -> List[events.Event]:
             if not isinstance(r, events.Progress) or newest[(r.rank, r.bar)] == i]
 
 
-def client_from_env() -> Optional[ChannelClient]:
+def client_from_env(on_message: Optional[Callable[[events.Event], None]] = None) -> Optional[ChannelClient]:
     """A worker's client, from ``TORCHDIST_CHANNEL`` (host:port), ``TORCHDIST_SECRET``,
-    ``TORCHDIST_RUN_ID`` and ``RANK``; ``None`` when the rank runs without a channel."""
+    ``TORCHDIST_RUN_ID`` and ``RANK``; ``None`` when the rank runs without a channel.
+    ``on_message`` gets what the driver sends the worker (a warm pool's ``RunJob``)."""
     address = os.environ.get("TORCHDIST_CHANNEL")
     if not address:
         return None
     return ChannelClient(address, os.environ.get("TORCHDIST_SECRET", ""),
-                         os.environ.get("TORCHDIST_RUN_ID", ""), int(os.environ.get("RANK", "0")))
+                         os.environ.get("TORCHDIST_RUN_ID", ""), int(os.environ.get("RANK", "0")),
+                         on_message=on_message)

@@ -57,17 +57,50 @@ def build_job(target: Any, args: tuple, kwargs: dict) -> Job:
     return function_job(target, args, kwargs)
 
 
-def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions) -> "Run":
+def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data: Any = None,
+           columns: Optional[List[str]] = None) -> "Run":
     """Start ``target`` (a ``Job``, a function, or a script path) as a run and return its
-    handle at once.  Bad input (options, arguments, an unplaceable run) raises
-    ``TypeError``/``ValueError`` before anything starts."""
+    handle at once.  Bad input (options, arguments, an unplaceable run, a DataFrame ``data``
+    that cannot be trained on) raises ``TypeError``/``ValueError`` before anything starts.
+
+    With ``data`` (a Spark DataFrame on Spark, a pandas DataFrame on local processes; its
+    ``columns``, all by default) every rank reads its share with ``torchdist_magic.shard``."""
     if not isinstance(options, LaunchOptions):
         raise TypeError(f"options must be a LaunchOptions, got {type(options).__name__}")
     options = options.replace()  # validated again: a LaunchOptions can be changed after it was made
     job = build_job(target, tuple(args), dict(kwargs))
-    backend = make_backend(options)
-    backend.check(options)
-    run = Run(job, options, backend)
+    if options.warm:
+        if data is not None:
+            raise ValueError("a warm run cannot train on a DataFrame: the pool's ranks were started "
+                             "before the data was given; run it without --warm/warm=True")
+        from .pool import warm_backend
+
+        backend = warm_backend(options)  # checks the placement when it starts a pool
+    else:
+        backend = make_backend(options)
+        from .pool import check_cold_run
+
+        check_cold_run(options, backend)  # a warm pool may hold the Spark task slots
+        backend.check(options)
+    prepared = None
+    if data is not None:
+        from .data import prepare_data
+
+        if getattr(options, "warm", False):
+            raise ValueError("a run with data starts its ranks for that data (on Spark, a stage of "
+                             "the DataFrame itself); it cannot run on a warm pool: leave out warm/--warm")
+
+        prepared = prepare_data(data, backend.name, options.num_processes,
+                                getattr(backend, "spark", None), columns)
+        if prepared.frame is not None:
+            backend.data = prepared  # the Spark backends' stage reads it
+    elif columns is not None:
+        raise ValueError("columns name columns of the data to train on, and no data was given")
+    try:
+        run = Run(job, options, backend, prepared)
+    except BaseException:
+        backend.release()
+        raise
     run._start()
     return run
 
@@ -86,12 +119,13 @@ class Run:
     (and its ``state``) are garbage-collected, or when the process exits.
     """
 
-    def __init__(self, job: Job, options: LaunchOptions, backend: Backend):
+    def __init__(self, job: Job, options: LaunchOptions, backend: Backend, data: Any = None):
         import cloudpickle
 
         self.job = job
         self.options = options
         self.backend = backend
+        self.data = data  # a ``data.PreparedData``, or None
         self.run_id = f"{next(_run_counter)}-{uuid.uuid4().hex[:8]}"
         #: host:port of the current attempt's event channel, once it listens
         self.channel_address: Optional[str] = None
@@ -175,6 +209,9 @@ class Run:
             if not self.state.finished:
                 self.state.finish("failed", message=str(exc))
         finally:
+            if self.data is not None:
+                self.data.remove_files()  # the ranks' copies of a pandas DataFrame
+            self.backend.release()
             self._done.set()
 
     def _attempt(self, deadline: Optional[float], checkpoints: str) -> bool:
@@ -198,15 +235,23 @@ class Run:
             routes.get(type(record), emit)(record)
 
         try:
-            secret, launcher_secret = new_secret(), new_secret()
-            channel = ChannelServer(deliver, self.run_id, host=self.backend.channel_host(),
-                                    secret=secret, launcher_secret=launcher_secret)
-            host, port = channel.address[:2]
-            self.channel_address = f"{host}:{port}"
-            spec = RunSpec.resolve(self.options, self.run_id, self.channel_address, secret, launcher_secret,
-                                   attempt=self.state.attempt - 1, checkpoint_dir=checkpoints)
+            secret = launcher_secret = ""
+            if self.backend.needs_channel:  # a warm pool has its channel already
+                secret, launcher_secret = new_secret(), new_secret()
+                channel = ChannelServer(deliver, self.run_id, host=self.backend.channel_host(),
+                                        secret=secret, launcher_secret=launcher_secret)
+                host, port = channel.address[:2]
+                self.channel_address = f"{host}:{port}"
+            data_files = ()
+            if self.data is not None and self.data.table is not None:  # split on this machine
+                data_files = self.data.write_rank_files(f"torchdist-run-{self.run_id}-data-",
+                                                        self.options.num_processes)
+            spec = RunSpec.resolve(self.options, self.run_id, self.channel_address or "", secret, launcher_secret,
+                                   attempt=self.state.attempt - 1, checkpoint_dir=checkpoints,
+                                   data_files=data_files)
             ctx = LaunchContext(spec, self._job_bytes, emit,
-                                lambda record: channel.broadcast(record, role="launcher"), routes)
+                                lambda record: channel.broadcast(record, role="launcher") if channel else 0,
+                                routes)
             backend_run = self.backend.start(ctx)
             return self._watch(backend_run, deadline)
         finally:

@@ -8,14 +8,15 @@ decoded: a field of the wrong type, a missing field or an unknown type raises
 
 Who may send what (the channel enforces it, ``SENDERS``):
 
-- a **worker** (the rank's own process): ``Started``, ``Progress``, ``Metrics``, ``Dropped``;
+- a **worker** (the rank's own process): ``Started``, ``Progress``, ``Metrics``, ``Dropped``,
+  and in a warm pool ``JobValue`` and ``JobDone`` after each job;
 - a **launcher** (what starts and watches a worker: the local backend in the driver, or a
   Spark task on an executor): ``Log`` (the worker's output), ``Exit`` (what the process
-  did) and ``Stacks`` (every thread's stack, when the driver asked), and anything a worker may
-  send;
+  did), ``Stacks`` (every thread's stack, when the driver asked), ``OutputEnd`` (a warm rank's
+  job output has all been read), and anything a worker may send;
 - the **driver** to ranks: ``Stop`` (stop the rank, with a grace period before the kill),
   ``DumpStacks`` (capture every thread's Python stack) and ``RunJob`` (the next job of a warm
-  rank).
+  pool's ranks, in pieces).
 
 A rank's ``Exit`` is what its launcher saw the process do, never what the worker claims.
 """
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional, Type, Union
 
 #: bumped whenever a record changes shape; the channel refuses a peer with another version
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class MalformedEvent(ValueError):
@@ -232,12 +233,52 @@ class Stacks(Event):
 
 @dataclass
 class RunJob(Event):
-    """Driver to a warm rank: run the job ``job_id``, read from ``job_file`` (a path the rank can
-    read; the job itself never travels over the channel)."""
+    """Driver to the workers of a warm pool: one piece of the next job (``Job``, cloudpickled,
+    base64 in ``data``), in order; the last piece (``last``) also carries what the job sets in
+    the ranks' environment (``env``) and whether every rank's value is wanted (``all_ranks``)."""
 
     type: ClassVar[str] = "run_job"
     job_id: str = ""
-    job_file: str = ""
+    data: str = ""
+    last: bool = False
+    env: Dict[str, str] = field(default_factory=dict)
+    all_ranks: bool = False
+
+
+@dataclass
+class JobValue(Event):
+    """A warm rank's value for job ``job_id``: one piece (base64), in order, before its ``JobDone``."""
+
+    type: ClassVar[str] = "job_value"
+    job_id: str = ""
+    data: str = ""
+
+
+@dataclass
+class JobDone(Event):
+    """A warm rank finished job ``job_id`` and waits for the next: ``code`` 0, or its
+    ``failure``; ``has_value``: its ``JobValue`` pieces came before this."""
+
+    type: ClassVar[str] = "job_done"
+    job_id: str = ""
+    code: int = 0
+    time: float = 0.0
+    has_value: bool = False
+    failure: Optional[Failure] = None
+
+
+#: what a warm rank writes on stdout and on stderr after each job: its launcher turns the line
+#: into ``OutputEnd``, so the driver knows that the job's output has all arrived
+OUTPUT_END_MARK = "\x00torchdist-output-end:"
+
+
+@dataclass
+class OutputEnd(Event):
+    """A warm rank's launcher read the end of job ``job_id``'s output on ``stream``."""
+
+    type: ClassVar[str] = "output_end"
+    job_id: str = ""
+    stream: str = "stdout"
 
 
 @dataclass
@@ -267,13 +308,15 @@ RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks)
 DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers)
 #: records that a backend takes for itself, never a RunState
 LAUNCHER_TO_DRIVER = (Joined,)
+#: records that a warm pool takes for itself (``pool``), never a RunState
+POOL_TO_DRIVER = (JobValue, JobDone, OutputEnd)
 RECORDS: Dict[str, Type[Event]] = {
-    cls.type: cls for cls in RANK_TO_DRIVER + DRIVER_TO_RANK + LAUNCHER_TO_DRIVER}
+    cls.type: cls for cls in RANK_TO_DRIVER + DRIVER_TO_RANK + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER}
 
 #: which records each role of connection may send to the driver
 SENDERS: Dict[str, frozenset] = {
-    "worker": frozenset({Started, Progress, Metrics, Dropped}),
-    "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER),
+    "worker": frozenset({Started, Progress, Metrics, Dropped, JobValue, JobDone}),
+    "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER),
 }
 
 

@@ -35,7 +35,8 @@ class CellCode:
 class Job:
     """What each rank runs (never how: GPUs, placement and which values come back are the run's
     settings, see ``rankenv``).  ``kind`` is ``"function"``, ``"script"`` or ``"cell"``; build
-    one with ``function_job``, ``script_job`` or ``cell_job``."""
+    one with ``function_job``, ``script_job`` or ``cell_job``.  ``"serve"`` (``serve_job``) is a
+    warm pool's rank: it runs the jobs the driver sends it, one after another."""
 
     kind: str
     name: str
@@ -176,3 +177,8 @@ def script_job(path: str, args: tuple) -> Job:
 def cell_job(cell: CellCode, name: str) -> Job:
     """The job of a captured notebook cell (see ``capture.capture_cell``)."""
     return Job(kind="cell", name=name, cell=cell, **_where())
+
+
+def serve_job() -> Job:
+    """What a warm pool's ranks start with: serve the jobs the driver sends (``worker.serve``)."""
+    return Job(kind="serve", name="warm pool")

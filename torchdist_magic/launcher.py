@@ -26,6 +26,7 @@ from .timing import PIPE_DRAIN_WAIT, REAP_WAIT, STACKS_SETTLE, STACKS_WAIT
 from .worker import ERROR_FILE, RESULT_FILE, STACKS_FILE, STACKS_HEADER, STACKS_SIGNAL
 
 _LINE_END = re.compile(rb"\r\n|\n|\r")
+_OUTPUT_END = events.OUTPUT_END_MARK.encode()
 #: of one stack dump sent to the driver (faulthandler caps threads and frames; this caps the rest)
 MAX_STACKS_CHARS = 256 * 1024
 
@@ -115,6 +116,13 @@ class RankProcess:
         pipe.close()
 
     def _line(self, stream: str, text: bytes, cr: bool) -> None:
+        mark = text.find(_OUTPUT_END) if not cr else -1
+        if mark >= 0:  # a warm rank's job ended; what it wrote before on the same line is a line
+            if mark:
+                self._line(stream, text[:mark], False)
+            job_id = text[mark + len(_OUTPUT_END):].decode("utf-8", "replace")
+            self.emit(events.OutputEnd(rank=self.rank, job_id=job_id, stream=stream))
+            return
         self.emit(events.Log(rank=self.rank, stream=stream, line=text.decode("utf-8", "replace"), cr=cr))
 
     def _wait(self) -> None:

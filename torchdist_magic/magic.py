@@ -79,6 +79,7 @@ class TorchdistMagics(Magics):
             raise UsageError(str(exc)) from None
         if args.out is not None and not args.out.isidentifier():
             raise UsageError(f"--out needs a variable name, got {args.out!r}")
+        data, columns = self._data(args)
         if cell is None:
             if args.script is None:
                 raise UsageError("%torchdist needs a script (%torchdist [flags] script.py [args...]) "
@@ -92,11 +93,24 @@ class TorchdistMagics(Magics):
             if not cell.strip():
                 raise UsageError("the %%torchdist cell is empty")
             target, target_args = self._capture(cell), ()
-        value = self._run(target, target_args, options, quiet=args.quiet)
+        value = self._run(target, target_args, options, quiet=args.quiet, data=data, columns=columns)
         if args.out is not None:
             self.shell.user_ns[args.out] = value
             return None
         return value
+
+    def _data(self, args) -> tuple:
+        """The DataFrame of ``--data NAME`` and the ``--columns`` list (``None`` when not given)."""
+        columns = None
+        if args.columns is not None:
+            if args.data is None:
+                raise UsageError("--columns chooses columns of the --data DataFrame; give --data NAME too")
+            columns = [c.strip() for c in args.columns.split(",") if c.strip()]
+        if args.data is None:
+            return None, columns
+        if args.data not in self.shell.user_ns:
+            raise UsageError(f"--data {args.data}: the notebook has no variable {args.data!r}")
+        return self.shell.user_ns[args.data], columns
 
     def _capture(self, cell: str):
         from .capture import CaptureError, capture_cell
@@ -115,12 +129,13 @@ class TorchdistMagics(Magics):
             raise UsageError(str(exc)) from None
         return cell_job(cap.cell, f"cell In[{n}]")
 
-    def _run(self, target: Any, target_args: tuple, options: LaunchOptions, *, quiet: bool) -> Any:
+    def _run(self, target: Any, target_args: tuple, options: LaunchOptions, *, quiet: bool,
+             data: Any = None, columns: Optional[list] = None) -> Any:
         """Start, show (unless ``quiet``), return rank 0's value; bad input is a ``UsageError``."""
         from .distributor import follow, submit
 
         try:
-            run = submit(target, target_args, {}, options)
+            run = submit(target, target_args, {}, options, data=data, columns=columns)
         except (TypeError, ValueError) as exc:
             raise UsageError(str(exc)) from None
         self.shell.user_ns[RUN_VARIABLE] = run
@@ -130,6 +145,24 @@ class TorchdistMagics(Magics):
 
             observer = make_view(run, self.view, log_hint=f"{RUN_VARIABLE}.logs(rank)")
         return follow(run, observer)
+
+    @line_magic
+    def torchdist_pool(self, line: str = ""):
+        """Show the live warm pools (``--warm``): placement, state, runs served, idle time, the
+        ranks' pids (or Spark job tag) and memory.  ``%torchdist_pool stop`` stops them."""
+        from .pool import pools, shutdown_pools
+
+        words = line.split()
+        if words == ["stop"]:
+            stopped = shutdown_pools()
+            print(f"stopped {', '.join(stopped)}" if stopped else "no warm pool was running")
+            return None
+        if words:
+            raise UsageError(f"%torchdist_pool takes nothing, or 'stop'; got {line.strip()!r}")
+        live = pools()
+        print("\n".join(p.describe() for p in live) if live else
+              "no warm pool is running (a %%torchdist --warm cell starts one)")
+        return None
 
     @line_magic
     def torchdist_panel(self, line: str = ""):
@@ -148,8 +181,12 @@ def load(ipython) -> None:
 
 
 def unload(ipython) -> None:
+    import sys
+
+    if "torchdist_magic.pool" in sys.modules:  # the pools go with the extension
+        sys.modules["torchdist_magic.pool"].shutdown_pools()
     manager = ipython.magics_manager
-    for kind, names in (("line", ("torchdist", "torchdist_panel")), ("cell", ("torchdist",))):
+    for kind, names in (("line", ("torchdist", "torchdist_panel", "torchdist_pool")), ("cell", ("torchdist",))):
         for name in names:
             manager.magics[kind].pop(name, None)
     manager.registry.pop("TorchdistMagics", None)

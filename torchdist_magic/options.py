@@ -134,6 +134,25 @@ class LaunchOptions:
         default=False,
         metadata=_flag("--all-ranks", "return every rank's value as a list indexed by rank"),
     )
+    warm: bool = field(
+        default=False,
+        metadata=_flag(
+            "--warm",
+            "run on a warm pool of live ranks: the first such run starts it, later ones with the "
+            "same placement (np, backend, gpu) reuse it in a fraction of a second; names a cell "
+            "defines stay on the ranks for the next warm cell, and the process group stays up. "
+            "%torchdist_pool shows the pool, %torchdist_pool stop stops it",
+        ),
+    )
+    pool_idle_timeout: float = field(
+        default=1800.0,
+        metadata=_flag(
+            "--pool-idle-timeout",
+            "a warm pool that has run nothing for SECONDS stops (it holds its ranks, and on Spark "
+            "its task slots, until then)",
+            metavar="SECONDS", type=float,
+        ),
+    )
 
     def __post_init__(self) -> None:
         _check_count("num_processes", self.num_processes, 1)
@@ -154,6 +173,11 @@ class LaunchOptions:
         _check_count("keep_checkpoints", self.keep_checkpoints, 1)
         self.env = parse_env(self.env)
         _check_bool("all_ranks", self.all_ranks)
+        _check_bool("warm", self.warm)
+        _check_seconds("pool_idle_timeout", self.pool_idle_timeout)
+        if self.warm and self.max_restarts:
+            raise OptionValueError("max_restarts", "{name} starts every rank again (a new process group) "
+                                   "after a failure, and a warm pool keeps its ranks: use one or the other")
 
     def replace(self, **changes: Any) -> "LaunchOptions":
         """A copy with ``changes``, validated like a new one."""
@@ -240,7 +264,7 @@ def flag_specs() -> List[Tuple[tuple, dict]]:
     specs: List[Tuple[tuple, dict]] = []
     for f in option_fields():
         meta = f.metadata
-        kwargs: dict = {"help": meta["help"], "dest": f.name, "default": None}
+        kwargs: dict = {"help": meta["help"].replace("%", "%%"), "dest": f.name, "default": None}  # argparse formats help
         if f.type in (bool, "bool"):
             kwargs["action"] = "store_true"
         elif meta.get("repeat"):
@@ -259,6 +283,13 @@ def flag_specs() -> List[Tuple[tuple, dict]]:
                       "help": "store rank 0's value in the notebook variable NAME instead of showing it"}),
         (("--quiet",), {"action": "store_true",
                         "help": "no live view and no summary: only the result or the error"}),
+        (("--data",), {"metavar": "NAME", "default": None,
+                       "help": "train on the DataFrame in the notebook variable NAME: a Spark DataFrame "
+                               "(--spark: each rank reads its share inside the executors) or a pandas "
+                               "DataFrame (--local: split by rows); the job reads its rows with "
+                               "torchdist_magic.shard(batch_size=...)"}),
+        (("--columns",), {"metavar": "A,B", "default": None,
+                          "help": "with --data: only these columns of the DataFrame travel to the ranks"}),
         (("script",), {"nargs": "?", "default": None,
                        "help": "line form only: a .py file to run on every rank"}),
         (("script_args",), {"nargs": argparse.REMAINDER,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .options import LaunchOptions
 
@@ -37,11 +37,13 @@ class RunSpec:
     max_restarts: int = 0
     checkpoint_dir: str = ""      # resolved: the user's, or the run's own directory
     keep_checkpoints: int = 3
+    #: rank r's Arrow file of the run's DataFrame (local processes; a Spark task writes its own)
+    data_files: Tuple[str, ...] = ()
 
     @classmethod
     def resolve(cls, options: LaunchOptions, run_id: str, channel_address: str = "",
                 secret: str = "", launcher_secret: str = "", attempt: int = 0,
-                checkpoint_dir: str = "") -> "RunSpec":
+                checkpoint_dir: str = "", data_files: Tuple[str, ...] = ()) -> "RunSpec":
         """``options`` for attempt ``attempt`` of run ``run_id``; ``checkpoint_dir`` is where
         checkpoints go when ``options`` names no directory."""
         return cls(run_id=run_id, num_processes=options.num_processes, use_gpu=options.use_gpu,
@@ -49,7 +51,7 @@ class RunSpec:
                    channel_address=channel_address, secret=secret, launcher_secret=launcher_secret,
                    attempt=attempt, max_restarts=options.max_restarts,
                    checkpoint_dir=options.checkpoint_dir or checkpoint_dir,
-                   keep_checkpoints=options.keep_checkpoints)
+                   keep_checkpoints=options.keep_checkpoints, data_files=tuple(data_files))
 
     def returns_value(self, rank: int) -> bool:
         """Whether ``rank``'s value comes back to the driver."""
@@ -107,8 +109,11 @@ def cores_available() -> int:
         return os.cpu_count() or 1
 
 
-def rank_environment(base: Dict[str, str], spec: RunSpec, place: Placement) -> Dict[str, str]:
-    """The environment of one rank: the launcher's own, the user's extras, then the run's."""
+def rank_environment(base: Dict[str, str], spec: RunSpec, place: Placement,
+                     data_file: str = "") -> Dict[str, str]:
+    """The environment of one rank: the launcher's own, the user's extras, then the run's.
+    ``data_file``: the rank's Arrow file of the run's DataFrame when its launcher wrote it (a
+    Spark task), else ``spec.data_files``' own."""
     env = dict(base)
     if place.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = place.cuda_visible_devices
@@ -136,4 +141,9 @@ def rank_environment(base: Dict[str, str], spec: RunSpec, place: Placement) -> D
         "TORCHDIST_CHECKPOINT_DIR": spec.checkpoint_dir,
         "TORCHDIST_KEEP_CHECKPOINTS": str(spec.keep_checkpoints),
     })
+    data_file = data_file or (spec.data_files[place.rank] if spec.data_files else "")
+    if data_file:
+        env["TORCHDIST_DATA_FILE"] = data_file  # what torchdist_magic.shard() reads
+    else:
+        env.pop("TORCHDIST_DATA_FILE", None)
     return env

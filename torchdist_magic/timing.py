@@ -49,3 +49,12 @@ SPARK_CANCEL_WAIT = 30.0
 #: Spark: after the first task joined the driver's rendezvous, how long the driver waits for
 #: the others before telling them all to exchange places through Spark's barrier instead
 SPARK_RENDEZVOUS_WAIT = 10.0
+
+#: a warm run where some rank's job failed: how long the others may take to finish the job
+#: before the pool is torn down (a rank still in the job is likely waiting in a collective)
+WARM_SETTLE = 3.0
+#: a warm rank reported its job done: how long the driver waits for the end of its output
+#: (``events.OutputEnd``) before it takes the job as ended anyway
+OUTPUT_END_WAIT = 2.0
+#: how long sending a job to a warm pool's ranks may wait for room on the channel
+WARM_SEND_WAIT = 60.0

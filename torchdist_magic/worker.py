@@ -18,6 +18,7 @@ names the main thread.
 from __future__ import annotations
 
 import ast
+import base64
 import contextlib
 import faulthandler
 import json
@@ -30,7 +31,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from torchdist_magic import events
 from torchdist_magic.timing import ATEXIT_WAIT, PARENT_WATCH_INTERVAL, STOP_GRACE
@@ -172,11 +173,12 @@ def _init_process_group() -> bool:
     return True
 
 
-def _run_cell(job):
+def _run_cell(job, ns: Optional[dict] = None):
+    """Run a cell in ``ns`` (a warm rank's namespace, kept from cell to cell), else in a new one."""
     import cloudpickle
 
     cell = job.cell
-    ns = _cell_namespace()
+    ns = _cell_namespace() if ns is None else ns
     for statement, origin in cell.imports:
         try:
             exec(compile(statement, f"<import from {origin}>", "exec"), ns)
@@ -209,7 +211,7 @@ def _run_cell(job):
     return None if cell.silent else value
 
 
-RUNNERS = {"function": _run_function, "script": _run_script, "cell": _run_cell}
+RUNNERS = {"function": _run_function, "script": _run_script}
 
 
 def _failure(exc: BaseException, exc_type: str, message: str, exit_code: Optional[int] = None,
@@ -221,14 +223,9 @@ def _failure(exc: BaseException, exc_type: str, message: str, exit_code: Optiona
                           traceback=_format_exception(exc) if traceback_text is None else traceback_text)
 
 
-def run_job(job, result_dir: str) -> int:
-    """Run ``job`` in this process; write its value (when this rank's value is wanted) or its
-    failure into ``result_dir``; the exit code."""
-    import cloudpickle
-
-    from torchdist_magic import runtime
-
-    rank = runtime.rank()
+def execute(job, namespace: Optional[dict] = None) -> Tuple[int, Any, Optional[events.Failure]]:
+    """Run ``job`` in this process: ``(exit code, value, failure)``.  A cell runs in
+    ``namespace`` when given (a warm rank's)."""
     for filename, lines in job.sources.items():
         linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
     try:
@@ -238,32 +235,149 @@ def run_job(job, result_dir: str) -> int:
         if job.cwd and os.path.isdir(job.cwd):
             os.chdir(job.cwd)
         with _stoppable():
-            value = RUNNERS[job.kind](job)
+            value = _run_cell(job, namespace) if job.kind == "cell" else RUNNERS[job.kind](job)
     except SystemExit as exc:
         code = exc.code
         if code is None or code == 0:
-            return 0
+            return 0, None, None
         if not isinstance(code, int):
             print(code, file=sys.stderr)
             code = 1
-        _write_failure(result_dir, _failure(exc, "SystemExit", f"exit code {code}", exit_code=code))
-        return code
+        return code, None, _failure(exc, "SystemExit", f"exit code {code}", exit_code=code)
     except BaseException as exc:
-        _write_failure(result_dir, _failure(exc, type(exc).__qualname__, str(exc)))
-        return 1
-    if os.environ.get("TORCHDIST_RETURN_VALUE", "1") == "1":
-        try:
-            data = cloudpickle.dumps(value)
-        except Exception as exc:
-            _write_failure(result_dir, _failure(
-                exc, "TypeError", f"the value of rank {rank} (a {type(value).__qualname__}) cannot be "
-                f"pickled: {exc}", traceback_text=""))
-            return 1
-        tmp = os.path.join(result_dir, RESULT_FILE + ".tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, os.path.join(result_dir, RESULT_FILE))
-    return 0
+        return 1, None, _failure(exc, type(exc).__qualname__, str(exc))
+    return 0, value, None
+
+
+def _pickled_value(value: Any) -> Tuple[Optional[bytes], Optional[events.Failure]]:
+    import cloudpickle
+
+    from torchdist_magic import runtime
+
+    try:
+        return cloudpickle.dumps(value), None
+    except Exception as exc:
+        return None, _failure(exc, "TypeError", f"the value of rank {runtime.rank()} (a "
+                              f"{type(value).__qualname__}) cannot be pickled: {exc}", traceback_text="")
+
+
+def run_job(job, result_dir: str) -> int:
+    """Run ``job`` in this process; write its value (when this rank's value is wanted) or its
+    failure into ``result_dir``; the exit code."""
+    code, value, failure = execute(job)
+    if failure is None and os.environ.get("TORCHDIST_RETURN_VALUE", "1") == "1":
+        data, failure = _pickled_value(value)
+        if data is not None:
+            tmp = os.path.join(result_dir, RESULT_FILE + ".tmp")
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, os.path.join(result_dir, RESULT_FILE))
+        else:
+            code = 1
+    if failure is not None:
+        _write_failure(result_dir, failure)
+    return code
+
+
+# -- a warm pool's rank -------------------------------------------------------------------------
+
+#: bytes of a warm rank's value per ``JobValue`` record (base64 makes it a third larger, well
+#: under the channel's frame limit)
+VALUE_PIECE = 1024 * 1024
+
+
+class JobInbox:
+    """The jobs the driver sends a warm rank (``RunJob`` pieces, put together in order)."""
+
+    def __init__(self):
+        import queue
+
+        self._parts: Dict[str, List[str]] = {}
+        self.jobs: "queue.Queue" = queue.Queue()
+
+    def on_message(self, record: events.Event) -> None:
+        if not isinstance(record, events.RunJob):
+            return
+        self._parts.setdefault(record.job_id, []).append(record.data)
+        if record.last:
+            data = base64.b64decode("".join(self._parts.pop(record.job_id)))
+            self.jobs.put((record, data))
+
+
+def _keep_process_group(dist) -> None:
+    """In a warm pool the process group outlives each job: code that destroys the default
+    group (a function written for TorchDistributor, Lightning) leaves it up, and the next
+    ``init_process_group`` gets it again (``_init_once``)."""
+    original = dist.destroy_process_group
+
+    def destroy_process_group(group=None):
+        if group is None or group is dist.GroupMember.WORLD:
+            return None
+        return original(group)
+
+    destroy_process_group.__doc__ = original.__doc__
+    dist.destroy_process_group = destroy_process_group
+    dist.distributed_c10d.destroy_process_group = destroy_process_group
+
+
+def _end_output(job_id: str) -> None:
+    """Mark the end of the job's output on both streams (``events.OUTPUT_END_MARK``): written to
+    the file descriptors themselves, after everything the job printed."""
+    for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
+        with contextlib.suppress(Exception):
+            stream.flush()
+        with contextlib.suppress(OSError):
+            os.write(fd, f"{events.OUTPUT_END_MARK}{job_id}\n".encode())
+
+
+def serve(client, inbox: JobInbox) -> int:
+    """A warm pool's rank: set up the process group once, then run each job the driver sends
+    (cells in one namespace that lives as long as the rank) and report it with ``JobValue``
+    pieces and ``JobDone``; return when the channel to the driver is gone, or on SIGTERM."""
+    import queue
+
+    from torchdist_magic import runtime
+
+    _init_process_group()
+    import torch.distributed as dist
+
+    _keep_process_group(dist)
+    namespace = _cell_namespace()
+    with _stoppable(), contextlib.suppress(runtime.RankStopped):  # SIGTERM between jobs: the pool stops
+        while True:
+            try:
+                record, data = inbox.jobs.get(timeout=0.2)
+            except queue.Empty:
+                if client.lost:
+                    return 0
+                continue
+            import cloudpickle
+
+            os.environ.update(record.env)
+            try:
+                job = cloudpickle.loads(data)
+            except Exception as exc:
+                code, value, failure = 1, None, _failure(exc, type(exc).__qualname__, str(exc))
+            else:
+                code, value, failure = execute(job, namespace)
+            has_value = False
+            if failure is None and (record.all_ranks or runtime.rank() == 0):
+                pickled, failure = _pickled_value(value)
+                if pickled is not None:
+                    text = base64.b64encode(pickled).decode("ascii")
+                    piece = 4 * VALUE_PIECE // 3
+                    for i in range(0, len(text), piece):
+                        client.send(events.JobValue(rank=runtime.rank(), job_id=record.job_id,
+                                                    data=text[i:i + piece]))
+                    has_value = True
+                else:
+                    code = 1
+            _end_output(record.job_id)
+            client.send(events.JobDone(rank=runtime.rank(), job_id=record.job_id, code=code,
+                                       time=time.time(), has_value=has_value, failure=failure))
+            if failure is not None and failure.exc_type == "RankStopped":
+                return 1
+    return 1
 
 
 def _listen_for_stack_requests(result_dir: str) -> None:
@@ -284,11 +398,12 @@ def _stoppable():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _raise_rank_stopped)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, _ignore_signal)
+    finally:  # a warm rank's job ends inside its serving loop, which stays stoppable
+        signal.signal(signal.SIGTERM, previous if previous is _raise_rank_stopped else _ignore_signal)
 
 
 def _raise_rank_stopped(signum, frame) -> None:
@@ -326,16 +441,23 @@ def main(argv=None) -> int:
 
     from torchdist_magic import channel, runtime
 
-    client = channel.client_from_env()
+    with open(job_file, "rb") as fh:
+        job = cloudpickle.load(fh)
+    inbox = JobInbox() if job.kind == "serve" else None
+    client = channel.client_from_env(inbox.on_message if inbox is not None else None)
     os.environ.pop("TORCHDIST_SECRET", None)
     runtime._install_sink(client)
     if client is not None:
         client.send(events.Started(rank=runtime.rank(), host=socket.gethostname(), pid=os.getpid(),
                                    time=time.time()))
-    with open(job_file, "rb") as fh:
-        job = cloudpickle.load(fh)
     _listen_for_stack_requests(result_dir)
-    code = run_job(job, result_dir)
+    if inbox is not None:
+        if client is None:
+            print("a warm pool's rank needs the driver's event channel (TORCHDIST_CHANNEL)", file=sys.stderr)
+            return 2
+        code = serve(client, inbox)
+    else:
+        code = run_job(job, result_dir)
     sys.stdout.flush()
     sys.stderr.flush()
     if client is not None:

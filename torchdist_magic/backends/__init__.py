@@ -48,6 +48,10 @@ class BackendRun(abc.ABC):
     def close(self) -> None:
         """Release everything the run holds (processes, ports, files, Spark jobs).  Idempotent."""
 
+    def ranks_alive(self) -> bool:
+        """Whether every rank's process is still there (a warm pool asks before each job)."""
+        return True
+
 
 class Backend(abc.ABC):
     name = "backend"
@@ -63,9 +67,15 @@ class Backend(abc.ABC):
     def check(self, options: LaunchOptions) -> None:
         """Raise ``ValueError`` before anything starts if the run cannot be placed."""
 
+    #: whether a run on this backend needs an event channel of its own (a warm pool has one)
+    needs_channel = True
+
     @abc.abstractmethod
     def start(self, ctx: LaunchContext) -> BackendRun:
         """Start every rank.  A failed start releases whatever it had opened before raising."""
+
+    def release(self) -> None:
+        """The run that used this backend has ended (whether or not ``start`` was called)."""
 
 
 NO_SESSION = (

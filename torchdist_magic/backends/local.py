@@ -78,9 +78,27 @@ class LocalRun(BackendRun):
     def result(self, rank: int) -> Optional[bytes]:
         return read_result(os.path.join(self.workdir, f"rank-{rank}"))
 
+    def ranks_alive(self) -> bool:
+        return bool(self.procs) and all(_running(p) for p in self.procs)
+
     def close(self) -> None:
         stop_all(self.procs, grace=CLOSE_GRACE)
         if self._port is not None:
             self._port.close()
             self._port = None
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _running(rank: RankProcess) -> bool:
+    """Whether the rank's process has not exited.  ``Popen.poll`` answers "running" while the
+    launcher's thread waits for the process, so Linux's ``/proc`` is asked first: a zombie has
+    exited."""
+    if rank.returncode is not None:
+        return False
+    try:
+        with open(f"/proc/{rank.proc.pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # not Linux
+        return rank.alive()

@@ -55,7 +55,7 @@ from ..rankenv import RunSpec, place_ranks, rank_environment
 from ..timing import (SPARK_CANCEL_RETRY, SPARK_CANCEL_WAIT, SPARK_RENDEZVOUS_WAIT, SPARK_SLOT_WAIT,
                       SPARK_STAGE_END_WAIT, STOP_GRACE)
 from . import Backend, BackendRun, LaunchContext
-from .spark_python import build_with_python, choose_python
+from .spark_python import PYTHON_EXEC_LOCK, build_with_python, choose_python
 
 GPU_AMOUNT_CONF = "spark.task.resource.gpu.amount"
 #: lines of a rank's output a task keeps, for when its channel to the driver is lost
@@ -132,6 +132,8 @@ class SparkBarrierBackend(Backend):
     """Runs the ranks as one barrier stage on ``spark``, a classic SparkSession."""
 
     name = "spark"
+    #: the run's DataFrame (a ``data.PreparedData``), set before ``start`` for a data run
+    data = None
 
     def __init__(self, spark):
         if is_spark_connect(spark):
@@ -146,6 +148,10 @@ class SparkBarrierBackend(Backend):
     def channel_host(self) -> str:
         # the driver's address as Spark knows it: what executors already use to reach the driver
         return self.spark.sparkContext.getConf().get("spark.driver.host", socket.gethostname())
+
+    def slots(self) -> int:
+        """Tasks of one barrier stage this cluster runs at once."""
+        return task_slots(self.spark.sparkContext)
 
     def check(self, options: LaunchOptions) -> None:
         sc = self.spark.sparkContext
@@ -169,14 +175,21 @@ class SparkBarrierBackend(Backend):
         self.python = choose_python(sc, n)
 
     def start(self, ctx: LaunchContext) -> "SparkRun":
-        spec = BarrierTaskSpec(run=ctx.spec, job_bytes=ctx.job_bytes)
+        spec = BarrierTaskSpec(run=ctx.spec, job_bytes=ctx.job_bytes,
+                               data_schema=self.data.schema if self.data is not None else None)
         run = SparkRun(self.spark.sparkContext, spec, ctx, self.task_function(spec),
-                       self.python or self.spark.sparkContext.pythonExec)
+                       self.python or self.spark.sparkContext.pythonExec,
+                       self.data.frame if self.data is not None else None)
         run.launch()
         return run
 
     def task_function(self, spec: "BarrierTaskSpec") -> Callable:
-        """What each barrier task runs (the ``mapPartitions`` function)."""
+        """What each barrier task runs: the ``mapPartitions`` function, or for a data run the
+        ``mapInArrow`` function of the DataFrame's stage."""
+        if spec.data_schema is not None:
+            from .spark_connect import run_connect_task
+
+            return functools.partial(run_connect_task, spec)
         return functools.partial(run_barrier_task, spec)
 
 
@@ -365,6 +378,9 @@ class BarrierStageRun(BackendRun):
                                f"{reason.exc_type}: {reason.message}")
         return None
 
+    def ranks_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
     def close(self) -> None:
         if self._closed:
             return
@@ -376,11 +392,14 @@ class BarrierStageRun(BackendRun):
 
 
 class SparkRun(BarrierStageRun):
-    """The classic barrier stage: an RDD's ``mapPartitions`` collected under a job tag."""
+    """The classic barrier stage: an RDD's ``mapPartitions`` collected under a job tag; for a
+    data run, the DataFrame's ``mapInArrow(barrier=True)`` stage (``spark_connect.data_stage``)."""
 
-    def __init__(self, sc, spec: "BarrierTaskSpec", ctx: LaunchContext, task: Callable, python: str):
+    def __init__(self, sc, spec: "BarrierTaskSpec", ctx: LaunchContext, task: Callable, python: str,
+                 frame=None):
         self._sc = sc
         self._python = python
+        self._frame = frame
         super().__init__(spec, ctx, task)
 
     def _make_thread(self, target: Callable, name: str) -> threading.Thread:
@@ -407,6 +426,18 @@ class SparkRun(BarrierStageRun):
             # a barrier stage submitted before enough executors registered waits 15 s to retry
             while max_concurrent_tasks(sc) < n and not self._stopping and time.monotonic() < deadline:
                 time.sleep(0.1)
+            if self._frame is not None:
+                from .spark_connect import data_stage, sort_rows
+
+                with PYTHON_EXEC_LOCK:  # the stage's function is built for the chosen interpreter
+                    previous, sc.pythonExec = sc.pythonExec, self._python
+                    try:
+                        frame = data_stage(self._frame, n, self._task, self._frame.rdd.getNumPartitions())
+                    finally:
+                        sc.pythonExec = previous
+                rows = sort_rows(r.asDict() for r in frame.collect())
+                self._deliver(rows.values, rows.exits, rows.logs)
+                return
             outcomes = self._barrier_rdd().collect()
         except Exception as exc:
             self._failed(exc)
@@ -486,6 +517,8 @@ class BarrierTaskSpec:
 
     run: RunSpec
     job_bytes: bytes
+    #: a data run's Arrow schema (serialized), for a task whose partition is empty; else None
+    data_schema: Optional[bytes] = None
 
 
 class RunStopped(Exception):
@@ -537,8 +570,9 @@ class TaskOutcome:
     log_tail: List[str] = field(default_factory=list)  # the rank's last lines of output
 
 
-def run_barrier_task(spec: BarrierTaskSpec, _partition) -> List[TaskOutcome]:
-    """One barrier task: run one rank, report it live over the channel, and return its outcome."""
+def run_barrier_task(spec: BarrierTaskSpec, partition) -> List[TaskOutcome]:
+    """One barrier task: run one rank, report it live over the channel, and return its outcome.
+    A data run's ``partition`` (Arrow batches) is the rank's rows; otherwise it is ignored."""
     from pyspark import BarrierTaskContext
 
     context = BarrierTaskContext.get()
@@ -557,7 +591,8 @@ def run_barrier_task(spec: BarrierTaskSpec, _partition) -> List[TaskOutcome]:
         channel.send(event)
 
     try:
-        value = _run_rank(spec, context, rank, channel, emit, driver)
+        value = _run_rank(spec, context, rank, channel, emit, driver,
+                          partition if spec.data_schema is not None else None)
     except Exception as exc:  # the task's own failure (not the rank's): report it as this rank's
         value = None
         host = socket.gethostname()
@@ -601,7 +636,10 @@ def rendezvous(context, channel: ChannelClient, driver: DriverMessages, mine: ev
 
 
 def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
-              emit: Callable[[events.Event], None], driver: DriverMessages) -> Optional[bytes]:
+              emit: Callable[[events.Event], None], driver: DriverMessages,
+              batches=None) -> Optional[bytes]:
+    """Start and watch the rank; ``batches``: its rows, written to a file of the task's workdir
+    as they arrive (after the rendezvous, so that a large partition does not hold it up)."""
     run = spec.run
     workdir = tempfile.mkdtemp(prefix=f"torchdist-{run.run_id}-rank{rank}-")
     guard = subprocess.Popen(
@@ -620,7 +658,13 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
         peers = rendezvous(context, channel, driver, mine)
         place = place_ranks([p.host for p in peers], peers[0].address, peers[0].port,
                             [p.gpus for p in peers])[rank]
-        env = rank_environment(os.environ, run, place)
+        data_file = ""
+        if batches is not None:
+            from ..data import write_batches
+
+            data_file = os.path.join(workdir, "data.arrow")
+            write_batches(data_file, batches, spec.data_schema, driver.stopped)
+        env = rank_environment(os.environ, run, place, data_file=data_file)
         env["TORCHDIST_CLEANUP"] = workdir  # the worker removes it if it outlives this task
         job_file = os.path.join(workdir, "job.pkl")
         fd = os.open(job_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import socket
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List
+from typing import Callable, Dict, Iterator, List, Optional
 
 from .. import events
 from ..options import LaunchOptions
@@ -69,6 +69,8 @@ class SparkConnectBackend(Backend):
     """Runs the ranks as one barrier stage of ``spark``, a Spark Connect session."""
 
     name = "spark"
+    #: the run's DataFrame (a ``data.PreparedData``), set before ``start`` for a data run
+    data = None
 
     def __init__(self, spark):
         self.spark = spark
@@ -118,8 +120,10 @@ class SparkConnectBackend(Backend):
                 f"{failure.exc_type}: {failure.message}") from None
 
     def start(self, ctx: LaunchContext) -> "SparkConnectRun":
-        spec = BarrierTaskSpec(run=ctx.spec, job_bytes=ctx.job_bytes)
-        run = SparkConnectRun(self.spark, spec, ctx, functools.partial(run_connect_task, spec))
+        spec = BarrierTaskSpec(run=ctx.spec, job_bytes=ctx.job_bytes,
+                               data_schema=self.data.schema if self.data is not None else None)
+        run = SparkConnectRun(self.spark, spec, ctx, functools.partial(run_connect_task, spec),
+                              self.data.frame if self.data is not None else None)
         run.launch()
         return run
 
@@ -154,8 +158,9 @@ class SparkConnectRun(BarrierStageRun):
     """The barrier stage of a Spark Connect session: ``mapInArrow(barrier=True)`` collected
     under a job tag, interrupted with ``interruptTag``."""
 
-    def __init__(self, spark, spec: BarrierTaskSpec, ctx: LaunchContext, task: Callable):
+    def __init__(self, spark, spec: BarrierTaskSpec, ctx: LaunchContext, task: Callable, frame=None):
         self._spark = spark
+        self._frame = frame  # a data run's DataFrame
         super().__init__(spec, ctx, task)
 
     def _run_stage(self) -> None:
@@ -165,7 +170,10 @@ class SparkConnectRun(BarrierStageRun):
         try:
             if self._stopping:
                 return
-            frame = spark.range(0, n, 1, numPartitions=n).mapInArrow(self._task, SCHEMA, barrier=True)
+            if self._frame is not None:  # a Connect DataFrame has no cheap partition count
+                frame = data_stage(self._frame, n, self._task)
+            else:
+                frame = spark.range(0, n, 1, numPartitions=n).mapInArrow(self._task, SCHEMA, barrier=True)
             rows = sort_rows(r.asDict() for r in frame.collect())
         except Exception as exc:
             self._failed(exc)
@@ -178,16 +186,27 @@ class SparkConnectRun(BarrierStageRun):
         self._spark.interruptTag(self.job_tag)
 
 
+def data_stage(frame, n: int, task: Callable, partitions: Optional[int] = None):
+    """The barrier stage of a data run (classic or Connect): one partition of ``frame`` per
+    rank (no repartition when it has ``partitions == n`` already), each read by its rank's
+    task (``task``, a ``run_connect_task``)."""
+    if partitions != n:
+        frame = frame.repartition(n)
+    return frame.mapInArrow(task, SCHEMA, barrier=True)
+
+
 # -- task side --------------------------------------------------------------------------------
 
 def run_connect_task(spec: BarrierTaskSpec, batches: Iterator) -> Iterator:
-    """One barrier task of a Connect stage (a ``mapInArrow`` function): run one rank and yield
-    its exit, its output's last lines when the driver could not hear them, and its value."""
+    """One barrier task of a Connect stage, or of any data run's stage (a ``mapInArrow``
+    function): run one rank and yield its exit, its output's last lines when the driver could
+    not hear them, and its value.  The input rows are the rank's data in a data run."""
     import pyarrow as pa
 
-    for _ in batches:  # the input rows only make one task per rank
-        pass
-    outcome = run_barrier_task(spec, None)[0]
+    if spec.data_schema is None:
+        for _ in batches:  # the input rows only make one task per rank
+            pass
+    outcome = run_barrier_task(spec, batches)[0]
     rank, value, exit_json = outcome.rank, outcome.value, outcome.exit_json
     exit_record = events.decode(exit_json)
     if exit_record.code not in (0, None) and not exit_record.stopped:

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Tuple
 
+from ..data import ROWS_BAR
 from ..state import LogLine, RankState, RunState
 
 LOG_LINES = 300       # lines of a log pane; the complete logs stay on the run's ``logs(rank)``
@@ -62,7 +63,10 @@ def progress_text(bar: Optional[dict]) -> str:
     else:
         timing = format_duration(elapsed)
         head = f"{desc}{n}"
-    rate_text = f", {rate:.2f} it/s" if rate else ""
+    if bar.get("desc") == ROWS_BAR:  # a rank's rows of a DataFrame (torchdist_magic.shard)
+        rate_text = f", {rate:,.0f} rows/s" if rate else ""
+    else:
+        rate_text = f", {rate:.2f} it/s" if rate else ""
     postfix = f", {bar['postfix']}" if bar.get("postfix") else ""
     return f"{head} [{timing}{rate_text}{postfix}]"
 

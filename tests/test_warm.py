@@ -1,0 +1,359 @@
+"""Warm pools (``--warm``, ``warm=True``): ranks that stay up from run to run.
+
+The contract part runs on local processes, Spark ``local[2]``, ``local-cluster`` and Spark
+Connect (``dist``); the rest on local processes.  After every test no pool and no process of a
+pool is left.
+"""
+import os
+import re
+import signal
+import sys
+
+import pytest
+
+from helpers import alive, cell, pids_of_run, wait_until
+from torchdist_magic import HangTimeout, JobTimeout, RankFailure, RunCancelled, pools, shutdown_pools
+from torchdist_magic.options import OptionError
+
+
+@pytest.fixture(autouse=True)
+def _pools_end():
+    """Stop every pool a test left, and check that their processes are gone."""
+    yield
+    left = pools()
+    shutdown_pools()
+    for info in left:
+        wait_until(lambda: not pids_of_run(info.run_id) and not any(alive(p) for p in info.pids), 15,
+                   f"the processes of {info.id} to end")
+
+
+def _stopped(info) -> bool:
+    return not pids_of_run(info.run_id) and not any(alive(p) for p in info.pids)
+
+
+# -- jobs ---------------------------------------------------------------------------------------
+
+def where_and_keep(value):
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    sys.torchdist_kept = value  # state on the rank, for the next job
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    return os.getpid(), t.item()
+
+
+def kept_and_group():
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return os.getpid(), getattr(sys, "torchdist_kept", None), t.item()
+
+
+def torchdistributor_style():
+    """What a function written for TorchDistributor does: its own init and destroy."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.tolist()
+
+
+def raise_everywhere():
+    import torch.distributed as dist
+
+    raise ValueError(f"bad input on rank {dist.get_rank()}")
+
+
+def test_warm_runs_reuse_the_ranks_keep_their_state_and_the_process_group(dist):
+    d = dist(2, warm=True, all_ranks=True)
+    first = d.submit(where_and_keep, "kept")
+    values = first.result(timeout=180)
+    pids = [pid for pid, _ in values]
+    assert [total for _, total in values] == [3.0, 3.0]
+    assert "(started for this run)" in first.state.backend
+    info, = pools()
+    assert info.num_processes == 2 and sorted(info.pids) == sorted(pids) and info.runs == 1
+
+    second = d.submit(kept_and_group)
+    assert second.result(timeout=60) == [(pids[0], "kept", 2.0), (pids[1], "kept", 2.0)]
+    assert "(reused, run 2)" in second.state.backend
+    for _ in range(2):  # init/destroy of its own, twice: the pool's group stays up
+        assert d.run(torchdistributor_style) == [[2.0, 2.0], [2.0, 2.0]]
+
+    # a job that raises on every rank: the error as on a cold run, and the pool stays
+    with pytest.raises(RankFailure) as err:
+        d.run(raise_everywhere)
+    assert err.value.exc_type == "ValueError" and "bad input on rank" in err.value.message
+    assert [pid for pid, _, _ in d.run(kept_and_group)] == pids
+    assert pools()[0].runs == 6
+
+    assert shutdown_pools() == [info.id]
+    assert pools() == []
+    wait_until(lambda: _stopped(info), 30, "the pool's processes to end")
+
+
+def test_rank0_value_only_by_default_and_large_jobs_and_values_travel_in_pieces(local_distributor):
+    import numpy as np
+
+    data = np.arange(3 * 2**20 // 8, dtype=np.float64)  # 3 MiB: several pieces each way
+
+    def echo(array):
+        import torch.distributed as dist
+
+        return array * (dist.get_rank() + 1)
+
+    d = local_distributor(2, warm=True)
+    for _ in range(2):
+        out = d.run(echo, data)
+        assert isinstance(out, np.ndarray) and np.array_equal(out, data)
+
+
+def test_each_run_gets_its_own_output_complete_and_in_order(local_distributor):
+    def chatter(tag, n):
+        import sys
+
+        for i in range(n):
+            print(f"{tag} {i}")
+        sys.stderr.write(f"{tag} done")  # no newline: the job's end still ends the line
+        return n
+
+    d = local_distributor(2, warm=True)
+    runs = [d.submit(chatter, tag, 2000) for tag in ("one",)]
+    assert runs[0].result(timeout=60) == 2000
+    runs.append(d.submit(chatter, "two", 500))
+    assert runs[1].result(timeout=60) == 500
+    for run, tag, n in zip(runs, ("one", "two"), (2000, 500)):
+        for rank in range(2):
+            logs = run.state.ranks[rank].logs
+            assert [line.text for line in logs if line.stream == "stdout"] == [f"{tag} {i}" for i in range(n)]
+            assert [line.text for line in logs if line.stream == "stderr"] == [f"{tag} done"]
+            assert "torchdist-output-end" not in run.logs(rank)
+
+
+def mid_collective_failure():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 gave up before the all_reduce")
+    dist.all_reduce(torch.ones(1))  # waits for rank 1 forever
+
+
+def test_a_rank_left_in_a_collective_tears_the_pool_down(local_distributor):
+    d = local_distributor(2, warm=True)
+    d.run(kept_and_group)
+    info, = pools()
+    run = d.submit(mid_collective_failure)
+    with pytest.raises(RankFailure) as err:
+        run.result(timeout=60)
+    assert err.value.rank == 1 and "gave up" in err.value.message  # the root cause, not the waiting rank
+    assert f"warm pool {info.id} stopped (rank 0 was still in the job)" in run.logs(0)
+    assert pools() == []
+    wait_until(lambda: _stopped(info), 15, "the torn-down pool's processes to end")
+    fresh = d.submit(kept_and_group)
+    assert {pid for pid, _, _ in [fresh.result(timeout=120)]}.isdisjoint(info.pids)
+    assert "(started for this run)" in fresh.state.backend
+
+
+def append_line(path):
+    import os
+
+    with open(path, "a") as fh:
+        fh.write(f"{os.getpid()}\n")
+    return os.getpid()
+
+
+def test_ranks_that_died_between_runs_are_noticed_and_the_run_runs_once_on_a_fresh_pool(local_distributor, tmp_path):
+    d = local_distributor(2, warm=True)
+    d.run(kept_and_group)
+    info, = pools()
+    os.kill(info.pids[1], signal.SIGKILL)
+    wait_until(lambda: not alive(info.pids[1]), 10, "the killed rank to end")
+    log = tmp_path / "runs.txt"
+    run = d.submit(append_line, str(log))
+    pid = run.result(timeout=120)
+    assert len(log.read_text().splitlines()) == 2  # once on each rank, not twice
+    assert pid not in info.pids
+    # the run's header says why it is on a fresh pool (the death was seen at once, or at this run)
+    assert re.search(rf"warm pool-\d+ \(started for this run; {info.id} stopped: .* since its last run\)",
+                     run.state.backend), run.state.backend
+    wait_until(lambda: _stopped(info), 15, "the broken pool's other rank to end")
+
+
+def sleep_long():
+    import time
+
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("how", ["timeout", "hang", "cancel"])
+def test_a_timeout_hang_or_cancel_stops_the_pool_with_no_process_left(local_distributor, how):
+    d = local_distributor(2, warm=True, timeout=3.0 if how == "timeout" else None,
+                          hang_timeout=3.0 if how == "hang" else None)
+    d.run(kept_and_group)
+    info, = pools()
+    run = d.submit(sleep_long)
+    if how == "cancel":
+        wait_until(lambda: all(rs.state == "running" for rs in run.state.ranks), 30, "the ranks to run the job")
+        run.cancel()
+    with pytest.raises({"timeout": JobTimeout, "hang": HangTimeout, "cancel": RunCancelled}[how]) as err:
+        run.result(timeout=60)
+    if how != "cancel":  # every rank's stack, from the pool's ranks, says where they were
+        assert "rank 0: sleep_long" in str(err.value) and "rank 1: sleep_long" in str(err.value)
+    assert pools() == []
+    wait_until(lambda: _stopped(info), 15, "the pool's processes to end")
+
+
+def test_an_idle_pool_stops_after_its_idle_timeout(local_distributor):
+    d = local_distributor(2, warm=True, pool_idle_timeout=1.0)
+    d.run(kept_and_group)
+    info, = pools()
+    wait_until(lambda: pools() == [], 20, "the idle pool to stop")
+    wait_until(lambda: _stopped(info), 15, "the idle pool's processes to end")
+
+
+def test_another_placement_is_refused_naming_the_live_pool(local_distributor):
+    local_distributor(2, warm=True).run(kept_and_group)
+    info, = pools()
+    with pytest.raises(ValueError, match=rf"a warm pool with another placement is live: {info.id}: np=2 .*"
+                                         r"%torchdist_pool stop, or torchdist_magic.shutdown_pools\(\)"):
+        local_distributor(1, warm=True).run(kept_and_group)
+    assert pools()[0].id == info.id  # untouched, and still serving its placement
+    local_distributor(2, warm=True).run(kept_and_group)
+
+
+def test_a_busy_pool_is_refused(local_distributor):
+    d = local_distributor(2, warm=True)
+    run = d.submit(sleep_long)
+    try:
+        with pytest.raises(ValueError, match=r"warm pool pool-\d+ is running another run"):
+            d.submit(kept_and_group)
+    finally:
+        run.cancel()
+        with pytest.raises(RunCancelled):
+            run.result(timeout=60)
+
+
+def test_bad_warm_settings_are_refused_before_anything_starts(local_distributor):
+    with pytest.raises(OptionError, match="max_restarts starts every rank again"):
+        local_distributor(2, warm=True, max_restarts=2)
+    with pytest.raises(OptionError, match="pool_idle_timeout must be a positive number of seconds"):
+        local_distributor(2, warm=True, pool_idle_timeout=0)
+    with pytest.raises(OptionError, match="warm must be True or False"):
+        local_distributor(2, warm="yes")
+    assert pools() == []
+
+
+# -- the magic ----------------------------------------------------------------------------------
+
+def test_warm_cells_keep_rank_side_names_and_notebook_values_win(ip, capsys):
+    cell(ip, "import torch\nscale = 10")
+    first = cell(ip, """
+        %%torchdist --np 2 --warm --quiet
+        weights = torch.arange(3.0) * (rank + 1)   # defined on the ranks
+        scale = -1                                 # a rank-side name the notebook also has
+        import os
+        pid = os.getpid()
+        weights.sum().item()
+    """)
+    assert first.error_in_exec is None and first.result == 3.0
+    second = cell(ip, """
+        %%torchdist --np 2 --warm --all-ranks --quiet
+        torch.distributed.all_reduce(weights)
+        (weights.tolist(), scale, pid == os.getpid())
+    """)
+    assert second.error_in_exec is None
+    assert second.result == [([0.0, 3.0, 6.0], 10, True)] * 2  # notebook's scale, rank-side weights
+    capsys.readouterr()
+    ip.run_line_magic("torchdist_pool", "")
+    shown = capsys.readouterr().out
+    info, = pools()
+    assert shown.startswith(f"{info.id}: np=2 on local processes") and "2 runs" in shown and "MiB" in shown
+    ip.run_line_magic("torchdist_pool", "stop")
+    assert capsys.readouterr().out.strip() == f"stopped {info.id}"
+    assert pools() == []
+    ip.run_line_magic("torchdist_pool", "")
+    assert "no warm pool is running" in capsys.readouterr().out
+    wait_until(lambda: _stopped(info), 15, "the stopped pool's processes to end")
+
+
+def test_pool_magic_usage_and_placement_errors(ip):
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match="%torchdist_pool takes nothing, or 'stop'; got 'halt'"):
+        ip.run_line_magic("torchdist_pool", "halt")
+    assert cell(ip, "%%torchdist --np 2 --warm --quiet\n1").result == 1
+    result = cell(ip, "%%torchdist --np 1 --warm --quiet\n1")
+    assert isinstance(result.error_in_exec, UsageError)
+    assert "a warm pool with another placement is live" in str(result.error_in_exec)
+    result = cell(ip, "%%torchdist --np 2 --warm --max-restarts 1 --quiet\n1")
+    assert "--max-restarts starts every rank again" in str(result.error_in_exec)
+
+
+def test_unload_ext_stops_the_pools():
+    from IPython.testing.globalipapp import get_ipython, start_ipython
+
+    shell = start_ipython() or get_ipython()
+    shell.run_line_magic("load_ext", "torchdist_magic")
+    try:
+        assert cell(shell, "%%torchdist --np 2 --warm --quiet\n2").result == 2
+        info, = pools()
+    finally:
+        shell.run_line_magic("unload_ext", "torchdist_magic")
+    assert pools() == []
+    wait_until(lambda: _stopped(info), 15, "the pool's processes to end")
+
+
+def test_a_pool_does_not_outlive_its_python_process(tmp_path):
+    """Kernel shutdown: the interpreter exits and takes its pools along (atexit)."""
+    import subprocess
+
+    script = tmp_path / "k.py"
+    script.write_text(
+        "from torchdist_magic import Distributor, pools\n"
+        "Distributor(2, local_mode=True, show=None, warm=True).run(lambda: 1)\n"
+        "info, = pools()\n"
+        "print(info.run_id, *info.pids, flush=True)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr
+    run_id, *pids = out.stdout.split()
+    assert len(pids) == 2
+    wait_until(lambda: not pids_of_run(run_id) and not any(alive(int(p)) for p in pids), 15,
+               "the exited kernel's pool to end")
+
+
+# -- Spark: the pool is one long-lived barrier stage ----------------------------------------------
+
+@pytest.mark.spark
+def test_a_spark_pool_holds_its_slots_and_gives_them_back_when_torn_down(spark_local2):
+    from torchdist_magic import Distributor
+
+    warm = Distributor(2, local_mode=False, show=None, warm=True)
+    cold = Distributor(1, local_mode=False, show=None)
+    warm.run(kept_and_group)
+    info, = pools()
+    assert info.spark_job_tag and info.memory_bytes is None
+    # local[2] has two slots and the pool holds both: a cold run would wait for them forever
+    with pytest.raises(ValueError, match=rf"1 ranks need 1 free Spark task slots, but warm {info.id} holds 2 "
+                                         r"of this cluster's 2; stop it first"):
+        cold.run(kept_and_group)
+    run = warm.submit(mid_collective_failure)
+    with pytest.raises(RankFailure) as err:
+        run.result(timeout=120)
+    assert err.value.rank == 1 and "gave up" in err.value.message
+    assert pools() == []
+    wait_until(lambda: _stopped(info), 30, "the Spark pool's ranks to end")
+    assert cold.run(lambda: 7) == 7  # the slots are free again

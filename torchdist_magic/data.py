@@ -1,0 +1,450 @@
+"""Training on a DataFrame: every rank reads its own share of the rows, in batches.
+
+Driver side (``prepare_data``, called before anything starts): the DataFrame is checked (a
+pandas DataFrame on local processes, a Spark DataFrame of the run's own SparkSession on Spark;
+columns that exist and can become tensors; at least one row per rank) and turned into what the
+backend needs.  A pandas DataFrame is split by rows into one Arrow IPC file per rank under the
+run's directory (``write_rank_files``).  A Spark DataFrame never passes through the driver:
+its barrier stage is ``df.repartition(n).mapInArrow(task, barrier=True)`` and each task streams
+the Arrow batches of its partition into a file of its own workdir as they arrive
+(``write_batches``) before it starts its rank.  Either way the rank finds the path of its file
+in ``TORCHDIST_DATA_FILE`` (set by ``rankenv.rank_environment``).
+
+Rank side (``shard``): the file is memory-mapped, never read whole into memory; batches are
+sliced (or, shuffled, gathered) from it.  Every rank yields the same number of batches per
+epoch, as DDP needs (a rank that took fewer steps would leave its peers waiting in an
+all-reduce forever): the ranks tell each other their row counts once, through a key-value
+store on ``MASTER_ADDR:MASTER_PORT`` (the one ``init_process_group`` shares, so it works before
+and after the job sets up its process group, and in jobs without one), then, as
+``DistributedSampler`` does, each rank pads its rows by repeating its own rows up to the largest
+rank's count, or with ``drop_last=True`` cuts them to the smallest rank's count.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence
+
+from . import events, runtime
+
+DATA_FILE_ENV = "TORCHDIST_DATA_FILE"
+FORMATS = ("torch", "pandas", "arrow")
+#: rows per record batch of a rank file written from a pandas DataFrame
+FILE_CHUNK_ROWS = 65536
+#: how long a rank waits for the other ranks' row counts (a Spark task writes its whole
+#: partition before its rank starts, so the ranks of one run can start minutes apart)
+COUNTS_WAIT = 1800.0
+#: the ``desc`` of the bar each rank's rows are reported with (the view shows rows/s for it)
+ROWS_BAR = "rows"
+
+NO_DATA = ("shard() reads the DataFrame of a run started with one, and this {where} has none: "
+           "start the run with %%torchdist --data NAME, or Distributor(...).train_on_dataframe(fn, df)")
+
+
+# -- driver side ----------------------------------------------------------------------------------
+
+@dataclass
+class PreparedData:
+    """A run's DataFrame, checked: ``table`` (pandas input, as Arrow) for local processes, or
+    ``frame`` (a Spark DataFrame, its columns selected) and its Arrow ``schema`` for Spark."""
+
+    rows: int
+    columns: List[str]
+    table: Any = None                 # pyarrow.Table (pandas input)
+    frame: Any = None                 # pyspark DataFrame (Spark input)
+    schema: bytes = b""               # the frame's Arrow schema, serialized (for empty partitions)
+    files: List[str] = field(default_factory=list)
+    _directory: str = ""
+
+    def write_rank_files(self, prefix: str, num_processes: int) -> List[str]:
+        """One Arrow IPC file per rank in a new temporary directory named ``prefix...``, rank r's
+        rows the r-th of ``num_processes`` nearly equal ranges (written once: restarts reuse
+        them; ``remove_files`` removes them)."""
+        if not self.files:
+            import tempfile
+
+            directory = self._directory = tempfile.mkdtemp(prefix=prefix)
+            bounds = [self.rows * r // num_processes for r in range(num_processes + 1)]
+            for r in range(num_processes):
+                path = os.path.join(directory, f"rank-{r}.arrow")
+                _write_table(path, self.table.slice(bounds[r], bounds[r + 1] - bounds[r]))
+                self.files.append(path)
+        return self.files
+
+    def remove_files(self) -> None:
+        if self.files:
+            import shutil
+
+            shutil.rmtree(self._directory, ignore_errors=True)
+        self.files = []
+
+
+def _write_table(path: str, table) -> None:
+    import pyarrow as pa
+
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=FILE_CHUNK_ROWS)
+
+
+def is_pandas_frame(data: Any) -> bool:
+    module = type(data).__module__
+    return (module == "pandas" or module.startswith("pandas.")) and type(data).__name__ == "DataFrame"
+
+
+def is_spark_frame(data: Any) -> bool:
+    """A classic or a Spark Connect DataFrame (without importing pyspark)."""
+    return type(data).__module__.startswith("pyspark.sql") and any(
+        cls.__name__ == "DataFrame" for cls in type(data).__mro__)
+
+
+def prepare_data(data: Any, backend: str, num_processes: int, session: Any = None,
+                 columns: Optional[Sequence[str]] = None) -> PreparedData:
+    """Check ``data`` for a run of ``num_processes`` ranks on ``backend`` (``"local"`` or
+    ``"spark"``, whose SparkSession is ``session``) before anything starts; ``columns`` (all
+    when ``None``) are the ones that travel.  Raises ``TypeError``/``ValueError`` naming what is
+    wrong."""
+    if is_spark_frame(data):
+        if backend != "spark":
+            raise ValueError(
+                "a Spark DataFrame trains on the Spark backend (--spark, local_mode=False), where "
+                "each rank reads its share inside the executors; on local processes pass a pandas "
+                "DataFrame (df.toPandas() brings a small one to this machine)")
+        return _prepare_spark(data, num_processes, session, columns)
+    if is_pandas_frame(data):
+        if backend != "local":
+            raise ValueError(
+                "a pandas DataFrame trains on local processes (--local, local_mode=True); for a "
+                "Spark run make it a Spark DataFrame first: spark.createDataFrame(pandas_df)")
+        return _prepare_pandas(data, num_processes, columns)
+    raise TypeError(f"the data to train on must be a Spark DataFrame (or a pandas DataFrame on local "
+                    f"processes), got {type(data).__module__}.{type(data).__qualname__}")
+
+
+def _chosen_columns(available: List[str], columns: Optional[Sequence[str]]) -> List[str]:
+    if columns is None:
+        return list(available)
+    if isinstance(columns, str):
+        columns = [columns]
+    missing = [c for c in columns if c not in available]
+    if missing:
+        raise ValueError(f"the DataFrame has no column {', '.join(map(repr, missing))}; "
+                         f"its columns: {', '.join(available)}")
+    if not columns:
+        raise ValueError("no columns chosen: name at least one")
+    return list(columns)
+
+
+def _check_rows(rows: int, num_processes: int) -> None:
+    if rows == 0:
+        raise ValueError("the DataFrame is empty: there is nothing to train on")
+    if rows < num_processes:
+        raise ValueError(f"the DataFrame has {rows} row{'s' if rows != 1 else ''}, fewer than the "
+                         f"{num_processes} ranks: every rank needs at least one row")
+
+
+def _not_tensors(named_types: List[tuple]) -> None:
+    if named_types:
+        listed = ", ".join(f"{name!r} ({kind})" for name, kind in named_types)
+        raise ValueError(
+            f"column{'s' if len(named_types) > 1 else ''} {listed} cannot become a tensor: shard() "
+            "delivers numbers, booleans and (nested) arrays of them; select the columns the job "
+            "needs (df.select(...), or --columns), or encode the others as numbers first")
+
+
+def _spark_tensor_type(data_type) -> bool:
+    from pyspark.sql import types as T
+
+    if isinstance(data_type, T.ArrayType):
+        return _spark_tensor_type(data_type.elementType)
+    return isinstance(data_type, (T.BooleanType, T.ByteType, T.ShortType, T.IntegerType, T.LongType,
+                                  T.FloatType, T.DoubleType))
+
+
+def _same_session(one, other) -> bool:
+    """Whether two SparkSession objects stand for the same session (PySpark may wrap one
+    session in several Python objects): the same JVM session, or the same Connect session id."""
+    if one is other:
+        return True
+    mine, theirs = getattr(one, "_jsparkSession", None), getattr(other, "_jsparkSession", None)
+    if mine is not None and theirs is not None:
+        return bool(mine.equals(theirs))
+    ids = [getattr(getattr(s, "client", None), "_session_id", None) for s in (one, other)]
+    return ids[0] is not None and ids[0] == ids[1]
+
+
+def _prepare_spark(frame, num_processes: int, session, columns) -> PreparedData:
+    if session is not None and not _same_session(frame.sparkSession, session):
+        raise ValueError("the DataFrame belongs to another SparkSession than the run's active one "
+                         "(a stopped session, or one from newSession()): create it from the active "
+                         "session")
+    chosen = _chosen_columns(list(frame.columns), columns)
+    if chosen != list(frame.columns):
+        frame = frame.select(*chosen)
+    _not_tensors([(f.name, f.dataType.simpleString()) for f in frame.schema.fields
+                  if not _spark_tensor_type(f.dataType)])
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    rows = frame.count()
+    _check_rows(rows, num_processes)
+    return PreparedData(rows=rows, columns=chosen, frame=frame,
+                        schema=to_arrow_schema(frame.schema).serialize().to_pybytes())
+
+
+def _arrow_tensor_type(data_type) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_list(data_type) or pa.types.is_large_list(data_type) or pa.types.is_fixed_size_list(data_type):
+        return _arrow_tensor_type(data_type.value_type)
+    return pa.types.is_integer(data_type) or pa.types.is_floating(data_type) or pa.types.is_boolean(data_type)
+
+
+def _prepare_pandas(frame, num_processes: int, columns) -> PreparedData:
+    import pyarrow as pa
+
+    chosen = _chosen_columns([str(c) for c in frame.columns], columns)
+    frame = frame[chosen] if chosen != [str(c) for c in frame.columns] else frame
+    _check_rows(len(frame), num_processes)
+    try:
+        table = pa.Table.from_pandas(frame, preserve_index=False)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+        raise ValueError(f"the DataFrame cannot be turned into Arrow columns: {exc}") from None
+    _not_tensors([(f.name, str(f.type)) for f in table.schema if not _arrow_tensor_type(f.type)])
+    return PreparedData(rows=len(frame), columns=chosen, table=table)
+
+
+# -- task side (a Spark task, before its rank starts) ----------------------------------------------
+
+class DataStopped(Exception):
+    """The run was stopped while its task was still writing its rows."""
+
+
+def write_batches(path: str, batches: Iterable, schema: bytes, stopped: Callable[[], bool]) -> int:
+    """Stream ``batches`` (a ``mapInArrow`` task's input) into the Arrow IPC file ``path`` as
+    they arrive; ``schema`` is the file's schema when none arrives.  The number of rows."""
+    import pyarrow as pa
+
+    sink = pa.OSFile(path, "wb")
+    writer = None
+    rows = 0
+    try:
+        for batch in batches:
+            if stopped():
+                raise DataStopped("the run was stopped while this task was reading its rows")
+            if writer is None:
+                writer = pa.ipc.new_file(sink, batch.schema)
+            writer.write_batch(batch)
+            rows += batch.num_rows
+        if writer is None:
+            writer = pa.ipc.new_file(sink, pa.ipc.read_schema(pa.py_buffer(schema)))
+        writer.close()
+    finally:
+        sink.close()
+    return rows
+
+
+# -- rank side --------------------------------------------------------------------------------------
+
+_counts_cache: dict = {}
+
+
+def _row_counts(own: int) -> List[int]:
+    """Every rank's row count (exchanged once per process, see the module's docstring)."""
+    n, me = runtime.world_size(), runtime.rank()
+    if n == 1:
+        return [own]
+    key = (os.environ.get("TORCHDIST_RUN_ID", ""), os.environ.get("MASTER_PORT", ""))
+    if key not in _counts_cache:
+        from torch.distributed import TCPStore
+
+        # multi_tenant: the process group's own store on this port (rank 0 serves it) is shared
+        # with this one, whichever of the two is made first
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, me == 0,
+                         timeout=datetime.timedelta(seconds=COUNTS_WAIT), wait_for_workers=False,
+                         multi_tenant=True)
+        store.set(f"torchdist/data/rows/{me}", str(own))
+        store.wait([f"torchdist/data/rows/{r}" for r in range(n)])
+        counts = [int(store.get(f"torchdist/data/rows/{r}")) for r in range(n)]
+        # rank 0 serves the store: it must not go away before every rank has read the counts
+        if store.add("torchdist/data/read", 1) == n:
+            store.set("torchdist/data/all-read", "1")
+        if me == 0:
+            store.wait(["torchdist/data/all-read"])
+        _counts_cache[key] = (counts, store)
+    return list(_counts_cache[key][0])
+
+
+class shard:
+    """This rank's rows of the run's DataFrame, in batches; iterate again for the next epoch.
+
+    ``batch_size`` rows per batch; ``columns`` (default: all of them) in this order; ``format``:
+    ``"torch"`` (a dict of column name -> tensor; array columns become 2-D or deeper tensors and
+    must hold arrays of one length), ``"pandas"`` (a ``pandas.DataFrame``) or ``"arrow"`` (a
+    ``pyarrow.RecordBatch``).  ``shuffle=True`` shuffles this rank's rows anew each epoch, from
+    ``seed`` (the same on every rank: each rank still gets an order of its own).
+
+    Every rank yields the same number of batches (``len(shard)``): with ``drop_last=False`` a
+    rank with fewer rows than the largest rank repeats its own rows until it has as many (as
+    ``DistributedSampler`` pads), and the last batch may be short; with ``drop_last=True`` each
+    rank takes as many rows as the smallest rank has, in whole batches only.
+
+    Each rank reports its rows read and rows/s to the run view (a bar named ``rows``).
+    """
+
+    def __init__(self, batch_size: int, columns: Optional[Sequence[str]] = None, format: str = "torch",
+                 shuffle: bool = False, seed: int = 0, drop_last: bool = False):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"shard(batch_size=...) must be a whole number of at least 1, got {batch_size!r}")
+        if format not in FORMATS:
+            raise ValueError(f"shard(format=...) must be one of {', '.join(map(repr, FORMATS))}, got {format!r}")
+        path = os.environ.get(DATA_FILE_ENV, "")
+        if not path:
+            where = "run" if os.environ.get("TORCHDIST_RUN_ID") else "process (not a rank of a run)"
+            raise RuntimeError(NO_DATA.format(where=where))
+        import pyarrow as pa
+
+        self.batch_size, self.format = batch_size, format
+        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        self._table = pa.ipc.open_file(pa.memory_map(path, "r")).read_all()  # mapped, not read
+        available = self._table.column_names
+        if isinstance(columns, str):
+            columns = [columns]
+        self.columns = list(available if columns is None else columns)
+        missing = [c for c in self.columns if c not in available]
+        if missing:
+            raise ValueError(f"shard(columns=...): the run's DataFrame has no column "
+                             f"{', '.join(map(repr, missing))}; its columns: {', '.join(available)}")
+        self._table = self._table.select(self.columns)
+        self.epoch = 0
+        self._counts: Optional[List[int]] = None
+
+    @property
+    def num_rows(self) -> int:
+        """This rank's own rows (before padding or dropping)."""
+        return self._table.num_rows
+
+    def row_counts(self) -> List[int]:
+        """Every rank's own row count, by rank (the first call waits for every rank's)."""
+        if self._counts is None:
+            self._counts = _row_counts(self.num_rows)
+            empty = [r for r, c in enumerate(self._counts) if c == 0]
+            if empty:
+                raise ValueError(
+                    f"rank{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} got none of the "
+                    f"DataFrame's rows (rows per rank: {self._counts}): Spark's repartition spreads "
+                    "tiny DataFrames unevenly; give the run more rows or fewer ranks")
+        return self._counts
+
+    def rows_per_epoch(self) -> int:
+        """The rows each rank yields per epoch (the same on every rank)."""
+        counts = self.row_counts()
+        if self.drop_last:
+            return min(counts) // self.batch_size * self.batch_size
+        return max(counts)
+
+    def __len__(self) -> int:
+        rows = self.rows_per_epoch()
+        return -(-rows // self.batch_size)
+
+    def _order(self, epoch: int):
+        """The row indices of ``epoch`` (``None``: the rows in order, padded by wrapping)."""
+        if not self.shuffle:
+            return None
+        import numpy as np
+
+        rng = np.random.default_rng([self.seed, epoch, runtime.rank()])
+        return rng.permutation(self.num_rows)
+
+    def _rows(self, order, start: int, stop: int):
+        """Rows ``start:stop`` of this epoch's padded sequence, as one Arrow table."""
+        import numpy as np
+        import pyarrow as pa
+
+        own = self.num_rows
+        if order is None:
+            pieces = []
+            while start < stop:
+                begin = start % own
+                take = min(stop - start, own - begin)
+                pieces.append(self._table.slice(begin, take))
+                start += take
+            return pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
+        return self._table.take(pa.array(order[np.arange(start, stop) % own]))
+
+    def _convert(self, table):
+        if self.format == "arrow":
+            table = table.combine_chunks()
+            batches = table.to_batches()
+            return batches[0] if batches else table.schema.empty_table().to_batches()
+        if self.format == "pandas":
+            return table.to_pandas()
+        return {name: _tensor(name, table.column(name)) for name in self.columns}
+
+    def __iter__(self) -> Iterator:
+        rows = self.rows_per_epoch()
+        order = self._order(self.epoch)
+        self.epoch += 1
+        bar = _RowsBar(rows)
+        try:
+            for start in range(0, rows, self.batch_size):
+                stop = min(start + self.batch_size, rows)
+                batch = self._convert(self._rows(order, start, stop))
+                bar.advance(stop - start)
+                yield batch
+        finally:
+            bar.close()
+
+
+def _tensor(name: str, column):
+    """One column (a ``pyarrow.ChunkedArray``) as a tensor of its own memory (never a view of
+    the memory-mapped file)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import torch
+
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if array.null_count:
+        raise ValueError(f"column {name!r} has {array.null_count} null value(s) in rank "
+                         f"{runtime.rank()}'s rows, and a tensor cannot hold them: fill or drop them first")
+    shape = [len(array)]
+    while pa.types.is_list(array.type) or pa.types.is_large_list(array.type) \
+            or pa.types.is_fixed_size_list(array.type):
+        lengths = pc.list_value_length(array)
+        low, high = (pc.min_max(lengths)[k].as_py() for k in ("min", "max"))
+        if len(array) and low != high:
+            raise ValueError(f"column {name!r} holds arrays of different lengths ({low} to {high}) in "
+                             f"rank {runtime.rank()}'s rows: a tensor needs one length")
+        shape.append(low or 0)
+        array = array.flatten()
+        if array.null_count:
+            raise ValueError(f"column {name!r} has null elements in rank {runtime.rank()}'s rows")
+    values = array.to_numpy(zero_copy_only=False)
+    return torch.from_numpy(np.array(values, copy=True).reshape(shape))
+
+
+class _RowsBar:
+    """This rank's rows of one epoch as a progress bar of the run view (rate-limited)."""
+
+    def __init__(self, total: int):
+        self.bar = f"{ROWS_BAR}#{next(runtime._bar_ids)}"
+        self.total = total
+        self.n = 0
+        self.start = self.last = time.time()
+        self._send("running")
+
+    def _send(self, state: str) -> None:
+        runtime._emit(events.Progress(rank=runtime.rank(), bar=self.bar, desc=ROWS_BAR, n=self.n,
+                                      total=self.total, elapsed=time.time() - self.start, state=state))
+
+    def advance(self, rows: int) -> None:
+        self.n += rows
+        now = time.time()
+        if now - self.last >= runtime.PROGRESS_INTERVAL:
+            self.last = now
+            self._send("running")
+
+    def close(self) -> None:
+        self._send("done" if self.n >= self.total else "stopped")

@@ -1,0 +1,491 @@
+"""Warm pools: ranks that stay up from run to run (``--warm``, ``warm=True``).
+
+A pool is started by the first warm run of its placement (number of ranks, backend and its
+session, GPUs) the way a cold run starts its ranks (the same backend: local processes or one
+Spark barrier stage), except that each rank runs ``job.serve_job()``: it sets up the process
+group once and then runs the jobs the driver sends it over the pool's event channel
+(``events.RunJob``), keeping one namespace for cells.  Each warm run is a ``distributor.Run``
+whose backend is the pool (``WarmBackend``): the run's supervision (timeout, hang watchdog,
+cancel, the view) is a cold run's, and the pool turns a rank's ``JobDone`` into that run's
+``Exit`` for the rank once the rank's output for the job has all been read (``OutputEnd``).
+
+Failures.  A job that raises on ranks that all finish it (``JobDone``) leaves the pool up: its
+ranks and process group are as consistent as after any cell that raised.  Anything else ends
+the pool (no process is left): a rank whose process ended, a run cancelled, timed out or hung,
+or a rank still in the job ``WARM_SETTLE`` seconds after another rank's job failed (it waits in
+a collective its peer never reaches).  The next warm run starts a fresh pool.
+
+One live pool at a time: a warm run with another placement is refused with the live pool's
+description and how to stop it (two pools would hold two sets of ranks, and on Spark two
+sets of task slots, without the user asking for it).  A pool stops after
+``pool_idle_timeout`` seconds without a run, on ``shutdown_pools()`` (``%torchdist_pool stop``,
+``%unload_ext``) and when the Python process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import itertools
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+from . import events
+from .backends import Backend, BackendRun, LaunchContext, make_backend
+from .channel import ChannelServer, new_secret
+from .options import LaunchOptions
+from .rankenv import RunSpec
+from .timing import OUTPUT_END_WAIT, STOP_GRACE, WARM_SEND_WAIT, WARM_SETTLE
+
+#: characters of a job per ``RunJob`` piece (base64): well under the channel's frame limit
+JOB_PIECE = 1024 * 1024
+
+_lock = threading.RLock()
+_pools: List["Pool"] = []
+_ids = itertools.count(1)
+#: why the last pool that broke between runs stopped, by placement: the next run's view says it
+_broken: Dict[Tuple, str] = {}
+
+
+@dataclass
+class PoolInfo:
+    """What ``pools()`` says about one live pool."""
+
+    id: str
+    num_processes: int
+    use_gpu: bool
+    backend: str
+    state: str                  # busy (serving a run) or idle
+    pids: List[int]
+    hosts: List[str]
+    runs: int                   # warm runs it has served
+    idle_seconds: float
+    idle_timeout: float
+    memory_bytes: Optional[int]  # resident memory of its ranks (local pools), else None
+    spark_job_tag: str = ""
+    run_id: str = ""            # what its ranks carry as TORCHDIST_RUN_ID
+
+    def describe(self) -> str:
+        where = f"Spark job tag {self.spark_job_tag}" if self.spark_job_tag else \
+            f"pids {', '.join(map(str, self.pids)) or '-'}"
+        memory = f", {self.memory_bytes / 2**20:.0f} MiB" if self.memory_bytes else ""
+        return (f"{self.id}: np={self.num_processes}{' gpu' if self.use_gpu else ''} on {self.backend}, "
+                f"{self.state}, {self.runs} run{'s' if self.runs != 1 else ''}, idle {self.idle_seconds:.0f} s "
+                f"(stops after {self.idle_timeout:g} s idle), {where}{memory}")
+
+
+def _placement(options: LaunchOptions, backend: Backend) -> Tuple:
+    session = getattr(backend, "spark", None)
+    return (type(backend).__name__, id(session), options.num_processes, options.use_gpu)
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class Pool:
+    """The driver's side of one warm pool: its ranks (a backend run of ``serve_job``), its
+    event channel, and the warm run it is serving (at most one at a time)."""
+
+    def __init__(self, options: LaunchOptions, backend: Backend):
+        self.id = f"pool-{next(_ids)}"
+        self.placement = _placement(options, backend)
+        self.backend = backend
+        self.options = options
+        self.state = "new"          # new, busy (serving a run), idle, stopped
+        self.stop_reason = ""
+        self.runs = 0
+        self._last_used = time.monotonic()
+        self._lock = threading.RLock()
+        self._reserved = False
+        self._job: Optional["WarmJobRun"] = None
+        self._last_emit: Optional[Callable[[events.Event], None]] = None
+        self._started: Dict[int, events.Started] = {}
+        self._dead = False
+        self._channel: Optional[ChannelServer] = None
+        self._backend_run: Optional[BackendRun] = None
+        self._routes: Dict[type, Callable] = {}
+        self._timer: Optional[threading.Timer] = None
+        self.job_tag = ""
+        #: what the pool's ranks carry as ``TORCHDIST_RUN_ID``
+        self.run_id = f"{self.id}-{uuid.uuid4().hex[:8]}"
+
+    # -- life ----------------------------------------------------------------------------
+    def _start(self, first_run_id: str) -> None:
+        import cloudpickle
+
+        from .job import serve_job
+
+        run_id = self.run_id
+        secret, launcher_secret = new_secret(), new_secret()
+        self._channel = ChannelServer(self._deliver, run_id, host=self.backend.channel_host(),
+                                      secret=secret, launcher_secret=launcher_secret)
+        host, port = self._channel.address[:2]
+        spec = RunSpec.resolve(self.options, run_id, f"{host}:{port}", secret, launcher_secret)
+        ctx = LaunchContext(spec, cloudpickle.dumps(serve_job()), self._on_record,
+                            lambda record: self._channel.broadcast(record, role="launcher"), self._routes)
+        self._backend_run = self.backend.start(ctx)
+        self.job_tag = getattr(self._backend_run, "job_tag", "")
+
+    def ranks_alive(self) -> bool:
+        run = self._backend_run
+        return not self._dead and run is not None and run.ranks_alive()
+
+    def stop(self, reason: str, grace: float = STOP_GRACE) -> None:
+        """Stop the ranks (signal, ``grace``, kill) and release everything; idempotent."""
+        with self._lock:
+            if self.state == "stopped":
+                return
+            self.state = "stopped"
+            self.stop_reason = reason
+            if self._timer is not None:
+                self._timer.cancel()
+        with _lock:
+            if self in _pools:
+                _pools.remove(self)
+        try:
+            if self._backend_run is not None:
+                self._backend_run.stop(grace)
+                self._backend_run.close()
+        finally:
+            if self._channel is not None:
+                self._channel.close()
+
+    def info(self) -> PoolInfo:
+        with self._lock:
+            ranks = [self._started[r] for r in sorted(self._started)]
+            local = type(self.backend).__name__ == "LocalProcessBackend"
+            idle = 0.0 if self.state == "busy" else time.monotonic() - self._last_used
+            return PoolInfo(
+                id=self.id, num_processes=self.options.num_processes, use_gpu=self.options.use_gpu,
+                backend=self.backend.describe(), state=self.state, pids=[s.pid for s in ranks],
+                hosts=sorted({s.host for s in ranks}), runs=self.runs, idle_seconds=idle,
+                idle_timeout=self.options.pool_idle_timeout,
+                memory_bytes=sum(_rss(s.pid) for s in ranks) if local and ranks else None,
+                spark_job_tag=self.job_tag, run_id=self.run_id)
+
+    def _idle_check(self) -> None:
+        with self._lock:
+            if self.state != "idle":
+                return
+            idle = time.monotonic() - self._last_used
+            if idle < self.options.pool_idle_timeout:
+                self._arm_timer(self.options.pool_idle_timeout - idle)
+                return
+        self.stop(f"it had run nothing for {self.options.pool_idle_timeout:g} s (pool_idle_timeout)")
+
+    def _arm_timer(self, delay: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = threading.Timer(max(delay, 0.0), self._idle_check)
+        self._timer.daemon = True
+        self._timer.start()
+
+    # -- runs ----------------------------------------------------------------------------
+    def _run(self, ctx: LaunchContext, run_id: str) -> "WarmJobRun":
+        """Start serving the warm run ``run_id`` (its records go to ``ctx.emit``)."""
+        job = WarmJobRun(self, ctx, run_id)
+        with self._lock:
+            if self.state == "stopped":
+                raise RuntimeError(f"warm pool {self.id} was stopped: {self.stop_reason}")
+            self._job = job
+            fresh = self.state == "new"
+            self.state = "busy"
+        if fresh:
+            self._start(run_id)
+        else:
+            for record in list(self._started.values()):  # the run's view shows the ranks as started
+                job.emit(events.Started(rank=record.rank, host=record.host, pid=record.pid, time=time.time()))
+        self._send_when_ready()
+        return job
+
+    def _send_when_ready(self) -> None:
+        with self._lock:
+            job = self._job
+            if job is None or job.sent or len(self._started) < self.options.num_processes:
+                return
+            job.sent = True
+        threading.Thread(target=self._send, args=(job,), name=f"torchdist-{self.id}-send", daemon=True).start()
+
+    def _send(self, job: "WarmJobRun") -> None:
+        """The job to every rank, in ``RunJob`` pieces; waits for room on the channel."""
+        text = base64.b64encode(job.job_bytes).decode("ascii")
+        pieces = [text[i:i + JOB_PIECE] for i in range(0, len(text), JOB_PIECE)] or [""]
+        deadline = time.monotonic() + WARM_SEND_WAIT
+        for rank in range(self.options.num_processes):
+            for i, piece in enumerate(pieces):
+                last = i == len(pieces) - 1
+                record = events.RunJob(rank=rank, job_id=job.job_id, data=piece, last=last,
+                                       env=job.env if last else {}, all_ranks=job.all_ranks)
+                while not self._channel.send(rank, record, role="worker"):
+                    if time.monotonic() > deadline or self.state == "stopped" or self._dead or job.ended:
+                        return  # the supervisor sees the rank's exit, or the run's deadline
+                    time.sleep(0.005)
+
+    def _job_closed(self, job: "WarmJobRun") -> None:
+        with self._lock:
+            if self._job is not job:
+                return
+            self._job = None
+            self._last_emit = job.emit
+            self.runs += 1
+            self._last_used = time.monotonic()
+            self._reserved = False
+            if self.state == "busy":
+                self.state = "idle"
+                self._arm_timer(self.options.pool_idle_timeout)
+
+    def _release(self) -> None:
+        """A reserved run ended without using the pool (cancelled before it started)."""
+        with self._lock:
+            if self._job is None and self._reserved:
+                self._reserved = False
+                if self.state == "new":
+                    self.state = "stopped"
+                    with _lock:
+                        if self in _pools:
+                            _pools.remove(self)
+
+    # -- records from the ranks ----------------------------------------------------------
+    def _deliver(self, record: events.Event) -> None:
+        route = self._routes.get(type(record))
+        if route is not None:
+            route(record)
+        else:
+            self._on_record(record)
+
+    def _on_record(self, record: events.Event) -> None:
+        job = self._job
+        if isinstance(record, events.Started):
+            with self._lock:
+                self._started[record.rank] = record
+            if job is not None:
+                job.emit(record)
+            self._send_when_ready()
+        elif isinstance(record, (events.JobValue, events.JobDone, events.OutputEnd)):
+            if job is not None and record.job_id == job.job_id:
+                job.on_record(record)
+        elif isinstance(record, events.Exit):  # a rank's process ended: the pool is broken
+            self._dead = True
+            if job is not None:
+                job.rank_exited(record)
+            elif self.state == "idle":
+                reason = f"rank {record.rank}'s process ended since its last run"
+                with _lock:
+                    _broken[self.placement] = f"{self.id} stopped: {reason}"
+                threading.Thread(target=self.stop, args=(reason,), daemon=True).start()
+        else:
+            emit = job.emit if job is not None else self._last_emit
+            if emit is not None:
+                emit(record)
+
+
+class WarmJobRun(BackendRun):
+    """One warm run on a pool: what the run's supervisor drives like a cold backend run."""
+
+    def __init__(self, pool: Pool, ctx: LaunchContext, run_id: str):
+        self.pool = pool
+        self.emit = ctx.emit
+        self.job_id = f"{run_id}-{ctx.spec.attempt}"
+        self.job_bytes = ctx.job_bytes
+        self.all_ranks = ctx.spec.all_ranks
+        spec = ctx.spec
+        self.env = dict(spec.env, TORCHDIST_CHECKPOINT_DIR=spec.checkpoint_dir,
+                        TORCHDIST_KEEP_CHECKPOINTS=str(spec.keep_checkpoints),
+                        TORCHDIST_RETURN_VALUE="1")
+        self.sent = False
+        self.ended = False
+        self._lock = threading.Lock()
+        self._values: Dict[int, List[str]] = {}
+        self._done: Dict[int, events.JobDone] = {}
+        self._output_ended: Dict[int, Set[str]] = {}
+        self._exited: Set[int] = set()
+
+    def on_record(self, record: events.Event) -> None:
+        with self._lock:
+            if isinstance(record, events.JobValue):
+                self._values.setdefault(record.rank, []).append(record.data)
+                return
+            if isinstance(record, events.OutputEnd):
+                self._output_ended.setdefault(record.rank, set()).add(record.stream)
+            elif isinstance(record, events.JobDone):
+                self._done[record.rank] = record
+                timer = threading.Timer(OUTPUT_END_WAIT, self._exit, (record.rank, True))
+                timer.daemon = True
+                timer.start()
+        self._exit(record.rank, False)
+
+    def _exit(self, rank: int, late: bool) -> None:
+        """The rank's ``Exit`` for this run, once its job is done and its output all read
+        (or ``OUTPUT_END_WAIT`` after it was done: a job that closed its stdout, say)."""
+        with self._lock:
+            done = self._done.get(rank)
+            if done is None or rank in self._exited:
+                return
+            if not late and self._output_ended.get(rank, set()) != {"stdout", "stderr"}:
+                return
+            self._exited.add(rank)
+        host = self.pool._started[rank].host if rank in self.pool._started else ""
+        failure = done.failure
+        if failure is not None:
+            failure.exit_code = done.code
+        self.emit(events.Exit(rank=rank, code=done.code, time=done.time, host=host, failure=failure))
+
+    def rank_exited(self, record: events.Exit) -> None:
+        with self._lock:
+            if record.rank in self._exited:
+                return
+            self._exited.add(record.rank)
+        self.emit(record)
+
+    def stop(self, grace: float) -> None:
+        """Leave the pool up when every rank finished the job (one raised); else end it."""
+        with self._lock:
+            some_done = bool(self._done)
+        end = time.monotonic() + (WARM_SETTLE if some_done else 0.0)
+        while time.monotonic() < end and len(self._done) < self.pool.options.num_processes \
+                and not self.pool._dead:
+            time.sleep(0.02)
+        if len(self._done) == self.pool.options.num_processes and not self.pool._dead:
+            return
+        still = [r for r in range(self.pool.options.num_processes) if r not in self._done]
+        why = (f"rank{'s' if len(still) > 1 else ''} {', '.join(map(str, still))} "
+               f"{'were' if len(still) > 1 else 'was'} still in the job")
+        if self.pool._dead:
+            why = "a rank's process ended"
+        message = (f"[torchdist] warm pool {self.pool.id} stopped ({why}); the next warm run starts a "
+                   "fresh pool")
+        self.emit(events.Log(rank=0, stream="stderr", line=message))
+        self.pool.stop(why, grace)
+
+    def dump_stacks(self) -> None:
+        run = self.pool._backend_run
+        if run is not None:
+            run.dump_stacks()
+
+    def result(self, rank: int) -> Optional[bytes]:
+        with self._lock:
+            done = self._done.get(rank)
+            if done is None or not done.has_value:
+                return None
+            return base64.b64decode("".join(self._values.get(rank, [])))
+
+    def ranks_alive(self) -> bool:
+        return self.pool.ranks_alive()
+
+    def close(self) -> None:
+        self.ended = True
+        self.pool._job_closed(self)
+
+
+class WarmBackend(Backend):
+    """The backend of a warm run: its pool, started by this run (``fresh``) or reused."""
+
+    name = "warm"
+    needs_channel = False
+
+    def __init__(self, pool: Pool, fresh: bool, note: str = ""):
+        self.pool = pool
+        self.fresh = fresh
+        self.note = note
+
+    def describe(self) -> str:
+        how = "started for this run" if self.fresh else f"reused, run {self.pool.runs + 1}"
+        if self.note:
+            how += f"; {self.note}"
+        return f"warm {self.pool.id} ({how}) of {self.pool.backend.describe()}"
+
+    def channel_host(self) -> str:
+        return self.pool.backend.channel_host()
+
+    def start(self, ctx: LaunchContext) -> WarmJobRun:
+        try:
+            return self.pool._run(ctx, ctx.spec.run_id)
+        except BaseException:
+            self.pool.stop("it could not start")
+            raise
+
+    def release(self) -> None:
+        self.pool._release()
+
+
+def warm_backend(options: LaunchOptions) -> WarmBackend:
+    """The backend of a warm run: the live pool of its placement, a new pool when there is
+    none, or when the live pool's ranks died since its last run.  A live pool of another
+    placement, or one busy with another run, is a ``ValueError``."""
+    backend = make_backend(options)
+    placement = _placement(options, backend)
+    note = ""
+    with _lock:
+        for pool in list(_pools):
+            if pool.state == "idle" and pool.placement == placement and not pool.ranks_alive():
+                reason = "its ranks had died since its last run"
+                pool.stop(reason)
+                _broken[placement] = f"{pool.id} stopped: {reason}"
+        live = [p for p in _pools if p.state != "stopped"]
+        same = next((p for p in live if p.placement == placement), None)
+        if same is None and live:
+            other = live[0]
+            raise ValueError(
+                f"a warm pool with another placement is live: {other.info().describe()}. "
+                f"Stop it first (%torchdist_pool stop, or torchdist_magic.shutdown_pools()), or run "
+                "without --warm/warm=True")
+        if same is not None:
+            if same._reserved or same.state == "busy":
+                raise ValueError(f"warm pool {same.id} is running another run; wait for it, or run "
+                                 "without --warm/warm=True")
+            same._reserved = True
+            return WarmBackend(same, fresh=False)
+        backend.check(options)
+        note = _broken.pop(placement, "")
+        pool = Pool(options, backend)
+        pool._reserved = True
+        _pools.append(pool)
+        return WarmBackend(pool, fresh=True, note=note)
+
+
+def check_cold_run(options: LaunchOptions, backend: Backend) -> None:
+    """A cold Spark run while a warm pool on the same session holds task slots: a
+    ``ValueError`` when too few slots are left (its barrier stage would wait for them forever)."""
+    session = getattr(backend, "spark", None)
+    if session is None:
+        return
+    with _lock:
+        holding = [p for p in _pools if p.state != "stopped" and getattr(p.backend, "spark", None) is session]
+    if not holding:
+        return
+    held = sum(p.options.num_processes for p in holding)
+    total = backend.slots()
+    if total - held < options.num_processes:
+        raise ValueError(
+            f"{options.num_processes} ranks need {options.num_processes} free Spark task slots, but warm "
+            f"{holding[0].id} holds {held} of this cluster's {total}; stop it first (%torchdist_pool stop, "
+            "or torchdist_magic.shutdown_pools()), or run on it with --warm/warm=True")
+
+
+def pools() -> List[PoolInfo]:
+    """The live warm pools."""
+    with _lock:
+        return [p.info() for p in _pools if p.state != "stopped"]
+
+
+def shutdown_pools() -> List[str]:
+    """Stop every warm pool (its ranks, its Spark stage); the ids of those stopped."""
+    with _lock:
+        live = list(_pools)
+    for pool in live:
+        pool.stop("shutdown_pools()")
+    return [p.id for p in live]
+
+
+atexit.register(shutdown_pools)
