@@ -64,3 +64,31 @@ def test_more_ranks_than_gpus_is_a_clear_error():
     n = cuda_count()
     with pytest.raises(ValueError, match=f"{n + 1} ranks with use_gpu/--gpu need {n + 1} GPUs; this machine has {n}"):
         Distributor(n + 1, use_gpu=True, show=None).run(print)
+
+
+def nccl_on_the_pool():
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from torchdist_magic import device
+
+    t = torch.ones(1, device=device())
+    dist.all_reduce(t)  # the pool's nccl group, set up once
+    return os.getpid(), dist.get_backend(), t.item(), torch.cuda.current_device()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_warm_pool_keeps_its_nccl_group_and_gpus():
+    from torchdist_magic import shutdown_pools
+
+    n = cuda_count()
+    d = Distributor(n, use_gpu=True, show=None, warm=True, all_ranks=True)
+    try:
+        first, second = d.run(nccl_on_the_pool), d.run(nccl_on_the_pool)
+    finally:
+        shutdown_pools()
+    assert first == second  # same processes, same group, same device
+    assert [(backend, total, dev) for _, backend, total, dev in first] == [("nccl", float(n), r) for r in range(n)]

@@ -259,23 +259,25 @@ def test_bad_warm_settings_are_refused_before_anything_starts(local_distributor)
 # -- the magic ----------------------------------------------------------------------------------
 
 def test_warm_cells_keep_rank_side_names_and_notebook_values_win(ip, capsys):
-    cell(ip, "import torch\nscale = 10")
+    for name in ("warm_weights", "warm_pid"):  # names only the ranks have (the shell is shared)
+        ip.user_ns.pop(name, None)
+    cell(ip, "import torch\nwarm_scale = 10")
     first = cell(ip, """
         %%torchdist --np 2 --warm --quiet
-        weights = torch.arange(3.0) * (rank + 1)   # defined on the ranks
-        scale = -1                                 # a rank-side name the notebook also has
+        warm_weights = torch.arange(3.0) * (rank + 1)   # defined on the ranks
+        warm_scale = -1                                 # a rank-side name the notebook also has
         import os
-        pid = os.getpid()
-        weights.sum().item()
+        warm_pid = os.getpid()
+        warm_weights.sum().item()
     """)
     assert first.error_in_exec is None and first.result == 3.0
     second = cell(ip, """
         %%torchdist --np 2 --warm --all-ranks --quiet
-        torch.distributed.all_reduce(weights)
-        (weights.tolist(), scale, pid == os.getpid())
+        torch.distributed.all_reduce(warm_weights)
+        (warm_weights.tolist(), warm_scale, warm_pid == os.getpid())
     """)
     assert second.error_in_exec is None
-    assert second.result == [([0.0, 3.0, 6.0], 10, True)] * 2  # notebook's scale, rank-side weights
+    assert second.result == [([0.0, 3.0, 6.0], 10, True)] * 2  # notebook's warm_scale, rank-side warm_weights
     capsys.readouterr()
     ip.run_line_magic("torchdist_pool", "")
     shown = capsys.readouterr().out
@@ -357,3 +359,25 @@ def test_a_spark_pool_holds_its_slots_and_gives_them_back_when_torn_down(spark_l
     assert pools() == []
     wait_until(lambda: _stopped(info), 30, "the Spark pool's ranks to end")
     assert cold.run(lambda: 7) == 7  # the slots are free again
+
+
+# -- the views say warm or cold ---------------------------------------------------------------------
+
+def test_the_text_view_and_the_panel_say_whether_a_run_was_warm(ip, capsys):
+    from torchdist_magic.options import LaunchOptions
+    from torchdist_magic.view import panel as P
+
+    cell(ip, "%%torchdist --np 2 --warm\n1")
+    out = capsys.readouterr().out
+    assert "on warm pool-" in out and "(started for this run) of local processes" in out
+    cell(ip, "%%torchdist --np 2\n1")
+    assert "warm" not in capsys.readouterr().out  # a cold run is on its backend only
+
+    panel = P.LaunchPanel(ip, LaunchOptions())
+    panel.controls["num_processes"].value = 2
+    panel.controls["warm"].value = True
+    panel.code.value = "rank + 40"
+    assert "%%torchdist --np 2 --warm" in panel.command.value  # the equivalent cell
+    run = panel.launch()
+    assert run is not None and panel.wait(60) and panel.value == 40
+    assert "reused, run 2" in panel._view.header.value and "torchdist-backend" in panel._view.header.value
