@@ -314,8 +314,12 @@ def test_unload_ext_stops_the_pools():
         info, = pools()
     finally:
         shell.run_line_magic("unload_ext", "torchdist_magic")
-    assert pools() == []
-    wait_until(lambda: _stopped(info), 15, "the pool's processes to end")
+    try:
+        assert pools() == []
+        wait_until(lambda: _stopped(info), 15, "the pool's processes to end")
+    finally:  # the shell is shared by every test module: leave it as the ``ip`` fixture made it
+        shell.run_line_magic("load_ext", "torchdist_magic")
+        shell.run_line_magic("config", "TorchdistMagics.view = 'text'")
 
 
 def test_a_pool_does_not_outlive_its_python_process(tmp_path):
