@@ -159,7 +159,7 @@ def test_a_rank_left_in_a_collective_tears_the_pool_down(local_distributor):
     with pytest.raises(RankFailure) as err:
         run.result(timeout=60)
     assert err.value.rank == 1 and "gave up" in err.value.message  # the root cause, not the waiting rank
-    assert f"warm pool {info.id} stopped (rank 0 was still in the job)" in run.logs(0)
+    assert f"[torchdist] warm {info.id} stopped (rank 0 was still in the job)" in run.logs(0)
     assert pools() == []
     wait_until(lambda: _stopped(info), 15, "the torn-down pool's processes to end")
     fresh = d.submit(kept_and_group)
@@ -238,7 +238,7 @@ def test_a_busy_pool_is_refused(local_distributor):
     d = local_distributor(2, warm=True)
     run = d.submit(sleep_long)
     try:
-        with pytest.raises(ValueError, match=r"warm pool pool-\d+ is running another run"):
+        with pytest.raises(ValueError, match=r"warm pool-\d+ is running another run"):
             d.submit(kept_and_group)
     finally:
         run.cancel()
@@ -385,3 +385,46 @@ def test_the_text_view_and_the_panel_say_whether_a_run_was_warm(ip, capsys):
     run = panel.launch()
     assert run is not None and panel.wait(60) and panel.value == 40
     assert "reused, run 2" in panel._view.header.value and "torchdist-backend" in panel._view.header.value
+
+
+def test_a_warm_run_with_a_dataframe_or_columns_without_data_is_refused(local_distributor):
+    import pandas as pd
+
+    from torchdist_magic.distributor import submit
+
+    with pytest.raises(ValueError, match="a warm run cannot train on a DataFrame: the pool's ranks were started"):
+        local_distributor(2, warm=True).train_on_dataframe(kept_and_group, pd.DataFrame({"x": [1.0, 2.0]}))
+    with pytest.raises(ValueError, match="columns name columns of the data to train on, and no data was given"):
+        submit(kept_and_group, (), {}, local_distributor(2).options, columns=["x"])
+    assert pools() == []
+
+
+def test_a_pool_stopped_before_its_first_run_started_fails_that_run_clearly(local_distributor):
+    from torchdist_magic.distributor import Run, build_job
+    from torchdist_magic.pool import warm_backend
+
+    options = local_distributor(2, warm=True).options
+    backend = warm_backend(options)
+    shutdown_pools()  # e.g. from another thread, between the reservation and the start
+    run = Run(build_job(kept_and_group, (), {}), options, backend)
+    run._start()
+    with pytest.raises(RuntimeError, match=r"warm pool-\d+ was stopped: shutdown_pools\(\)"):
+        run.result(timeout=30)
+    assert pools() == []
+
+
+def test_a_serving_worker_without_a_channel_says_what_it_needs(tmp_path):
+    import subprocess
+
+    import cloudpickle
+
+    from torchdist_magic.job import serve_job
+
+    job = tmp_path / "job.pkl"
+    job.write_bytes(cloudpickle.dumps(serve_job()))
+    env = {k: v for k, v in os.environ.items() if k != "TORCHDIST_CHANNEL"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "torchdist_magic.worker", str(job), str(tmp_path)],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2
+    assert "a warm pool's rank needs the driver's event channel (TORCHDIST_CHANNEL)" in out.stderr

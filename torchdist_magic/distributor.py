@@ -86,10 +86,6 @@ def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data:
     if data is not None:
         from .data import prepare_data
 
-        if getattr(options, "warm", False):
-            raise ValueError("a run with data starts its ranks for that data (on Spark, a stage of "
-                             "the DataFrame itself); it cannot run on a warm pool: leave out warm/--warm")
-
         prepared = prepare_data(data, backend.name, options.num_processes,
                                 getattr(backend, "spark", None), columns)
         if prepared.frame is not None:

@@ -164,7 +164,7 @@ class Pool:
     def info(self) -> PoolInfo:
         with self._lock:
             ranks = [self._started[r] for r in sorted(self._started)]
-            local = type(self.backend).__name__ == "LocalProcessBackend"
+            local = self.backend.name == "local"
             idle = 0.0 if self.state == "busy" else time.monotonic() - self._last_used
             return PoolInfo(
                 id=self.id, num_processes=self.options.num_processes, use_gpu=self.options.use_gpu,
@@ -197,7 +197,7 @@ class Pool:
         job = WarmJobRun(self, ctx, run_id)
         with self._lock:
             if self.state == "stopped":
-                raise RuntimeError(f"warm pool {self.id} was stopped: {self.stop_reason}")
+                raise RuntimeError(f"warm {self.id} was stopped: {self.stop_reason}")
             self._job = job
             fresh = self.state == "new"
             self.state = "busy"
@@ -363,7 +363,7 @@ class WarmJobRun(BackendRun):
                f"{'were' if len(still) > 1 else 'was'} still in the job")
         if self.pool._dead:
             why = "a rank's process ended"
-        message = (f"[torchdist] warm pool {self.pool.id} stopped ({why}); the next warm run starts a "
+        message = (f"[torchdist] warm {self.pool.id} stopped ({why}); the next warm run starts a "
                    "fresh pool")
         self.emit(events.Log(rank=0, stream="stderr", line=message))
         self.pool.stop(why, grace)
@@ -442,7 +442,7 @@ def warm_backend(options: LaunchOptions) -> WarmBackend:
                 "without --warm/warm=True")
         if same is not None:
             if same._reserved or same.state == "busy":
-                raise ValueError(f"warm pool {same.id} is running another run; wait for it, or run "
+                raise ValueError(f"warm {same.id} is running another run; wait for it, or run "
                                  "without --warm/warm=True")
             same._reserved = True
             return WarmBackend(same, fresh=False)

@@ -336,6 +336,8 @@ def serve(client, inbox: JobInbox) -> int:
     pieces and ``JobDone``; return when the channel to the driver is gone, or on SIGTERM."""
     import queue
 
+    import cloudpickle
+
     from torchdist_magic import runtime
 
     _init_process_group()
@@ -351,8 +353,6 @@ def serve(client, inbox: JobInbox) -> int:
                 if client.lost:
                     return 0
                 continue
-            import cloudpickle
-
             os.environ.update(record.env)
             try:
                 job = cloudpickle.loads(data)

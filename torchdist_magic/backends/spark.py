@@ -55,7 +55,7 @@ from ..rankenv import RunSpec, place_ranks, rank_environment
 from ..timing import (SPARK_CANCEL_RETRY, SPARK_CANCEL_WAIT, SPARK_RENDEZVOUS_WAIT, SPARK_SLOT_WAIT,
                       SPARK_STAGE_END_WAIT, STOP_GRACE)
 from . import Backend, BackendRun, LaunchContext
-from .spark_python import PYTHON_EXEC_LOCK, build_with_python, choose_python
+from .spark_python import build_with_python, choose_python, python_exec
 
 GPU_AMOUNT_CONF = "spark.task.resource.gpu.amount"
 #: lines of a rank's output a task keeps, for when its channel to the driver is lost
@@ -429,12 +429,8 @@ class SparkRun(BarrierStageRun):
             if self._frame is not None:
                 from .spark_connect import data_stage, sort_rows
 
-                with PYTHON_EXEC_LOCK:  # the stage's function is built for the chosen interpreter
-                    previous, sc.pythonExec = sc.pythonExec, self._python
-                    try:
-                        frame = data_stage(self._frame, n, self._task, self._frame.rdd.getNumPartitions())
-                    finally:
-                        sc.pythonExec = previous
+                with python_exec(sc, self._python):  # the stage's function, for the chosen interpreter
+                    frame = data_stage(self._frame, n, self._task, self._frame.rdd.getNumPartitions())
                 rows = sort_rows(r.asDict() for r in frame.collect())
                 self._deliver(rows.values, rows.exits, rows.logs)
                 return

@@ -18,6 +18,7 @@ The answer is kept per SparkContext and interpreter, so only a session's first r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -106,18 +107,25 @@ def describe(facts: dict) -> str:
     return f"{facts['executable']} on {facts['host']}: Python {facts['python']}, {packages}"
 
 
-def build_with_python(sc, rdd, python: str):
-    """Build ``rdd``'s Java-side Python function now, for ``python``.
+@contextlib.contextmanager
+def python_exec(sc, python: str):
+    """While in the block, Python functions of stages built on ``sc`` run with ``python``.
 
     PySpark builds a stage's function with ``SparkContext.pythonExec``; it is set only while
-    this RDD's function is built, so other jobs of the session are unaffected.
+    the block builds it, so other jobs of the session are unaffected.
     """
     with PYTHON_EXEC_LOCK:
         previous, sc.pythonExec = sc.pythonExec, python
         try:
-            rdd._jrdd  # noqa: B018  (the property builds and caches the function)
+            yield
         finally:
             sc.pythonExec = previous
+
+
+def build_with_python(sc, rdd, python: str):
+    """Build ``rdd``'s Java-side Python function now, for ``python``."""
+    with python_exec(sc, python):
+        rdd._jrdd  # noqa: B018  (the property builds and caches the function)
     return rdd
 
 
