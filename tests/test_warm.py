@@ -216,12 +216,39 @@ def test_a_timeout_hang_or_cancel_stops_the_pool_with_no_process_left(local_dist
     wait_until(lambda: _stopped(info), 15, "the pool's processes to end")
 
 
+def _run_dirs():
+    import tempfile
+
+    return [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("torchdist-")]
+
+
 def test_an_idle_pool_stops_after_its_idle_timeout(local_distributor):
     d = local_distributor(2, warm=True, pool_idle_timeout=1.0)
     d.run(kept_and_group)
     info, = pools()
+    assert _run_dirs()
+    # the timer's stop runs on its own thread: the pool stays listed (idle, then stopping) until
+    # its ranks and its run directory are gone
     wait_until(lambda: pools() == [], 20, "the idle pool to stop")
-    wait_until(lambda: _stopped(info), 15, "the idle pool's processes to end")
+    assert _stopped(info) and _run_dirs() == []
+
+
+def test_a_second_stop_returns_once_the_first_is_done(local_distributor):
+    import threading
+
+    from torchdist_magic.pool import _pools
+
+    local_distributor(2, warm=True).run(kept_and_group)
+    info, = pools()
+    pool = _pools[0]
+    first = threading.Thread(target=pool.stop, args=("the first stop",))
+    first.start()
+    wait_until(lambda: pool.state != "idle", 10, "the first stop to begin")
+    assert shutdown_pools() in ([info.id], [])  # [] only when the first stop was already done
+    assert pools() == [] and _stopped(info) and _run_dirs() == []
+    assert pool.stop_reason == "the first stop"
+    first.join(10)
+    assert not first.is_alive()
 
 
 def test_another_placement_is_refused_naming_the_live_pool(local_distributor):
@@ -304,11 +331,8 @@ def test_pool_magic_usage_and_placement_errors(ip):
     assert "--max-restarts starts every rank again" in str(result.error_in_exec)
 
 
-def test_unload_ext_stops_the_pools():
-    from IPython.testing.globalipapp import get_ipython, start_ipython
-
-    shell = start_ipython() or get_ipython()
-    shell.run_line_magic("load_ext", "torchdist_magic")
+def test_unload_ext_stops_the_pools(ip):
+    shell = ip  # the module's shell (started before this test's temp dir: its history file lives on)
     try:
         assert cell(shell, "%%torchdist --np 2 --warm --quiet\n2").result == 2
         info, = pools()

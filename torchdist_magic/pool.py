@@ -38,7 +38,7 @@ from .backends import Backend, BackendRun, LaunchContext, make_backend
 from .channel import ChannelServer, new_secret
 from .options import LaunchOptions
 from .rankenv import RunSpec
-from .timing import OUTPUT_END_WAIT, STOP_GRACE, WARM_SEND_WAIT, WARM_SETTLE
+from .timing import OUTPUT_END_WAIT, STOP_GRACE, STOP_WAIT, WARM_SEND_WAIT, WARM_SETTLE
 
 #: characters of a job per ``RunJob`` piece (base64): well under the channel's frame limit
 JOB_PIECE = 1024 * 1024
@@ -58,7 +58,7 @@ class PoolInfo:
     num_processes: int
     use_gpu: bool
     backend: str
-    state: str                  # busy (serving a run) or idle
+    state: str                  # busy (serving a run), idle, or stopping (its ranks and files going)
     pids: List[int]
     hosts: List[str]
     runs: int                   # warm runs it has served
@@ -102,7 +102,7 @@ class Pool:
         self.placement = _placement(options, backend)
         self.backend = backend
         self.options = options
-        self.state = "new"          # new, busy (serving a run), idle, stopped
+        self.state = "new"          # new, busy (serving a run), idle, stopping, stopped
         self.stop_reason = ""
         self.runs = 0
         self._last_used = time.monotonic()
@@ -116,6 +116,7 @@ class Pool:
         self._backend_run: Optional[BackendRun] = None
         self._routes: Dict[type, Callable] = {}
         self._timer: Optional[threading.Timer] = None
+        self._stopped = threading.Event()   # set once a stop has released everything
         self.job_tag = ""
         #: what the pool's ranks carry as ``TORCHDIST_RUN_ID``
         self.run_id = f"{self.id}-{uuid.uuid4().hex[:8]}"
@@ -141,25 +142,41 @@ class Pool:
         run = self._backend_run
         return not self._dead and run is not None and run.ranks_alive()
 
-    def stop(self, reason: str, grace: float = STOP_GRACE) -> None:
-        """Stop the ranks (signal, ``grace``, kill) and release everything; idempotent."""
+    @property
+    def ending(self) -> bool:
+        """Stopping or stopped: it takes no more runs."""
+        return self.state in ("stopping", "stopped")
+
+    def stop(self, reason: str, grace: float = STOP_GRACE, wait: bool = True) -> None:
+        """Stop the ranks (signal, ``grace``, kill) and release everything (the run directory
+        too); idempotent, and a second caller returns once the first one's stop is done (with
+        ``wait``; never wait holding ``_lock``: the stop takes it last).  The pool stays in
+        ``pools()``, as stopping, until then."""
         with self._lock:
-            if self.state == "stopped":
-                return
-            self.state = "stopped"
-            self.stop_reason = reason
-            if self._timer is not None:
-                self._timer.cancel()
-        with _lock:
-            if self in _pools:
-                _pools.remove(self)
+            first = not self.ending
+            if first:
+                self.state = "stopping"
+                self.stop_reason = reason
+                if self._timer is not None:
+                    self._timer.cancel()
+        if not first:
+            if wait:
+                self._stopped.wait(grace + STOP_WAIT)
+            return
         try:
             if self._backend_run is not None:
                 self._backend_run.stop(grace)
                 self._backend_run.close()
         finally:
-            if self._channel is not None:
-                self._channel.close()
+            try:
+                if self._channel is not None:
+                    self._channel.close()
+            finally:
+                with _lock:
+                    self.state = "stopped"
+                    if self in _pools:
+                        _pools.remove(self)
+                self._stopped.set()
 
     def info(self) -> PoolInfo:
         with self._lock:
@@ -196,7 +213,7 @@ class Pool:
         """Start serving the warm run ``run_id`` (its records go to ``ctx.emit``)."""
         job = WarmJobRun(self, ctx, run_id)
         with self._lock:
-            if self.state == "stopped":
+            if self.ending:
                 raise RuntimeError(f"warm {self.id} was stopped: {self.stop_reason}")
             self._job = job
             fresh = self.state == "new"
@@ -228,7 +245,7 @@ class Pool:
                 record = events.RunJob(rank=rank, job_id=job.job_id, data=piece, last=last,
                                        env=job.env if last else {}, all_ranks=job.all_ranks)
                 while not self._channel.send(rank, record, role="worker"):
-                    if time.monotonic() > deadline or self.state == "stopped" or self._dead or job.ended:
+                    if time.monotonic() > deadline or self.ending or self._dead or job.ended:
                         return  # the supervisor sees the rank's exit, or the run's deadline
                     time.sleep(0.005)
 
@@ -430,9 +447,9 @@ def warm_backend(options: LaunchOptions) -> WarmBackend:
         for pool in list(_pools):
             if pool.state == "idle" and pool.placement == placement and not pool.ranks_alive():
                 reason = "its ranks had died since its last run"
-                pool.stop(reason)
+                pool.stop(reason, wait=False)
                 _broken[placement] = f"{pool.id} stopped: {reason}"
-        live = [p for p in _pools if p.state != "stopped"]
+        live = [p for p in _pools if not p.ending]
         same = next((p for p in live if p.placement == placement), None)
         if same is None and live:
             other = live[0]
@@ -461,7 +478,7 @@ def check_cold_run(options: LaunchOptions, backend: Backend) -> None:
     if session is None:
         return
     with _lock:
-        holding = [p for p in _pools if p.state != "stopped" and getattr(p.backend, "spark", None) is session]
+        holding = [p for p in _pools if not p.ending and getattr(p.backend, "spark", None) is session]
     if not holding:
         return
     held = sum(p.options.num_processes for p in holding)
@@ -474,7 +491,7 @@ def check_cold_run(options: LaunchOptions, backend: Backend) -> None:
 
 
 def pools() -> List[PoolInfo]:
-    """The live warm pools."""
+    """The live warm pools, and those still stopping."""
     with _lock:
         return [p.info() for p in _pools if p.state != "stopped"]
 

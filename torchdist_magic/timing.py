@@ -6,6 +6,9 @@ SIGKILL to the group.  The values below say how long each step may take.
 
 #: between SIGTERM and SIGKILL when a run stops its ranks (cancel, timeout, a peer's failure)
 STOP_GRACE = 2.0
+#: beyond a stop's grace, how long a second caller of a warm pool's stop waits for the first
+#: one to end its ranks and remove its files (they still need REAP_WAIT at worst)
+STOP_WAIT = 10.0
 #: between SIGTERM and SIGKILL when a finished run releases ranks that are somehow still there
 CLOSE_GRACE = 0.5
 #: after SIGKILL, how long to wait for a process's exit to be reported
