@@ -437,6 +437,19 @@ def test_a_pool_stopped_before_its_first_run_started_fails_that_run_clearly(loca
     assert pools() == []
 
 
+def test_a_reservation_released_unused_leaves_no_pool(local_distributor):
+    """A run that ends before its start (a bad argument, a cancel) gives back the new pool."""
+    from torchdist_magic.pool import warm_backend
+
+    backend = warm_backend(local_distributor(2, warm=True).options)
+    assert [info.state for info in pools()] == ["new"]
+    backend.release()
+    assert pools() == []
+    local_distributor(2, warm=True).run(kept_and_group)
+    info, = pools()
+    assert info.id != backend.pool.id and info.runs == 1
+
+
 def test_a_serving_worker_without_a_channel_says_what_it_needs(tmp_path):
     import subprocess
 

@@ -58,7 +58,7 @@ class PoolInfo:
     num_processes: int
     use_gpu: bool
     backend: str
-    state: str                  # busy (serving a run), idle, or stopping (its ranks and files going)
+    state: str                  # new (its first run starting), busy, idle, or stopping (ranks, files going)
     pids: List[int]
     hosts: List[str]
     runs: int                   # warm runs it has served
@@ -172,11 +172,16 @@ class Pool:
                 if self._channel is not None:
                     self._channel.close()
             finally:
-                with _lock:
-                    self.state = "stopped"
-                    if self in _pools:
-                        _pools.remove(self)
+                self._forget()
                 self._stopped.set()
+
+    def _forget(self) -> None:
+        """Stopped, and out of the registry.  Takes ``_lock`` with the pool's own lock not held:
+        the lock order is ``_lock`` then ``self._lock`` (``pools()``, ``warm_backend``)."""
+        with _lock:
+            self.state = "stopped"
+            if self in _pools:
+                _pools.remove(self)
 
     def info(self) -> PoolInfo:
         with self._lock:
@@ -265,13 +270,14 @@ class Pool:
     def _release(self) -> None:
         """A reserved run ended without using the pool (cancelled before it started)."""
         with self._lock:
-            if self._job is None and self._reserved:
-                self._reserved = False
-                if self.state == "new":
-                    self.state = "stopped"
-                    with _lock:
-                        if self in _pools:
-                            _pools.remove(self)
+            if self._job is not None or not self._reserved:
+                return
+            self._reserved = False
+            if self.state != "new":
+                return
+            self.state = "stopping"  # nothing to stop: no run can take it before it is forgotten
+        self._forget()
+        self._stopped.set()
 
     # -- records from the ranks ----------------------------------------------------------
     def _deliver(self, record: events.Event) -> None:
