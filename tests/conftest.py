@@ -43,6 +43,42 @@ def _no_temp_leftovers(tmp_path, monkeypatch):
     assert not left, f"temp files left behind: {left}"
 
 
+#: how long a run cancelled after its test may take to end (a Spark stage's cancel included)
+CANCELLED_RUN_WAIT = 120.0
+
+
+@pytest.fixture(autouse=True)
+def _no_unfinished_runs(_no_temp_leftovers):
+    """A run that its test left going (the test failed before it ended it) is cancelled and waited
+    for after the test; then no process of it may be left.  Runs are noted as they start, weakly
+    (a test that checks what a run's garbage collection removes still can)."""
+    import weakref
+
+    import torchdist_magic.distributor as distributor
+    from helpers import assert_no_survivors
+
+    started = weakref.WeakSet()
+    start = distributor.Run._start
+
+    def noting_start(run):
+        started.add(run)
+        return start(run)
+
+    distributor.Run._start = noting_start
+    try:
+        yield
+    finally:
+        distributor.Run._start = start
+    unfinished = [run for run in list(started) if not run.done()]
+    for run in unfinished:
+        run.cancel()
+    stuck = [run.run_id for run in unfinished if not run.wait(CANCELLED_RUN_WAIT)]
+    assert not stuck, f"runs the test left going did not end when cancelled: {stuck}"
+    for run in unfinished:
+        if not run.options.warm:  # a warm run's ranks are its pool's, which outlive it by design
+            assert_no_survivors(run)
+
+
 #: backends the contract suite runs against
 CONTRACT_BACKENDS = [
     pytest.param("local", id="local"),

@@ -1,15 +1,22 @@
 """Shared test helpers: wait for a condition; find the processes of a run (by the run id in
-their environment) and assert that none survives."""
+their environment) and assert that none survives; a free port; a marker file."""
 
 from __future__ import annotations
 
+import glob
 import os
+import socket
+import tempfile
 import textwrap
 import threading
 import time
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
+
+#: where Spark's Python workers make their temp dirs (taken at import, before a test redirects
+#: ``tempfile``)
+EXECUTOR_TMP = tempfile.gettempdir()
 
 
 def wait_until(condition: Callable[[], T], timeout: float = 60.0, what: str = "the condition",
@@ -53,11 +60,29 @@ def pids_of_run(run_id: str) -> list:
 
 
 def alive(pid: int) -> bool:
+    """``pid`` is a live process (not a zombie)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     return not _is_zombie(str(pid))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def touch(path: str) -> None:
+    """Leave an empty marker file at ``path`` (a rank says where it got to)."""
+    open(path, "w").close()
+
+
+def one() -> int:
+    """The smallest job: returns 1."""
+    return 1
 
 
 def assert_no_survivors(run, extra_pids=(), wait: float = 5.0) -> None:
@@ -71,6 +96,13 @@ def assert_no_survivors(run, extra_pids=(), wait: float = 5.0) -> None:
         wait_until(lambda: not survivors(), wait, "every process of the run to end")
     except AssertionError:
         raise AssertionError(f"processes of run {run.run_id} survived: {survivors()}") from None
+
+
+def assert_nothing_left(run) -> None:
+    """No process of the Spark run ``run`` survives, and its tasks left no directory behind."""
+    assert_no_survivors(run)
+    left = glob.glob(os.path.join(EXECUTOR_TMP, f"torchdist-{run.run_id}-*"))
+    assert not left, f"task directories left behind: {left}"
 
 
 class Collector:

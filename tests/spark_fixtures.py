@@ -15,13 +15,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from helpers import wait_until
+from helpers import free_port, wait_until
 
 #: fixture -> master URL (the standalone cluster's is known once it runs), in test order; the
 #: Connect session comes last (it needs no classic SparkContext in this process)
@@ -122,12 +121,6 @@ def shut_down_gateway_jvm() -> None:
     assert proc.returncode is not None, f"the Spark gateway JVM (pid {proc.pid}) survived"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class StandaloneCluster:
     """A Spark standalone master and one worker per address of ``STANDALONE_HOSTS``, each a
     JVM started with the wheel's ``spark-class`` in a session of its own, stopped by pid."""
@@ -137,7 +130,7 @@ class StandaloneCluster:
 
         self.home = os.path.dirname(pyspark.__file__)
         self.base_dir = base_dir
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"spark://127.0.0.1:{self.port}"
         self.procs = []
         self._start("master", "127.0.0.1", "org.apache.spark.deploy.master.Master",
@@ -218,7 +211,7 @@ class ConnectServer:
         jars = os.listdir(os.path.join(home, "jars"))
         if not any(j.startswith("spark-connect_") for j in jars):
             pytest.skip(f"this pyspark ({pyspark.__version__}) ships no Spark Connect server jar")
-        self.port = _free_port()
+        self.port = free_port()
         self.base_dir = base_dir
         tmp = os.path.join(base_dir, "tmp")
         os.makedirs(tmp)

@@ -47,9 +47,18 @@ STEPPING = """(scope) => {
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
+    """The JupyterLab the tests share; once stopped, nothing it ran may be left."""
     with JupyterLab(workdir=str(tmp_path_factory.mktemp("lab"))) as server:
         server.run_ids = set()
         yield server
+    assert_lab_left_nothing(server)
+
+
+def assert_lab_left_nothing(lab):
+    """No process seen under the stopped ``lab`` and none of the runs it noted is alive."""
+    assert lab.survivors() == [], f"left running after JupyterLab stopped: {lab.survivors()}"
+    for run_id in lab.run_ids:
+        assert not pids_of_run(run_id), f"processes of run {run_id} survived"
 
 
 @pytest.fixture(scope="module")
@@ -165,12 +174,22 @@ def test_launch_panel_refuses_bad_settings_and_launches(browser, lab):
         page.close()
 
 
-def test_jupyterlab_stops_with_no_kernel_or_rank_left(lab):
-    lab.stop()
-    kernels = [pid for pid, cmd in lab.seen.items() if "ipykernel" in cmd]
-    ranks = [pid for pid, cmd in lab.seen.items() if "torchdist_magic.worker" in cmd]
-    assert len(kernels) == 2 and len(ranks) >= 4, f"expected 2 kernels and ranks under JupyterLab: {lab.seen}"
-    assert lab.survivors() == [], f"left running after JupyterLab stopped: {lab.survivors()}"
-    assert len(lab.run_ids) >= 3
-    for run_id in lab.run_ids:
-        assert not pids_of_run(run_id), f"processes of run {run_id} survived"
+def test_jupyterlab_stops_with_no_kernel_or_rank_left(browser, tmp_path):
+    """A JupyterLab of its own: one notebook whose cell ran ranks (stopped with its Stop button),
+    then the server stops."""
+    with JupyterLab(workdir=str(tmp_path)) as own:
+        own.run_ids = set()
+        page = open_and_run(browser, own, "stop.ipynb", ["%load_ext torchdist_magic", LONG_CELL])
+        cell = ".jp-Notebook .jp-Cell:nth-child(2)"
+        try:
+            page.wait_for_function(STEPPING, arg=f"{cell} .torchdist-view")
+            note_runs(page, own)  # the kernel and its ranks, while they run
+            page.locator(f"{cell} .torchdist-view .torchdist-stop").click()
+            page.wait_for_selector(f"{cell} .torchdist-summary .torchdist-header[data-state=cancelled]")
+        finally:
+            page.close()
+    kernels = [pid for pid, cmd in own.seen.items() if "ipykernel" in cmd]
+    ranks = [pid for pid, cmd in own.seen.items() if "torchdist_magic.worker" in cmd]
+    assert len(kernels) == 1 and len(ranks) >= 2, f"expected a kernel and its ranks under JupyterLab: {own.seen}"
+    assert len(own.run_ids) == 1
+    assert_lab_left_nothing(own)

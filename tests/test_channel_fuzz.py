@@ -109,12 +109,9 @@ def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_reco
     server = ChannelServer(got, "run-1", secret=WORKER_SECRET, launcher_secret=LAUNCHER_SECRET)
     address = server.address
     addr_text = f"{address[0]}:{address[1]}"
-
-    rank0 = ChannelClient(addr_text, WORKER_SECRET, "run-1", 0)  # authenticated before the flood
-    wait_until(lambda: server.stats["authenticated"] == 1)
-
+    rank0 = rank1 = None
     flood_done = threading.Event()
-    sent_steps = []
+    sent_steps, idle, started_threads = [], [], []
 
     def train():  # the known sequence, sent all through the flood
         step = 0
@@ -128,7 +125,6 @@ def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_reco
     tasks = [(send_as_stranger, (address, p, i % 2 == 0)) for i, p in enumerate(payloads)]
     tasks += [(try_to_send_4_mib, (address, blob))] * big_count
     rng.shuffle(tasks)
-    idle = []
 
     def flood(share):
         for func, args in share:
@@ -147,32 +143,38 @@ def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_reco
     trainer = threading.Thread(target=train)
     workers = [threading.Thread(target=flood, args=(tasks[i::flood_threads],)) for i in range(flood_threads)]
     workers.append(threading.Thread(target=hold_idle))
-    started = time.monotonic()
-    trainer.start()
-    for t in workers:
-        t.start()
+    try:
+        rank0 = ChannelClient(addr_text, WORKER_SECRET, "run-1", 0)  # authenticated before the flood
+        wait_until(lambda: server.stats["authenticated"] == 1)
+        started = time.monotonic()
+        for t in [trainer, *workers]:
+            t.start()
+            started_threads.append(t)
 
-    # a rank that connects in the middle of the flood gets through too
-    wait_until(lambda: server.stats["accepted"] > len(tasks) // 3, timeout=30)
-    rank1 = ChannelClient(addr_text, LAUNCHER_SECRET, "run-1", 1, role="launcher")
-    for i in range(1000):
-        rank1.send(events.Log(rank=1, line=f"line {i}"))
+        # a rank that connects in the middle of the flood gets through too
+        wait_until(lambda: server.stats["accepted"] > len(tasks) // 3, timeout=30)
+        rank1 = ChannelClient(addr_text, LAUNCHER_SECRET, "run-1", 1, role="launcher")
+        for i in range(1000):
+            rank1.send(events.Log(rank=1, line=f"line {i}"))
 
-    threads_peak, rss_peak = 0, 0
-    helpers = ours | {trainer, *workers}
-    while any(t.is_alive() for t in workers):
-        threads_peak = max(threads_peak, len(set(threading.enumerate()) - helpers))
-        rss_peak = max(rss_peak, rss_bytes())
-        time.sleep(0.01)
-    elapsed = time.monotonic() - started
-    flood_done.set()
-    trainer.join()
-    rank0.close()
-    rank1.close()
-    for sock in idle:
-        sock.close()
-    stats = dict(server.stats)
-    server.close()
+        threads_peak, rss_peak = 0, 0
+        helpers = ours | {trainer, *workers}
+        while any(t.is_alive() for t in workers):
+            threads_peak = max(threads_peak, len(set(threading.enumerate()) - helpers))
+            rss_peak = max(rss_peak, rss_bytes())
+            time.sleep(0.01)
+        elapsed = time.monotonic() - started
+    finally:  # also when the flood failed: its threads, the clients, the sockets, the server
+        flood_done.set()
+        for t in started_threads:
+            t.join(60)
+        for client in (rank0, rank1):
+            if client is not None:
+                client.close()
+        for sock in idle:
+            sock.close()
+        stats = dict(server.stats)
+        server.close()
 
     by_rank = {0: [], 1: []}
     for record in got.records:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import assert_no_survivors, wait_until
+from helpers import assert_no_survivors, touch, wait_until
 from torchdist_magic import (HangTimeout, JobTimeout, RankFailure, RunCancelled, load_checkpoint, progress, rank,
                              report, restart_count, save_checkpoint)
 
@@ -73,8 +73,12 @@ def test_all_ranks_values_by_rank(dist):
 
 def test_raise_is_rank_failure_with_root_cause(dist):
     run = dist(2).submit(raise_on, 1)
-    with pytest.raises(RankFailure) as info:
-        run.result(timeout=120)
+    try:
+        with pytest.raises(RankFailure) as info:
+            run.result(timeout=120)
+    finally:  # rank 0 would sleep for 600 s if the run did not end
+        run.cancel()
+        run.wait(60)
     err = info.value
     assert isinstance(err, RuntimeError)
     assert err.rank == 1
@@ -89,8 +93,12 @@ def test_raise_is_rank_failure_with_root_cause(dist):
     ("sys.exit", 3), ("os._exit", 3), ("sigkill", -signal.SIGKILL), ("segfault", -signal.SIGSEGV)])
 def test_any_exit_fails_the_run(dist, how, expected_code):
     run = dist(2).submit(exit_on, 1, how)
-    with pytest.raises(RankFailure) as info:
-        run.result(timeout=120)
+    try:
+        with pytest.raises(RankFailure) as info:
+            run.result(timeout=120)
+    finally:  # rank 0 would sleep for 600 s if the run did not end
+        run.cancel()
+        run.wait(60)
     assert info.value.rank == 1
     assert info.value.exit_code == expected_code
     if how == "segfault":
@@ -229,28 +237,26 @@ def test_hang_shows_where_each_rank_waits(dist):
     assert_no_survivors(run)
 
 
-def _touch(path):
-    open(path, "w").close()
-
-
 def loop_until_stopped(marks):
     import atexit
 
-    atexit.register(_touch, os.path.join(marks, f"atexit-{rank()}"))
+    atexit.register(touch, os.path.join(marks, f"atexit-{rank()}"))
     try:
         print("looping", flush=True)
         while True:
             time.sleep(0.05)
     finally:
-        _touch(os.path.join(marks, f"finally-{rank()}"))
+        touch(os.path.join(marks, f"finally-{rank()}"))
 
 
 def test_cancel_runs_every_ranks_finally_and_atexit(dist, tmp_path):
     marks = tmp_path / "marks"
     marks.mkdir()
     run = dist(2).submit(loop_until_stopped, str(marks))
-    wait_until(lambda: all("looping" in run.logs(r) for r in range(2)), 120, "both ranks to loop")
-    run.cancel()
+    try:
+        wait_until(lambda: all("looping" in run.logs(r) for r in range(2)), 120, "both ranks to loop")
+    finally:
+        run.cancel()
     with pytest.raises(RunCancelled):
         run.result(timeout=60)
     assert sorted(os.listdir(marks)) == ["atexit-0", "atexit-1", "finally-0", "finally-1"]

@@ -111,9 +111,10 @@ def test_shard_arguments_are_checked(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHDIST_DATA_FILE", path)
     with pytest.raises(ValueError, match="no column 'nope'; its columns: id, x"):
         shard(batch_size=2, columns=["nope"])
-    with pytest.raises(ValueError, match="batch_size"):
+    with pytest.raises(ValueError, match=r"^shard\(batch_size=\.\.\.\) must be a whole number of at least 1, got 0$"):
         shard(batch_size=0)
-    with pytest.raises(ValueError, match="format"):
+    with pytest.raises(ValueError, match=r"^shard\(format=\.\.\.\) must be one of 'torch', 'pandas', 'arrow', "
+                                         r"got 'numpy'$"):
         shard(batch_size=2, format="numpy")
     assert [len(b["id"]) for b in shard(batch_size=3)] == [3, 1]   # one rank: no exchange
     data.remove_files()
@@ -257,3 +258,91 @@ def test_ddp_on_a_dataframe_converges_like_in_memory_on_a_cluster(spark_cluster,
     assert np.allclose(weights, expected, atol=0.05), weights
     assert np.allclose(in_memory, expected, atol=0.05), in_memory
     assert_no_survivors(run)
+
+
+# -- messages a user sees about the data (each triggered once) -------------------------------------
+
+def test_no_columns_chosen_is_refused_before_start(ip):
+    ip.user_ns["pdf"] = frame(4)
+    before = last_run()
+    result = cell(ip, "%%torchdist --np 2 --local --data pdf --columns ,\n1")
+    assert str(result.error_in_exec) == "no columns chosen: name at least one"
+    assert last_run() is before                                     # nothing started
+
+
+def test_a_frame_arrow_cannot_hold_is_refused_before_start():
+    before = last_run()
+    mixed = pd.DataFrame({"id": [1, 2], "mixed": [1, "a"]})         # an object column of int and str
+    with pytest.raises(ValueError) as info:
+        Distributor(2, local_mode=True, show=None).train_on_dataframe(read_everything, mixed, 2)
+    text = str(info.value)
+    assert text.startswith("the DataFrame cannot be turned into Arrow columns: ")
+    assert "Conversion failed for column mixed with type object" in text
+    assert last_run() is before
+
+
+def first_batch():
+    from torchdist_magic import shard
+
+    return next(iter(shard(batch_size=4)))
+
+
+@pytest.mark.parametrize("data, message", [
+    (pd.DataFrame({"x": [1.0, np.nan, 3.0, np.nan]}),
+     "column 'x' has 2 null value(s) in rank 0's rows, and a tensor cannot hold them: fill or drop them first"),
+    (pd.DataFrame({"v": [[1, 2], [3], [4, 5], [6, 7, 8]]}),
+     "column 'v' holds arrays of different lengths (1 to 3) in rank 0's rows: a tensor needs one length"),
+    (pd.DataFrame({"v": [[1, None], [3, 4], [5, 6], [7, 8]]}),
+     "column 'v' has null elements in rank 0's rows"),
+], ids=["null-values", "ragged-arrays", "null-elements"])
+def test_rows_a_tensor_cannot_hold_fail_the_rank_that_reads_them(data, message):
+    # one rank, so that which rank holds the bad rows does not depend on how rows are split
+    with pytest.raises(RankFailure) as info:
+        Distributor(1, local_mode=True, show=None).train_on_dataframe(first_batch, data)
+    assert (info.value.rank, info.value.exc_type, info.value.message) == (0, "ValueError", message)
+    assert_no_survivors(last_run())
+
+
+def count_rows():
+    from torchdist_magic import shard
+
+    return shard(batch_size=1).row_counts()
+
+
+@pytest.mark.spark
+def test_a_rank_without_rows_says_so(spark_local2):
+    # two partitions already (no repartition), the second one empty after the filter
+    data = spark_local2.range(0, 4, 1, numPartitions=2).where("id < 2")
+    assert data.rdd.getNumPartitions() == 2 and data.count() == 2
+    with pytest.raises(RankFailure) as info:
+        Distributor(2, local_mode=False, show=None).train_on_dataframe(count_rows, data)
+    assert info.value.exc_type == "ValueError"
+    assert info.value.message == (
+        "rank 1 got none of the DataFrame's rows (rows per rank: [2, 0]): Spark's repartition "
+        "spreads tiny DataFrames unevenly; give the run more rows or fewer ranks")
+    assert_no_survivors(last_run())
+
+
+def own_rows():
+    """This rank's own rows (``id``, ``label``), in the order ``shard`` yields them."""
+    from torchdist_magic import shard
+
+    rows = shard(batch_size=64)
+    pairs = [(int(i), int(label)) for b in rows for i, label in zip(b["id"], b["label"])]
+    return pairs[:rows.num_rows]                                    # not the padding
+
+
+def test_a_frame_sorted_by_label_gives_every_rank_both_classes():
+    rows = 601
+    data = pd.DataFrame({"id": np.arange(rows), "label": (np.arange(rows) >= 300).astype("int64")})
+    dist = Distributor(2, local_mode=True, show=None, all_ranks=True)
+    ranks = dist.train_on_dataframe(own_rows, data)
+    assert_no_survivors(last_run())
+    assert sorted(i for pairs in ranks for i, _ in pairs) == list(range(rows))   # each row once
+    assert sorted(len(pairs) for pairs in ranks) == [300, 301]
+    for pairs in ranks:
+        share = sum(label for _, label in pairs) / len(pairs)
+        assert 0.4 < share < 0.6, share                             # both classes, about half each
+        assert [i for i, _ in pairs] == sorted(i for i, _ in pairs)  # in the DataFrame's order
+    assert dist.train_on_dataframe(own_rows, data) == ranks         # the same split every time
+    assert_no_survivors(last_run())

@@ -92,7 +92,7 @@ def test_cr_lines_are_replaced_by_the_next_line_of_their_stream(local_distributo
     assert [(l.text, l.cr) for l in logs if l.stream == "stdout"] == [("step 3", False), ("done", False)]
     assert [l.text for l in logs if l.stream == "stderr"] == ["warned"]
     assert "\r" not in run.logs(0)
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=r"^rank 5 is not in this run \(ranks 0\.\.0\)$"):
         run.logs(5)
 
 
@@ -298,7 +298,7 @@ def test_function_from_unimportable_module_travels_by_value(local_distributor, t
 
 
 # -- grandchildren, Ctrl-C, last_run ---------------------------------------------------------
-def spawn_grandchild_and_fail():
+def spawn_grandchild_and_fail(spawned):
     import subprocess
 
     from torchdist_magic import rank
@@ -306,13 +306,19 @@ def spawn_grandchild_and_fail():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     print(f"grandchild {child.pid}", flush=True)
     if rank() == 1:
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(spawned):  # rank 0's grandchild is there to be stopped too
+            if time.monotonic() > deadline:
+                raise TimeoutError("rank 0 never spawned its grandchild")
+            time.sleep(0.05)
         raise RuntimeError("after spawning")
+    with open(spawned, "w"):
+        pass
     time.sleep(600)
 
 
-def test_no_grandchild_survives(local_distributor):
-    run = local_distributor(2).submit(spawn_grandchild_and_fail)
+def test_no_grandchild_survives(local_distributor, tmp_path):
+    run = local_distributor(2).submit(spawn_grandchild_and_fail, str(tmp_path / "rank0-spawned"))
     with pytest.raises(RankFailure, match="after spawning"):
         run.result(timeout=60)
     pids = [int(line.split()[1]) for r in range(2) for line in run.logs(r).splitlines()
@@ -352,14 +358,33 @@ def test_keyboard_interrupt_stops_every_rank():
         print("started", flush=True)
         time.sleep(600)
 
+    before = last_run()
+    started, returned = [], threading.Event()
+
+    def interrupt_once_both_ranks_started():
+        def both_started():
+            run = last_run()
+            return run is not before and all("started" in run.logs(r) for r in range(2))
+
+        try:
+            wait_until(lambda: returned.is_set() or both_started(), 60, "both ranks to print 'started'")
+        except AssertionError:
+            pass
+        if not returned.is_set():  # Ctrl-C in the main thread, which is waiting for the run
+            started.append(both_started())
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGALRM)
+
     previous = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
-    signal.setitimer(signal.ITIMER_REAL, 2.0)
+    interrupter = threading.Thread(target=interrupt_once_both_ranks_started, daemon=True)
+    interrupter.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             Distributor(2, show=None).run(sleepy)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        returned.set()
+        interrupter.join()
         signal.signal(signal.SIGALRM, previous)
+    assert started == [True], "the ranks were interrupted before both printed 'started'"
     run = last_run()
     assert run.done() and run.state.state == "cancelled"
     assert all(not alive(rs.pid) for rs in run.state.ranks if rs.pid)
@@ -371,11 +396,13 @@ def test_result_wait_timeout_leaves_run_going(local_distributor):
         time.sleep(600)
 
     run = local_distributor(1).submit(slow)
-    with pytest.raises(TimeoutError, match="the run is still going after waiting 0.2 s"):
-        run.result(timeout=0.2)
-    assert not run.done()
-    run.cancel()
-    run.wait(30)
+    try:
+        with pytest.raises(TimeoutError, match="the run is still going after waiting 0.2 s"):
+            run.result(timeout=0.2)
+        assert not run.done()
+    finally:
+        run.cancel()
+        assert run.wait(30), "the cancelled run did not end"
     assert_no_survivors(run)
     assert "cancelled" in repr(run)
 
@@ -403,8 +430,14 @@ def test_ranks_exit_when_the_driver_is_killed(tmp_path):
     scratch.mkdir()
     driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, TMPDIR=str(scratch)))
+    lines = []
+    reader = threading.Thread(target=lambda: lines.append(driver.stdout.readline()), daemon=True)
+    reader.start()
     try:
-        run_id, *pids = driver.stdout.readline().split()
+        wait_until(lambda: lines or driver.poll() is not None, 60, "the driver to print its run's pids")
+        reader.join(10)
+        assert lines and lines[0].strip(), f"the driver exited ({driver.returncode}) before printing its run's pids"
+        run_id, *pids = lines[0].split()
         assert pids_of_run(run_id)
     finally:
         driver.kill()
@@ -440,10 +473,29 @@ def test_a_run_cancelled_before_it_starts_starts_nothing():
     from torchdist_magic.errors import RunCancelled
 
     opts = LaunchOptions(num_processes=2)
-    run = Run(build_job(print, (), {}), opts, LocalProcessBackend())
+    backend = LocalProcessBackend()
+    run = Run(build_job(print, (), {}), opts, backend, backend.check(opts))
     run.cancel()
     run._start()
     with pytest.raises(RunCancelled, match="the run was cancelled before it started"):
         run.result(timeout=30)
     assert [rs.pid for rs in run.state.ranks] == [None, None]
 
+
+
+def test_a_job_is_taken_as_it_is_and_logs_name_the_ranks_and_attempts_there_are(local_distributor):
+    run = local_distributor(2).submit(print_lines, 1)
+    assert run.result(timeout=60) == 1
+    # a run's job (arguments included) can be started again, but takes no new arguments
+    with pytest.raises(TypeError, match=r"^a Job takes no arguments; they belong in the job$"):
+        local_distributor(2).submit(run.job, 5)
+    with pytest.raises(TypeError, match=r"^a Job takes no arguments; they belong in the job$"):
+        local_distributor(2).submit(run.job, n=5)
+    assert last_run() is run  # nothing started
+    for rank in (2, -1):
+        with pytest.raises(IndexError, match=rf"^rank {rank} is not in this run \(ranks 0\.\.1\)$"):
+            run.logs(rank)
+    with pytest.raises(IndexError, match=r"^attempt 2 is not in this run \(attempts 1\.\.1\)$"):
+        run.logs(0, attempt=2)
+    assert run.logs(1, attempt=1) == "r1 line 0\n"
+    assert_no_survivors(run)

@@ -85,6 +85,83 @@ def test_failure_json_round_trip():
     assert events.failure_from_json(json.loads(json.dumps(events.failure_to_json(failure)))) == failure
 
 
+# -- building a Failure ------------------------------------------------------------------------
+
+def _raised(exc):
+    try:
+        raise exc
+    except BaseException as caught:
+        return caught
+
+
+def test_failure_from_an_exception_names_its_type_message_and_traceback():
+    failure = Failure.from_exception(3, _raised(KeyError("k")), host="h", exit_code=1)
+    assert (failure.rank, failure.host, failure.exit_code, failure.exc_type, failure.message) == (
+        3, "h", 1, "KeyError", "'k'")
+    assert failure.traceback.startswith("Traceback (most recent call last):\n")
+    assert "in _raised" in failure.traceback and failure.traceback.endswith("KeyError: 'k'\n")
+    assert failure.time > 0 and failure.log_tail == []
+    assert failure.summary() == "rank 3 on h raised KeyError: 'k'"
+
+
+def test_failure_from_an_exception_takes_what_its_caller_says_instead():
+    class Inner(Exception):
+        pass
+
+    failure = Failure.from_exception(0, _raised(Inner("x")), exc_type="TypeError", message="cannot be pickled",
+                                     traceback_text="", time=7.0)
+    assert (failure.exc_type, failure.message, failure.traceback, failure.time) == (
+        "TypeError", "cannot be pickled", "", 7.0)
+    assert Failure.from_exception(0, Inner("x")).exc_type == \
+        "test_failure_from_an_exception_takes_what_its_caller_says_instead.<locals>.Inner"
+    assert Failure.from_exception(0, ValueError("x")).traceback == "ValueError: x\n"  # never raised: no frames
+
+
+@pytest.mark.parametrize("code, summary", [
+    (-9, "rank 1 on h was killed by SIGKILL"),
+    (-15, "rank 1 on h was killed by SIGTERM"),
+    (-200, "rank 1 on h was killed by signal 200"),
+    (3, "rank 1 on h exited with code 3"),
+    (None, "rank 1 on h failed: "),
+])
+def test_failure_from_an_exit_alone(code, summary):
+    failure = Failure.from_exit(1, code, host="h", time=5.0)
+    assert failure == Failure(rank=1, host="h", exit_code=code, time=5.0)
+    assert failure.summary() == summary
+
+
+def test_failure_from_an_exit_keeps_what_the_rank_reported():
+    reported = Failure(rank=0, host="worker-host", exit_code=7, exc_type="SystemExit", message="exit code 7",
+                       traceback="tb", time=2.0, log_tail=["a"])
+    plain = Failure.from_exit(4, 7, host="launcher-host", time=9.0, reported=reported)
+    assert plain == Failure(rank=4, host="worker-host", exit_code=7, exc_type="SystemExit",
+                            message="exit code 7", traceback="tb", time=2.0, log_tail=["a"])
+    # a plain exit of another code, and an exit with no code: the rank's own code stands
+    assert Failure.from_exit(4, 1, reported=reported).exit_code == 7
+    assert Failure.from_exit(4, None, reported=reported).exit_code == 7
+    # a signal is what the process did, whatever the rank reported
+    killed = Failure.from_exit(4, -9, reported=reported)
+    assert (killed.exit_code, killed.exc_type, killed.summary()) == (-9, "SystemExit",
+                                                                     "rank 4 on worker-host raised SystemExit: exit code 7")
+    assert killed.signal_name == "SIGKILL"
+    # what the report lacks comes from the exit; lines seen here replace the report's
+    bare = Failure(exc_type="E", message="m")
+    filled = Failure.from_exit(2, 3, host="h", time=9.0, reported=bare, log_tail=["x", "y"])
+    assert (filled.host, filled.time, filled.exit_code, filled.log_tail) == ("h", 9.0, 3, ["x", "y"])
+    assert Failure.from_exit(2, 3, reported=reported, log_tail=[]).log_tail == ["a"]
+    assert reported == Failure(rank=0, host="worker-host", exit_code=7, exc_type="SystemExit",
+                               message="exit code 7", traceback="tb", time=2.0, log_tail=["a"])  # untouched
+
+
+def test_failure_for_rank_is_a_changed_copy():
+    original = Failure(rank=0, host="h", exc_type="E", time=1.0)
+    copy = original.for_rank(2, exit_code=1, time=3.0)
+    assert copy == Failure(rank=2, host="h", exit_code=1, exc_type="E", time=3.0)
+    assert original == Failure(rank=0, host="h", exc_type="E", time=1.0)
+    with pytest.raises(TypeError):
+        original.for_rank(1, no_such_field=1)
+
+
 # -- RunState ----------------------------------------------------------------------------------
 
 def test_metrics_history_is_bounded_and_non_finite_values_are_not_plotted():

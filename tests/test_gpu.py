@@ -42,14 +42,9 @@ def test_nccl_all_reduce_on_gpus():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_cell_gets_nccl_group_and_device():
-    from IPython.testing.globalipapp import start_ipython
-
-    ip = start_ipython()
-    ip.run_line_magic("load_ext", "torchdist_magic")
+def test_gpu_cell_gets_nccl_group_and_device(ip):
     result = ip.run_cell("%%torchdist --np 1 --gpu --quiet\n"
                          "import torch.distributed as dist\n(dist.get_backend(), str(device))")
-    ip.run_line_magic("unload_ext", "torchdist_magic")
     assert result.result == ("nccl", "cuda:0")
 
 

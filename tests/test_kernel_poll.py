@@ -180,16 +180,20 @@ def test_stop_and_the_log_selector_answer_while_a_cell_blocks(kernel):
 
 def test_requests_sent_during_a_blocking_cell_run_after_it_in_order(kernel):
     kc = kernel.kc
-    blocking = kc.execute("wait_for(WaitingRun(2, ends_after=3), 60)")
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # the view is up: its poller takes what comes now
+    # the cell ends only when Stop is clicked, after the requests: they all came while it ran
+    blocking = kc.execute("try:\n    ended = wait_for(WaitingRun(2), 60)\n"
+                          "except RuntimeError as exc:\n    ended = str(exc)")
+    stop, deadline = None, time.monotonic() + 60
+    while stop is None and time.monotonic() < deadline:  # the view is up: its poller takes what comes now
         msg = kernel.iopub()
-        if comm_with_class(msg, "torchdist-stop") and msg["parent_header"].get("msg_id") == blocking:
-            break
+        if msg["parent_header"].get("msg_id") == blocking:
+            stop = comm_with_class(msg, "torchdist-stop")
+    assert stop, "the view's Stop button never opened"
     first = kc.execute("order = ['first']")
     info = kc.kernel_info()
     complete = kc.complete("ord", 3)
-    second = kc.execute("order.append('second'); print(order)")
+    second = kc.execute("order.append('second'); print(order, ended)")
+    send_comm(kc, stop, {"method": "custom", "content": {"event": "click"}})  # behind them on the shell channel
     got = replies(kc, 5)
     assert [r["parent_header"]["msg_id"] for r in got] == [blocking, first, info, complete, second]
     assert [r["msg_type"] for r in got] == ["execute_reply", "execute_reply", "kernel_info_reply",
@@ -201,7 +205,7 @@ def test_requests_sent_during_a_blocking_cell_run_after_it_in_order(kernel):
     while True:  # the second cell's output went to the second cell
         msg = kernel.iopub()
         if msg["parent_header"].get("msg_id") == second and msg["msg_type"] == "stream":
-            assert msg["content"]["text"] == "['first', 'second']\n"
+            assert msg["content"]["text"] == "['first', 'second'] cancelled by the Stop button\n"
             break
     # the shell stream is the kernel's again: a plain cell runs as usual
     assert kernel.run("6 * 7")["content"]["status"] == "ok"
@@ -346,3 +350,46 @@ def test_no_poller_without_a_kernel_or_off_the_main_thread(shell_channel):
     thread.join()
     assert found == [None]  # the panel refreshes its view from a thread: no polling there
     assert KernelPoll._active is None
+
+
+def test_interrupting_the_kernel_stops_every_rank_of_a_torchdist_cell(tmp_path):
+    import glob
+    import os
+
+    from helpers import wait_until
+
+    kernel = Kernel()  # a kernel of its own: the interrupt must not reach another test's cell
+    try:
+        kc = kernel.kc
+        kernel.run("%load_ext torchdist_magic")
+        marks = str(tmp_path)
+        long_cell = kc.execute("%%torchdist --np 2\nimport os, time\n"
+                               f"open(os.path.join({marks!r}, f'rank{{rank}}-pid{{os.getpid()}}'), 'w').close()\n"
+                               "time.sleep(600)\n")
+        started = wait_until(lambda: (lambda found: found if len(found) == 2 else None)(
+            sorted(glob.glob(os.path.join(marks, "rank*-pid*")))), 120, "both ranks to start")
+        pids = [int(path.rsplit("-pid", 1)[1]) for path in started]
+        kernel.km.interrupt_kernel()  # the frontend's ■
+        outputs = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            msg = kernel.iopub()
+            if msg["parent_header"].get("msg_id") == long_cell:
+                outputs.append(msg)
+                if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                    break
+        assert [m["content"]["ename"] for m in outputs if m["msg_type"] == "error"] == ["KeyboardInterrupt"]
+        (reply,) = replies(kc, 1)
+        assert reply["parent_header"]["msg_id"] == long_cell and reply["content"]["status"] == "error"
+        # the kernel stays usable, and the cell's run was cancelled
+        check = kc.execute("", user_expressions={"run_id": "_torchdist_run.run_id",
+                                                 "state": "_torchdist_run.state.state"})
+        (reply,) = replies(kc, 1)
+        assert reply["parent_header"]["msg_id"] == check and reply["content"]["status"] == "ok"
+        found = {k: v["data"]["text/plain"].strip("'") for k, v in reply["content"]["user_expressions"].items()}
+        assert found["state"] == "cancelled"
+        wait_until(lambda: not pids_of_run(found["run_id"]) and not any(alive(p) for p in pids), 10,
+                   "every process of the interrupted run to end")
+    finally:
+        kernel.close()
+    wait_until(lambda: not alive(kernel.pid), 10, "the test's kernel to exit")

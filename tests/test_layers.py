@@ -1,6 +1,7 @@
 """Layers point one way: no module imports one above it in the data flow of DESIGN.md
-(capture -> distributor -> backend -> launcher -> worker; events -> channel -> RunState -> view).
-Function-level (lazy) imports count too."""
+(capture -> distributor -> backend -> launcher -> worker; events -> channel -> RunState -> view),
+and no modules import each other in a circle, not even within a layer.  Function-level (lazy)
+imports count too."""
 
 import ast
 import pathlib
@@ -11,12 +12,18 @@ PACKAGE = pathlib.Path(torchdist_magic.__file__).parent
 
 #: bottom first; a module may import its own layer and those below it
 LAYERS = [
-    ("contract", {"events", "timing", "options"}),
+    ("contract", {"events", "timing", "options", "procs"}),
     ("rank side", {"errors", "runtime", "rank_shell", "job", "rankenv", "data"}),
     ("worker and transport", {"worker", "channel"}),
     ("launch and state", {"launcher", "state"}),
-    ("backends", {"backends", "backends.local", "backends.spark", "backends.spark_python",
-                  "backends.spark_connect"}),
+    # backends/, bottom first: the interface, what runs in an executor, the driver's side of a
+    # Spark stage, the executors' interpreter, the backends themselves, the factory
+    ("backend interface", {"backends.base"}),
+    ("spark executor side", {"backends.spark_task"}),
+    ("spark driver side", {"backends.spark_stage"}),
+    ("spark interpreter", {"backends.spark_python"}),
+    ("backends", {"backends.local", "backends.spark_classic", "backends.spark_connect"}),
+    ("backend factory", {"backends"}),
     ("warm pools", {"pool"}),
     ("runs", {"capture", "distributor"}),
     ("views", {"view"}),  # every view.* module but the panel
@@ -81,9 +88,34 @@ def test_every_import_points_down():
     assert not upward, "\n".join(upward)
 
 
+def import_cycles():
+    """Every circle of imports between torchdist_magic's modules, each as a list of modules."""
+    graph = {m: {t for t in imported(m, p) if t != m} for m, p in module_names()}
+    cycles, state = [], {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    return cycles
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    assert import_cycles() == []
+
+
 def test_the_check_sees_lazy_and_relative_imports():
     found = dict((m, set(imported(m, p))) for m, p in module_names())
     assert "view" in found["api"]            # a function-level import
     assert "events" in found["state"]        # a relative import
     assert "backends.local" in found["backends"]
+    assert "backends.base" in found["backends.local"]     # ``from .base import ...``
     assert "runtime" in found["worker"]         # ``from torchdist_magic import runtime``

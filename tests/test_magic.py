@@ -100,6 +100,7 @@ def test_databricks_seed_code_unchanged(ip):
 def test_cell_defines_and_uses_its_own_function_and_class(ip):
     result = cell(ip, """
         %%torchdist --np 2
+        import torch
         import torch.distributed as dist
         class Acc:
             def __init__(self):
@@ -280,7 +281,19 @@ def test_help_text(ip):
                  "--checkpoint-dir PATH", "--keep-checkpoints K"):
         assert flag in doc
     assert "rank 0's value is the result" in doc
-    assert TorchdistMagics.default_np.help
+    words = " ".join(doc.split())  # argparse wraps to the terminal's width
+    for flag_help in ("--np N number of ranks (processes) to start",
+                      "--timeout SECONDS stop every rank and raise TimeoutError after SECONDS",
+                      "--env <KEY=VALUE> extra environment variable for every rank (repeatable)",
+                      "--all-ranks return every rank's value as a list indexed by rank"):
+        assert flag_help in words
+    settings = " ".join(TorchdistMagics.class_get_help().split())  # what %config TorchdistMagics lists
+    for setting_help in ("--TorchdistMagics.default_np=<Int> number of ranks when --np is not given Default: 1",
+                         "--TorchdistMagics.default_timeout=<Float> timeout in seconds when --timeout is not "
+                         "given (None: no limit) Default: None",
+                         "--TorchdistMagics.cell_filename=<Unicode> filename tracebacks show for a cell; {n} is "
+                         "the execution count"):
+        assert setting_help in settings
 
 
 def test_flags_match_launch_options():
@@ -358,3 +371,59 @@ def test_invalid_config_default_is_a_usage_error(ip, capsys):
         ip.run_line_magic("config", "TorchdistMagics.default_np = 1")
     text = "".join(capsys.readouterr())
     assert "UsageError: %config TorchdistMagics: num_processes must be at least 1, got 0" in text
+
+
+def test_config_default_backend_is_used_when_no_flag_names_one(ip):
+    from pyspark.sql import SparkSession
+
+    assert SparkSession.getActiveSession() is None
+    before = last_run()
+    ip.run_line_magic("config", "TorchdistMagics.default_backend = 'spark'")
+    try:
+        refused = cell(ip, "%%torchdist --np 2\n1")
+        flagged = cell(ip, "%%torchdist --np 2 --local --quiet\nrank + 7")
+    finally:
+        ip.run_line_magic("config", "TorchdistMagics.default_backend = 'auto'")
+    text = str(refused.error_in_exec)
+    assert "runs on the active SparkSession (classic or Spark Connect), and this process has none" in text
+    assert flagged.error_in_exec is None and flagged.result == 7  # a flag still wins
+    run = last_run()
+    assert run is not before and run.options.backend == "local"
+    assert_no_survivors(run)
+
+
+def test_config_default_timeout_stops_a_cell_without_timeout(ip):
+    from torchdist_magic import JobTimeout
+
+    ip.run_line_magic("config", "TorchdistMagics.default_timeout = 3.0")
+    try:
+        result = cell(ip, """
+            %%torchdist --np 2 --quiet
+            import time
+            time.sleep(120)
+        """)
+    finally:
+        ip.run_line_magic("config", "TorchdistMagics.default_timeout = None")
+    err = result.error_in_exec
+    assert isinstance(err, JobTimeout), err
+    assert err.headline == "distributed run timed out after 3 s; every rank was stopped"
+    run = ip.user_ns["_torchdist_run"]
+    assert run.options.timeout == 3.0 and run.state.state == "timed out"
+    assert_no_survivors(run)
+
+
+def test_config_cell_filename_names_the_cell_in_tracebacks(ip):
+    ip.run_line_magic("config", "TorchdistMagics.cell_filename = 'train.ipynb, cell {n}'")
+    try:
+        result = cell(ip, """
+            %%torchdist --np 2 --quiet
+            x = 1
+            raise ValueError("bad shard")
+        """)
+    finally:
+        ip.run_line_magic("config", "TorchdistMagics.cell_filename = '<torchdist cell In[{n}]>'")
+    err = result.error_in_exec
+    assert isinstance(err, RankFailure) and err.message == "bad shard"
+    assert f'File "train.ipynb, cell {result.execution_count}", line 3, in <module>' in err.traceback
+    assert "<torchdist cell" not in err.traceback
+    assert_no_survivors(last_run())

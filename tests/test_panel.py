@@ -2,13 +2,12 @@
 validation next to each control, the equivalent %%torchdist cell, and real runs from the panel."""
 
 import threading
-import time
 import types
 
 import ipywidgets as widgets
 import pytest
 
-from helpers import assert_no_survivors
+from helpers import assert_no_survivors, wait_until
 from torchdist_magic.options import LaunchOptions, flag_parser, option_fields, options_from_flags, parse_flags
 from torchdist_magic.view import panel as P
 from torchdist_magic.view.model import rank_rows
@@ -30,13 +29,14 @@ class Notebook:
 
 
 @pytest.fixture
-def ip():
+def notebook():
+    """A ``Notebook`` (the shared ``ip`` fixture is a real IPython shell; the panel needs less)."""
     return Notebook()
 
 
 @pytest.fixture
-def panel(ip):
-    return P.LaunchPanel(ip, LaunchOptions())
+def panel(notebook):
+    return P.LaunchPanel(notebook, LaunchOptions())
 
 
 def parse_line(line):
@@ -73,9 +73,9 @@ def test_control_kinds_follow_the_field_metadata(panel):
         assert field.metadata["help"].split("(")[0].strip() in panel.notes[field.name].value.replace("&#x27;", "'")
 
 
-def test_panel_starts_from_the_defaults_it_is_given(ip):
+def test_panel_starts_from_the_defaults_it_is_given(notebook):
     defaults = LaunchOptions(num_processes=3, backend="local", timeout=90.0, env={"A": "1"}, all_ranks=True)
-    panel = P.LaunchPanel(ip, defaults)  # the magic passes its %config defaults
+    panel = P.LaunchPanel(notebook, defaults)  # the magic passes its %config defaults
     assert panel.options() == defaults
     assert P.LaunchPanel(types.SimpleNamespace(user_ns={}), LaunchOptions()).options() == LaunchOptions()
 
@@ -117,7 +117,7 @@ def test_text_that_is_not_a_number_is_refused(panel):
     assert panel.options().timeout is None
 
 
-def test_what_to_run_is_checked_too(ip, panel):
+def test_what_to_run_is_checked_too(notebook, panel):
     assert panel.what_errors() == ["write the code to run"] and panel.launch_button.disabled
     panel.code.value = "for i in range(3)\n    pass"
     assert panel.what_errors() == ["SyntaxError in the cell, line 1: expected ':'"] and panel.launch_button.disabled
@@ -132,7 +132,7 @@ def test_what_to_run_is_checked_too(ip, panel):
                                    "%timeit, %%timeit, %env, %cd and %pip. Run %matplotlib in a cell of its own."]
     assert panel.launch_button.disabled
     panel.code.value = "rank * 2"
-    ip.run_cell("def panel_fn(x, scale=1):\n    return x * scale\nPANEL_X = 21")
+    notebook.run_cell("def panel_fn(x, scale=1):\n    return x * scale\nPANEL_X = 21")
     panel.source.value = P.FUNCTION  # lists the notebook's functions again
     panel.function.value = "panel_fn"
     panel.arguments.value = "PANEL_X, scale=nope"
@@ -179,7 +179,7 @@ def test_only_the_notebooks_own_functions_are_offered():
     {"env": "A=1\nPATH_EXTRA=/opt/x:/opt/y\nEMPTY="},
     {"max_restarts": 2, "checkpoint_dir": "/dbfs/my runs/1", "keep_checkpoints": 5, "hang_timeout": "600"},
 ])
-def test_equivalent_cell_reproduces_the_options(ip, panel, settings):
+def test_equivalent_cell_reproduces_the_options(notebook, panel, settings):
     for name, value in settings.items():
         panel.controls[name].value = value
     panel.code.value = "model = train()\nmodel"
@@ -191,8 +191,8 @@ def test_equivalent_cell_reproduces_the_options(ip, panel, settings):
     assert panel.command.value and "the same run in a cell" in panel.command.value
 
 
-def test_equivalent_cell_of_a_function_call(ip, panel):
-    ip.run_cell("def panel_train(epochs, lr=0.1):\n    return epochs * lr")
+def test_equivalent_cell_of_a_function_call(notebook, panel):
+    notebook.run_cell("def panel_train(epochs, lr=0.1):\n    return epochs * lr")
     panel.source.value = P.FUNCTION
     panel.function.value = "panel_train"
     panel.arguments.value = " 3, lr=0.5 "
@@ -216,8 +216,8 @@ def wait_for(panel, timeout=120):
     assert panel.wait(timeout), "the panel's run did not end"
 
 
-def test_launch_code_runs_in_the_background_and_shows_the_value(ip, panel):
-    ip.run_cell("import math as m\nSCALE = 3")  # notebook imports and values, as a cell sees them
+def test_launch_code_runs_in_the_background_and_shows_the_value(notebook, panel):
+    notebook.run_cell("import math as m\nSCALE = 3")  # notebook imports and values, as a cell sees them
     panel.controls["num_processes"].value = 2
     panel.code.value = "print('hello from', rank)\nm.sqrt(16) * SCALE + rank"
     run = panel.launch()
@@ -237,8 +237,8 @@ def test_launch_code_runs_in_the_background_and_shows_the_value(ip, panel):
     assert_no_survivors(run)
 
 
-def test_a_named_panel_says_where_its_runs_logs_and_value_are(ip):
-    panel = P.LaunchPanel(ip, LaunchOptions(num_processes=2, backend="local"), name="_torchdist_panel")
+def test_a_named_panel_says_where_its_runs_logs_and_value_are(notebook):
+    panel = P.LaunchPanel(notebook, LaunchOptions(num_processes=2, backend="local"), name="_torchdist_panel")
     panel.code.value = "print('hi from', rank)\nrank + 1"
     run = panel.launch()
     wait_for(panel)
@@ -248,8 +248,8 @@ def test_a_named_panel_says_where_its_runs_logs_and_value_are(ip):
     assert_no_survivors(run)
 
 
-def test_launch_a_notebook_function_with_notebook_arguments(ip, panel):
-    ip.run_cell("from torchdist_magic import rank as _rank\n"
+def test_launch_a_notebook_function_with_notebook_arguments(notebook, panel):
+    notebook.run_cell("from torchdist_magic import rank as _rank\n"
                 "def scaled(x, factor=1):\n    return (x * factor, _rank())\nBASE = 21")
     panel.controls["num_processes"].value = 2
     panel.controls["all_ranks"].value = True
@@ -290,9 +290,7 @@ def test_stop_cancels_the_panels_run(panel):
     panel.controls["num_processes"].value = 2
     panel.code.value = "import time\nfor i in progress(range(2000), desc='step'):\n    time.sleep(0.05)"
     run = panel.launch()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not all(r.state == "running" for r in rank_rows(run.state)):
-        time.sleep(0.1)
+    wait_until(lambda: [r.state for r in rank_rows(run.state)] == ["running", "running"], 60, "both ranks to run")
     panel.stop_button.click()
     wait_for(panel, 60)
     assert run.state.state == "cancelled"
@@ -301,8 +299,8 @@ def test_stop_cancels_the_panels_run(panel):
     assert_no_survivors(run)
 
 
-def test_a_cell_that_cannot_be_captured_is_refused_before_anything_starts(ip, panel):
-    ip.run_cell("import threading\nPANEL_LOCK = threading.Lock()")
+def test_a_cell_that_cannot_be_captured_is_refused_before_anything_starts(notebook, panel):
+    notebook.run_cell("import threading\nPANEL_LOCK = threading.Lock()")
     panel.code.value = "with PANEL_LOCK:\n    pass"
     assert panel.launch() is None and panel.run is None
     assert "PANEL_LOCK" in panel.message.value and "torchdist-launch-error" in panel.message.value

@@ -34,7 +34,7 @@ def test_environment_of_a_rank():
         "CUDA_VISIBLE_DEVICES": "3,5", "TORCHDIST_USE_GPU": "1", "TORCHDIST_RETURN_VALUE": "0", "X": "1",
         "PATH": "/bin"}
     assert env["TORCHDIST_SECRET"] == "s3cret" and "launcher-s3cret" not in env.values()
-    assert env["OMP_NUM_THREADS"] >= "1"
+    assert int(env["OMP_NUM_THREADS"]) >= 1
 
 
 @pytest.mark.parametrize("all_ranks, wanted", [(False, ["1", "0", "0"]), (True, ["1", "1", "1"])])

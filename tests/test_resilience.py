@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import assert_no_survivors
+from helpers import assert_no_survivors, touch, wait_until
 from torchdist_magic import RankFailure, rank, restart_count
 from torchdist_magic.runtime import load_checkpoint, save_checkpoint
 
@@ -28,6 +28,36 @@ def _forget_runs():
     import torchdist_magic.distributor as distributor
 
     distributor._last_run = None
+
+
+class SteppedClock:
+    """``time`` as the distributor sees it, until ``expire()`` moves it a day on: a run's
+    ``timeout`` then passes when the test says so, once its ranks are where the test wants them."""
+
+    def __init__(self):
+        self.offset = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset
+
+    def expire(self) -> None:
+        self.offset = 86400.0
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+@pytest.fixture
+def run_clock(monkeypatch):
+    """The ``SteppedClock`` that runs started in this test measure their ``timeout`` with."""
+    import torchdist_magic.distributor as distributor
+
+    clock = SteppedClock()
+    monkeypatch.setattr(distributor, "time", clock)
+    return clock
 
 
 # -- restarts --------------------------------------------------------------------------------------
@@ -78,27 +108,25 @@ def test_a_restart_is_announced_by_the_text_view(capsys):
 
 
 # -- graceful stops --------------------------------------------------------------------------------
-def _touch(path):
-    open(path, "w").close()
-
-
 def loop_and_clean_up(marks, failing_rank):
     """Both ranks loop; ``failing_rank`` raises once both are looping (None: nobody does)."""
     import atexit
 
-    atexit.register(_touch, os.path.join(marks, f"atexit-{rank()}"))
+    atexit.register(touch, os.path.join(marks, f"atexit-{rank()}"))
     try:
-        _touch(os.path.join(marks, f"looping-{rank()}"))
+        touch(os.path.join(marks, f"looping-{rank()}"))
         while True:
             if rank() == failing_rank and len(os.listdir(marks)) >= 2:
                 raise RuntimeError("this rank fails")
             time.sleep(0.05)
     finally:
-        _touch(os.path.join(marks, f"finally-{rank()}"))
+        touch(os.path.join(marks, f"finally-{rank()}"))
 
 
 @pytest.mark.parametrize("how", ["peer failure", "timeout"])
-def test_stopped_ranks_run_finally_blocks_and_atexit_handlers(local_distributor, tmp_path, how):
+def test_stopped_ranks_run_finally_blocks_and_atexit_handlers(local_distributor, tmp_path, how, run_clock):
+    from torchdist_magic import JobTimeout
+
     marks = tmp_path / "marks"
     marks.mkdir()
     if how == "peer failure":
@@ -106,8 +134,10 @@ def test_stopped_ranks_run_finally_blocks_and_atexit_handlers(local_distributor,
         with pytest.raises(RankFailure, match="this rank fails"):
             run.result(timeout=120)
     else:
-        run = local_distributor(2, timeout=6).submit(loop_and_clean_up, str(marks), None)
-        with pytest.raises(TimeoutError):
+        run = local_distributor(2, timeout=600).submit(loop_and_clean_up, str(marks), None)
+        wait_until(lambda: {"looping-0", "looping-1"} <= set(os.listdir(marks)), 120, "both ranks to loop")
+        run_clock.expire()
+        with pytest.raises(JobTimeout):
             run.result(timeout=120)
     assert {"finally-0", "finally-1", "atexit-0", "atexit-1"} <= set(os.listdir(marks))
     assert_no_survivors(run)
@@ -121,13 +151,15 @@ def napping():
 NAP_LINE = inspect.getsourcelines(napping)[1] + 2
 
 
-def test_a_timeout_shows_where_each_rank_was(local_distributor):
+def test_a_timeout_shows_where_each_rank_was(local_distributor, run_clock):
     from torchdist_magic.view import html
     from torchdist_magic.view.model import rank_stacks
     from torchdist_magic.view.text import summary
 
-    # long enough for both ranks to be napping: the stacks are captured when it expires
-    run = local_distributor(2, timeout=8).submit(napping)
+    # it expires once both ranks are napping: the stacks are captured then
+    run = local_distributor(2, timeout=600).submit(napping)
+    wait_until(lambda: all("napping" in run.logs(r) for r in range(2)), 120, "both ranks to nap")
+    run_clock.expire()
     with pytest.raises(TimeoutError) as info:
         run.result(timeout=120)
     for r in range(2):
@@ -145,12 +177,23 @@ def quiet_rank0():
         napping()
 
 
-def test_a_hang_after_a_rank_finished_says_it_had_exited(local_distributor):
+def test_a_hang_after_a_rank_finished_says_it_had_exited(local_distributor, monkeypatch):
+    import threading
+
+    from torchdist_magic import HangTimeout
+    from torchdist_magic.state import RunState
+
+    # the run's quiet counts only from when rank 0 naps and rank 1 has exited
+    counting, real_idle = threading.Event(), RunState.idle
+    monkeypatch.setattr(RunState, "idle", lambda self: real_idle(self) if counting.is_set() else 0.0)
     run = local_distributor(2, hang_timeout=2).submit(quiet_rank0)
-    with pytest.raises(TimeoutError) as info:
+    wait_until(lambda: "napping" in run.logs(0) and run.state.ranks[1].exit_code == 0, 120,
+               "rank 0 to nap once rank 1 exited")
+    counting.set()
+    with pytest.raises(HangTimeout) as info:
         run.result(timeout=120)
     assert "  rank 1: had exited with code 0" in str(info.value)
-    assert "  rank 0: napping (" in str(info.value) or "napping" not in run.logs(0)
+    assert f"  rank 0: napping ({__file__}, line {NAP_LINE})" in str(info.value)
     assert_no_survivors(run)
 
 
@@ -430,3 +473,90 @@ def test_checkpoint_helpers_outside_a_run(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match=r"^save_checkpoint: step must be a whole number of at least 0, got -1$"):
         save_checkpoint({}, step=-1, directory=str(tmp_path))
 
+
+
+# -- what restarts do not undo: one timeout for every attempt; hangs and cancels end the run --------
+def fail_the_first_attempt_when_told(marks):
+    """Each attempt says it started and waits for its go; the first then fails, a later one
+    finishes."""
+    attempt = restart_count() + 1
+    open(os.path.join(marks, f"attempt{attempt}-started"), "w").close()
+    while not os.path.exists(os.path.join(marks, f"go{attempt}")):
+        time.sleep(0.05)
+    if attempt == 1:
+        raise ValueError("attempt 1 failed late")
+    open(os.path.join(marks, f"attempt{attempt}-finished"), "w").close()
+    return attempt
+
+
+def test_a_timeout_counts_for_all_attempts_together(local_distributor, tmp_path, run_clock):
+    from torchdist_magic import JobTimeout
+
+    # attempt 1 uses 400 of the 600 s; attempt 2 then has 200 s left, not a fresh 600
+    run = local_distributor(1, timeout=600, max_restarts=3).submit(fail_the_first_attempt_when_told, str(tmp_path))
+    try:
+        wait_until(lambda: (tmp_path / "attempt1-started").exists(), 60, "attempt 1 to start")
+        run_clock.advance(400)
+        (tmp_path / "go1").touch()
+        wait_until(lambda: (tmp_path / "attempt2-started").exists(), 60, "attempt 2 to start")
+        run_clock.advance(300)
+        with pytest.raises(JobTimeout) as info:
+            run.result(timeout=120)
+    finally:
+        run.cancel()
+        run.wait(60)
+    assert info.value.headline == "distributed run timed out after 600 s; every rank was stopped"
+    assert run.attempt == 2 and run.state.state == "timed out"
+    assert [a.failure.message for a in run.attempts] == ["attempt 1 failed late"]
+    assert not (tmp_path / "attempt2-finished").exists()  # cut short: no third attempt either
+    assert_no_survivors(run)
+    del run, info  # the run's directory (its default checkpoints) goes with the run
+    _forget_runs()
+    gc.collect()
+
+
+def say_up_then_sleep(marks):
+    open(os.path.join(marks, f"rank{rank()}-up"), "w").close()
+    print("up", flush=True)
+    time.sleep(600)
+
+
+def test_a_hang_is_not_restarted_while_restarts_remain(local_distributor, tmp_path):
+    from torchdist_magic import HangTimeout
+
+    run = local_distributor(2, hang_timeout=3, max_restarts=2).submit(say_up_then_sleep, str(tmp_path))
+    try:
+        with pytest.raises(HangTimeout) as info:
+            run.result(timeout=120)
+    finally:
+        run.cancel()
+        run.wait(60)
+    assert info.value.headline == ("no rank sent progress, metrics or output for 3 s (hang_timeout); "
+                                   "every rank was stopped")
+    assert run.attempt == 1 and run.attempts == [] and run.state.state == "hung"
+    assert "up" in run.logs(0) and "up" in run.logs(1)  # the ranks ran, then went quiet
+    assert_no_survivors(run)
+    del run, info
+    _forget_runs()
+    gc.collect()
+
+
+def test_a_cancel_is_not_restarted_while_restarts_remain(local_distributor, tmp_path):
+    from helpers import wait_until
+    from torchdist_magic import RunCancelled
+
+    run = local_distributor(2, max_restarts=2).submit(say_up_then_sleep, str(tmp_path))
+    try:
+        wait_until(lambda: all((tmp_path / f"rank{r}-up").exists() for r in range(2)), 60,
+                   "both ranks to start")
+        run.cancel()
+        with pytest.raises(RunCancelled, match=r"^the run was cancelled; every rank was stopped$"):
+            run.result(timeout=120)
+    finally:
+        run.cancel()
+        run.wait(60)
+    assert run.attempt == 1 and run.attempts == [] and run.state.state == "cancelled"
+    assert_no_survivors(run)
+    del run
+    _forget_runs()
+    gc.collect()

@@ -2,33 +2,21 @@
 back through collect, bad placements are refused before anything starts, a stage that fails
 outside any rank still ends as a readable RankFailure, and nothing is left behind."""
 
-import glob
 import os
 import signal
-import tempfile
 import time
 
 import pytest
 
-from helpers import assert_no_survivors, wait_until
+from helpers import assert_nothing_left, one, wait_until
 from torchdist_magic import Distributor, LaunchOptions, RankFailure, RunCancelled, rank
 from torchdist_magic.backends import make_backend
-from torchdist_magic.backends.spark import SparkBarrierBackend
+from torchdist_magic.backends.spark_classic import SparkBarrierBackend
 
 pytestmark = pytest.mark.spark  # also run under pyspark 3.5 (README's test command)
 
-#: where Spark's Python workers make their temp dirs (taken before a test redirects ``tempfile``)
-EXECUTOR_TMP = tempfile.gettempdir()
-
-
 def spark_dist(n=2, **options):
     return Distributor(n, local_mode=False, show=None, **options)
-
-
-def assert_nothing_left(run):
-    assert_no_survivors(run)
-    left = glob.glob(os.path.join(EXECUTOR_TMP, f"torchdist-{run.run_id}-*"))
-    assert not left, f"task directories left behind: {left}"
 
 
 def ancestors_and_environment():
@@ -66,10 +54,6 @@ def say_stopped_on_sigterm():
     signal.signal(signal.SIGTERM, on_sigterm)
     print("ready", flush=True)
     time.sleep(600)
-
-
-def one():
-    return 1
 
 
 @pytest.mark.spark
@@ -301,7 +285,7 @@ class OneTaskCannotReachTheDriver(SparkBarrierBackend):
     def task_function(self, spec):
         import dataclasses
 
-        from torchdist_magic.backends.spark import run_barrier_task
+        from torchdist_magic.backends.spark_task import run_barrier_task
 
         cut_off = dataclasses.replace(spec, run=dataclasses.replace(spec.run, channel_address="127.0.0.1:9"))
 
@@ -315,10 +299,10 @@ class OneTaskCannotReachTheDriver(SparkBarrierBackend):
 
 @pytest.mark.spark
 def test_tasks_that_cannot_reach_the_driver_still_rendezvous(spark_local2, monkeypatch):
-    import torchdist_magic.backends.spark as spark_backend
+    import torchdist_magic.backends.spark_stage as spark_stage
     import torchdist_magic.distributor as distributor
 
-    monkeypatch.setattr(spark_backend, "SPARK_RENDEZVOUS_WAIT", 1.0)  # the driver's wait for rank 1
+    monkeypatch.setattr(spark_stage, "SPARK_RENDEZVOUS_WAIT", 1.0)  # the driver's wait for rank 1
     monkeypatch.setattr(distributor, "make_backend", lambda options: OneTaskCannotReachTheDriver(spark_local2))
     run = spark_dist(2, all_ranks=True).submit(placement_and_all_reduce)
     values = run.result(timeout=120)
@@ -329,3 +313,107 @@ def test_tasks_that_cannot_reach_the_driver_still_rendezvous(spark_local2, monke
     assert run.state.ranks[1].pid is None and run.state.ranks[0].pid  # no live events from rank 1
     assert run.logs(1).startswith("[torchdist] no live view of this rank") and "no live view" not in run.logs(0)
     assert_nothing_left(run)
+
+
+@pytest.mark.spark
+def test_pyspark_python_set_after_the_session_started_is_what_runs(spark_local2, bare_python, monkeypatch):
+    """A user who started the session without PYSPARK_PYTHON, then set it to the notebook's own
+    interpreter, gets that interpreter: it is what is probed, and what runs the ranks."""
+    import sys
+
+    from torchdist_magic.backends import spark_python
+
+    monkeypatch.setattr(spark_local2.sparkContext, "pythonExec", bare_python)  # Spark's own: no torch
+    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)
+    monkeypatch.setattr(spark_python, "_chosen", {})
+    run = spark_dist(2, all_ranks=True).submit(interpreter)
+    assert run.result(timeout=120) == [sys.executable] * 2
+    assert_nothing_left(run)
+
+
+@pytest.mark.spark
+def test_a_chosen_interpreter_that_cannot_run_the_ranks_is_the_one_named(spark_local2, bare_python,
+                                                                        monkeypatch):
+    import sys
+
+    from torchdist_magic.backends import spark_python
+
+    monkeypatch.setattr(spark_local2.sparkContext, "pythonExec", sys.executable)  # Spark's own would do
+    monkeypatch.setenv("PYSPARK_PYTHON", bare_python)
+    monkeypatch.setattr(spark_python, "_chosen", {})
+    with pytest.raises(spark_python.InterpreterMismatch) as info:
+        spark_dist(2).submit(interpreter)
+    assert f"with the interpreter you chose ({bare_python})" in str(info.value)
+    assert f"executors:     {bare_python} on " in str(info.value)
+
+
+@pytest.mark.spark
+def test_classic_spark_whose_executors_cannot_reach_the_notebook_still_returns_rank_0s_value(
+        spark_local2, monkeypatch):
+    """No task reaches the notebook (a firewall between the executors and the driver): the
+    tasks meet through Spark's barrier, and rank 0's value comes back through the stage."""
+    import torchdist_magic.distributor as distributor
+    from torchdist_magic.channel import ChannelServer
+
+    class BehindAFirewall(ChannelServer):
+        """The run's channel, whose address as the tasks are told it is where nothing listens."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.address = ("127.0.0.1", 9)
+
+    monkeypatch.setattr(distributor, "ChannelServer", BehindAFirewall)
+    run = spark_dist(2).submit(placement_and_all_reduce)
+    value = run.result(timeout=180)
+    assert value["env"]["RANK"] == "0" and value["sum"] == 3.0  # both ranks joined one process group
+    assert [(rs.state, rs.exit_code) for rs in run.state.ranks] == [("done", 0), ("done", 0)]
+    for r in (0, 1):  # the view says why there was nothing live, in one line
+        assert run.logs(r).startswith("[torchdist] no live view of this rank: its task could not reach "
+                                      "this notebook's event channel at 127.0.0.1:9")
+    assert_nothing_left(run)
+
+
+def mib_for_rank_0(mib):
+    return bytes(mib * 2**20) if rank() == 0 else None
+
+
+@pytest.mark.spark
+def test_a_value_over_the_drivers_result_limit_says_spark_could_not_return_it(spark_local2, spark_sessions):
+    # a session whose driver takes at most 1 MiB of task results (spark.driver.maxResultSize)
+    spark_sessions.stop()
+    spark_sessions.get("local[2]", **{"spark.driver.maxResultSize": "1m"})
+    try:
+        run = spark_dist(2).submit(mib_for_rank_0, 2)
+        with pytest.raises(RuntimeError) as info:
+            run.result(timeout=180)
+        assert str(info.value).startswith("rank 0 finished, but Spark could not return its value: ")
+        assert "spark.driver.maxResultSize" in str(info.value)
+        assert [rs.exit_code for rs in run.state.ranks] == [0, 0] and run.state.state == "failed"
+        assert_nothing_left(run)
+    finally:
+        spark_sessions.stop()  # the next test gets a session without the limit
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("fail", [False, True], ids=["returns", "raises"])
+def test_a_process_a_rank_started_in_a_session_of_its_own_ends_with_the_spark_run(spark_local2, tmp_path, fail):
+    from helpers import alive
+    from test_launcher import _daemon_pids, _end, start_daemon_then
+
+    pid_dir = tmp_path / "daemons"
+    pid_dir.mkdir()
+    run = spark_dist(2).submit(start_daemon_then, str(pid_dir), fail)
+    try:
+        if fail:
+            with pytest.raises(RankFailure, match="after starting a daemon"):
+                run.result(timeout=120)
+        else:
+            assert run.result(timeout=120) == 0
+        daemons = _daemon_pids(str(pid_dir))
+        assert len(daemons) == 2
+        wait_until(lambda: not any(alive(pid) for pid in daemons), 30, "the ranks' daemons to end")
+        assert_nothing_left(run)
+    finally:
+        run.cancel()
+        run.wait(60)
+        _end(_daemon_pids(str(pid_dir)))

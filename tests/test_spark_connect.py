@@ -4,29 +4,17 @@ notebook (a laptop on Databricks Connect): the value, a failure with the rank's 
 and output, and a cancel all come through the stage itself."""
 
 import dataclasses
-import glob
 import os
-import tempfile
 import time
+import weakref
 
 import pytest
 
-from helpers import assert_no_survivors, wait_until
+from helpers import assert_nothing_left, one, touch, wait_until
 from torchdist_magic import Distributor, RankFailure, RunCancelled, rank
 from torchdist_magic.backends.spark_connect import SparkConnectBackend
 
 pytestmark = pytest.mark.spark
-
-EXECUTOR_TMP = tempfile.gettempdir()
-
-
-def assert_nothing_left(run):
-    assert_no_survivors(run)
-    assert not glob.glob(os.path.join(EXECUTOR_TMP, f"torchdist-{run.run_id}-*"))
-
-
-def one():
-    return 1
 
 
 def mib_of_bytes(mib):
@@ -76,8 +64,9 @@ def fail_on_rank_1():
     time.sleep(600)  # rank 0 is stopped with the stage, not waited for
 
 
-def sleep_after_saying_so():
-    print("up", flush=True)
+def sleep_after_saying_so(marks):
+    print("up", flush=True)  # (comes back only with the stage: the channel is out of reach)
+    touch(os.path.join(marks, f"up-{rank()}"))
     time.sleep(600)
 
 
@@ -105,10 +94,14 @@ def test_without_the_channel_a_failure_is_the_ranks_own_and_prompt(unreachable):
     assert_nothing_left(run)
 
 
-def test_without_the_channel_cancel_interrupts_the_stage(unreachable):
-    run = unreachable(2).submit(sleep_after_saying_so)
-    wait_until(lambda: run.state.elapsed() > 5, 30, "the ranks to be well started")
-    run.cancel()
+def test_without_the_channel_cancel_interrupts_the_stage(unreachable, tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    run = unreachable(2).submit(sleep_after_saying_so, str(marks))
+    try:
+        wait_until(lambda: sorted(os.listdir(marks)) == ["up-0", "up-1"], 120, "both ranks to be up")
+    finally:
+        run.cancel()
     with pytest.raises(RunCancelled):
         run.result(timeout=120)
     assert_nothing_left(run)
@@ -120,9 +113,34 @@ def test_executors_with_other_versions_are_refused_before_training(spark_connect
     real = spark_python.local_facts()
     claimed = dict(real, packages=dict(real["packages"], cloudpickle="0.0.1"))
     monkeypatch.setattr(spark_python, "local_facts", lambda: claimed)
-    monkeypatch.setattr(spark_python, "_chosen", {})
+    monkeypatch.setattr(spark_python, "_checked_connect", weakref.WeakSet())
     with pytest.raises(spark_python.InterpreterMismatch) as info:
         Distributor(2, local_mode=False, show=None).submit(one)
     text = str(info.value)
     assert "the Spark Connect server's executors cannot run the ranks" in text
     assert f"cloudpickle 0.0.1 here, {real['packages']['cloudpickle']} there" in text
+
+
+def test_gpu_without_task_gpus_on_the_connect_server_is_refused_before_start(spark_connect):
+    from torchdist_magic import last_run
+
+    before = last_run()
+    with pytest.raises(ValueError, match=r"^use_gpu/--gpu needs GPUs assigned to Spark tasks, but "
+                                         r"spark\.task\.resource\.gpu\.amount is not set on the Spark "
+                                         r"Connect server's cluster$"):
+        Distributor(2, local_mode=False, use_gpu=True, show=None).submit(one)
+    assert last_run() is before  # nothing started
+
+
+def test_executors_that_cannot_run_the_python_check_say_so_before_training(spark_connect):
+    from torchdist_magic import last_run
+
+    # this session's Python UDFs run an interpreter the executors do not have
+    spark_connect.conf.set("spark.sql.execution.pyspark.python", "/nonexistent/python3")
+    before = last_run()
+    with pytest.raises(ValueError) as info:
+        Distributor(2, local_mode=False, show=None).submit(one)
+    text = str(info.value)
+    assert text.startswith("the Spark Connect server's executors could not run a Python check: "), text
+    assert "/nonexistent/python3" in text
+    assert last_run() is before  # nothing started

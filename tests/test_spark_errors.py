@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from torchdist_magic.backends.spark import spark_failure
+from torchdist_magic.backends.spark_stage import spark_failure
 
 pytestmark = pytest.mark.spark  # also run under pyspark 3.5 (README's test command)
 

@@ -1,19 +1,31 @@
 """The view model and its renderers without a kernel: RunState -> header facts, rank rows, bars,
 plots, logs; the HTML and text a notebook keeps after a run (every rank's last lines); the view
-package's layering (no ipywidgets or IPython at import, nothing from the magic)."""
+package's layering (no ipywidgets or IPython at import, nothing from the magic); the run state's
+readers (snapshots, logs read while they spill, stacks awaited; nobody else takes its lock);
+records without a handler; ``Run.result``'s own timeout; no dead code, one definition of styles."""
 
 import ast
+import io
 import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from html.parser import HTMLParser
 
+import pytest
+
+from helpers import assert_no_survivors
 from view_helpers import FakeRun, bar, exit_, feed, log, metrics, running
-from torchdist_magic import events
+from torchdist_magic import ResultTimeout, events
+from torchdist_magic import state as S
+from torchdist_magic.distributor import submit
+from torchdist_magic.errors import JobTimeout, RunCancelled
+from torchdist_magic.options import LaunchOptions
 from torchdist_magic.view import html as H
 from torchdist_magic.view import model as M
-from torchdist_magic.view.text import summary, summary_with_logs
+from torchdist_magic.view.text import TextView, summary, summary_with_logs
 
 VIEW_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "torchdist_magic", "view")
 
@@ -372,10 +384,6 @@ def test_a_tqdm_bar_shows_its_postfix():
 
 
 def test_readers_see_a_redrawn_line_that_the_log_replaced_after_they_read_it():
-    import io
-
-    from torchdist_magic.view.text import TextView
-
     run = FakeRun(1)
     out, err = io.StringIO(), io.StringIO()
     view = TextView(run.state, out, err)
@@ -417,3 +425,182 @@ def test_views_depend_on_the_run_not_on_the_magic_or_the_api():
                 for alias in node.names:
                     assert not alias.name.startswith(("torchdist_magic.magic", "torchdist_magic.api")), name
         assert "last_run" not in source, f"{name} refers to last_run()"
+
+
+# -- records the state does not know ---------------------------------------------------------------
+def test_a_record_type_without_a_handler_is_named_once_in_the_log_and_ignored():
+    run = FakeRun(2)
+    running(run.state, 0)
+    feed(run.state, events.OutputEnd(rank=0, job_id="j1"), events.OutputEnd(rank=1, job_id="j1"),
+         events.OutputEnd(rank=0, job_id="j2"), events.Joined(rank=1, host="h"))
+    log(run.state, 0, "after")
+    assert run.state.logs(0) == ("torchdist: ignored a record of type output_end (OutputEnd): this version of the "
+                                 "driver has no handler for it; later ones are ignored silently\nafter\n")
+    assert run.state.logs(1) == ("torchdist: ignored a record of type joined (Joined): this version of the "
+                                 "driver has no handler for it; later ones are ignored silently\n")
+    assert [r.state for r in M.rank_rows(run.state)] == ["running", "starting"]  # nothing else changed
+
+
+# -- the run handle --------------------------------------------------------------------------------
+def _sleep_long():
+    time.sleep(600)
+
+
+def test_result_with_a_timeout_raises_its_own_timeout_error_and_the_run_goes_on():
+    run = submit(_sleep_long, (), {}, LaunchOptions(num_processes=1, backend="local"))
+    try:
+        with pytest.raises(ResultTimeout) as info:
+            run.result(timeout=0.2)
+        assert isinstance(info.value, TimeoutError) and not isinstance(info.value, JobTimeout)
+        assert str(info.value) == ("the run is still going after waiting 0.2 s (it keeps running; call cancel() "
+                                   "to stop it)")
+        assert not run.done()
+    finally:
+        run.cancel()
+        with pytest.raises(RunCancelled):
+            run.result(timeout=120)
+    assert_no_survivors(run)
+
+
+# -- no dead code, no copies -----------------------------------------------------------------------
+REPO = os.path.dirname(VIEW_DIR.rstrip(os.sep).rsplit(os.sep, 1)[0])
+
+
+def _repo_text(skip):
+    """Every Python file, notebook and Markdown page of the repository but ``skip``, joined."""
+    texts = []
+    for sub in ("torchdist_magic", "tests", "notebooks", "benchmarks", "docs", "README.md"):
+        top = os.path.join(REPO, sub)
+        paths = [top] if os.path.isfile(top) else [os.path.join(d, f) for d, _, fs in os.walk(top) for f in fs]
+        for path in paths:
+            if path.endswith((".py", ".ipynb", ".md")) and os.path.abspath(path) != os.path.abspath(skip):
+                with open(path, encoding="utf-8") as fh:
+                    texts.append(fh.read())
+    return "\n".join(texts)
+
+
+def test_every_public_method_of_the_run_state_module_is_used():
+    path = os.path.join(REPO, "torchdist_magic", "state.py")
+    with open(path) as fh:
+        source = fh.read()
+    elsewhere = _repo_text(path)
+    tree = ast.parse(source)
+    unused = []
+    for cls in [n for n in tree.body if isinstance(n, ast.ClassDef)]:
+        for fn in [n for n in cls.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]:
+            uses = len(re.findall(rf"\.{fn.name}\b", elsewhere)) + len(re.findall(rf"\.{fn.name}\b", source))
+            if not uses:
+                unused.append(f"{cls.name}.{fn.name}")
+    assert unused == []
+
+
+def test_view_styles_are_defined_once():
+    """Colours and fonts are constants of ``view/style.py`` alone: no other view module holds a
+    colour or a theme variable at module level (they drifted apart when each had its own)."""
+    colour = re.compile(r"#[0-9a-fA-F]{6}\b|var\(--jp-")
+    for name in sorted(os.listdir(VIEW_DIR)):
+        if not name.endswith(".py") or name == "style.py":
+            continue
+        with open(os.path.join(VIEW_DIR, name)) as fh:
+            tree = ast.parse(fh.read(), name)
+        for node in tree.body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for const in ast.walk(node):
+                    if isinstance(const, ast.Constant) and isinstance(const.value, str):
+                        assert not colour.search(const.value), f"{name}:{node.lineno} defines a style: {const.value!r}"
+
+
+# -- one owner of the run state --------------------------------------------------------------------
+def test_a_snapshot_is_a_copy_that_names_the_ranks_changed_since_a_version():
+    run = FakeRun(3)
+    running(run.state, 0)
+    bar(run.state, 0, 1, 10)
+    first = run.state.snapshot()
+    assert first.changed == {0, 1, 2} and first.version == run.state.version
+    metrics(run.state, 2, 1, loss=0.5)
+    bar(run.state, 0, 2, 10)
+    later = run.state.snapshot(first.version)
+    assert later.changed == {0, 2} and later.version > first.version
+    assert first.ranks[0].progress["epoch#0"]["n"] == 1 and first.ranks[2].metrics == {}  # unchanged copies
+    assert later.ranks[0].progress["epoch#0"]["n"] == 2 and later.ranks[2].metrics == {"loss": 0.5}
+    assert run.state.snapshot(later.version).changed == frozenset()
+    run.state.finish("cancelled")
+    assert run.state.snapshot(later.version).changed == {0, 1, 2}  # the run's end changes every rank
+    assert [r.state for r in M.rank_rows(later)] == ["running", "starting", "starting"]  # read from the copy
+
+
+def test_stacks_are_awaited_for_the_running_ranks_only():
+    state = FakeRun(3).state
+    for r in range(3):
+        running(state, r)
+    exit_(state, 2, 0)
+    assert state.begin_stacks() == [0, 1]
+    assert state.stacks[2].note == "had exited with code 0"
+    assert state.wait_stacks([0, 1], timeout=0.01).keys() == {2}  # none came: what there is
+    sender = threading.Thread(target=feed, args=(state, _stacks(1, "f", 3), _stacks(0, "g", 4)))
+    sender.start()
+    try:
+        stacks = state.wait_stacks([0, 1], timeout=120)
+    finally:
+        sender.join()
+    assert sorted(stacks) == [0, 1, 2] and stacks[0].where() == "g (/home/me/train.py, line 4)"
+    assert [s.rank for s in M.rank_stacks(state)] == [0, 1, 2]
+
+
+def test_the_text_view_prints_every_line_once_while_another_thread_spills_the_log(monkeypatch):
+    monkeypatch.setattr(S, "LOG_MEMORY_LINES", 40)  # spill to the file every few dozen lines
+    monkeypatch.setattr(S, "SPILL_INDEX_EVERY", 16)
+    run = FakeRun(2)
+    out = io.StringIO()
+    view = TextView(run.state, out, out)
+    merged = M.MergedLog(2, limit=50)
+    expected = {r: [f"r{r} line {i}" for i in range(3000)] for r in range(2)}
+
+    def write(rank):
+        for i, text in enumerate(expected[rank]):
+            log(run.state, rank, text, stream="stderr" if i % 7 == 0 else "stdout")
+
+    writers = [threading.Thread(target=write, args=(r,)) for r in range(2)]
+    for w in writers:
+        w.start()
+    try:
+        while any(w.is_alive() for w in writers):
+            view.update()
+            merged.drain(run.state)
+    finally:
+        for w in writers:
+            w.join()
+    view.close()
+    merged.drain(run.state)
+    assert run.state.ranks[0].logs.spilled > 0  # the log did spill meanwhile
+    printed = out.getvalue().splitlines()
+    for r in range(2):
+        assert [line[len(f"[rank {r}] "):] for line in printed if line.startswith(f"[rank {r}] ")] == expected[r]
+        assert run.state.logs(r) == "".join(f"{text}\n" for text in expected[r])
+    assert [line.text for rank, line in merged.shown() if rank == 1][-3:] == expected[1][-3:]
+
+
+def _receivers_of_lock(path):
+    """``(line, receiver)`` of every ``<receiver>._lock`` in ``path`` whose receiver is neither
+    ``self`` (an object's own lock) nor a module the file imports (a module's lock)."""
+    with open(path, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read(), path)
+    modules = {alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
+               if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    return [(node.lineno, ast.unparse(node.value)) for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr == "_lock"
+            and not (isinstance(node.value, ast.Name) and node.value.id in modules | {"self"})]
+
+
+def test_no_module_but_the_state_touches_the_run_states_lock():
+    found = {}
+    for sub in ("torchdist_magic", "tests", "benchmarks"):
+        for folder, _, files in os.walk(os.path.join(REPO, sub)):
+            for name in files:
+                path = os.path.join(folder, name)
+                if name.endswith(".py") and os.path.relpath(path, REPO) != os.path.join("torchdist_magic", "state.py"):
+                    if _receivers_of_lock(path):
+                        found[os.path.relpath(path, REPO)] = _receivers_of_lock(path)
+    assert found == {}
+    with open(os.path.join(REPO, "torchdist_magic", "state.py")) as fh:
+        assert "self._lock" in fh.read()  # the check looks at the right attribute

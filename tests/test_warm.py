@@ -200,10 +200,10 @@ def sleep_long():
 
 @pytest.mark.parametrize("how", ["timeout", "hang", "cancel"])
 def test_a_timeout_hang_or_cancel_stops_the_pool_with_no_process_left(local_distributor, how):
+    local_distributor(2, warm=True).run(kept_and_group)  # the pool's start is no part of the deadline
+    info, = pools()
     d = local_distributor(2, warm=True, timeout=3.0 if how == "timeout" else None,
                           hang_timeout=3.0 if how == "hang" else None)
-    d.run(kept_and_group)
-    info, = pools()
     run = d.submit(sleep_long)
     if how == "cancel":
         wait_until(lambda: all(rs.state == "running" for rs in run.state.ranks), 30, "the ranks to run the job")
@@ -430,7 +430,7 @@ def test_a_pool_stopped_before_its_first_run_started_fails_that_run_clearly(loca
     options = local_distributor(2, warm=True).options
     backend = warm_backend(options)
     shutdown_pools()  # e.g. from another thread, between the reservation and the start
-    run = Run(build_job(kept_and_group, (), {}), options, backend)
+    run = Run(build_job(kept_and_group, (), {}), options, backend, backend.check(options))
     run._start()
     with pytest.raises(RuntimeError, match=r"warm pool-\d+ was stopped: shutdown_pools\(\)"):
         run.result(timeout=30)
@@ -465,3 +465,87 @@ def test_a_serving_worker_without_a_channel_says_what_it_needs(tmp_path):
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 2
     assert "a warm pool's rank needs the driver's event channel (TORCHDIST_CHANNEL)" in out.stderr
+
+
+# -- what one warm run leaves for the next ----------------------------------------------------------
+
+ENV_NAMES = ("TORCHDIST_TEST_EXTRA", "TORCHDIST_TEST_OVERRIDDEN", "TORCHDIST_TEST_OWN", "TORCHDIST_ENV_BEFORE")
+
+
+def environment_and_own_variable():
+    """The job's view of ``ENV_NAMES``; then it sets a variable of its own."""
+    import os
+
+    seen = {name: os.environ.get(name) for name in ENV_NAMES}
+    os.environ["TORCHDIST_TEST_OWN"] = "set by a job"
+    return os.getpid(), seen
+
+
+def test_env_of_a_warm_run_is_set_for_its_job_only(local_distributor, monkeypatch):
+    monkeypatch.setenv("TORCHDIST_TEST_OVERRIDDEN", "notebook")   # the ranks' own environment
+    monkeypatch.delenv("TORCHDIST_TEST_EXTRA", raising=False)
+    monkeypatch.delenv("TORCHDIST_TEST_OWN", raising=False)
+    with_env = local_distributor(2, warm=True, all_ranks=True,
+                                 env={"TORCHDIST_TEST_EXTRA": "1", "TORCHDIST_TEST_OVERRIDDEN": "run"})
+    plain = local_distributor(2, warm=True, all_ranks=True)
+
+    def seen(distributor):
+        values = distributor.run(environment_and_own_variable)
+        return [pid for pid, _ in values], [env for _, env in values]
+
+    # the run that starts the pool: its --env is in the ranks' environment from their start
+    pids, envs = seen(with_env)
+    assert envs == [{"TORCHDIST_TEST_EXTRA": "1", "TORCHDIST_TEST_OVERRIDDEN": "run",
+                     "TORCHDIST_TEST_OWN": None, "TORCHDIST_ENV_BEFORE": None}] * 2
+    # the next run has no --env: neither the variable nor the override is left; what the job's own
+    # code set stays, like the names it defines
+    expected = [{"TORCHDIST_TEST_EXTRA": None, "TORCHDIST_TEST_OVERRIDDEN": "notebook",
+                 "TORCHDIST_TEST_OWN": "set by a job", "TORCHDIST_ENV_BEFORE": None}] * 2
+    assert seen(plain) == (pids, expected)
+    # a later run's --env is undone after its job too
+    assert seen(with_env)[1] == [dict(expected[0], TORCHDIST_TEST_EXTRA="1", TORCHDIST_TEST_OVERRIDDEN="run")] * 2
+    assert seen(plain) == (pids, expected)
+    info, = pools()
+    assert info.runs == 4
+    assert shutdown_pools() == [info.id]
+    wait_until(lambda: _stopped(info), 30, "the pool's processes to end")
+
+
+def rank_variables():
+    import os
+
+    return os.environ["RANK"], os.environ["TORCHDIST_RUN_ID"], os.environ.get("TORCHDIST_TEST_EXTRA")
+
+
+def test_a_warm_runs_env_cannot_override_the_runs_own_variables(local_distributor):
+    """As on a cold run, where ``env`` never wins over ``RANK`` and the like."""
+    plain = local_distributor(2, warm=True, all_ranks=True)
+    first = plain.run(rank_variables)
+    meddling = local_distributor(2, warm=True, all_ranks=True,
+                                 env={"RANK": "9", "TORCHDIST_RUN_ID": "x", "TORCHDIST_TEST_EXTRA": "1"})
+    assert meddling.run(rank_variables) == [(r, first[0][1], "1") for r in ("0", "1")]
+    info, = pools()
+    assert shutdown_pools() == [info.id]
+    wait_until(lambda: _stopped(info), 30, "the pool's processes to end")
+
+
+def report_three(first_loss):
+    from torchdist_magic import report
+
+    for i in range(3):
+        report(loss=first_loss + i)
+
+
+def test_report_steps_start_again_in_each_warm_run(local_distributor):
+    d = local_distributor(2, warm=True)
+    runs = []
+    for first_loss in (10.0, 20.0):
+        runs.append(d.submit(report_three, first_loss))
+        runs[-1].result(timeout=120)
+    for run, first_loss in zip(runs, (10.0, 20.0)):
+        for rs in run.state.ranks:
+            assert rs.history["loss"] == [(1, first_loss), (2, first_loss + 1), (3, first_loss + 2)]
+    info, = pools()
+    assert info.runs == 2
+    assert shutdown_pools() == [info.id]
+    wait_until(lambda: _stopped(info), 30, "the pool's processes to end")

@@ -8,7 +8,7 @@ the Python API.  Heavy modules (torch, pyspark, ipywidgets, IPython) are importe
 from __future__ import annotations
 
 from .data import shard
-from .errors import HangTimeout, JobTimeout, RankFailure, RunCancelled
+from .errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
 from .options import LaunchOptions
 from .runtime import (RankStopped, device, is_main, load_checkpoint, local_rank, progress, rank, report,
                       restart_count, save_checkpoint, world_size)
@@ -16,8 +16,8 @@ from .runtime import (RankStopped, device, is_main, load_checkpoint, local_rank,
 __version__ = "0.1.0"
 
 __all__ = [
-    "Distributor", "LaunchOptions", "RankFailure", "JobTimeout", "HangTimeout", "RunCancelled", "Run",
-    "last_run", "progress", "report", "rank", "world_size", "local_rank", "is_main", "device",
+    "Distributor", "LaunchOptions", "RankFailure", "JobTimeout", "HangTimeout", "RunCancelled", "ResultTimeout",
+    "Run", "last_run", "progress", "report", "rank", "world_size", "local_rank", "is_main", "device",
     "restart_count", "save_checkpoint", "load_checkpoint", "RankStopped", "shard",
     "load_ipython_extension", "unload_ipython_extension", "pools", "shutdown_pools",
 ]

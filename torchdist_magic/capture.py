@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from . import rank_shell
-from .job import CellCode, _describe
+from .job import CellCode, type_name
 from .runtime import CELL_PROVIDED
 
 #: notebook names that never travel (IPython's own machinery)
@@ -496,6 +496,6 @@ def _unpicklable_message(values: Dict[str, object], exc: Exception) -> str:
         try:
             cloudpickle.dumps(value)
         except Exception as inner:
-            return (f"the cell uses {name!r} (a {_describe(value)}) from the notebook, which cannot be "
+            return (f"the cell uses {name!r} (a {type_name(value)}) from the notebook, which cannot be "
                     f"sent to the ranks: {inner}. Create it inside the cell instead.")
     return f"the cell's notebook values cannot be sent to the ranks: {exc}"

@@ -37,6 +37,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import logging
 import os
 import queue
 import secrets
@@ -49,7 +50,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from . import events
-from .timing import CHANNEL_CLOSE_WAIT, CLIENT_CLOSE_WAIT, HANDSHAKE_DEADLINE
+from .timing import CHANNEL_CLOSE_WAIT, CHANNEL_THREAD_WAIT, CLIENT_CLOSE_WAIT, HANDSHAKE_DEADLINE
 
 #: largest frame after authentication (a batch of records)
 MAX_FRAME = 4 * 1024 * 1024
@@ -63,6 +64,7 @@ MAX_OUTBOX = 4 * MAX_FRAME
 BATCH = 1000
 
 _LEN = struct.Struct(">I")
+_log = logging.getLogger("torchdist_magic")
 _RECV_CHUNK = 256 * 1024
 #: a rank's handshake cut off by a flood of strangers is retried after this pause, doubling
 _RETRY_PAUSE, _RETRY_PAUSE_MAX = 0.02, 0.5
@@ -217,7 +219,11 @@ class ChannelServer:
                 self._close_deadline = time.monotonic() + CHANNEL_CLOSE_WAIT
         self._wake()
         if threading.current_thread() is not self._thread:  # on_event may close the channel
-            self._thread.join()
+            self._thread.join(CHANNEL_CLOSE_WAIT + CHANNEL_THREAD_WAIT)
+            if self._thread.is_alive():
+                _log.warning("run %s: the event channel's thread was still delivering a record "
+                             "%g s after close; left behind", self._run_id,
+                             CHANNEL_CLOSE_WAIT + CHANNEL_THREAD_WAIT)
 
     # -- server thread --------------------------------------------------------------------
 

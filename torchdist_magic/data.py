@@ -3,12 +3,13 @@
 Driver side (``prepare_data``, called before anything starts): the DataFrame is checked (a
 pandas DataFrame on local processes, a Spark DataFrame of the run's own SparkSession on Spark;
 columns that exist and can become tensors; at least one row per rank) and turned into what the
-backend needs.  A pandas DataFrame is split by rows into one Arrow IPC file per rank under the
-run's directory (``write_rank_files``).  A Spark DataFrame never passes through the driver:
-its barrier stage is ``df.repartition(n).mapInArrow(task, barrier=True)`` and each task streams
-the Arrow batches of its partition into a file of its own workdir as they arrive
-(``write_batches``) before it starts its rank.  Either way the rank finds the path of its file
-in ``TORCHDIST_DATA_FILE`` (set by ``rankenv.rank_environment``).
+backend needs.  A pandas DataFrame's rows are dealt out to the ranks by a seeded permutation
+(``rank_rows``: a DataFrame sorted by its label still gives every rank a mix of labels), one
+Arrow IPC file per rank under the run's directory (``write_rank_files``).  A Spark DataFrame
+never passes through the driver: its barrier stage is ``df.repartition(n).mapInArrow(task,
+barrier=True)`` and each task streams the Arrow batches of its partition into a file of its own
+workdir as they arrive (``write_batches``) before it starts its rank.  Either way the rank
+finds the path of its file in ``TORCHDIST_DATA_FILE`` (set by ``rankenv.rank_environment``).
 
 Rank side (``shard``): the file is memory-mapped, never read whole into memory; batches are
 sliced (or, shuffled, gathered) from it.  Every rank yields the same number of batches per
@@ -24,19 +25,18 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence
 
-from . import events, runtime
+from . import runtime
+from .timing import ROW_COUNTS_WAIT
 
 DATA_FILE_ENV = "TORCHDIST_DATA_FILE"
 FORMATS = ("torch", "pandas", "arrow")
 #: rows per record batch of a rank file written from a pandas DataFrame
 FILE_CHUNK_ROWS = 65536
-#: how long a rank waits for the other ranks' row counts (a Spark task writes its whole
-#: partition before its rank starts, so the ranks of one run can start minutes apart)
-COUNTS_WAIT = 1800.0
+#: the seed of the permutation that deals a pandas DataFrame's rows out to the ranks
+SPLIT_SEED = 0
 #: the ``desc`` of the bar each rank's rows are reported with (the view shows rows/s for it)
 ROWS_BAR = "rows"
 
@@ -61,16 +61,17 @@ class PreparedData:
 
     def write_rank_files(self, prefix: str, num_processes: int) -> List[str]:
         """One Arrow IPC file per rank in a new temporary directory named ``prefix...``, rank r's
-        rows the r-th of ``num_processes`` nearly equal ranges (written once: restarts reuse
-        them; ``remove_files`` removes them)."""
+        rows those of ``rank_rows`` (written once: restarts reuse them; ``remove_files`` removes
+        them)."""
         if not self.files:
             import tempfile
 
+            import pyarrow as pa
+
             directory = self._directory = tempfile.mkdtemp(prefix=prefix)
-            bounds = [self.rows * r // num_processes for r in range(num_processes + 1)]
-            for r in range(num_processes):
+            for r, indices in enumerate(rank_rows(self.rows, num_processes)):
                 path = os.path.join(directory, f"rank-{r}.arrow")
-                _write_table(path, self.table.slice(bounds[r], bounds[r + 1] - bounds[r]))
+                _write_table(path, self.table.take(pa.array(indices)))
                 self.files.append(path)
         return self.files
 
@@ -80,6 +81,19 @@ class PreparedData:
 
             shutil.rmtree(self._directory, ignore_errors=True)
         self.files = []
+
+
+def rank_rows(rows: int, num_processes: int, seed: int = SPLIT_SEED) -> List[Any]:
+    """The row positions each rank gets (numpy arrays, by rank): a permutation of the rows from
+    ``seed``, cut into ``num_processes`` parts whose sizes differ by at most 1, each part in the
+    DataFrame's order.  Not contiguous ranges: a DataFrame sorted by its label would hand each
+    rank one label for every epoch (``shuffle`` only reorders a rank's own rows).  The same rows
+    and seed give the same split."""
+    import numpy as np
+
+    order = np.random.default_rng(seed).permutation(rows)
+    bounds = [rows * r // num_processes for r in range(num_processes + 1)]
+    return [np.sort(order[bounds[r]:bounds[r + 1]]) for r in range(num_processes)]
 
 
 def _write_table(path: str, table) -> None:
@@ -262,7 +276,7 @@ def _row_counts(own: int) -> List[int]:
         # multi_tenant: the process group's own store on this port (rank 0 serves it) is shared
         # with this one, whichever of the two is made first
         store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, me == 0,
-                         timeout=datetime.timedelta(seconds=COUNTS_WAIT), wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=ROW_COUNTS_WAIT), wait_for_workers=False,
                          multi_tenant=True)
         store.set(f"torchdist/data/rows/{me}", str(own))
         store.wait([f"torchdist/data/rows/{r}" for r in range(n)])
@@ -283,7 +297,8 @@ class shard:
     ``"torch"`` (a dict of column name -> tensor; array columns become 2-D or deeper tensors and
     must hold arrays of one length), ``"pandas"`` (a ``pandas.DataFrame``) or ``"arrow"`` (a
     ``pyarrow.RecordBatch``).  ``shuffle=True`` shuffles this rank's rows anew each epoch, from
-    ``seed`` (the same on every rank: each rank still gets an order of its own).
+    ``seed`` (the same on every rank: each rank still gets an order of its own); it never moves
+    rows between ranks: which rows a rank holds is fixed for the run (see ``rank_rows``).
 
     Every rank yields the same number of batches (``len(shard)``): with ``drop_last=False`` a
     rank with fewer rows than the largest rank repeats its own rows until it has as many (as
@@ -386,12 +401,12 @@ class shard:
         rows = self.rows_per_epoch()
         order = self._order(self.epoch)
         self.epoch += 1
-        bar = _RowsBar(rows)
+        bar = runtime.progress(total=rows, desc=ROWS_BAR)   # this epoch's rows, shown at once
         try:
             for start in range(0, rows, self.batch_size):
                 stop = min(start + self.batch_size, rows)
                 batch = self._convert(self._rows(order, start, stop))
-                bar.advance(stop - start)
+                bar.update(stop - start)
                 yield batch
         finally:
             bar.close()
@@ -424,27 +439,3 @@ def _tensor(name: str, column):
     values = array.to_numpy(zero_copy_only=False)
     return torch.from_numpy(np.array(values, copy=True).reshape(shape))
 
-
-class _RowsBar:
-    """This rank's rows of one epoch as a progress bar of the run view (rate-limited)."""
-
-    def __init__(self, total: int):
-        self.bar = f"{ROWS_BAR}#{next(runtime._bar_ids)}"
-        self.total = total
-        self.n = 0
-        self.start = self.last = time.time()
-        self._send("running")
-
-    def _send(self, state: str) -> None:
-        runtime._emit(events.Progress(rank=runtime.rank(), bar=self.bar, desc=ROWS_BAR, n=self.n,
-                                      total=self.total, elapsed=time.time() - self.start, state=state))
-
-    def advance(self, rows: int) -> None:
-        self.n += rows
-        now = time.time()
-        if now - self.last >= runtime.PROGRESS_INTERVAL:
-            self.last = now
-            self._send("running")
-
-    def close(self) -> None:
-        self._send("done" if self.n >= self.total else "stopped")

@@ -23,9 +23,9 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional, Protocol
 
-from .backends import Backend, BackendRun, LaunchContext, make_backend
+from .backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
 from .channel import ChannelServer, new_secret
-from .errors import HangTimeout, JobTimeout, RankFailure, RunCancelled
+from .errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
 from .events import Stacks
 from .job import Job, function_job, script_job
 from .options import LaunchOptions
@@ -81,19 +81,16 @@ def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data:
         from .pool import check_cold_run
 
         check_cold_run(options, backend)  # a warm pool may hold the Spark task slots
-        backend.check(options)
-    prepared = None
-    if data is not None:
-        from .data import prepare_data
-
-        prepared = prepare_data(data, backend.name, options.num_processes,
-                                getattr(backend, "spark", None), columns)
-        if prepared.frame is not None:
-            backend.data = prepared  # the Spark backends' stage reads it
-    elif columns is not None:
-        raise ValueError("columns name columns of the data to train on, and no data was given")
     try:
-        run = Run(job, options, backend, prepared)
+        plan = backend.check(options)
+        prepared = None
+        if data is not None:
+            from .data import prepare_data
+
+            prepared = prepare_data(data, backend.name, options.num_processes, backend.session, columns)
+        elif columns is not None:
+            raise ValueError("columns name columns of the data to train on, and no data was given")
+        run = Run(job, options, backend, plan, prepared)
     except BaseException:
         backend.release()
         raise
@@ -115,12 +112,14 @@ class Run:
     (and its ``state``) are garbage-collected, or when the process exits.
     """
 
-    def __init__(self, job: Job, options: LaunchOptions, backend: Backend, data: Any = None):
+    def __init__(self, job: Job, options: LaunchOptions, backend: Backend, plan: LaunchPlan,
+                 data: Any = None):
         import cloudpickle
 
         self.job = job
         self.options = options
         self.backend = backend
+        self.plan = plan  # what ``backend.check(options)`` resolved
         self.data = data  # a ``data.PreparedData``, or None
         self.run_id = f"{next(_run_counter)}-{uuid.uuid4().hex[:8]}"
         #: host:port of the current attempt's event channel, once it listens
@@ -140,10 +139,11 @@ class Run:
     # -- public API ----------------------------------------------------------------------
     def result(self, timeout: Optional[float] = None) -> Any:
         """Wait for the run; rank 0's value (a list by rank with ``all_ranks``), or raise
-        ``RankFailure`` / ``TimeoutError`` (``JobTimeout``) / ``RunCancelled``."""
+        ``RankFailure`` / ``JobTimeout`` / ``HangTimeout`` / ``RunCancelled``.  When ``timeout``
+        seconds pass first, raises ``ResultTimeout`` (a ``TimeoutError``, as ``JobTimeout`` is):
+        the run itself goes on."""
         if not self._done.wait(timeout):
-            raise TimeoutError(f"the run is still going after waiting {timeout:g} s "
-                               "(it keeps running; call cancel() to stop it)")
+            raise ResultTimeout(timeout)
         if self._error is not None:
             raise self._error
         return self._value
@@ -176,7 +176,7 @@ class Run:
     @property
     def stacks(self) -> Dict[int, Stacks]:
         """Every rank's stacks (all threads) as captured at a hang or a timeout; else empty."""
-        return dict(self.state.stacks)
+        return dict(self.state.snapshot().stacks)
 
     @property
     def exception(self) -> Optional[BaseException]:
@@ -245,9 +245,9 @@ class Run:
             spec = RunSpec.resolve(self.options, self.run_id, self.channel_address or "", secret, launcher_secret,
                                    attempt=self.state.attempt - 1, checkpoint_dir=checkpoints,
                                    data_files=data_files)
-            ctx = LaunchContext(spec, self._job_bytes, emit,
+            ctx = LaunchContext(self.plan, spec, self._job_bytes, emit,
                                 lambda record: channel.broadcast(record, role="launcher") if channel else 0,
-                                routes)
+                                data=self.data, routes=routes)
             backend_run = self.backend.start(ctx)
             return self._watch(backend_run, deadline)
         finally:
@@ -305,16 +305,9 @@ class Run:
     def _capture_stacks(self, backend_run: BackendRun) -> Dict[int, Stacks]:
         """Every running rank's stacks (all threads), as far as they come within
         ``STACKS_COLLECT_WAIT``; they are also the state's ``stacks`` (the view shows them)."""
-        with self.state._lock:
-            self.state.stacks = {rs.rank: Stacks(rank=rs.rank, time=time.time(),
-                                                 note=f"had exited with code {rs.exit_code}")
-                                 for rs in self.state.ranks if rs.exit_code is not None}
-            running = [rs.rank for rs in self.state.ranks if rs.exit_code is None]
+        running = self.state.begin_stacks()
         backend_run.dump_stacks()
-        end = time.monotonic() + STACKS_COLLECT_WAIT
-        while time.monotonic() < end and not all(r in self.state.stacks for r in running):
-            time.sleep(SUPERVISE_POLL)
-        return dict(self.state.stacks)
+        return self.state.wait_stacks(running, STACKS_COLLECT_WAIT)
 
     def _collect(self, backend_run: BackendRun) -> Any:
         import cloudpickle
@@ -328,7 +321,7 @@ class Run:
 
     def _progress_summary(self) -> str:
         parts = []
-        for rs in self.state.ranks:
+        for rs in self.state.snapshot().ranks:
             bar = rs.current_progress()
             where = f" at {bar['desc'] or 'step'} {bar['n']}/{bar['total'] or '?'}" if bar else ""
             parts.append(f"rank {rs.rank}: {rs.state}{where}")

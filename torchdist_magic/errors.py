@@ -147,5 +147,18 @@ class HangTimeout(_WithStacks, TimeoutError):
         return (type(self), (self.seconds, self.stacks, self.num_processes))
 
 
+class ResultTimeout(_PlainRender, TimeoutError):
+    """``Run.result(timeout)`` waited ``seconds`` and the run had not ended: it keeps running
+    (``Run.cancel()`` stops it).  Unlike ``JobTimeout``, nothing was stopped."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        super().__init__(f"the run is still going after waiting {seconds:g} s (it keeps running; call cancel() "
+                         "to stop it)")
+
+    def __reduce__(self):
+        return (type(self), (self.seconds,))
+
+
 class RunCancelled(_PlainRender, RuntimeError):
     """The run was cancelled (``Run.cancel()`` or the Stop button); every rank was stopped."""

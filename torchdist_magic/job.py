@@ -108,7 +108,9 @@ def dumps_by_value(obj: Any, modules: List[types.ModuleType]) -> bytes:
             cloudpickle.unregister_pickle_by_value(m)
 
 
-def _describe(value: Any) -> str:
+def type_name(value: Any) -> str:
+    """The type of ``value`` as messages name it: ``module.Qualname`` (``dict``, not
+    ``builtins.dict``)."""
     return f"{type(value).__module__}.{type(value).__qualname__}".replace("builtins.", "")
 
 
@@ -118,7 +120,7 @@ def find_unpicklable(named: List[Tuple[str, Any]], modules: List[types.ModuleTyp
         try:
             dumps_by_value(value, modules)
         except Exception as exc:  # cloudpickle raises TypeError, PicklingError, AttributeError...
-            return f"{label} (a {_describe(value)}) cannot be pickled: {exc}"
+            return f"{label} (a {type_name(value)}) cannot be pickled: {exc}"
     return None
 
 

@@ -6,11 +6,18 @@ process group of its own so that stopping it reaches its children (DataLoader wo
 The launcher is what reports a rank's ``Exit``: what the process did, read from the operating
 system and the worker's ``error.json``, never what a message claims.  Asked for the rank's stacks
 (a hang, a timeout), it signals the worker and reports what ``faulthandler`` wrote as ``Stacks``.
+
+A process the rank started in a session of its own has left that group: the launcher marks the
+rank's environment (``procs.MARK_VARIABLE``, a value of this rank's alone) and, once the rank's
+process has ended, ends whatever still carries the mark (``procs.end_marked_processes``).
+Every signal sent to a rank, and every stop that failed, is logged to the ``torchdist_magic``
+logger (silent unless the application turns logging on).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -19,16 +26,22 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from typing import Callable, Dict, Optional
 
 from . import events
-from .timing import PIPE_DRAIN_WAIT, REAP_WAIT, STACKS_SETTLE, STACKS_WAIT
+from .procs import MARK_VARIABLE, end_marked_processes
+from .timing import PIPE_DRAIN_WAIT, REAP_WAIT, STACKS_SETTLE, STACKS_WAIT, STOP_GRACE
 from .worker import ERROR_FILE, RESULT_FILE, STACKS_FILE, STACKS_HEADER, STACKS_SIGNAL
 
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 _OUTPUT_END = events.OUTPUT_END_MARK.encode()
 #: of one stack dump sent to the driver (faulthandler caps threads and frames; this caps the rest)
 MAX_STACKS_CHARS = 256 * 1024
+
+log = logging.getLogger("torchdist_magic")
+if not log.handlers:  # the application decides where the package's log goes; by default nowhere
+    log.addHandler(logging.NullHandler())
 
 
 def reserve_port(host: str = "") -> socket.socket:
@@ -42,6 +55,13 @@ def reserve_port(host: str = "") -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     return sock
+
+
+def write_job_file(path: str, job_bytes: bytes) -> None:
+    """Write a pickled job where its ranks read it: a new file, readable by its owner only."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(job_bytes)
 
 
 def read_failure(result_dir: str) -> Optional[events.Failure]:
@@ -61,24 +81,33 @@ def read_result(result_dir: str) -> Optional[bytes]:
         return None
 
 
+def rank_mark(env: Dict[str, str], rank: int) -> str:
+    """The value of ``MARK_VARIABLE`` for ``rank`` started with ``env``: its run, attempt and
+    rank, so that ending one rank's processes never touches another's."""
+    run_id = env.get("TORCHDIST_RUN_ID") or uuid.uuid4().hex  # no run: a mark of its own
+    return f"{run_id}:{env.get('TORCHDIST_RESTART_COUNT', '0')}:{rank}"
+
+
 class RankProcess:
-    """One worker process.  Emits ``Log`` records while it runs and one ``Exit`` at the end."""
+    """One worker process.  Emits ``Log`` records while it runs and one ``Exit`` at the end,
+    once what the rank left running (``mark``) has been ended too."""
 
     def __init__(self, rank: int, job_file: str, result_dir: str, env: Dict[str, str],
-                 emit: Callable[[events.Event], None], cwd: Optional[str] = None,
-                 python: str = sys.executable):
+                 emit: Callable[[events.Event], None]):
         self.rank = rank
         self.result_dir = result_dir
         self.emit = emit
         self.host = socket.gethostname()
         self.stopping = False
+        #: between SIGTERM and SIGKILL for what the rank left running (a stop's own grace)
+        self.grace = STOP_GRACE
         self.exited = threading.Event()
         self.returncode: Optional[int] = None
-        self.exit_event: Optional[events.Exit] = None
+        self.mark = rank_mark(env, rank)
         os.makedirs(result_dir, exist_ok=True)
         self.proc = subprocess.Popen(
-            [python, "-m", "torchdist_magic.worker", job_file, result_dir],
-            env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            [sys.executable, "-m", "torchdist_magic.worker", job_file, result_dir],
+            env={**env, MARK_VARIABLE: self.mark}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True,
         )
         self.pgid = self.proc.pid
@@ -129,19 +158,19 @@ class RankProcess:
         code = self.proc.wait()
         when = time.time()
         self.returncode = code
+        try:
+            # what the rank started in a session of its own outlives its group: it goes with the rank
+            end_marked_processes(self.mark, self.grace, REAP_WAIT)
+        except Exception:  # never at the cost of the exit report
+            log.exception("rank %d: ending the processes it left running failed", self.rank)
         for t in self._readers:
             t.join(timeout=PIPE_DRAIN_WAIT)  # a grandchild holding the pipe must not delay the exit report
         failure = None
         if code != 0:
-            failure = read_failure(self.result_dir) or events.Failure()
-            # the exit code is the process's; a failure file's own code only refines a plain exit
-            exit_code = failure.exit_code if code > 0 and failure.exit_code is not None else code
-            failure = events.Failure(
-                rank=self.rank, host=self.host, exit_code=exit_code, exc_type=failure.exc_type,
-                message=failure.message, traceback=failure.traceback, time=failure.time or when)
-        self.exit_event = events.Exit(rank=self.rank, code=code, time=when, host=self.host,
-                                      stopped=self.stopping and code != 0, failure=failure)
-        self.emit(self.exit_event)
+            failure = events.Failure.from_exit(self.rank, code, host=self.host, time=when,
+                                               reported=read_failure(self.result_dir))
+        self.emit(events.Exit(rank=self.rank, code=code, time=when, host=self.host,
+                              stopped=self.stopping and code != 0, failure=failure))
         self.exited.set()
 
     def dump_stacks(self) -> None:
@@ -188,27 +217,39 @@ class RankProcess:
         return events.Stacks(rank=self.rank, text=text, main_thread=int(header[len(prefix):]),
                              time=time.time(), note="" if text else "the rank did not answer")
 
-    def signal_group(self, sig: int) -> None:
+    def signal_group(self, sig: int, why: str) -> bool:
+        """Send ``sig`` to the rank's process group; whether it reached any process."""
+        name = signal.Signals(sig).name
         try:
             os.killpg(self.pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        except ProcessLookupError:  # none of the group is left
+            return False
+        except OSError as exc:
+            log.warning("rank %d: could not send %s to its process group %d: %s", self.rank, name, self.pgid, exc)
+            return False
+        log.info("rank %d: sent %s to its process group %d, %s", self.rank, name, self.pgid, why)
+        return True
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
 
 def stop_all(procs, grace: float) -> None:
-    """SIGTERM every live process group, one shared deadline, then SIGKILL what is left."""
+    """SIGTERM every live process group, one shared deadline, then SIGKILL what is left.  Each
+    rank's end also ends what it left running in a session of its own (``RankProcess._wait``),
+    with the same grace."""
     for p in procs:
         if p.alive():
             p.stopping = True
-            p.signal_group(signal.SIGTERM)
+            p.grace = grace
+            p.signal_group(signal.SIGTERM, f"stopping the rank ({grace:g} s before SIGKILL)")
     deadline = time.monotonic() + max(grace, 0.0)
     for p in procs:
         p.exited.wait(timeout=max(0.0, deadline - time.monotonic()))
     for p in procs:
         # the group, not just the leader: children of an exited worker must not survive either
-        p.signal_group(signal.SIGKILL)
+        p.signal_group(signal.SIGKILL, f"what was left of it {grace:g} s after the stop began")
     for p in procs:
-        p.exited.wait(timeout=REAP_WAIT)
+        if not p.exited.wait(timeout=REAP_WAIT + p.grace):  # its end: SIGKILL's, then its leftovers'
+            log.warning("rank %d: process %d has not ended (or not been reported) %g s after SIGKILL",
+                        p.rank, p.pgid, REAP_WAIT + p.grace)

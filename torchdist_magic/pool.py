@@ -30,14 +30,16 @@ import itertools
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from . import events
-from .backends import Backend, BackendRun, LaunchContext, make_backend
+from .backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
 from .channel import ChannelServer, new_secret
 from .options import LaunchOptions
-from .rankenv import RunSpec
+from .procs import rss_bytes
+from .rankenv import RunSpec, job_environment
 from .timing import OUTPUT_END_WAIT, STOP_GRACE, STOP_WAIT, WARM_SEND_WAIT, WARM_SETTLE
 
 #: characters of a job per ``RunJob`` piece (base64): well under the channel's frame limit
@@ -78,29 +80,21 @@ class PoolInfo:
 
 
 def _placement(options: LaunchOptions, backend: Backend) -> Tuple:
-    session = getattr(backend, "spark", None)
-    return (type(backend).__name__, id(session), options.num_processes, options.use_gpu)
-
-
-def _rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    # the session by weak reference, not ``id()``: a new session at a dead one's address is
+    # another placement (a dead reference equals only itself)
+    session = weakref.ref(backend.session) if backend.session is not None else None
+    return (type(backend).__name__, session, options.num_processes, options.use_gpu)
 
 
 class Pool:
     """The driver's side of one warm pool: its ranks (a backend run of ``serve_job``), its
     event channel, and the warm run it is serving (at most one at a time)."""
 
-    def __init__(self, options: LaunchOptions, backend: Backend):
+    def __init__(self, options: LaunchOptions, backend: Backend, plan: LaunchPlan):
         self.id = f"pool-{next(_ids)}"
         self.placement = _placement(options, backend)
         self.backend = backend
+        self.plan = plan
         self.options = options
         self.state = "new"          # new, busy (serving a run), idle, stopping, stopped
         self.stop_reason = ""
@@ -122,7 +116,7 @@ class Pool:
         self.run_id = f"{self.id}-{uuid.uuid4().hex[:8]}"
 
     # -- life ----------------------------------------------------------------------------
-    def _start(self, first_run_id: str) -> None:
+    def _start(self) -> None:
         import cloudpickle
 
         from .job import serve_job
@@ -133,8 +127,9 @@ class Pool:
                                       secret=secret, launcher_secret=launcher_secret)
         host, port = self._channel.address[:2]
         spec = RunSpec.resolve(self.options, run_id, f"{host}:{port}", secret, launcher_secret)
-        ctx = LaunchContext(spec, cloudpickle.dumps(serve_job()), self._on_record,
-                            lambda record: self._channel.broadcast(record, role="launcher"), self._routes)
+        ctx = LaunchContext(self.plan, spec, cloudpickle.dumps(serve_job()), self._on_record,
+                            lambda record: self._channel.broadcast(record, role="launcher"),
+                            routes=self._routes)
         self._backend_run = self.backend.start(ctx)
         self.job_tag = getattr(self._backend_run, "job_tag", "")
 
@@ -152,17 +147,27 @@ class Pool:
         too); idempotent, and a second caller returns once the first one's stop is done (with
         ``wait``; never wait holding ``_lock``: the stop takes it last).  The pool stays in
         ``pools()``, as stopping, until then."""
-        with self._lock:
-            first = not self.ending
-            if first:
-                self.state = "stopping"
-                self.stop_reason = reason
-                if self._timer is not None:
-                    self._timer.cancel()
-        if not first:
+        if not self._mark_stopping(reason):
             if wait:
                 self._stopped.wait(grace + STOP_WAIT)
             return
+        self._release_all(grace)
+
+    def _mark_stopping(self, reason: str) -> bool:
+        """Take no more runs; True for the first caller, who then releases everything."""
+        with self._lock:
+            if self.ending:
+                return False
+            self.state = "stopping"
+            self.stop_reason = reason
+            if self._timer is not None:
+                self._timer.cancel()
+            return True
+
+    def _release_all(self, grace: float) -> None:
+        """Stop the ranks, close the channel, forget the pool.  Never called holding ``_lock``:
+        the ranks' last records (a Spark pool's come on the channel's thread, which ``close``
+        joins) may need it."""
         try:
             if self._backend_run is not None:
                 self._backend_run.stop(grace)
@@ -193,7 +198,7 @@ class Pool:
                 backend=self.backend.describe(), state=self.state, pids=[s.pid for s in ranks],
                 hosts=sorted({s.host for s in ranks}), runs=self.runs, idle_seconds=idle,
                 idle_timeout=self.options.pool_idle_timeout,
-                memory_bytes=sum(_rss(s.pid) for s in ranks) if local and ranks else None,
+                memory_bytes=sum(rss_bytes(s.pid) for s in ranks) if local and ranks else None,
                 spark_job_tag=self.job_tag, run_id=self.run_id)
 
     def _idle_check(self) -> None:
@@ -224,7 +229,7 @@ class Pool:
             fresh = self.state == "new"
             self.state = "busy"
         if fresh:
-            self._start(run_id)
+            self._start()
         else:
             for record in list(self._started.values()):  # the run's view shows the ranks as started
                 job.emit(events.Started(rank=record.rank, host=record.host, pid=record.pid, time=time.time()))
@@ -323,7 +328,7 @@ class WarmJobRun(BackendRun):
         self.job_bytes = ctx.job_bytes
         self.all_ranks = ctx.spec.all_ranks
         spec = ctx.spec
-        self.env = dict(spec.env, TORCHDIST_CHECKPOINT_DIR=spec.checkpoint_dir,
+        self.env = dict(job_environment(spec), TORCHDIST_CHECKPOINT_DIR=spec.checkpoint_dir,
                         TORCHDIST_KEEP_CHECKPOINTS=str(spec.keep_checkpoints),
                         TORCHDIST_RETURN_VALUE="1")
         self.sent = False
@@ -359,9 +364,7 @@ class WarmJobRun(BackendRun):
                 return
             self._exited.add(rank)
         host = self.pool._started[rank].host if rank in self.pool._started else ""
-        failure = done.failure
-        if failure is not None:
-            failure.exit_code = done.code
+        failure = done.failure.for_rank(rank, exit_code=done.code) if done.failure is not None else None
         self.emit(events.Exit(rank=rank, code=done.code, time=done.time, host=host, failure=failure))
 
     def rank_exited(self, record: events.Exit) -> None:
@@ -418,6 +421,7 @@ class WarmBackend(Backend):
     needs_channel = False
 
     def __init__(self, pool: Pool, fresh: bool, note: str = ""):
+        super().__init__(pool.backend.session)
         self.pool = pool
         self.fresh = fresh
         self.note = note
@@ -430,6 +434,13 @@ class WarmBackend(Backend):
 
     def channel_host(self) -> str:
         return self.pool.backend.channel_host()
+
+    def slots(self) -> Optional[int]:
+        return self.pool.backend.slots()
+
+    def check(self, options: LaunchOptions) -> LaunchPlan:
+        """The pool's plan: its placement was checked when it started."""
+        return self.pool.plan
 
     def start(self, ctx: LaunchContext) -> WarmJobRun:
         try:
@@ -448,13 +459,15 @@ def warm_backend(options: LaunchOptions) -> WarmBackend:
     placement, or one busy with another run, is a ``ValueError``."""
     backend = make_backend(options)
     placement = _placement(options, backend)
-    note = ""
+    reason = "its ranks had died since its last run"
     with _lock:
-        for pool in list(_pools):
-            if pool.state == "idle" and pool.placement == placement and not pool.ranks_alive():
-                reason = "its ranks had died since its last run"
-                pool.stop(reason, wait=False)
-                _broken[placement] = f"{pool.id} stopped: {reason}"
+        dead = [pool for pool in _pools if pool.state == "idle" and pool.placement == placement
+                and not pool.ranks_alive() and pool._mark_stopping(reason)]
+        for pool in dead:
+            _broken[placement] = f"{pool.id} stopped: {reason}"
+    for pool in dead:  # outside the registry lock: see Pool._release_all
+        pool._release_all(STOP_GRACE)
+    with _lock:
         live = [p for p in _pools if not p.ending]
         same = next((p for p in live if p.placement == placement), None)
         if same is None and live:
@@ -469,9 +482,9 @@ def warm_backend(options: LaunchOptions) -> WarmBackend:
                                  "without --warm/warm=True")
             same._reserved = True
             return WarmBackend(same, fresh=False)
-        backend.check(options)
+        plan = backend.check(options)
         note = _broken.pop(placement, "")
-        pool = Pool(options, backend)
+        pool = Pool(options, backend, plan)
         pool._reserved = True
         _pools.append(pool)
         return WarmBackend(pool, fresh=True, note=note)
@@ -480,11 +493,11 @@ def warm_backend(options: LaunchOptions) -> WarmBackend:
 def check_cold_run(options: LaunchOptions, backend: Backend) -> None:
     """A cold Spark run while a warm pool on the same session holds task slots: a
     ``ValueError`` when too few slots are left (its barrier stage would wait for them forever)."""
-    session = getattr(backend, "spark", None)
+    session = backend.session
     if session is None:
         return
     with _lock:
-        holding = [p for p in _pools if not p.ending and getattr(p.backend, "spark", None) is session]
+        holding = [p for p in _pools if not p.ending and p.backend.session is session]
     if not holding:
         return
     held = sum(p.options.num_processes for p in holding)

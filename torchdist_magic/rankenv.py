@@ -11,13 +11,19 @@ and ``TORCHDIST_KEEP_CHECKPOINTS``).
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 from .options import LaunchOptions
 
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: what the run's ``env`` changed in a rank's environment, ``{name: its value without it}`` as
+#: JSON (``null``: unset): a warm pool's rank started with the ``env`` of the run that started
+#: the pool and sets these back (``worker.serve``), so that a later run without it does not see
+#: it.  The worker removes the variable itself before any job runs.
+ENV_BEFORE = "TORCHDIST_ENV_BEFORE"
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,15 @@ def rank_environment(base: Dict[str, str], spec: RunSpec, place: Placement,
     """The environment of one rank: the launcher's own, the user's extras, then the run's.
     ``data_file``: the rank's Arrow file of the run's DataFrame when its launcher wrote it (a
     Spark task), else ``spec.data_files``' own."""
+    env = _environment(base, spec, place, data_file)
+    if spec.env:
+        without = _environment(base, replace(spec, env={}), place, data_file)
+        env[ENV_BEFORE] = json.dumps({name: without.get(name) for name in sorted(spec.env)
+                                      if env.get(name) != without.get(name)})
+    return env
+
+
+def _environment(base: Dict[str, str], spec: RunSpec, place: Placement, data_file: str) -> Dict[str, str]:
     env = dict(base)
     if place.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = place.cuda_visible_devices
@@ -124,7 +139,26 @@ def rank_environment(base: Dict[str, str], spec: RunSpec, place: Placement,
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if _PACKAGE_PARENT not in paths:
         env["PYTHONPATH"] = os.pathsep.join(paths + [_PACKAGE_PARENT])
-    env.update({
+    env.update(_run_variables(spec, place))
+    data_file = data_file or (spec.data_files[place.rank] if spec.data_files else "")
+    if data_file:
+        env["TORCHDIST_DATA_FILE"] = data_file  # what torchdist_magic.shard() reads
+    else:
+        env.pop("TORCHDIST_DATA_FILE", None)
+    return env
+
+
+def job_environment(spec: RunSpec) -> Dict[str, str]:
+    """What a warm job's ``env`` may set in a live rank: ``spec.env`` less the run's own
+    variables (``RANK``, ``MASTER_ADDR``, ``TORCHDIST_*``...), which no ``env`` overrides, as in
+    ``rank_environment``."""
+    owned = set(_run_variables(spec, Placement(0, 0, 1, 0, 1, "", 0))) | {"TORCHDIST_DATA_FILE"}
+    return {name: value for name, value in spec.env.items() if name not in owned}
+
+
+def _run_variables(spec: RunSpec, place: Placement) -> Dict[str, str]:
+    """The variables of a rank that the run sets and no ``env`` of the user's changes."""
+    return {
         "RANK": str(place.rank), "WORLD_SIZE": str(spec.num_processes),
         "LOCAL_RANK": str(place.local_rank), "LOCAL_WORLD_SIZE": str(place.local_world_size),
         "GROUP_RANK": str(place.group_rank), "NODE_RANK": str(place.group_rank),
@@ -140,10 +174,4 @@ def rank_environment(base: Dict[str, str], spec: RunSpec, place: Placement,
         "TORCHDIST_MAX_RESTARTS": str(spec.max_restarts), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         "TORCHDIST_CHECKPOINT_DIR": spec.checkpoint_dir,
         "TORCHDIST_KEEP_CHECKPOINTS": str(spec.keep_checkpoints),
-    })
-    data_file = data_file or (spec.data_files[place.rank] if spec.data_files else "")
-    if data_file:
-        env["TORCHDIST_DATA_FILE"] = data_file  # what torchdist_magic.shard() reads
-    else:
-        env.pop("TORCHDIST_DATA_FILE", None)
-    return env
+    }

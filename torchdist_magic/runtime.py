@@ -49,12 +49,20 @@ class RankStopped(KeyboardInterrupt):
 def _install_sink(sink) -> None:
     """Called by the worker to route events (``events`` records) to the driver (``None`` to
     detach).  With a sink, tqdm bars report to it too."""
-    global _sink, _report_step
+    global _sink
     with _sink_lock:
         _sink = sink
-        _report_step = itertools.count(1)
+    _new_job()
     if sink is not None:
         _report_tqdm()
+
+
+def _new_job() -> None:
+    """Called by a warm pool's rank before each job: the job's ``report()`` steps count from 1,
+    as a cold run's do (its plots must not start where the previous job's ended)."""
+    global _report_step
+    with _sink_lock:
+        _report_step = itertools.count(1)
 
 
 def _emit(event: events.Event) -> None:
@@ -135,13 +143,16 @@ def report(step: Optional[int] = None, **metrics: Any) -> None:
 class progress:
     """Iterate like ``tqdm``: yields the items and reports step n/total to the run view.
 
-    Updates are rate-limited at the source (every ``PROGRESS_INTERVAL`` seconds and at the
-    end), so wrapping a tight loop costs next to nothing.
+    Without an iterable it is a bar that code moves itself, like tqdm's: shown at once,
+    ``update(n)`` counts n more steps, ``close()`` ends it (done once it reached ``total``,
+    else stopped).  Updates are rate-limited at the source (every ``PROGRESS_INTERVAL`` seconds
+    and at the end), so wrapping a tight loop costs next to nothing.
     """
 
-    def __init__(self, iterable: Iterable, total: Optional[int] = None, desc: Optional[str] = None):
+    def __init__(self, iterable: Optional[Iterable] = None, total: Optional[int] = None,
+                 desc: Optional[str] = None):
         self.iterable = iterable
-        if total is None:
+        if total is None and iterable is not None:
             try:
                 total = len(iterable)  # type: ignore[arg-type]
             except TypeError:
@@ -150,29 +161,40 @@ class progress:
         self.desc = desc or ""
         self.bar = f"{self.desc}#{next(_bar_ids)}"
         self.n = 0
+        self._start = self._last = time.time()
+        if iterable is None:
+            self._send("running")
 
     def __len__(self) -> int:
         if self.total is None:
             raise TypeError("progress over an iterable of unknown length")
         return self.total
 
-    def _send(self, start: float, state: str) -> None:
+    def _send(self, state: str) -> None:
         _emit(events.Progress(rank=rank(), bar=self.bar, desc=self.desc, n=self.n, total=self.total,
-                              elapsed=time.time() - start, state=state))
+                              elapsed=time.time() - self._start, state=state))
+
+    def update(self, n: int = 1) -> None:
+        """Count ``n`` more steps."""
+        self.n += n
+        now = time.time()
+        if _sink is not None and now - self._last >= PROGRESS_INTERVAL:
+            self._last = now
+            self._send("running")
+
+    def close(self) -> None:
+        """The bar's end: done when it reached ``total`` (or has none), else stopped."""
+        self._send("done" if self.total is None or self.n >= self.total else "stopped")
 
     def __iter__(self) -> Iterator:
-        start = last = time.time()
-        self._send(start, "running")
+        self._start = self._last = time.time()  # each pass over the iterable times its own
+        self._send("running")
         try:
             for item in self.iterable:
                 yield item
-                self.n += 1
-                now = time.time()
-                if _sink is not None and now - last >= PROGRESS_INTERVAL:
-                    last = now
-                    self._send(start, "running")
+                self.update()
         finally:
-            self._send(start, "done" if self.total is None or self.n >= self.total else "stopped")
+            self.close()
 
 
 def cell_names() -> dict:

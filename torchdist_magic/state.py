@@ -11,11 +11,15 @@ Logs.  Each rank's lines are a ``LogStore``: complete and in order across attemp
 lines in memory and older ones spilled to a file in the run's directory, so that the driver's
 memory stays flat however much a rank prints.  A line that ends with ``\\r`` (a redrawn progress
 line) is replaced by the next line of its stream, as on a terminal, so redraws do not pile up.
+
+Readers.  ``RunState`` alone takes its lock: a view reads copies through its methods
+(``snapshot`` of the run and every rank, with the ranks changed since a ``version``;
+``read_log`` / ``recent_log``; ``metric_history``), and the supervisor collects stacks with
+``begin_stacks`` and ``wait_stacks``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import shutil
@@ -24,7 +28,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Callable, Dict, FrozenSet, Iterable, Iterator, List, Optional, Tuple, Union
 
 from . import events
 from .events import Failure
@@ -47,6 +51,12 @@ def is_collateral(failure: Failure) -> bool:
     return bool(failure.exc_type) and bool(COLLATERAL.search(failure.message))
 
 
+def root_cause_first(failures: Iterable[Failure]) -> List[Failure]:
+    """``failures`` ordered root cause first: the earliest failure that is not merely a peer
+    noticing that another rank went away (clocks of different hosts may disagree)."""
+    return sorted(failures, key=lambda f: (is_collateral(f), f.time, f.rank))
+
+
 @dataclass
 class LogLine:
     stream: str
@@ -62,22 +72,13 @@ class RunDirectory:
         self.prefix = prefix
         self._path: Optional[str] = None
         self._lock = threading.Lock()
-        self._remover: Optional[weakref.finalize] = None
 
     def path(self) -> str:
         with self._lock:
             if self._path is None:
                 self._path = tempfile.mkdtemp(prefix=self.prefix)
-                self._remover = weakref.finalize(self, shutil.rmtree, self._path, True)
+                weakref.finalize(self, shutil.rmtree, self._path, True)
             return self._path
-
-    @property
-    def exists(self) -> bool:
-        return self._path is not None and os.path.isdir(self._path)
-
-    def remove(self) -> None:
-        if self._remover is not None:
-            self._remover()
 
 
 def _escape(text: str) -> str:
@@ -99,7 +100,7 @@ class LogStore:
 
     ``append`` replaces the stream's last line instead when that line ended with ``\\r`` (also
     when the other stream wrote in between): only a bar's latest state is kept.  A reader that
-    keeps a cursor should read a trailing ``\\r``-line again later (``model.MergedLog`` does).
+    keeps a cursor should read a trailing ``\\r``-line again later (``model.LogCursor`` does).
     """
 
     def __init__(self, directory: Callable[[], str], name: str):
@@ -232,24 +233,10 @@ class LogStore:
             self._file.close()
 
 
-@dataclass
-class RankState:
-    rank: int
-    host: str = ""
-    pid: Optional[int] = None
-    state: str = "starting"
-    exit_code: Optional[int] = None
-    started: Optional[float] = None
-    ended: Optional[float] = None
-    progress: Dict[str, dict] = field(default_factory=dict)
-    metrics: Dict[str, float] = field(default_factory=dict)
-    history: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
-    logs: LogStore = None            # every attempt's lines (one store per rank, kept across attempts)
-    dropped: int = 0
-    failure: Optional[Failure] = None
+class _Bars:
+    """What a rank's ``progress`` (its bars by id, in the order they started) shows."""
 
-    def log_text(self) -> str:
-        return self.logs.text()
+    progress: Dict[str, dict]
 
     def shown_progress(self) -> List[dict]:
         """The bars a view shows: while loops run, the outermost and the innermost running one
@@ -269,6 +256,59 @@ class RankState:
 
 
 @dataclass
+class RankState(_Bars):
+    rank: int
+    host: str = ""
+    pid: Optional[int] = None
+    state: str = "starting"
+    exit_code: Optional[int] = None
+    started: Optional[float] = None
+    ended: Optional[float] = None
+    progress: Dict[str, dict] = field(default_factory=dict)
+    metrics: Dict[str, float] = field(default_factory=dict)
+    history: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
+    logs: LogStore = None            # every attempt's lines (one store per rank, kept across attempts)
+    dropped: int = 0
+    failure: Optional[Failure] = None
+
+
+@dataclass(frozen=True)
+class RankSnapshot(_Bars):
+    """One rank as it was at one moment (``RunState.snapshot``): copies, safe to read in any
+    thread.  Its log and its metric history stay on the state (``read_log``, ``metric_history``)."""
+
+    rank: int
+    host: str
+    pid: Optional[int]
+    state: str
+    exit_code: Optional[int]
+    started: Optional[float]
+    ended: Optional[float]
+    progress: Dict[str, dict]
+    metrics: Dict[str, float]
+    dropped: int
+    failure: Optional[Failure]
+    log_lines: int                 # lines in its log (every attempt's) at that moment
+
+
+@dataclass(frozen=True)
+class LogRead:
+    """Lines of one rank's log read at one moment: ``lines`` are those from index ``start`` on;
+    the log held ``total`` lines then and the rank was in ``state``."""
+
+    rank: int
+    start: int
+    lines: List["LogLine"]
+    total: int
+    state: str
+
+    @property
+    def stop(self) -> int:
+        """The index after the last line read."""
+        return self.start + len(self.lines)
+
+
+@dataclass
 class Attempt:
     """One attempt of a run that restarts: when it ran and the failure that ended it."""
 
@@ -279,8 +319,48 @@ class Attempt:
     failures: List[Failure] = field(default_factory=list)   # every failed rank, root cause first
 
 
+@dataclass(frozen=True)
+class RunSnapshot:
+    """The run as it was at one moment (``RunState.snapshot``): a consistent copy that every
+    view reads in any thread while records arrive.  ``changed``: the ranks that got a record (or
+    that the run's start, restart or end changed) after the version the snapshot was asked
+    ``since``."""
+
+    version: int
+    run_id: str
+    num_processes: int
+    backend: str
+    use_gpu: bool
+    job_name: str
+    state: str
+    started: float
+    ended: Optional[float]
+    failure: Optional[Failure]
+    message: str
+    attempt: int
+    max_attempts: int
+    attempts: Tuple[Attempt, ...]
+    ranks: Tuple[RankSnapshot, ...]
+    stacks: Dict[int, events.Stacks]
+    changed: FrozenSet[int]
+
+    @property
+    def finished(self) -> bool:
+        return self.ended is not None
+
+    def elapsed(self) -> float:
+        return (self.ended or time.time()) - self.started
+
+    def failures(self) -> List[Failure]:
+        """Failed ranks, root cause first (``RunState.failures``)."""
+        return root_cause_first(rs.failure for rs in self.ranks if rs.failure is not None)
+
+
 class RunState:
-    """Thread-safe: channel threads, log readers and the supervisor all ``apply`` events.
+    """Thread-safe: channel threads, log readers and the supervisor all ``apply`` events.  It
+    is the only owner of its lock: readers in other threads take what they need through its
+    methods, which return copies (``snapshot``, ``read_log``, ``recent_log``,
+    ``metric_history``, ``failures``, ``logs``); every change bumps ``version``.
 
     ``spill_dir`` gives the directory where logs spill (made when first needed); by default a
     directory of this state's own, removed with it.  ``max_attempts``: 1 plus the run's
@@ -315,6 +395,9 @@ class RunState:
         self.ranks = [RankState(rank=r, logs=self._logs[r]) for r in range(num_processes)]
         self.version = 0
         self._lock = threading.RLock()
+        self._rank_versions = [0] * num_processes   # the version of each rank's latest change
+        self._stacks_came = threading.Condition(self._lock)
+        self._unhandled: set = set()                # record types without a handler, named once
 
     # -- writing -------------------------------------------------------------------------
     def apply(self, event: events.Event, attempt: Optional[int] = None) -> None:
@@ -323,12 +406,18 @@ class RunState:
         rank = event.rank
         if not 0 <= rank < self.num_processes:
             return
-        handler = self.HANDLERS[type(event)]
+        handler = self.HANDLERS.get(type(event))
         with self._lock:
             if attempt is not None and attempt != self.attempt:
                 return
+            if handler is None:  # a record this driver does not know (a newer rank's, a stray one)
+                if type(event) in self._unhandled:
+                    return
+                self._unhandled.add(type(event))
+                handler = RunState._on_unhandled
             handler(self, self.ranks[rank], event)
             self.version += 1
+            self._rank_versions[rank] = self.version
 
     def _alive(self) -> None:
         self.last_activity = time.monotonic()
@@ -385,17 +474,20 @@ class RunState:
             rs.state = "done"
         else:
             rs.state = "failed"
-            failure = e.failure or Failure(exit_code=e.code)
-            rs.failure = dataclasses.replace(
-                failure, rank=rs.rank, host=failure.host or rs.host,
-                exit_code=failure.exit_code if failure.exit_code is not None else e.code,
-                time=failure.time or rs.ended,
+            rs.failure = Failure.from_exit(
+                rs.rank, e.code, host=rs.host, time=rs.ended, reported=e.failure,
                 # the rank's lines seen live; else those its task sent back with the failure
-                log_tail=[line.text for line in rs.logs[max(len(rs.logs) - 20, self._attempt_lines[rs.rank][-1]):]]
-                or failure.log_tail)
+                log_tail=[line.text for line in rs.logs[max(len(rs.logs) - 20, self._attempt_lines[rs.rank][-1]):]])
 
     def _on_stacks(self, rs: RankState, e: events.Stacks) -> None:
         self.stacks[rs.rank] = e
+        self._stacks_came.notify_all()
+
+    def _on_unhandled(self, rs: RankState, e: events.Event) -> None:
+        """Said once per record type, in the log of the rank that sent it first."""
+        rs.logs.append(LogLine("stderr", f"torchdist: ignored a record of type {e.type or '?'} "
+                                         f"({type(e).__name__}): this version of the driver has no handler "
+                                         "for it; later ones are ignored silently"))
 
     HANDLERS = {
         events.Started: _on_started, events.Log: _on_log, events.Progress: _on_progress,
@@ -420,7 +512,7 @@ class RunState:
                 store.seal()
                 self._attempt_lines[r].append(len(store))
             self.ranks = [RankState(rank=r, logs=self._logs[r]) for r in range(self.num_processes)]
-            self.version += 1
+            self._changed_all()
 
     def finish(self, state: str, failure: Optional[Failure] = None, message: str = "") -> None:
         with self._lock:
@@ -433,7 +525,31 @@ class RunState:
             for rs in self.ranks:
                 if rs.state in ("starting", "running"):
                     rs.state = "cancelled" if state in ("cancelled", "timed out", "hung", "failed") else rs.state
-            self.version += 1
+            self._changed_all()
+
+    def _changed_all(self) -> None:
+        self.version += 1
+        self._rank_versions = [self.version] * self.num_processes
+
+    # -- stacks ----------------------------------------------------------------------------
+    def begin_stacks(self) -> List[int]:
+        """Start collecting every rank's stacks (a hang or a timeout): ``stacks`` holds, for
+        each rank that has exited, a note saying so; returns the ranks still running, whose
+        ``Stacks`` records are awaited (``wait_stacks``)."""
+        with self._lock:
+            now = time.time()
+            self.stacks = {rs.rank: events.Stacks(rank=rs.rank, time=now, note=f"had exited with code {rs.exit_code}")
+                           for rs in self.ranks if rs.exit_code is not None}
+            self._changed_all()
+            return [rs.rank for rs in self.ranks if rs.exit_code is None]
+
+    def wait_stacks(self, ranks: Iterable[int], timeout: float) -> Dict[int, events.Stacks]:
+        """Wait until every rank of ``ranks`` sent its stacks, or ``timeout`` seconds; returns a
+        copy of ``stacks`` as they are then (those that came)."""
+        ranks = list(ranks)
+        with self._stacks_came:
+            self._stacks_came.wait_for(lambda: all(r in self.stacks for r in ranks), timeout)
+            return dict(self.stacks)
 
     # -- reading -------------------------------------------------------------------------
     @property
@@ -452,7 +568,7 @@ class RunState:
         noticing that another rank went away (clocks of different hosts may disagree)."""
         with self._lock:
             found = [rs.failure for rs in self.ranks if rs.failure is not None]
-        return sorted(found, key=lambda f: (is_collateral(f), f.time, f.rank))
+        return root_cause_first(found)
 
     def all_exited(self) -> bool:
         with self._lock:
@@ -463,11 +579,66 @@ class RunState:
         with self._lock:
             return all(rs.exit_code == 0 for rs in self.ranks)
 
+    def snapshot(self, since: Optional[int] = None) -> RunSnapshot:
+        """The run and every rank as they are now, copied at once; ``changed`` names the ranks
+        changed after version ``since`` (every rank when ``since`` is None)."""
+        with self._lock:
+            ranks = tuple(RankSnapshot(
+                rank=rs.rank, host=rs.host, pid=rs.pid, state=rs.state, exit_code=rs.exit_code,
+                started=rs.started, ended=rs.ended, progress={k: dict(b) for k, b in rs.progress.items()},
+                metrics=dict(rs.metrics), dropped=rs.dropped, failure=rs.failure, log_lines=len(rs.logs))
+                for rs in self.ranks)
+            changed = frozenset(r for r, v in enumerate(self._rank_versions) if since is None or v > since)
+            return RunSnapshot(
+                version=self.version, run_id=self.run_id, num_processes=self.num_processes, backend=self.backend,
+                use_gpu=self.use_gpu, job_name=self.job_name, state=self.state, started=self.started,
+                ended=self.ended, failure=self.failure, message=self.message, attempt=self.attempt,
+                max_attempts=self.max_attempts, attempts=tuple(self.attempts), ranks=ranks,
+                stacks=dict(self.stacks), changed=changed)
+
+    def read_log(self, rank: int, start: int = 0, limit: Optional[int] = None, newest: bool = False) -> LogRead:
+        """``rank``'s lines from index ``start`` to the end of its log, read at once (from memory
+        and from its spill file, also while lines arrive and spill): at most ``limit`` of them,
+        the first ones, or with ``newest`` the last ones."""
+        self._check_rank(rank)
+        with self._lock:
+            store = self._logs[rank]
+            total = len(store)
+            start = min(max(start, 0), total)
+            stop = total
+            if limit is not None:
+                if newest:
+                    start = max(start, total - limit)
+                else:
+                    stop = min(total, start + limit)
+            return LogRead(rank, start, store[start:stop], total, self.ranks[rank].state)
+
+    def recent_log(self, rank: int, limit: int) -> LogRead:
+        """Up to ``limit`` of ``rank``'s newest lines, from memory only (what a view scans)."""
+        self._check_rank(rank)
+        with self._lock:
+            store = self._logs[rank]
+            lines = store.recent(limit)
+            return LogRead(rank, len(store) - len(lines), lines, len(store), self.ranks[rank].state)
+
+    def metric_history(self) -> Dict[str, Dict[int, List[Tuple[int, float]]]]:
+        """``{metric: {rank: [(step, value), ...]}}`` of the current attempt, copied; metrics in
+        order of first report, ranks that reported the metric only."""
+        with self._lock:
+            history: Dict[str, Dict[int, List[Tuple[int, float]]]] = {}
+            for rs in self.ranks:
+                for name, points in rs.history.items():
+                    history.setdefault(name, {})[rs.rank] = list(points)
+            return history
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.num_processes:
+            raise IndexError(f"rank {rank} is not in this run (ranks 0..{self.num_processes - 1})")
+
     def logs(self, rank: int, attempt: Optional[int] = None) -> str:
         """Everything ``rank`` printed, in order: in every attempt, or in attempt ``attempt``
         (1 for the first)."""
-        if not 0 <= rank < self.num_processes:
-            raise IndexError(f"rank {rank} is not in this run (ranks 0..{self.num_processes - 1})")
+        self._check_rank(rank)
         with self._lock:
             if attempt is None:
                 return self._logs[rank].text()

@@ -38,6 +38,9 @@ STACKS_COLLECT_WAIT = STACKS_WAIT + 1.0
 HANDSHAKE_DEADLINE = 5.0
 #: when a run ends, how long the driver waits for open channel connections to deliver
 CHANNEL_CLOSE_WAIT = 2.0
+#: beyond that, how long closing the channel waits for its thread, which may be delivering a
+#: record to a slow callback (the thread is a daemon: it is left behind, and logged, after that)
+CHANNEL_THREAD_WAIT = 5.0
 #: how long a rank waits at exit for its queued events to be sent
 CLIENT_CLOSE_WAIT = 5.0
 
@@ -49,6 +52,10 @@ SPARK_CANCEL_RETRY = 0.25
 SPARK_STAGE_END_WAIT = 3.0
 #: Spark: how long a stop keeps cancelling a stage that does not end
 SPARK_CANCEL_WAIT = 30.0
+#: a DataFrame run: how long a rank waits for the other ranks' row counts (a Spark task writes
+#: its whole partition before its rank starts, so the ranks of one run can start minutes apart)
+ROW_COUNTS_WAIT = 1800.0
+
 #: Spark: after the first task joined the driver's rendezvous, how long the driver waits for
 #: the others before telling them all to exchange places through Spark's barrier instead
 SPARK_RENDEZVOUS_WAIT = 10.0

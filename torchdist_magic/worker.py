@@ -33,7 +33,8 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
 
-from torchdist_magic import events
+from torchdist_magic import events, procs
+from torchdist_magic.rankenv import ENV_BEFORE
 from torchdist_magic.timing import ATEXIT_WAIT, PARENT_WATCH_INTERVAL, STOP_GRACE
 
 RESULT_FILE = "result.pkl"
@@ -52,8 +53,10 @@ def _watch_parent(parent: int) -> None:
     """End this rank when its launcher dies, so nothing outlives a killed kernel or Spark task:
     remove the run's directory (``TORCHDIST_CLEANUP``) that the dead launcher can no longer
     remove, then stop this process's group (the worker leads it), which takes the rank's own
-    children (a ``subprocess``, DataLoader workers) along with it."""
+    children (a ``subprocess``, DataLoader workers) along with it, and what the rank started in
+    a session of its own (found by its launcher's mark, ``procs.MARK_VARIABLE``)."""
     cleanup = os.environ.pop("TORCHDIST_CLEANUP", "")
+    mark = os.environ.get(procs.MARK_VARIABLE, "")
     while True:
         time.sleep(PARENT_WATCH_INTERVAL)
         if os.getppid() != parent:
@@ -67,29 +70,18 @@ def _watch_parent(parent: int) -> None:
                     deadline = time.monotonic() + STOP_GRACE
                     while _others_in_my_group() and time.monotonic() < deadline:
                         time.sleep(0.05)
+                procs.end_marked_processes(mark, STOP_GRACE)
+                if os.getpgrp() == os.getpid():
                     os.killpg(os.getpid(), signal.SIGKILL)  # this process included
             finally:
                 os._exit(70)  # whatever failed above, the rank itself must not stay
 
 
 def _others_in_my_group() -> list:
-    """Live processes other than this one in this process's group (read from Linux's
-    ``/proc``; elsewhere none are found, and the group's SIGKILL still reaches them)."""
+    """Live processes other than this one in this process's group (off Linux none are found,
+    and the group's SIGKILL still reaches them)."""
     me = os.getpid()
-    try:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me]
-    except OSError:
-        return []
-    found = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                fields = fh.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == me and fields[0] != b"Z":
-            found.append(pid)
-    return found
+    return [pid for pid in procs.group_members(me) if pid != me]
 
 
 def _write_failure(result_dir: str, failure: events.Failure) -> None:
@@ -218,9 +210,9 @@ def _failure(exc: BaseException, exc_type: str, message: str, exit_code: Optiona
              traceback_text: Optional[str] = None) -> events.Failure:
     from torchdist_magic import runtime
 
-    return events.Failure(rank=runtime.rank(), host=socket.gethostname(), exit_code=exit_code,
-                          exc_type=exc_type, message=message, time=time.time(),
-                          traceback=_format_exception(exc) if traceback_text is None else traceback_text)
+    return events.Failure.from_exception(
+        runtime.rank(), exc, host=socket.gethostname(), exit_code=exit_code, exc_type=exc_type, message=message,
+        traceback_text=_format_exception(exc) if traceback_text is None else traceback_text)
 
 
 def execute(job, namespace: Optional[dict] = None) -> Tuple[int, Any, Optional[events.Failure]]:
@@ -330,10 +322,24 @@ def _end_output(job_id: str) -> None:
             os.write(fd, f"{events.OUTPUT_END_MARK}{job_id}\n".encode())
 
 
-def serve(client, inbox: JobInbox) -> int:
+def _set_environment(values: Dict[str, Optional[str]]) -> Dict[str, Optional[str]]:
+    """Set each variable of ``values`` in this process's environment (``None``: unset it);
+    what they were before, to set back the same way."""
+    before = {name: os.environ.get(name) for name in values}
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    return before
+
+
+def serve(client, inbox: JobInbox, startup_env: Optional[Dict[str, Optional[str]]] = None) -> int:
     """A warm pool's rank: set up the process group once, then run each job the driver sends
     (cells in one namespace that lives as long as the rank) and report it with ``JobValue``
-    pieces and ``JobDone``; return when the channel to the driver is gone, or on SIGTERM."""
+    pieces and ``JobDone``; return when the channel to the driver is gone, or on SIGTERM.
+    ``startup_env``: what the env of the run that started the pool changed, with the values the
+    variables have without it (``rankenv.ENV_BEFORE``)."""
     import queue
 
     import cloudpickle
@@ -344,6 +350,13 @@ def serve(client, inbox: JobInbox) -> int:
     import torch.distributed as dist
 
     _keep_process_group(dist)
+    # The ranks started with the env of the run that started the pool (what is read only at
+    # start-up, OMP_NUM_THREADS or NCCL's, keeps it); between jobs they have no run's env: each
+    # job's own is set for the job and undone after it (its names get their earlier values back,
+    # or are unset again), so a later run without it does not see it.  Variables a job's code
+    # sets itself (os.environ, a library's) stay, like the names it defines: the rank's state is
+    # the user's.
+    _set_environment(startup_env or {})
     namespace = _cell_namespace()
     with _stoppable(), contextlib.suppress(runtime.RankStopped):  # SIGTERM between jobs: the pool stops
         while True:
@@ -353,13 +366,15 @@ def serve(client, inbox: JobInbox) -> int:
                 if client.lost:
                     return 0
                 continue
-            os.environ.update(record.env)
+            runtime._new_job()
+            undo = _set_environment(record.env)
             try:
                 job = cloudpickle.loads(data)
             except Exception as exc:
                 code, value, failure = 1, None, _failure(exc, type(exc).__qualname__, str(exc))
             else:
                 code, value, failure = execute(job, namespace)
+            _set_environment(undo)
             has_value = False
             if failure is None and (record.all_ranks or runtime.rank() == 0):
                 pickled, failure = _pickled_value(value)
@@ -446,6 +461,7 @@ def main(argv=None) -> int:
     inbox = JobInbox() if job.kind == "serve" else None
     client = channel.client_from_env(inbox.on_message if inbox is not None else None)
     os.environ.pop("TORCHDIST_SECRET", None)
+    startup_env = json.loads(os.environ.pop(ENV_BEFORE, "") or "{}")
     runtime._install_sink(client)
     if client is not None:
         client.send(events.Started(rank=runtime.rank(), host=socket.gethostname(), pid=os.getpid(),
@@ -455,7 +471,7 @@ def main(argv=None) -> int:
         if client is None:
             print("a warm pool's rank needs the driver's event channel (TORCHDIST_CHANNEL)", file=sys.stderr)
             return 2
-        code = serve(client, inbox)
+        code = serve(client, inbox, startup_env)
     else:
         code = run_job(job, result_dir)
     sys.stdout.flush()

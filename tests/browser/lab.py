@@ -12,13 +12,14 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from typing import Dict, List, Optional, Set
+
+from helpers import alive, free_port
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -45,12 +46,6 @@ def chromium_and_playwright() -> Optional[str]:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _children() -> dict:
     """``{pid: ppid}`` of every live process."""
     table = {}
@@ -74,10 +69,6 @@ def descendants(pid: int) -> Set[int]:
         frontier = {child for child, parent in table.items() if parent in frontier} - found
         found |= frontier
     return found
-
-
-def alive(pid: int) -> bool:
-    return pid in _children()
 
 
 def cmdline(pid: int) -> str:

@@ -8,11 +8,12 @@ import socket
 import tempfile
 from typing import List, Optional
 
-from ..launcher import RankProcess, read_result, reserve_port, stop_all
+from ..launcher import RankProcess, read_result, reserve_port, stop_all, write_job_file
 from ..options import LaunchOptions
+from ..procs import process_exited
 from ..rankenv import place_ranks, rank_environment
 from ..timing import CLOSE_GRACE
-from . import Backend, BackendRun, LaunchContext
+from .base import Backend, BackendRun, LaunchContext, LaunchPlan
 
 
 def visible_gpu_count() -> int:
@@ -27,7 +28,7 @@ class LocalProcessBackend(Backend):
     def describe(self) -> str:
         return f"local processes on {socket.gethostname()}"
 
-    def check(self, options: LaunchOptions) -> None:
+    def check(self, options: LaunchOptions) -> LaunchPlan:
         if options.use_gpu:
             gpus = visible_gpu_count()
             if gpus == 0:
@@ -36,6 +37,7 @@ class LocalProcessBackend(Backend):
                 raise ValueError(
                     f"{options.num_processes} ranks with use_gpu/--gpu need {options.num_processes} GPUs; "
                     f"this machine has {gpus}")
+        return LaunchPlan(options.num_processes)
 
     def start(self, ctx: LaunchContext) -> "LocalRun":
         run = LocalRun(tempfile.mkdtemp(prefix=f"torchdist-{ctx.spec.run_id}-"))
@@ -55,9 +57,7 @@ class LocalRun(BackendRun):
 
     def launch(self, ctx: LaunchContext) -> None:
         job_file = os.path.join(self.workdir, "job.pkl")
-        fd = os.open(job_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(ctx.job_bytes)
+        write_job_file(job_file, ctx.job_bytes)
         self._port = reserve_port("127.0.0.1")
         n = ctx.spec.num_processes
         host = socket.gethostname()
@@ -91,14 +91,5 @@ class LocalRun(BackendRun):
 
 def _running(rank: RankProcess) -> bool:
     """Whether the rank's process has not exited.  ``Popen.poll`` answers "running" while the
-    launcher's thread waits for the process, so Linux's ``/proc`` is asked first: a zombie has
-    exited."""
-    if rank.returncode is not None:
-        return False
-    try:
-        with open(f"/proc/{rank.proc.pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):  # not Linux
-        return rank.alive()
+    launcher's thread waits for the process, so the system is asked: a zombie has exited."""
+    return rank.returncode is None and not process_exited(rank.proc.pid)

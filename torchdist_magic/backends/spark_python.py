@@ -6,14 +6,16 @@ have another cloudpickle, and the user would see ``ModuleNotFoundError`` or ``Ca
 attribute '_function_setstate'`` from deep inside Spark.  So before a run's barrier stage, a
 small probe stage (standard library only, pickled by value) asks the executors what they have:
 
-- when Spark's interpreter matches this notebook's (Python, torch, cloudpickle,
-  torchdist_magic), it is used;
+- the interpreter the user chose (``PYSPARK_PYTHON`` or ``spark.pyspark.python``, also when set
+  after the session started), else Spark's own (``SparkContext.pythonExec``), is probed and used
+  when it matches this notebook's (Python, torch, cloudpickle, torchdist_magic);
 - else, unless the user chose that interpreter, this notebook's own (``sys.executable``) is
   used where it exists on every executor (``local[...]``, ``local-cluster[...]``, a standalone
   cluster on this machine, clusters that share the driver's environment) and matches;
 - else the run is refused with both sides' versions and how to fix it.
 
-The answer is kept per SparkContext and interpreter, so only a session's first run probes.
+The answer is kept per SparkContext and interpreter (per Connect session), so only a
+session's first run probes.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import json
 import os
 import sys
 import threading
+import weakref
 from typing import Dict, List, Optional, Tuple
+
+from .spark_stage import spark_failure
 
 #: the packages whose versions must agree between the notebook and the ranks
 PACKAGES = ("torch", "cloudpickle", "torchdist_magic")
@@ -55,6 +60,9 @@ def probe_arrow(driver_python, packages, batches):
 '''
 
 _chosen: Dict[tuple, str] = {}
+#: Connect sessions whose executors were checked; weak, so that a new session is never taken
+#: for an old one that happened to live at the same address
+_checked_connect: "weakref.WeakSet" = weakref.WeakSet()
 _chosen_lock = threading.Lock()
 #: serialises the swap of ``SparkContext.pythonExec`` around building a stage's function
 PYTHON_EXEC_LOCK = threading.Lock()
@@ -71,18 +79,10 @@ def _probe_function(name: str = "probe"):
 
 
 def local_facts() -> dict:
-    """This notebook's interpreter, as the probe describes an executor's."""
-    import importlib.metadata
-    import socket
-
-    def version(name: str) -> Optional[str]:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {"executable": sys.executable, "python": "%d.%d.%d" % sys.version_info[:3],
-            "host": socket.gethostname(), "packages": {p: version(p) for p in PACKAGES}}
+    """This notebook's interpreter, described by the same probe the executors run."""
+    facts = json.loads(next(_probe_function()(sys.executable, PACKAGES, None)))
+    del facts["driver_python_here"]
+    return facts
 
 
 def _public(version: Optional[str]) -> Optional[str]:
@@ -150,16 +150,17 @@ def choose_python(sc, tasks: int) -> str:
     """The interpreter the ranks' tasks run on (see the module docstring); raises
     ``InterpreterMismatch`` when no interpreter there matches this notebook's."""
     chosen = user_choice(sc)
-    key = (sc.applicationId, sc.pythonExec, chosen, sys.executable)
+    first = chosen or sc.pythonExec  # what is probed is what the refusal names
+    key = (sc.applicationId, first, bool(chosen), sys.executable)
     with _chosen_lock:
         if key in _chosen:
             return _chosen[key]
     mine = local_facts()
     tasks = max(1, tasks)
-    facts, error = _probe(sc, sc.pythonExec, tasks)
-    python = sc.pythonExec
+    facts, error = _probe(sc, first, tasks)
+    python = first
     problems = [f for f in facts if differences(mine, f)]
-    if (error or problems) and not chosen and sc.pythonExec != sys.executable \
+    if (error or problems) and not chosen and first != sys.executable \
             and (error or all(f["driver_python_here"] for f in facts)):
         own, own_error = _probe(sc, sys.executable, tasks)
         if own_error is None and not any(differences(mine, f) for f in own):
@@ -178,8 +179,6 @@ def _mismatch_message(sc, mine: dict, problems: List[dict], error: Optional[Base
     lines = [f"the Spark executors cannot run the ranks with {which}, and this notebook's "
              f"interpreter is not there to use instead:"]
     if error is not None:
-        from .spark import spark_failure
-
         _, failure = spark_failure(error)
         lines.append(f"  executors: Python did not start: {failure.exc_type}: {failure.message}")
     shown = []
@@ -197,7 +196,6 @@ def _mismatch_message(sc, mine: dict, problems: List[dict], error: Optional[Base
     return "\n".join(lines)
 
 
-
 def check_connect_python(spark, tasks: int) -> None:
     """Refuse a run whose Spark Connect server's executors run a Python unlike this notebook's.
 
@@ -205,9 +203,8 @@ def check_connect_python(spark, tasks: int) -> None:
     """
     import functools
 
-    key = (getattr(spark, "session_id", None) or id(spark), "connect")
     with _chosen_lock:
-        if key in _chosen:
+        if spark in _checked_connect:
             return
     probe = functools.partial(_probe_function("probe_arrow"), sys.executable, PACKAGES)
     tasks = max(1, tasks)
@@ -225,4 +222,4 @@ def check_connect_python(spark, tasks: int) -> None:
                      "Databricks notebook, or the cluster's libraries), or in this notebook's environment")
         raise InterpreterMismatch("\n".join(lines))
     with _chosen_lock:
-        _chosen[key] = "checked"
+        _checked_connect.add(spark)

@@ -1,10 +1,10 @@
 """Views of a run: what a ``RunState`` looks like in a terminal and in a notebook.
 
 ``model`` computes what every view shows; ``text`` prints it (terminals, CI, nbconvert);
-``html`` draws it (the live widget and the summary a notebook keeps); ``widget`` is the live
-ipywidgets view, with ``kernel_poll`` letting its Stop button work while a cell blocks the
-kernel; ``panel`` is the launch panel.  Importing this package imports neither ipywidgets nor
-IPython.
+``html`` draws it (the live widget and the summary a notebook keeps) in the colours and fonts
+of ``style``; ``widget`` is the live ipywidgets view, with ``kernel_poll`` letting its Stop
+button work while a cell blocks the kernel; ``panel`` is the launch panel.  Importing this
+package imports neither ipywidgets nor IPython.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ notebook after a run (which nbviewer, GitHub and a reopened notebook show withou
 
 Every function takes records of ``model`` (``summary_html`` takes the ``RunState`` and reads the
 model itself) and returns an HTML fragment with inline styles only: no script, no stylesheet,
-colours from JupyterLab's theme variables where it has them.  Class names (``torchdist-*``) and
-``data-*`` attributes are for tests and for anyone styling the view.
+colours and fonts from ``style`` (JupyterLab's theme variables where it has them).  Class
+names (``torchdist-*``) and ``data-*`` attributes are for tests and for anyone styling the view.
 """
 
 from __future__ import annotations
@@ -17,30 +17,12 @@ from typing import Dict, List, Optional, Tuple
 from ..state import LogLine, RunState
 from .model import (BarView, RankLog, RankRow, RankStacks, RunFacts, Series, format_duration, metric_series,
                     rank_logs, rank_rows, rank_stacks, root_cause_rank, run_facts)
+from .style import BAR_COLOURS, BORDER, MONO, MUTED, PANE, RANK_COLOURS, STATE_COLOURS, TEXT, TRACK
 
 LOG_LINE_CHARS = 1000   # longer lines are cut in a pane (not in the run's ``logs(rank)``)
 SUMMARY_LOG_LINES = 40  # lines of each rank in the static summary
 LEGEND_RANKS = 16       # ranks named in the plots' legend; more are counted
 ROWS_SCROLL_AFTER = 16  # ranks; more rows scroll inside the view
-
-#: colours of states (rank and run), as CSS
-STATE_COLOURS = {
-    "starting": "#9e9e9e", "running": "#1e88e5", "done": "#43a047", "succeeded": "#43a047",
-    "failed": "#e53935", "cancelled": "#fb8c00", "timed out": "#fb8c00", "hung": "#fb8c00",
-    "restarting": "#8e24aa",
-}
-#: colours of ``RankRow.bar_style``
-BAR_COLOURS = {"info": "#1e88e5", "success": "#43a047", "danger": "#e53935", "warning": "#fb8c00"}
-#: one colour per rank in plots and merged logs (matplotlib's tab10)
-RANK_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
-                "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
-BORDER = "var(--jp-border-color2, #e0e0e0)"
-
-_MUTED = "var(--jp-ui-font-color2, #757575)"
-_TEXT = "var(--jp-ui-font-color1, #212121)"
-_MONO = "var(--jp-code-font-family, SFMono-Regular, Menlo, Consolas, monospace)"
-_TRACK = "var(--jp-layout-color3, #e0e0e0)"
-_PANE = "var(--jp-layout-color2, #f5f5f5)"
 
 
 def rank_colour(rank: int) -> str:
@@ -58,7 +40,7 @@ def _pill(text: str, colour: str, cls: str) -> str:
 
 def header_html(facts: RunFacts) -> str:
     """Run state, job, backend, np, gpu and elapsed time, on one line."""
-    sep = f'<span style="color:{_MUTED}"> · </span>'
+    sep = f'<span style="color:{MUTED}"> · </span>'
     parts = [f"<b>{_esc(facts.job_name)}</b>"] if facts.job_name else []
     parts += [
         f'<span class="torchdist-backend">{_esc(facts.backend)}</span>',
@@ -70,7 +52,7 @@ def header_html(facts: RunFacts) -> str:
         parts.append(f'<span class="torchdist-attempt" data-attempt="{facts.attempt}">'
                      f'{_esc(facts.attempt_text)}</span>')
     return (f'<div class="torchdist-header" data-run-id="{_esc(facts.run_id)}" data-state="{_esc(facts.state)}"'
-            f' style="display:flex;align-items:center;gap:8px;font-size:13px;color:{_TEXT};line-height:24px">'
+            f' style="display:flex;align-items:center;gap:8px;font-size:13px;color:{TEXT};line-height:24px">'
             f'<span style="font-weight:700;letter-spacing:.2px">torchdist</span>'
             f'{_pill(facts.state, STATE_COLOURS.get(facts.state, "#9e9e9e"), "torchdist-run-state")}'
             f'<span>{sep.join(parts)}</span></div>')
@@ -86,12 +68,12 @@ def _bar_html(bar: BarView, style: str, width: int) -> str:
         fill = f"width:{100 * bar.fraction:.1f}%;background:{colour}"
     data = f' data-n="{bar.n}"' + (f' data-total="{bar.total}"' if bar.total else "")
     desc = (f'<span class="torchdist-bar-desc" style="flex:0 0 {width}px;overflow:hidden;'
-            f'text-overflow:ellipsis;color:{_MUTED}">{_esc(bar.desc)}</span>') if width else ""
+            f'text-overflow:ellipsis;color:{MUTED}">{_esc(bar.desc)}</span>') if width else ""
     return (f'<div style="display:flex;align-items:center;gap:7px;min-width:0" title="{_esc(bar.title)}">{desc}'
             f'<div class="torchdist-bar torchdist-bar-{style}"{data} style="flex:0 0 100px;height:10px;'
-            f'background:{_TRACK};border-radius:5px;overflow:hidden">'
+            f'background:{TRACK};border-radius:5px;overflow:hidden">'
             f'<div class="torchdist-bar-fill" style="height:100%;border-radius:5px;{fill}"></div></div>'
-            f'<span class="torchdist-progress" style="font-family:{_MONO};font-size:11px;overflow:hidden;'
+            f'<span class="torchdist-progress" style="font-family:{MONO};font-size:11px;overflow:hidden;'
             f'text-overflow:ellipsis">{_esc(bar.text)}</span></div>')
 
 
@@ -110,8 +92,8 @@ def rows_html(rows: List[RankRow]) -> str:
     columns = [(name, css) for name, css in _COLUMNS if name != "metrics" or any(r.metrics for r in rows)]
     cells = [f'<span style="{css}">{name}</span>' for name, css in columns]
     scroll = ";max-height:480px;overflow-y:auto" if len(rows) > ROWS_SCROLL_AFTER else ""
-    out = [f'<div class="torchdist-rows" style="font-size:12.5px;line-height:18px;color:{_TEXT}">'
-           f'<div style="{_ROW};color:{_MUTED};font-weight:600">{"".join(cells)}</div><div style="{scroll}">']
+    out = [f'<div class="torchdist-rows" style="font-size:12.5px;line-height:18px;color:{TEXT}">'
+           f'<div style="{_ROW};color:{MUTED};font-weight:600">{"".join(cells)}</div><div style="{scroll}">']
     css = dict(columns)
     descs = [len(b.desc) for row in rows for b in row.bars]
     desc_width = min(8 * max(descs) + 6, 84) if descs and max(descs) else 0
@@ -119,13 +101,13 @@ def rows_html(rows: List[RankRow]) -> str:
         colour = STATE_COLOURS.get(row.state, "#9e9e9e")
         state = _esc(row.state)
         if row.state == "failed" and row.exit_code is not None:
-            state += f' <span style="color:{_MUTED}">(exit {row.exit_code})</span>'
+            state += f' <span style="color:{MUTED}">(exit {row.exit_code})</span>'
         dropped = ""
         if row.dropped:
             dropped = (f'<span style="color:{STATE_COLOURS["cancelled"]}" title="{row.dropped} progress or '
                        f'metric events the rank could not send">&#9888;</span>')
         bars = "".join(_bar_html(bar, row.bar_style, desc_width) for bar in row.bars)
-        metrics = (f'<span class="torchdist-metrics" style="{css["metrics"]};font-family:{_MONO};font-size:11.5px">'
+        metrics = (f'<span class="torchdist-metrics" style="{css["metrics"]};font-family:{MONO};font-size:11.5px">'
                    f'{_esc(row.metrics)}</span>') if "metrics" in css else ""
         out.append(
             f'<div class="torchdist-rank-row" data-rank="{row.rank}" data-state="{_esc(row.state)}"'
@@ -158,17 +140,17 @@ def stacks_html(stacks: List[RankStacks], open_rank: Optional[int] = None) -> st
     a ``<details>`` (``open_rank``'s open); empty when no stacks were captured."""
     if not stacks:
         return ""
-    out = [f'<div class="torchdist-stacks" style="margin-top:6px;font-size:11.5px;color:{_TEXT}">'
-           f'<div style="color:{_MUTED};margin:0 0 2px 2px">where each rank was (innermost frame first)</div>']
+    out = [f'<div class="torchdist-stacks" style="margin-top:6px;font-size:11.5px;color:{TEXT}">'
+           f'<div style="color:{MUTED};margin:0 0 2px 2px">where each rank was (innermost frame first)</div>']
     for item in stacks:
-        body = _esc(item.text.strip()) or f'<span style="color:{_MUTED}">(no stack)</span>'
+        body = _esc(item.text.strip()) or f'<span style="color:{MUTED}">(no stack)</span>'
         out.append(
             f'<details class="torchdist-rank-stack" data-rank="{item.rank}"{" open" if item.rank == open_rank else ""}'
             f' style="margin:1px 0"><summary style="cursor:pointer;padding:1px 2px">'
             f'<span style="color:{rank_colour(item.rank)}">&#9632;</span> rank {item.rank}: '
             f'<code style="font-size:11px">{_esc(item.where)}</code></summary>'
-            f'<pre style="margin:0;padding:6px 8px;max-height:260px;overflow:auto;background:{_PANE};'
-            f'border-radius:4px;font-family:{_MONO};font-size:11px;line-height:1.35;white-space:pre">{body}</pre>'
+            f'<pre style="margin:0;padding:6px 8px;max-height:260px;overflow:auto;background:{PANE};'
+            f'border-radius:4px;font-family:{MONO};font-size:11px;line-height:1.35;white-space:pre">{body}</pre>'
             f'</details>')
     out.append("</div>")
     return "".join(out)
@@ -257,8 +239,8 @@ def plots_html(series: Dict[str, Series]) -> str:
                      f'&#9644;</span> rank {r}</span>' for r in shown[:LEGEND_RANKS])
     if len(shown) > LEGEND_RANKS:
         legend += f"<span>… {len(shown) - LEGEND_RANKS} more ranks</span>"
-    return (f'<div class="torchdist-plots" style="color:{_TEXT}">'
-            f'<div style="font-size:11.5px;color:{_MUTED};margin:2px 0">{legend}</div>'
+    return (f'<div class="torchdist-plots" style="color:{TEXT}">'
+            f'<div style="font-size:11.5px;color:{MUTED};margin:2px 0">{legend}</div>'
             f'<div style="display:flex;flex-wrap:wrap;gap:6px 16px">{charts}</div></div>')
 
 
@@ -276,16 +258,16 @@ def log_pane_html(lines: List[Tuple[Optional[int], LogLine]], finished: bool = F
     """A scrolled pane of ``(rank, line)`` (rank None: no ``[rank N]`` prefix) that stays at its
     bottom, newest line last (a reversed flex column starts scrolled to its end, with no script)."""
     body = "\n".join(_line_html(line, rank) for rank, line in lines) or \
-        f'<span style="color:{_MUTED}">{"(no output)" if finished else "(no output yet)"}</span>'
+        f'<span style="color:{MUTED}">{"(no output)" if finished else "(no output yet)"}</span>'
     return (f'<div class="torchdist-logs" style="max-height:220px;overflow:auto;display:flex;'
-            f'flex-direction:column-reverse;background:{_PANE};border-radius:4px">'
-            f'<pre style="flex:0 0 auto;overflow:visible;margin:0;padding:6px 8px;font-family:{_MONO};'
-            f'font-size:11.5px;line-height:1.4;white-space:pre-wrap;word-break:break-all;color:{_TEXT};'
+            f'flex-direction:column-reverse;background:{PANE};border-radius:4px">'
+            f'<pre style="flex:0 0 auto;overflow:visible;margin:0;padding:6px 8px;font-family:{MONO};'
+            f'font-size:11.5px;line-height:1.4;white-space:pre-wrap;word-break:break-all;color:{TEXT};'
             f'background:transparent;border:0">{body}</pre></div>')
 
 
 def _caption_html(caption: str) -> str:
-    return f'<div style="font-size:11px;color:{_MUTED};margin:0 0 2px 2px">{_esc(caption)}</div>'
+    return f'<div style="font-size:11px;color:{MUTED};margin:0 0 2px 2px">{_esc(caption)}</div>'
 
 
 def full_log_hint(log_hint: Optional[str], rank: int) -> Optional[str]:
@@ -319,7 +301,7 @@ def rank_logs_html(logs: List[RankLog], log_hint: Optional[str] = None, open_ran
                    finished: bool = True) -> str:
     """Every rank's last lines, one collapsible ``<details>`` per rank (``open_rank``'s open),
     so that a reader without a kernel can see each rank's end."""
-    out = [f'<div class="torchdist-rank-logs" style="margin-top:8px;font-size:11px;color:{_MUTED}">'
+    out = [f'<div class="torchdist-rank-logs" style="margin-top:8px;font-size:11px;color:{MUTED}">'
            f'<div style="margin:0 0 2px 2px">logs of each rank</div>']
     for log in logs:
         state_colour = STATE_COLOURS.get(log.state, "#9e9e9e")

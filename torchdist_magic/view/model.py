@@ -9,9 +9,13 @@ HTML, the live widget) shows the same facts and tests read them without a kernel
 - ``rank_stacks``: where each rank was when a hang or a timeout stopped it (every thread);
 - ``metric_series``: each metric against step, one line per rank, thinned for plotting;
 - ``rank_log`` / ``rank_logs``: a rank's last lines as a terminal would show them;
+- ``LogCursor``: each rank's lines written since the last read (the text view prints them);
 - ``MergedLog``: all ranks' lines in arrival order.
 
-Each reader takes the state's lock, so it may run in any thread while events arrive.
+Each reader takes what it needs through the ``RunState``'s own methods (``snapshot``,
+``read_log``, ``recent_log``, ``metric_history``), which copy under its lock, so it may run in
+any thread while events arrive.  The functions that take a ``state`` also take a
+``RunSnapshot``: a renderer that draws several parts from one snapshot shows one moment.
 """
 
 from __future__ import annotations
@@ -19,10 +23,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Deque, Dict, Iterable, List, Optional, Tuple, Union
 
 from ..data import ROWS_BAR
-from ..state import LogLine, RankState, RunState
+from ..state import LogLine, RankSnapshot, RankState, RunSnapshot, RunState
 
 LOG_LINES = 300       # lines of a log pane; the complete logs stay on the run's ``logs(rank)``
 LOG_SCAN = 20_000     # lines looked at from the end of a rank's log to fill a pane
@@ -35,6 +39,13 @@ BAR_STYLES = {"starting": "info", "running": "info", "done": "success", "failed"
               "cancelled": "warning"}
 
 Series = Dict[int, List[Tuple[int, float]]]   # {rank: [(step, value), ...]}
+Rank = Union[RankState, RankSnapshot]
+State = Union[RunState, RunSnapshot]
+
+
+def snapshot(state: State) -> RunSnapshot:
+    """``state`` as one consistent copy (a snapshot is returned as it is)."""
+    return state if isinstance(state, RunSnapshot) else state.snapshot()
 
 
 # -- text shared by every renderer (as tqdm shares ``format_meter``) ---------------------------
@@ -76,6 +87,11 @@ def metrics_text(metrics: dict) -> str:
     return " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
 
 
+def rank_progress_text(rs: Rank) -> str:
+    """Every bar a rank shows, outer loop first: ``epoch 1/3 [...] · batch 8/10 [...]``."""
+    return " · ".join(progress_text(bar) for bar in rs.shown_progress())
+
+
 # -- the header -----------------------------------------------------------------------------------
 @dataclass
 class RunFacts:
@@ -100,20 +116,19 @@ class RunFacts:
         return f"attempt {self.attempt} of {self.max_attempts}" if self.max_attempts > 1 else ""
 
 
-def run_facts(state: RunState) -> RunFacts:
-    with state._lock:
-        if state.failure is not None:
-            outcome = f"root cause: {state.failure.summary()}"
-        elif state.state in STOPPED_STATES:
-            outcome = state.message
-        else:
-            outcome = ""
-        earlier = [f"attempt {a.number}: {a.failure.summary() if a.failure else 'failed'}"
-                   for a in state.attempts]
-        return RunFacts(run_id=state.run_id, state=state.state, job_name=state.job_name,
-                        backend=state.backend, num_processes=state.num_processes, use_gpu=state.use_gpu,
-                        elapsed=state.elapsed(), finished=state.finished, outcome=outcome,
-                        attempt=state.attempt, max_attempts=state.max_attempts, earlier=earlier)
+def run_facts(state: State) -> RunFacts:
+    snap = snapshot(state)
+    if snap.failure is not None:
+        outcome = f"root cause: {snap.failure.summary()}"
+    elif snap.state in STOPPED_STATES:
+        outcome = snap.message
+    else:
+        outcome = ""
+    earlier = [f"attempt {a.number}: {a.failure.summary() if a.failure else 'failed'}" for a in snap.attempts]
+    return RunFacts(run_id=snap.run_id, state=snap.state, job_name=snap.job_name, backend=snap.backend,
+                    num_processes=snap.num_processes, use_gpu=snap.use_gpu, elapsed=snap.elapsed(),
+                    finished=snap.finished, outcome=outcome, attempt=snap.attempt,
+                    max_attempts=snap.max_attempts, earlier=earlier)
 
 
 # -- one row per rank -----------------------------------------------------------------------------
@@ -153,7 +168,7 @@ def bar_view(bar: dict) -> BarView:
                    title=progress_text(bar))
 
 
-def rank_row(rs: RankState) -> RankRow:
+def rank_row(rs: Rank) -> RankRow:
     bars = [bar_view(b) for b in rs.shown_progress()]
     if not bars and rs.state == "done":
         # finished without progress(): a full (green) bar says "done"
@@ -163,9 +178,8 @@ def rank_row(rs: RankState) -> RankRow:
                    metrics=metrics_text(rs.metrics), exit_code=rs.exit_code, dropped=rs.dropped)
 
 
-def rank_rows(state: RunState) -> List[RankRow]:
-    with state._lock:
-        return [rank_row(rs) for rs in state.ranks]
+def rank_rows(state: State) -> List[RankRow]:
+    return [rank_row(rs) for rs in snapshot(state).ranks]
 
 
 # -- stacks ---------------------------------------------------------------------------------------
@@ -178,10 +192,9 @@ class RankStacks:
     text: str                      # every thread, as faulthandler wrote it ("" when there was none)
 
 
-def rank_stacks(state: RunState) -> List[RankStacks]:
+def rank_stacks(state: State) -> List[RankStacks]:
     """Every rank's stacks, by rank; empty unless stacks were captured."""
-    with state._lock:
-        stacks = dict(state.stacks)
+    stacks = snapshot(state).stacks
     return [RankStacks(rank=r, where=s.where(), text=s.text) for r, s in sorted(stacks.items())]
 
 
@@ -200,13 +213,8 @@ def thin(points: List[Tuple[int, float]], limit: int = PLOT_POINTS) -> List[Tupl
 def metric_series(state: RunState, limit: int = PLOT_POINTS) -> Dict[str, Series]:
     """``{metric: {rank: [(step, value), ...]}}``, metrics in order of first report, ranks
     that reported the metric only, non-finite values left out, ``limit`` points per rank."""
-    with state._lock:
-        raw: Dict[str, Dict[int, list]] = {}
-        for rs in state.ranks:
-            for name, points in rs.history.items():
-                raw.setdefault(name, {})[rs.rank] = list(points)
     series = {}
-    for name, by_rank in raw.items():
+    for name, by_rank in state.metric_history().items():
         kept = {r: thin([(x, y) for x, y in pts if math.isfinite(y)], limit) for r, pts in by_rank.items()}
         kept = {r: pts for r, pts in sorted(kept.items()) if pts}
         if kept:
@@ -225,10 +233,10 @@ class RankLog:
     total: int                     # lines the rank wrote in all (``\\r``-lines included)
 
 
-def log_tail(rs: RankState, limit: int = LOG_LINES) -> List[LogLine]:
-    """The last ``limit`` lines of a rank as a terminal would show them: a ``\\r``-line is
-    replaced by whatever comes after it, so only a trailing one (a bar in progress) shows."""
-    tail = rs.logs.recent(LOG_SCAN)
+def terminal_lines(tail: List[LogLine], limit: int = LOG_LINES) -> List[LogLine]:
+    """The last ``limit`` of a rank's lines ``tail`` as a terminal would show them: a
+    ``\\r``-line is replaced by whatever comes after it, so only a trailing one (a bar in
+    progress) shows."""
     shown = [line for line in tail[:-1] if not line.cr][-limit:]
     if tail:
         last = tail[-1]
@@ -238,9 +246,8 @@ def log_tail(rs: RankState, limit: int = LOG_LINES) -> List[LogLine]:
 
 
 def rank_log(state: RunState, rank: int, limit: int = LOG_LINES) -> RankLog:
-    with state._lock:
-        rs = state.ranks[rank]
-        return RankLog(rank=rank, state=rs.state, lines=log_tail(rs, limit), total=len(rs.logs))
+    read = state.recent_log(rank, LOG_SCAN)
+    return RankLog(rank=rank, state=read.state, lines=terminal_lines(read.lines, limit), total=read.total)
 
 
 def rank_logs(state: RunState, limit: int = LOG_LINES) -> List[RankLog]:
@@ -248,10 +255,41 @@ def rank_logs(state: RunState, limit: int = LOG_LINES) -> List[RankLog]:
     return [rank_log(state, r, limit) for r in range(state.num_processes)]
 
 
-def root_cause_rank(state: RunState) -> Optional[int]:
+def root_cause_rank(state: State) -> Optional[int]:
     """The rank whose output explains the run's failure (the root cause's), if one failed."""
     failed = state.failures()
     return failed[0].rank if failed else None
+
+
+class LogCursor:
+    """Follows every rank's log: ``read`` gives the lines a rank wrote since the last read, each
+    once.  A trailing ``\\r``-line (a bar in progress) may still be replaced in the log by the
+    next line of its stream: its place is read again next time, and the line comes again only
+    when it was replaced.  With ``keep``, a read skips all but the newest ``keep`` unread lines.
+    """
+
+    def __init__(self, num_processes: int, keep: Optional[int] = None):
+        self.keep = keep
+        self._cursor = [0] * num_processes
+        self._trailing: List[Optional[LogLine]] = [None] * num_processes  # the \r-line read last
+        #: per rank, the lines its log held after the last read that the read did not take
+        self.unread = [0] * num_processes
+
+    def read(self, state: RunState, rank: int, limit: Optional[int] = None) -> List[LogLine]:
+        """``rank``'s new lines, oldest first: at most ``limit`` (the rest are read next time,
+        ``unread`` says how many there were)."""
+        if self.keep is not None:
+            got = state.read_log(rank, self._cursor[rank], self.keep, newest=True)
+        else:
+            got = state.read_log(rank, self._cursor[rank], limit)
+        self.unread[rank] = got.total - got.stop
+        if not got.lines:
+            return []
+        new = got.lines[1:] if got.lines[0] is self._trailing[rank] else got.lines
+        last = got.lines[-1]
+        self._trailing[rank] = last if last.cr else None
+        self._cursor[rank] = got.stop - (1 if last.cr else 0)
+        return new
 
 
 class MergedLog:
@@ -259,36 +297,31 @@ class MergedLog:
     rank by rank), the last ``limit`` only.
 
     ``\\r``-lines are not kept in the order: each rank's latest one (its bar in progress) is
-    shown after the finished lines until that rank writes a finished line.  A trailing
-    ``\\r``-line is read again at the next ``drain``: the log may have replaced it since.
+    shown after the finished lines until that rank writes a finished line (``LogCursor`` reads
+    a trailing one again until the log replaced it).
     """
 
     def __init__(self, num_processes: int, limit: int = LOG_LINES):
         self.limit = limit
         self.lines: Deque[Tuple[int, LogLine]] = deque(maxlen=limit)
         self.live: List[Optional[LogLine]] = [None] * num_processes
-        self._cursor = [0] * num_processes
-        self._trailing: List[Optional[LogLine]] = [None] * num_processes  # the \r-line read last
+        self._cursor = LogCursor(num_processes, keep=4 * limit)
 
-    def drain(self, state: RunState) -> bool:
-        """Take the lines written since the last call; True when there were any."""
+    def drain(self, state: RunState, ranks: Optional[Iterable[int]] = None) -> bool:
+        """Take the lines written since the last call (by ``ranks``: those that changed, when
+        the caller knows; every rank by default); True when there were any."""
         changed = False
-        with state._lock:
-            for rs in state.ranks:
-                end = len(rs.logs)
-                start = max(self._cursor[rs.rank], end - 4 * self.limit)
-                new = rs.logs[start:end]
-                if not new or (len(new) == 1 and new[0] is self._trailing[rs.rank]):
-                    continue
-                self._cursor[rs.rank] = end - 1 if new[-1].cr else end
-                self._trailing[rs.rank] = new[-1] if new[-1].cr else None
-                changed = True
-                for line in new:
-                    if line.cr:
-                        self.live[rs.rank] = line if line.text else self.live[rs.rank]
-                    else:
-                        self.live[rs.rank] = None
-                        self.lines.append((rs.rank, line))
+        for rank in sorted(range(state.num_processes) if ranks is None else ranks):
+            new = self._cursor.read(state, rank)
+            if not new:
+                continue
+            changed = True
+            for line in new:
+                if line.cr:
+                    self.live[rank] = line if line.text else self.live[rank]
+                else:
+                    self.live[rank] = None
+                    self.lines.append((rank, line))
         return changed
 
     def shown(self) -> List[Tuple[int, LogLine]]:

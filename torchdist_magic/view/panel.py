@@ -22,15 +22,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import ipywidgets as widgets
 
 from ..options import LaunchOptions, OptionError, option_fields
-from .html import STATE_COLOURS
+from .style import ERROR, MONO, MUTED, STATE_COLOURS
 from .widget import UPDATE_EVERY, WidgetView, close_tree
 
 CODE = "code"
 FUNCTION = "function"
 RESULT_CHARS = 3000  # of rank 0's value's repr shown in the panel
-_MUTED = "var(--jp-ui-font-color2, #757575)"
-_ERROR = "#d32f2f"
-_MONO = "var(--jp-code-font-family, monospace)"
 _NOTE = "display:inline-block;font-size:12px;line-height:1.35"
 
 
@@ -247,7 +244,7 @@ class LaunchPanel:
                              '<div style="font-size:14px;font-weight:700;margin-bottom:4px">torchdist · launch</div>')
         self.widget = widgets.VBox(
             [title, self.options_grid,
-             widgets.HTML(f'<div style="margin-top:8px;color:{_MUTED};font-size:12px">what to run</div>'),
+             widgets.HTML(f'<div style="margin-top:8px;color:{MUTED};font-size:12px">what to run</div>'),
              self.source, self.what,
              widgets.HBox([self.launch_button, self.stop_button], layout=widgets.Layout(margin="6px 0")),
              self.message, self.command, self.view_box, self.result],
@@ -321,10 +318,10 @@ class LaunchPanel:
         errors = self.field_errors()
         for name, note in self.notes.items():
             if name in errors:
-                note.value = (f'<span class="torchdist-option-error" style="{_NOTE};color:{_ERROR}">'
+                note.value = (f'<span class="torchdist-option-error" style="{_NOTE};color:{ERROR}">'
                               f'{html.escape(errors[name])}</span>')
             else:
-                note.value = (f'<span style="{_NOTE};color:{_MUTED}">'
+                note.value = (f'<span style="{_NOTE};color:{MUTED}">'
                               f'{html.escape(self.fields[name].metadata["help"])}</span>')
         overall: Optional[str] = None
         if not errors:
@@ -334,16 +331,16 @@ class LaunchPanel:
                 overall = _shown(exc)
         what = self.what_errors()
         note = self.code_note if self.source.value == CODE else self.function_note
-        note.value = "".join(f'<span class="torchdist-what-error" style="color:{_ERROR};font-size:12px">'
+        note.value = "".join(f'<span class="torchdist-what-error" style="color:{ERROR};font-size:12px">'
                              f'{html.escape(e)}</span>' for e in what)
         ok = not errors and overall is None and not what
-        self.message.value = (f'<span class="torchdist-option-error" style="color:{_ERROR}">{html.escape(overall)}</span>'
+        self.message.value = (f'<span class="torchdist-option-error" style="color:{ERROR}">{html.escape(overall)}</span>'
                               if overall else "")
         command = self.command_text() if ok else None
         self.command.value = (
-            f'<div style="color:{_MUTED};font-size:12px">the same run in a cell:</div>'
+            f'<div style="color:{MUTED};font-size:12px">the same run in a cell:</div>'
             f'<pre style="margin:2px 0 6px 0;padding:6px 8px;background:var(--jp-layout-color2, #f5f5f5);'
-            f'border-radius:4px;font-family:{_MONO};font-size:12px;max-height:160px;overflow:auto">'
+            f'border-radius:4px;font-family:{MONO};font-size:12px;max-height:160px;overflow:auto">'
             f'{html.escape(command)}</pre>') if command else ""
         self.launch_button.disabled = not ok or self.running
         return ok
@@ -372,7 +369,7 @@ class LaunchPanel:
                 target, args, kwargs = self._target()
                 run = submit(target, args, kwargs, options)
             except (TypeError, ValueError) as exc:  # a CaptureError is a ValueError
-                self.message.value = (f'<pre class="torchdist-launch-error" style="color:{_ERROR};white-space:pre-wrap;'
+                self.message.value = (f'<pre class="torchdist-launch-error" style="color:{ERROR};white-space:pre-wrap;'
                                       f'margin:0">{html.escape(_shown(exc))}</pre>')
                 return None
             self.message.value = ""
@@ -432,14 +429,14 @@ class LaunchPanel:
                 text = text[:RESULT_CHARS] + " …"
             also = f" (also <code>{html.escape(self.name)}.value</code>)" if self.name else ""
             self.result.value = (
-                f'<div style="color:{_MUTED};font-size:12px;margin-top:6px">rank 0 returned{also}:</div>'
-                f'<pre class="torchdist-value" style="margin:2px 0;font-family:{_MONO};font-size:12px;'
+                f'<div style="color:{MUTED};font-size:12px;margin-top:6px">rank 0 returned{also}:</div>'
+                f'<pre class="torchdist-value" style="margin:2px 0;font-family:{MONO};font-size:12px;'
                 f'white-space:pre-wrap">{html.escape(text)}</pre>')
         else:
             text = error.details() if isinstance(error, RankFailure) else f"{type(error).__name__}: {error}"
-            colour = STATE_COLOURS.get(run.state.state, _ERROR)
+            colour = STATE_COLOURS.get(run.state.state, ERROR)
             self.result.value = (f'<pre class="torchdist-error" style="margin:6px 0 0 0;color:{colour};'
-                                 f'font-family:{_MONO};font-size:12px;white-space:pre-wrap">'
+                                 f'font-family:{MONO};font-size:12px;white-space:pre-wrap">'
                                  f'{html.escape(text)}</pre>')
         self.validate()
 

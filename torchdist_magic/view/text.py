@@ -5,6 +5,9 @@ lines are collapsed to their latest state; progress from ``progress()`` and tqdm
 per rank at a bounded rate; a restart is announced with the failure that caused it; a summary
 table ends the run (with where each rank was, when a hang or a timeout stopped it).  ``summary_with_logs`` adds each
 rank's last lines: the ``text/plain`` a notebook keeps of a widget view.
+
+Like the widget, it reads the run through the view model (``model``: one snapshot per update,
+a ``LogCursor`` for the lines): one meter, several renderers.
 """
 
 from __future__ import annotations
@@ -13,34 +16,35 @@ import sys
 import time
 from typing import List, Optional, TextIO
 
-from ..state import LogLine, RankState, RunState
-from .model import format_duration, metrics_text, progress_text, rank_logs, rank_stacks, run_facts
+from ..state import RunSnapshot, RunState
+from .model import (LogCursor, State, format_duration, metrics_text, rank_logs, rank_progress_text, rank_stacks,
+                    run_facts, snapshot)
 
 PROGRESS_EVERY = 5.0   # seconds between progress summaries
 CR_EVERY = 5.0         # seconds between showings of a rank's \r-progress line
 SUMMARY_LOG_LINES = 5  # of each rank in ``summary_with_logs``
 SUMMARY_LINE_CHARS = 300  # longer lines are cut there
+READ_LINES = 2000      # of a rank's log read at once: the state's lock is never held for long
+
+__all__ = ["TextView", "header", "rank_progress_text", "summary", "summary_with_logs"]
 
 
-def rank_progress_text(rs: RankState) -> str:
-    """Every bar a rank shows, outer loop first: ``epoch 1/3 [...] · batch 8/10 [...]``."""
-    return " · ".join(progress_text(bar) for bar in rs.shown_progress())
+def header(state: State) -> str:
+    facts = run_facts(state)
+    gpu = ", gpu" if facts.use_gpu else ""
+    name = f" {facts.job_name}" if facts.job_name else ""
+    return f"torchdist: run{name} on {facts.backend}, np={facts.num_processes}{gpu}"
 
 
-def header(state: RunState) -> str:
-    gpu = ", gpu" if state.use_gpu else ""
-    name = f" {state.job_name}" if state.job_name else ""
-    return f"torchdist: run{name} on {state.backend}, np={state.num_processes}{gpu}"
-
-
-def summary(state: RunState) -> str:
+def summary(state: State) -> str:
     """The final table: one row per rank, then the outcome (each attempt's root cause when the
     run restarted; where each rank was after a hang or a timeout)."""
-    facts = run_facts(state)
+    snap = snapshot(state)
+    facts = run_facts(snap)
     attempt = f", {facts.attempt_text}" if facts.attempt_text else ""
-    rows: List[str] = [f"torchdist: {state.state} after {format_duration(state.elapsed())}"
-                       f" ({state.elapsed():.1f} s), np={state.num_processes} on {state.backend}{attempt}"]
-    for rs in state.ranks:
+    rows: List[str] = [f"torchdist: {facts.state} after {format_duration(facts.elapsed)}"
+                       f" ({facts.elapsed:.1f} s), np={facts.num_processes} on {facts.backend}{attempt}"]
+    for rs in snap.ranks:
         bits = [f"  rank {rs.rank}", rs.state]
         if rs.host:
             bits.append(f"host={rs.host}")
@@ -55,7 +59,7 @@ def summary(state: RunState) -> str:
     rows += [f"  {line} (restarted)" for line in facts.earlier]
     if facts.outcome:
         rows.append(f"  {facts.outcome}")
-    stacks = rank_stacks(state)
+    stacks = rank_stacks(snap)
     if stacks:
         rows.append("  where each rank was (innermost frame first):")
         rows += [f"    rank {item.rank}: {item.where}" for item in stacks]
@@ -83,15 +87,16 @@ class TextView:
         self.state = state
         self.out = out
         self.err = err
-        self._cursor = [0] * state.num_processes
-        self._trailing: List[Optional[LogLine]] = [None] * state.num_processes  # the \r-line read last
-        self._attempt = state.attempt
-        self._pending_cr: List[Optional[str]] = [None] * state.num_processes
-        self._cr_shown = [0.0] * state.num_processes
+        snap = state.snapshot()
+        self._seen = -1                    # the state's version at the last update
+        self._logs = LogCursor(snap.num_processes)
+        self._attempt = snap.attempt
+        self._pending_cr: List[Optional[str]] = [None] * snap.num_processes
+        self._cr_shown = [0.0] * snap.num_processes
         self._progress_shown = 0.0
-        self._progress_seen = [None] * state.num_processes
+        self._progress_seen = [None] * snap.num_processes
         self._closed = False
-        self._print(header(state))
+        self._print(header(snap))
 
     def _print(self, text: str, stream: str = "stdout") -> None:
         target = (self.err or sys.stderr) if stream == "stderr" else (self.out or sys.stdout)
@@ -99,40 +104,40 @@ class TextView:
 
     def update(self) -> None:
         now = time.monotonic()
-        self._announce_restart()
-        for rs in self.state.ranks:
-            self._drain_logs(rs, now)
+        snap = self.state.snapshot(self._seen)
+        self._seen = snap.version
+        self._announce_restart(snap)
+        for r in sorted(snap.changed):
+            self._drain_logs(r)
+        self._show_pending_cr(now)
         if now - self._progress_shown >= PROGRESS_EVERY:
             self._progress_shown = now
-            self._show_progress()
+            self._show_progress(snap)
 
-    def _announce_restart(self) -> None:
-        attempts = self.state.attempts
-        while self._attempt < self.state.attempt and self._attempt <= len(attempts):
-            ended = attempts[self._attempt - 1]
+    def _announce_restart(self, snap: RunSnapshot) -> None:
+        while self._attempt < snap.attempt and self._attempt <= len(snap.attempts):
+            ended = snap.attempts[self._attempt - 1]
             cause = ended.failure.summary() if ended.failure else "a rank failed"
             self._attempt += 1
             self._print(f"torchdist: attempt {ended.number} failed ({cause}); restarting: attempt "
-                        f"{self._attempt} of {self.state.max_attempts}")
+                        f"{self._attempt} of {snap.max_attempts}")
 
-    def _drain_logs(self, rs: RankState, now: float) -> None:
-        r = rs.rank
-        start = self._cursor[r]
-        new = rs.logs[start:]
-        if new and new[0] is self._trailing[r]:  # read last time, and not replaced since
-            new, start = new[1:], start + 1
-        if new:
-            # a trailing \r-line may still be replaced by the log: read its place again next time
-            self._trailing[r] = new[-1] if new[-1].cr else None
-            self._cursor[r] = start + len(new) - (1 if self._trailing[r] is not None else 0)
-        for line in new:
-            if line.cr:
-                self._pending_cr[r] = line.text
-                continue
-            self._pending_cr[r] = None
-            self._print(f"[rank {r}] {line.text}", line.stream)
-        if self._pending_cr[r] is not None and now - self._cr_shown[r] >= CR_EVERY:
-            self._flush_cr(r)
+    def _drain_logs(self, r: int) -> None:
+        """Print ``r``'s new finished lines; keep its newest \\r-line for ``_show_pending_cr``."""
+        while True:
+            for line in self._logs.read(self.state, r, READ_LINES):
+                if line.cr:
+                    self._pending_cr[r] = line.text
+                    continue
+                self._pending_cr[r] = None
+                self._print(f"[rank {r}] {line.text}", line.stream)
+            if not self._logs.unread[r]:
+                return
+
+    def _show_pending_cr(self, now: float) -> None:
+        for r, text in enumerate(self._pending_cr):
+            if text is not None and now - self._cr_shown[r] >= CR_EVERY:
+                self._flush_cr(r)
 
     def _flush_cr(self, r: int) -> None:
         if self._pending_cr[r] is not None:
@@ -140,8 +145,8 @@ class TextView:
             self._pending_cr[r] = None
             self._cr_shown[r] = time.monotonic()
 
-    def _show_progress(self) -> None:
-        for rs in self.state.ranks:
+    def _show_progress(self, snap: RunSnapshot) -> None:
+        for rs in snap.ranks:
             text = rank_progress_text(rs)
             if rs.metrics:
                 text = f"{text}  {metrics_text(rs.metrics)}".strip()
@@ -153,9 +158,10 @@ class TextView:
         if self._closed:
             return
         self._closed = True
-        now = time.monotonic()
-        self._announce_restart()
-        for rs in self.state.ranks:
-            self._drain_logs(rs, now)
-            self._flush_cr(rs.rank)
+        snap = self.state.snapshot(self._seen)
+        self._seen = snap.version
+        self._announce_restart(snap)
+        for r in range(snap.num_processes):
+            self._drain_logs(r)
+            self._flush_cr(r)
         self._print(summary(self.state))

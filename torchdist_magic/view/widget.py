@@ -131,16 +131,17 @@ class WidgetView:
         self._last_render = now
         self.renders += 1
         state = self.state
-        version = state.version  # read first: a change made while rendering shows next time
-        facts = run_facts(state)
+        snap = state.snapshot(self._seen_version)  # one moment for every part; later changes show next time
+        version = snap.version
+        facts = run_facts(snap)
         _set(self.header, header_html(facts))
         if version != self._seen_version or force:
             self._seen_version = version
-            _set(self.rows, rows_html(rank_rows(state)))
+            _set(self.rows, rows_html(rank_rows(snap)))
             _set(self.failure, failure_html(facts))
-            _set(self.stacks, stacks_html(rank_stacks(state)))
-            self._merged.drain(state)
-            cause = root_cause_rank(state)
+            _set(self.stacks, stacks_html(rank_stacks(snap)))
+            self._merged.drain(state, snap.changed)
+            cause = root_cause_rank(snap)
             if cause is not None and not self._log_chosen and self.log_select.value != cause:
                 self._selecting = True
                 try:

@@ -1,0 +1,238 @@
+"""Stopping a rank ends everything it started, also what left its process group; every signal
+sent and every stop that failed is in the ``torchdist_magic`` log; one reading of ``/proc``."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+
+import pytest
+
+from helpers import alive, assert_no_survivors, wait_until
+from torchdist_magic import procs
+from torchdist_magic.errors import RankFailure
+from torchdist_magic.timing import STOP_GRACE
+
+
+def _end(daemons):
+    """End what a failing test left running: each daemon leads a process group of its own."""
+    for pid in daemons:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+# -- a process a rank starts in a session of its own ---------------------------------------------
+
+def start_daemon_then(pid_dir, fail, ignore_sigterm=False):
+    """Start ``sleep 600`` in a session of its own (out of the rank's process group), write its
+    pid into ``pid_dir``, then return (or raise)."""
+    import os
+    import subprocess
+
+    from torchdist_magic import rank
+
+    if ignore_sigterm:
+        daemon = subprocess.Popen(["sh", "-c", "trap '' TERM; echo up; sleep 600 & wait"],
+                                  start_new_session=True, stdout=subprocess.PIPE)
+        daemon.stdout.readline()  # its trap is in place
+    else:  # it holds the rank's output pipes, as a daemon that does not close them does
+        daemon = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    with open(os.path.join(pid_dir, f"rank{rank()}"), "w") as fh:
+        fh.write(str(daemon.pid))
+    if fail and rank() == 1:
+        raise ValueError("after starting a daemon")
+    return rank()
+
+
+def _daemon_pids(pid_dir):
+    return [int(open(os.path.join(pid_dir, name)).read()) for name in sorted(os.listdir(pid_dir))]
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["returns", "raises"])
+def test_a_process_a_rank_started_in_a_session_of_its_own_ends_with_the_run(local_distributor, tmp_path, fail):
+    pid_dir = tmp_path / "daemons"
+    pid_dir.mkdir()
+    run = local_distributor(2).submit(start_daemon_then, str(pid_dir), fail)
+    try:
+        if fail:
+            with pytest.raises(RankFailure, match="after starting a daemon"):
+                run.result(timeout=60)
+        else:
+            assert run.result(timeout=60) == 0
+        daemons = _daemon_pids(str(pid_dir))
+        assert len(daemons) == 2
+        assert [pid for pid in daemons if alive(pid)] == [], "a rank's daemon outlived the run"
+        assert_no_survivors(run, extra_pids=daemons)
+    finally:
+        run.cancel()
+        run.wait(30)
+        _end(_daemon_pids(str(pid_dir)))
+
+
+DRIVER = """
+import subprocess, sys, time
+from torchdist_magic import Distributor
+def start_daemon():
+    daemon = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+    print("up", daemon.pid, flush=True)
+    time.sleep(600)
+run = Distributor(1, show=None).submit(start_daemon)
+while "up" not in run.logs(0):
+    time.sleep(0.05)
+print(run.logs(0).split()[1], flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_process_a_rank_started_in_a_session_of_its_own_ends_when_the_driver_is_killed(tmp_path):
+    scratch = tmp_path / "driver-tmp"
+    scratch.mkdir()
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, TMPDIR=str(scratch)))
+    daemon = None
+    try:
+        lines = []
+        reader = threading.Thread(target=lambda: lines.append(driver.stdout.readline()), daemon=True)
+        reader.start()
+        wait_until(lambda: lines or driver.poll() is not None, 60, "the driver to print its rank's daemon")
+        assert lines and lines[0].strip(), f"the driver exited ({driver.returncode}) first"
+        daemon = int(lines[0])
+        assert alive(daemon)
+        driver.kill()
+        driver.wait()
+        wait_until(lambda: not alive(daemon), 30, "the orphaned rank to end its daemon")
+        wait_until(lambda: not any(scratch.iterdir()), 30, "the orphaned rank to remove its run directory")
+    finally:
+        driver.kill()
+        driver.wait()
+        if daemon is not None:
+            _end([daemon])
+
+
+def hang(marker_dir):
+    import os
+    import time
+
+    from torchdist_magic import rank
+
+    open(os.path.join(marker_dir, f"rank{rank()}"), "w").close()
+    time.sleep(600)
+
+
+def test_a_cancelled_run_logs_every_signal_it_sent(local_distributor, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="torchdist_magic")
+    marker_dir = tmp_path / "started"
+    marker_dir.mkdir()
+    run = local_distributor(2).submit(hang, str(marker_dir))
+    try:
+        wait_until(lambda: len(os.listdir(marker_dir)) == 2, 60, "both ranks to start their job")
+        pgids = [rs.pid for rs in run.state.ranks]
+        run.cancel()
+        assert run.wait(30), "the cancelled run did not end"
+    finally:
+        run.cancel()
+        run.wait(30)
+    messages = [r.getMessage() for r in caplog.records if r.name == "torchdist_magic"]
+    for rank, pgid in enumerate(pgids):
+        assert any(m.startswith(f"rank {rank}: sent SIGTERM to its process group {pgid}, stopping the rank (")
+                   for m in messages), messages
+    assert_no_survivors(run)
+
+
+def test_a_daemon_that_ignores_sigterm_is_killed_and_both_signals_are_logged(local_distributor, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="torchdist_magic")
+    pid_dir = tmp_path / "daemons"
+    pid_dir.mkdir()
+    run = local_distributor(1).submit(start_daemon_then, str(pid_dir), False, True)
+    try:
+        assert run.result(timeout=60) == 0
+        (daemon,) = _daemon_pids(str(pid_dir))
+        assert not alive(daemon)
+    finally:
+        _end(_daemon_pids(str(pid_dir)))
+    messages = [r.getMessage() for r in caplog.records if r.name == "torchdist_magic"]
+    mark = f"{run.run_id}:0:0"
+    for sig, why in (("SIGTERM", "a process the rank left running"), ("SIGKILL", f"still running {STOP_GRACE:g} s after SIGTERM")):
+        assert any(m.startswith(f"rank {mark}: sent {sig} to process {daemon} (sh -c ") and m.endswith(why)
+                   for m in messages), messages
+    assert_no_survivors(run, extra_pids=[daemon])
+
+
+def test_the_log_is_silent_unless_the_application_turns_it_on():
+    code = textwrap.dedent("""
+        import logging
+        from torchdist_magic import launcher
+        logging.getLogger("torchdist_magic").warning("could not send SIGKILL")
+        print("handlers", [type(h).__name__ for h in logging.getLogger("torchdist_magic").handlers])
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "handlers ['NullHandler']\n", "")
+
+
+# -- the mark, and ending what carries it ----------------------------------------------------------
+
+def _marked_sleeper(mark):
+    return subprocess.Popen(["sleep", "600"], start_new_session=True,
+                            env=dict(os.environ, **{procs.MARK_VARIABLE: mark}))
+
+
+def test_ending_one_rank_s_processes_never_touches_another_rank_s():
+    run = uuid.uuid4().hex
+    ours, rank_10, other_attempt = (_marked_sleeper(f"{run}:0:1"), _marked_sleeper(f"{run}:0:10"),
+                                    _marked_sleeper(f"{run}:1:1"))
+    sleepers = [ours, rank_10, other_attempt]
+    try:
+        wait_until(lambda: procs.marked_processes(f"{run}:0:1") == [ours.pid], 10, "the sleeper's mark")
+        assert procs.end_marked_processes(f"{run}:0:1", grace=5.0) == [ours.pid]
+        assert ours.wait(10) == -signal.SIGTERM
+        assert alive(rank_10.pid) and alive(other_attempt.pid)
+        assert procs.end_marked_processes(f"{run}:0:2", grace=5.0) == []
+        assert procs.end_marked_processes("", grace=5.0) == []
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait()
+
+
+def test_the_process_that_ends_a_mark_is_never_ended_by_it():
+    mark = f"{uuid.uuid4().hex}:0:0"
+    code = ("from torchdist_magic import procs; import sys; "
+            "print(procs.end_marked_processes(sys.argv[1], grace=0.0))")
+    done = subprocess.run([sys.executable, "-c", code, mark], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, **{procs.MARK_VARIABLE: mark}))
+    assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr
+
+
+# -- /proc --------------------------------------------------------------------------------------
+
+def test_process_exited_counts_a_zombie_as_exited():
+    child = subprocess.Popen(["sleep", "600"])
+    try:
+        assert not procs.process_exited(child.pid)
+        assert not procs.process_exited(os.getpid())
+        child.kill()
+        wait_until(lambda: procs.process_exited(child.pid), 10, "the killed child to be a zombie")
+        assert os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None  # not reaped yet
+    finally:
+        child.kill()
+        child.wait()
+    assert procs.process_exited(child.pid)  # reaped: no such process
+
+
+def test_group_members_are_the_live_processes_of_a_group():
+    leader = subprocess.Popen(["sh", "-c", "sleep 600 & echo $!; wait"], start_new_session=True,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(leader.stdout.readline())
+        assert sorted(procs.group_members(leader.pid)) == sorted([leader.pid, child])
+        assert os.getpid() not in procs.group_members(leader.pid)
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
+    wait_until(lambda: procs.group_members(leader.pid) == [], 10, "the group to be gone")

@@ -1,0 +1,106 @@
+"""What every backend is: the interface the distributor and the warm pools drive.
+
+A run goes ``backend.check(options)`` -> ``LaunchPlan`` (everything the backend resolved before
+anything starts: refused placements raise here), then ``backend.start(LaunchContext(...))`` with
+that plan -> a ``BackendRun`` (stop, stacks, results, close).  What a backend needs comes in
+through the context (the plan, the run's spec and job, the DataFrame of a data run); what it
+offers is on the base class (its session, its slots), so nobody sets attributes on a backend
+from outside or asks it with ``getattr``.  A new backend (Kubernetes, Ray) needs this module and
+its own.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional
+
+from .. import events
+from ..options import LaunchOptions
+from ..rankenv import RunSpec
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What ``Backend.check`` resolved for ``Backend.start``."""
+
+    num_processes: int
+    #: the interpreter the ranks run on where the backend chooses one (classic Spark's
+    #: executors); ``None``: the backend's own default
+    python: Optional[str] = None
+
+
+@dataclass
+class LaunchContext:
+    """What a backend needs to start one run."""
+
+    plan: LaunchPlan
+    spec: RunSpec
+    job_bytes: bytes
+    emit: Callable[[events.Event], None]       # feed a record into the run's RunState
+    to_ranks: Callable[[events.Event], int]    # send a record to every rank's launcher
+    #: the run's DataFrame (a ``data.PreparedData``) when it trains on one, else ``None``
+    data: Any = None
+    #: where records the backend takes for itself (``events.LAUNCHER_TO_DRIVER``) go, by type;
+    #: the backend fills it in ``start``
+    routes: Dict[type, Callable[[events.Event], None]] = field(default_factory=dict)
+
+
+class BackendRun(abc.ABC):
+    """A started run.  ``Exit`` records (one per rank) arrive through ``LaunchContext.emit``."""
+
+    @abc.abstractmethod
+    def stop(self, grace: float) -> None:
+        """Stop every rank still running: signal, wait until ``grace`` seconds, then kill."""
+
+    def dump_stacks(self) -> None:
+        """Ask every running rank for its threads' stacks; each answers with an
+        ``events.Stacks`` record through ``LaunchContext.emit`` (a backend that cannot, none)."""
+
+    @abc.abstractmethod
+    def result(self, rank: int) -> Optional[bytes]:
+        """The pickled value of ``rank`` (after it exited with 0), or ``None`` if it has none."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything the run holds (processes, ports, files, Spark jobs).  Idempotent."""
+
+    def ranks_alive(self) -> bool:
+        """Whether every rank's process is still there (a warm pool asks before each job)."""
+        return True
+
+
+class Backend(abc.ABC):
+    """Where a run's ranks go.  ``session`` is the SparkSession a Spark backend runs on (classic
+    or Connect), ``None`` elsewhere."""
+
+    name = "backend"
+    #: whether a run on this backend needs an event channel of its own (a warm pool has one)
+    needs_channel = True
+
+    def __init__(self, session: Any = None):
+        self.session = session
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """One line for the run header, e.g. ``local processes on host``."""
+
+    def channel_host(self) -> str:
+        """Address the driver's event channel listens on, reachable from the ranks."""
+        return "127.0.0.1"
+
+    def slots(self) -> Optional[int]:
+        """How many ranks can run at once, or ``None`` when nothing limits it up front."""
+        return None
+
+    def check(self, options: LaunchOptions) -> LaunchPlan:
+        """The plan for a run of ``options``; ``ValueError`` before anything starts if the run
+        cannot be placed."""
+        return LaunchPlan(options.num_processes)
+
+    @abc.abstractmethod
+    def start(self, ctx: LaunchContext) -> BackendRun:
+        """Start every rank.  A failed start releases whatever it had opened before raising."""
+
+    def release(self) -> None:
+        """The run that used this backend has ended (whether or not ``start`` was called)."""

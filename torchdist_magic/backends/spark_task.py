@@ -1,0 +1,298 @@
+"""What runs inside a Spark executor: one barrier task per rank (classic, Connect and data runs).
+
+Every Spark flavour's task runs ``run_barrier_task``: it joins the run's event channel as the
+rank's launcher, meets the other tasks (``rendezvous``), starts the rank's worker with the same
+launcher as the local backend (``RankProcess``), forwards its records and returns its outcome.
+A Connect stage and any data run's stage are ``mapInArrow`` functions (``run_arrow_task``): the
+same task, its outcome as Arrow rows, and a failed rank raised with ``FAILURE_MARK`` so that the
+barrier stage fails at once.
+
+Stopping.  Each task holds a launcher connection on the run's event channel; when the driver
+sends ``events.Stop`` over it, the task gives its worker SIGTERM, the grace, then SIGKILL,
+reports the exit and returns.  A task can also be killed
+outright (Spark kills the Python process of a cancelled or failed stage's task with SIGKILL
+after ``spark.python.task.killTimeout``), and then no ``finally`` runs: so each task also starts
+a small guard process in a session of its own, which notices the task's end and, unless the
+task said "done", stops the worker's process group and removes the task's files.
+
+Nothing here imports pyspark at module level, and nothing here is driver code: the driver's side
+of the stage is ``spark_stage``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional
+
+from .. import events, procs
+from ..channel import ChannelClient
+from ..launcher import RankProcess, read_result, reserve_port, stop_all, write_job_file
+from ..rankenv import RunSpec, place_ranks, rank_environment
+from ..timing import STOP_GRACE
+
+#: lines of a rank's output a task keeps, for when its channel to the driver is lost
+LOG_TAIL = 20
+#: how a failed rank's task marks its ``Exit`` in the exception its stage fails with
+FAILURE_MARK = "torchdist-rank-exit:"
+#: bytes of a value per result row of an Arrow stage: well under Spark Connect's default gRPC
+#: message limit (``spark.connect.grpc.maxInboundMessageSize``, 128 MiB) and its Arrow batch size
+CHUNK = 4 * 1024 * 1024
+#: the rows an Arrow stage's task yields
+SCHEMA = "rank int, kind string, chunk binary"
+
+# The guard: runs ``procs`` (standard library only) with this below it, and reads lines from the
+# task on stdin: each rank's process group id and mark, then "done" once the task has cleaned up
+# itself.  End of input without "done" means the task was killed: SIGTERM the worker's group, wait
+# up to the grace for the worker to exit (an orphan may stay a zombie for a while: that counts as
+# exited), SIGKILL what is left of the group, end what the rank started in a session of its own
+# (its mark), remove the files.
+_GUARD_MAIN = r"""
+import shutil, sys
+workdir, grace = sys.argv[1], float(sys.argv[2])
+ranks = []
+for line in sys.stdin:
+    if line.strip() == "done":
+        sys.exit(0)
+    pgid, _, mark = line.strip().partition(" ")
+    ranks.append((int(pgid), mark))
+def signal_all(sig):
+    for pgid, _ in ranks:
+        try:
+            os.killpg(pgid, sig)
+        except OSError:
+            pass
+signal_all(signal.SIGTERM)
+deadline = time.monotonic() + grace
+while time.monotonic() < deadline and not all(process_exited(pgid) for pgid, _ in ranks):
+    time.sleep(0.05)
+signal_all(signal.SIGKILL)
+for _, mark in ranks:
+    end_marked_processes(mark, grace)
+shutil.rmtree(workdir, ignore_errors=True)
+"""
+
+
+def guard_source() -> str:
+    """The guard's program: ``procs``' source, then ``_GUARD_MAIN``."""
+    with open(procs.__file__, encoding="utf-8") as fh:
+        return fh.read() + _GUARD_MAIN
+
+
+class RankExited(Exception):
+    """Raised by an Arrow task whose rank failed: its message carries the rank's ``Exit`` as JSON."""
+
+
+@dataclass
+class BarrierTaskSpec:
+    """Everything a barrier task needs; travels to the executors inside the stage's closure."""
+
+    run: RunSpec
+    job_bytes: bytes
+    #: a data run's Arrow schema (serialized), for a task whose partition is empty; else None
+    data_schema: Optional[bytes] = None
+
+
+class RunStopped(Exception):
+    """The driver stopped the run before this task started its rank."""
+
+
+class DriverMessages:
+    """What the driver sends this task over the channel: ``Stop`` (``stopped()``, with the
+    ``grace`` it gives the rank between SIGTERM and SIGKILL), ``Peers`` (``peers()``) and
+    ``DumpStacks`` (answered by ``dump_stacks``, once the rank's process is there)."""
+
+    def __init__(self):
+        self._stop = threading.Event()
+        self._peers = threading.Event()
+        self.grace = STOP_GRACE
+        self.peer_list: Optional[events.Peers] = None
+        self.dump_stacks: Optional[Callable[[], None]] = None
+
+    def on_message(self, record: events.Event) -> None:
+        if isinstance(record, events.Stop):
+            self.grace = max(record.grace, 0.0)
+            self._stop.set()
+        elif isinstance(record, events.Peers):
+            self.peer_list = record
+            self._peers.set()
+        elif isinstance(record, events.DumpStacks) and self.dump_stacks is not None:
+            self.dump_stacks()
+
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def peers(self, channel: ChannelClient) -> Optional[events.Peers]:
+        """The driver's ``Peers`` once it sent them; ``None`` when the channel is lost first
+        (the driver decides within ``SPARK_RENDEZVOUS_WAIT`` of the first task's ``Joined``)."""
+        while not self._peers.wait(0.01):
+            if channel.lost or self.stopped():
+                return None
+        return self.peer_list
+
+
+@dataclass
+class TaskOutcome:
+    """What a barrier task returns to the driver, for the ranks whose channel may have been lost."""
+
+    rank: int
+    value: Optional[bytes]          # the rank's pickled value, when it is wanted
+    exit_json: dict                 # its ``Exit`` record, encoded
+    channel_lost: bool = False      # the driver heard nothing live from this task
+    log_tail: List[str] = field(default_factory=list)  # the rank's last lines of output
+
+
+def run_barrier_task(spec: BarrierTaskSpec, partition) -> List[TaskOutcome]:
+    """One barrier task: run one rank, report it live over the channel, and return its outcome.
+    A data run's ``partition`` (Arrow batches) is the rank's rows; otherwise it is ignored."""
+    from pyspark import BarrierTaskContext
+
+    context = BarrierTaskContext.get()
+    rank = context.partitionId()
+    driver = DriverMessages()
+    channel = ChannelClient(spec.run.channel_address, spec.run.launcher_secret, spec.run.run_id, rank,
+                            role="launcher", on_message=driver.on_message)
+    exits: List[events.Exit] = []
+    tail: "collections.deque[str]" = collections.deque(maxlen=LOG_TAIL)
+
+    def emit(event: events.Event) -> None:
+        if isinstance(event, events.Exit):
+            exits.append(event)
+        elif isinstance(event, events.Log) and not event.cr:
+            tail.append(event.line)
+        channel.send(event)
+
+    try:
+        value = _run_rank(spec, context, rank, channel, emit, driver,
+                          partition if spec.data_schema is not None else None)
+    except Exception as exc:  # the task's own failure (not the rank's): report it as this rank's
+        value = None
+        host = socket.gethostname()
+        emit(events.Exit(rank=rank, code=1, time=time.time(), host=host, stopped=driver.stopped(),
+                         failure=events.Failure.from_exception(rank, exc, host=host, exit_code=1)))
+    lost = channel.lost
+    channel.close()
+    final = exits[-1]
+    if final.failure is not None:  # its output travels with it when nothing else carries it
+        final = dataclasses.replace(final, failure=final.failure.for_rank(rank, log_tail=list(tail)))
+    return [TaskOutcome(rank, value, events.encode(final), channel_lost=lost,
+                        log_tail=list(tail))]
+
+
+def host_identity() -> str:
+    """What tells this executor's machine apart from the others of the run: its host name, and
+    the address its executor binds (``SPARK_LOCAL_IP``) when one is set."""
+    bind = os.environ.get("SPARK_LOCAL_IP", "")
+    return f"{socket.gethostname()}/{bind}" if bind else socket.gethostname()
+
+
+def task_address(context, rank: int) -> str:
+    """The address other ranks reach this task's host at: its executor's bind address when
+    set, else the address Spark knows the executor by."""
+    return os.environ.get("SPARK_LOCAL_IP") or context.getTaskInfos()[rank].address.rpartition(":")[0]
+
+
+def rendezvous(context, channel: ChannelClient, driver: DriverMessages, mine: events.Joined) -> List[events.Joined]:
+    """Every task's ``Joined``, in rank order: through the driver (its ``Peers``), or, when some
+    task could not reach it, through Spark's barrier ``allGather`` (which waits in steps of a
+    second, the reason it is not the first choice)."""
+    channel.send(mine)
+    peers = driver.peers(channel)
+    if peers is not None and not peers.use_barrier:
+        return peers.peers
+    gathered = context.allGather(events.dumps(mine))
+    return [events.loads(text) for text in gathered]
+
+
+def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
+              emit: Callable[[events.Event], None], driver: DriverMessages,
+              batches=None) -> Optional[bytes]:
+    """Start and watch the rank; ``batches``: its rows, written to a file of the task's workdir
+    as they arrive (after the rendezvous, so that a large partition does not hold it up)."""
+    run = spec.run
+    workdir = tempfile.mkdtemp(prefix=f"torchdist-{run.run_id}-rank{rank}-")
+    guard = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", guard_source(), workdir, str(STOP_GRACE)],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=dict(os.environ, TORCHDIST_RUN_ID=run.run_id), start_new_session=True, text=True)
+    port = reserve_port("") if rank == 0 else None
+    proc: Optional[RankProcess] = None
+    try:
+        gpus = None
+        if run.use_gpu:
+            resource = context.resources().get("gpu")
+            gpus = ",".join(resource.addresses) if resource is not None else None
+        mine = events.Joined(rank=rank, host=host_identity(), address=task_address(context, rank), gpus=gpus,
+                             port=port.getsockname()[1] if port is not None else None)
+        peers = rendezvous(context, channel, driver, mine)
+        place = place_ranks([p.host for p in peers], peers[0].address, peers[0].port,
+                            [p.gpus for p in peers])[rank]
+        data_file = ""
+        if batches is not None:
+            from ..data import write_batches
+
+            data_file = os.path.join(workdir, "data.arrow")
+            write_batches(data_file, batches, spec.data_schema, driver.stopped)
+        env = rank_environment(os.environ, run, place, data_file=data_file)
+        env["TORCHDIST_CLEANUP"] = workdir  # the worker removes it if it outlives this task
+        job_file = os.path.join(workdir, "job.pkl")
+        write_job_file(job_file, spec.job_bytes)
+        if driver.stopped():
+            raise RunStopped(f"the run was stopped before rank {rank} started")
+        result_dir = os.path.join(workdir, f"rank-{rank}")
+        proc = RankProcess(rank, job_file, result_dir, env, emit)
+        driver.dump_stacks = proc.dump_stacks
+        guard.stdin.write(f"{proc.pgid} {proc.mark}\n")
+        guard.stdin.flush()
+        while not proc.exited.wait(0.05):
+            if driver.stopped():
+                stop_all([proc], driver.grace)
+        wanted = proc.returncode == 0 and run.returns_value(rank)
+        return read_result(result_dir) if wanted else None
+    finally:
+        if proc is not None:
+            stop_all([proc], STOP_GRACE)  # also reaches what the worker left in its group
+        if port is not None:
+            port.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+        try:
+            guard.stdin.write("done\n")
+            guard.stdin.close()
+        except OSError:
+            pass
+        guard.wait()
+
+
+def run_arrow_task(spec: BarrierTaskSpec, batches: Iterator) -> Iterator:
+    """One barrier task of a ``mapInArrow`` stage (a Connect run, or any data run): run one rank
+    and yield its exit, its output's last lines when the driver could not hear them, and its
+    value in ``CHUNK``-sized rows.  The input rows are the rank's data in a data run."""
+    import pyarrow as pa
+
+    if spec.data_schema is None:
+        for _ in batches:  # the input rows only make one task per rank
+            pass
+    outcome = run_barrier_task(spec, batches)[0]
+    rank, value, exit_json = outcome.rank, outcome.value, outcome.exit_json
+    exit_record = events.decode(exit_json)
+    if exit_record.code not in (0, None) and not exit_record.stopped:
+        raise RankExited(FAILURE_MARK + events.dumps(exit_record))
+    rows = [(rank, "exit", events.dumps(exit_record).encode())]
+    if outcome.channel_lost:
+        rows += [(rank, "log", line.encode()) for line in outcome.log_tail]
+    if value is not None:
+        rows += [(rank, "value", value[i:i + CHUNK]) for i in range(0, len(value), CHUNK)] or [(rank, "value", b"")]
+    for rank_, kind, chunk in rows:
+        yield pa.RecordBatch.from_pydict({"rank": [rank_], "kind": [kind], "chunk": [chunk]},
+                                         schema=pa.schema([("rank", pa.int32()), ("kind", pa.string()),
+                                                           ("chunk", pa.binary())]))
+
