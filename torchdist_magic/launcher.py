@@ -93,7 +93,7 @@ class RankProcess:
     once what the rank left running (``mark``) has been ended too."""
 
     def __init__(self, rank: int, job_file: str, result_dir: str, env: Dict[str, str],
-                 emit: Callable[[events.Event], None]):
+                 emit: Callable[[events.Event], None], python: str = sys.executable):
         self.rank = rank
         self.result_dir = result_dir
         self.emit = emit
@@ -106,7 +106,7 @@ class RankProcess:
         self.mark = rank_mark(env, rank)
         os.makedirs(result_dir, exist_ok=True)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torchdist_magic.worker", job_file, result_dir],
+            [python, "-m", "torchdist_magic.worker", job_file, result_dir],
             env={**env, MARK_VARIABLE: self.mark}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True,
         )
