@@ -85,6 +85,21 @@ def one() -> int:
     return 1
 
 
+def rank_failure_of(run, timeout: float = 120.0):
+    """The ``RankFailure`` ``run`` ends with; the run is cancelled and waited for whatever
+    happens (its other ranks may be sleeping for minutes)."""
+    from torchdist_magic import RankFailure
+
+    try:
+        run.result(timeout=timeout)
+    except RankFailure as failure:
+        return failure
+    finally:
+        run.cancel()
+        run.wait(60)
+    raise AssertionError(f"{run} did not fail")
+
+
 def assert_no_survivors(run, extra_pids=(), wait: float = 5.0) -> None:
     """No process of ``run`` (ranks, their children) and none of ``extra_pids`` is alive."""
     def survivors():

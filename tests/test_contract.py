@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import assert_no_survivors, touch, wait_until
+from helpers import assert_no_survivors, rank_failure_of, touch, wait_until
 from torchdist_magic import (HangTimeout, JobTimeout, RankFailure, RunCancelled, load_checkpoint, progress, rank,
                              report, restart_count, save_checkpoint)
 
@@ -73,13 +73,7 @@ def test_all_ranks_values_by_rank(dist):
 
 def test_raise_is_rank_failure_with_root_cause(dist):
     run = dist(2).submit(raise_on, 1)
-    try:
-        with pytest.raises(RankFailure) as info:
-            run.result(timeout=120)
-    finally:  # rank 0 would sleep for 600 s if the run did not end
-        run.cancel()
-        run.wait(60)
-    err = info.value
+    err = rank_failure_of(run)  # rank 0 sleeps: it is stopped
     assert isinstance(err, RuntimeError)
     assert err.rank == 1
     assert err.exc_type == "ValueError"
@@ -93,16 +87,11 @@ def test_raise_is_rank_failure_with_root_cause(dist):
     ("sys.exit", 3), ("os._exit", 3), ("sigkill", -signal.SIGKILL), ("segfault", -signal.SIGSEGV)])
 def test_any_exit_fails_the_run(dist, how, expected_code):
     run = dist(2).submit(exit_on, 1, how)
-    try:
-        with pytest.raises(RankFailure) as info:
-            run.result(timeout=120)
-    finally:  # rank 0 would sleep for 600 s if the run did not end
-        run.cancel()
-        run.wait(60)
-    assert info.value.rank == 1
-    assert info.value.exit_code == expected_code
+    err = rank_failure_of(run)
+    assert err.rank == 1
+    assert err.exit_code == expected_code
     if how == "segfault":
-        assert "SIGSEGV" in str(info.value)
+        assert "SIGSEGV" in str(err)
         assert "Segmentation fault" in run.logs(1)
     assert_no_survivors(run)
 
