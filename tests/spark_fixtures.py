@@ -1,5 +1,7 @@
 """Spark fixtures: ``spark_local2`` (master ``local[2]``), ``spark_cluster``
-(``local-cluster[2,1,1024]``: two executor JVMs with one core each), ``spark_standalone`` (a
+(``local-cluster[2,1,1024]``: two executor JVMs with one core each), ``spark_fake_gpus``
+(TorchDistributor's own GPU fixture: ``local-cluster[2,2,1024]`` whose workers each find GPUs
+0, 1, 2 with a discovery script, one per executor and task), ``spark_standalone`` (a
 real standalone cluster started from the pyspark wheel: a master and two one-core workers bound
 to 127.0.0.2 and 127.0.0.3, which stand for two hosts) and ``spark_connect`` (a Spark Connect
 session on a Connect server started from the wheel, master ``local[2]``).
@@ -24,8 +26,8 @@ from helpers import free_port, wait_until
 
 #: fixture -> master URL (the standalone cluster's is known once it runs), in test order; the
 #: Connect session comes last (it needs no classic SparkContext in this process)
-MASTERS = {"spark_local2": "local[2]", "spark_cluster": "local-cluster[2,1,1024]", "spark_standalone": None,
-           "spark_connect": None}
+MASTERS = {"spark_local2": "local[2]", "spark_cluster": "local-cluster[2,1,1024]",
+           "spark_fake_gpus": "local-cluster[2,2,1024]", "spark_standalone": None, "spark_connect": None}
 CONNECT_WAIT = 180.0
 CONNECT_READY = b"Spark Connect server started"
 EXECUTOR_WAIT = 120.0
@@ -291,6 +293,26 @@ def spark_local2(spark_sessions):
 def spark_cluster(spark_sessions):
     """The active SparkSession on ``local-cluster[2,1,1024]`` (ranks run in executor JVMs)."""
     return spark_sessions.get(MASTERS["spark_cluster"])
+
+
+@pytest.fixture(scope="session")
+def gpu_discovery_script(tmp_path_factory):
+    """A GPU discovery script that finds GPUs 0, 1 and 2 (there are none: Spark only hands out
+    their addresses)."""
+    path = tmp_path_factory.mktemp("gpus") / "discover.sh"
+    path.write_text('#!/bin/sh\necho \'{"name": "gpu", "addresses": ["0", "1", "2"]}\'\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.fixture
+def spark_fake_gpus(spark_sessions, gpu_discovery_script):
+    """The active SparkSession on TorchDistributor's GPU fixture: two workers on this machine,
+    each with GPUs 0-2 by its discovery script; one GPU and two cores per executor and task."""
+    return spark_sessions.get(MASTERS["spark_fake_gpus"], **{
+        "spark.worker.resource.gpu.discoveryScript": gpu_discovery_script,
+        "spark.worker.resource.gpu.amount": "3", "spark.task.cpus": "2",
+        "spark.task.resource.gpu.amount": "1", "spark.executor.resource.gpu.amount": "1"})
 
 
 def _spark_master_of(item) -> int:

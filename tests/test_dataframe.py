@@ -346,3 +346,10 @@ def test_a_frame_sorted_by_label_gives_every_rank_both_classes():
         assert [i for i, _ in pairs] == sorted(i for i, _ in pairs)  # in the DataFrame's order
     assert dist.train_on_dataframe(own_rows, data) == ranks         # the same split every time
     assert_no_survivors(last_run())
+
+
+def test_torchdistributors_private_name_still_works():
+    """Code written for TorchDistributor calls its private ``_train_on_dataframe``."""
+    frame = pd.DataFrame({"x": [1.0, 2.0, 3.0, 4.0]})
+    dist = Distributor(2, local_mode=True, show=None, all_ranks=True)
+    assert dist._train_on_dataframe(count_rows, frame) == dist.train_on_dataframe(count_rows, frame) == [[2, 2]] * 2

@@ -499,3 +499,30 @@ def test_a_job_is_taken_as_it_is_and_logs_name_the_ranks_and_attempts_there_are(
         run.logs(0, attempt=2)
     assert run.logs(1, attempt=1) == "r1 line 0\n"
     assert_no_survivors(run)
+
+
+SCRIPT_LAST_WORDS = {
+    "usage_error.py": ("import argparse\n"
+                       "parser = argparse.ArgumentParser()\n"
+                       "parser.add_argument('--lr', type=float, required=True)\n"
+                       "parser.parse_args()\n",
+                       ["usage: usage_error.py [-h] --lr LR",
+                        "usage_error.py: error: the following arguments are required: --lr"]),
+    "exit_127.py": ("import sys\n"
+                    "print('looking for the compiler', flush=True)\n"
+                    "print('fake-nvcc: command not found', file=sys.stderr, flush=True)\n"
+                    "sys.exit(127)\n",
+                    ["looking for the compiler", "fake-nvcc: command not found"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPT_LAST_WORDS))
+def test_a_failing_scripts_last_words_are_in_its_rank_failure(local_distributor, tmp_path, name):
+    source, said = SCRIPT_LAST_WORDS[name]
+    script = tmp_path / name
+    script.write_text(source)
+    with pytest.raises(RankFailure) as info:
+        local_distributor(1).run(str(script))
+    text = str(info.value)
+    assert "SystemExit" in text and f"--- traceback of rank 0 ---" in text
+    assert text.split("--- last output of rank 0 ---\n", 1)[1].splitlines()[:len(said)] == said

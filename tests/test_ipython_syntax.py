@@ -209,7 +209,8 @@ def test_traceback_through_time_shows_the_cells_lines(source, lines, shown):
 def test_pip_runs_once_and_its_failure_reaches_every_rank_of_the_host(tmp_path, monkeypatch, capfd):
     missing = tmp_path / "missing-0.1-py3-none-any.whl"
     line = f"install --no-index --disable-pip-version-check {missing}"
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHDIST_HOST_RANKS", "0,1")  # as on Spark: LOCAL_WORLD_SIZE is 1 there
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     failures = []
     for rank in ("0", "1"):  # two ranks of one host, one after the other, at the same %pip
         monkeypatch.setenv("RANK", rank)

@@ -2,6 +2,7 @@
 back through collect, bad placements are refused before anything starts, a stage that fails
 outside any rank still ends as a readable RankFailure, and nothing is left behind."""
 
+import importlib.util
 import os
 import signal
 import time
@@ -28,7 +29,8 @@ def ancestors_and_environment():
             chain.append((pid, fh.read().replace(b"\0", b" ").decode(errors="replace")))
         with open(f"/proc/{pid}/stat", "rb") as fh:
             pid = int(fh.read().rsplit(b")", 1)[1].split()[1])
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "FROM_OPTIONS")
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "GROUP_WORLD_SIZE",
+             "MASTER_ADDR", "FROM_OPTIONS", "CUDA_VISIBLE_DEVICES", "TORCHDIST_HOST_RANKS")
     return {"rank": rank(), "ancestors": chain, "env": {k: os.environ.get(k) for k in names}}
 
 
@@ -57,15 +59,18 @@ def say_stopped_on_sigterm():
 
 
 @pytest.mark.spark
-def test_ranks_run_inside_executor_processes(spark_cluster):
+def test_ranks_run_inside_executor_processes(spark_cluster, monkeypatch):
+    # the executors' own environment names a GPU: a CPU run must not see it
+    monkeypatch.setitem(spark_cluster.sparkContext.environment, "CUDA_VISIBLE_DEVICES", "0")
     run = spark_dist(2, all_ranks=True, env={"FROM_OPTIONS": "yes"}).submit(ancestors_and_environment)
     values = run.result(timeout=180)
     executors = []
     for r, value in enumerate(values):
-        # both executors of the local cluster are on this host: local ranks 0 and 1 of 2
-        assert value["env"] == {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                "FROM_OPTIONS": "yes"}
+        # each task a node of one process, as under TorchDistributor, though both share this host
+        assert value["env"] == {"RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+                                "NODE_RANK": str(r), "GROUP_RANK": str(r), "GROUP_WORLD_SIZE": "2",
+                                "MASTER_ADDR": "127.0.0.1", "FROM_OPTIONS": "yes", "CUDA_VISIBLE_DEVICES": "",
+                                "TORCHDIST_HOST_RANKS": "0,1"}
         jvms = [cmd for _, cmd in value["ancestors"] if "CoarseGrainedExecutorBackend" in cmd]
         assert jvms, f"rank {value['rank']} is not below an executor JVM: {value['ancestors']}"
         words = jvms[0].split()
@@ -417,3 +422,64 @@ def test_a_process_a_rank_started_in_a_session_of_its_own_ends_with_the_spark_ru
         run.cancel()
         run.wait(60)
         _end(_daemon_pids(str(pid_dir)))
+
+
+def lightning_as_torchdistributor_documents_it(num_processes, root):
+    """TorchDistributor's docstring pattern: ``devices=1, num_nodes=num_processes`` (on CPU here)."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=8)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=num_processes, strategy="ddp", max_epochs=1,
+                         default_root_dir=root, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Tiny(), data)
+    return trainer.global_rank, trainer.node_rank, trainer.local_rank, trainer.world_size
+
+
+@pytest.mark.spark
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs lightning (the notebooks extra)")
+def test_torchdistributors_lightning_pattern_runs_unchanged(spark_local2, tmp_path):
+    """Both ranks on one host: with torchrun's placement rank 1 would be LOCAL_RANK 1 of a
+    ``devices=1`` node, and Lightning fails (``parallel_devices[local_rank]``)."""
+    run = spark_dist(2, all_ranks=True).submit(lightning_as_torchdistributor_documents_it, 2, str(tmp_path))
+    assert run.result(timeout=300) == [(0, 0, 0, 2), (1, 1, 0, 2)]
+    assert_nothing_left(run)
+
+
+def gpu_environment():
+    return {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "NODE_RANK", "TORCHDIST_HOST_RANKS")}
+
+
+@pytest.mark.spark
+def test_ranks_on_torchdistributors_gpu_fixture_each_see_their_own_gpu_once(spark_fake_gpus):
+    """Two executors on one machine, each given GPU "0" by its own worker: each rank sees "0"
+    (what TorchDistributor's test expects), never "0,0"."""
+    run = spark_dist(2, all_ranks=True, use_gpu=True).submit(gpu_environment)
+    assert run.result(timeout=180) == [
+        {"CUDA_VISIBLE_DEVICES": "0", "LOCAL_RANK": "0", "NODE_RANK": str(r), "TORCHDIST_HOST_RANKS": "0,1"}
+        for r in range(2)]
+    assert_nothing_left(run)
+
+
+@pytest.mark.spark
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs lightning (the notebooks extra)")
+def test_torchdistributors_lightning_pattern_on_its_gpu_fixture(spark_fake_gpus, tmp_path):
+    """The same pattern on the fake-GPU cluster (on CPU: the GPUs are only addresses)."""
+    run = spark_dist(2, all_ranks=True).submit(lightning_as_torchdistributor_documents_it, 2, str(tmp_path))
+    assert run.result(timeout=300) == [(0, 0, 0, 2), (1, 1, 0, 2)]
+    assert_nothing_left(run)

@@ -10,14 +10,14 @@ from __future__ import annotations
 from .data import shard
 from .errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
 from .options import LaunchOptions
-from .runtime import (RankStopped, device, is_main, load_checkpoint, local_rank, progress, rank, report,
-                      restart_count, save_checkpoint, world_size)
+from .runtime import (RankStopped, device, host_ranks, is_main, load_checkpoint, local_rank, local_world_size,
+                      progress, rank, report, restart_count, save_checkpoint, world_size)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Distributor", "LaunchOptions", "RankFailure", "JobTimeout", "HangTimeout", "RunCancelled", "ResultTimeout",
-    "Run", "last_run", "progress", "report", "rank", "world_size", "local_rank", "is_main", "device",
+    "Run", "last_run", "progress", "report", "rank", "world_size", "local_rank", "local_world_size", "host_ranks", "is_main", "device",
     "restart_count", "save_checkpoint", "load_checkpoint", "RankStopped", "shard",
     "load_ipython_extension", "unload_ipython_extension", "pools", "shutdown_pools",
 ]

@@ -98,6 +98,9 @@ class Distributor:
         anything starts."""
         return self._follow(submit(train_function, args, kwargs, self.options, data=spark_dataframe))
 
+    #: TorchDistributor's private name for it, which code written for TorchDistributor calls
+    _train_on_dataframe = train_on_dataframe
+
     def _follow(self, run: Run) -> Any:
         observer = None
         if self.show is not None:

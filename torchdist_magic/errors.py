@@ -11,6 +11,9 @@ from typing import Dict, List, Optional
 
 from .events import Failure, Stacks
 
+#: lines of a failing rank's last output that its ``RankFailure`` text shows
+LAST_WORDS = 10
+
 
 class RankFailure(RuntimeError):
     """A rank of a distributed run failed; the first failing rank is the root cause.
@@ -50,8 +53,9 @@ class RankFailure(RuntimeError):
         body = f.traceback.rstrip()
         if body:
             lines += ["", f"--- traceback of rank {f.rank} ---", body]
-        elif f.log_tail:
-            lines += ["", f"--- last output of rank {f.rank} ---", *f.log_tail]
+        said = last_words(f)
+        if said:
+            lines += ["", f"--- last output of rank {f.rank} ---", *said]
         if len(self.failures) > 1:
             lines += ["", "Other ranks stopped after the root cause:"]
             lines += [f"  {o.summary()}" for o in self.failures[1:]]
@@ -66,6 +70,15 @@ class RankFailure(RuntimeError):
 
     def __str__(self) -> str:
         return self.details()
+
+
+def last_words(failure: Failure, limit: int = LAST_WORDS) -> List[str]:
+    """The failing rank's last lines of output that its traceback does not already show (what a
+    script printed before it exited: argparse's usage error, a message before ``sys.exit(1)``),
+    at most ``limit`` of them."""
+    shown = {line.strip() for line in failure.traceback.splitlines()}
+    said = [line for line in failure.log_tail if line.strip() and line.strip() not in shown]
+    return said[-limit:]
 
 
 class _PlainRender:

@@ -329,7 +329,7 @@ class OutputEnd(Event):
 @dataclass
 class Joined(Event):
     """A rank's launcher on another machine (a Spark task) is up: where it runs, for the
-    driver to place the ranks (``rankenv.place_ranks``)."""
+    tasks to place their ranks (``rankenv.place_spark_tasks``)."""
 
     type: ClassVar[str] = "joined"
     host: str = ""                  # what tells its machine apart from the others'

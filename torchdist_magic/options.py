@@ -55,9 +55,10 @@ def _flag(flag: str, help: str, **extra: Any) -> dict:
 
 
 GPU_HELP = (
-    "one GPU per rank and the nccl process group; rank r uses cuda:LOCAL_RANK. Local processes: "
-    "the machine's GPUs, refused when it has fewer than --np. Spark: the GPU Spark assigns each "
-    "task (needs spark.task.resource.gpu.amount=1), passed as CUDA_VISIBLE_DEVICES")
+    "one GPU per rank and the nccl process group; rank r uses cuda:LOCAL_RANK (device). Local "
+    "processes: the machine's GPUs, refused when it has fewer than --np. Spark: the GPU Spark "
+    "assigns each task (needs spark.task.resource.gpu.amount=1), first in CUDA_VISIBLE_DEVICES "
+    "(cuda:0), before the other GPUs of its host's ranks; without --gpu a Spark rank sees no GPU")
 
 
 @dataclass

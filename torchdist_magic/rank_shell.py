@@ -44,6 +44,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from . import runtime
+
 #: the magics a rank runs, without their ``%``
 LINE_MAGICS = ("time", "timeit", "env", "cd", "pip")
 CELL_MAGICS = ("time", "timeit")
@@ -488,7 +490,7 @@ class RankShell:
                 fh.write(f"{code} {by}\n")
             fh.write("+")
             fh.flush()
-            if len(passed) + 1 >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+            if len(passed) + 1 >= len(runtime.host_ranks()):  # every rank of this host has been
                 os.unlink(path)
         if code != "0":
             where = "above" if by == _rank() else f"in rank {by}'s log"

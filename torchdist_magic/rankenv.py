@@ -1,7 +1,9 @@
 """What each rank is told, derived in one place.
 
 ``RunSpec`` is ``LaunchOptions`` resolved once for one run (with the run's id and channel);
-``place_ranks`` turns the host of every rank into torchrun's placement variables; and
+``place_ranks`` (local processes: torchrun's placement) and ``place_spark_tasks`` (Spark: each
+task a node of one process, as under TorchDistributor) turn the host of every rank into the
+placement variables; and
 ``rank_environment`` is the one function that builds a rank's environment from both.  Backends
 call it; nothing else writes a rank's environment, and the worker reads its settings from that
 environment only (``TORCHDIST_USE_GPU``, ``TORCHDIST_RETURN_VALUE``; the runtime's
@@ -76,6 +78,19 @@ class Placement:
     master_addr: str
     master_port: int
     cuda_visible_devices: Optional[str] = None
+    #: the ranks on this rank's machine, in rank order (``runtime.host_ranks()``): what once-per-host
+    #: work and the threads per rank go by, whatever the placement calls a node
+    host_ranks: Tuple[int, ...] = ()
+
+
+def _hosts(hosts: List[str]) -> Tuple[Dict[str, int], Dict[str, List[int]]]:
+    """Each host's index, in the order of its first rank, and its ranks in rank order."""
+    order: Dict[str, int] = {}
+    members: Dict[str, List[int]] = {}
+    for rank, host in enumerate(hosts):
+        order.setdefault(host, len(order))
+        members.setdefault(host, []).append(rank)
+    return order, members
 
 
 def place_ranks(hosts: List[str], master_addr: str, master_port: int,
@@ -89,11 +104,7 @@ def place_ranks(hosts: List[str], master_addr: str, master_port: int,
     rank order, so that ``cuda:LOCAL_RANK`` is its own (as under torchrun); otherwise a rank
     sees its own GPUs only.
     """
-    order: Dict[str, int] = {}
-    members: Dict[str, List[int]] = {}
-    for rank, host in enumerate(hosts):
-        order.setdefault(host, len(order))
-        members.setdefault(host, []).append(rank)
+    order, members = _hosts(hosts)
     gpus = gpus or [None] * len(hosts)
     out = []
     for rank, host in enumerate(hosts):
@@ -104,7 +115,40 @@ def place_ranks(hosts: List[str], master_addr: str, master_port: int,
         out.append(Placement(
             rank=rank, local_rank=members[host].index(rank), local_world_size=len(members[host]),
             group_rank=order[host], group_world_size=len(order), master_addr=master_addr,
-            master_port=master_port, cuda_visible_devices=visible))
+            master_port=master_port, cuda_visible_devices=visible, host_ranks=tuple(members[host])))
+    return out
+
+
+def place_spark_tasks(hosts: List[str], master_addr: str, master_port: int, use_gpu: bool,
+                      gpus: Optional[List[Optional[str]]] = None) -> List[Placement]:
+    """Placements of the ranks of a Spark barrier stage, ``hosts[r]`` rank r's machine: each task
+    is a node of one process (``LOCAL_RANK`` 0, ``LOCAL_WORLD_SIZE`` 1, ``GROUP_RANK`` and
+    ``NODE_RANK`` its rank, ``GROUP_WORLD_SIZE`` the number of ranks), as TorchDistributor runs
+    them, so that code written for it (Lightning's ``devices=1, num_nodes=num_processes``) runs
+    unchanged however Spark spreads the tasks over machines.
+
+    GPUs (``gpus[r]``: the addresses Spark gave rank r's task): unlike TorchDistributor, a rank
+    sees the GPUs of every rank on its machine, its own first, so that ``cuda:0`` is its own and
+    NCCL can still reach its peers' devices directly (peer-to-peer, NVLink), which it cannot
+    between processes that do not see each other's GPUs; no address is listed twice.  A run
+    without ``use_gpu`` sees no GPU at all (``CUDA_VISIBLE_DEVICES=""``), as under
+    TorchDistributor: a CPU job must not allocate on a GPU that Spark gave another task.
+    """
+    _, members = _hosts(hosts)
+    gpus = gpus or [None] * len(hosts)
+    out = []
+    for rank, host in enumerate(hosts):
+        if not use_gpu:
+            visible: Optional[str] = ""
+        elif gpus[rank] is None:
+            visible = None  # Spark gave the task no GPU resource: leave the executor's setting
+        else:
+            addresses = [a for r in [rank] + members[host] for a in (gpus[r] or "").split(",") if a]
+            visible = ",".join(dict.fromkeys(addresses))
+        out.append(Placement(
+            rank=rank, local_rank=0, local_world_size=1, group_rank=rank, group_world_size=len(hosts),
+            master_addr=master_addr, master_port=master_port, cuda_visible_devices=visible,
+            host_ranks=tuple(members[host])))
     return out
 
 
@@ -134,7 +178,8 @@ def _environment(base: Dict[str, str], spec: RunSpec, place: Placement, data_fil
         env["CUDA_VISIBLE_DEVICES"] = place.cuda_visible_devices
     env.update(spec.env)
     if "OMP_NUM_THREADS" not in spec.env and "OMP_NUM_THREADS" not in base:
-        env["OMP_NUM_THREADS"] = str(max(1, cores_available() // max(place.local_world_size, 1)))
+        sharing = len(place.host_ranks) or place.local_world_size  # the ranks on this machine
+        env["OMP_NUM_THREADS"] = str(max(1, cores_available() // max(sharing, 1)))
     env.setdefault("PYTHONUNBUFFERED", "1")
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if _PACKAGE_PARENT not in paths:
@@ -165,6 +210,7 @@ def _run_variables(spec: RunSpec, place: Placement) -> Dict[str, str]:
         "GROUP_WORLD_SIZE": str(place.group_world_size),
         "ROLE_RANK": str(place.rank), "ROLE_WORLD_SIZE": str(spec.num_processes),
         "MASTER_ADDR": place.master_addr, "MASTER_PORT": str(place.master_port),
+        "TORCHDIST_HOST_RANKS": ",".join(map(str, place.host_ranks or (place.rank,))),
         "TORCHDIST_RUN_ID": spec.run_id, "TORCHDIST_CHANNEL": spec.channel_address,
         "TORCHDIST_SECRET": spec.secret,
         "TORCHDIST_USE_GPU": "1" if spec.use_gpu else "0",

@@ -98,6 +98,18 @@ def local_world_size() -> int:
     return _env_int("LOCAL_WORLD_SIZE", 1)
 
 
+def host_ranks() -> List[int]:
+    """The ranks on this rank's machine, in rank order (``[rank()]`` outside a run).  For work
+    done once per machine (a download to local disk, a cache): ``if rank() == host_ranks()[0]``.
+    Not ``local_rank() == 0``: on Spark every rank is a node of its own (``LOCAL_RANK`` 0), as
+    under TorchDistributor, whichever machine it shares."""
+    text = os.environ.get("TORCHDIST_HOST_RANKS", "")
+    try:
+        return [int(r) for r in text.split(",")] if text else [rank()]
+    except ValueError:
+        return [rank()]
+
+
 def is_main() -> bool:
     """True on rank 0: the rank whose value the notebook gets."""
     return rank() == 0

@@ -8,8 +8,10 @@ stopping sends ``Stop`` over the channel, then interrupts the job tag until the 
 
 Placement.  Each task tells the others, through the rendezvous, its own host identity (its host
 name, and its executor's bind address ``SPARK_LOCAL_IP`` when set: executors that stand for
-different hosts on one machine are told apart) and its address; ``rankenv.place_ranks`` turns
-them into torchrun's ``LOCAL_RANK``, ``GROUP_RANK``... and rank 0's address is ``MASTER_ADDR``.
+different hosts on one machine are told apart), its address and its GPUs;
+``rankenv.place_spark_tasks`` makes each task a node of one process, as TorchDistributor does
+(``LOCAL_RANK`` 0, ``NODE_RANK`` its rank), seeing its host's GPUs with its own first; rank 0's
+address is ``MASTER_ADDR``.
 
 A stage that fails outside any rank (the task's Python code itself, a killed task, a lost
 executor) is not retried by Spark (a barrier result stage cannot be); the run fails with the

@@ -37,7 +37,7 @@ from typing import Callable, Iterator, List, Optional
 from .. import events, procs
 from ..channel import ChannelClient
 from ..launcher import RankProcess, read_result, reserve_port, stop_all, write_job_file
-from ..rankenv import RunSpec, place_ranks, rank_environment
+from ..rankenv import RunSpec, place_spark_tasks, rank_environment
 from ..timing import STOP_GRACE
 
 #: lines of a rank's output a task keeps, for when its channel to the driver is lost
@@ -234,8 +234,8 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
         mine = events.Joined(rank=rank, host=host_identity(), address=task_address(context, rank), gpus=gpus,
                              port=port.getsockname()[1] if port is not None else None)
         peers = rendezvous(context, channel, driver, mine)
-        place = place_ranks([p.host for p in peers], peers[0].address, peers[0].port,
-                            [p.gpus for p in peers])[rank]
+        place = place_spark_tasks([p.host for p in peers], peers[0].address, peers[0].port,
+                                  run.use_gpu, [p.gpus for p in peers])[rank]
         data_file = ""
         if batches is not None:
             from ..data import write_batches
