@@ -12,15 +12,29 @@ import threading
 import pytest
 
 from helpers import Collector, wait_until
-from torchdist_magic import channel, events
+from torchdist_magic import channel, events, tls
 from torchdist_magic.channel import MAX_PENDING, ChannelClient, ChannelServer, client_from_env, new_secret
 
 
-@pytest.fixture
-def server():
+@pytest.fixture(scope="module")
+def identity():
+    return tls.new_identity()
+
+
+@pytest.fixture(scope="module")
+def other_identity():
+    return tls.new_identity()
+
+
+@pytest.fixture(params=["plain", "tls"])
+def server(request, identity):
+    """A channel server, unencrypted and with TLS: every test of it holds for both."""
     got = Collector()
-    srv = ChannelServer(got, run_id="run-1", secret=new_secret(), launcher_secret=new_secret())
+    encrypted = request.param == "tls"
+    srv = ChannelServer(got, run_id="run-1", secret=new_secret(), launcher_secret=new_secret(),
+                        identity=identity if encrypted else None)
     srv.got = got
+    srv.cert = identity.certificate if encrypted else ""  # what its clients pin
     yield srv
     srv.close()
 
@@ -30,11 +44,12 @@ def address(srv):
 
 
 def worker(srv, rank=0, **kwargs):
-    return ChannelClient(address(srv), srv._secrets["worker"], "run-1", rank, **kwargs)
+    return ChannelClient(address(srv), srv._secrets["worker"], "run-1", rank, certificate=srv.cert, **kwargs)
 
 
 def launcher(srv, rank=0, **kwargs):
-    return ChannelClient(address(srv), srv._secrets["launcher"], "run-1", rank, role="launcher", **kwargs)
+    return ChannelClient(address(srv), srv._secrets["launcher"], "run-1", rank, role="launcher",
+                         certificate=srv.cert, **kwargs)
 
 
 EVERY_RANK_RECORD = [
@@ -230,10 +245,14 @@ def test_send_takes_only_records(server):
 
 
 @pytest.mark.parametrize("make, reason", [
-    (lambda srv: ChannelClient(address(srv), "not-the-secret", "run-1", 0), "wrong secret for role worker"),
-    (lambda srv: ChannelClient(address(srv), srv._secrets["worker"], "another-run", 0), "wrong run"),
+    # over TLS too: the certificate says who the driver is, the secrets who may speak
+    (lambda srv: ChannelClient(address(srv), "not-the-secret", "run-1", 0, certificate=srv.cert),
+     "wrong secret for role worker"),
+    (lambda srv: ChannelClient(address(srv), srv._secrets["worker"], "another-run", 0, certificate=srv.cert),
+     "wrong run"),
     # a worker knows only the worker secret: it cannot pose as its launcher
-    (lambda srv: ChannelClient(address(srv), srv._secrets["worker"], "run-1", 0, role="launcher"),
+    (lambda srv: ChannelClient(address(srv), srv._secrets["worker"], "run-1", 0, role="launcher",
+                               certificate=srv.cert),
      "wrong secret for role launcher"),
 ], ids=["bad-secret", "wrong-run", "worker-posing-as-launcher"])
 def test_refused_clients_say_why_once_and_deliver_nothing(server, capfd, make, reason):
@@ -250,7 +269,8 @@ def test_a_peer_of_another_protocol_version_is_told_both_versions(server):
     other = events.PROTOCOL_VERSION + 1
     code = (f"from torchdist_magic import channel, events\n"
             f"events.PROTOCOL_VERSION = {other}\n"
-            f"c = channel.ChannelClient({address(server)!r}, {server._secrets['worker']!r}, 'run-1', 0)\n"
+            f"c = channel.ChannelClient({address(server)!r}, {server._secrets['worker']!r}, 'run-1', 0, "
+            f"certificate={server.cert!r})\n"
             f"c.send(events.Metrics(rank=0))\n"
             f"c.close()\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -326,6 +346,7 @@ def test_client_from_env(server, monkeypatch):
     monkeypatch.setenv("TORCHDIST_SECRET", server._secrets["worker"])
     monkeypatch.setenv("TORCHDIST_RUN_ID", "run-1")
     monkeypatch.setenv("RANK", "4")
+    monkeypatch.setenv("TORCHDIST_CHANNEL_CERT", server.cert)
     client = client_from_env()
     client.send(events.Started(rank=0, pid=os.getpid()))
     client.close()
@@ -336,3 +357,152 @@ def test_frames_are_length_prefixed_json():
     data = channel._frame({"events": [events.encode(events.Stop(rank=1, grace=2.0))]})
     (length,) = struct.unpack(">I", data[:4])
     assert json.loads(data[4:4 + length]) == {"events": [{"type": "stop", "rank": 1, "grace": 2.0}]}
+
+
+# -- TLS --------------------------------------------------------------------------------------
+
+def tls_server(identity, **kwargs):
+    got = Collector()
+    srv = ChannelServer(got, run_id="run-1", secret="s", launcher_secret="l", identity=identity, **kwargs)
+    srv.got = got
+    return srv
+
+
+def test_a_client_pinned_to_another_certificate_is_refused_and_sends_nothing(identity, other_identity, capfd):
+    srv = tls_server(identity)
+    client = ChannelClient(address(srv), "s", "run-1", 0, certificate=other_identity.certificate)
+    client.send(events.Metrics(rank=0, step=1))
+    client.close()
+    wait_until(lambda: srv.stats["rejected"] == 1)  # the client's TLS alert ends the handshake
+    srv.close()
+    err = capfd.readouterr().err
+    assert err.count("torchdist_magic:") == 1, err
+    assert "is not this run's driver: its TLS certificate is not the one this run pinned" in err, err
+    assert srv.got.records == [] and srv.stats["authenticated"] == 0
+
+
+@pytest.mark.parametrize("kind", ["self-signed", "issued-by-the-pinned-one"])
+def test_a_server_with_another_certificate_for_the_same_key_is_refused(identity, capfd, kind):
+    """The pin is the exact certificate, not its key: another certificate made with the driver's
+    key, self-signed or claiming the pinned one as its issuer, is refused."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import NameOID
+
+    key = serialization.load_pem_private_key(identity.private_key, None)
+    pinned = x509.load_pem_x509_certificate(identity.certificate.encode())
+    subject = pinned.subject if kind == "self-signed" else \
+        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "impostor")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    twin = (x509.CertificateBuilder().subject_name(subject).issuer_name(pinned.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256()))
+    srv = tls_server(tls.ChannelIdentity(twin.public_bytes(serialization.Encoding.PEM).decode(),
+                                         identity.private_key))
+    client = ChannelClient(address(srv), "s", "run-1", 0, certificate=identity.certificate)
+    client.send(events.Metrics(rank=0, step=1))
+    client.close()
+    srv.close()
+    err = capfd.readouterr().err
+    assert err.count("torchdist_magic:") == 1, err
+    assert "is not this run's driver: its TLS certificate is not the one this run pinned" in err, err
+    assert srv.got.records == [] and srv.stats["authenticated"] == 0
+
+
+def test_a_plaintext_client_is_refused_by_a_tls_server_within_the_handshake_deadline(identity, monkeypatch, capfd):
+    monkeypatch.setattr(channel, "HANDSHAKE_DEADLINE", 0.2)
+    srv = tls_server(identity)
+    # a TLS server says nothing in plaintext: a silent stranger gets no challenge, only the end
+    with socket.create_connection(srv.address, timeout=10) as sock:
+        assert sock.recv(4096) == b""
+    wait_until(lambda: srv.stats["rejected"] == 1)
+    # our own client without the certificate waits for a challenge that never comes, and the
+    # server lets its pending slot go at the deadline
+    client = ChannelClient(address(srv), "s", "run-1", 0)
+    client.send(events.Metrics(rank=0, step=1))
+    client.close()
+    wait_until(lambda: not srv._pending, what="the pending table to be empty")
+    srv.close()
+    err = capfd.readouterr().err
+    assert err.count("torchdist_magic:") == 1 and "cannot reach the driver's event channel" in err, err
+    assert srv.got.records == [] and srv.stats["authenticated"] == 0 and srv.stats["rejected"] >= 2
+
+
+def test_a_tls_client_of_a_plaintext_server_gives_up_with_one_line(identity, capfd):
+    srv = ChannelServer(Collector(), run_id="run-1", secret="s", launcher_secret="l")
+    client = ChannelClient(address(srv), "s", "run-1", 0, certificate=identity.certificate)
+    client.send(events.Metrics(rank=0, step=1))
+    client.close()
+    srv.close()
+    err = capfd.readouterr().err
+    assert err.count("torchdist_magic:") == 1 and "cannot reach the driver's event channel" in err, err
+    assert srv.stats["authenticated"] == 0
+
+
+class Relay:
+    """A TCP relay on 127.0.0.1 between one client and the server that records what passes,
+    each way: what anyone on the network between a rank and the driver sees."""
+
+    def __init__(self, target):
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        self.up, self.down = bytearray(), bytearray()  # rank -> driver, driver -> rank
+        self.threads = [threading.Thread(target=self._serve)]
+        self.threads[0].start()
+
+    def _serve(self):
+        near, _ = self.listener.accept()
+        far = socket.create_connection(self.target)
+        pumps = [threading.Thread(target=self._pump, args=(near, far, self.up)),
+                 threading.Thread(target=self._pump, args=(far, near, self.down))]
+        for t in pumps:
+            t.start()
+        for t in pumps:
+            t.join()
+        near.close()
+        far.close()
+
+    @staticmethod
+    def _pump(src, dst, seen):
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                seen += data
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:  # the other side went first
+            pass
+
+    def close(self):
+        self.threads[0].join(30)
+        self.listener.close()
+
+
+def test_the_bytes_on_the_wire_are_ciphertext_with_tls_only(server):
+    """The same records through a relay: readable on the wire without TLS, not with it."""
+    relay = Relay(server.address)
+    got = Collector()
+    client = ChannelClient(relay.address, server._secrets["launcher"], "run-1", 0, role="launcher",
+                           certificate=server.cert, on_message=got)
+    client.send(events.Log(rank=0, line="rank says: the-distinctive-loss-4711"))
+    wait_until(lambda: server.got.records)
+    assert server.send(0, events.RunJob(rank=0, job_id="j", data="", last=True,
+                                        env={"NOTE": "driver says: the-distinctive-job-0815"}))
+    assert got.wait_for(1)[0].env == {"NOTE": "driver says: the-distinctive-job-0815"}
+    client.close()
+    relay.close()
+    assert server.got.records == [events.Log(rank=0, line="rank says: the-distinctive-loss-4711")]
+    up, down = bytes(relay.up), bytes(relay.down)
+    if server.encrypted:
+        assert up[:1] == b"\x16" and down[:1] == b"\x16"  # each way starts with a TLS handshake record
+        assert b"the-distinctive-loss-4711" not in up and b"the-distinctive-job-0815" not in down
+        assert b"run-1" not in up and b"nonce" not in down  # the hello and the challenge too
+    else:
+        assert b"the-distinctive-loss-4711" in up and b"the-distinctive-job-0815" in down

@@ -9,12 +9,15 @@ import dataclasses
 import json
 import random
 import socket
+import ssl
 import struct
 import threading
 import time
 
+import pytest
+
 from helpers import Collector, assert_no_survivors, wait_until
-from torchdist_magic import channel, events
+from torchdist_magic import channel, events, tls
 from torchdist_magic.channel import MAX_FRAME, MAX_HELLO, ChannelClient, ChannelServer
 
 LEN = struct.Struct(">I")
@@ -79,14 +82,35 @@ def stranger_payloads(rng: random.Random, n_random: int) -> list:
     return payloads
 
 
-def send_as_stranger(address, payload: bytes, read_challenge: bool) -> None:
+#: what a stranger speaks to a TLS server: TLS without checking who it talks to (anyone can
+#: finish a TLS handshake with the driver; the secrets are what keep strangers out)
+STRANGER_TLS = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+STRANGER_TLS.check_hostname = False
+STRANGER_TLS.verify_mode = ssl.CERT_NONE
+
+
+def send_as_stranger(address, payload: bytes, read_challenge: bool, over_tls: bool = False) -> None:
     try:
-        with socket.create_connection(address, timeout=10) as sock:
+        with socket.create_connection(address, timeout=10) as raw:
+            sock = STRANGER_TLS.wrap_socket(raw) if over_tls else raw
             if read_challenge:
                 sock.recv(4096)
             sock.sendall(payload)
     except OSError:  # the server hung up on us: that is what it should do
         pass
+
+
+@pytest.fixture(scope="module")
+def identity():
+    return tls.new_identity()
+
+
+def make_server(got, encrypted: bool, identity):
+    """A channel server, with TLS or without; ``.cert`` is what its ranks pin."""
+    server = ChannelServer(got, "run-1", secret=WORKER_SECRET, launcher_secret=LAUNCHER_SECRET,
+                           identity=identity if encrypted else None)
+    server.cert = identity.certificate if encrypted else ""
+    return server
 
 
 def try_to_send_4_mib(address, blob: bytes) -> None:
@@ -97,7 +121,8 @@ def try_to_send_4_mib(address, blob: bytes) -> None:
         pass
 
 
-def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_record(capfd):
+@pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "tls"])
+def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_record(capfd, identity, encrypted):
     rng = random.Random(1234)
     payloads = stranger_payloads(rng, 3000)
     blob = b"{" * (4 * 1024 * 1024)            # allocated before the baseline is taken
@@ -106,7 +131,7 @@ def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_reco
     ours = set(threading.enumerate())
     rss_before = rss_bytes()
     got = Collector()
-    server = ChannelServer(got, "run-1", secret=WORKER_SECRET, launcher_secret=LAUNCHER_SECRET)
+    server = make_server(got, encrypted, identity)
     address = server.address
     addr_text = f"{address[0]}:{address[1]}"
     rank0 = rank1 = None
@@ -122,7 +147,10 @@ def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_reco
             time.sleep(0.002)
         sent_steps.extend(range(step))
 
-    tasks = [(send_as_stranger, (address, p, i % 2 == 0)) for i, p in enumerate(payloads)]
+    # against TLS, half the strangers speak TLS and send their payload inside it (those that wait
+    # for the challenge among them: a TLS server says nothing to the others)
+    tasks = [(send_as_stranger, (address, p, i % 2 == 0 and not (encrypted and i % 4 >= 2), encrypted and i % 4 < 2))
+             for i, p in enumerate(payloads)]
     tasks += [(try_to_send_4_mib, (address, blob))] * big_count
     rng.shuffle(tasks)
 
@@ -144,7 +172,7 @@ def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_reco
     workers = [threading.Thread(target=flood, args=(tasks[i::flood_threads],)) for i in range(flood_threads)]
     workers.append(threading.Thread(target=hold_idle))
     try:
-        rank0 = ChannelClient(addr_text, WORKER_SECRET, "run-1", 0)  # authenticated before the flood
+        rank0 = ChannelClient(addr_text, WORKER_SECRET, "run-1", 0, certificate=server.cert)  # before the flood
         wait_until(lambda: server.stats["authenticated"] == 1)
         started = time.monotonic()
         for t in [trainer, *workers]:
@@ -153,7 +181,7 @@ def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_reco
 
         # a rank that connects in the middle of the flood gets through too
         wait_until(lambda: server.stats["accepted"] > len(tasks) // 3, timeout=30)
-        rank1 = ChannelClient(addr_text, LAUNCHER_SECRET, "run-1", 1, role="launcher")
+        rank1 = ChannelClient(addr_text, LAUNCHER_SECRET, "run-1", 1, role="launcher", certificate=server.cert)
         for i in range(1000):
             rank1.send(events.Log(rank=1, line=f"line {i}"))
 
@@ -198,6 +226,8 @@ def authenticate(server, role: str, rank: int) -> socket.socket:
     """A connection that did the handshake itself, so that it can write anything after it."""
     secret = {"worker": WORKER_SECRET, "launcher": LAUNCHER_SECRET}[role]
     sock = socket.create_connection(server.address, timeout=10)
+    if server.cert:
+        sock = tls.client_context(server.cert).wrap_socket(sock)
     nonce = channel._read_frame(sock, MAX_HELLO)["nonce"]
     sock.sendall(channel._frame({"mac": channel._mac(secret, nonce).decode(), "nonce": "mine",
                                  "run_id": "run-1", "rank": rank, "role": role,
@@ -243,10 +273,11 @@ def expected_outcome(item, role: str) -> str:
     return "delivered" if type(record) in events.SENDERS[role] else "forbidden"
 
 
-def test_after_authentication_bad_records_are_counted_and_good_ones_delivered(capfd):
+@pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "tls"])
+def test_after_authentication_bad_records_are_counted_and_good_ones_delivered(capfd, identity, encrypted):
     rng = random.Random(99)
     got = Collector()
-    server = ChannelServer(got, "run-1", secret=WORKER_SECRET, launcher_secret=LAUNCHER_SECRET)
+    server = make_server(got, encrypted, identity)
     sock = authenticate(server, "worker", rank=3)
 
     crafted = [
@@ -296,7 +327,8 @@ def test_after_authentication_bad_records_are_counted_and_good_ones_delivered(ca
     sock.close()
 
     # the channel still serves a well-behaved rank
-    client = ChannelClient(f"{server.address[0]}:{server.address[1]}", WORKER_SECRET, "run-1", 4)
+    client = ChannelClient(f"{server.address[0]}:{server.address[1]}", WORKER_SECRET, "run-1", 4,
+                           certificate=server.cert)
     client.send(events.Started(rank=4, pid=4))
     client.close()
     server.close()
@@ -320,10 +352,11 @@ def ok_after_three_seconds():
     return ("ok", rank())
 
 
-def test_a_run_finishes_while_strangers_flood_its_channel():
+@pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "tls"])
+def test_a_run_finishes_while_strangers_flood_its_channel(encrypted):
     from torchdist_magic import Distributor
 
-    run = Distributor(2, local_mode=True, show=None).submit(ok_after_three_seconds)
+    run = Distributor(2, local_mode=True, show=None, tls=encrypted).submit(ok_after_three_seconds)
     stop = threading.Event()
     threads = []
     try:
@@ -336,7 +369,9 @@ def test_a_run_finishes_while_strangers_flood_its_channel():
             rng = random.Random(seed)
             payloads = stranger_payloads(rng, 200)
             while not stop.is_set():
-                send_as_stranger(address, rng.choice(payloads), rng.random() < 0.5)
+                over_tls = encrypted and rng.random() < 0.5
+                send_as_stranger(address, rng.choice(payloads), (over_tls or not encrypted) and rng.random() < 0.5,
+                                 over_tls)
 
         def hold_idle():
             held = []
@@ -354,6 +389,7 @@ def test_a_run_finishes_while_strangers_flood_its_channel():
         for t in threads:
             t.start()
         assert run.result(timeout=60) == ("ok", 0)
+        assert run.channel_encrypted is encrypted
         # what the ranks reported over the channel while it was flooded arrived
         assert [rs.metrics.get("finished") for rs in run.state.ranks] == [1.0, 1.0]
         assert all(len(rs.history["steps"]) > 10 for rs in run.state.ranks)

@@ -58,6 +58,8 @@ BAD = [
     ("checkpoint_dir", 3, TypeError, "checkpoint_dir must be a path, got 3", "--checkpoint-dir must be a path"),
     ("checkpoint_dir", " ", ValueError, "checkpoint_dir must be a directory path, got ' '",
      "--checkpoint-dir must be a directory path"),
+    ("tls", "yes", TypeError, "tls must be True, False or None (the backend's default), got 'yes'",
+     "--tls must be True, False or None"),
 ]
 
 
@@ -166,3 +168,14 @@ def test_rank_failure_text_and_pickle():
     again = pickle.loads(pickle.dumps(RankFailure(Failure(rank=1, exc_type="ValueError", message="m",
                                                           traceback="tb"))))
     assert (again.rank, again.exc_type, again.traceback) == (1, "ValueError", "tb")
+
+
+def test_tls_is_a_switch_of_two_flags_and_neither_means_the_default():
+    assert LaunchOptions().tls is None
+    assert options_from_flags(parse_flags("--tls"), LaunchOptions()).tls is True
+    assert options_from_flags(parse_flags("--no-tls"), LaunchOptions()).tls is False
+    assert options_from_flags(parse_flags("--np 2"), LaunchOptions(tls=False)).tls is False
+    assert options_from_flags(parse_flags("--tls --tls"), LaunchOptions()).tls is True
+    for line in ("--tls --no-tls", "--no-tls --tls"):
+        with pytest.raises(FlagError, match=r"^--tls and --no-tls contradict each other: give one$"):
+            parse_flags(line)

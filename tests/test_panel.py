@@ -64,7 +64,8 @@ def test_control_kinds_follow_the_field_metadata(panel):
                      "backend": widgets.Dropdown, "timeout": widgets.Text, "hang_timeout": widgets.Text,
                      "max_restarts": widgets.IntText, "checkpoint_dir": widgets.Text,
                      "keep_checkpoints": widgets.IntText, "env": widgets.Textarea,
-                     "all_ranks": widgets.Checkbox, "warm": widgets.Checkbox, "pool_idle_timeout": widgets.Text}
+                     "all_ranks": widgets.Checkbox, "warm": widgets.Checkbox, "pool_idle_timeout": widgets.Text,
+                     "tls": widgets.Dropdown}
     backend = next(f for f in option_fields() if f.name == "backend")
     assert panel.controls["backend"].options == tuple(backend.metadata["choices"])
     assert panel.options() == LaunchOptions()
@@ -204,6 +205,16 @@ def test_command_line_leaves_out_defaults_but_always_names_np():
     assert P.command_line(LaunchOptions()) == "%%torchdist --np 1"
     assert P.command_line(LaunchOptions(num_processes=2, use_gpu=True, timeout=30.0, env={"A": "x y"})) == \
         "%%torchdist --np 2 --gpu --timeout 30 --env 'A=x y'"
+
+
+def test_the_tls_switch_shows_default_on_off_and_round_trips_through_the_flags(panel):
+    assert panel.controls["tls"].options == P.SWITCH_CHOICES and panel.controls["tls"].value is None
+    for value, flag in ((True, " --tls"), (False, " --no-tls"), (None, "")):
+        panel.controls["tls"].value = value
+        assert panel.options().tls is value
+        line = P.command_line(panel.options())
+        assert line == "%%torchdist --np 1" + flag
+        assert parse_line(line).tls is value
 
 
 def test_quoted_env_round_trips_through_the_flags():

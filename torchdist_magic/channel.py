@@ -28,12 +28,32 @@ when the peer reads, so a rank that stops reading delays nobody.
 The client never blocks the training loop: ``send`` puts the record on a bounded queue that a
 background thread drains, dropping and counting what does not fit and coalescing progress
 updates of the same bar.
+
+TLS.  Given a ``tls.ChannelIdentity`` (the server) and its certificate (every client), all of
+the above runs inside TLS 1.3: the TLS handshake first, then the challenge, the hello and the
+frames, encrypted.  TLS gives privacy and tells a rank it reached the driver (the client trusts
+the run's certificate and nothing else: ``tls.client_context``); the secrets still say who may
+speak.  TLS is done in memory (``ssl.MemoryBIO`` and ``SSLContext.wrap_bio``), on
+both sides.  The server keeps its raw, non-blocking sockets in the selector, so readiness means
+what it says: with an ``SSLSocket`` a record already decrypted and buffered inside OpenSSL
+(``pending()``) would not wake the selector, and a read could need a write (and the reverse).
+The server reads only ciphertext, and decides how much: before authentication at most one TLS
+record per read (OpenSSL holds at most one handshake message, and a ClientHello is at most
+128 KiB), and it takes plaintext only up to the one hello it may buffer; the TLS handshake
+happens while the connection waits in the pending table, so it counts against
+``HANDSHAKE_DEADLINE`` and ``MAX_PENDING`` like any stranger's bytes, on the same one thread.
+Plaintext queued for a rank is encrypted a chunk at a time, as its socket takes it, so the
+ciphertext waiting for a slow rank stays small and ``MAX_OUTBOX`` still bounds the rest.  The
+client's sender and reader threads share one TLS object (OpenSSL's are not safe to use from two
+threads at once): one lock around it, and the socket's write side taken before that lock is let
+go, so that records leave in the order they were made while the reader never waits for a send.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -43,13 +63,14 @@ import queue
 import secrets
 import selectors
 import socket
+import ssl
 import struct
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
-from . import events
+from . import events, tls
 from .timing import CHANNEL_CLOSE_WAIT, CHANNEL_THREAD_WAIT, CLIENT_CLOSE_WAIT, HANDSHAKE_DEADLINE
 
 #: largest frame after authentication (a batch of records)
@@ -66,6 +87,9 @@ BATCH = 1000
 _LEN = struct.Struct(">I")
 _log = logging.getLogger("torchdist_magic")
 _RECV_CHUNK = 256 * 1024
+#: the largest TLS 1.3 record on the wire (header, 16 KiB of data, padding and tag): what the
+#: server reads at once from a connection that has not authenticated
+_TLS_RECORD = 5 + 2 ** 14 + 256
 #: a rank's handshake cut off by a flood of strangers is retried after this pause, doubling
 _RETRY_PAUSE, _RETRY_PAUSE_MAX = 0.02, 0.5
 
@@ -76,6 +100,10 @@ class FrameError(Exception):
 
 class _Refused(Exception):
     """The other end refused the handshake, with a reason worth telling the user."""
+
+
+class _NotTheDriver(Exception):
+    """The other end could not prove, with the run's TLS certificate, that it is the driver."""
 
 
 def new_secret() -> str:
@@ -142,18 +170,27 @@ def _read_frame(sock: socket.socket, limit: int) -> dict:
 class _Conn:
     """One accepted connection, as the server thread sees it."""
 
-    __slots__ = ("sock", "deadline", "nonce", "inbuf", "outbox", "mask", "role", "rank", "open")
+    __slots__ = ("sock", "deadline", "nonce", "inbuf", "outbox", "mask", "role", "rank", "open",
+                 "tls", "tls_in", "tls_out", "wire", "secure")
 
-    def __init__(self, sock: socket.socket, deadline: float):
+    def __init__(self, sock: socket.socket, deadline: float, context: Optional[ssl.SSLContext]):
         self.sock = sock
         self.deadline = deadline
         self.nonce = secrets.token_hex(16)
-        self.inbuf = bytearray()
-        self.outbox = bytearray()          # guarded by the server's lock
+        self.inbuf = bytearray()           # plaintext read, not parsed yet
+        self.outbox = bytearray()          # plaintext to send; guarded by the server's lock
         self.mask = selectors.EVENT_READ
         self.role: Optional[str] = None    # set once authenticated
         self.rank = -1
         self.open = True
+        # with TLS: ciphertext arrives in tls_in, leaves from tls_out into wire (what the socket
+        # has not taken yet); secure once the TLS handshake is done
+        self.tls: Optional[ssl.SSLObject] = None
+        self.wire = bytearray()
+        self.secure = False
+        if context is not None:
+            self.tls_in, self.tls_out = ssl.MemoryBIO(), ssl.MemoryBIO()
+            self.tls = context.wrap_bio(self.tls_in, self.tls_out, server_side=True)
 
 
 class ChannelServer:
@@ -165,14 +202,20 @@ class ChannelServer:
     ``stats`` counts what happened: ``accepted``, ``authenticated``, ``rejected`` (failed
     handshakes), ``evicted`` (unauthenticated connections closed to make room), ``frames`` and
     ``delivered`` (after authentication), ``malformed`` (undecodable frames or records),
-    ``forbidden`` (records the connection's role may not send), ``callback_errors``.
+    ``forbidden`` (records the connection's role may not send), ``callback_errors``.  With
+    ``identity`` (a ``tls.ChannelIdentity``) every connection is TLS; a TLS handshake that fails
+    is a failed handshake (``rejected``).
     """
 
     def __init__(self, on_event: Callable[[events.Event], None], run_id: str, *,
-                 host: str = "127.0.0.1", secret: str, launcher_secret: str):
+                 host: str = "127.0.0.1", secret: str, launcher_secret: str,
+                 identity: Optional[tls.ChannelIdentity] = None):
         self._on_event = on_event
         self._run_id = run_id
         self._secrets = {"worker": secret, "launcher": launcher_secret}
+        self._tls = identity.server_context() if identity is not None else None
+        #: whether every connection speaks TLS (``identity`` was given)
+        self.encrypted = self._tls is not None
         self.stats: Dict[str, int] = dict.fromkeys(
             ("accepted", "authenticated", "rejected", "evicted", "frames", "delivered",
              "malformed", "forbidden", "callback_errors"), 0)
@@ -312,10 +355,10 @@ class ChannelServer:
                 oldest, _ = self._pending.popitem(last=False)
                 self.stats["evicted"] += 1
                 self._drop(oldest)
-            conn = _Conn(sock, time.monotonic() + HANDSHAKE_DEADLINE)
+            conn = _Conn(sock, time.monotonic() + HANDSHAKE_DEADLINE, self._tls)
             self._pending[conn] = None
             self._selector.register(sock, conn.mask, conn)
-            with self._lock:
+            with self._lock:  # with TLS, it goes once the client's TLS handshake is done
                 conn.outbox += _frame({"nonce": conn.nonce})
             self._write(conn)
 
@@ -337,24 +380,46 @@ class ChannelServer:
     def _write(self, conn: _Conn) -> None:
         failed = False
         with self._lock:
-            if conn.outbox:
+            if conn.tls is not None:
                 try:
-                    sent = conn.sock.send(conn.outbox)
+                    self._seal(conn)
+                except ssl.SSLError:
+                    failed = True
+                out = conn.wire
+            else:
+                out = conn.outbox
+            if out and not failed:
+                try:
+                    sent = conn.sock.send(out)
                 except (BlockingIOError, InterruptedError):
                     sent = 0
                 except OSError:
                     sent, failed = 0, True
-                del conn.outbox[:sent]
-            mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbox else 0)
+                del out[:sent]
+            # with TLS, plaintext waits for the handshake before it is anything to write
+            more = bool(out) or (conn.secure and bool(conn.outbox))
+            mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if more else 0)
         if failed:
             self._drop(conn)
         elif mask != conn.mask:
             conn.mask = mask
             self._selector.modify(conn.sock, mask, conn)
 
+    @staticmethod
+    def _seal(conn: _Conn) -> None:
+        """Encrypt queued plaintext into ``conn.wire`` while the socket has taken what came
+        before it (a chunk at a time: a rank that reads slowly holds little ciphertext), once
+        the TLS handshake is done; and take what TLS itself has to send (its handshake, alerts)."""
+        while conn.secure and conn.outbox and len(conn.wire) < _RECV_CHUNK:
+            written = conn.tls.write(conn.outbox[:_RECV_CHUNK])
+            del conn.outbox[:written]
+        conn.wire += conn.tls_out.read()
+
     def _read(self, conn: _Conn) -> None:
-        # before authentication, never buffer more than one hello
-        size = _LEN.size + MAX_HELLO - len(conn.inbuf) if conn.role is None else _RECV_CHUNK
+        if conn.tls is not None:
+            size = _TLS_RECORD if conn.role is None else _RECV_CHUNK
+        else:  # before authentication, never buffer more than one hello
+            size = _LEN.size + MAX_HELLO - len(conn.inbuf) if conn.role is None else _RECV_CHUNK
         try:
             data = conn.sock.recv(size)
         except (BlockingIOError, InterruptedError):
@@ -362,25 +427,61 @@ class ChannelServer:
         except OSError:
             data = b""
         if not data:
-            if conn.role is None:
-                self._reject(conn)
-            else:
-                self._drop(conn)
-            return
+            return self._ended(conn)
+        if conn.tls is not None:
+            conn.tls_in.write(data)
+            return self._unseal(conn)
         conn.inbuf += data
+        self._parse(conn)
+
+    def _ended(self, conn: _Conn) -> None:
+        """The peer closed its end (or broke the connection, or its TLS)."""
+        if conn.role is None:
+            self._reject(conn)
+        else:
+            self._drop(conn)
+
+    def _parse(self, conn: _Conn) -> None:
         if conn.role is None:
             self._handshake(conn)
         else:
             self._frames(conn)
 
+    def _unseal(self, conn: _Conn) -> None:
+        """Take the plaintext of the ciphertext that arrived, all of it that is complete: the
+        selector would not say that OpenSSL still holds some.  The TLS handshake comes first;
+        before authentication no more plaintext than one hello is taken at a time."""
+        while conn.open:
+            room = _LEN.size + MAX_HELLO - len(conn.inbuf) if conn.role is None else _RECV_CHUNK
+            try:
+                if not conn.secure:
+                    conn.tls.do_handshake()
+                    conn.secure = True
+                data = conn.tls.read(room)
+            except ssl.SSLWantReadError:
+                break
+            except ssl.SSLError:  # a broken or refused TLS handshake, a bad record, the end
+                data = b""
+            if not data:
+                return self._ended(conn)
+            conn.inbuf += data
+            self._parse(conn)
+        if conn.open:
+            self._write(conn)  # the TLS handshake's answer, the challenge, the hello's reply
+
     def _reject(self, conn: _Conn, reason: Optional[str] = None) -> None:
         """End a failed handshake, telling the client why when it deserves to know."""
         self.stats["rejected"] += 1
-        if reason is not None:
-            try:  # one small frame to a socket that has sent nothing else: it fits its buffer
-                conn.sock.send(_frame({"ok": False, "error": reason}))
-            except OSError:
-                pass
+        data = _frame({"ok": False, "error": reason}) if reason is not None else b""
+        try:  # a small write to a socket that has sent little else: it fits its buffer
+            if conn.tls is not None:  # the reason (once TLS is up), or the TLS alert
+                if data:
+                    conn.tls.write(data)
+                data = bytes(conn.wire) + conn.tls_out.read()
+            if data:
+                conn.sock.send(data)
+        except OSError:  # ssl.SSLError too
+            pass
         self._drop(conn)
 
     def _handshake(self, conn: _Conn) -> None:
@@ -483,19 +584,104 @@ class ChannelServer:
 
 # -- rank side --------------------------------------------------------------------------------
 
+class _TlsSocket:
+    """A client's TLS connection over its blocking socket, done in memory, with what
+    ``ChannelClient`` uses of a socket (``sendall``, ``recv``, ``settimeout``, ``shutdown``,
+    ``close``).  The sender and the reader thread share it (see the module's "TLS")."""
+
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext):
+        self._sock = sock
+        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._in, self._out, server_side=False)
+        self._lock = threading.Lock()   # the TLS object
+        self._wire = threading.Lock()   # the socket's write side
+
+    def handshake(self) -> None:
+        while True:
+            try:
+                return self._locked(self._tls.do_handshake)
+            except ssl.SSLWantReadError:
+                if not self._fill():
+                    raise EOFError("connection closed during the TLS handshake") from None
+
+    def sendall(self, data: bytes) -> None:
+        view = memoryview(data)
+        for start in range(0, len(view), _RECV_CHUNK):
+            self._locked(functools.partial(self._tls.write, view[start:start + _RECV_CHUNK]))
+
+    def recv(self, n: int) -> bytes:
+        while True:
+            data = self._locked(functools.partial(self._plaintext, n))
+            if data is not None:
+                return data
+            if not self._fill():
+                with self._lock:
+                    self._in.write_eof()
+
+    def _plaintext(self, n: int) -> Optional[bytes]:
+        """Up to ``n`` bytes of plaintext; ``None`` when more ciphertext is needed first."""
+        try:
+            return self._tls.read(n)
+        except ssl.SSLWantReadError:
+            return None
+        except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # closed, with or without TLS's goodbye
+            return b""
+
+    def _fill(self) -> bool:
+        """Read ciphertext from the socket into TLS; False at the end of the connection."""
+        data = self._sock.recv(_RECV_CHUNK)
+        if data:
+            with self._lock:
+                self._in.write(data)
+        return bool(data)
+
+    def _locked(self, operation: Callable):
+        """``operation()`` on the TLS object, then send what it wrote (also when it raised):
+        the write side is taken before the TLS lock is let go, so records leave in the order
+        they were made, and the TLS object is free again while the socket sends."""
+        out = b""
+        try:
+            with self._lock:
+                try:
+                    return operation()
+                finally:
+                    out = self._out.read()
+                    if out:
+                        self._wire.acquire()
+        finally:
+            if out:
+                try:
+                    self._sock.sendall(out)
+                finally:
+                    self._wire.release()
+
+    def settimeout(self, timeout: Optional[float]) -> None:
+        self._sock.settimeout(timeout)
+
+    def shutdown(self, how: int) -> None:
+        self._sock.shutdown(how)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
 class ChannelClient:
     """Rank side (a worker, or the launcher of a rank): ``send`` never blocks, ``close``
     flushes what is queued; records from the driver go to ``on_message`` (on a thread of the
     client's), when given.
 
     If the driver cannot be reached, or refuses this client, one line says so on the process's
-    stderr and records are dropped from then on.
+    stderr and records are dropped from then on.  With ``certificate`` (PEM: the run's, from
+    ``tls.ChannelIdentity``) the connection is TLS and the driver must present exactly that
+    certificate; a server that does not is not the driver, and nothing is sent to it.
     """
 
     def __init__(self, address: str, secret: str, run_id: str, rank: int, *, role: str = "worker",
-                 on_message: Optional[Callable[[events.Event], None]] = None, maxsize: int = 100_000):
+                 on_message: Optional[Callable[[events.Event], None]] = None, maxsize: int = 100_000,
+                 certificate: str = ""):
         if role not in events.SENDERS:
             raise ValueError(f"role is one of {sorted(events.SENDERS)}, not {role!r}")
+        self._tls = tls.client_context(certificate) if certificate else None
         host, _, port = address.rpartition(":")
         self._address = (host.strip("[]"), int(port))
         self._secret = secret
@@ -508,7 +694,7 @@ class ChannelClient:
         self._dropped = 0                      # records not sent since the last Dropped record
         self._lost = False                     # no driver to send to: drop everything
         self._closed = False
-        self._sock: Optional[socket.socket] = None
+        self._sock: Optional[Union[socket.socket, _TlsSocket]] = None
         self._reader: Optional[threading.Thread] = None
         self._sender = threading.Thread(target=self._run, name=f"torchdist-channel-rank{rank}", daemon=True)
         self._sender.start()
@@ -593,7 +779,7 @@ class ChannelClient:
             self._write(batch)
         self._finish()
 
-    def _connect(self) -> Optional[socket.socket]:
+    def _connect(self) -> Optional[Union[socket.socket, _TlsSocket]]:
         deadline = time.monotonic() + HANDSHAKE_DEADLINE
         pause = _RETRY_PAUSE
         where = f"{self._address[0]}:{self._address[1]}"
@@ -602,6 +788,10 @@ class ChannelClient:
                 return self._handshake(deadline)
             except _Refused as exc:
                 self._give_up(f"the driver at {where} refused the event channel of rank {self._rank}: {exc}")
+                return None
+            except _NotTheDriver as exc:
+                self._give_up(f"the server at {where} is not this run's driver: {exc}; events of rank "
+                              f"{self._rank} are not sent to it")
                 return None
             except (EOFError, ConnectionResetError, BrokenPipeError) as exc:
                 # the driver cut the handshake off: a flood of strangers evicted it
@@ -616,7 +806,7 @@ class ChannelClient:
                               f"events of rank {self._rank} are dropped")
                 return None
 
-    def _handshake(self, deadline: float) -> socket.socket:
+    def _handshake(self, deadline: float) -> Union[socket.socket, _TlsSocket]:
         def left() -> float:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -625,6 +815,14 @@ class ChannelClient:
 
         sock = socket.create_connection(self._address, timeout=left())
         try:
+            if self._tls is not None:
+                sock = _TlsSocket(sock, self._tls)
+                try:
+                    sock.handshake()
+                except ssl.SSLCertVerificationError as exc:
+                    raise _NotTheDriver(f"its TLS certificate is not the one this run pinned "
+                                        f"({exc.verify_message})") from None
+                sock.settimeout(left())
             nonce = _read_frame(sock, MAX_HELLO).get("nonce")
             if not isinstance(nonce, str):
                 raise FrameError("the driver sent no challenge")
@@ -687,7 +885,7 @@ class ChannelClient:
 
     # -- reader thread --------------------------------------------------------------------
 
-    def _read(self, sock: socket.socket) -> None:
+    def _read(self, sock: Union[socket.socket, _TlsSocket]) -> None:
         while True:
             try:
                 frame = _read_frame(sock, MAX_FRAME)
@@ -736,11 +934,12 @@ def _coalesce(records: List[events.Event]) -> List[events.Event]:
 
 def client_from_env(on_message: Optional[Callable[[events.Event], None]] = None) -> Optional[ChannelClient]:
     """A worker's client, from ``TORCHDIST_CHANNEL`` (host:port), ``TORCHDIST_SECRET``,
-    ``TORCHDIST_RUN_ID`` and ``RANK``; ``None`` when the rank runs without a channel.
+    ``TORCHDIST_RUN_ID``, ``RANK`` and ``TORCHDIST_CHANNEL_CERT`` (the run's certificate, when its
+    channel is TLS); ``None`` when the rank runs without a channel.
     ``on_message`` gets what the driver sends the worker (a warm pool's ``RunJob``)."""
     address = os.environ.get("TORCHDIST_CHANNEL")
     if not address:
         return None
     return ChannelClient(address, os.environ.get("TORCHDIST_SECRET", ""),
                          os.environ.get("TORCHDIST_RUN_ID", ""), int(os.environ.get("RANK", "0")),
-                         on_message=on_message)
+                         on_message=on_message, certificate=os.environ.get("TORCHDIST_CHANNEL_CERT", ""))

@@ -124,6 +124,9 @@ class Run:
         self.run_id = f"{next(_run_counter)}-{uuid.uuid4().hex[:8]}"
         #: host:port of the current attempt's event channel, once it listens
         self.channel_address: Optional[str] = None
+        #: the TLS certificate (PEM) of that channel, which its ranks pin; "" when it is not
+        #: encrypted (or the run is a warm pool's, whose channel is the pool's)
+        self.channel_certificate = ""
         self.directory = RunDirectory(f"torchdist-run-{self.run_id}-")
         self.state = RunState(self.run_id, options.num_processes, backend.describe(),
                               options.use_gpu, job.name, max_attempts=options.max_restarts + 1,
@@ -162,6 +165,12 @@ class Run:
         """Everything ``rank`` printed (stdout and stderr, in order), complete: in every attempt,
         or in attempt ``attempt`` only (1 for the first)."""
         return self.state.logs(rank, attempt)
+
+    @property
+    def channel_encrypted(self) -> bool:
+        """Whether the run's event channel (a warm run's: its pool's) is TLS-encrypted: by
+        default on Spark, not on local processes (``LaunchOptions.tls``)."""
+        return self.plan.tls
 
     @property
     def attempt(self) -> int:
@@ -231,20 +240,27 @@ class Run:
             routes.get(type(record), emit)(record)
 
         try:
-            secret = launcher_secret = ""
+            secret = launcher_secret = certificate = ""
             if self.backend.needs_channel:  # a warm pool has its channel already
                 secret, launcher_secret = new_secret(), new_secret()
+                identity = None
+                if self.plan.tls:  # a key per attempt, as the secrets; it never leaves this process
+                    from .tls import new_identity
+
+                    identity = new_identity()
+                    certificate = identity.certificate
                 channel = ChannelServer(deliver, self.run_id, host=self.backend.channel_host(),
-                                        secret=secret, launcher_secret=launcher_secret)
+                                        secret=secret, launcher_secret=launcher_secret, identity=identity)
                 host, port = channel.address[:2]
                 self.channel_address = f"{host}:{port}"
+                self.channel_certificate = certificate
             data_files = ()
             if self.data is not None and self.data.table is not None:  # split on this machine
                 data_files = self.data.write_rank_files(f"torchdist-run-{self.run_id}-data-",
                                                         self.options.num_processes)
             spec = RunSpec.resolve(self.options, self.run_id, self.channel_address or "", secret, launcher_secret,
                                    attempt=self.state.attempt - 1, checkpoint_dir=checkpoints,
-                                   data_files=data_files)
+                                   data_files=data_files, channel_cert=certificate)
             ctx = LaunchContext(self.plan, spec, self._job_bytes, emit,
                                 lambda record: channel.broadcast(record, role="launcher") if channel else 0,
                                 data=self.data, routes=routes)

@@ -51,6 +51,8 @@ class FlagError(ValueError):
 
 
 def _flag(flag: str, help: str, **extra: Any) -> dict:
+    """A field's flag and help; ``negative=(flag, help)`` makes it a switch (``Optional[bool]``:
+    the flag sets True, the negative flag False, neither leaves the default)."""
     return {"flag": flag, "help": help, **extra}
 
 
@@ -154,6 +156,17 @@ class LaunchOptions:
             metavar="SECONDS", type=float,
         ),
     )
+    tls: Optional[bool] = field(
+        default=None,
+        metadata=_flag(
+            "--tls",
+            "encrypt the event channel between the ranks and this notebook (logs, metrics, rank 0's "
+            "value) with TLS, under a key and certificate made for the run. Default: on for Spark, "
+            "off for local processes (loopback); always on when the cluster sets spark.ssl.enabled",
+            negative=("--no-tls", "leave the event channel unencrypted (refused on a cluster with "
+                                  "spark.ssl.enabled unless pytorch.spark.distributor.ignoreSsl=true)"),
+        ),
+    )
 
     def __post_init__(self) -> None:
         _check_count("num_processes", self.num_processes, 1)
@@ -176,6 +189,8 @@ class LaunchOptions:
         _check_bool("all_ranks", self.all_ranks)
         _check_bool("warm", self.warm)
         _check_seconds("pool_idle_timeout", self.pool_idle_timeout)
+        if self.tls is not None:
+            _check_bool("tls", self.tls, "True, False or None (the backend's default)")
         if self.warm and self.max_restarts:
             raise OptionValueError("max_restarts", "{name} starts every rank again (a new process group) "
                                    "after a failure, and a warm pool keeps its ranks: use one or the other")
@@ -202,9 +217,9 @@ def _check_count(name: str, value: Any, least: int) -> None:
         raise OptionValueError(name, f"{{name}} must be at least {least}, got {value}")
 
 
-def _check_bool(name: str, value: Any) -> None:
+def _check_bool(name: str, value: Any, allowed: str = "True or False") -> None:
     if not isinstance(value, bool):
-        raise OptionTypeError(name, f"{{name}} must be True or False, got {value!r}")
+        raise OptionTypeError(name, f"{{name}} must be {allowed}, got {value!r}")
 
 
 def parse_env(env: Any) -> dict:
@@ -256,6 +271,20 @@ def flag_of(name: str) -> str:
     return name
 
 
+class _Switch(argparse.Action):
+    """One of a field's two flags (``--tls``/``--no-tls``): sets it to ``const``; both at once
+    contradict each other."""
+
+    def __init__(self, option_strings, dest, const, pair, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, const=const, **kwargs)
+        self.pair = pair
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest) not in (None, self.const):
+            parser.error(f"{self.pair[0]} and {self.pair[1]} contradict each other: give one")
+        setattr(namespace, self.dest, self.const)
+
+
 # -- flags ------------------------------------------------------------------------------------
 
 def flag_specs() -> List[Tuple[tuple, dict]]:
@@ -268,6 +297,14 @@ def flag_specs() -> List[Tuple[tuple, dict]]:
         kwargs: dict = {"help": meta["help"].replace("%", "%%"), "dest": f.name, "default": None}  # argparse formats help
         if f.type in (bool, "bool"):
             kwargs["action"] = "store_true"
+        elif "negative" in meta:  # a switch: on, off, or (neither given) the default
+            off, off_help = meta["negative"]
+            pair = (meta["flag"], off)
+            kwargs.update(action=_Switch, const=True, pair=pair)
+            specs.append(((meta["flag"],), kwargs))
+            kwargs = dict(kwargs, help=off_help.replace("%", "%%"), const=False)
+            specs.append(((off,), kwargs))
+            continue
         elif meta.get("repeat"):
             kwargs.update(action="append", metavar=meta.get("metavar"))
         else:

@@ -123,10 +123,16 @@ class Pool:
 
         run_id = self.run_id
         secret, launcher_secret = new_secret(), new_secret()
+        identity = None
+        if self.plan.tls:  # a key for the pool's life, as its secrets; it never leaves this process
+            from .tls import new_identity
+
+            identity = new_identity()
         self._channel = ChannelServer(self._deliver, run_id, host=self.backend.channel_host(),
-                                      secret=secret, launcher_secret=launcher_secret)
+                                      secret=secret, launcher_secret=launcher_secret, identity=identity)
         host, port = self._channel.address[:2]
-        spec = RunSpec.resolve(self.options, run_id, f"{host}:{port}", secret, launcher_secret)
+        spec = RunSpec.resolve(self.options, run_id, f"{host}:{port}", secret, launcher_secret,
+                               channel_cert=identity.certificate if identity is not None else "")
         ctx = LaunchContext(self.plan, spec, cloudpickle.dumps(serve_job()), self._on_record,
                             lambda record: self._channel.broadcast(record, role="launcher"),
                             routes=self._routes)
@@ -439,7 +445,12 @@ class WarmBackend(Backend):
         return self.pool.backend.slots()
 
     def check(self, options: LaunchOptions) -> LaunchPlan:
-        """The pool's plan: its placement was checked when it started."""
+        """The pool's plan: its placement was checked when it started.  A run that needs an
+        encrypted channel (``channel_tls``) is refused on a pool whose channel is not."""
+        if not self.pool.plan.tls and options.tls is not False and self.pool.backend.channel_tls(options):
+            raise ValueError(f"warm {self.pool.id}'s event channel is not encrypted (it started without "
+                             "TLS), and this run's must be; stop it first (%torchdist_pool stop, or "
+                             "torchdist_magic.shutdown_pools()), or run without --warm/warm=True")
         return self.pool.plan
 
     def start(self, ctx: LaunchContext) -> WarmJobRun:

@@ -41,6 +41,9 @@ class RunSpec:
     channel_address: str = ""     # host:port of the driver's event channel
     secret: str = ""              # what a worker authenticates with
     launcher_secret: str = ""     # what a launcher on another machine (a Spark task) uses
+    #: the PEM certificate of the channel's TLS, which every rank and launcher pins ("": the
+    #: channel is not encrypted); public, unlike the key, which stays on the driver
+    channel_cert: str = ""
     attempt: int = 0              # 0 for the first start of the job, n for its n-th restart
     max_restarts: int = 0
     checkpoint_dir: str = ""      # resolved: the user's, or the run's own directory
@@ -51,13 +54,14 @@ class RunSpec:
     @classmethod
     def resolve(cls, options: LaunchOptions, run_id: str, channel_address: str = "",
                 secret: str = "", launcher_secret: str = "", attempt: int = 0,
-                checkpoint_dir: str = "", data_files: Tuple[str, ...] = ()) -> "RunSpec":
+                checkpoint_dir: str = "", data_files: Tuple[str, ...] = (),
+                channel_cert: str = "") -> "RunSpec":
         """``options`` for attempt ``attempt`` of run ``run_id``; ``checkpoint_dir`` is where
         checkpoints go when ``options`` names no directory."""
         return cls(run_id=run_id, num_processes=options.num_processes, use_gpu=options.use_gpu,
                    all_ranks=options.all_ranks, env=dict(options.env), timeout=options.timeout,
                    channel_address=channel_address, secret=secret, launcher_secret=launcher_secret,
-                   attempt=attempt, max_restarts=options.max_restarts,
+                   channel_cert=channel_cert, attempt=attempt, max_restarts=options.max_restarts,
                    checkpoint_dir=options.checkpoint_dir or checkpoint_dir,
                    keep_checkpoints=options.keep_checkpoints, data_files=tuple(data_files))
 
@@ -212,7 +216,7 @@ def _run_variables(spec: RunSpec, place: Placement) -> Dict[str, str]:
         "MASTER_ADDR": place.master_addr, "MASTER_PORT": str(place.master_port),
         "TORCHDIST_HOST_RANKS": ",".join(map(str, place.host_ranks or (place.rank,))),
         "TORCHDIST_RUN_ID": spec.run_id, "TORCHDIST_CHANNEL": spec.channel_address,
-        "TORCHDIST_SECRET": spec.secret,
+        "TORCHDIST_SECRET": spec.secret, "TORCHDIST_CHANNEL_CERT": spec.channel_cert,
         "TORCHDIST_USE_GPU": "1" if spec.use_gpu else "0",
         "TORCHDIST_RETURN_VALUE": "1" if spec.returns_value(place.rank) else "0",
         # torchrun's names too, so that code written for torchelastic sees the attempt

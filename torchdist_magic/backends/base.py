@@ -28,6 +28,8 @@ class LaunchPlan:
     #: the interpreter the ranks run on where the backend chooses one (classic Spark's
     #: executors); ``None``: the backend's own default
     python: Optional[str] = None
+    #: whether the run's event channel is TLS-encrypted (``Backend.channel_tls``)
+    tls: bool = False
 
 
 @dataclass
@@ -96,7 +98,13 @@ class Backend(abc.ABC):
     def check(self, options: LaunchOptions) -> LaunchPlan:
         """The plan for a run of ``options``; ``ValueError`` before anything starts if the run
         cannot be placed."""
-        return LaunchPlan(options.num_processes)
+        return LaunchPlan(options.num_processes, tls=self.channel_tls(options))
+
+    def channel_tls(self, options: LaunchOptions) -> bool:
+        """Whether the run's event channel is encrypted: ``options.tls``, where ``None`` (the
+        default) is off: the ranks reach the driver on this machine's loopback.  A backend whose
+        ranks cross a network says otherwise, and ``ValueError`` where it cannot honour it."""
+        return options.tls is True
 
     @abc.abstractmethod
     def start(self, ctx: LaunchContext) -> BackendRun:

@@ -37,7 +37,7 @@ class LocalProcessBackend(Backend):
                 raise ValueError(
                     f"{options.num_processes} ranks with use_gpu/--gpu need {options.num_processes} GPUs; "
                     f"this machine has {gpus}")
-        return LaunchPlan(options.num_processes)
+        return LaunchPlan(options.num_processes, tls=self.channel_tls(options))
 
     def start(self, ctx: LaunchContext) -> "LocalRun":
         run = LocalRun(tempfile.mkdtemp(prefix=f"torchdist-{ctx.spec.run_id}-"))

@@ -72,6 +72,10 @@ class SparkBarrierBackend(SparkStageBackend):
     def conf(self, key: str, default: str = "") -> str:
         return self.context.getConf().get(key, default) or default
 
+    def runtime_conf(self, key: str, default: str = "") -> str:
+        # spark.conf sees the SparkContext's settings too; its getConf() misses spark.conf.set
+        return self.session.conf.get(key, default) or default
+
     def gpu_refusal(self) -> str:
         return (f"{GPU_AMOUNT_CONF} is not set on this SparkSession; start it with {GPU_AMOUNT_CONF}=1 "
                 "and executor GPU resources (spark.executor.resource.gpu.amount, a discovery script)")

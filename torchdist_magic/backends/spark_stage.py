@@ -26,6 +26,7 @@ import logging
 import re
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -37,6 +38,10 @@ from .base import Backend, BackendRun, LaunchContext, LaunchPlan
 from .spark_task import FAILURE_MARK, SCHEMA, BarrierTaskSpec
 
 GPU_AMOUNT_CONF = "spark.task.resource.gpu.amount"
+#: the cluster asks for encryption in transit
+SSL_CONF = "spark.ssl.enabled"
+#: what lets TorchDistributor (and ``tls=False`` here) run unencrypted on such a cluster anyway
+IGNORE_SSL_CONF = "pytorch.spark.distributor.ignoreSsl"
 
 log = logging.getLogger("torchdist_magic")
 
@@ -88,7 +93,38 @@ class SparkStageBackend(Backend):
                 f"{n} ranks need {n} Spark task slots at once (a barrier stage starts all its "
                 f"tasks together), but {self.cluster} has {slots}{self.slot_detail()}; use {slots} "
                 "or fewer ranks, or add executors")
-        return LaunchPlan(n, python=self.check_python(n))
+        tls = self.channel_tls(options)
+        return LaunchPlan(n, python=self.check_python(n), tls=tls)
+
+    def channel_tls(self, options: LaunchOptions) -> bool:
+        """On unless ``tls=False``: the ranks reach the driver over the cluster's network.  A
+        cluster with ``spark.ssl.enabled`` refuses ``tls=False`` (as TorchDistributor refuses to
+        run there) unless ``pytorch.spark.distributor.ignoreSsl`` is true too; then it runs
+        unencrypted, with one warning."""
+        if options.tls is not False:
+            return True
+        if self.conf_true(SSL_CONF):
+            if not self.conf_true(IGNORE_SSL_CONF):
+                raise ValueError(
+                    f"tls=False/--no-tls was asked for, but {self.cluster} has TLS encryption enabled "
+                    f"({SSL_CONF}=true), and the event channel would carry every rank's logs, metrics "
+                    "and rank 0's value across the network unencrypted. Leave TLS on (the default on "
+                    f"Spark), or, to run unencrypted anyway, set '{IGNORE_SSL_CONF}' to 'true' in the "
+                    "Spark configuration")
+            # a warning, not the package's log (which goes nowhere unless the application says)
+            warnings.warn(f"{self.cluster} has TLS encryption enabled ({SSL_CONF}=true), but with "
+                          f"tls=False/--no-tls and {IGNORE_SSL_CONF}=true this run's event channel (every "
+                          "rank's logs, metrics and rank 0's value) is not encrypted", UserWarning, stacklevel=2)
+        return False
+
+    def conf_true(self, key: str) -> bool:
+        """Whether the setting ``key`` is ``true`` (in any case), as the session sees it now."""
+        return self.runtime_conf(key, "false").strip().lower() == "true"
+
+    def runtime_conf(self, key: str, default: str = "") -> str:
+        """The setting ``key`` as the session sees it now: what ``spark.conf.set`` changed in it,
+        else the cluster's; the way TorchDistributor reads its settings."""
+        return self.conf(key, default)
 
     def start(self, ctx: LaunchContext) -> "BarrierStageRun":
         data = ctx.data

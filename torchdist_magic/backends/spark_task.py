@@ -160,7 +160,7 @@ def run_barrier_task(spec: BarrierTaskSpec, partition) -> List[TaskOutcome]:
     rank = context.partitionId()
     driver = DriverMessages()
     channel = ChannelClient(spec.run.channel_address, spec.run.launcher_secret, spec.run.run_id, rank,
-                            role="launcher", on_message=driver.on_message)
+                            role="launcher", on_message=driver.on_message, certificate=spec.run.channel_cert)
     exits: List[events.Exit] = []
     tail: "collections.deque[str]" = collections.deque(maxlen=LOG_TAIL)
 

@@ -29,6 +29,8 @@ CODE = "code"
 FUNCTION = "function"
 RESULT_CHARS = 3000  # of rank 0's value's repr shown in the panel
 _NOTE = "display:inline-block;font-size:12px;line-height:1.35"
+#: a switch's control (``--tls``/``--no-tls``): neither flag, one, or the other
+SWITCH_CHOICES = (("default", None), ("on", True), ("off", False))
 
 
 def _shown(exc: Exception) -> str:
@@ -46,6 +48,8 @@ def control_for(field: dataclasses.Field, value: Any) -> widgets.Widget:
     layout = widgets.Layout(width="220px")
     if "choices" in meta:
         control = widgets.Dropdown(options=list(meta["choices"]), value=value, layout=layout)
+    elif "negative" in meta:
+        control = widgets.Dropdown(options=list(SWITCH_CHOICES), value=value, layout=layout)
     elif _is_bool(field):
         control = widgets.Checkbox(value=bool(value), indent=False, layout=widgets.Layout(width="auto"))
     elif meta.get("repeat"):
@@ -96,6 +100,8 @@ def command_line(options: LaunchOptions) -> str:
             continue
         if _is_bool(field):
             parts.append(flag)
+        elif "negative" in field.metadata:
+            parts.append(flag if value else field.metadata["negative"][0])
         elif field.metadata.get("repeat"):
             for key, item in value.items():
                 parts += [flag, shlex.quote(f"{key}={item}")]

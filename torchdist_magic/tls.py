@@ -1,0 +1,94 @@
+"""The event channel's TLS identity: a key and a self-signed certificate made for one run.
+
+The driver makes a ``ChannelIdentity`` per run (per attempt; a warm pool one for its life): an
+ECDSA P-256 key that never leaves the driver's memory, and a self-signed certificate (PEM) that
+travels to every rank in the run's spec.  A rank trusts that certificate and nothing else
+(``client_context``): no CA, no host name check, because the exact certificate is the check.
+It is exact: the certificate is self-signed and not a CA (``BasicConstraints(ca=False)``, no
+``keyCertSign``), so no other certificate verifies against it, not even another one made with
+the same key.  Both ends speak TLS 1.3 only: they are the same package, so there is nothing
+older to talk to.
+
+``cryptography`` is imported only when an identity is made, so that ``%load_ext`` and a rank
+without TLS never load it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import ssl
+import tempfile
+from dataclasses import dataclass, field
+
+#: a run's certificate is valid from a day before it is made: executors' clocks may lag the
+#: driver's, and the pin, not the dates, is what makes it trustworthy
+_CLOCK_SKEW = datetime.timedelta(days=1)
+_LIFETIME = datetime.timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class ChannelIdentity:
+    """The driver's side of a run's TLS: ``certificate`` (PEM, public: every rank pins it) and
+    ``private_key`` (PEM, never sent anywhere)."""
+
+    certificate: str
+    private_key: bytes = field(repr=False)
+
+    def server_context(self) -> ssl.SSLContext:
+        """A TLS 1.3 server context that presents this identity."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        context.num_tickets = 0  # no session resumption: a rank connects once per run
+        # the ssl module loads keys from files only: a file only this user can read, removed as
+        # soon as it is loaded
+        fd, path = tempfile.mkstemp(prefix="torchdist-channel-", suffix=".pem")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(self.private_key + self.certificate.encode("ascii"))
+            context.load_cert_chain(path)
+        finally:
+            os.unlink(path)
+        return context
+
+
+def new_identity() -> ChannelIdentity:
+    """A fresh ECDSA P-256 key and a self-signed certificate for it."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "torchdist_magic event channel")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    public = key.public_key()
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name).issuer_name(name).public_key(public)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _CLOCK_SKEW).not_valid_after(now + _LIFETIME)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=False, key_cert_sign=False,
+                                     crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(public), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return ChannelIdentity(
+        certificate=certificate.public_bytes(serialization.Encoding.PEM).decode("ascii"),
+        private_key=key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                      serialization.NoEncryption()))
+
+
+def client_context(certificate: str) -> ssl.SSLContext:
+    """A TLS 1.3 client context that trusts ``certificate`` (PEM) and nothing else."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.check_hostname = False  # the pinned certificate is the check; ranks dial an address
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_verify_locations(cadata=certificate)
+    return context
+
