@@ -117,7 +117,8 @@ def test_spark_ssl_enabled_refuses_an_unencrypted_channel_unless_ignore_ssl(spar
                                              r"pytorch.spark.distributor.ignoreSsl=true this run's event "
                                              r"channel .* is not encrypted$") as caught:
             run, hello, told = run_and_probe(Distributor(1, local_mode=False, show=None, tls=False), tmp_path)
-        assert len(caught) == 1
+        # once (pyspark 3.5 may add warnings of its own)
+        assert len([w for w in caught if "TLS encryption enabled" in str(w.message)]) == 1
         assert "nonce" in hello and not run.channel_encrypted and told == ("", False)
         assert_nothing_left(run)
     finally:
