@@ -16,9 +16,11 @@ class FakeRun:
         self.state = RunState(self.run_id, num_processes, backend="local processes on testhost",
                               job_name="cell In[3]")
         self.cancelled = 0
+        self.cancelled_by = ""
 
-    def cancel(self):
+    def cancel(self, by="cancel()"):
         self.cancelled += 1
+        self.cancelled_by = by
 
 
 class Clock:

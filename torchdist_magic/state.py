@@ -639,14 +639,21 @@ class RunState:
             lines = store.recent(limit)
             return LogRead(rank, len(store) - len(lines), lines, len(store), self.ranks[rank].state)
 
-    def metric_history(self) -> Dict[str, Dict[int, List[Tuple[int, float]]]]:
+    def metric_history(self, points: Optional[int] = None) -> Dict[str, Dict[int, List[Tuple[int, float]]]]:
         """``{metric: {rank: [(step, value), ...]}}`` of the current attempt, copied; metrics in
-        order of first report, ranks that reported the metric only."""
+        order of first report, ranks that reported the metric only.  ``points``: about that many
+        of each rank's points, evenly spread, the newest kept (a slice per rank: the lock is held
+        for what is copied, not for the whole history)."""
         with self._lock:
             history: Dict[str, Dict[int, List[Tuple[int, float]]]] = {}
             for rs in self.ranks:
-                for name, points in rs.history.items():
-                    history.setdefault(name, {})[rs.rank] = list(points)
+                for name, kept in rs.history.items():
+                    if points is not None and len(kept) > points:
+                        last = kept[-1]
+                        kept = kept[::-(-len(kept) // points)]
+                        if kept[-1] is not last:
+                            kept.append(last)
+                    history.setdefault(name, {})[rs.rank] = list(kept)
             return history
 
     def _check_rank(self, rank: int) -> None:

@@ -21,6 +21,7 @@ any thread while events arrive.  The functions that take a ``state`` also take a
 from __future__ import annotations
 
 import math
+import re
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, Iterable, List, Optional, Tuple, Union
@@ -31,6 +32,8 @@ from ..state import LogLine, RankSnapshot, RankState, RunSnapshot, RunState
 LOG_LINES = 300       # lines of a log pane; the complete logs stay on the run's ``logs(rank)``
 LOG_SCAN = 20_000     # lines looked at from the end of a rank's log to fill a pane
 PLOT_POINTS = 400     # points per line in a plot; longer histories are thinned
+#: a line worth showing among every rank's errors and warnings (besides every stderr line)
+PROBLEM = re.compile(r"error|warning|traceback|exception", re.IGNORECASE)
 
 #: run states after which nothing more happens but a message says why
 STOPPED_STATES = ("failed", "timed out", "hung", "cancelled")
@@ -214,7 +217,7 @@ def metric_series(state: RunState, limit: int = PLOT_POINTS) -> Dict[str, Series
     """``{metric: {rank: [(step, value), ...]}}``, metrics in order of first report, ranks
     that reported the metric only, non-finite values left out, ``limit`` points per rank."""
     series = {}
-    for name, by_rank in state.metric_history().items():
+    for name, by_rank in state.metric_history(limit).items():
         kept = {r: thin([(x, y) for x, y in pts if math.isfinite(y)], limit) for r, pts in by_rank.items()}
         kept = {r: pts for r, pts in sorted(kept.items()) if pts}
         if kept:
@@ -231,6 +234,7 @@ class RankLog:
     state: str
     lines: List[LogLine]
     total: int                     # lines the rank wrote in all (``\\r``-lines included)
+    traceback: str = ""            # a failed rank's traceback, when its lines do not hold it
 
 
 def terminal_lines(tail: List[LogLine], limit: int = LOG_LINES) -> List[LogLine]:
@@ -247,7 +251,16 @@ def terminal_lines(tail: List[LogLine], limit: int = LOG_LINES) -> List[LogLine]
 
 def rank_log(state: RunState, rank: int, limit: int = LOG_LINES) -> RankLog:
     read = state.recent_log(rank, LOG_SCAN)
-    return RankLog(rank=rank, state=read.state, lines=terminal_lines(read.lines, limit), total=read.total)
+    lines = terminal_lines(read.lines, limit)
+    traceback = ""
+    if read.state == "failed":
+        # the rank's own traceback travels with its failure; a rank whose stderr did not reach
+        # the driver (or went elsewhere) shows it from there
+        failure = next((f for f in state.failures() if f.rank == rank), None)
+        last = failure.traceback.strip().splitlines()[-1:] if failure and failure.traceback else []
+        if last and not any(last[0] in line.text for line in lines):
+            traceback = failure.traceback
+    return RankLog(rank=rank, state=read.state, lines=lines, total=read.total, traceback=traceback)
 
 
 def rank_logs(state: RunState, limit: int = LOG_LINES) -> List[RankLog]:
@@ -304,6 +317,8 @@ class MergedLog:
     def __init__(self, num_processes: int, limit: int = LOG_LINES):
         self.limit = limit
         self.lines: Deque[Tuple[int, LogLine]] = deque(maxlen=limit)
+        #: every rank's errors and warnings (stderr, or ``PROBLEM`` lines), the last ``limit``
+        self.problems: Deque[Tuple[int, LogLine]] = deque(maxlen=limit)
         self.live: List[Optional[LogLine]] = [None] * num_processes
         self._cursor = LogCursor(num_processes, keep=4 * limit)
 
@@ -322,6 +337,8 @@ class MergedLog:
                 else:
                     self.live[rank] = None
                     self.lines.append((rank, line))
+                    if line.stream == "stderr" or PROBLEM.search(line.text):
+                        self.problems.append((rank, line))
         return changed
 
     def shown(self) -> List[Tuple[int, LogLine]]:

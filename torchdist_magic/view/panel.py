@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import ipywidgets as widgets
 
 from ..options import LaunchOptions, OptionError, option_fields
-from .style import ERROR, MONO, MUTED, STATE_COLOURS
+from .style import ERROR, MONO, MUTED, STATE_TEXT
 from .widget import UPDATE_EVERY, WidgetView, close_tree
 
 CODE = "code"
@@ -410,7 +410,7 @@ class LaunchPanel:
         """Cancel the run (every rank is stopped), as the Stop button does."""
         if self.run is not None:
             self.stop_button.disabled = True
-            self.run.cancel()
+            self.run.cancel(by="the panel's Stop button")
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Wait until the run has ended and the panel shows its outcome."""
@@ -440,7 +440,7 @@ class LaunchPanel:
                 f'white-space:pre-wrap">{html.escape(text)}</pre>')
         else:
             text = error.details() if isinstance(error, RankFailure) else f"{type(error).__name__}: {error}"
-            colour = STATE_COLOURS.get(run.state.state, ERROR)
+            colour = STATE_TEXT.get(run.state.state, ERROR)
             self.result.value = (f'<pre class="torchdist-error" style="margin:6px 0 0 0;color:{colour};'
                                  f'font-family:{MONO};font-size:12px;white-space:pre-wrap">'
                                  f'{html.escape(text)}</pre>')
