@@ -639,15 +639,19 @@ class RunState:
             lines = store.recent(limit)
             return LogRead(rank, len(store) - len(lines), lines, len(store), self.ranks[rank].state)
 
-    def metric_history(self, points: Optional[int] = None) -> Dict[str, Dict[int, List[Tuple[int, float]]]]:
+    def metric_history(self, points: Optional[int] = None, ranks: Optional[Iterable[int]] = None,
+                       names: Optional[Iterable[str]] = None) -> Dict[str, Dict[int, List[Tuple[int, float]]]]:
         """``{metric: {rank: [(step, value), ...]}}`` of the current attempt, copied; metrics in
         order of first report, ranks that reported the metric only.  ``points``: about that many
         of each rank's points, evenly spread, the newest kept (a slice per rank: the lock is held
-        for what is copied, not for the whole history)."""
+        for what is copied, not for the whole history); ``ranks``, ``names``: those only."""
+        names = None if names is None else set(names)
         with self._lock:
             history: Dict[str, Dict[int, List[Tuple[int, float]]]] = {}
-            for rs in self.ranks:
+            for rs in (self.ranks if ranks is None else [self.ranks[r] for r in ranks]):
                 for name, kept in rs.history.items():
+                    if names is not None and name not in names:
+                        continue
                     if points is not None and len(kept) > points:
                         last = kept[-1]
                         kept = kept[::-(-len(kept) // points)]

@@ -114,9 +114,17 @@ class Pace:
         """Compare the ranks on each bar and update ``listed`` (O(ranks × bars))."""
         now = self.clock() if now is None else now
         self._checked = now
-        odd: Dict[int, str] = {}
+        # per rank, why it is odd on the bar that says most: slow before behind, then the
+        # fastest bar (the innermost loop) first
+        odd: Dict[int, Tuple[Tuple[int, float], str]] = {}
+
+        def note(rank: int, priority: Tuple[int, float], why: str) -> None:
+            if rank not in odd or odd[rank][0] < priority:
+                odd[rank] = (priority, why)
+
         compared = set()
         for bar_id in {b for bars in self._bars for b in bars}:
+            name = bar_id.rsplit('#', 1)[0] or 'progress'
             on_bar = [(r, bars[bar_id]) for r, bars in enumerate(self._bars) if bar_id in bars]
             rates = {r: self._rate(b, now) for r, b in on_bar if b.running}
             rates = {r: v for r, v in rates.items() if v is not None}
@@ -125,22 +133,20 @@ class Pace:
                 compared.update(rates)
                 for r, rate in rates.items():
                     if rate < SLOW_RATIO * median:
-                        odd.setdefault(r, f"{_rate_text(rate)} against a median of {_rate_text(median)}"
-                                          f" ({bar_id.rsplit('#', 1)[0] or 'progress'})")
+                        note(r, (1, median), f"{_rate_text(rate)} against a median of {_rate_text(median)} ({name})")
             if len(on_bar) >= MIN_PEERS and any(b.running for _, b in on_bar):
                 median_n = statistics.median(b.n for _, b in on_bar)
                 for r, b in on_bar:
                     compared.add(r)
                     if b.running and b.n < (1 - BEHIND_RATIO) * median_n and median_n - b.n >= BEHIND_MIN_STEPS:
-                        odd.setdefault(r, f"at step {b.n} where the median is {median_n:g}"
-                                          f" ({bar_id.rsplit('#', 1)[0] or 'progress'})")
+                        note(r, (0, median_n), f"at step {b.n} where the median is {median_n:g} ({name})")
         for r in compared:
             if r in odd:
                 self._fine_since[r] = None
                 if self._odd_since[r] is None:
                     self._odd_since[r] = now
                 if now - self._odd_since[r] >= SLOW_FOR:
-                    self.listed[r] = f"{odd[r]}, for {now - self._odd_since[r]:.0f} s"
+                    self.listed[r] = f"{odd[r][1]}, for {now - self._odd_since[r]:.0f} s"
             else:
                 self._odd_since[r] = None
                 if r in self.listed:

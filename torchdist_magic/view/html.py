@@ -134,6 +134,11 @@ def rows_html(rows: List[RankRow], why: Optional[Dict[int, str]] = None, digits:
     return "".join(out)
 
 
+def straggler_notes(snap) -> Dict[int, str]:
+    """The line under each straggler's row (a small run's rows)."""
+    return {s.rank: f"\u26a0 straggler: {s.why}" for s in snap.stragglers}
+
+
 def _aggregate_bar_html(bar) -> str:
     """One bar across ranks: the min-max range shaded, filled to the median."""
     fractions = bar.fractions
@@ -478,7 +483,7 @@ def summary_html(state: RunState, log_hint: Optional[str] = None, open_rank: Opt
         if problems is not None:
             logs += problems_html(problems, len(problems), log_hint, facts.finished)
     else:
-        body = rows_html(rank_rows(snap))
+        body = rows_html(rank_rows(snap), straggler_notes(snap))
         plots = plots_html(metric_series(state))
         logs = rank_logs_html(rank_logs(state, log_lines), log_hint, open_rank, facts.finished)
     return (f'<div class="torchdist-summary" style="border:1px solid {BORDER};border-radius:6px;'

@@ -288,6 +288,14 @@ class LogCursor:
         #: per rank, the lines its log held after the last read that the read did not take
         self.unread = [0] * num_processes
 
+    def skip(self, state: RunState, rank: int, keep: int) -> int:
+        """Pass over all but the newest ``keep`` of ``rank``'s unread lines; returns how many
+        were passed over."""
+        total = state.read_log(rank, self._cursor[rank], 0).total
+        skipped = max(total - keep - self._cursor[rank], 0)
+        self._cursor[rank] += skipped
+        return skipped
+
     def read(self, state: RunState, rank: int, limit: Optional[int] = None) -> List[LogLine]:
         """``rank``'s new lines, oldest first: at most ``limit`` (the rest are read next time,
         ``unread`` says how many there were)."""

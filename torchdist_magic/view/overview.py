@@ -12,6 +12,7 @@ so that what a view costs depends on what it shows, not on how many ranks there 
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import Counter
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..state import RankSnapshot, RunSnapshot, RunState
-from ..stragglers import BEHIND_RATIO
+from ..stragglers import BEHIND_MIN_STEPS, BEHIND_RATIO
 from .model import Series, format_duration, thin
 
 #: ranks above which a view summarises instead of showing a row per rank
@@ -34,6 +35,8 @@ SILENT_AFTER = 10.0
 BAND_POINTS = 80
 #: ranks drawn as lines over the band (the first of those worth a look)
 LINE_RANKS = 5
+#: points read for a band, all ranks together (each rank's history is thinned to its share)
+BAND_BUDGET = 8_000
 
 
 def is_large(num_processes: int) -> bool:
@@ -50,7 +53,7 @@ class BarSummary:
     n_min: int
     n_median: float
     n_max: int
-    behind: int                    # ranks below (1 - BEHIND_RATIO) of the median count
+    behind: int                    # ranks behind the median count (as ``stragglers`` says behind)
     rate_median: Optional[float]   # steps per second (n / elapsed), median across ranks
 
     @property
@@ -126,7 +129,7 @@ def bar_summaries(ranks: Sequence[RankSnapshot]) -> List[BarSummary]:
         out.append(BarSummary(
             desc=descs.most_common(1)[0][0], ranks=len(bars), total=totals.most_common(1)[0][0],
             n_min=counts[0], n_median=median, n_max=counts[-1],
-            behind=sum(1 for n in counts if n < (1 - BEHIND_RATIO) * median),
+            behind=sum(1 for n in counts if n < (1 - BEHIND_RATIO) * median and median - n >= BEHIND_MIN_STEPS),
             rate_median=statistics.median(rates) if rates else None))
     return out
 
@@ -146,7 +149,7 @@ def ranks_worth_a_look(snap: RunSnapshot, limit: int = LOOK_RANKS) -> List[RankL
     for failure in snap.failures():
         add(failure.rank, failure.summary(), "failed")
     for s in snap.stragglers:
-        add(s.rank, f"straggler: {s.why}", "straggler")
+        add(s.rank, f"\u26a0 straggler: {s.why}", "straggler")
     running = [rs for rs in snap.ranks if rs.state == "running"]
     quiet = snap.quiet or (None,) * len(snap.ranks)
     silent = sorted((rs for rs in running if (quiet[rs.rank] or 0) >= SILENT_AFTER),
@@ -197,26 +200,33 @@ class Band:
 
 def metric_bands(state: RunState, lines: Iterable[int] = (), points: int = BAND_POINTS) -> Dict[str, Band]:
     """``{metric: Band}``: each metric's median and min-max band across ranks in ``points``
-    step buckets, from a copy of the history thinned under the state's lock, plus the ranks
-    ``lines`` drawn on their own (at most ``points`` points each)."""
+    step buckets, from a copy of the history thinned under the state's lock to ``BAND_BUDGET``
+    points in all, plus the ranks ``lines`` drawn on their own (at most ``points`` points each)."""
     lines = list(lines)
+    per_rank = max(8, min(points, BAND_BUDGET // max(state.num_processes, 1)))
     bands = {}
-    for name, by_rank in state.metric_history(points).items():
-        finite = {r: [(x, y) for x, y in pts if math.isfinite(y)] for r, pts in by_rank.items()}
-        finite = {r: pts for r, pts in finite.items() if pts}
-        if not finite:
+    for name, by_rank in state.metric_history(per_rank).items():
+        band = _band(by_rank.values(), points)
+        if band is None:
             continue
-        bands[name] = _band(finite, points)
-        bands[name].lines = {r: thin(finite[r], points) for r in lines if r in finite}
+        band.ranks = len(by_rank)
+        chosen = state.metric_history(points, ranks=[r for r in lines if r in by_rank], names=[name])
+        band.lines = {r: [(x, y) for x, y in pts if math.isfinite(y)]
+                      for r, pts in chosen.get(name, {}).items()}
+        band.lines = {r: pts for r, pts in band.lines.items() if pts}
+        bands[name] = band
     return bands
 
 
-def _band(series: Series, buckets: int) -> Band:
+def _band(series: Iterable[List[Tuple[int, float]]], buckets: int) -> Optional[Band]:
     # numpy is a dependency of torch; imported here, where a large run's plot is drawn
     import numpy as np
 
-    xs = np.fromiter((x for pts in series.values() for x, _ in pts), dtype=float)
-    ys = np.fromiter((y for pts in series.values() for _, y in pts), dtype=float)
+    pairs = np.fromiter(itertools.chain.from_iterable(series), dtype=np.dtype((float, 2)))
+    pairs = pairs[np.isfinite(pairs).all(axis=1)]
+    if not len(pairs):
+        return None
+    xs, ys = pairs[:, 0], pairs[:, 1]
     x0, x1 = xs.min(), xs.max()
     index = np.zeros(len(xs), dtype=int) if x1 == x0 else \
         np.minimum(((xs - x0) / (x1 - x0) * buckets).astype(int), buckets - 1)
@@ -228,4 +238,4 @@ def _band(series: Series, buckets: int) -> Band:
     median = (ys_sorted[middle_low] + ys_sorted[middle_high]) / 2
     steps = np.maximum.reduceat(xs_sorted, starts)
     return Band(steps=steps.tolist(), low=ys_sorted[starts].tolist(), median=median.tolist(),
-                high=ys_sorted[ends].tolist(), ranks=len(series), lines={})
+                high=ys_sorted[ends].tolist(), ranks=0, lines={})

@@ -28,7 +28,7 @@ import ipywidgets as widgets
 
 from ..state import RunState
 from .html import (BORDER, MUTED, bands_html, failure_html, header_html, large_rows_html, merged_log_html,
-                   plots_html, problems_html, rank_log_html, rows_html, stacks_html, summary_html)
+                   plots_html, problems_html, rank_log_html, rows_html, stacks_html, straggler_notes, summary_html)
 from .kernel_poll import KernelPoll
 from .model import MergedLog, metric_series, rank_log, rank_rows, rank_stacks, root_cause_rank, run_facts
 from .overview import LINE_RANKS, PAGE_RANKS, Overview, is_large, metric_bands, overview
@@ -155,8 +155,8 @@ class WidgetView:
             elif text.isdigit() and int(text) <= last:
                 self._typed = int(text)
                 self.rank_note.value = ""
-                self._log_chosen = True
                 self._show_log(self._typed)
+                self._log_chosen = True  # typed by the user: a failure elsewhere does not take the pane
             else:
                 self.rank_note.value = (f'<span class="torchdist-rank-note" style="color:{MUTED};font-size:12px">'
                                         f'no rank {html.escape(text)} in this run: ranks are 0 to {last}</span>')
@@ -219,7 +219,7 @@ class WidgetView:
                 page, title = self._page(self._overview)
                 _set(self.rows, large_rows_html(snap, self._overview, page, title))
             else:
-                _set(self.rows, rows_html(rank_rows(snap)))
+                _set(self.rows, rows_html(rank_rows(snap), straggler_notes(snap)))
             _set(self.failure, failure_html(facts))
             _set(self.stacks, stacks_html(rank_stacks(snap)))
             self._merged.drain(state, snap.changed)
