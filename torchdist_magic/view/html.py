@@ -118,7 +118,7 @@ def rows_html(rows: List[RankRow], why: Optional[Dict[int, str]] = None, digits:
         metrics = (f'<span class="torchdist-metrics" style="{css["metrics"]};font-family:{MONO};font-size:11.5px">'
                    f'{_esc(row.metrics)}</span>') if "metrics" in css else ""
         reason = (why or {}).get(row.rank)
-        note = (f'<div class="torchdist-why" style="flex:1 0 100%;white-space:normal;color:{MUTED};font-size:11.5px;'
+        note = (f'<div class="torchdist-why" style="flex:1 0 100%;box-sizing:border-box;white-space:normal;color:{MUTED};font-size:11.5px;'
                 f'padding-left:{digits + 2.2:.1f}ch">{_esc(reason)}</div>') if reason else ""
         out.append(
             f'<div class="torchdist-rank-row" data-rank="{row.rank}" data-state="{_esc(row.state)}"'
