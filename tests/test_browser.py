@@ -128,6 +128,7 @@ def test_run_view_shows_every_rank_and_stop_ends_a_blocking_cell(browser, lab):
         page.wait_for_selector(f"{long} .jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']")
         assert "RunCancelled" in page.locator(f"{long} .jp-OutputArea").inner_text()
         assert page.locator(f"{long} .torchdist-summary .torchdist-rank-row[data-state=cancelled]").count() == 2
+        assert "stopped by the Stop button" in page.locator(f"{long} .torchdist-summary .torchdist-failure").inner_text()
         page.locator(f"{long} .jp-OutputArea").screenshot(path=artifact("browser-run-stopped.png"))
         note_runs(page, lab)
     except Exception:
@@ -142,6 +143,22 @@ def test_launch_panel_refuses_bad_settings_and_launches(browser, lab):
     panel = ".torchdist-panel"
     try:
         page.wait_for_selector(f"{panel} .torchdist-option-num_processes input")
+        # in a 600 px pane: flags whole, help cut at a word (two lines, whole in the tooltip),
+        # the options a screen tall
+        page.evaluate("() => { window.jupyterapp.shell.collapseLeft(); window.jupyterapp.shell.collapseRight(); }")
+        page.set_viewport_size({"width": 700, "height": 1500})
+        page.wait_for_timeout(400)
+        assert 550 <= page.locator(panel).bounding_box()["width"] <= 620
+        flags = page.eval_on_selector_all(f"{panel} code", "els => els.map(e => e.getClientRects().length)")
+        assert flags and set(flags) == {1}, flags  # each flag on one line
+        notes = page.eval_on_selector_all(f"{panel} .torchdist-option-note span",
+                                          "els => els.map(e => [e.scrollWidth <= e.clientWidth + 1,"
+                                          " e.getBoundingClientRect().height, e.title.length > 0])")
+        assert all(fits and height <= 40 and titled for fits, height, titled in notes), notes
+        top = page.locator(panel).bounding_box()["y"]
+        assert page.locator(f"{panel} .torchdist-launch").bounding_box()["y"] - top < 900  # was 2,100 px
+        page.locator(panel).screenshot(path=artifact("browser-panel-600.png"))
+        page.set_viewport_size({"width": 1280, "height": 1500})
         np_input = page.locator(f"{panel} .torchdist-option-num_processes input")
         page.locator(f"{panel} .torchdist-code textarea").fill(PANEL_CODE)
         np_input.fill("0")
