@@ -83,6 +83,22 @@ def test_a_rank_that_goes_quiet_slows_down_and_stragglers_stay_named_after_the_r
     assert [s.rank for s in state.stragglers()] == [3]
 
 
+def test_an_inner_bar_renewed_every_epoch_compares_ranks_in_different_epochs():
+    state, clock = paced_state()
+    counts = [0.0] * 4
+    for _ in range(int((P.SLOW_FOR + P.RATE_WINDOW) / 0.5)):
+        clock.now += 0.5
+        for r, rate in enumerate([15, 15, 15, 3]):
+            before = int(counts[r]) // 10
+            counts[r] += rate * 0.5
+            epoch, n = divmod(int(counts[r]), 10)  # a new "batch" bar (a new id) every 10 steps
+            if epoch != before:  # the bar's end, as progress() sends it when its loop ends
+                bar(state, r, 10, 10, desc="batch", bar_id=f"batch#{before}", state_="done")
+            bar(state, r, n, 10, desc="batch", bar_id=f"batch#{epoch}")
+    (slow,) = state.stragglers()
+    assert slow.rank == 3 and "(batch)" in slow.why
+
+
 def test_a_restart_forgets_the_pace_of_the_attempt_before():
     state, clock = paced_state()
     step_all(state, clock, P.SLOW_FOR + P.RATE_WINDOW, [10, 10, 10, 2])

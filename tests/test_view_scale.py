@@ -203,3 +203,16 @@ def test_the_legend_wraps_between_entries_and_colours_do_not_repeat():
     assert "rank 0</span> <span" in legend  # whitespace between entries: the legend wraps there
     assert len({H.rank_colour(r) for r in range(1024)}) > 300
     assert H.rank_colour(0) != H.rank_colour(10)
+
+
+def test_the_slowest_and_the_furthest_behind_are_worth_a_look_with_their_numbers():
+    run = FakeRun(20)
+    for r in range(20):
+        running(run.state, r)
+        bar(run.state, r, 1 if r == 4 else 2, 3, desc="epoch", bar_id="epoch#0", elapsed=10.0)
+        # rank 4 is an epoch behind (its batch further along); rank 9 steps slowest
+        bar(run.state, r, 40 if r == 4 else 5, 50, desc="batch", bar_id="batch#1", elapsed=1.0 if r != 9 else 5.0)
+    look = {item.rank: item for item in O.overview(run.state).look}
+    assert look[4].kind == "behind" and look[4].why == "furthest behind: epoch 1.8, median 2.1"
+    assert look[9].kind == "slowest" and look[9].why == "slowest: 1.00 it/s, median 5.00"
+    assert O.overview(run.state).bars[0].behind == 0  # 1 of 3 is not 2 steps short of 2

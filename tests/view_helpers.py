@@ -82,10 +82,14 @@ def simulated_run(ranks, steps=100, lines=20, per_host=8):
                 continue
             pace = 2.0 if r == slow else 10.0 + (r % 7) * 0.3
             n = int(pace * 0.5 * tick)
+            before = int(pace * 0.5 * (tick - 1)) // 50
+            if n // 50 != before:  # the last epoch's batch bar ends, as progress() says when its loop ends
+                feed(state, events.Progress(rank=r, bar=f"batch#{1 + before}", desc="batch", n=50, total=50,
+                                            elapsed=0.5 * tick, state="done"))
             feed(state,
                  events.Progress(rank=r, bar="epoch#0", desc="epoch", n=n // 50, total=4, elapsed=0.5 * tick),
                  events.Progress(rank=r, bar=f"batch#{1 + n // 50}", desc="batch", n=n % 50, total=50,
-                                 elapsed=0.5 * tick))
+                                 elapsed=(n % 50) / pace))
     for r in range(ranks):
         for step in range(steps):
             noise = ((r * 7919 + step * 104729) % 1000) / 1000

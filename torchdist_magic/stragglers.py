@@ -5,6 +5,10 @@ lock): the time a rank was last heard from and, for each of its progress bars, i
 ``(time, n)`` samples.  A rank's step rate on a bar is measured over the last ``RATE_WINDOW``
 seconds on the driver's clock, so a rank that goes quiet slows down too.
 
+Bars are told apart by their description: an inner loop's bar is a new bar every epoch (a new
+id), and ranks in different epochs still compare on it; its count goes on across epochs (each
+new bar of the same description starts where the last one ended).
+
 At most every ``CHECK_EVERY`` seconds (when a record arrives, or when asked), each bar that
 several ranks run is compared across them (O(ranks)): a rank is *slow* when its rate stays below
 ``SLOW_RATIO`` times the median rate of the ranks running that bar, *behind* when its count is
@@ -52,10 +56,11 @@ class Straggler(NamedTuple):
 
 @dataclass
 class _Bar:
-    samples: Deque[Tuple[float, int]]   # (driver time, n), the oldest within RATE_WINDOW first
-    n: int
-    total: Optional[int]
+    samples: Deque[Tuple[float, int]]   # (driver time, count), the oldest within RATE_WINDOW first
+    n: int                              # the count: this bar's and its earlier ones' steps
     running: bool
+    bar_id: str                         # the newest bar of this description
+    base: int = 0                       # the steps of its earlier bars
 
 
 def _rate_text(rate: float) -> str:
@@ -87,16 +92,20 @@ class Pace:
 
     def _progress(self, rank: int, e: events.Progress, now: float) -> None:
         bars = self._bars[rank]
+        key = e.desc or e.bar
         if e.state == "cleared":
-            bars.pop(e.bar, None)
+            if key in bars and bars[key].bar_id == e.bar:
+                del bars[key]
             return
-        bar = bars.get(e.bar)
+        bar = bars.get(key)
         if bar is None:
             if len(bars) >= MAX_BARS:
                 del bars[next(iter(bars))]
-            bar = bars[e.bar] = _Bar(deque(), e.n, e.total, True)
-        bar.n, bar.total, bar.running = e.n, e.total, e.state == "running"
-        bar.samples.append((now, e.n))
+            bar = bars[key] = _Bar(deque(), e.n, True, e.bar)
+        elif bar.bar_id != e.bar:  # the next epoch's bar: counting goes on
+            bar.base, bar.bar_id = bar.n, e.bar
+        bar.n, bar.running = bar.base + e.n, e.state == "running"
+        bar.samples.append((now, bar.n))
         # keep one sample older than the window: the rate spans the whole window
         while len(bar.samples) > 2 and bar.samples[1][0] <= now - RATE_WINDOW:
             bar.samples.popleft()
@@ -123,9 +132,8 @@ class Pace:
                 odd[rank] = (priority, why)
 
         compared = set()
-        for bar_id in {b for bars in self._bars for b in bars}:
-            name = bar_id.rsplit('#', 1)[0] or 'progress'
-            on_bar = [(r, bars[bar_id]) for r, bars in enumerate(self._bars) if bar_id in bars]
+        for name in {b for bars in self._bars for b in bars}:
+            on_bar = [(r, bars[name]) for r, bars in enumerate(self._bars) if name in bars]
             rates = {r: self._rate(b, now) for r, b in on_bar if b.running}
             rates = {r: v for r, v in rates.items() if v is not None}
             if len(rates) >= MIN_PEERS:

@@ -85,7 +85,7 @@ def _bar_html(bar: BarView, style: str, width: int) -> str:
 _COLUMNS = (("rank", "flex:0 0 auto;font-variant-numeric:tabular-nums"),
             ("host", "flex:0 1 96px;min-width:40px;overflow:hidden;text-overflow:ellipsis"),
             ("state", "flex:0 0 94px"),
-            ("progress", "flex:1 1 240px;min-width:0;display:flex;flex-direction:column;gap:3px"),
+            ("progress", "flex:3 1 320px;min-width:0;display:flex;flex-direction:column;gap:3px"),
             ("metrics", "flex:1 1 140px;min-width:0;max-width:260px;white-space:normal;overflow-wrap:anywhere"))
 _ROW = "display:flex;flex-wrap:wrap;align-items:center;gap:2px 12px;padding:3px 0;white-space:nowrap"
 

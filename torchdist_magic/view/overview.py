@@ -53,7 +53,7 @@ class BarSummary:
     n_min: int
     n_median: float
     n_max: int
-    behind: int                    # ranks behind the median count (as ``stragglers`` says behind)
+    behind: int                    # ranks behind the median count (outer loop: inner ones restart)
     rate_median: Optional[float]   # steps per second (n / elapsed), median across ranks
 
     @property
@@ -120,7 +120,7 @@ def bar_summaries(ranks: Sequence[RankSnapshot]) -> List[BarSummary]:
         for depth, bar in enumerate(rs.shown_progress()):
             by_depth.setdefault(depth, []).append(bar)
     out = []
-    for _depth, bars in sorted(by_depth.items()):
+    for depth, bars in sorted(by_depth.items()):
         counts = sorted(b.get("n") or 0 for b in bars)
         median = statistics.median(counts)
         rates = [r for r in map(_rate, bars) if r is not None]
@@ -129,7 +129,9 @@ def bar_summaries(ranks: Sequence[RankSnapshot]) -> List[BarSummary]:
         out.append(BarSummary(
             desc=descs.most_common(1)[0][0], ranks=len(bars), total=totals.most_common(1)[0][0],
             n_min=counts[0], n_median=median, n_max=counts[-1],
-            behind=sum(1 for n in counts if n < (1 - BEHIND_RATIO) * median and median - n >= BEHIND_MIN_STEPS),
+            # an inner loop's bar starts again every epoch: its count says nothing about who is behind
+            behind=0 if depth else sum(1 for n in counts if n < (1 - BEHIND_RATIO) * median
+                                       and median - n >= BEHIND_MIN_STEPS),
             rate_median=statistics.median(rates) if rates else None))
     return out
 
@@ -163,12 +165,27 @@ def ranks_worth_a_look(snap: RunSnapshot, limit: int = LOOK_RANKS) -> List[RankL
         for rate, rs in sorted(rates, key=lambda item: item[0])[:2]:
             if rate < median:
                 add(rs.rank, f"slowest: {rate:.2f} it/s, median {median:.2f}", "slowest")
-    if len(inner) >= 2:
-        median_n = statistics.median(bar.get("n") or 0 for _, bar in inner)
-        for rs, bar in sorted(inner, key=lambda item: item[1].get("n") or 0)[:2]:
-            if (bar.get("n") or 0) < median_n:
-                add(rs.rank, f"furthest behind: step {bar.get('n') or 0}, median {median_n:g}", "behind")
+    where = [(rs, pos) for rs in running for pos in [_position(rs)] if pos is not None]
+    if len(where) >= 2:
+        median_at = statistics.median(pos for _, pos in where)
+        desc = str(where[0][0].shown_progress()[0].get("desc") or "step")
+        for rs, pos in sorted(where, key=lambda item: item[1])[:2]:
+            if pos < median_at:
+                add(rs.rank, f"furthest behind: {desc} {pos:.4g}, median {median_at:.4g}", "behind")
     return out
+
+
+def _position(rs: RankSnapshot) -> Optional[float]:
+    """How far a rank got: its outer bar's count, plus the inner bar's fraction done (an inner
+    loop's count alone starts again every epoch)."""
+    bars = rs.shown_progress()
+    if not bars:
+        return None
+    outer = bars[0].get("n") or 0
+    inner = bars[-1] if len(bars) > 1 else None
+    if inner is not None and inner.get("total"):
+        return outer + min((inner.get("n") or 0) / inner["total"], 1.0)
+    return float(outer)
 
 
 def overview(state) -> Overview:
