@@ -459,6 +459,8 @@ def test_result_with_a_timeout_raises_its_own_timeout_error_and_the_run_goes_on(
         run.cancel()
         with pytest.raises(RunCancelled):
             run.result(timeout=120)
+    # the view says who stopped it
+    assert M.run_facts(run.state).outcome == "stopped by cancel(); every rank was stopped"
     assert_no_survivors(run)
 
 
