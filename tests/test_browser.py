@@ -317,7 +317,7 @@ def test_views_of_4_64_and_1024_ranks_read_well_narrow_wide_light_and_dark(brows
                 page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'")
                 page.wait_for_timeout(500)
             for width in (1280, 400):
-                page.set_viewport_size({"width": width, "height": 1500})
+                page.set_viewport_size({"width": width, "height": 2800})  # a whole view on screen
                 page.wait_for_timeout(400)
                 low = page.evaluate(LOW_CONTRAST, views)
                 assert low == [], f"{theme} at {width} px: {low}"
