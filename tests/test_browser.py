@@ -310,6 +310,11 @@ def test_views_of_4_64_and_1024_ranks_read_well_narrow_wide_light_and_dark(brows
         assert page.locator(f"{cell(4)} .torchdist-view .torchdist-overview[data-ranks='64']").count() == 1
         assert page.locator(f"{cell(6)} .torchdist-view .torchdist-rank-row").count() <= 8
         assert page.locator(f"{cell(7)} .torchdist-summary .torchdist-plot-band").count() == 3
+        # the contrast check sees faint text (it is not vacuous)
+        page.evaluate(f"() => document.querySelector('{cell(2)} .torchdist-header').insertAdjacentHTML("
+                      "'beforeend', '<span id=faint style=\"color:#bbb\">faint</span>')")
+        assert [low.split(": ")[1] for low in page.evaluate(LOW_CONTRAST, views)] == ["faint"]
+        page.evaluate("() => document.getElementById('faint').remove()")
         for theme in ("light", "dark"):
             if theme == "dark":
                 page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme',"
@@ -323,6 +328,10 @@ def test_views_of_4_64_and_1024_ranks_read_well_narrow_wide_light_and_dark(brows
                 assert low == [], f"{theme} at {width} px: {low}"
                 cut = page.evaluate(OVERFLOW, views)
                 assert cut == [], f"{theme} at {width} px: {cut}"
+                # the header wraps between its parts, never inside one (one word per line)
+                broken = page.eval_on_selector_all(".torchdist-header > span", "els => els.filter("
+                                                   "e => e.getClientRects().length > 1).map(e => e.textContent)")
+                assert broken == [], f"{theme} at {width} px: {broken}"
                 for n, ranks in ((2, 4), (4, 64), (6, 1024)):
                     page.locator(f"{cell(n)} .jp-OutputArea").screenshot(
                         path=artifact(f"view-{ranks}-live-{theme}-{width}.png"))
