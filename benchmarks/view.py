@@ -26,7 +26,6 @@ from view_helpers import simulated_run  # noqa: E402
 
 from torchdist_magic import events  # noqa: E402
 from torchdist_magic.view import widget as W  # noqa: E402
-from torchdist_magic.view.html import summary_html  # noqa: E402
 from torchdist_magic.view.text import summary_with_logs  # noqa: E402
 
 PARTS = ("header", "rows", "failure", "stacks", "plots", "logs", "log_select", "host_page")

@@ -84,7 +84,7 @@ def _bar_html(bar: BarView, style: str, width: int) -> str:
 #: they wrap in a narrow pane (progress and metrics below the rank, host and state)
 _COLUMNS = (("rank", "flex:0 0 auto;font-variant-numeric:tabular-nums"),
             ("host", "flex:0 1 96px;min-width:40px;overflow:hidden;text-overflow:ellipsis"),
-            ("state", "flex:0 0 94px"),
+            ("state", "flex:0 0 112px"),
             ("progress", "flex:3 1 320px;min-width:0;display:flex;flex-direction:column;gap:3px"),
             ("metrics", "flex:1 1 140px;min-width:0;max-width:260px;white-space:normal;overflow-wrap:anywhere"))
 _ROW = "display:flex;flex-wrap:wrap;align-items:center;gap:2px 12px;padding:3px 0;white-space:nowrap"
@@ -118,8 +118,8 @@ def rows_html(rows: List[RankRow], why: Optional[Dict[int, str]] = None, digits:
         metrics = (f'<span class="torchdist-metrics" style="{css["metrics"]};font-family:{MONO};font-size:11.5px">'
                    f'{_esc(row.metrics)}</span>') if "metrics" in css else ""
         reason = (why or {}).get(row.rank)
-        note = (f'<div class="torchdist-why" style="flex:1 0 100%;box-sizing:border-box;white-space:normal;color:{MUTED};font-size:11.5px;'
-                f'padding-left:{digits + 2.2:.1f}ch">{_esc(reason)}</div>') if reason else ""
+        note = (f'<div class="torchdist-why" style="flex:1 0 100%;box-sizing:border-box;white-space:normal;'
+                f'color:{MUTED};font-size:11.5px;padding-left:{digits + 2.2:.1f}ch">{_esc(reason)}</div>') if reason else ""
         out.append(
             f'<div class="torchdist-rank-row" data-rank="{row.rank}" data-state="{_esc(row.state)}"'
             f'{" data-why" if reason else ""} style="{_ROW};border-top:1px solid {BORDER}">'

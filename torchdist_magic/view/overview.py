@@ -21,7 +21,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..state import RankSnapshot, RunSnapshot, RunState
 from ..stragglers import BEHIND_MIN_STEPS, BEHIND_RATIO
-from .model import Series, format_duration, thin
+from .model import Series, format_duration
 
 #: ranks above which a view summarises instead of showing a row per rank
 LARGE_RUN = 16
