@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from test_view_model import _stacks
 from view_helpers import FakeRun, bar, exit_, feed, log, metrics, running, simulated_run
 from torchdist_magic import events
 from torchdist_magic.view import html as H
@@ -216,3 +217,36 @@ def test_the_slowest_and_the_furthest_behind_are_worth_a_look_with_their_numbers
     assert look[4].kind == "behind" and look[4].why == "furthest behind: epoch 1.8, median 2.1"
     assert look[9].kind == "slowest" and look[9].why == "slowest: 1.00 it/s, median 5.00"
     assert O.overview(run.state).bars[0].behind == 0  # 1 of 3 is not 2 steps short of 2
+
+
+def test_the_text_view_names_a_straggler_it_follows_and_groups_stacks_of_a_large_run():
+    run, _clock = simulated_run(20)
+    out = io.StringIO()
+    view = TextView(run.state, out=out, err=out)
+    view.update()
+    printed = out.getvalue()
+    assert "torchdist: rank 6 straggles: its lines follow; 0 earlier lines" not in printed
+    assert "torchdist: rank 6 straggles: its lines follow\n" in printed  # 20 lines: none passed over
+    assert "torchdist: rank 19 failed: its lines follow" in printed
+    run.state.begin_stacks()
+    for r in range(19):  # most ranks in one collective, rank 6 elsewhere, 6 more places besides
+        line, function = (40, "all_reduce") if r < 12 and r != 6 else (12 + r, "load_shard")
+        feed(run.state, _stacks(r, function, line))
+    text = summary(run.state)
+    assert "\n  where each rank was (innermost frame first):\n    ranks 0, 1, 2, 3, 4, 5, 7, 8 and 3 more: all_reduce" in text
+    # 10 places (rank 19 had exited: a place of its own): the 5 most common, then a count
+    assert text.endswith("\n    … 5 more places") and text.count("\n    ranks ") == 5
+    assert "last lines of rank 0 and of the ranks worth a look" in summary_with_logs(run.state)
+
+
+def test_a_hosts_page_names_the_ranks_it_leaves_out_and_an_empty_problem_pane_says_so():
+    run, clock = simulated_run(40, per_host=20)
+    view = W.WidgetView(run, display=False, clock=clock)
+    view.host_page.value = "gpu-node-001"
+    assert (f"gpu-node-001: 20 ranks, the first {O.PAGE_RANKS} (type a rank&#x27;s number for another)"
+            in view.rows.value)
+    assert "logs of rank 0 and of the ranks worth a look" in view.snapshot_html()
+    quiet = FakeRun(20)
+    quiet_view = W.WidgetView(quiet, display=False)
+    quiet_view.log_select.value = W.PROBLEMS
+    assert "(no errors or warnings)" in quiet_view.logs.value
