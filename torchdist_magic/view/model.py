@@ -10,7 +10,9 @@ HTML, the live widget) shows the same facts and tests read them without a kernel
 - ``metric_series``: each metric against step, one line per rank, thinned for plotting;
 - ``rank_log`` / ``rank_logs``: a rank's last lines as a terminal would show them;
 - ``LogCursor``: each rank's lines written since the last read (the text view prints them);
-- ``MergedLog``: all ranks' lines in arrival order.
+- ``MergedLog``: all ranks' lines in arrival order, and every rank's errors and warnings.
+
+A run of many ranks is summarised by ``overview`` from the same snapshots.
 
 Each reader takes what it needs through the ``RunState``'s own methods (``snapshot``,
 ``read_log``, ``recent_log``, ``metric_history``), which copy under its lock, so it may run in
