@@ -128,6 +128,7 @@ def test_run_view_shows_every_rank_and_stop_ends_a_blocking_cell(browser, lab):
         page.wait_for_selector(f"{long} .jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']")
         assert "RunCancelled" in page.locator(f"{long} .jp-OutputArea").inner_text()
         assert page.locator(f"{long} .torchdist-summary .torchdist-rank-row[data-state=cancelled]").count() == 2
+        assert "stopped by the Stop button" in page.locator(f"{long} .torchdist-summary .torchdist-failure").inner_text()
         page.locator(f"{long} .jp-OutputArea").screenshot(path=artifact("browser-run-stopped.png"))
         note_runs(page, lab)
     except Exception:
@@ -142,6 +143,22 @@ def test_launch_panel_refuses_bad_settings_and_launches(browser, lab):
     panel = ".torchdist-panel"
     try:
         page.wait_for_selector(f"{panel} .torchdist-option-num_processes input")
+        # in a 600 px pane: flags whole, help cut at a word (two lines, whole in the tooltip),
+        # the options a screen tall
+        page.evaluate("() => { window.jupyterapp.shell.collapseLeft(); window.jupyterapp.shell.collapseRight(); }")
+        page.set_viewport_size({"width": 700, "height": 1500})
+        page.wait_for_timeout(400)
+        assert 550 <= page.locator(panel).bounding_box()["width"] <= 620
+        flags = page.eval_on_selector_all(f"{panel} code", "els => els.map(e => e.getClientRects().length)")
+        assert flags and set(flags) == {1}, flags  # each flag on one line
+        notes = page.eval_on_selector_all(f"{panel} .torchdist-option-note span",
+                                          "els => els.map(e => [e.scrollWidth <= e.clientWidth + 1,"
+                                          " e.getBoundingClientRect().height, e.title.length > 0])")
+        assert all(fits and height <= 40 and titled for fits, height, titled in notes), notes
+        top = page.locator(panel).bounding_box()["y"]
+        assert page.locator(f"{panel} .torchdist-launch").bounding_box()["y"] - top < 900  # was 2,100 px
+        page.locator(panel).screenshot(path=artifact("browser-panel-600.png"))
+        page.set_viewport_size({"width": 1280, "height": 1500})
         np_input = page.locator(f"{panel} .torchdist-option-num_processes input")
         page.locator(f"{panel} .torchdist-code textarea").fill(PANEL_CODE)
         np_input.fill("0")
@@ -193,3 +210,135 @@ def test_jupyterlab_stops_with_no_kernel_or_rank_left(browser, tmp_path):
     assert len(kernels) == 1 and len(ranks) >= 2, f"expected a kernel and its ranks under JupyterLab: {own.seen}"
     assert len(own.run_ids) == 1
     assert_lab_left_nothing(own)
+
+
+# -- a large run, a narrow pane, the dark theme -------------------------------------------------------
+SIMULATED = """import sys
+sys.path.insert(0, {tests!r})
+from IPython.display import HTML
+from view_helpers import simulated_run
+from torchdist_magic.view.widget import WidgetView
+
+def live_and_kept(ranks):
+    run, clock = simulated_run(ranks, steps=200)
+    view = WidgetView(run, display=False, clock=clock)
+    return view.widget, HTML(view.snapshot_html())
+"""
+
+#: every piece of text under ``scope`` whose contrast with what is behind it is below 4.5:1
+#: (WCAG AA), from computed styles: its colour (an SVG text's fill) over the backgrounds of its
+#: ancestors, composited, and the page's background at the bottom
+LOW_CONTRAST = """(scope) => {
+    const canvas = document.createElement('canvas').getContext('2d');
+    const rgba = (css) => {  // any CSS colour the browser computed -> [r, g, b, a]
+        canvas.clearRect(0, 0, 1, 1); canvas.fillStyle = '#000'; canvas.fillStyle = css;
+        canvas.fillRect(0, 0, 1, 1);
+        const d = canvas.getImageData(0, 0, 1, 1).data;
+        return [d[0], d[1], d[2], d[3] / 255];
+    };
+    const over = (top, under) => top.slice(0, 3).map((c, i) => c * top[3] + under[i] * (1 - top[3])).concat([1]);
+    const lum = (c) => { const l = c.slice(0, 3).map(v => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; });
+                         return 0.2126 * l[0] + 0.7152 * l[1] + 0.0722 * l[2]; };
+    const background = (el) => {
+        const layers = [];
+        for (let e = el; e; e = e.parentElement) {
+            const bg = getComputedStyle(e).backgroundColor;
+            if (bg) { const c = rgba(bg); if (c[3] > 0) layers.push(c); if (c[3] >= 1) break; }
+        }
+        let colour = rgba(getComputedStyle(document.body).backgroundColor);
+        if (colour[3] < 1) colour = [255, 255, 255, 1];
+        for (const layer of layers.reverse()) colour = over(layer, colour);
+        return colour;
+    };
+    const low = [];
+    for (const root of document.querySelectorAll(scope)) {
+        const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+        for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+            const el = node.parentElement;
+            if (!node.textContent.trim() || !el.getClientRects().length) continue;
+            if (/^[\\u2580-\\u25ff\\u2500-\\u257f]+$/.test(node.textContent.trim())) continue;  // marks, not text
+            const style = getComputedStyle(el);
+            if (style.visibility === 'hidden' || style.display === 'none') continue;
+            const isSvg = el instanceof SVGElement;
+            let fg = rgba(isSvg ? style.fill : style.color);
+            const bg = background(isSvg ? el.closest('svg') : el);
+            fg = over(fg, bg);
+            const [a, b] = [lum(fg), lum(bg)];
+            const ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+            if (ratio < 4.5) low.push(`${ratio.toFixed(2)}: ${node.textContent.trim().slice(0, 40)}`);
+        }
+    }
+    return low;
+}"""
+
+#: what sticks out of a view's box, or is cut: elements wider than the view, Stop not whole
+OVERFLOW = """(scope) => {
+    const problems = [];
+    for (const view of document.querySelectorAll(scope)) {
+        const box = view.getBoundingClientRect();
+        const output = view.closest('.jp-OutputArea-output') || view.parentElement;
+        if (box.right > output.getBoundingClientRect().right + 1) problems.push(`view ${box.width}px wider than its output`);
+        for (const el of view.querySelectorAll('*')) {
+            const r = el.getBoundingClientRect();
+            if (r.width && r.right > box.right + 1 && !el.closest('[style*="overflow"]')) {
+                problems.push(`${el.className || el.tagName} ends at ${r.right.toFixed(0)} past ${box.right.toFixed(0)}`);
+                if (problems.length > 8) break;
+            }
+        }
+        const stop = view.querySelector('.torchdist-stop');
+        if (stop && stop.offsetParent && (stop.scrollWidth > stop.clientWidth + 1 || stop.getBoundingClientRect().right > box.right + 1))
+            problems.push('Stop is cut');
+    }
+    return problems;
+}"""
+
+
+def test_views_of_4_64_and_1024_ranks_read_well_narrow_wide_light_and_dark(browser, lab):
+    tests = os.path.dirname(os.path.abspath(__file__))
+    cells = [SIMULATED.format(tests=tests)]
+    for ranks in (4, 64, 1024):
+        cells += [f"live_{ranks}, kept_{ranks} = live_and_kept({ranks})\nlive_{ranks}", f"kept_{ranks}"]
+    page = open_and_run(browser, lab, "scale.ipynb", cells)
+    cell = ".jp-Notebook .jp-Cell:nth-child({})".format
+    views = ".torchdist-view, .torchdist-summary"
+    try:
+        # the notebook alone: at 400 px the file browser would leave it a sliver
+        page.evaluate("() => { window.jupyterapp.shell.collapseLeft(); window.jupyterapp.shell.collapseRight(); }")
+        page.wait_for_selector(f"{cell(7)} .torchdist-summary", timeout=120_000)
+        page.wait_for_selector(f"{cell(6)} .torchdist-view .torchdist-overview")
+        assert page.locator(f"{cell(2)} .torchdist-view .torchdist-rank-row").count() == 4
+        assert page.locator(f"{cell(4)} .torchdist-view .torchdist-overview[data-ranks='64']").count() == 1
+        assert page.locator(f"{cell(6)} .torchdist-view .torchdist-rank-row").count() <= 8
+        assert page.locator(f"{cell(7)} .torchdist-summary .torchdist-plot-band").count() == 3
+        # the contrast check sees faint text (it is not vacuous)
+        page.evaluate(f"() => document.querySelector('{cell(2)} .torchdist-header').insertAdjacentHTML("
+                      "'beforeend', '<span id=faint style=\"color:#bbb\">faint</span>')")
+        assert [low.split(": ")[1] for low in page.evaluate(LOW_CONTRAST, views)] == ["faint"]
+        page.evaluate("() => document.getElementById('faint').remove()")
+        for theme in ("light", "dark"):
+            if theme == "dark":
+                page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme',"
+                              " {theme: 'JupyterLab Dark'})")
+                page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'")
+                page.wait_for_timeout(500)
+            for width in (1280, 400):
+                page.set_viewport_size({"width": width, "height": 2800})  # a whole view on screen
+                page.wait_for_timeout(400)
+                low = page.evaluate(LOW_CONTRAST, views)
+                assert low == [], f"{theme} at {width} px: {low}"
+                cut = page.evaluate(OVERFLOW, views)
+                assert cut == [], f"{theme} at {width} px: {cut}"
+                # the header wraps between its parts, never inside one (one word per line)
+                broken = page.eval_on_selector_all(".torchdist-header > span", "els => els.filter("
+                                                   "e => e.getClientRects().length > 1).map(e => e.textContent)")
+                assert broken == [], f"{theme} at {width} px: {broken}"
+                for n, ranks in ((2, 4), (4, 64), (6, 1024)):
+                    page.locator(f"{cell(n)} .jp-OutputArea").screenshot(
+                        path=artifact(f"view-{ranks}-live-{theme}-{width}.png"))
+                    page.locator(f"{cell(n + 1)} .jp-OutputArea").screenshot(
+                        path=artifact(f"view-{ranks}-kept-{theme}-{width}.png"))
+    except Exception:
+        page.screenshot(path=artifact("browser-scale-failure.png"), full_page=True)
+        raise
+    finally:
+        page.close()

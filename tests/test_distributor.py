@@ -387,6 +387,7 @@ def test_keyboard_interrupt_stops_every_rank():
     assert started == [True], "the ranks were interrupted before both printed 'started'"
     run = last_run()
     assert run.done() and run.state.state == "cancelled"
+    assert run.state.message == "stopped by an interrupt (Ctrl-C, or the kernel's interrupt); every rank was stopped"
     assert all(not alive(rs.pid) for rs in run.state.ranks if rs.pid)
     assert_no_survivors(run)
 

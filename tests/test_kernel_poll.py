@@ -43,7 +43,7 @@ class WaitingRun:
         self.state.finish(state, message="stopped from the view" if state == "cancelled" else "")
         self._ended.set()
 
-    def cancel(self):
+    def cancel(self, by="cancel()"):
         self._end("cancelled")
 
     def wait(self, timeout=None):

@@ -15,7 +15,7 @@ LAYERS = [
     ("contract", {"events", "timing", "options", "procs", "tls"}),
     ("rank side", {"errors", "runtime", "rank_shell", "job", "rankenv", "data"}),
     ("worker and transport", {"worker", "channel"}),
-    ("launch and state", {"launcher", "state"}),
+    ("launch and state", {"launcher", "state", "stragglers"}),
     # backends/, bottom first: the interface, what runs in an executor, the driver's side of a
     # Spark stage, the executors' interpreter, the backends themselves, the factory
     ("backend interface", {"backends.base"}),

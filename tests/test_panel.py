@@ -307,6 +307,7 @@ def test_stop_cancels_the_panels_run(panel):
     assert run.state.state == "cancelled"
     assert "RunCancelled" in panel.result.value
     assert 'data-state="cancelled"' in panel._view.header.value
+    assert "stopped by the panel&#x27;s Stop button; every rank was stopped" in panel._view.failure.value
     assert_no_survivors(run)
 
 

@@ -220,7 +220,7 @@ def test_logs_are_escaped_and_long_lines_cut():
     html = H.rank_log_html(M.rank_log(state, 0))
     assert "<script>" not in html and "&lt;script&gt;" in html
     assert "x" * H.LOG_LINE_CHARS + " …" in html and "x" * (H.LOG_LINE_CHARS + 1) not in html
-    assert "#c62828" in html  # stderr in red
+    assert H.ERROR in html  # stderr in red
 
 
 def test_log_captions_name_where_the_full_log_is_only_when_told():
@@ -342,7 +342,7 @@ def test_a_run_that_restarts_shows_its_attempt_and_each_earlier_root_cause():
     assert facts.earlier == ["attempt 1: rank 1 on node-a was killed by SIGKILL"]
     header = H.header_html(facts)
     assert 'class="torchdist-attempt" data-attempt="2">attempt 2 of 3<' in header
-    assert "#8e24aa" in header  # the restarting colour
+    assert H.STATE_COLOURS["restarting"] in header  # the restarting colour
     assert "attempt 1: rank 1 on node-a was killed by SIGKILL &rarr; restarted" in H.failure_html(facts)
     assert [r.state for r in M.rank_rows(run.state)] == ["starting", "starting"]
     assert M.run_facts(FakeRun(1).state).attempt_text == ""  # a run that cannot restart says nothing
@@ -459,6 +459,8 @@ def test_result_with_a_timeout_raises_its_own_timeout_error_and_the_run_goes_on(
         run.cancel()
         with pytest.raises(RunCancelled):
             run.result(timeout=120)
+    # the view says who stopped it
+    assert M.run_facts(run.state).outcome == "stopped by cancel(); every rank was stopped"
     assert_no_survivors(run)
 
 

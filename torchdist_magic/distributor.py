@@ -135,6 +135,7 @@ class Run:
         self._value: Any = None
         self._error: Optional[BaseException] = None
         self._cancel = threading.Event()
+        self._cancelled_by = "cancel()"
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._supervise, name=f"torchdist-run-{self.run_id}",
                                         daemon=True)
@@ -151,8 +152,11 @@ class Run:
             raise self._error
         return self._value
 
-    def cancel(self) -> None:
-        """Stop every rank (signal, short deadline, kill); ``result()`` raises ``RunCancelled``."""
+    def cancel(self, by: str = "cancel()") -> None:
+        """Stop every rank (signal, short deadline, kill); ``result()`` raises ``RunCancelled``.
+        ``by`` says who stopped it (the view's outcome line: ``stopped by the Stop button``)."""
+        if not self._cancel.is_set():
+            self._cancelled_by = by
         self._cancel.set()
 
     def done(self) -> bool:
@@ -298,7 +302,7 @@ class Run:
             if self._cancel.is_set():
                 backend_run.stop(STOP_GRACE)
                 self._error = RunCancelled("the run was cancelled; every rank was stopped")
-                self.state.finish("cancelled")
+                self.state.finish("cancelled", message=f"stopped by {self._cancelled_by}; every rank was stopped")
                 return False
             if deadline is not None and time.monotonic() >= deadline:
                 stacks = self._capture_stacks(backend_run)
@@ -361,7 +365,7 @@ def follow(run: Run, observer: Optional[Observer] = None, interval: float = 0.1)
             if observer is not None:
                 observer.update()
     except KeyboardInterrupt:
-        run.cancel()
+        run.cancel(by="an interrupt (Ctrl-C, or the kernel's interrupt)")
         run.wait()
         if observer is not None:
             observer.close()

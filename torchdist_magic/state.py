@@ -32,6 +32,7 @@ from typing import Callable, Dict, FrozenSet, Iterable, Iterator, List, Optional
 
 from . import events
 from .events import Failure
+from .stragglers import Pace, Straggler
 
 MAX_POINTS = 10_000
 #: a rank's log keeps at most this many lines (and ``LOG_MEMORY_CHARS`` characters) in memory;
@@ -343,6 +344,9 @@ class RunSnapshot:
     ranks: Tuple[RankSnapshot, ...]
     stacks: Dict[int, events.Stacks]
     changed: FrozenSet[int]
+    stragglers: Tuple[Straggler, ...] = ()
+    #: per rank, seconds since its last record (None: not heard from in this attempt)
+    quiet: Tuple[Optional[float], ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -364,11 +368,12 @@ class RunState:
 
     ``spill_dir`` gives the directory where logs spill (made when first needed); by default a
     directory of this state's own, removed with it.  ``max_attempts``: 1 plus the run's
-    ``max_restarts``.
+    ``max_restarts``.  ``clock`` (monotonic seconds) times the ranks' pace (``stragglers``).
     """
 
     def __init__(self, run_id: str, num_processes: int, backend: str = "", use_gpu: bool = False,
-                 job_name: str = "", *, max_attempts: int = 1, spill_dir: Optional[Callable[[], str]] = None):
+                 job_name: str = "", *, max_attempts: int = 1, spill_dir: Optional[Callable[[], str]] = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.run_id = run_id
         self.num_processes = num_processes
         self.backend = backend
@@ -398,6 +403,7 @@ class RunState:
         self._rank_versions = [0] * num_processes   # the version of each rank's latest change
         self._stacks_came = threading.Condition(self._lock)
         self._unhandled: set = set()                # record types without a handler, named once
+        self._pace = Pace(num_processes, clock)      # stragglers, from what arrives when
 
     # -- writing -------------------------------------------------------------------------
     def apply(self, event: events.Event, attempt: Optional[int] = None) -> None:
@@ -416,6 +422,7 @@ class RunState:
                 self._unhandled.add(type(event))
                 handler = RunState._on_unhandled
             handler(self, self.ranks[rank], event)
+            self._pace.saw(rank, event)
             self.version += 1
             self._rank_versions[rank] = self.version
 
@@ -512,6 +519,7 @@ class RunState:
                 store.seal()
                 self._attempt_lines[r].append(len(store))
             self.ranks = [RankState(rank=r, logs=self._logs[r]) for r in range(self.num_processes)]
+            self._pace = Pace(self.num_processes, self._pace.clock)
             self._changed_all()
 
     def finish(self, state: str, failure: Optional[Failure] = None, message: str = "") -> None:
@@ -570,6 +578,13 @@ class RunState:
             found = [rs.failure for rs in self.ranks if rs.failure is not None]
         return root_cause_first(found)
 
+    def stragglers(self) -> List[Straggler]:
+        """Ranks of the current attempt that step well below the others' pace or fall behind
+        them, for several seconds (``stragglers`` names the thresholds): ``(rank, host, why)``
+        by rank.  After the run, those that were listed when it ended."""
+        with self._lock:
+            return self._pace.stragglers([rs.host for rs in self.ranks], check=self.ended is None)
+
     def all_exited(self) -> bool:
         with self._lock:
             return all(rs.exit_code is not None or rs.state in ("done", "failed", "cancelled")
@@ -589,12 +604,15 @@ class RunState:
                 metrics=dict(rs.metrics), dropped=rs.dropped, failure=rs.failure, log_lines=len(rs.logs))
                 for rs in self.ranks)
             changed = frozenset(r for r, v in enumerate(self._rank_versions) if since is None or v > since)
+            now = self._pace.clock()
+            quiet = tuple(None if seen is None else now - seen for seen in self._pace.last_seen)
             return RunSnapshot(
                 version=self.version, run_id=self.run_id, num_processes=self.num_processes, backend=self.backend,
                 use_gpu=self.use_gpu, job_name=self.job_name, state=self.state, started=self.started,
                 ended=self.ended, failure=self.failure, message=self.message, attempt=self.attempt,
                 max_attempts=self.max_attempts, attempts=tuple(self.attempts), ranks=ranks,
-                stacks=dict(self.stacks), changed=changed)
+                stacks=dict(self.stacks), changed=changed, quiet=quiet,
+                stragglers=tuple(self._pace.stragglers([rs.host for rs in self.ranks], check=self.ended is None)))
 
     def read_log(self, rank: int, start: int = 0, limit: Optional[int] = None, newest: bool = False) -> LogRead:
         """``rank``'s lines from index ``start`` to the end of its log, read at once (from memory
@@ -621,14 +639,25 @@ class RunState:
             lines = store.recent(limit)
             return LogRead(rank, len(store) - len(lines), lines, len(store), self.ranks[rank].state)
 
-    def metric_history(self) -> Dict[str, Dict[int, List[Tuple[int, float]]]]:
+    def metric_history(self, points: Optional[int] = None, ranks: Optional[Iterable[int]] = None,
+                       names: Optional[Iterable[str]] = None) -> Dict[str, Dict[int, List[Tuple[int, float]]]]:
         """``{metric: {rank: [(step, value), ...]}}`` of the current attempt, copied; metrics in
-        order of first report, ranks that reported the metric only."""
+        order of first report, ranks that reported the metric only.  ``points``: about that many
+        of each rank's points, evenly spread, the newest kept (a slice per rank: the lock is held
+        for what is copied, not for the whole history); ``ranks``, ``names``: those only."""
+        names = None if names is None else set(names)
         with self._lock:
             history: Dict[str, Dict[int, List[Tuple[int, float]]]] = {}
-            for rs in self.ranks:
-                for name, points in rs.history.items():
-                    history.setdefault(name, {})[rs.rank] = list(points)
+            for rs in (self.ranks if ranks is None else [self.ranks[r] for r in ranks]):
+                for name, kept in rs.history.items():
+                    if names is not None and name not in names:
+                        continue
+                    if points is not None and len(kept) > points:
+                        last = kept[-1]
+                        kept = kept[::-(-len(kept) // points)]
+                        if kept[-1] is not last:
+                            kept.append(last)
+                    history.setdefault(name, {})[rs.rank] = list(kept)
             return history
 
     def _check_rank(self, rank: int) -> None:

@@ -16,17 +16,16 @@ from typing import Dict, List, Optional, Tuple
 
 from ..state import LogLine, RunState
 from .model import (BarView, RankLog, RankRow, RankStacks, RunFacts, Series, format_duration, metric_series,
-                    rank_logs, rank_rows, rank_stacks, root_cause_rank, run_facts)
-from .style import BAR_COLOURS, BORDER, MONO, MUTED, PANE, RANK_COLOURS, STATE_COLOURS, TEXT, TRACK
+                    rank_log, rank_logs, rank_row, rank_rows, rank_stacks, root_cause_rank, run_facts, snapshot)
+from .overview import LINE_RANKS, Band, Overview, is_large, metric_bands, overview
+from .style import (BAR_COLOURS, BORDER, ERROR, MONO, MUTED, PANE, STATE_COLOURS, STATE_TEXT, TEXT,
+                    TRACK, WARN, rank_colour)
 
 LOG_LINE_CHARS = 1000   # longer lines are cut in a pane (not in the run's ``logs(rank)``)
+LOG_PANE_CHARS = 24_000  # characters of a pane, newest lines kept: an update's size is bounded
 SUMMARY_LOG_LINES = 40  # lines of each rank in the static summary
 LEGEND_RANKS = 16       # ranks named in the plots' legend; more are counted
 ROWS_SCROLL_AFTER = 16  # ranks; more rows scroll inside the view
-
-
-def rank_colour(rank: int) -> str:
-    return RANK_COLOURS[rank % len(RANK_COLOURS)]
 
 
 def _esc(text: str) -> str:
@@ -39,8 +38,8 @@ def _pill(text: str, colour: str, cls: str) -> str:
 
 
 def header_html(facts: RunFacts) -> str:
-    """Run state, job, backend, np, gpu and elapsed time, on one line."""
-    sep = f'<span style="color:{MUTED}"> · </span>'
+    """Run state, job, backend, np, gpu and elapsed time: one line that wraps between its parts
+    in a narrow pane (never inside one)."""
     parts = [f"<b>{_esc(facts.job_name)}</b>"] if facts.job_name else []
     parts += [
         f'<span class="torchdist-backend">{_esc(facts.backend)}</span>',
@@ -51,11 +50,14 @@ def header_html(facts: RunFacts) -> str:
     if facts.attempt_text:
         parts.append(f'<span class="torchdist-attempt" data-attempt="{facts.attempt}">'
                      f'{_esc(facts.attempt_text)}</span>')
+    items = "".join(f'<span style="white-space:nowrap;min-width:0;overflow:hidden;text-overflow:ellipsis">'
+                    f'{part}</span>' for part in parts)
     return (f'<div class="torchdist-header" data-run-id="{_esc(facts.run_id)}" data-state="{_esc(facts.state)}"'
-            f' style="display:flex;align-items:center;gap:8px;font-size:13px;color:{TEXT};line-height:24px">'
+            f' style="display:flex;flex-wrap:wrap;align-items:center;gap:2px 10px;font-size:13px;color:{TEXT};'
+            f'line-height:22px;min-width:0">'
             f'<span style="font-weight:700;letter-spacing:.2px">torchdist</span>'
-            f'{_pill(facts.state, STATE_COLOURS.get(facts.state, "#9e9e9e"), "torchdist-run-state")}'
-            f'<span>{sep.join(parts)}</span></div>')
+            f'{_pill(facts.state, STATE_COLOURS.get(facts.state, STATE_COLOURS["starting"]), "torchdist-run-state")}'
+            f'{items}</div>')
 
 
 def _bar_html(bar: BarView, style: str, width: int) -> str:
@@ -70,66 +72,145 @@ def _bar_html(bar: BarView, style: str, width: int) -> str:
     desc = (f'<span class="torchdist-bar-desc" style="flex:0 0 {width}px;overflow:hidden;'
             f'text-overflow:ellipsis;color:{MUTED}">{_esc(bar.desc)}</span>') if width else ""
     return (f'<div style="display:flex;align-items:center;gap:7px;min-width:0" title="{_esc(bar.title)}">{desc}'
-            f'<div class="torchdist-bar torchdist-bar-{style}"{data} style="flex:0 0 100px;height:10px;'
+            f'<div class="torchdist-bar torchdist-bar-{style}"{data} style="flex:0 1 100px;min-width:40px;height:10px;'
             f'background:{TRACK};border-radius:5px;overflow:hidden">'
             f'<div class="torchdist-bar-fill" style="height:100%;border-radius:5px;{fill}"></div></div>'
-            f'<span class="torchdist-progress" style="font-family:{MONO};font-size:11px;overflow:hidden;'
-            f'text-overflow:ellipsis">{_esc(bar.text)}</span></div>')
+            f'<span class="torchdist-progress" style="font-family:{MONO};font-size:11px;min-width:0;'
+            f'white-space:normal;overflow-wrap:anywhere">{_esc(bar.text)}</span></div>')
 
 
 #: (heading, CSS of the column) of the rank table; rows are flex boxes, not a <table>, so that
-#: the notebook's own table styles (right-aligned, striped) do not apply to the static summary
-_COLUMNS = (("rank", "flex:0 0 30px"),
+#: the notebook's own table styles (right-aligned, striped) do not apply to the static summary;
+#: they wrap in a narrow pane (progress and metrics below the rank, host and state)
+_COLUMNS = (("rank", "flex:0 0 auto;font-variant-numeric:tabular-nums"),
             ("host", "flex:0 1 96px;min-width:40px;overflow:hidden;text-overflow:ellipsis"),
-            ("state", "flex:0 0 94px"),
-            ("progress", "flex:1 1 360px;min-width:0;display:flex;flex-direction:column;gap:3px"),
-            ("metrics", "flex:0 1 200px;min-width:90px;white-space:normal"))
-_ROW = "display:flex;align-items:center;gap:12px;padding:3px 0;white-space:nowrap"
+            ("state", "flex:0 0 112px"),
+            ("progress", "flex:3 1 320px;min-width:0;display:flex;flex-direction:column;gap:3px"),
+            ("metrics", "flex:1 1 140px;min-width:0;max-width:260px;white-space:normal;overflow-wrap:anywhere"))
+_ROW = "display:flex;flex-wrap:wrap;align-items:center;gap:2px 12px;padding:3px 0;white-space:nowrap"
 
 
-def rows_html(rows: List[RankRow]) -> str:
-    """The rank table (without a metrics column while no rank has reported any)."""
+def rows_html(rows: List[RankRow], why: Optional[Dict[int, str]] = None, digits: Optional[int] = None,
+              scroll: bool = True) -> str:
+    """The rank table (without a metrics column while no rank has reported any).  ``why``: a
+    line under a rank's row saying why it is shown; ``digits``: of the largest rank number, so
+    that columns line up (by default, of the rows').  ``scroll``: many rows scroll in a box."""
     columns = [(name, css) for name, css in _COLUMNS if name != "metrics" or any(r.metrics for r in rows)]
-    cells = [f'<span style="{css}">{name}</span>' for name, css in columns]
-    scroll = ";max-height:480px;overflow-y:auto" if len(rows) > ROWS_SCROLL_AFTER else ""
+    digits = digits or max((len(str(row.rank)) for row in rows), default=1)
+    rank_width = f"width:{digits + 2.2:.1f}ch"
+    cells = [f'<span style="{css}{";" + rank_width if name == "rank" else ""}">{name}</span>'
+             for name, css in columns]
+    box = ";max-height:480px;overflow-y:auto" if scroll and len(rows) > ROWS_SCROLL_AFTER else ""
     out = [f'<div class="torchdist-rows" style="font-size:12.5px;line-height:18px;color:{TEXT}">'
-           f'<div style="{_ROW};color:{MUTED};font-weight:600">{"".join(cells)}</div><div style="{scroll}">']
+           f'<div style="{_ROW};color:{MUTED};font-weight:600">{"".join(cells)}</div><div style="{box}">']
     css = dict(columns)
     descs = [len(b.desc) for row in rows for b in row.bars]
     desc_width = min(8 * max(descs) + 6, 84) if descs and max(descs) else 0
     for row in rows:
-        colour = STATE_COLOURS.get(row.state, "#9e9e9e")
         state = _esc(row.state)
         if row.state == "failed" and row.exit_code is not None:
             state += f' <span style="color:{MUTED}">(exit {row.exit_code})</span>'
         dropped = ""
         if row.dropped:
-            dropped = (f'<span style="color:{STATE_COLOURS["cancelled"]}" title="{row.dropped} progress or '
+            dropped = (f'<span style="color:{WARN}" title="{row.dropped} progress or '
                        f'metric events the rank could not send">&#9888;</span>')
         bars = "".join(_bar_html(bar, row.bar_style, desc_width) for bar in row.bars)
         metrics = (f'<span class="torchdist-metrics" style="{css["metrics"]};font-family:{MONO};font-size:11.5px">'
                    f'{_esc(row.metrics)}</span>') if "metrics" in css else ""
+        reason = (why or {}).get(row.rank)
+        note = (f'<div class="torchdist-why" style="flex:1 0 100%;box-sizing:border-box;white-space:normal;'
+                f'color:{MUTED};font-size:11.5px;padding-left:{digits + 2.2:.1f}ch">{_esc(reason)}</div>') if reason else ""
         out.append(
             f'<div class="torchdist-rank-row" data-rank="{row.rank}" data-state="{_esc(row.state)}"'
-            f' style="{_ROW};border-top:1px solid {BORDER}">'
-            f'<span style="{css["rank"]}"><span style="display:inline-block;width:8px;height:8px;border-radius:2px;'
-            f'background:{rank_colour(row.rank)};margin-right:6px"></span><b>{row.rank}</b></span>'
+            f'{" data-why" if reason else ""} style="{_ROW};border-top:1px solid {BORDER}">'
+            f'<span style="{css["rank"]};{rank_width}"><span style="display:inline-block;width:8px;height:8px;'
+            f'border-radius:2px;background:{rank_colour(row.rank)};margin-right:6px"></span><b>{row.rank}</b></span>'
             f'<span class="torchdist-host" style="{css["host"]}" title="{_esc(row.host)}">'
             f'{_esc(row.host) or "&ndash;"}</span>'
-            f'<span class="torchdist-rank-state" style="{css["state"]}"><span style="color:{colour}">&#9679;</span>'
-            f' {state} {dropped}</span>'
-            f'<span style="{css["progress"]}">{bars}</span>{metrics}</div>')
+            f'<span class="torchdist-rank-state" style="{css["state"]}">'
+            f'<span style="color:{BAR_COLOURS[row.bar_style]}">&#9679;</span> {state} {dropped}</span>'
+            f'<span style="{css["progress"]}">{bars}</span>{metrics}{note}</div>')
     out.append("</div></div>")
+    return "".join(out)
+
+
+def straggler_notes(snap) -> Dict[int, str]:
+    """The line under each straggler's row (a small run's rows)."""
+    return {s.rank: f"\u26a0 straggler: {s.why}" for s in snap.stragglers}
+
+
+def _aggregate_bar_html(bar) -> str:
+    """One bar across ranks: the min-max range shaded, filled to the median."""
+    fractions = bar.fractions
+    if fractions is None:
+        track = (f"background:repeating-linear-gradient(45deg,{BAR_COLOURS['info']}55 0 6px,transparent 6px 12px)")
+        inner = ""
+    else:
+        low, median, high = fractions
+        track = f"background:{TRACK}"
+        inner = (f'<div style="position:absolute;left:{100 * low:.1f}%;width:{100 * (high - low):.1f}%;top:0;'
+                 f'bottom:0;background:{BAR_COLOURS["info"]}55"></div>'
+                 f'<div class="torchdist-bar-fill" style="position:absolute;left:0;width:{100 * median:.1f}%;top:0;'
+                 f'bottom:0;background:{BAR_COLOURS["info"]}"></div>')
+    data = f' data-median="{bar.n_median:g}" data-min="{bar.n_min}" data-max="{bar.n_max}" data-behind="{bar.behind}"'
+    return (f'<div class="torchdist-bar-summary"{data} style="display:flex;flex-wrap:wrap;align-items:center;'
+            f'gap:2px 8px;min-width:0;padding:2px 0">'
+            f'<span style="flex:0 0 auto;min-width:60px;color:{MUTED}">{_esc(bar.desc) or "progress"}</span>'
+            f'<div style="position:relative;flex:1 1 120px;max-width:260px;min-width:80px;height:10px;border-radius:5px;'
+            f'overflow:hidden;{track}">{inner}</div>'
+            f'<span class="torchdist-progress" style="font-family:{MONO};font-size:11px;white-space:normal;'
+            f'min-width:0;overflow-wrap:anywhere">{_esc(bar.text)} ({bar.ranks} ranks)</span></div>')
+
+
+def overview_html(ov: Overview) -> str:
+    """A large run at a glance: ranks by state and hosts, each bar across ranks."""
+    states = " ".join(
+        f'<span class="torchdist-state-count" data-state="{_esc(state)}" style="white-space:nowrap">'
+        f'<span style="color:{BAR_COLOURS.get(_BAR_OF.get(state, "info"))}">&#9679;</span> {count} {_esc(state)}</span>'
+        for state, count in ov.states)
+    hosts = f'{len(ov.hosts)} host{"s" if len(ov.hosts) != 1 else ""}' if ov.hosts else "no host yet"
+    stragglers = (f' <span class="torchdist-straggler-count" style="white-space:nowrap;color:{WARN}">'
+                  f'&#9888; {len(ov.stragglers)} straggler{"s" if len(ov.stragglers) != 1 else ""}</span>'
+                  if ov.stragglers else "")
+    bars = "".join(_aggregate_bar_html(bar) for bar in ov.bars)
+    return (f'<div class="torchdist-overview" data-ranks="{ov.num_processes}" style="font-size:12.5px;'
+            f'line-height:18px;color:{TEXT}">'
+            f'<div style="display:flex;flex-wrap:wrap;gap:2px 12px"><b style="white-space:nowrap">'
+            f'{ov.num_processes} ranks on {hosts}</b>{states}{stragglers}</div>{bars}</div>')
+
+
+#: the bar style of a rank state, for the dots of the counts by state
+_BAR_OF = {"starting": "info", "running": "info", "done": "success", "failed": "danger", "cancelled": "warning"}
+
+
+def _section(title: str, body: str, cls: str) -> str:
+    return (f'<div class="{cls}" style="margin-top:6px"><div style="font-size:11.5px;color:{MUTED};'
+            f'font-weight:600;margin:0 0 1px 0">{_esc(title)}</div>{body}</div>')
+
+
+def large_rows_html(state, ov: Overview, page: Optional[List[int]] = None, page_title: str = "") -> str:
+    """For a large run: the overview, the rows of the ranks worth a look (with why), then the
+    rows of ``page`` (a host's ranks, a rank asked for) under ``page_title``."""
+    snap = snapshot(state)
+    digits = len(str(snap.num_processes - 1))
+    out = [overview_html(ov)]
+    if ov.look:
+        rows = [rank_row(snap.ranks[look.rank]) for look in ov.look]
+        out.append(_section("worth a look", rows_html(rows, {look.rank: look.why for look in ov.look}, digits),
+                            "torchdist-look"))
+    if page:
+        rows = [rank_row(snap.ranks[r]) for r in page]
+        out.append(_section(page_title, rows_html(rows, digits=digits), "torchdist-page"))
     return "".join(out)
 
 
 def failure_html(facts: RunFacts) -> str:
     """The root cause of each earlier attempt (a run that restarted), then the outcome line (root
     cause, or why the run stopped); empty while there is neither."""
-    out = [f'<div class="torchdist-attempt-failure" style="color:{STATE_COLOURS["restarting"]};font-size:12px;'
+    out = [f'<div class="torchdist-attempt-failure" style="color:{STATE_TEXT["restarting"]};font-size:12px;'
            f'margin-top:2px">{_esc(line)} &rarr; restarted</div>' for line in facts.earlier]
     if facts.outcome:
-        colour = STATE_COLOURS.get(facts.state, "#e53935")
+        colour = STATE_TEXT.get(facts.state, ERROR)
         out.append(f'<div class="torchdist-failure" style="color:{colour};font-size:12.5px;margin-top:4px;'
                    f'font-weight:600">{_esc(facts.outcome)}</div>')
     return "".join(out)
@@ -177,12 +258,15 @@ def nice_ticks(low: float, high: float, count: int = 3) -> List[float]:
     return ticks
 
 
-def plot_svg(metric: str, series: Series, width: int = 320,
-             height: int = 160) -> str:
-    """One metric against step, one polyline per rank, as inline SVG."""
+def plot_svg(metric: str, series: Series, width: int = 320, height: int = 160, band: Optional[Band] = None) -> str:
+    """One metric against step as inline SVG: one polyline per rank of ``series``, over the
+    median and min-max band of ``band`` (many ranks).  It scales down with its pane."""
     left, right, top, bottom = 52, 10, 22, 20
     xs = [x for pts in series.values() for x, _ in pts]
     ys = [y for pts in series.values() for _, y in pts]
+    if band is not None:
+        xs += band.steps
+        ys += band.low + band.high
     x0, x1 = min(xs), max(xs)
     y0, y1 = min(ys), max(ys)
     if x1 == x0:
@@ -197,24 +281,33 @@ def plot_svg(metric: str, series: Series, width: int = 320,
     def py(y: float) -> float:
         return top + (1 - (y - y0) / (y1 - y0)) * ph
 
+    label = f'style="fill:{MUTED}"'
     out = [f'<svg class="torchdist-plot" data-metric="{_esc(metric)}" width="{width}" height="{height}"'
            f' viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg"'
-           f' style="font-family:var(--jp-ui-font-family, sans-serif);font-size:10px">',
-           f'<text x="{left}" y="13" style="font-size:12px;font-weight:600" fill="currentColor">{_esc(metric)}</text>']
+           f' style="font-family:var(--jp-ui-font-family, sans-serif);font-size:10px;flex:1 1 260px;'
+           f'max-width:{width + 100}px;min-width:0;width:100%;height:auto;color:{TEXT}">',
+           f'<text x="{left}" y="13" style="font-size:12px;font-weight:600;fill:{TEXT}">{_esc(metric)}</text>']
     for value in nice_ticks(y0, y1):
         y = py(value)
         out.append(f'<line x1="{left}" x2="{width - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#9e9e9e"'
                    f' stroke-opacity=".25"/><text x="{left - 4}" y="{y + 3:.1f}" text-anchor="end"'
-                   f' fill="currentColor" fill-opacity=".6">{_tick(value)}</text>')
+                   f' {label}>{_tick(value)}</text>')
     base = top + ph
     out.append(f'<line x1="{left}" x2="{width - right}" y1="{base}" y2="{base}" stroke="#9e9e9e" stroke-opacity=".6"/>')
     for x, anchor in ((x0 if len(set(xs)) > 1 else xs[0], "start"), (max(xs), "end")):
         if anchor == "end" and len(set(xs)) == 1:
             break
-        out.append(f'<text x="{px(x):.1f}" y="{height - 6}" text-anchor="{anchor}" fill="currentColor"'
-                   f' fill-opacity=".6">{int(x) if float(x).is_integer() else _tick(x)}</text>')
-    out.append(f'<text x="{left + pw / 2:.1f}" y="{height - 6}" text-anchor="middle" fill="currentColor"'
-               f' fill-opacity=".45">step</text>')
+        out.append(f'<text x="{px(x):.1f}" y="{height - 6}" text-anchor="{anchor}"'
+                   f' {label}>{int(x) if float(x).is_integer() else _tick(x)}</text>')
+    out.append(f'<text x="{left + pw / 2:.1f}" y="{height - 6}" text-anchor="middle" {label}>step</text>')
+    if band is not None:
+        edge = [f"{px(x):.1f},{py(y):.1f}" for x, y in zip(band.steps, band.high)]
+        edge += [f"{px(x):.1f},{py(y):.1f}" for x, y in zip(reversed(band.steps), reversed(band.low))]
+        out.append(f'<polygon class="torchdist-plot-band" points="{" ".join(edge)}" fill="{BAR_COLOURS["info"]}"'
+                   f' fill-opacity=".18" stroke="none"><title>min to max of {band.ranks} ranks</title></polygon>')
+        median = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(band.steps, band.median))
+        out.append(f'<polyline class="torchdist-plot-median" points="{median}" fill="none" stroke="{TEXT}"'
+                   f' stroke-width="1.8" stroke-linejoin="round"><title>median of {band.ranks} ranks</title></polyline>')
     for rank, pts in sorted(series.items()):
         colour = rank_colour(rank)
         coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
@@ -228,37 +321,71 @@ def plot_svg(metric: str, series: Series, width: int = 320,
     return "".join(out)
 
 
+def _legend_html(ranks: List[int], more: str = "") -> str:
+    """Rank swatches that wrap between entries (each entry is one unbreakable piece)."""
+    items = [f'<span style="white-space:nowrap"><span style="color:{rank_colour(r)}">&#9644;</span> rank {r}</span>'
+             for r in ranks[:LEGEND_RANKS]]
+    if len(ranks) > LEGEND_RANKS:
+        items.append(f"<span>… {len(ranks) - LEGEND_RANKS} more ranks</span>")
+    if more:
+        items.append(more)
+    return (f'<div class="torchdist-legend" style="display:flex;flex-wrap:wrap;gap:0 12px;font-size:11.5px;'
+            f'color:{MUTED};margin:2px 0">{" ".join(items)}</div>')
+
+
+def _charts_html(charts: str, legend: str) -> str:
+    return (f'<div class="torchdist-plots" style="color:{TEXT}">{legend}'
+            f'<div style="display:flex;flex-wrap:wrap;gap:6px 16px;min-width:0">{charts}</div></div>')
+
+
 def plots_html(series: Dict[str, Series]) -> str:
     """A legend of ranks, then one chart per metric (``model.metric_series``); empty when
     nothing was reported."""
     if not series:
         return ""
     charts = "".join(plot_svg(metric, by_rank) for metric, by_rank in series.items())
-    shown = sorted({rank for by_rank in series.values() for rank in by_rank})
-    legend = "".join(f'<span style="margin-right:10px;white-space:nowrap"><span style="color:{rank_colour(r)}">'
-                     f'&#9644;</span> rank {r}</span>' for r in shown[:LEGEND_RANKS])
-    if len(shown) > LEGEND_RANKS:
-        legend += f"<span>… {len(shown) - LEGEND_RANKS} more ranks</span>"
-    return (f'<div class="torchdist-plots" style="color:{TEXT}">'
-            f'<div style="font-size:11.5px;color:{MUTED};margin:2px 0">{legend}</div>'
-            f'<div style="display:flex;flex-wrap:wrap;gap:6px 16px">{charts}</div></div>')
+    return _charts_html(charts, _legend_html(sorted({rank for by_rank in series.values() for rank in by_rank})))
+
+
+def bands_html(bands: Dict[str, Band]) -> str:
+    """A large run's plots (``overview.metric_bands``): per metric the median and min-max band
+    across ranks, and the chosen ranks' lines; empty when nothing was reported."""
+    if not bands:
+        return ""
+    charts = "".join(plot_svg(metric, band.lines, band=band) for metric, band in bands.items())
+    shown = sorted({rank for band in bands.values() for rank in band.lines})
+    ranks = max(band.ranks for band in bands.values())
+    key = (f'<span style="white-space:nowrap"><span style="color:{TEXT}">&#9644;</span> median, '
+           f'<span style="color:{BAR_COLOURS["info"]}">&#9632;</span> min to max of {ranks} ranks</span>')
+    return _charts_html(charts, _legend_html(shown, key))
 
 
 def _line_html(line: LogLine, rank: Optional[int] = None) -> str:
     text = line.text if len(line.text) <= LOG_LINE_CHARS else line.text[:LOG_LINE_CHARS] + " …"
     body = _esc(text)
     if line.stream == "stderr":
-        body = f'<span style="color:#c62828">{body}</span>'
+        body = f'<span style="color:{ERROR}">{body}</span>'
     if rank is not None:
-        body = f'<span style="color:{rank_colour(rank)}">[rank {rank}]</span> {body}'
+        # the rank's colour on a mark, the text in the text colour: readable in either theme
+        body = (f'<span class="torchdist-rank-prefix" style="color:{TEXT};font-weight:600">'
+                f'<span style="color:{rank_colour(rank)}">&#9612;</span>[rank {rank}]</span> {body}')
     return body
 
 
-def log_pane_html(lines: List[Tuple[Optional[int], LogLine]], finished: bool = False) -> str:
+def log_pane_html(lines: List[Tuple[Optional[int], LogLine]], finished: bool = False, empty: str = "") -> str:
     """A scrolled pane of ``(rank, line)`` (rank None: no ``[rank N]`` prefix) that stays at its
-    bottom, newest line last (a reversed flex column starts scrolled to its end, with no script)."""
-    body = "\n".join(_line_html(line, rank) for rank, line in lines) or \
-        f'<span style="color:{MUTED}">{"(no output)" if finished else "(no output yet)"}</span>'
+    bottom, newest line last (a reversed flex column starts scrolled to its end, with no script).
+    The newest lines that fit ``LOG_PANE_CHARS`` are shown."""
+    shown: List[str] = []
+    size = 0
+    for rank, line in reversed(lines):
+        part = _line_html(line, rank)
+        size += len(part) + 1
+        if size > LOG_PANE_CHARS and shown:
+            break
+        shown.append(part)
+    body = "\n".join(reversed(shown)) or \
+        f'<span style="color:{MUTED}">{empty or ("(no output)" if finished else "(no output yet)")}</span>'
     return (f'<div class="torchdist-logs" style="max-height:220px;overflow:auto;display:flex;'
             f'flex-direction:column-reverse;background:{PANE};border-radius:4px">'
             f'<pre style="flex:0 0 auto;overflow:visible;margin:0;padding:6px 8px;font-family:{MONO};'
@@ -285,9 +412,19 @@ def rank_log_caption(log: RankLog, log_hint: Optional[str]) -> str:
     return f"rank {log.rank} · {'; '.join(details)}" if details else f"rank {log.rank}"
 
 
+def _traceback_html(log: RankLog) -> str:
+    if not log.traceback:
+        return ""
+    return (f'<div class="torchdist-traceback" style="font-size:11px;color:{MUTED};margin:4px 0 2px 2px">'
+            f'the traceback rank {log.rank} sent with its failure</div>'
+            + log_pane_html([(None, LogLine("stderr", text)) for text in log.traceback.rstrip().splitlines()]))
+
+
 def rank_log_html(log: RankLog, log_hint: Optional[str] = None, finished: bool = False) -> str:
-    """One rank's pane with its caption (the live view's log pane)."""
-    return _caption_html(rank_log_caption(log, log_hint)) + log_pane_html([(None, line) for line in log.lines], finished)
+    """One rank's pane with its caption (the live view's log pane), and a failed rank's
+    traceback when its lines do not hold it."""
+    return (_caption_html(rank_log_caption(log, log_hint))
+            + log_pane_html([(None, line) for line in log.lines], finished) + _traceback_html(log))
 
 
 def merged_log_html(lines: List[Tuple[int, LogLine]], limit: int, log_hint: Optional[str] = None,
@@ -297,37 +434,60 @@ def merged_log_html(lines: List[Tuple[int, LogLine]], limit: int, log_hint: Opti
     return _caption_html(caption) + log_pane_html(list(lines), finished)
 
 
+def problems_html(lines: List[Tuple[int, LogLine]], limit: int, log_hint: Optional[str] = None,
+                  finished: bool = False) -> str:
+    """Every rank's errors and warnings (``model.MergedLog.problems``), ``[rank N]``-prefixed."""
+    caption = (f"errors and warnings of every rank (stderr, and lines saying error, warning, traceback or "
+               f"exception) · last {limit}" + (f"; full logs: {log_hint}" if log_hint else ""))
+    return (f'<div class="torchdist-problems">{_caption_html(caption)}'
+            f'{log_pane_html(list(lines), finished, empty="(no errors or warnings)")}</div>')
+
+
 def rank_logs_html(logs: List[RankLog], log_hint: Optional[str] = None, open_rank: Optional[int] = None,
-                   finished: bool = True) -> str:
-    """Every rank's last lines, one collapsible ``<details>`` per rank (``open_rank``'s open),
+                   finished: bool = True, title: str = "logs of each rank") -> str:
+    """The ranks' last lines, one collapsible ``<details>`` per rank (``open_rank``'s open),
     so that a reader without a kernel can see each rank's end."""
     out = [f'<div class="torchdist-rank-logs" style="margin-top:8px;font-size:11px;color:{MUTED}">'
-           f'<div style="margin:0 0 2px 2px">logs of each rank</div>']
+           f'<div style="margin:0 0 2px 2px">{_esc(title)}</div>']
     for log in logs:
-        state_colour = STATE_COLOURS.get(log.state, "#9e9e9e")
         out.append(
             f'<details class="torchdist-rank-log" data-rank="{log.rank}" data-state="{_esc(log.state)}"'
             f'{" open" if log.rank == open_rank else ""} style="margin:1px 0">'
             f'<summary style="cursor:pointer;padding:1px 2px">'
             f'<span style="color:{rank_colour(log.rank)}">&#9632;</span> {_esc(rank_log_caption(log, log_hint))}'
-            f' <span style="color:{state_colour}">({_esc(log.state)})</span></summary>'
-            f'{log_pane_html([(None, line) for line in log.lines], finished)}</details>')
+            f' <span style="color:{STATE_TEXT.get(log.state, MUTED)}">({_esc(log.state)})</span></summary>'
+            f'{log_pane_html([(None, line) for line in log.lines], finished)}{_traceback_html(log)}</details>')
     out.append("</div>")
     return "".join(out)
 
 
 def summary_html(state: RunState, log_hint: Optional[str] = None, open_rank: Optional[int] = None,
-                 log_lines: int = SUMMARY_LOG_LINES) -> str:
+                 log_lines: int = SUMMARY_LOG_LINES, problems: Optional[List[Tuple[int, LogLine]]] = None) -> str:
     """The whole view as static HTML: what stays in the cell after the run.  Each rank's last
     ``log_lines`` lines are in a ``<details>``; ``open_rank``'s (by default the root cause's, else
-    rank 0's) is open."""
+    rank 0's) is open.  A large run (``overview.is_large``) keeps its overview, the ranks worth
+    a look and their logs with rank 0's, and ``problems`` (every rank's errors and warnings, as
+    a live view gathered them): its size does not grow with its ranks."""
+    snap = snapshot(state)
     if open_rank is None:
-        open_rank = root_cause_rank(state) or 0
-    facts = run_facts(state)
-    plots = plots_html(metric_series(state))
-    logs = rank_logs_html(rank_logs(state, log_lines), log_hint, open_rank, facts.finished)
+        open_rank = root_cause_rank(snap) or 0
+    facts = run_facts(snap)
+    if is_large(snap.num_processes):
+        ov = overview(snap)
+        chosen = [look.rank for look in ov.look]
+        body = large_rows_html(snap, ov)
+        plots = bands_html(metric_bands(state, chosen[:LINE_RANKS]))
+        shown = list(dict.fromkeys([open_rank, 0] + chosen))
+        logs = rank_logs_html([rank_log(state, r, log_lines) for r in shown], log_hint, open_rank, facts.finished,
+                              title="logs of rank 0 and of the ranks worth a look")
+        if problems is not None:
+            logs += problems_html(problems, len(problems), log_hint, facts.finished)
+    else:
+        body = rows_html(rank_rows(snap), straggler_notes(snap))
+        plots = plots_html(metric_series(state))
+        logs = rank_logs_html(rank_logs(state, log_lines), log_hint, open_rank, facts.finished)
     return (f'<div class="torchdist-summary" style="border:1px solid {BORDER};border-radius:6px;'
-            f'padding:8px 12px;max-width:1100px">{header_html(facts)}'
-            f'<div style="margin-top:6px">{rows_html(rank_rows(state))}</div>{failure_html(facts)}'
-            f'{stacks_html(rank_stacks(state))}'
+            f'padding:8px 12px;max-width:1100px;min-width:0;overflow-wrap:anywhere">{header_html(facts)}'
+            f'<div style="margin-top:6px">{body}</div>{failure_html(facts)}'
+            f'{stacks_html(rank_stacks(snap))}'
             f'{f"<div style=margin-top:8px>{plots}</div>" if plots else ""}{logs}</div>')

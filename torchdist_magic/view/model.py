@@ -10,7 +10,9 @@ HTML, the live widget) shows the same facts and tests read them without a kernel
 - ``metric_series``: each metric against step, one line per rank, thinned for plotting;
 - ``rank_log`` / ``rank_logs``: a rank's last lines as a terminal would show them;
 - ``LogCursor``: each rank's lines written since the last read (the text view prints them);
-- ``MergedLog``: all ranks' lines in arrival order.
+- ``MergedLog``: all ranks' lines in arrival order, and every rank's errors and warnings.
+
+A run of many ranks is summarised by ``overview`` from the same snapshots.
 
 Each reader takes what it needs through the ``RunState``'s own methods (``snapshot``,
 ``read_log``, ``recent_log``, ``metric_history``), which copy under its lock, so it may run in
@@ -21,6 +23,7 @@ any thread while events arrive.  The functions that take a ``state`` also take a
 from __future__ import annotations
 
 import math
+import re
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, Iterable, List, Optional, Tuple, Union
@@ -31,6 +34,8 @@ from ..state import LogLine, RankSnapshot, RankState, RunSnapshot, RunState
 LOG_LINES = 300       # lines of a log pane; the complete logs stay on the run's ``logs(rank)``
 LOG_SCAN = 20_000     # lines looked at from the end of a rank's log to fill a pane
 PLOT_POINTS = 400     # points per line in a plot; longer histories are thinned
+#: a line worth showing among every rank's errors and warnings (besides every stderr line)
+PROBLEM = re.compile(r"error|warning|traceback|exception", re.IGNORECASE)
 
 #: run states after which nothing more happens but a message says why
 STOPPED_STATES = ("failed", "timed out", "hung", "cancelled")
@@ -214,7 +219,7 @@ def metric_series(state: RunState, limit: int = PLOT_POINTS) -> Dict[str, Series
     """``{metric: {rank: [(step, value), ...]}}``, metrics in order of first report, ranks
     that reported the metric only, non-finite values left out, ``limit`` points per rank."""
     series = {}
-    for name, by_rank in state.metric_history().items():
+    for name, by_rank in state.metric_history(limit).items():
         kept = {r: thin([(x, y) for x, y in pts if math.isfinite(y)], limit) for r, pts in by_rank.items()}
         kept = {r: pts for r, pts in sorted(kept.items()) if pts}
         if kept:
@@ -231,6 +236,7 @@ class RankLog:
     state: str
     lines: List[LogLine]
     total: int                     # lines the rank wrote in all (``\\r``-lines included)
+    traceback: str = ""            # a failed rank's traceback, when its lines do not hold it
 
 
 def terminal_lines(tail: List[LogLine], limit: int = LOG_LINES) -> List[LogLine]:
@@ -247,7 +253,16 @@ def terminal_lines(tail: List[LogLine], limit: int = LOG_LINES) -> List[LogLine]
 
 def rank_log(state: RunState, rank: int, limit: int = LOG_LINES) -> RankLog:
     read = state.recent_log(rank, LOG_SCAN)
-    return RankLog(rank=rank, state=read.state, lines=terminal_lines(read.lines, limit), total=read.total)
+    lines = terminal_lines(read.lines, limit)
+    traceback = ""
+    if read.state == "failed":
+        # the rank's own traceback travels with its failure; a rank whose stderr did not reach
+        # the driver (or went elsewhere) shows it from there
+        failure = next((f for f in state.failures() if f.rank == rank), None)
+        last = failure.traceback.strip().splitlines()[-1:] if failure and failure.traceback else []
+        if last and not any(last[0] in line.text for line in lines):
+            traceback = failure.traceback
+    return RankLog(rank=rank, state=read.state, lines=lines, total=read.total, traceback=traceback)
 
 
 def rank_logs(state: RunState, limit: int = LOG_LINES) -> List[RankLog]:
@@ -274,6 +289,14 @@ class LogCursor:
         self._trailing: List[Optional[LogLine]] = [None] * num_processes  # the \r-line read last
         #: per rank, the lines its log held after the last read that the read did not take
         self.unread = [0] * num_processes
+
+    def skip(self, state: RunState, rank: int, keep: int) -> int:
+        """Pass over all but the newest ``keep`` of ``rank``'s unread lines; returns how many
+        were passed over."""
+        total = state.read_log(rank, self._cursor[rank], 0).total
+        skipped = max(total - keep - self._cursor[rank], 0)
+        self._cursor[rank] += skipped
+        return skipped
 
     def read(self, state: RunState, rank: int, limit: Optional[int] = None) -> List[LogLine]:
         """``rank``'s new lines, oldest first: at most ``limit`` (the rest are read next time,
@@ -304,6 +327,8 @@ class MergedLog:
     def __init__(self, num_processes: int, limit: int = LOG_LINES):
         self.limit = limit
         self.lines: Deque[Tuple[int, LogLine]] = deque(maxlen=limit)
+        #: every rank's errors and warnings (stderr, or ``PROBLEM`` lines), the last ``limit``
+        self.problems: Deque[Tuple[int, LogLine]] = deque(maxlen=limit)
         self.live: List[Optional[LogLine]] = [None] * num_processes
         self._cursor = LogCursor(num_processes, keep=4 * limit)
 
@@ -322,6 +347,8 @@ class MergedLog:
                 else:
                     self.live[rank] = None
                     self.lines.append((rank, line))
+                    if line.stream == "stderr" or PROBLEM.search(line.text):
+                        self.problems.append((rank, line))
         return changed
 
     def shown(self) -> List[Tuple[int, LogLine]]:

@@ -22,13 +22,16 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import ipywidgets as widgets
 
 from ..options import LaunchOptions, OptionError, option_fields
-from .style import ERROR, MONO, MUTED, STATE_COLOURS
+from .style import ERROR, MONO, MUTED, STATE_TEXT
 from .widget import UPDATE_EVERY, WidgetView, close_tree
 
 CODE = "code"
 FUNCTION = "function"
 RESULT_CHARS = 3000  # of rank 0's value's repr shown in the panel
-_NOTE = "display:inline-block;font-size:12px;line-height:1.35"
+_NOTE = "display:block;white-space:normal;font-size:12px;line-height:1.35"
+#: a help note: two lines at most, cut at a word with an ellipsis (the whole text in its tooltip
+#: and the control's), so that the options stay a screen tall in a narrow pane
+_HELP = _NOTE + ";display:-webkit-box;-webkit-line-clamp:2;-webkit-box-orient:vertical;overflow:hidden"
 #: a switch's control (``--tls``/``--no-tls``): neither flag, one, or the other
 SWITCH_CHOICES = (("default", None), ("on", True), ("off", False))
 
@@ -45,7 +48,7 @@ def _is_bool(field: dataclasses.Field) -> bool:
 def control_for(field: dataclasses.Field, value: Any) -> widgets.Widget:
     """The control of one ``LaunchOptions`` field, showing ``value``."""
     meta = field.metadata
-    layout = widgets.Layout(width="220px")
+    layout = widgets.Layout(width="220px", flex="0 1 220px", min_width="0")
     if "choices" in meta:
         control = widgets.Dropdown(options=list(meta["choices"]), value=value, layout=layout)
     elif "negative" in meta:
@@ -191,18 +194,20 @@ class LaunchPanel:
         self.fields = {f.name: f for f in option_fields()}
         self.controls: Dict[str, widgets.Widget] = {}
         self.notes: Dict[str, widgets.HTML] = {}
-        grid: List[widgets.Widget] = []
+        rows: List[widgets.Widget] = []
         for name, field in self.fields.items():
-            label = widgets.HTML(f'<code style="font-size:12px">{html.escape(field.metadata["flag"])}</code>')
+            # a flag on one line; a row wraps its note under the control in a narrow pane
+            label = widgets.HTML(f'<code style="font-size:12px;white-space:nowrap">'
+                                 f'{html.escape(field.metadata["flag"])}</code>',
+                                 layout=widgets.Layout(flex="0 0 150px", margin="0 8px 0 0"))
             control = control_for(field, getattr(defaults, name))
-            note = widgets.HTML(layout=widgets.Layout(min_width="0"))
+            note = widgets.HTML(layout=widgets.Layout(flex="1 1 160px", min_width="0", margin="0 0 0 8px"))
             note.add_class("torchdist-option-note")
             control.observe(self._changed, "value")
             self.controls[name], self.notes[name] = control, note
-            grid += [label, control, note]
-        self.options_grid = widgets.GridBox(
-            grid, layout=widgets.Layout(grid_template_columns="90px 230px minmax(0, 1fr)",
-                                        grid_gap="4px 8px", align_items="center"))
+            rows.append(widgets.HBox([label, control, note], layout=widgets.Layout(
+                flex_flow="row wrap", align_items="center", margin="2px 0", min_width="0")))
+        self.options_grid = widgets.VBox(rows, layout=widgets.Layout(min_width="0"))
 
         self.source = widgets.ToggleButtons(options=[("code", CODE), ("function", FUNCTION)], value=CODE,
                                             style={"button_width": "90px"})
@@ -221,7 +226,8 @@ class LaunchPanel:
                                       layout=widgets.Layout(width="420px"))
         self.arguments.add_class("torchdist-arguments")
         self.function_note = widgets.HTML()
-        self.function_box = widgets.VBox([widgets.HBox([self.function, self.refresh, self.arguments]),
+        self.function_box = widgets.VBox([widgets.HBox([self.function, self.refresh, self.arguments],
+                                                       layout=widgets.Layout(flex_flow="row wrap")),
                                           self.function_note])
         self.code_box = widgets.VBox([self.code, self.code_note])
         self.what = widgets.VBox([self.code_box])
@@ -255,7 +261,7 @@ class LaunchPanel:
              widgets.HBox([self.launch_button, self.stop_button], layout=widgets.Layout(margin="6px 0")),
              self.message, self.command, self.view_box, self.result],
             layout=widgets.Layout(border="1px solid var(--jp-border-color2, #e0e0e0)", padding="8px 12px",
-                                  max_width="1100px"))
+                                  max_width="1100px", min_width="0"))
         self.widget.add_class("torchdist-panel")
         self._list_functions()
         self.validate()
@@ -327,8 +333,8 @@ class LaunchPanel:
                 note.value = (f'<span class="torchdist-option-error" style="{_NOTE};color:{ERROR}">'
                               f'{html.escape(errors[name])}</span>')
             else:
-                note.value = (f'<span style="{_NOTE};color:{MUTED}">'
-                              f'{html.escape(self.fields[name].metadata["help"])}</span>')
+                help_text = html.escape(self.fields[name].metadata["help"])
+                note.value = f'<span style="{_HELP};color:{MUTED}" title="{help_text}">{help_text}</span>'
         overall: Optional[str] = None
         if not errors:
             try:
@@ -410,7 +416,7 @@ class LaunchPanel:
         """Cancel the run (every rank is stopped), as the Stop button does."""
         if self.run is not None:
             self.stop_button.disabled = True
-            self.run.cancel()
+            self.run.cancel(by="the panel's Stop button")
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Wait until the run has ended and the panel shows its outcome."""
@@ -440,7 +446,7 @@ class LaunchPanel:
                 f'white-space:pre-wrap">{html.escape(text)}</pre>')
         else:
             text = error.details() if isinstance(error, RankFailure) else f"{type(error).__name__}: {error}"
-            colour = STATE_COLOURS.get(run.state.state, ERROR)
+            colour = STATE_TEXT.get(run.state.state, ERROR)
             self.result.value = (f'<pre class="torchdist-error" style="margin:6px 0 0 0;color:{colour};'
                                  f'font-family:{MONO};font-size:12px;white-space:pre-wrap">'
                                  f'{html.escape(text)}</pre>')

@@ -17,14 +17,17 @@ import time
 from typing import List, Optional, TextIO
 
 from ..state import RunSnapshot, RunState
-from .model import (LogCursor, State, format_duration, metrics_text, rank_logs, rank_progress_text, rank_stacks,
-                    run_facts, snapshot)
+from .model import (LogCursor, State, format_duration, metrics_text, rank_log, rank_logs, rank_progress_text,
+                    rank_stacks, run_facts, snapshot)
+from .overview import LOOK_RANKS, is_large, overview
 
 PROGRESS_EVERY = 5.0   # seconds between progress summaries
 CR_EVERY = 5.0         # seconds between showings of a rank's \r-progress line
 SUMMARY_LOG_LINES = 5  # of each rank in ``summary_with_logs``
 SUMMARY_LINE_CHARS = 300  # longer lines are cut there
 READ_LINES = 2000      # of a rank's log read at once: the state's lock is never held for long
+FOLLOW_BACKLOG = 20    # lines of a large run's rank printed from before it failed or straggled
+STACK_GROUPS = 5       # of a large run's stacks: the most common places, with their ranks
 
 __all__ = ["TextView", "header", "rank_progress_text", "summary", "summary_with_logs"]
 
@@ -36,42 +39,92 @@ def header(state: State) -> str:
     return f"torchdist: run{name} on {facts.backend}, np={facts.num_processes}{gpu}"
 
 
+def _rank_line(rs) -> str:
+    bits = [f"  rank {rs.rank}", rs.state]
+    if rs.host:
+        bits.append(f"host={rs.host}")
+    if rs.exit_code is not None:
+        bits.append(f"exit={rs.exit_code}")
+    p = rank_progress_text(rs)
+    if p:
+        bits.append(p)
+    if rs.metrics:
+        bits.append(metrics_text(rs.metrics))
+    return "  ".join(bits)
+
+
+def _ranks_text(ranks: List[int], limit: int = 8) -> str:
+    shown = ", ".join(map(str, ranks[:limit]))
+    return shown + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
+
+
+def status(state: State) -> str:
+    """A large run in one line: elapsed, ranks by state and hosts, each bar across ranks, the
+    stragglers."""
+    snap = snapshot(state)
+    ov = overview(snap)
+    parts = [f"torchdist: {format_duration(snap.elapsed())}", ov.counts_text]
+    parts += [f"{bar.desc or 'progress'} {bar.text}" for bar in ov.bars]
+    if snap.stragglers:
+        parts.append("stragglers: " + _ranks_text([s.rank for s in snap.stragglers]))
+    return " · ".join(parts)
+
+
 def summary(state: State) -> str:
     """The final table: one row per rank, then the outcome (each attempt's root cause when the
-    run restarted; where each rank was after a hang or a timeout)."""
+    run restarted; where each rank was after a hang or a timeout).  A large run: its counts, its
+    bars across ranks and the ranks worth a look, with why."""
     snap = snapshot(state)
     facts = run_facts(snap)
     attempt = f", {facts.attempt_text}" if facts.attempt_text else ""
     rows: List[str] = [f"torchdist: {facts.state} after {format_duration(facts.elapsed)}"
                        f" ({facts.elapsed:.1f} s), np={facts.num_processes} on {facts.backend}{attempt}"]
-    for rs in snap.ranks:
-        bits = [f"  rank {rs.rank}", rs.state]
-        if rs.host:
-            bits.append(f"host={rs.host}")
-        if rs.exit_code is not None:
-            bits.append(f"exit={rs.exit_code}")
-        p = rank_progress_text(rs)
-        if p:
-            bits.append(p)
-        if rs.metrics:
-            bits.append(metrics_text(rs.metrics))
-        rows.append("  ".join(bits))
+    large = is_large(snap.num_processes)
+    if large:
+        ov = overview(snap)
+        rows.append(f"  {ov.counts_text}")
+        rows += [f"  {bar.desc or 'progress'}: {bar.text}" for bar in ov.bars]
+        if ov.look:
+            rows.append("  worth a look:")
+            for look in ov.look:
+                rows += [f"  {_rank_line(snap.ranks[look.rank])}", f"      {look.why}"]
+    else:
+        rows += [_rank_line(rs) for rs in snap.ranks]
+        rows += [f"  straggler: rank {s.rank} ({s.why})" for s in snap.stragglers]
     rows += [f"  {line} (restarted)" for line in facts.earlier]
     if facts.outcome:
         rows.append(f"  {facts.outcome}")
     stacks = rank_stacks(snap)
     if stacks:
         rows.append("  where each rank was (innermost frame first):")
-        rows += [f"    rank {item.rank}: {item.where}" for item in stacks]
+        if large:  # the same place for most ranks: grouped
+            places: dict = {}
+            for item in stacks:
+                places.setdefault(item.where, []).append(item.rank)
+            groups = sorted(places.items(), key=lambda kv: -len(kv[1]))
+            rows += [f"    ranks {_ranks_text(ranks)}: {where}" for where, ranks in groups[:STACK_GROUPS]]
+            if len(groups) > STACK_GROUPS:
+                rows.append(f"    … {len(groups) - STACK_GROUPS} more places")
+        else:
+            rows += [f"    rank {item.rank}: {item.where}" for item in stacks]
     return "\n".join(rows)
 
 
 def summary_with_logs(state: RunState, log_hint: Optional[str] = None, lines: int = SUMMARY_LOG_LINES) -> str:
-    """``summary`` then each rank's last ``lines`` lines: the ``text/plain`` a notebook keeps of
-    a widget view, for readers without a kernel or without HTML.  ``log_hint`` names where the
-    full logs are (``_torchdist_run.logs(rank)``)."""
-    out = [summary(state), "last lines of each rank" + (f" (full logs: {log_hint})" if log_hint else "") + ":"]
-    for log in rank_logs(state, lines):
+    """``summary`` then each rank's last ``lines`` lines (a large run: rank 0's and those of the
+    ranks worth a look): the ``text/plain`` a notebook keeps of a widget view, for readers
+    without a kernel or without HTML.  ``log_hint`` names where the full logs are
+    (``_torchdist_run.logs(rank)``)."""
+    snap = snapshot(state)
+    if is_large(snap.num_processes):
+        chosen = list(dict.fromkeys([0] + [look.rank for look in overview(snap).look]))[:LOOK_RANKS + 1]
+        logs = [rank_log(state, r, lines) for r in chosen]
+        title = "last lines of rank 0 and of the ranks worth a look"
+    else:
+        logs = rank_logs(state, lines)
+        title = "last lines of each rank"
+    out = [summary(snap), title + (f" (full logs: {log_hint})" if log_hint else "") + ":"]
+    for log in logs:
         texts = [line.text for line in log.lines] or ["(no output)"]
         out += [f"  [rank {log.rank}] " + (text if len(text) <= SUMMARY_LINE_CHARS else text[:SUMMARY_LINE_CHARS] + " …")
                 for text in texts]
@@ -95,6 +148,8 @@ class TextView:
         self._cr_shown = [0.0] * snap.num_processes
         self._progress_shown = 0.0
         self._progress_seen = [None] * snap.num_processes
+        self.large = is_large(snap.num_processes)
+        self._followed = {0}               # a large run's ranks whose lines are printed
         self._closed = False
         self._print(header(snap))
 
@@ -107,12 +162,30 @@ class TextView:
         snap = self.state.snapshot(self._seen)
         self._seen = snap.version
         self._announce_restart(snap)
-        for r in sorted(snap.changed):
+        changed = snap.changed
+        if self.large:
+            changed = changed & self._follow(snap)
+        for r in sorted(changed):
             self._drain_logs(r)
         self._show_pending_cr(now)
         if now - self._progress_shown >= PROGRESS_EVERY:
             self._progress_shown = now
-            self._show_progress(snap)
+            if self.large:
+                self._print(status(snap))
+            else:
+                self._show_progress(snap)
+
+    def _follow(self, snap: RunSnapshot) -> set:
+        """A large run's ranks to print: rank 0, and each rank that failed or straggles, from its
+        last ``FOLLOW_BACKLOG`` lines when it starts being followed."""
+        wanted = {rs.rank for rs in snap.ranks if rs.state == "failed"} | {s.rank for s in snap.stragglers}
+        for r in sorted(wanted - self._followed):
+            self._followed.add(r)
+            skipped = self._logs.skip(self.state, r, FOLLOW_BACKLOG)
+            why = "failed" if snap.ranks[r].state == "failed" else "straggles"
+            more = f"; {skipped} earlier lines in logs({r})" if skipped else ""
+            self._print(f"torchdist: rank {r} {why}: its lines follow{more}")
+        return self._followed
 
     def _announce_restart(self, snap: RunSnapshot) -> None:
         while self._attempt < snap.attempt and self._attempt <= len(snap.attempts):
@@ -161,7 +234,7 @@ class TextView:
         snap = self.state.snapshot(self._seen)
         self._seen = snap.version
         self._announce_restart(snap)
-        for r in range(snap.num_processes):
+        for r in (sorted(self._follow(snap)) if self.large else range(snap.num_processes)):
             self._drain_logs(r)
             self._flush_cr(r)
         self._print(summary(self.state))

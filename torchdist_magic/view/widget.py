@@ -5,6 +5,11 @@ summary); this module holds the widgets (header, Stop button, rank rows, the ran
 a hang or a timeout, plots, a log pane with a rank selector), refreshes them at a bounded rate
 and, for a view shown as a cell's output, replaces it by the static summary when it closes.
 
+A large run (``overview.is_large``) shows its overview and the ranks worth a look instead of a
+row per rank, plots with a band across ranks, and two ways to reach any rank: a box to type its
+number (its row and its log show) and a page per host.  Each update then sends HTML whose size
+depends on what is shown, not on the number of ranks.
+
 Updates are coalesced: whatever the event rate, the view refreshes at most every
 ``UPDATE_EVERY`` seconds and redraws plots at most every ``PLOT_EVERY`` seconds, from whichever
 thread calls ``update()``.  While a cell blocks the kernel waiting for the run, ``update()`` also
@@ -14,6 +19,7 @@ during the cell.
 
 from __future__ import annotations
 
+import html
 import threading
 import time
 from typing import Callable, Optional
@@ -21,15 +27,18 @@ from typing import Callable, Optional
 import ipywidgets as widgets
 
 from ..state import RunState
-from .html import (BORDER, failure_html, header_html, merged_log_html, plots_html, rank_log_html, rows_html,
-                   stacks_html, summary_html)
+from .html import (BORDER, MUTED, bands_html, failure_html, header_html, large_rows_html, merged_log_html,
+                   plots_html, problems_html, rank_log_html, rows_html, stacks_html, straggler_notes, summary_html)
 from .kernel_poll import KernelPoll
 from .model import MergedLog, metric_series, rank_log, rank_rows, rank_stacks, root_cause_rank, run_facts
+from .overview import LINE_RANKS, PAGE_RANKS, Overview, is_large, metric_bands, overview
 from .text import header, summary_with_logs
 
 UPDATE_EVERY = 0.1    # seconds between refreshes of the view (every part of it together)
 PLOT_EVERY = 0.5      # seconds between redraws of the metric plots
 ALL_RANKS = -1        # log selector value for "all ranks"
+PROBLEMS = -2         # log selector value for every rank's errors and warnings
+WORTH_A_LOOK = ""     # host page value: no host's page, the ranks worth a look only
 
 
 class WidgetView:
@@ -60,36 +69,56 @@ class WidgetView:
         self._merged = MergedLog(self.state.num_processes)
         self._selecting = False   # the view, not the user, is changing the log selector
         self._log_chosen = False  # the user picked a log; until then the root cause's log shows
+        self.large = is_large(self.state.num_processes)
+        self._overview: Optional[Overview] = None
+        self._typed: Optional[int] = None   # the rank typed in the rank box (a large run)
 
-        self.header = widgets.HTML(layout=widgets.Layout(flex="1 1 auto"))
+        self.header = widgets.HTML(layout=widgets.Layout(flex="1 1 200px", min_width="0"))
         self.stop_button = widgets.Button(description="Stop", icon="stop", button_style="danger",
                                           tooltip="stop every rank (like interrupting the kernel)",
-                                          layout=widgets.Layout(width="auto", height="28px",
-                                                                display="" if stop else "none"))
+                                          layout=widgets.Layout(width="auto", min_width="76px", height="28px",
+                                                                flex="0 0 auto", display="" if stop else "none"))
         self.stop_button.add_class("torchdist-stop")
         self.stop_button.on_click(self._on_stop)
-        self.rows = widgets.HTML()
+        self.rows = widgets.HTML(layout=widgets.Layout(min_width="0"))
         self.rows.add_class("torchdist-rows-view")
-        self.failure = widgets.HTML()
-        self.stacks = widgets.HTML()
+        self.failure = widgets.HTML(layout=widgets.Layout(min_width="0"))
+        self.stacks = widgets.HTML(layout=widgets.Layout(min_width="0"))
         self.stacks.add_class("torchdist-stacks-view")
-        self.plots = widgets.HTML(layout=widgets.Layout(margin="6px 0 0 0"))
+        self.plots = widgets.HTML(layout=widgets.Layout(margin="6px 0 0 0", min_width="0"))
         self.plots.add_class("torchdist-plots-view")
-        options = [(f"rank {r}", r) for r in range(self.state.num_processes)] + [("all ranks", ALL_RANKS)]
-        self.log_select = widgets.Dropdown(options=options, value=0, description="logs",
-                                           layout=widgets.Layout(width="190px"),
+        self.log_select = widgets.Dropdown(options=self._log_options(None), value=0, description="logs",
+                                           layout=widgets.Layout(width="auto", max_width="260px", min_width="0"),
                                            style={"description_width": "36px"})
         self.log_select.add_class("torchdist-log-select")
         self.log_select.observe(self._on_log_select, "value")
-        self.logs = widgets.HTML()
+        # a large run: any rank by its number, or a host's page of ranks
+        last = self.state.num_processes - 1
+        self.rank_box = widgets.Text(placeholder=f"0 to {last}", description="rank", continuous_update=False,
+                                     layout=widgets.Layout(width="150px", min_width="0",
+                                                           display="" if self.large else "none"),
+                                     style={"description_width": "36px"})
+        self.rank_box.add_class("torchdist-rank-box")
+        self.rank_box.observe(self._on_rank_typed, "value")
+        self.rank_note = widgets.HTML(layout=widgets.Layout(min_width="0"))
+        self.host_page = widgets.Dropdown(options=[("ranks worth a look", WORTH_A_LOOK)], value=WORTH_A_LOOK,
+                                          description="page", style={"description_width": "36px"},
+                                          layout=widgets.Layout(width="auto", max_width="260px", min_width="0",
+                                                                display="" if self.large else "none"))
+        self.host_page.add_class("torchdist-host-page")
+        self.host_page.observe(self._on_host_page, "value")
+        self.logs = widgets.HTML(layout=widgets.Layout(min_width="0"))
         self.logs.add_class("torchdist-logs-view")
+        wrap = widgets.Layout(flex_flow="row wrap", align_items="center", min_width="0")
         self.widget = widgets.VBox(
             [widgets.HBox([self.header, self.stop_button],
-                          layout=widgets.Layout(align_items="center", justify_content="space-between")),
+                          layout=widgets.Layout(flex_flow="row wrap", align_items="center",
+                                                justify_content="space-between", min_width="0")),
+             widgets.HBox([self.rank_box, self.host_page, self.rank_note], layout=wrap),
              self.rows, self.failure, self.stacks, self.plots,
-             widgets.VBox([self.log_select, self.logs], layout=widgets.Layout(margin="6px 0 0 0"))],
+             widgets.VBox([self.log_select, self.logs], layout=widgets.Layout(margin="6px 0 0 0", min_width="0"))],
             layout=widgets.Layout(border=f"1px solid {BORDER}", padding="6px 12px 8px 12px",
-                                  max_width="1100px"))
+                                  max_width="1100px", min_width="0", width="auto"))
         self.widget.add_class("torchdist-view")
         self._render(self.clock(), force=True)
 
@@ -108,12 +137,59 @@ class WidgetView:
     def _on_stop(self, _button=None) -> None:
         self.stop_button.disabled = True
         self.stop_button.description = "Stopping…"
-        self.run.cancel()
+        self.run.cancel(by="the Stop button")
 
     def _on_log_select(self, _change=None) -> None:
         with self._lock:
             self._log_chosen = not self._selecting
             self._render_logs(self.state.finished)
+
+    def _on_rank_typed(self, change) -> None:
+        """A rank number typed: its row shows on the page and its log in the pane."""
+        text = str(change["new"]).strip()
+        last = self.state.num_processes - 1
+        with self._lock:
+            if not text:
+                self._typed = None
+                self.rank_note.value = ""
+            elif text.isdigit() and int(text) <= last:
+                self._typed = int(text)
+                self.rank_note.value = ""
+                self._show_log(self._typed)
+                self._log_chosen = True  # typed by the user: a failure elsewhere does not take the pane
+            else:
+                self.rank_note.value = (f'<span class="torchdist-rank-note" style="color:{MUTED};font-size:12px">'
+                                        f'no rank {html.escape(text)} in this run: ranks are 0 to {last}</span>')
+            self._render(self.clock(), force=True)
+
+    def _on_host_page(self, _change=None) -> None:
+        with self._lock:
+            if self.host_page.value != WORTH_A_LOOK:
+                self._typed = None
+            self._render(self.clock(), force=True)
+
+    def _log_options(self, ov: Optional[Overview]):
+        """Every rank in a small run; in a large one rank 0, the ranks worth a look and the rank
+        typed (any other is a number away); then all ranks and every rank's errors and warnings."""
+        if not self.large:
+            ranks = range(self.state.num_processes)
+        else:
+            chosen = ([self._typed] if self._typed is not None else []) + [look.rank for look in (ov.look if ov else [])]
+            ranks = sorted(set([0] + chosen))
+        return [(f"rank {r}", r) for r in ranks] + [("all ranks", ALL_RANKS), ("errors and warnings", PROBLEMS)]
+
+    def _show_log(self, rank: int) -> None:
+        """Show ``rank``'s log in the pane (the view's choice, not the user's)."""
+        options = self._log_options(self._overview)
+        if rank not in [value for _, value in options]:
+            options.append((f"rank {rank}", rank))
+        self._selecting = True
+        try:
+            if list(self.log_select.options) != options:
+                self.log_select.options = options
+            self.log_select.value = rank
+        finally:
+            self._selecting = False
 
     # -- rendering ------------------------------------------------------------------------------
     def update(self) -> None:
@@ -137,29 +213,71 @@ class WidgetView:
         _set(self.header, header_html(facts))
         if version != self._seen_version or force:
             self._seen_version = version
-            _set(self.rows, rows_html(rank_rows(snap)))
+            if self.large:
+                self._overview = overview(snap)
+                self._update_pickers(self._overview)
+                page, title = self._page(self._overview)
+                _set(self.rows, large_rows_html(snap, self._overview, page, title))
+            else:
+                _set(self.rows, rows_html(rank_rows(snap), straggler_notes(snap)))
             _set(self.failure, failure_html(facts))
             _set(self.stacks, stacks_html(rank_stacks(snap)))
             self._merged.drain(state, snap.changed)
             cause = root_cause_rank(snap)
             if cause is not None and not self._log_chosen and self.log_select.value != cause:
-                self._selecting = True
-                try:
-                    self.log_select.value = cause  # the root cause's output
-                finally:
-                    self._selecting = False
+                self._show_log(cause)  # the root cause's output
             self._render_logs(facts.finished)
         if self._plot_version != version and (force or self._last_plot is None or now - self._last_plot >= PLOT_EVERY):
             self._last_plot = now
             self._plot_version = version
-            _set(self.plots, plots_html(metric_series(state)))
+            if self.large:
+                lines = [look.rank for look in self._overview.look][:LINE_RANKS]
+                _set(self.plots, bands_html(metric_bands(state, lines)))
+            else:
+                _set(self.plots, plots_html(metric_series(state)))
         if facts.finished:
             self.stop_button.layout.display = "none"
+
+    def _update_pickers(self, ov: Overview) -> None:
+        """The host pages and the log choices of a large run, sent only when they change."""
+        hosts = [("ranks worth a look", WORTH_A_LOOK)] + [(f"{host} ({len(ranks)} ranks)", host)
+                                                          for host, ranks in ov.hosts]
+        if list(self.host_page.options) != hosts:
+            chosen = self.host_page.value
+            self.host_page.options = hosts
+            self.host_page.value = chosen if chosen in [value for _, value in hosts] else WORTH_A_LOOK
+        options = self._log_options(ov)
+        selected = self.log_select.value
+        if selected not in [value for _, value in options]:
+            options.append((f"rank {selected}", selected))
+        if list(self.log_select.options) != options:
+            self._selecting = True
+            try:
+                self.log_select.options = options
+                self.log_select.value = selected
+            finally:
+                self._selecting = False
+
+    def _page(self, ov: Overview):
+        """The ranks shown below those worth a look: the rank typed, or a host's (at most
+        ``PAGE_RANKS``), with a title."""
+        if self._typed is not None:
+            return [self._typed], f"rank {self._typed}"
+        host = self.host_page.value
+        if host == WORTH_A_LOOK:
+            return None, ""
+        ranks = ov.host_ranks(host)
+        title = f"{host}: {len(ranks)} ranks"
+        if len(ranks) > PAGE_RANKS:
+            title += f", the first {PAGE_RANKS} (type a rank's number for another)"
+        return ranks[:PAGE_RANKS], title
 
     def _render_logs(self, finished: bool) -> None:
         selected = self.log_select.value
         if selected == ALL_RANKS:
             value = merged_log_html(self._merged.shown(), self._merged.limit, self.log_hint, finished)
+        elif selected == PROBLEMS:
+            value = problems_html(list(self._merged.problems), self._merged.limit, self.log_hint, finished)
         else:
             value = rank_log_html(rank_log(self.state, selected), self.log_hint, finished)
         _set(self.logs, value)
@@ -168,7 +286,8 @@ class WidgetView:
         """The view as static HTML: every rank's last lines, the one shown now unfolded."""
         with self._lock:
             selected = self.log_select.value
-        return summary_html(self.state, self.log_hint, None if selected == ALL_RANKS else selected)
+            problems = list(self._merged.problems)
+        return summary_html(self.state, self.log_hint, selected if selected >= 0 else None, problems=problems)
 
     def close(self) -> None:
         """Final refresh; a displayed view is replaced by the static summary and its widgets

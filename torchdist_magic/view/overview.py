@@ -1,0 +1,258 @@
+"""The view model of a run with many ranks: what is shown instead of one row per rank.
+
+Above ``LARGE_RUN`` ranks a view shows the run's ``overview``: counts by state, the hosts, each
+progress bar aggregated across ranks (min / median / max, how many are behind), and the ranks
+worth a look first, each with why (failed, straggling, silent, slowest, furthest behind), at most
+``LOOK_RANKS`` of them; any other rank is reached by its number or by its host's page.  Plots
+draw the median and a min-max band across ranks (``metric_bands``) plus a few chosen ranks.
+
+Everything here reads one ``RunSnapshot`` (O(ranks)) or a bounded copy of the metric history,
+so that what a view costs depends on what it shows, not on how many ranks there are.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from ..state import RankSnapshot, RunSnapshot, RunState
+from ..stragglers import BEHIND_MIN_STEPS, BEHIND_RATIO
+from .model import Series, format_duration
+
+#: ranks above which a view summarises instead of showing a row per rank
+LARGE_RUN = 16
+#: ranks listed as worth a look, at most
+LOOK_RANKS = 8
+#: ranks of one host's page, at most (the rest are reached by number)
+PAGE_RANKS = 16
+#: seconds without a record after which a running rank is called silent
+SILENT_AFTER = 10.0
+#: points of a plot's band (median, min, max across ranks) and of each rank's line in it
+BAND_POINTS = 80
+#: ranks drawn as lines over the band (the first of those worth a look)
+LINE_RANKS = 5
+#: points read for a band, all ranks together (each rank's history is thinned to its share)
+BAND_BUDGET = 8_000
+
+
+def is_large(num_processes: int) -> bool:
+    return num_processes > LARGE_RUN
+
+
+@dataclass
+class BarSummary:
+    """One progress bar across the ranks that run it (those showing it at the same depth)."""
+
+    desc: str
+    ranks: int
+    total: Optional[int]
+    n_min: int
+    n_median: float
+    n_max: int
+    behind: int                    # ranks behind the median count (outer loop: inner ones restart)
+    rate_median: Optional[float]   # steps per second (n / elapsed), median across ranks
+
+    @property
+    def fractions(self) -> Optional[Tuple[float, float, float]]:
+        """(min, median, max) of the bar filled, 0..1; None without a total."""
+        if not self.total:
+            return None
+        return tuple(min(max(v / self.total, 0.0), 1.0) for v in (self.n_min, self.n_median, self.n_max))
+
+    @property
+    def text(self) -> str:
+        """``median 40/100 · min 12 · max 58 · 3 behind · 2.10 it/s``"""
+        of = f"/{self.total}" if self.total else ""
+        parts = [f"median {self.n_median:g}{of}", f"min {self.n_min}", f"max {self.n_max}"]
+        if self.behind:
+            parts.append(f"{self.behind} behind")
+        if self.rate_median:
+            parts.append(f"{self.rate_median:.2f} it/s")
+        return " · ".join(parts)
+
+
+@dataclass
+class RankLook:
+    """A rank worth a look, and why."""
+
+    rank: int
+    host: str
+    state: str
+    why: str
+    kind: str                      # failed, straggler, silent, slowest, behind
+
+
+@dataclass
+class Overview:
+    """A large run at one moment (``overview``)."""
+
+    num_processes: int
+    states: List[Tuple[str, int]]          # (state, ranks), most common first
+    hosts: List[Tuple[str, List[int]]]     # (host, its ranks), by host name
+    bars: List[BarSummary]
+    look: List[RankLook]
+    stragglers: List[int] = field(default_factory=list)
+
+    @property
+    def counts_text(self) -> str:
+        """``1024 ranks on 128 hosts: 1019 running, 3 done, 2 failed``"""
+        hosts = f" on {len(self.hosts)} host{'s' if len(self.hosts) != 1 else ''}" if self.hosts else ""
+        states = ", ".join(f"{count} {state}" for state, count in self.states)
+        return f"{self.num_processes} ranks{hosts}: {states}"
+
+    def host_ranks(self, host: str) -> List[int]:
+        return next((ranks for name, ranks in self.hosts if name == host), [])
+
+
+def _rate(bar: dict) -> Optional[float]:
+    elapsed = bar.get("elapsed") or 0.0
+    return (bar.get("n") or 0) / elapsed if elapsed > 0 else None
+
+
+def bar_summaries(ranks: Sequence[RankSnapshot]) -> List[BarSummary]:
+    """Each depth of bar (outer loop, innermost loop) across the ranks showing one."""
+    by_depth: Dict[int, List[dict]] = {}
+    for rs in ranks:
+        for depth, bar in enumerate(rs.shown_progress()):
+            by_depth.setdefault(depth, []).append(bar)
+    out = []
+    for depth, bars in sorted(by_depth.items()):
+        counts = sorted(b.get("n") or 0 for b in bars)
+        median = statistics.median(counts)
+        rates = [r for r in map(_rate, bars) if r is not None]
+        totals = Counter(b.get("total") for b in bars)
+        descs = Counter(str(b.get("desc") or "") for b in bars)
+        out.append(BarSummary(
+            desc=descs.most_common(1)[0][0], ranks=len(bars), total=totals.most_common(1)[0][0],
+            n_min=counts[0], n_median=median, n_max=counts[-1],
+            # an inner loop's bar starts again every epoch: its count says nothing about who is behind
+            behind=0 if depth else sum(1 for n in counts if n < (1 - BEHIND_RATIO) * median
+                                       and median - n >= BEHIND_MIN_STEPS),
+            rate_median=statistics.median(rates) if rates else None))
+    return out
+
+
+def ranks_worth_a_look(snap: RunSnapshot, limit: int = LOOK_RANKS) -> List[RankLook]:
+    """At most ``limit`` ranks, in this order: failed (root cause first), stragglers, silent
+    longest, slowest, furthest behind; each rank once, with why."""
+    out: List[RankLook] = []
+    seen = set()
+
+    def add(rank: int, why: str, kind: str) -> None:
+        if rank not in seen and len(out) < limit:
+            seen.add(rank)
+            rs = snap.ranks[rank]
+            out.append(RankLook(rank, rs.host, rs.state, why, kind))
+
+    for failure in snap.failures():
+        add(failure.rank, failure.summary(), "failed")
+    for s in snap.stragglers:
+        add(s.rank, f"\u26a0 straggler: {s.why}", "straggler")
+    running = [rs for rs in snap.ranks if rs.state == "running"]
+    quiet = snap.quiet or (None,) * len(snap.ranks)
+    silent = sorted((rs for rs in running if (quiet[rs.rank] or 0) >= SILENT_AFTER),
+                    key=lambda rs: -(quiet[rs.rank] or 0))
+    for rs in silent[:2]:
+        add(rs.rank, f"silent for {format_duration(quiet[rs.rank])}", "silent")
+    inner = [(rs, rs.shown_progress()[-1]) for rs in running if rs.shown_progress()]
+    rates = [(r, rs) for rs, bar in inner for r in [_rate(bar)] if r is not None]
+    if len(rates) >= 2:
+        median = statistics.median(r for r, _ in rates)
+        for rate, rs in sorted(rates, key=lambda item: item[0])[:2]:
+            if rate < median:
+                add(rs.rank, f"slowest: {rate:.2f} it/s, median {median:.2f}", "slowest")
+    where = [(rs, pos) for rs in running for pos in [_position(rs)] if pos is not None]
+    if len(where) >= 2:
+        median_at = statistics.median(pos for _, pos in where)
+        desc = str(where[0][0].shown_progress()[0].get("desc") or "step")
+        for rs, pos in sorted(where, key=lambda item: item[1])[:2]:
+            if pos < median_at:
+                add(rs.rank, f"furthest behind: {desc} {pos:.4g}, median {median_at:.4g}", "behind")
+    return out
+
+
+def _position(rs: RankSnapshot) -> Optional[float]:
+    """How far a rank got: its outer bar's count, plus the inner bar's fraction done (an inner
+    loop's count alone starts again every epoch)."""
+    bars = rs.shown_progress()
+    if not bars:
+        return None
+    outer = bars[0].get("n") or 0
+    inner = bars[-1] if len(bars) > 1 else None
+    if inner is not None and inner.get("total"):
+        return outer + min((inner.get("n") or 0) / inner["total"], 1.0)
+    return float(outer)
+
+
+def overview(state) -> Overview:
+    """``state`` (a ``RunState`` or a ``RunSnapshot``) summarised: O(ranks)."""
+    snap = state if isinstance(state, RunSnapshot) else state.snapshot()
+    states = Counter(rs.state for rs in snap.ranks).most_common()
+    hosts: Dict[str, List[int]] = {}
+    for rs in snap.ranks:
+        if rs.host:
+            hosts.setdefault(rs.host, []).append(rs.rank)
+    return Overview(num_processes=snap.num_processes, states=states, hosts=sorted(hosts.items()),
+                    bars=bar_summaries(snap.ranks), look=ranks_worth_a_look(snap),
+                    stragglers=[s.rank for s in snap.stragglers])
+
+
+# -- plots ----------------------------------------------------------------------------------------
+@dataclass
+class Band:
+    """One metric across many ranks: per step bucket, the min, median and max of the ranks'
+    values there; ``lines`` are the chosen ranks' own points."""
+
+    steps: List[float]
+    low: List[float]
+    median: List[float]
+    high: List[float]
+    ranks: int                     # ranks that reported the metric
+    lines: Series
+
+
+def metric_bands(state: RunState, lines: Iterable[int] = (), points: int = BAND_POINTS) -> Dict[str, Band]:
+    """``{metric: Band}``: each metric's median and min-max band across ranks in ``points``
+    step buckets, from a copy of the history thinned under the state's lock to ``BAND_BUDGET``
+    points in all, plus the ranks ``lines`` drawn on their own (at most ``points`` points each)."""
+    lines = list(lines)
+    per_rank = max(8, min(points, BAND_BUDGET // max(state.num_processes, 1)))
+    bands = {}
+    for name, by_rank in state.metric_history(per_rank).items():
+        band = _band(by_rank.values(), points)
+        if band is None:
+            continue
+        band.ranks = len(by_rank)
+        chosen = state.metric_history(points, ranks=[r for r in lines if r in by_rank], names=[name])
+        band.lines = {r: [(x, y) for x, y in pts if math.isfinite(y)]
+                      for r, pts in chosen.get(name, {}).items()}
+        band.lines = {r: pts for r, pts in band.lines.items() if pts}
+        bands[name] = band
+    return bands
+
+
+def _band(series: Iterable[List[Tuple[int, float]]], buckets: int) -> Optional[Band]:
+    # numpy is a dependency of torch; imported here, where a large run's plot is drawn
+    import numpy as np
+
+    pairs = np.fromiter(itertools.chain.from_iterable(series), dtype=np.dtype((float, 2)))
+    pairs = pairs[np.isfinite(pairs).all(axis=1)]
+    if not len(pairs):
+        return None
+    xs, ys = pairs[:, 0], pairs[:, 1]
+    x0, x1 = xs.min(), xs.max()
+    index = np.zeros(len(xs), dtype=int) if x1 == x0 else \
+        np.minimum(((xs - x0) / (x1 - x0) * buckets).astype(int), buckets - 1)
+    order = np.lexsort((ys, index))           # by bucket, then value: medians by position
+    index, ys_sorted, xs_sorted = index[order], ys[order], xs[order]
+    _, starts, counts = np.unique(index, return_index=True, return_counts=True)
+    ends = starts + counts - 1
+    middle_low, middle_high = starts + (counts - 1) // 2, starts + counts // 2
+    median = (ys_sorted[middle_low] + ys_sorted[middle_high]) / 2
+    steps = np.maximum.reduceat(xs_sorted, starts)
+    return Band(steps=steps.tolist(), low=ys_sorted[starts].tolist(), median=median.tolist(),
+                high=ys_sorted[ends].tolist(), ranks=0, lines={})
