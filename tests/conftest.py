@@ -1,6 +1,8 @@
 """Fixtures every test file shares.  Spark's fixtures are a plugin of their own
 (``spark_fixtures``); process helpers are plain functions in ``helpers``."""
 
+import os
+
 import pytest
 
 pytest_plugins = ["spark_fixtures"]
@@ -32,15 +34,25 @@ def local_distributor():
 
 @pytest.fixture(autouse=True)
 def _no_temp_leftovers(tmp_path, monkeypatch):
-    """Every test gets its own temp dir for run directories, which must be empty afterwards."""
+    """Every test gets its own temp dir for run directories, which must be empty afterwards, and
+    leaves nothing of its runs in shared memory (where ranks write their values)."""
     import tempfile
+
+    from torchdist_magic.launcher import SHARED_MEMORY
+
+    def in_shared_memory():
+        return {n for n in os.listdir(SHARED_MEMORY) if n.startswith("torchdist-")} \
+            if os.path.isdir(SHARED_MEMORY) else set()
 
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    before = in_shared_memory()
     yield
     left = sorted(p.name for p in scratch.iterdir())
     assert not left, f"temp files left behind: {left}"
+    left = sorted(in_shared_memory() - before)
+    assert not left, f"left behind in {SHARED_MEMORY}: {left}"
 
 
 #: how long a run cancelled after its test may take to end (a Spark stage's cancel included)

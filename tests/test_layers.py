@@ -13,7 +13,7 @@ PACKAGE = pathlib.Path(torchdist_magic.__file__).parent
 #: bottom first; a module may import its own layer and those below it
 LAYERS = [
     ("contract", {"events", "timing", "options", "procs", "tls"}),
-    ("rank side", {"errors", "runtime", "rank_shell", "job", "rankenv", "data"}),
+    ("rank side", {"errors", "runtime", "rank_shell", "job", "rankenv", "data", "values"}),
     ("worker and transport", {"worker", "channel"}),
     ("launch and state", {"launcher", "state", "stragglers"}),
     # backends/, bottom first: the interface, what runs in an executor, the driver's side of a

@@ -383,8 +383,13 @@ def mib_for_rank_0(mib):
 
 
 @pytest.mark.spark
-def test_a_value_over_the_drivers_result_limit_says_spark_could_not_return_it(spark_local2, spark_sessions):
-    # a session whose driver takes at most 1 MiB of task results (spark.driver.maxResultSize)
+def test_a_value_over_the_drivers_result_limit_says_spark_could_not_return_it(spark_local2, spark_sessions,
+                                                                            monkeypatch):
+    import torchdist_magic.backends.spark_stage as spark_stage
+
+    # the tasks do not find the driver's value directory (as on a cluster): values go through
+    # Spark, to a driver that takes at most 1 MiB of task results (spark.driver.maxResultSize)
+    monkeypatch.setattr(spark_stage, "value_dir_mark", lambda run_id: "not-what-the-tasks-look-for")
     spark_sessions.stop()
     spark_sessions.get("local[2]", **{"spark.driver.maxResultSize": "1m"})
     try:

@@ -29,6 +29,7 @@ from .errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCanc
 from .events import Stacks
 from .job import Job, function_job, script_job
 from .options import LaunchOptions
+from . import values as value_blobs
 from .rankenv import RunSpec
 from .state import Attempt, RunDirectory, RunState, is_collateral
 from .timing import ROOT_CAUSE_WAIT, STACKS_COLLECT_WAIT, STOP_GRACE, SUPERVISE_POLL
@@ -330,13 +331,11 @@ class Run:
         return self.state.wait_stacks(running, STACKS_COLLECT_WAIT)
 
     def _collect(self, backend_run: BackendRun) -> Any:
-        import cloudpickle
-
         ranks = range(self.options.num_processes) if self.options.all_ranks else [0]
         values: List[Any] = []
         for r in ranks:
             data = backend_run.result(r)
-            values.append(None if data is None else cloudpickle.loads(data))
+            values.append(None if data is None else value_blobs.loads(data))
         return values if self.options.all_ranks else values[0]
 
     def _progress_summary(self) -> str:

@@ -18,18 +18,20 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from typing import Callable, Dict, Optional
 
-from . import events
+from . import events, values
 from .procs import MARK_VARIABLE, end_marked_processes
 from .timing import PIPE_DRAIN_WAIT, REAP_WAIT, STACKS_SETTLE, STACKS_WAIT, STOP_GRACE
 from .worker import ERROR_FILE, RESULT_FILE, STACKS_FILE, STACKS_HEADER, STACKS_SIGNAL
@@ -73,12 +75,43 @@ def read_failure(result_dir: str) -> Optional[events.Failure]:
         return None
 
 
-def read_result(result_dir: str) -> Optional[bytes]:
+def read_result(result_dir: str) -> Optional[bytearray]:
+    """The value blob a worker wrote into ``result_dir`` (``values.read``), or ``None``."""
     try:
-        with open(os.path.join(result_dir, RESULT_FILE), "rb") as fh:
-            return fh.read()
+        return values.read(os.path.join(result_dir, RESULT_FILE))
     except FileNotFoundError:
         return None
+
+
+#: where a machine keeps files in memory (tmpfs): ranks' values go there when it exists
+SHARED_MEMORY = "/dev/shm"
+
+
+def value_directory(prefix: str) -> str:
+    """A new directory for ranks' values: in shared memory (``SHARED_MEMORY``) where this machine
+    has it, so that a value written there is mapped by the driver, never copied; else an
+    ordinary temporary directory."""
+    if os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK):
+        try:
+            return tempfile.mkdtemp(prefix=prefix, dir=SHARED_MEMORY)
+        except OSError:
+            pass
+    return tempfile.mkdtemp(prefix=prefix)
+
+
+def map_value(path: str) -> Optional[mmap.mmap]:
+    """The value blob at ``path`` mapped into memory, copy-on-write, and the file's name removed:
+    in shared memory the value's pages are then the ones the rank wrote, never copied; the
+    mapping (and with it the memory) goes when the last tensor or array of the value goes.
+    ``None`` when there is no such file."""
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        return None
+    with fh:
+        blob = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    os.unlink(path)
+    return blob
 
 
 def rank_mark(env: Dict[str, str], rank: int) -> str:

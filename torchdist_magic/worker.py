@@ -38,6 +38,8 @@ from torchdist_magic.rankenv import ENV_BEFORE
 from torchdist_magic.timing import ATEXIT_WAIT, PARENT_WATCH_INTERVAL, STOP_GRACE
 
 RESULT_FILE = "result.pkl"
+#: where a rank writes its value when its launcher says (else ``RESULT_FILE`` in its result dir)
+VALUE_FILE_ENV = "TORCHDIST_VALUE_FILE"
 ERROR_FILE = "error.json"
 STACKS_FILE = "stacks.txt"
 #: the signal that asks a worker for its stacks: one that no library uses (SIGUSR1 is Lightning's on SLURM)
@@ -55,14 +57,14 @@ def _watch_parent(parent: int) -> None:
     remove, then stop this process's group (the worker leads it), which takes the rank's own
     children (a ``subprocess``, DataLoader workers) along with it, and what the rank started in
     a session of its own (found by its launcher's mark, ``procs.MARK_VARIABLE``)."""
-    cleanup = os.environ.pop("TORCHDIST_CLEANUP", "")
+    cleanup = [p for p in os.environ.pop("TORCHDIST_CLEANUP", "").split(os.pathsep) if p]
     mark = os.environ.get(procs.MARK_VARIABLE, "")
     while True:
         time.sleep(PARENT_WATCH_INTERVAL)
         if os.getppid() != parent:
             try:
-                if cleanup:
-                    shutil.rmtree(cleanup, ignore_errors=True)
+                for path in cleanup:
+                    shutil.rmtree(path, ignore_errors=True)
                 if os.getpgrp() == os.getpid():
                     for pid in _others_in_my_group():  # they get their chance to clean up
                         with contextlib.suppress(OSError):  # it may have just exited
@@ -241,31 +243,51 @@ def execute(job, namespace: Optional[dict] = None) -> Tuple[int, Any, Optional[e
     return 0, value, None
 
 
-def _pickled_value(value: Any) -> Tuple[Optional[bytes], Optional[events.Failure]]:
-    import cloudpickle
-
+def _unpicklable(value: Any, exc: Exception) -> events.Failure:
     from torchdist_magic import runtime
 
+    return _failure(exc, "TypeError", f"the value of rank {runtime.rank()} (a "
+                    f"{type(value).__qualname__}) cannot be pickled: {exc}", traceback_text="")
+
+
+def _pickled_value(value: Any) -> Tuple[Optional[bytes], Optional[events.Failure]]:
+    """``value`` as one blob (``values.dumps``), or why it cannot be pickled."""
+    from torchdist_magic import values
+
     try:
-        return cloudpickle.dumps(value), None
+        return values.dumps(value), None
     except Exception as exc:
-        return None, _failure(exc, "TypeError", f"the value of rank {runtime.rank()} (a "
-                              f"{type(value).__qualname__}) cannot be pickled: {exc}", traceback_text="")
+        return None, _unpicklable(value, exc)
 
 
 def run_job(job, result_dir: str) -> int:
     """Run ``job`` in this process; write its value (when this rank's value is wanted) or its
-    failure into ``result_dir``; the exit code."""
+    failure into ``result_dir``; the exit code.  The value goes to ``TORCHDIST_VALUE_FILE``
+    where the launcher names one (shared memory, on the driver's machine), else into
+    ``result_dir``, written straight from the value's memory (``values.dump``)."""
+    from torchdist_magic import values
+
     code, value, failure = execute(job)
     if failure is None and os.environ.get("TORCHDIST_RETURN_VALUE", "1") == "1":
-        data, failure = _pickled_value(value)
-        if data is not None:
-            tmp = os.path.join(result_dir, RESULT_FILE + ".tmp")
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-            os.replace(tmp, os.path.join(result_dir, RESULT_FILE))
-        else:
-            code = 1
+        paths = [p for p in (os.environ.get(VALUE_FILE_ENV), os.path.join(result_dir, RESULT_FILE)) if p]
+        for path in paths:
+            tmp = path + ".tmp"
+            try:
+                values.dump(value, tmp)
+            except OSError as exc:  # shared memory full: the result dir, on disk, takes it instead
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                if path != paths[-1]:
+                    continue
+                failure, code = _failure(exc, "OSError", f"the value of rank {os.environ.get('RANK', '0')} "
+                                         f"could not be written to {path}: {exc}", traceback_text=""), 1
+            except Exception as exc:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                failure, code = _unpicklable(value, exc), 1
+            else:
+                os.replace(tmp, path)
+            break
     if failure is not None:
         _write_failure(result_dir, failure)
     return code

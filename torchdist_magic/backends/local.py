@@ -8,11 +8,12 @@ import socket
 import tempfile
 from typing import List, Optional
 
-from ..launcher import RankProcess, read_result, reserve_port, stop_all, write_job_file
+from ..launcher import RankProcess, map_value, reserve_port, stop_all, value_directory, write_job_file
 from ..options import LaunchOptions
 from ..procs import process_exited
 from ..rankenv import place_ranks, rank_environment
 from ..timing import CLOSE_GRACE
+from ..worker import RESULT_FILE, VALUE_FILE_ENV
 from .base import Backend, BackendRun, LaunchContext, LaunchPlan
 
 
@@ -40,7 +41,8 @@ class LocalProcessBackend(Backend):
         return LaunchPlan(options.num_processes, tls=self.channel_tls(options))
 
     def start(self, ctx: LaunchContext) -> "LocalRun":
-        run = LocalRun(tempfile.mkdtemp(prefix=f"torchdist-{ctx.spec.run_id}-"))
+        run = LocalRun(tempfile.mkdtemp(prefix=f"torchdist-{ctx.spec.run_id}-"),
+                       value_directory(f"torchdist-{ctx.spec.run_id}-values-"))
         try:
             run.launch(ctx)
         except BaseException:
@@ -50,8 +52,10 @@ class LocalProcessBackend(Backend):
 
 
 class LocalRun(BackendRun):
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, value_dir: str):
         self.workdir = workdir
+        #: where the ranks write their values (shared memory where there is some)
+        self.value_dir = value_dir
         self.procs: List[RankProcess] = []
         self._port: Optional[socket.socket] = None
 
@@ -63,7 +67,9 @@ class LocalRun(BackendRun):
         host = socket.gethostname()
         for place in place_ranks([host] * n, "127.0.0.1", self._port.getsockname()[1]):
             env = rank_environment(os.environ, ctx.spec, place)
-            env["TORCHDIST_CLEANUP"] = self.workdir  # if this driver dies, the orphaned ranks remove it
+            # if this driver dies, the orphaned ranks remove these
+            env["TORCHDIST_CLEANUP"] = os.pathsep.join([self.workdir, self.value_dir])
+            env[VALUE_FILE_ENV] = self._value_file(place.rank)
             self.procs.append(RankProcess(place.rank, job_file,
                                           os.path.join(self.workdir, f"rank-{place.rank}"), env, ctx.emit))
 
@@ -75,8 +81,13 @@ class LocalRun(BackendRun):
             if p.alive():
                 p.dump_stacks()
 
-    def result(self, rank: int) -> Optional[bytes]:
-        return read_result(os.path.join(self.workdir, f"rank-{rank}"))
+    def _value_file(self, rank: int) -> str:
+        return os.path.join(self.value_dir, f"rank-{rank}.value")
+
+    def result(self, rank: int):
+        shared = map_value(self._value_file(rank))
+        return shared if shared is not None else map_value(  # shared memory was full
+            os.path.join(self.workdir, f"rank-{rank}", RESULT_FILE))
 
     def ranks_alive(self) -> bool:
         return bool(self.procs) and all(_running(p) for p in self.procs)
@@ -87,6 +98,7 @@ class LocalRun(BackendRun):
             self._port.close()
             self._port = None
         shutil.rmtree(self.workdir, ignore_errors=True)
+        shutil.rmtree(self.value_dir, ignore_errors=True)
 
 
 def _running(rank: RankProcess) -> bool:

@@ -148,7 +148,7 @@ class SparkRun(BarrierStageRun):
                 with python_exec(sc, self._python):  # the stage's function, for the chosen interpreter
                     frame = data_stage(self._frame, n, self._task, self._frame.rdd.getNumPartitions())
                 rows = sort_rows(r.asDict() for r in frame.collect())
-                self._deliver(rows.values, rows.exits, rows.logs)
+                self._deliver(rows.values, rows.exits, rows.logs, rows.value_files)
                 return
             outcomes = self._barrier_rdd().collect()
         except Exception as exc:
@@ -168,7 +168,8 @@ class SparkRun(BarrierStageRun):
             except events.MalformedEvent:
                 pass  # a task of another version: the channel's handshake said so already
         self._deliver({o.rank: o.value for o in outcomes if o.value is not None}, exits,
-                      {o.rank: o.log_tail for o in outcomes if o.channel_lost})
+                      {o.rank: o.log_tail for o in outcomes if o.channel_lost},
+                      {o.rank: o.value_file for o in outcomes if o.value_file})
 
     def _interrupt(self) -> None:
         self._sc.cancelJobsWithTag(self.job_tag)

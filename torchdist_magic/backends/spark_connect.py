@@ -123,7 +123,7 @@ class SparkConnectRun(BarrierStageRun):
             return
         finally:
             spark.removeTag(self.job_tag)
-        self._deliver(rows.values, rows.exits, rows.logs)
+        self._deliver(rows.values, rows.exits, rows.logs, rows.value_files)
 
     def _interrupt(self) -> None:
         self._spark.interruptTag(self.job_tag)

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import abc
 import logging
+import os
 import re
+import shutil
 import threading
 import time
 import warnings
@@ -32,10 +34,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from .. import events
 from ..options import LaunchOptions
+from ..launcher import map_value, value_directory
 from ..rankenv import RunSpec
 from ..timing import SPARK_CANCEL_RETRY, SPARK_CANCEL_WAIT, SPARK_RENDEZVOUS_WAIT, SPARK_STAGE_END_WAIT, STOP_GRACE
 from .base import Backend, BackendRun, LaunchContext, LaunchPlan
-from .spark_task import FAILURE_MARK, SCHEMA, BarrierTaskSpec
+from .spark_task import FAILURE_MARK, SCHEMA, BarrierTaskSpec, value_dir_mark
 
 GPU_AMOUNT_CONF = "spark.task.resource.gpu.amount"
 #: the cluster asks for encryption in transit
@@ -128,10 +131,16 @@ class SparkStageBackend(Backend):
 
     def start(self, ctx: LaunchContext) -> "BarrierStageRun":
         data = ctx.data
+        value_dir = value_directory(f"torchdist-{ctx.spec.run_id}-values-")
+        open(os.path.join(value_dir, value_dir_mark(ctx.spec.run_id)), "w").close()
         spec = BarrierTaskSpec(run=ctx.spec, job_bytes=ctx.job_bytes,
-                               data_schema=data.schema if data is not None else None)
-        run = self.stage_run(spec, ctx, data.frame if data is not None else None)
-        run.launch()
+                               data_schema=data.schema if data is not None else None, value_dir=value_dir)
+        try:
+            run = self.stage_run(spec, ctx, data.frame if data is not None else None)
+            run.launch()
+        except BaseException:
+            shutil.rmtree(value_dir, ignore_errors=True)
+            raise
         return run
 
     @abc.abstractmethod
@@ -225,6 +234,7 @@ class BarrierStageRun(BackendRun):
         self._stopping = False
         self._closed = False
         self._values: Dict[int, bytes] = {}
+        self._value_files: Dict[int, str] = {}  # values the tasks wrote into spec.value_dir
         self._error: Optional[BaseException] = None
         self._rendezvous: Optional[DriverRendezvous] = None
         self._thread = self._make_thread(self._run_stage, f"torchdist-stage-{spec.run.run_id}")
@@ -245,10 +255,12 @@ class BarrierStageRun(BackendRun):
         """Cancel the stage's job tag (called again until the stage has ended)."""
 
     def _deliver(self, values: Dict[int, bytes], exits: Dict[int, events.Exit],
-                 lost_logs: Dict[int, List[str]]) -> None:
-        """The stage's outcome: the values, and every rank's exit, after the last lines of the
-        ranks the channel did not carry (a repeated exit is ignored by the run's state)."""
+                 lost_logs: Dict[int, List[str]], value_files: Dict[int, str]) -> None:
+        """The stage's outcome: the values (or where the tasks wrote them), and every rank's
+        exit, after the last lines of the ranks the channel did not carry (a repeated exit is
+        ignored by the run's state)."""
         self._values = values
+        self._value_files = value_files
         for rank in range(self._spec.run.num_processes):
             if rank in lost_logs:
                 self._ctx.emit(events.Log(rank=rank, stream="stderr", line=no_live_view(self._spec.run)))
@@ -321,6 +333,8 @@ class BarrierStageRun(BackendRun):
         self._thread.join()
         if rank in self._values:
             return self._values[rank]
+        if rank in self._value_files:
+            return map_value(self._value_files[rank])
         if self._error is not None:
             _, reason = spark_failure(self._error)
             raise RuntimeError(f"rank {rank} finished, but Spark could not return its value: "
@@ -338,6 +352,7 @@ class BarrierStageRun(BackendRun):
             self._rendezvous.close()
         if self._thread.is_alive():
             self.stop(STOP_GRACE)
+        shutil.rmtree(self._spec.value_dir, ignore_errors=True)
 
 
 @dataclass
@@ -347,12 +362,14 @@ class _Rows:
     exits: Dict[int, events.Exit]
     values: Dict[int, bytes]
     logs: Dict[int, List[str]]
+    value_files: Dict[int, str]
 
 
 def sort_rows(rows) -> _Rows:
     exits: Dict[int, events.Exit] = {}
     pieces: Dict[int, List[bytes]] = {}
     logs: Dict[int, List[str]] = {}
+    value_files: Dict[int, str] = {}
     for row in rows:
         rank, kind, chunk = row["rank"], row["kind"], bytes(row["chunk"])
         if kind == "exit":
@@ -363,7 +380,9 @@ def sort_rows(rows) -> _Rows:
             pieces.setdefault(rank, []).append(chunk)
         elif kind == "log":
             logs.setdefault(rank, []).append(chunk.decode("utf-8", "replace"))
-    return _Rows(exits, {r: b"".join(p) for r, p in pieces.items()}, logs)
+        elif kind == "value_file":
+            value_files[rank] = chunk.decode()
+    return _Rows(exits, {r: b"".join(p) for r, p in pieces.items()}, logs, value_files)
 
 
 def data_stage(frame, n: int, task: Callable, partitions: Optional[int] = None):

@@ -32,13 +32,14 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional, Tuple
 
 from .. import events, procs
 from ..channel import ChannelClient
 from ..launcher import RankProcess, read_result, reserve_port, stop_all, write_job_file
 from ..rankenv import RunSpec, place_spark_tasks, rank_environment
 from ..timing import STOP_GRACE
+from ..worker import VALUE_FILE_ENV
 
 #: lines of a rank's output a task keeps, for when its channel to the driver is lost
 LOG_TAIL = 20
@@ -100,6 +101,22 @@ class BarrierTaskSpec:
     job_bytes: bytes
     #: a data run's Arrow schema (serialized), for a task whose partition is empty; else None
     data_schema: Optional[bytes] = None
+    #: the driver's directory for the ranks' values: a task that sees it (on the driver's
+    #: machine, or a file system they share) has its rank write its value there, which the
+    #: driver then maps, rather than send it through Spark
+    value_dir: str = ""
+
+    def value_file(self, rank: int) -> str:
+        """Where ``rank`` writes its value for the driver to map; ``""`` when this task cannot
+        see the driver's value directory."""
+        if self.value_dir and os.path.exists(os.path.join(self.value_dir, value_dir_mark(self.run.run_id))):
+            return os.path.join(self.value_dir, f"rank-{rank}.value")
+        return ""
+
+
+def value_dir_mark(run_id: str) -> str:
+    """The file that marks the driver's value directory of run ``run_id``."""
+    return f".torchdist-run-{run_id}"
 
 
 class RunStopped(Exception):
@@ -145,10 +162,11 @@ class TaskOutcome:
     """What a barrier task returns to the driver, for the ranks whose channel may have been lost."""
 
     rank: int
-    value: Optional[bytes]          # the rank's pickled value, when it is wanted
+    value: Optional[bytes]          # the rank's value blob (``values``), when it is wanted
     exit_json: dict                 # its ``Exit`` record, encoded
     channel_lost: bool = False      # the driver heard nothing live from this task
     log_tail: List[str] = field(default_factory=list)  # the rank's last lines of output
+    value_file: str = ""            # where the value is instead, in the driver's value directory
 
 
 def run_barrier_task(spec: BarrierTaskSpec, partition) -> List[TaskOutcome]:
@@ -172,10 +190,10 @@ def run_barrier_task(spec: BarrierTaskSpec, partition) -> List[TaskOutcome]:
         channel.send(event)
 
     try:
-        value = _run_rank(spec, context, rank, channel, emit, driver,
-                          partition if spec.data_schema is not None else None)
+        value, value_file = _run_rank(spec, context, rank, channel, emit, driver,
+                                      partition if spec.data_schema is not None else None)
     except Exception as exc:  # the task's own failure (not the rank's): report it as this rank's
-        value = None
+        value, value_file = None, ""
         host = socket.gethostname()
         emit(events.Exit(rank=rank, code=1, time=time.time(), host=host, stopped=driver.stopped(),
                          failure=events.Failure.from_exception(rank, exc, host=host, exit_code=1)))
@@ -185,7 +203,7 @@ def run_barrier_task(spec: BarrierTaskSpec, partition) -> List[TaskOutcome]:
     if final.failure is not None:  # its output travels with it when nothing else carries it
         final = dataclasses.replace(final, failure=final.failure.for_rank(rank, log_tail=list(tail)))
     return [TaskOutcome(rank, value, events.encode(final), channel_lost=lost,
-                        log_tail=list(tail))]
+                        log_tail=list(tail), value_file=value_file)]
 
 
 def host_identity() -> str:
@@ -215,9 +233,11 @@ def rendezvous(context, channel: ChannelClient, driver: DriverMessages, mine: ev
 
 def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
               emit: Callable[[events.Event], None], driver: DriverMessages,
-              batches=None) -> Optional[bytes]:
-    """Start and watch the rank; ``batches``: its rows, written to a file of the task's workdir
-    as they arrive (after the rendezvous, so that a large partition does not hold it up)."""
+              batches=None) -> Tuple[Optional[bytearray], str]:
+    """Start and watch the rank; its value blob, or the file in the driver's value directory
+    that holds it (``BarrierTaskSpec.value_file``).  ``batches``: its rows, written to a file of
+    the task's workdir as they arrive (after the rendezvous, so that a large partition does not
+    hold it up)."""
     run = spec.run
     workdir = tempfile.mkdtemp(prefix=f"torchdist-{run.run_id}-rank{rank}-")
     guard = subprocess.Popen(
@@ -244,6 +264,9 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
             write_batches(data_file, batches, spec.data_schema, driver.stopped)
         env = rank_environment(os.environ, run, place, data_file=data_file)
         env["TORCHDIST_CLEANUP"] = workdir  # the worker removes it if it outlives this task
+        value_file = spec.value_file(rank)
+        if value_file:
+            env[VALUE_FILE_ENV] = value_file
         job_file = os.path.join(workdir, "job.pkl")
         write_job_file(job_file, spec.job_bytes)
         if driver.stopped():
@@ -256,8 +279,11 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
         while not proc.exited.wait(0.05):
             if driver.stopped():
                 stop_all([proc], driver.grace)
-        wanted = proc.returncode == 0 and run.returns_value(rank)
-        return read_result(result_dir) if wanted else None
+        if proc.returncode != 0 or not run.returns_value(rank):
+            return None, ""
+        if value_file and os.path.exists(value_file):
+            return None, value_file
+        return read_result(result_dir), ""  # through Spark: the driver's value directory is elsewhere
     finally:
         if proc is not None:
             stop_all([proc], STOP_GRACE)  # also reaches what the worker left in its group
@@ -289,6 +315,8 @@ def run_arrow_task(spec: BarrierTaskSpec, batches: Iterator) -> Iterator:
     rows = [(rank, "exit", events.dumps(exit_record).encode())]
     if outcome.channel_lost:
         rows += [(rank, "log", line.encode()) for line in outcome.log_tail]
+    if outcome.value_file:
+        rows.append((rank, "value_file", outcome.value_file.encode()))
     if value is not None:
         rows += [(rank, "value", value[i:i + CHUNK]) for i in range(0, len(value), CHUNK)] or [(rank, "value", b"")]
     for rank_, kind, chunk in rows:

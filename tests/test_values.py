@@ -1,0 +1,119 @@
+"""Values at memory speed: one blob, its pickle stream and its large buffers apart; the loaded
+tensors are views into it; rank 0's value of several GiB comes back from local processes; large
+values come back from Spark; large notebook values reach the ranks."""
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import assert_no_survivors, assert_nothing_left
+from torchdist_magic import Distributor, values
+
+GIB = 2**30
+
+
+def test_a_value_round_trips_with_its_tensors_arrays_and_functions(tmp_path):
+    weight = torch.randn(3, 4)
+    value = {"weight": weight, "tied": weight, "param": torch.nn.Parameter(torch.ones(2)),
+             "bf16": torch.arange(5, dtype=torch.bfloat16), "scalar": torch.tensor(3.0), "empty": torch.empty(0, 3),
+             "view": torch.arange(10)[2:5], "array": np.arange(6.0).reshape(2, 3), "fn": lambda x: x + 1,
+             "grad": torch.ones(2, requires_grad=True)}
+    path = str(tmp_path / "value")
+    values.dump(value, path)
+    for back in (values.loads(values.read(path)), values.loads(values.dumps(value))):
+        assert back["tied"] is back["weight"] and torch.equal(back["weight"], weight)
+        assert isinstance(back["param"], torch.nn.Parameter) and back["param"].requires_grad
+        assert back["bf16"].dtype == torch.bfloat16 and torch.equal(back["bf16"], value["bf16"])
+        assert back["scalar"].shape == () and back["scalar"].item() == 3.0
+        assert back["empty"].shape == (0, 3)
+        assert torch.equal(back["view"], torch.tensor([2, 3, 4]))
+        assert (back["array"] == value["array"]).all() and back["array"].shape == (2, 3)
+        assert back["fn"](1) == 2 and back["grad"].requires_grad
+
+
+def test_large_buffers_travel_apart_and_load_as_views_into_the_blob():
+    big = torch.arange(2**20, dtype=torch.float32)
+    blob = bytearray(values.dumps({"big": big}))
+    assert len(blob) < big.nbytes + 4096  # the bytes once, plus a small pickle stream
+    back = values.loads(blob)["big"]
+    start = bytes(blob).find(big.numpy().tobytes()[:64])
+    assert start > 0 and start % values.ALIGN == 0
+    blob[start:start + 4] = np.float32(-1.0).tobytes()  # the tensor is a view into the blob
+    assert back[0].item() == -1.0
+
+
+def test_a_view_keeps_torchs_pickling_which_keeps_the_sharing():
+    base = torch.arange(10.0)
+    back = values.loads(values.dumps({"base": base, "half": base[:5]}))
+    back["half"][0] = 99.0
+    assert back["base"][0].item() == 99.0
+
+
+def test_what_is_not_a_value_blob_is_refused():
+    with pytest.raises(ValueError, match="^not a torchdist value: the blob does not start with its mark$"):
+        values.loads(pickle.dumps(1))
+
+
+def rank0_value_of(size):
+    import torch
+
+    from torchdist_magic import rank
+
+    return torch.full((size // 4,), 7.0) if rank() == 0 else None
+
+
+def test_a_value_over_4_gib_comes_back_from_local_processes():
+    size = 4 * GIB + GIB // 2
+    run = Distributor(2, local_mode=True, show=None).submit(rank0_value_of, size)
+    value = run.result(timeout=600)
+    assert value.shape == (size // 4,) and value.dtype == torch.float32
+    assert bool((value == 7.0).all())
+    assert_no_survivors(run)
+    del value
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"torchdist-{run.run_id}-")]
+
+
+def sum_of(tensor):
+    import torch
+
+    from torchdist_magic import rank
+
+    return rank(), float(tensor.sum(dtype=torch.float64))
+
+
+def test_a_512_mib_notebook_tensor_reaches_two_ranks():
+    tensor = torch.ones(512 * 2**20 // 4)
+    run = Distributor(2, local_mode=True, show=None, all_ranks=True).submit(sum_of, tensor)
+    assert run.result(timeout=600) == [(0, float(tensor.numel())), (1, float(tensor.numel()))]
+    assert_no_survivors(run)
+
+
+def mib_of_sevens(mib):
+    import torch
+
+    return torch.full((mib * 2**18,), 7.0)
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("session", ["spark_local2", "spark_connect"])
+def test_a_512_mib_value_comes_back_from_spark_without_passing_through_it(session, request):
+    """On the driver's machine the rank writes its value where the driver maps it: nothing goes
+    through Spark's result path (whose driver here has Spark's default 1 GiB of heap)."""
+    request.getfixturevalue(session)
+    run = Distributor(2, local_mode=False, show=None).submit(mib_of_sevens, 512)
+    value = run.result(timeout=600)
+    assert value.shape == (512 * 2**18,) and bool((value == 7.0).all())
+    assert_nothing_left(run)
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"torchdist-{run.run_id}-")]
+
+
+def test_a_small_value_through_sparks_own_result_path_still_loads():
+    """What a task on another machine sends through Spark is the same blob."""
+    from torchdist_magic.backends.spark_stage import sort_rows
+
+    blob = values.dumps({"w": torch.arange(4.0)})
+    rows = sort_rows([{"rank": 0, "kind": "value", "chunk": blob[:10]}, {"rank": 0, "kind": "value", "chunk": blob[10:]}])
+    assert torch.equal(values.loads(rows.values[0])["w"], torch.arange(4.0))
