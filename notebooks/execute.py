@@ -34,6 +34,13 @@ OUT_DIR = os.path.join(ROOT, "docs", "notebooks")
 #: a copy larger than this gets a warning: GitHub renders big notebooks slowly or not at all
 SIZE_WARNING = 1_000_000
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+#: stderr lines of a Spark session's start that say nothing about the notebook (the JVM's and
+#: log4j's start-up chatter, Spark's own WARNs before the notebook sets a log level)
+SPARK_CHATTER = re.compile(r"^(WARNING: Using incubator modules: .*"
+                           r"|Using Spark's default log4j profile: .*"
+                           r"|Setting default log level to .*"
+                           r"|To adjust logging level use sc\.setLogLevel\(newLevel\)\..*"
+                           r"|\d\d/\d\d/\d\d \d\d:\d\d:\d\d WARN (Utils|NativeCodeLoader): .*)$")
 #: a markdown link or image target: ](target) or ](target#anchor)
 LINK = re.compile(r"(\]\()([^)\s#]+)(#[^)\s]*)?\)")
 
@@ -68,8 +75,8 @@ def _kernel_manager_class():
 
 
 def readable(nb) -> None:
-    """Drop what GitHub and nbviewer cannot show: widget views whose output has another
-    representation, widget state, timings and ids that change on every run."""
+    """Drop what GitHub and nbviewer cannot show, and what no reader wants: widget views,
+    widget state, per-cell timings, Spark's start-up chatter on stderr."""
     nb.metadata.pop("widgets", None)
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
@@ -85,6 +92,12 @@ def readable(nb) -> None:
                 if set(data) <= {"text/plain"} and data.get("text/plain", "").startswith(
                         ("VBox(", "HBox(", "Output(", "HTML(", "Box(")):
                     continue
+            if out.get("output_type") == "stream" and out.get("name") == "stderr":
+                lines = [line for line in out.get("text", "").splitlines(keepends=True)
+                         if not SPARK_CHATTER.match(line.rstrip("\n"))]
+                if not "".join(lines).strip():
+                    continue
+                out["text"] = "".join(lines)
             out.get("metadata", {}).pop("transient", None)
             kept.append(out)
         cell.outputs = kept
