@@ -1,0 +1,190 @@
+"""Execute the notebooks and write copies with their outputs to ``docs/notebooks/``.
+
+    python notebooks/execute.py                      # every notebook in notebooks/
+    python notebooks/execute.py 01-quickstart 11     # some: names, with or without .ipynb, or prefixes
+    python notebooks/execute.py --output-dir DIR     # copies elsewhere (binder/check.sh)
+
+Each source notebook runs top to bottom with nbclient in a kernel of this interpreter (as nbval
+runs them: ``--nbval-current-env``), in ``notebooks/`` as its working directory.  Cells tagged
+``raises-exception`` may raise (their traceback is kept as output); any other cell that raises
+stops that notebook, and nothing is written for it.  The copy keeps what a reader wants to see
+without a kernel: the run view's static summary (HTML with bars, plots and each rank's last
+lines, and its text form), printed output, tracebacks and hang stacks.  What GitHub cannot
+render is dropped: widget views and the saved widget state (every run view replaces itself with
+its static summary when its run ends, so no information is lost), and the per-cell timing
+metadata.  Relative links in the markdown are rewritten for the copy's place (a link to another
+notebook goes to its copy).  Running it again overwrites the copies (idempotent: same sources,
+same cells; only the outputs of the new run differ).
+
+The source notebooks stay without outputs; ``tests/test_notebooks.py`` checks that every one of
+them has a copy here with the same code cells.  Exits 1 if any notebook failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+OUT_DIR = os.path.join(ROOT, "docs", "notebooks")
+#: a copy larger than this gets a warning: GitHub renders big notebooks slowly or not at all
+SIZE_WARNING = 1_000_000
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+#: stderr lines of a Spark session's start that say nothing about the notebook (the JVM's and
+#: log4j's start-up chatter, Spark's own WARNs before the notebook sets a log level)
+SPARK_CHATTER = re.compile(r"^(WARNING: Using incubator modules: .*"
+                           r"|Using Spark's default log4j profile: .*"
+                           r"|Setting default log level to .*"
+                           r"|To adjust logging level use sc\.setLogLevel\(newLevel\)\..*"
+                           r"|\d\d/\d\d/\d\d \d\d:\d\d:\d\d WARN (Utils|NativeCodeLoader): .*)$")
+#: a markdown link or image target: ](target) or ](target#anchor)
+LINK = re.compile(r"(\]\()([^)\s#]+)(#[^)\s]*)?\)")
+
+
+def sources() -> list:
+    return sorted(n for n in os.listdir(HERE) if n.endswith(".ipynb"))
+
+
+def select(names: list) -> list:
+    """The source notebooks named (``01-quickstart``, ``01-quickstart.ipynb`` or ``01``)."""
+    every = sources()
+    if not names:
+        return every
+    chosen = []
+    for name in names:
+        name = os.path.basename(name)
+        hits = [n for n in every if n == name or n == f"{name}.ipynb" or n.startswith(name)]
+        if not hits:
+            raise SystemExit(f"execute.py: no notebook in {HERE} matches {name!r}; there are: {', '.join(every)}")
+        chosen += [h for h in hits if h not in chosen]
+    return chosen
+
+
+def _kernel_manager_class():
+    """Kernels of ``sys.executable -m ipykernel_launcher``, whatever kernelspec "python3" names."""
+    sys.path.insert(0, HERE)
+    try:
+        from run_quickstart import _kernel_manager_class as this_interpreter
+    finally:
+        sys.path.remove(HERE)
+    return this_interpreter()
+
+
+def readable(nb) -> None:
+    """Drop what GitHub and nbviewer cannot show, and what no reader wants: widget views,
+    widget state, per-cell timings, Spark's start-up chatter on stderr."""
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
+        if cell.cell_type != "code":
+            continue
+        kept = []
+        for out in cell.get("outputs", []):
+            data = out.get("data")
+            if data is not None and WIDGET_VIEW in data:
+                data.pop(WIDGET_VIEW)
+                # a live widget's text/plain is only its repr ("VBox(children=...)"); a view that
+                # is still a widget at the end of its cell has nothing else worth keeping
+                if set(data) <= {"text/plain"} and data.get("text/plain", "").startswith(
+                        ("VBox(", "HBox(", "Output(", "HTML(", "Box(")):
+                    continue
+            if out.get("output_type") == "stream" and out.get("name") == "stderr":
+                lines = [line for line in out.get("text", "").splitlines(keepends=True)
+                         if not SPARK_CHATTER.match(line.rstrip("\n"))]
+                if not "".join(lines).strip():
+                    continue
+                out["text"] = "".join(lines)
+            out.get("metadata", {}).pop("transient", None)
+            kept.append(out)
+        cell.outputs = kept
+
+
+def relinked(markdown: str) -> str:
+    """Markdown of a source notebook with its relative links pointing where they should from
+    ``docs/notebooks/``: another notebook to its copy with outputs (a sibling there), anything
+    else (an image under docs/, the README) to the same file as before."""
+    names = set(sources())
+
+    def target(match):
+        path = match.group(2)
+        if re.match(r"^[a-z][a-z0-9+.-]*:", path) or path.startswith("/"):
+            return match.group(0)
+        resolved = os.path.normpath(os.path.join(HERE, path))
+        if os.path.dirname(resolved) == HERE and os.path.basename(resolved) in names:
+            new = os.path.basename(resolved)
+        else:
+            new = os.path.relpath(resolved, OUT_DIR).replace(os.sep, "/")
+        return f"{match.group(1)}{new}{match.group(3) or ''})"
+
+    return LINK.sub(target, markdown)
+
+
+def mark_as_copy(nb, name: str) -> None:
+    """Links fixed for the copy's place, and a line under the title saying what it is."""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = relinked(cell.source)
+    first = nb.cells[0] if nb.cells else None
+    if first is not None and first.cell_type == "markdown":
+        title, sep, rest = first.source.partition("\n")
+        note = (f"*This copy shows the outputs of one run, written by `notebooks/execute.py`; the notebook "
+                f"itself is [notebooks/{name}](../../notebooks/{name}).*")
+        first.source = f"{title}\n\n{note}\n{rest}" if sep else f"{title}\n\n{note}"
+
+
+def execute(name: str, timeout: int, kernel_manager_class, out_dir: str = OUT_DIR) -> tuple:
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(os.path.join(HERE, name), as_version=4)
+    client = NotebookClient(
+        nb, kernel_manager_class=kernel_manager_class, timeout=timeout, allow_errors=False,
+        record_timing=False, resources={"metadata": {"path": HERE}},
+    )
+    client.execute()
+    readable(nb)
+    mark_as_copy(nb, name)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    text = nbformat.writes(nb)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text if text.endswith("\n") else text + "\n")
+    return path, os.path.getsize(path)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="notebooks to run (default: all of notebooks/*.ipynb)")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds one cell may run (default: 600)")
+    parser.add_argument("--output-dir", default=OUT_DIR, metavar="DIR",
+                        help="where the copies go (default: docs/notebooks/; binder/check.sh uses a temporary one)")
+    args = parser.parse_args(argv)
+
+    from nbclient.exceptions import CellExecutionError, DeadKernelError
+
+    manager = _kernel_manager_class()
+    failed = []
+    started = time.monotonic()
+    for name in select(args.names):
+        print(f"execute.py: {name} ...", end=" ", flush=True)
+        t0 = time.monotonic()
+        try:
+            path, size = execute(name, args.timeout, manager, args.output_dir)
+        except (CellExecutionError, DeadKernelError, TimeoutError) as exc:
+            print(f"FAILED after {time.monotonic() - t0:.0f} s", flush=True)
+            print(str(exc)[-3000:], file=sys.stderr)
+            failed.append(name)
+            continue
+        note = "  (over 1 MB: look at what made it so big)" if size > SIZE_WARNING else ""
+        print(f"{time.monotonic() - t0:.0f} s, {path} {size / 1000:.0f} kB{note}", flush=True)
+    print(f"execute.py: {'FAILED: ' + ', '.join(failed) if failed else 'all written'} "
+          f"in {time.monotonic() - started:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
