@@ -208,9 +208,10 @@ def test_command_line_leaves_out_defaults_but_always_names_np():
 
 
 def test_the_tls_switch_shows_default_on_off_and_round_trips_through_the_flags(panel):
-    assert panel.controls["tls"].options == P.SWITCH_CHOICES and panel.controls["tls"].value is None
-    for value, flag in ((True, " --tls"), (False, " --no-tls"), (None, "")):
-        panel.controls["tls"].value = value
+    # a value of None would show an empty dropdown: the default is labelled, and selected
+    assert panel.controls["tls"].options == ("default", "on", "off") and panel.controls["tls"].value == "default"
+    for label, value, flag in (("on", True, " --tls"), ("off", False, " --no-tls"), ("default", None, "")):
+        panel.controls["tls"].value = label
         assert panel.options().tls is value
         line = P.command_line(panel.options())
         assert line == "%%torchdist --np 1" + flag

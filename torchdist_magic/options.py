@@ -116,7 +116,8 @@ class LaunchOptions:
         metadata=_flag(
             "--checkpoint-dir",
             "where save_checkpoint() writes and load_checkpoint() reads (every rank must see it: "
-            "local processes, or shared storage such as /dbfs/... for Spark on several machines); "
+            "local processes, or shared storage such as /Volumes/... or /dbfs/... for Spark on "
+            "several machines); "
             "default with --max-restarts: a directory of the run, removed with it",
             metavar="PATH",
         ),

@@ -32,8 +32,10 @@ _NOTE = "display:block;white-space:normal;font-size:12px;line-height:1.35"
 #: a help note: two lines at most, cut at a word with an ellipsis (the whole text in its tooltip
 #: and the control's), so that the options stay a screen tall in a narrow pane
 _HELP = _NOTE + ";display:-webkit-box;-webkit-line-clamp:2;-webkit-box-orient:vertical;overflow:hidden"
-#: a switch's control (``--tls``/``--no-tls``): neither flag, one, or the other
-SWITCH_CHOICES = (("default", None), ("on", True), ("off", False))
+#: a switch's control (``--tls``/``--no-tls``): neither flag, one, or the other.  Labels are its
+#: values: a dropdown whose value is ``None`` shows no selection at all, not "default"
+SWITCH_CHOICES = ("default", "on", "off")
+SWITCH_VALUES = {"default": None, "on": True, "off": False}
 
 
 def _shown(exc: Exception) -> str:
@@ -52,7 +54,8 @@ def control_for(field: dataclasses.Field, value: Any) -> widgets.Widget:
     if "choices" in meta:
         control = widgets.Dropdown(options=list(meta["choices"]), value=value, layout=layout)
     elif "negative" in meta:
-        control = widgets.Dropdown(options=list(SWITCH_CHOICES), value=value, layout=layout)
+        label = next(k for k, v in SWITCH_VALUES.items() if v is value)
+        control = widgets.Dropdown(options=list(SWITCH_CHOICES), value=label, layout=layout)
     elif _is_bool(field):
         control = widgets.Checkbox(value=bool(value), indent=False, layout=widgets.Layout(width="auto"))
     elif meta.get("repeat"):
@@ -79,6 +82,8 @@ def control_value(field: dataclasses.Field, control: widgets.Widget) -> Any:
     value = control.value
     if meta.get("repeat"):
         return [line.strip() for line in value.splitlines() if line.strip()]
+    if "negative" in meta:
+        return SWITCH_VALUES[value]
     if not isinstance(control, widgets.Text):
         return value
     text = value.strip()
