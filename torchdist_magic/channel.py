@@ -780,91 +780,29 @@ class ChannelClient:
         self._finish()
 
     def _connect(self) -> Optional[Union[socket.socket, _TlsSocket]]:
-        deadline = time.monotonic() + HANDSHAKE_DEADLINE
-        pause = _RETRY_PAUSE
         where = f"{self._address[0]}:{self._address[1]}"
-        while True:
-            try:
-                return self._handshake(deadline)
-            except _Refused as exc:
-                self._give_up(f"the driver at {where} refused the event channel of rank {self._rank}: {exc}")
-                return None
-            except _NotTheDriver as exc:
-                self._give_up(f"the server at {where} is not this run's driver: {exc}; events of rank "
-                              f"{self._rank} are not sent to it")
-                return None
-            except (EOFError, ConnectionResetError, BrokenPipeError) as exc:
-                # the driver cut the handshake off: a flood of strangers evicted it
-                if time.monotonic() + pause >= deadline:
-                    self._give_up(f"cannot reach the driver's event channel at {where} ({exc}); "
-                                  f"events of rank {self._rank} are dropped")
-                    return None
-                time.sleep(pause)
-                pause = min(2 * pause, _RETRY_PAUSE_MAX)
-            except (OSError, FrameError) as exc:
-                self._give_up(f"cannot reach the driver's event channel at {where} ({exc}); "
-                              f"events of rank {self._rank} are dropped")
-                return None
-
-    def _handshake(self, deadline: float) -> Union[socket.socket, _TlsSocket]:
-        def left() -> float:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no handshake within {HANDSHAKE_DEADLINE:g} s")
-            return remaining
-
-        sock = socket.create_connection(self._address, timeout=left())
         try:
-            if self._tls is not None:
-                sock = _TlsSocket(sock, self._tls)
-                try:
-                    sock.handshake()
-                except ssl.SSLCertVerificationError as exc:
-                    raise _NotTheDriver(f"its TLS certificate is not the one this run pinned "
-                                        f"({exc.verify_message})") from None
-                sock.settimeout(left())
-            nonce = _read_frame(sock, MAX_HELLO).get("nonce")
-            if not isinstance(nonce, str):
-                raise FrameError("the driver sent no challenge")
-            own_nonce = secrets.token_hex(16)
-            sock.settimeout(left())
-            sock.sendall(_frame({"mac": _mac(self._secret, nonce).decode(), "nonce": own_nonce,
-                                 "run_id": self._run_id, "rank": self._rank, "role": self._role,
-                                 "protocol": events.PROTOCOL_VERSION}))
-            sock.settimeout(left())
-            reply = _read_frame(sock, MAX_HELLO)
-            if reply.get("ok") is not True:
-                raise _Refused(f"{reply.get('error', 'no reason given')!s:.500}")
-            if not _macs_equal(reply.get("mac"), _mac(self._secret, own_nonce)):
-                raise _Refused("it could not prove that it knows this run's secret")
-            sock.settimeout(None)
-            return sock
-        except BaseException:
-            sock.close()
-            raise
+            return open_connection(self._address, self._secret, self._run_id, self._rank, self._role, self._tls)
+        except _Refused as exc:
+            self._give_up(f"the driver at {where} refused the event channel of rank {self._rank}: {exc}")
+        except _NotTheDriver as exc:
+            self._give_up(f"the server at {where} is not this run's driver: {exc}; events of rank "
+                          f"{self._rank} are not sent to it")
+        except (OSError, EOFError, FrameError) as exc:
+            self._give_up(f"cannot reach the driver's event channel at {where} ({exc}); "
+                          f"events of rank {self._rank} are dropped")
+        return None
 
     def _write(self, records: List[events.Event]) -> None:
         with self._lock:
             dropped, self._dropped = self._dropped, 0
         if self._lost or self._sock is None:
             return
-        parts = []
-        for record in _coalesce(records):
-            try:
-                part = events.dumps(record).encode("utf-8")
-            except (TypeError, ValueError):  # a value JSON cannot carry (nan, an object)
-                dropped += 1
-                continue
-            if len(part) > MAX_FRAME - 16:
-                dropped += 1
-                continue
-            parts.append(part)
-        if dropped:
-            parts.append(events.dumps(events.Dropped(rank=self._rank, count=dropped)).encode("utf-8"))
-        if not parts:
+        data = encode_batch(records, self._rank, dropped)
+        if not data:
             return
         try:
-            self._sock.sendall(_pack(parts))
+            self._sock.sendall(data)
         except OSError as exc:
             self._give_up(f"the event channel of rank {self._rank} to the driver was lost ({exc}); "
                           "its events are dropped from now on")
@@ -901,6 +839,82 @@ class ChannelClient:
                 except Exception as exc:  # noqa: BLE001  one bad message must not deafen the rank
                     print(f"torchdist_magic: rank {self._rank} could not handle {record.type!r} from "
                           f"the driver: {exc!r}", file=sys.__stderr__, flush=True)
+
+
+def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: int, role: str,
+                    context: Optional[ssl.SSLContext] = None) -> Union[socket.socket, _TlsSocket]:
+    """An authenticated connection to the driver at ``address`` as ``role`` of ``rank`` (TLS
+    with ``context``), within ``HANDSHAKE_DEADLINE``: a handshake that the driver cut off (a
+    flood of strangers evicted it) is tried again after a pause.  Raises ``_Refused``,
+    ``_NotTheDriver``, ``FrameError``, ``EOFError`` or ``OSError`` (``TimeoutError`` too)."""
+    deadline = time.monotonic() + HANDSHAKE_DEADLINE
+    pause = _RETRY_PAUSE
+    while True:
+        try:
+            return _handshake(address, secret, run_id, rank, role, context, deadline)
+        except (EOFError, ConnectionResetError, BrokenPipeError):
+            if time.monotonic() + pause >= deadline:
+                raise
+            time.sleep(pause)
+            pause = min(2 * pause, _RETRY_PAUSE_MAX)
+
+
+def _handshake(address: Tuple[str, int], secret: str, run_id: str, rank: int, role: str,
+               context: Optional[ssl.SSLContext], deadline: float) -> Union[socket.socket, _TlsSocket]:
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"no handshake within {HANDSHAKE_DEADLINE:g} s")
+        return remaining
+
+    sock = socket.create_connection(address, timeout=left())
+    try:
+        if context is not None:
+            sock = _TlsSocket(sock, context)
+            try:
+                sock.handshake()
+            except ssl.SSLCertVerificationError as exc:
+                raise _NotTheDriver(f"its TLS certificate is not the one this run pinned "
+                                    f"({exc.verify_message})") from None
+            sock.settimeout(left())
+        nonce = _read_frame(sock, MAX_HELLO).get("nonce")
+        if not isinstance(nonce, str):
+            raise FrameError("the driver sent no challenge")
+        own_nonce = secrets.token_hex(16)
+        sock.settimeout(left())
+        sock.sendall(_frame({"mac": _mac(secret, nonce).decode(), "nonce": own_nonce,
+                             "run_id": run_id, "rank": rank, "role": role,
+                             "protocol": events.PROTOCOL_VERSION}))
+        sock.settimeout(left())
+        reply = _read_frame(sock, MAX_HELLO)
+        if reply.get("ok") is not True:
+            raise _Refused(f"{reply.get('error', 'no reason given')!s:.500}")
+        if not _macs_equal(reply.get("mac"), _mac(secret, own_nonce)):
+            raise _Refused("it could not prove that it knows this run's secret")
+        sock.settimeout(None)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def encode_batch(records: List[events.Event], rank: int, dropped: int = 0) -> bytes:
+    """The frames that carry ``records`` of ``rank`` (progress coalesced, ``_coalesce``), and a
+    ``Dropped`` record for ``dropped`` plus those JSON cannot carry; ``b""`` for nothing."""
+    parts = []
+    for record in _coalesce(records):
+        try:
+            part = events.dumps(record).encode("utf-8")
+        except (TypeError, ValueError):  # a value JSON cannot carry (nan, an object)
+            dropped += 1
+            continue
+        if len(part) > MAX_FRAME - 16:
+            dropped += 1
+            continue
+        parts.append(part)
+    if dropped:
+        parts.append(events.dumps(events.Dropped(rank=rank, count=dropped)).encode("utf-8"))
+    return _pack(parts) if parts else b""
 
 
 def _pack(parts: List[bytes]) -> bytes:
