@@ -211,6 +211,8 @@ class Meter:
 def _points(record):
     """``(step, time)`` of every metric point a ``Metrics`` record carries."""
     yield record.step, record.time
+    for point in record.more:
+        yield point.step, point.time
 
 
 class IopubComm:

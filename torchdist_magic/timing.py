@@ -34,8 +34,9 @@ STACKS_SETTLE = 0.1
 #: how long the driver waits for every rank's ``Stacks`` answer (the launchers' wait, and the way back)
 STACKS_COLLECT_WAIT = STACKS_WAIT + 1.0
 
-#: a channel connection must complete its handshake within this deadline
-HANDSHAKE_DEADLINE = 5.0
+#: a channel connection must complete its handshake within this deadline (a rank's client tries
+#: again, a few times, when it did not: ``channel.CONNECT_ATTEMPTS``)
+HANDSHAKE_DEADLINE = 10.0
 #: when a run ends, how long the driver waits for open channel connections to deliver
 CHANNEL_CLOSE_WAIT = 2.0
 #: beyond that, how long closing the channel waits for its thread, which may be delivering a
