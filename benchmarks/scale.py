@@ -346,6 +346,7 @@ def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: b
         "p50_ms": meter.percentile(0.5), "p99_ms": meter.percentile(0.99),
         "window_s": window, "catch_up_s": max(0.0, done - sent_at),
         "driver_cpu_pct": 100 * cpu / window if window else 0.0,
+        "driver_us_per_record": 1e6 * cpu / max(received + meter.progress, 1),
         "gen_cpu_pct": 100 * sum(r["send_cpu_s"] for r in reports) / window if window else 0.0,
         "gen_behind_s": max(r["behind_s"] for r in reports),
         "rss_mb_start": rss_start, "rss_mb_end": rss_end,
@@ -372,11 +373,12 @@ def main() -> None:
     r = simulate(args.ranks, args.rate, args.seconds, args.view, args.tls, args.generators)
     print(f"\n{'ranks':>5} {'rate':>5} {'view':>6} {'tls':>3} {'sent':>9} {'lost':>5} {'ooo':>4} "
           f"{'p50 ms':>8} {'p99 ms':>8} {'catch-up':>8} {'cpu %':>6} {'gen %':>6} {'rss MB':>13} "
-          f"{'frame KB':>8} {'render ms':>9} {'conn s':>6}")
+          f"{'frame KB':>8} {'render ms':>9} {'conn s':>6} {'us/rec':>6}")
     print(f"{r['ranks']:>5} {r['rate']:>5g} {r['view']:>6} {'on' if r['tls'] else 'off':>3} {r['sent']:>9,} "
           f"{r['lost']:>5} {r['out_of_order']:>4} {r['p50_ms']:>8.0f} {r['p99_ms']:>8.0f} {r['catch_up_s']:>7.1f}s "
           f"{r['driver_cpu_pct']:>6.0f} {r['gen_cpu_pct']:>6.0f} {r['rss_mb_start']:>6.0f}->{r['rss_mb_end']:<6.0f} "
-          f"{r['frame_bytes_max'] / 1e3:>8.1f} {r['render_ms_max']:>9.0f} {r['connect_s']:>6.1f}")
+          f"{r['frame_bytes_max'] / 1e3:>8.1f} {r['render_ms_max']:>9.0f} {r['connect_s']:>6.1f} "
+          f"{r['driver_us_per_record']:>6.1f}")
     m = machine()
     print(f"offered {r['offered_rate']:.1f} records/s per rank (asked {args.rate:g}); generators fell up to "
           f"{r['gen_behind_s']:.2f} s behind; {r['authenticated']}/{r['connections']} connections, "

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import resource
 import socket
 import struct
 import subprocess
@@ -508,3 +509,44 @@ def test_the_bytes_on_the_wire_are_ciphertext_with_tls_only(server):
         assert b"run-1" not in up and b"nonce" not in down  # the hello and the challenge too
     else:
         assert b"the-distinctive-loss-4711" in up and b"the-distinctive-job-0815" in down
+
+
+CONNECT_ALL = """
+import resource, sys
+from torchdist_magic.channel import ChannelClient
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, {count} + 256)), hard))
+address, secret, role, cert = sys.argv[1:5]
+clients = [ChannelClient(address, secret, "run-1", rank, role=role, certificate=cert) for rank in range({count})]
+sys.stdin.read()  # until the test has seen them all
+for client in clients:
+    client.close()
+"""
+
+
+@pytest.mark.scale
+def test_every_connection_of_1024_ranks_opened_at_once_authenticates(identity):
+    # a worker's and a launcher's connection per rank, as on Spark, over TLS; one helper process
+    # per role keeps each process under its file descriptor limit, and this one holds 2048 sockets
+    count = 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 2 * count + 256:
+        pytest.skip(f"the file descriptor limit ({hard}) is below {2 * count + 256}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * count)), hard))
+    got = Collector()
+    srv = ChannelServer(got, "run-1", secret="s", launcher_secret="l", identity=identity)
+    helpers = [subprocess.Popen([sys.executable, "-c", CONNECT_ALL.format(count=count), address(srv), secret, role,
+                                 identity.certificate], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for role, secret in (("worker", "s"), ("launcher", "l"))]
+    try:
+        wait_until(lambda: srv.stats["authenticated"] == 2 * count, timeout=240,
+                   what=f"all {2 * count} connections to authenticate")
+        with srv._lock:
+            routes = set(srv._routes)
+    finally:
+        errors = [helper.communicate(timeout=120)[1] for helper in helpers]
+        srv.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert routes == {(role, rank) for role in ("worker", "launcher") for rank in range(count)}
+    assert [helper.returncode for helper in helpers] == [0, 0] and errors == ["", ""], errors
+    assert srv.stats["rejected"] == 0
