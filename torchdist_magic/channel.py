@@ -93,6 +93,9 @@ BATCH = 10_000
 #: wakes (and takes the interpreter from the training loop) ten times a second, not once a record,
 #: and the driver gets few large frames rather than many small ones
 FLUSH_EVERY = 0.1
+#: the records a client gathers for ``FLUSH_EVERY``: those a rank sends many of.  Any other
+#: (``Started``, ``Exit``, a warm job's end) goes at once, with whatever was gathered before it
+GATHERED = (events.Progress, events.Metrics, events.Log)
 
 _LEN = struct.Struct(">I")
 _log = logging.getLogger("torchdist_magic")
@@ -716,7 +719,7 @@ class ChannelClient:
         self._dropped = 0                      # records not sent since the last Dropped record
         self._lost = False                     # no driver to send to: drop everything
         self._closed = False
-        self._flush_now = threading.Event()    # close(): no more gathering, send what is queued
+        self._flush_now = threading.Event()    # a record not to wait for, or close(): send what is queued
         self._sock: Optional[Union[socket.socket, _TlsSocket]] = None
         self._reader: Optional[threading.Thread] = None
         self._sender = threading.Thread(target=self._run, name=f"torchdist-channel-rank{rank}", daemon=True)
@@ -738,6 +741,9 @@ class ChannelClient:
         except queue.Full:
             with self._lock:
                 self._dropped += 1
+        else:
+            if not isinstance(event, GATHERED):
+                self._flush_now.set()
 
     def close(self, timeout: float = CLIENT_CLOSE_WAIT) -> None:
         """Send what is queued and close, within ``timeout`` seconds; after that the rest is
@@ -791,8 +797,10 @@ class ChannelClient:
                 self._reader.start()
         while True:
             batch = [self._queue.get()]
-            if batch[0] is not None and self._queue.qsize() < BATCH:
+            if isinstance(batch[0], GATHERED) and self._queue.qsize() < BATCH:
                 self._flush_now.wait(FLUSH_EVERY)  # what this interval brings goes in one batch
+            if not self._closed:
+                self._flush_now.clear()  # what set it is in the queue now, and goes in this batch
             while len(batch) < BATCH:
                 try:
                     batch.append(self._queue.get_nowait())
