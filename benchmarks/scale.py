@@ -42,8 +42,8 @@ import json
 import multiprocessing
 import os
 import resource
+import socket
 import sys
-import threading
 import time
 import uuid
 
@@ -147,8 +147,8 @@ def generate(address, certificate, run_id, ranks, rate, seconds, flush_every, go
         if now >= end:
             break
     for sock in socks.values():
-        sock.shutdown(__import__("socket").SHUT_WR)
-    results.put(("sent", {**sent, "behind_s": behind, "cpu_s": _cpu_seconds(), "send_cpu_s": _cpu_seconds() - cpu0,
+        sock.shutdown(socket.SHUT_WR)
+    results.put(("sent", {**sent, "behind_s": behind, "send_cpu_s": _cpu_seconds() - cpu0,
                           "send_s": time.time() - start}))
     for sock in socks.values():  # the driver closes a connection once it has handled all of it
         try:

@@ -26,8 +26,13 @@ record said.  Records to a rank wait in a per-connection outbox that the server 
 when the peer reads, so a rank that stops reading delays nobody.
 
 The client never blocks the training loop: ``send`` puts the record on a bounded queue that a
-background thread drains, dropping and counting what does not fit and coalescing progress
-updates of the same bar.
+background thread drains, dropping and counting what does not fit.  What a rank sends many of
+(progress, metrics, output) it gathers for ``FLUSH_EVERY`` and sends as one batch, in as few
+frames as fit, with only the newest update of each progress bar and every metric point of the
+batch in one record (``Metrics.more``): the driver's cost is per batch more than per record.
+Anything else goes at once.  A handshake the driver cut off, or one that took too long, is tried
+again with a jittered, growing pause (``open_connection``), so that ranks connecting all at once
+(2,048 connections for 1024 ranks) all get in.
 
 TLS.  Given a ``tls.ChannelIdentity`` (the server) and its certificate (every client), all of
 the above runs inside TLS 1.3: the TLS handshake first, then the challenge, the hello and the

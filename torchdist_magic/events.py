@@ -404,6 +404,10 @@ def dumps(event: Event) -> str:
     return json.dumps(encode(event), separators=(",", ":"), allow_nan=False)
 
 
+#: the JSON values each plain annotation takes
+_JSON_TYPES: Dict[Any, tuple] = {float: (float, int), int: (int,), str: (str,), bool: (bool,)}
+
+
 def _fail(where: str, expected: str, value: Any) -> MalformedEvent:
     return MalformedEvent(f"{where}: expected {expected}, got {value!r:.80}")
 
@@ -424,10 +428,22 @@ def _checker(annotation: Any) -> Callable[[Any, str], Any]:
                 return None if value is None else inner(value, where)
             return check_optional
         checks = [_checker(option) for option in options]
+        # the option a JSON value's own type points at is tried first (a float for
+        # Union[float, str]), so that the common case costs one check
+        likely = {}
+        for option, check in zip(options, checks):
+            for kind in _JSON_TYPES.get(option, (typing.get_origin(option),)):
+                likely.setdefault(kind, check)
 
         def check_union(value, where):
             if value is None and nullable:
                 return None
+            first = likely.get(type(value))
+            if first is not None:
+                try:
+                    return first(value, where)
+                except MalformedEvent:
+                    pass
             for check in checks:
                 try:
                     return check(value, where)
@@ -526,9 +542,10 @@ def _builder(cls: type) -> Callable[[dict, str], Any]:
 
     def build(data: dict, where: str):
         kwargs = {}
+        own = where == own_where
         for name, check, required in fields:
             if name in data:
-                kwargs[name] = check(data[name], paths[name] if where == own_where else f"{where}.{name}")
+                kwargs[name] = check(data[name], paths[name] if own else f"{where}.{name}")
             elif required:
                 raise MalformedEvent(f"{where}: missing field {name!r}")
         return cls(**kwargs)
