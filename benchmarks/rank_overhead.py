@@ -83,6 +83,48 @@ def with_torchdist(script: str, ranks: int, steps: int, out: str) -> float:
         return json.load(fh)["steps_per_s"]
 
 
+def _discarding_driver(addresses) -> None:
+    """A real ``ChannelServer`` that drops what it gets, in a process of its own."""
+    from torchdist_magic.channel import ChannelServer
+
+    server = ChannelServer(lambda record: None, "overhead", secret="s", launcher_secret="l")
+    addresses.put(server.address)
+    time.sleep(600)
+
+
+def reporting_cost(calls: int = 20_000) -> dict:
+    """CPU microseconds per step that ``progress`` and ``report`` (3 values) cost a rank in a
+    tight loop, with no run and with a real client sending to a real driver (its sender thread
+    included: it runs on the rank's interpreter too).  Load-independent, unlike steps/s."""
+    import multiprocessing
+
+    from torchdist_magic import channel, runtime
+
+    context = multiprocessing.get_context("spawn")
+    addresses = context.Queue()
+    driver = context.Process(target=_discarding_driver, args=(addresses,), daemon=True)
+    driver.start()
+    host, port = addresses.get(timeout=60)
+
+    def per_step() -> float:
+        started = time.process_time()
+        for _ in runtime.progress(range(calls)):
+            runtime.report(loss=0.5, lr=1e-3, step_time=0.002)
+        return 1e6 * (time.process_time() - started) / calls
+
+    try:
+        alone = per_step()
+        client = channel.ChannelClient(f"{host}:{port}", "s", "overhead", 0)
+        runtime._install_sink(client)
+        reporting = per_step()
+        client.close()
+        runtime._install_sink(None)
+    finally:
+        driver.kill()
+        driver.join()
+    return {"calls": calls, "no_run_us": alone, "reporting_us": reporting}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
@@ -107,6 +149,7 @@ def main() -> None:
                 runs[name].append(runners[name](script, args.ranks, args.steps, out))
                 print(f"round {i + 1}/{args.rounds} {name:<16} {runs[name][-1]:8.1f} steps/s "
                       f"({time.monotonic() - started:.1f} s with start-up)", flush=True)
+    cost = reporting_cost()
     medians = {name: statistics.median(values) for name, values in runs.items()}
     ratio = medians["torchdist_magic"] / medians["torchrun"]
     load = os.getloadavg()
@@ -116,10 +159,12 @@ def main() -> None:
     print(f"torchdist_magic / torchrun: {ratio:.3f}x ({args.ranks} ranks, {args.steps} steps of which "
           f"{WARMUP} warm-up, {args.rounds} interleaved rounds; load average {load[0]:.1f} on "
           f"{machine()['cores']} cores)")
+    print(f"progress + report (3 values) per step, CPU of the rank: {cost['reporting_us']:.1f} us reporting to "
+          f"a driver, {cost['no_run_us']:.1f} us outside a run")
     write_json(args.json, {"benchmark": "a rank's overhead: torchdist_magic vs torchrun, same DDP script",
                            "machine": machine(torch=torch.__version__), "ranks": args.ranks, "steps": args.steps,
                            "warmup": WARMUP, "rounds": args.rounds, "runs": runs, "medians": medians,
-                           "ratio": ratio, "load_average": load})
+                           "ratio": ratio, "load_average": load, "reporting_cost": cost})
 
 
 if __name__ == "__main__":

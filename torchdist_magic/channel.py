@@ -896,7 +896,7 @@ def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: in
         try:
             return _handshake(address, secret, run_id, rank, role, context,
                               min(attempt + HANDSHAKE_DEADLINE, give_up))
-        except (EOFError, ConnectionResetError, BrokenPipeError, TimeoutError):
+        except (EOFError, ConnectionResetError, BrokenPipeError, TimeoutError, socket.timeout):  # 3.9: not the same
             wait = pause * random.uniform(0.5, 1.5)
             if time.monotonic() + wait >= give_up:
                 raise
