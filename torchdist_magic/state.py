@@ -118,7 +118,8 @@ class LogStore:
                  max_chars: Optional[int] = None):
         self._directory = directory
         self._name = name
-        # in memory; past that, the older half spills (by default a rank's whole share)
+        # lines and characters in memory at most; past that the older half spills (a RunState
+        # gives each rank its share of the run's)
         self._max_lines = LOG_MEMORY_LINES if max_lines is None else max_lines
         self._max_chars = LOG_MEMORY_CHARS if max_chars is None else max_chars
         self._memory: List[LogLine] = []
