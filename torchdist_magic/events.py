@@ -471,7 +471,7 @@ def _checker(annotation: Any) -> Callable[[Any, str], Any]:
         return check_int
     if annotation is float:
         def check_float(value, where):
-            if isinstance(value, float) and not isinstance(value, bool) and value - value == 0.0:
+            if isinstance(value, float) and value - value == 0.0:
                 return value  # the common case: a finite float (inf - inf and nan - nan are nan)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 try:

@@ -20,6 +20,9 @@ PIPE_DRAIN_WAIT = 0.2
 #: when every failure seen so far is collateral (a peer noticing that a rank went away), how
 #: long the driver waits for the failure that caused it before naming a root cause
 ROOT_CAUSE_WAIT = 2.0
+#: how long a launcher lets a rank's output gather in its pipe after a short read: a few reads
+#: a second per pipe, not one per line a rank prints
+OUTPUT_GATHER = 0.02
 #: how often the driver checks a run's state (failures, exits, cancel, deadline)
 SUPERVISE_POLL = 0.02
 #: how often an orphaned worker checks whether its launcher is gone
