@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import resource
 import socket
 import struct
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 
 from helpers import Collector, wait_until
 from torchdist_magic import channel, events, tls
-from torchdist_magic.channel import MAX_PENDING, ChannelClient, ChannelServer, client_from_env, new_secret
+from torchdist_magic.channel import ChannelClient, ChannelServer, client_from_env, new_secret
 
 
 @pytest.fixture(scope="module")
@@ -96,16 +97,16 @@ def test_on_event_errors_are_counted_and_the_channel_goes_on():
 
     def on_event(record):
         seen.append(record)
-        if record.step % 2:
+        if record.n % 2:
             raise RuntimeError("handler bug")
 
     srv = ChannelServer(on_event, "run-1", secret="s", launcher_secret="l")
     client = ChannelClient(address(srv), "s", "run-1", 0)
-    for step in range(10):
-        client.send(events.Metrics(rank=0, step=step))
+    for n in range(10):  # records of their own each (metric points of one flush share one)
+        client.send(events.Progress(rank=0, bar=f"bar{n}", n=n))
     client.close()
     srv.close()
-    assert [r.step for r in seen] == list(range(10))
+    assert [r.n for r in seen] == list(range(10))
     assert srv.stats["callback_errors"] == 5 and srv.stats["delivered"] == 5
 
 
@@ -191,8 +192,9 @@ def test_a_full_queue_drops_and_reports_how_many():
     conn.close()
     closing.join()
     driver.close()
-    metrics = [events.Metrics(rank=5, step=i) for i in range(10)]
-    assert received == metrics + [events.Dropped(rank=5, count=990)]
+    # the points queued, in one record, then how many were dropped
+    assert [(p.step, p.values) for p in received[0].points()] == [(i, {}) for i in range(10)]
+    assert received[1:] == [events.Dropped(rank=5, count=990)]
 
 
 def test_a_handshake_cut_off_is_tried_again(capfd):
@@ -201,6 +203,24 @@ def test_a_handshake_cut_off_is_tried_again(capfd):
     client.send(events.Started(rank=2, pid=2))
     driver.cut_off()
     conn = driver.handshake()
+    closing = threading.Thread(target=client.close)
+    closing.start()
+    frame = channel._read_frame(conn, channel.MAX_FRAME)
+    assert [events.decode(e) for e in frame["events"]] == [events.Started(rank=2, pid=2)]
+    conn.close()
+    closing.join()
+    driver.close()
+    assert capfd.readouterr().err == ""
+
+
+def test_a_handshake_that_takes_too_long_is_tried_again(capfd, monkeypatch):
+    monkeypatch.setattr(channel, "HANDSHAKE_DEADLINE", 0.3)
+    driver = StalledDriver("s")
+    client = ChannelClient(driver.address, "s", "r", 2)
+    client.send(events.Started(rank=2, pid=2))
+    slow, _ = driver.listener.accept()  # a driver too busy to send its challenge in time
+    conn = driver.handshake()           # the client's next attempt
+    slow.close()
     closing = threading.Thread(target=client.close)
     closing.start()
     frame = channel._read_frame(conn, channel.MAX_FRAME)
@@ -320,9 +340,10 @@ def _closed_by_peer(sock):
     return True
 
 
-def test_a_new_connection_evicts_the_oldest_waiting_one(server):
-    idle = [socket.create_connection(server.address, timeout=10) for _ in range(MAX_PENDING)]
-    wait_until(lambda: server.stats["accepted"] == MAX_PENDING)
+def test_a_new_connection_evicts_the_oldest_waiting_one(server, monkeypatch):
+    monkeypatch.setattr(channel, "MAX_PENDING", 64)  # a smaller table: the same rule, fewer sockets
+    idle = [socket.create_connection(server.address, timeout=10) for _ in range(channel.MAX_PENDING)]
+    wait_until(lambda: server.stats["accepted"] == channel.MAX_PENDING)
     newest = socket.create_connection(server.address, timeout=10)
     assert _closed_by_peer(idle[0])
     wait_until(lambda: server.stats["evicted"] == 1)
@@ -506,3 +527,43 @@ def test_the_bytes_on_the_wire_are_ciphertext_with_tls_only(server):
         assert b"run-1" not in up and b"nonce" not in down  # the hello and the challenge too
     else:
         assert b"the-distinctive-loss-4711" in up and b"the-distinctive-job-0815" in down
+
+
+CONNECT_ALL = """
+import resource, sys
+from torchdist_magic.channel import ChannelClient
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, {count} + 256)), hard))
+address, secret, role, cert = sys.argv[1:5]
+clients = [ChannelClient(address, secret, "run-1", rank, role=role, certificate=cert) for rank in range({count})]
+sys.stdin.read()  # until the test has seen them all
+for client in clients:
+    client.close()
+"""
+
+
+@pytest.mark.scale
+def test_every_connection_of_1024_ranks_opened_at_once_authenticates(identity):
+    # a worker's and a launcher's connection per rank, as on Spark, over TLS; one helper process
+    # per role keeps each process under its file descriptor limit, and this one holds 2048 sockets
+    count = 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 2 * count + 256:
+        pytest.skip(f"the file descriptor limit ({hard}) is below {2 * count + 256}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * count)), hard))
+    got = Collector()
+    srv = ChannelServer(got, "run-1", secret="s", launcher_secret="l", identity=identity)
+    helpers = [subprocess.Popen([sys.executable, "-c", CONNECT_ALL.format(count=count), address(srv), secret, role,
+                                 identity.certificate], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for role, secret in (("worker", "s"), ("launcher", "l"))]
+    try:
+        wait_until(lambda: srv.stats["authenticated"] == 2 * count, timeout=240,
+                   what=f"all {2 * count} connections to authenticate")
+        routes = set(srv._routes)  # nobody connects any more: read as it is
+    finally:
+        errors = [helper.communicate(timeout=120)[1] for helper in helpers]
+        srv.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert routes == {(role, rank) for role in ("worker", "launcher") for rank in range(count)}
+    assert [helper.returncode for helper in helpers] == [0, 0] and errors == ["", ""], errors
+    assert srv.stats["rejected"] == 0

@@ -207,7 +207,7 @@ def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_reco
     by_rank = {0: [], 1: []}
     for record in got.records:
         by_rank[record.rank].append(record)
-    assert [r.step for r in by_rank[0]] == sent_steps
+    assert [p.step for r in by_rank[0] for p in r.points()] == sent_steps
     assert [r.line for r in by_rank[1]] == [f"line {i}" for i in range(1000)]
     assert stats["authenticated"] == 2
     assert stats["malformed"] == stats["forbidden"] == stats["callback_errors"] == 0

@@ -65,6 +65,9 @@ def test_every_record_type_is_in_the_contract_and_handled():
     ({"type": "progress", "rank": 0, "elapsed": float("inf")}, "progress.elapsed: expected float"),
     ({"type": "progress", "rank": 0, "elapsed": 10**400}, "progress.elapsed: expected float"),
     ({"type": "exit", "rank": 0, "failure": {"log_tail": ["a", 1]}}, r"exit.failure.log_tail\[\]"),
+    ({"type": "metrics", "rank": 0, "more": [{"step": "1"}]}, r"metrics.more\[\].step: expected int"),
+    ({"type": "metrics", "rank": 0, "more": [{"values": {"a": float("nan")}}]}, r"metrics.more\[\].values\['a'\]"),
+    ({"type": "metrics", "rank": 0, "more": {"step": 1}}, "metrics.more: expected list"),
 ])
 def test_malformed_records_are_refused(data, text):
     with pytest.raises(MalformedEvent, match=text):
@@ -171,6 +174,34 @@ def test_metrics_history_is_bounded_and_non_finite_values_are_not_plotted():
     points = state.ranks[0].history["loss"]
     assert len(points) <= MAX_POINTS and points[0][0] == 0 and points[-1][0] == MAX_POINTS
     assert "odd" not in state.ranks[0].history
+
+
+def test_the_points_of_one_metrics_record_are_applied_in_order():
+    record = Metrics(rank=0, step=1, values={"loss": 1.0}, time=1.0,
+                     more=[events.MetricPoint(2, {"loss": 0.5}, 2.0), events.MetricPoint(3, {"loss": 0.25, "acc": 0.9}, 3.0)])
+    assert events.decode(json.loads(events.dumps(record))) == record
+    state = RunState("r", 1)
+    state.apply(record)
+    rs = state.ranks[0]
+    assert rs.history == {"loss": [(1, 1.0), (2, 0.5), (3, 0.25)], "acc": [(3, 0.9)]}
+    assert rs.metrics == {"loss": 0.25, "acc": 0.9}
+
+
+def test_a_run_of_many_ranks_keeps_a_share_of_the_runs_memory_for_each():
+    from torchdist_magic import state as S
+
+    state = RunState("r", 1024)
+    share = S.RUN_LOG_MEMORY_LINES // 1024
+    for i in range(2 * share):
+        state.apply(Log(rank=7, line=f"line {i}"))
+    for step in range(2 * state.max_points):
+        state.apply(Metrics(rank=7, step=step, values={"loss": 1.0}))
+    assert state.ranks[7].logs.spilled > 0 and len(state.ranks[7].logs.recent(10 ** 6)) <= share
+    assert state.logs(7) == "".join(f"line {i}\n" for i in range(2 * share))  # all of it, in order
+    points = state.ranks[7].history["loss"]
+    assert state.max_points < S.MAX_POINTS and len(points) <= state.max_points
+    assert points[0][0] == 0 and points[-1][0] == 2 * state.max_points - 1
+    assert RunState("r", 4).max_points == S.MAX_POINTS  # a small run keeps what it always kept
 
 
 def test_records_of_ranks_outside_the_run_are_ignored():

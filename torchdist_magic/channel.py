@@ -26,8 +26,13 @@ record said.  Records to a rank wait in a per-connection outbox that the server 
 when the peer reads, so a rank that stops reading delays nobody.
 
 The client never blocks the training loop: ``send`` puts the record on a bounded queue that a
-background thread drains, dropping and counting what does not fit and coalescing progress
-updates of the same bar.
+background thread drains, dropping and counting what does not fit.  What a rank sends many of
+(progress, metrics, output) it gathers for ``FLUSH_EVERY`` and sends as one batch, in as few
+frames as fit, with only the newest update of each progress bar and every metric point of the
+batch in one record (``Metrics.more``): the driver's cost is per batch more than per record.
+Anything else goes at once.  A handshake the driver cut off, or one that took too long, is tried
+again with a jittered, growing pause (``open_connection``), so that ranks connecting all at once
+(2,048 connections for 1024 ranks) all get in.
 
 TLS.  Given a ``tls.ChannelIdentity`` (the server) and its certificate (every client), all of
 the above runs inside TLS 1.3: the TLS handshake first, then the challenge, the hello and the
@@ -60,6 +65,7 @@ import json
 import logging
 import os
 import queue
+import random
 import secrets
 import selectors
 import socket
@@ -77,21 +83,44 @@ from .timing import CHANNEL_CLOSE_WAIT, CHANNEL_THREAD_WAIT, CLIENT_CLOSE_WAIT, 
 MAX_FRAME = 4 * 1024 * 1024
 #: largest frame before authentication (the challenge, the hello, the reply)
 MAX_HELLO = 4 * 1024
-#: connections waiting for their handshake at once; one more evicts the oldest
-MAX_PENDING = 64
+#: connections waiting for their handshake at once; one more evicts the oldest.  Enough for
+#: every connection of a 1024-rank run opened at once (a worker's and a launcher's per rank)
+#: to wait its turn; each costs at most one hello of plaintext (``MAX_HELLO``) or one TLS record
+#: of ciphertext (``_TLS_RECORD``) and its TLS state, so a flood of strangers costs a bounded
+#: amount of memory
+MAX_PENDING = 2048
 #: bytes the driver may have queued for one rank that does not read them; more are refused
 MAX_OUTBOX = 4 * MAX_FRAME
-#: records a client sends in one batch (progress updates are coalesced within a batch)
-BATCH = 1000
+#: records a client sends in one batch at most (progress updates are coalesced within a batch,
+#: metric points merged into one record)
+BATCH = 10_000
+#: how long a client gathers records before it sends them, as one batch: a rank's sender thread
+#: wakes (and takes the interpreter from the training loop) ten times a second, not once a record,
+#: and the driver gets few large frames rather than many small ones
+FLUSH_EVERY = 0.1
+#: the records a client gathers for ``FLUSH_EVERY``: those a rank sends many of.  Any other
+#: (``Started``, ``Exit``, a warm job's end) goes at once, with whatever was gathered before it
+GATHERED = (events.Progress, events.Metrics, events.Log)
 
 _LEN = struct.Struct(">I")
 _log = logging.getLogger("torchdist_magic")
 _RECV_CHUNK = 256 * 1024
+#: connections accepted in one round of the server's loop at most
+_ACCEPT_PER_ROUND = 64
+#: what the server reads from an authenticated connection at once: a read allocates its whole
+#: size first, and 256 KiB costs over ten times what 64 KiB does
+_READ_CHUNK = 64 * 1024
+#: the most plaintext one TLS record holds: what the server takes out of TLS at once
+_TLS_PLAINTEXT = 2 ** 14
 #: the largest TLS 1.3 record on the wire (header, 16 KiB of data, padding and tag): what the
 #: server reads at once from a connection that has not authenticated
 _TLS_RECORD = 5 + 2 ** 14 + 256
-#: a rank's handshake cut off by a flood of strangers is retried after this pause, doubling
-_RETRY_PAUSE, _RETRY_PAUSE_MAX = 0.02, 0.5
+#: a rank's handshake cut off (a flood of strangers evicted it) or not done in time (a driver
+#: busy with many) is tried again after this pause, doubling, each pause drawn between half and
+#: one and a half of it so that ranks evicted together do not come back together; for at most
+#: ``CONNECT_ATTEMPTS`` times ``HANDSHAKE_DEADLINE`` in all
+_RETRY_PAUSE, _RETRY_PAUSE_MAX = 0.05, 2.0
+CONNECT_ATTEMPTS = 6
 
 
 class FrameError(Exception):
@@ -343,8 +372,8 @@ class ChannelServer:
             pass
 
     def _accept(self) -> None:
-        # at most a pending-table's worth per round, so ranks are served between bursts
-        for _ in range(MAX_PENDING):
+        # a few per round, so ranks are served between bursts
+        for _ in range(_ACCEPT_PER_ROUND):
             try:
                 sock, _ = self._listener.accept()
             except OSError:  # none left (BlockingIOError), or the peer already gave up
@@ -417,9 +446,9 @@ class ChannelServer:
 
     def _read(self, conn: _Conn) -> None:
         if conn.tls is not None:
-            size = _TLS_RECORD if conn.role is None else _RECV_CHUNK
+            size = _TLS_RECORD if conn.role is None else _READ_CHUNK
         else:  # before authentication, never buffer more than one hello
-            size = _LEN.size + MAX_HELLO - len(conn.inbuf) if conn.role is None else _RECV_CHUNK
+            size = _LEN.size + MAX_HELLO - len(conn.inbuf) if conn.role is None else _READ_CHUNK
         try:
             data = conn.sock.recv(size)
         except (BlockingIOError, InterruptedError):
@@ -452,7 +481,7 @@ class ChannelServer:
         selector would not say that OpenSSL still holds some.  The TLS handshake comes first;
         before authentication no more plaintext than one hello is taken at a time."""
         while conn.open:
-            room = _LEN.size + MAX_HELLO - len(conn.inbuf) if conn.role is None else _RECV_CHUNK
+            room = _LEN.size + MAX_HELLO - len(conn.inbuf) if conn.role is None else _TLS_PLAINTEXT
             try:
                 if not conn.secure:
                     conn.tls.do_handshake()
@@ -561,8 +590,9 @@ class ChannelServer:
             elif type(record) not in allowed:
                 self.stats["forbidden"] += 1
             else:
+                record.rank = conn.rank  # the record was made here, from the frame: no copy needed
                 try:
-                    self._on_event(dataclasses.replace(record, rank=conn.rank))
+                    self._on_event(record)
                 except Exception:  # noqa: BLE001  the driver's handler must not stop the channel
                     self.stats["callback_errors"] += 1
                 else:
@@ -694,6 +724,7 @@ class ChannelClient:
         self._dropped = 0                      # records not sent since the last Dropped record
         self._lost = False                     # no driver to send to: drop everything
         self._closed = False
+        self._flush_now = threading.Event()    # a record not to wait for, or close(): send what is queued
         self._sock: Optional[Union[socket.socket, _TlsSocket]] = None
         self._reader: Optional[threading.Thread] = None
         self._sender = threading.Thread(target=self._run, name=f"torchdist-channel-rank{rank}", daemon=True)
@@ -715,6 +746,9 @@ class ChannelClient:
         except queue.Full:
             with self._lock:
                 self._dropped += 1
+        else:
+            if not isinstance(event, GATHERED):
+                self._flush_now.set()
 
     def close(self, timeout: float = CLIENT_CLOSE_WAIT) -> None:
         """Send what is queued and close, within ``timeout`` seconds; after that the rest is
@@ -722,6 +756,7 @@ class ChannelClient:
         deadline = time.monotonic() + timeout
         if not self._closed:
             self._closed = True
+            self._flush_now.set()
             try:
                 self._queue.put(None, timeout=timeout)
             except queue.Full:
@@ -767,6 +802,10 @@ class ChannelClient:
                 self._reader.start()
         while True:
             batch = [self._queue.get()]
+            if isinstance(batch[0], GATHERED) and self._queue.qsize() < BATCH:
+                self._flush_now.wait(FLUSH_EVERY)  # what this interval brings goes in one batch
+            if not self._closed:
+                self._flush_now.clear()  # what set it is in the queue now, and goes in this batch
             while len(batch) < BATCH:
                 try:
                     batch.append(self._queue.get_nowait())
@@ -780,91 +819,29 @@ class ChannelClient:
         self._finish()
 
     def _connect(self) -> Optional[Union[socket.socket, _TlsSocket]]:
-        deadline = time.monotonic() + HANDSHAKE_DEADLINE
-        pause = _RETRY_PAUSE
         where = f"{self._address[0]}:{self._address[1]}"
-        while True:
-            try:
-                return self._handshake(deadline)
-            except _Refused as exc:
-                self._give_up(f"the driver at {where} refused the event channel of rank {self._rank}: {exc}")
-                return None
-            except _NotTheDriver as exc:
-                self._give_up(f"the server at {where} is not this run's driver: {exc}; events of rank "
-                              f"{self._rank} are not sent to it")
-                return None
-            except (EOFError, ConnectionResetError, BrokenPipeError) as exc:
-                # the driver cut the handshake off: a flood of strangers evicted it
-                if time.monotonic() + pause >= deadline:
-                    self._give_up(f"cannot reach the driver's event channel at {where} ({exc}); "
-                                  f"events of rank {self._rank} are dropped")
-                    return None
-                time.sleep(pause)
-                pause = min(2 * pause, _RETRY_PAUSE_MAX)
-            except (OSError, FrameError) as exc:
-                self._give_up(f"cannot reach the driver's event channel at {where} ({exc}); "
-                              f"events of rank {self._rank} are dropped")
-                return None
-
-    def _handshake(self, deadline: float) -> Union[socket.socket, _TlsSocket]:
-        def left() -> float:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no handshake within {HANDSHAKE_DEADLINE:g} s")
-            return remaining
-
-        sock = socket.create_connection(self._address, timeout=left())
         try:
-            if self._tls is not None:
-                sock = _TlsSocket(sock, self._tls)
-                try:
-                    sock.handshake()
-                except ssl.SSLCertVerificationError as exc:
-                    raise _NotTheDriver(f"its TLS certificate is not the one this run pinned "
-                                        f"({exc.verify_message})") from None
-                sock.settimeout(left())
-            nonce = _read_frame(sock, MAX_HELLO).get("nonce")
-            if not isinstance(nonce, str):
-                raise FrameError("the driver sent no challenge")
-            own_nonce = secrets.token_hex(16)
-            sock.settimeout(left())
-            sock.sendall(_frame({"mac": _mac(self._secret, nonce).decode(), "nonce": own_nonce,
-                                 "run_id": self._run_id, "rank": self._rank, "role": self._role,
-                                 "protocol": events.PROTOCOL_VERSION}))
-            sock.settimeout(left())
-            reply = _read_frame(sock, MAX_HELLO)
-            if reply.get("ok") is not True:
-                raise _Refused(f"{reply.get('error', 'no reason given')!s:.500}")
-            if not _macs_equal(reply.get("mac"), _mac(self._secret, own_nonce)):
-                raise _Refused("it could not prove that it knows this run's secret")
-            sock.settimeout(None)
-            return sock
-        except BaseException:
-            sock.close()
-            raise
+            return open_connection(self._address, self._secret, self._run_id, self._rank, self._role, self._tls)
+        except _Refused as exc:
+            self._give_up(f"the driver at {where} refused the event channel of rank {self._rank}: {exc}")
+        except _NotTheDriver as exc:
+            self._give_up(f"the server at {where} is not this run's driver: {exc}; events of rank "
+                          f"{self._rank} are not sent to it")
+        except (OSError, EOFError, FrameError) as exc:
+            self._give_up(f"cannot reach the driver's event channel at {where} ({exc}); "
+                          f"events of rank {self._rank} are dropped")
+        return None
 
     def _write(self, records: List[events.Event]) -> None:
         with self._lock:
             dropped, self._dropped = self._dropped, 0
         if self._lost or self._sock is None:
             return
-        parts = []
-        for record in _coalesce(records):
-            try:
-                part = events.dumps(record).encode("utf-8")
-            except (TypeError, ValueError):  # a value JSON cannot carry (nan, an object)
-                dropped += 1
-                continue
-            if len(part) > MAX_FRAME - 16:
-                dropped += 1
-                continue
-            parts.append(part)
-        if dropped:
-            parts.append(events.dumps(events.Dropped(rank=self._rank, count=dropped)).encode("utf-8"))
-        if not parts:
+        data = encode_batch(records, self._rank, dropped)
+        if not data:
             return
         try:
-            self._sock.sendall(_pack(parts))
+            self._sock.sendall(data)
         except OSError as exc:
             self._give_up(f"the event channel of rank {self._rank} to the driver was lost ({exc}); "
                           "its events are dropped from now on")
@@ -903,6 +880,99 @@ class ChannelClient:
                           f"the driver: {exc!r}", file=sys.__stderr__, flush=True)
 
 
+def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: int, role: str,
+                    context: Optional[ssl.SSLContext] = None) -> Union[socket.socket, _TlsSocket]:
+    """An authenticated connection to the driver at ``address`` as ``role`` of ``rank`` (TLS
+    with ``context``): each handshake within ``HANDSHAKE_DEADLINE``; one that the driver cut off
+    (evicted from its pending table) or that took too long is tried again after a jittered,
+    growing pause, for at most ``CONNECT_ATTEMPTS`` times ``HANDSHAKE_DEADLINE``.  Raises
+    ``_Refused``, ``_NotTheDriver``, ``FrameError``, ``EOFError`` or ``OSError`` (``TimeoutError``
+    too)."""
+    started = time.monotonic()
+    give_up = started + CONNECT_ATTEMPTS * HANDSHAKE_DEADLINE
+    pause = _RETRY_PAUSE
+    while True:
+        attempt = time.monotonic()
+        try:
+            return _handshake(address, secret, run_id, rank, role, context,
+                              min(attempt + HANDSHAKE_DEADLINE, give_up))
+        except (EOFError, ConnectionResetError, BrokenPipeError, TimeoutError, socket.timeout):  # 3.9: not the same
+            wait = pause * random.uniform(0.5, 1.5)
+            if time.monotonic() + wait >= give_up:
+                raise
+            time.sleep(wait)
+            pause = min(2 * pause, _RETRY_PAUSE_MAX)
+
+
+def _handshake(address: Tuple[str, int], secret: str, run_id: str, rank: int, role: str,
+               context: Optional[ssl.SSLContext], deadline: float) -> Union[socket.socket, _TlsSocket]:
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"no handshake within {HANDSHAKE_DEADLINE:g} s")
+        return remaining
+
+    sock = socket.create_connection(address, timeout=left())
+    try:
+        if context is not None:
+            sock = _TlsSocket(sock, context)
+            try:
+                sock.handshake()
+            except ssl.SSLCertVerificationError as exc:
+                raise _NotTheDriver(f"its TLS certificate is not the one this run pinned "
+                                    f"({exc.verify_message})") from None
+            sock.settimeout(left())
+        nonce = _read_frame(sock, MAX_HELLO).get("nonce")
+        if not isinstance(nonce, str):
+            raise FrameError("the driver sent no challenge")
+        own_nonce = secrets.token_hex(16)
+        sock.settimeout(left())
+        sock.sendall(_frame({"mac": _mac(secret, nonce).decode(), "nonce": own_nonce,
+                             "run_id": run_id, "rank": rank, "role": role,
+                             "protocol": events.PROTOCOL_VERSION}))
+        sock.settimeout(left())
+        reply = _read_frame(sock, MAX_HELLO)
+        if reply.get("ok") is not True:
+            raise _Refused(f"{reply.get('error', 'no reason given')!s:.500}")
+        if not _macs_equal(reply.get("mac"), _mac(secret, own_nonce)):
+            raise _Refused("it could not prove that it knows this run's secret")
+        sock.settimeout(None)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def encode_batch(records: List[events.Event], rank: int, dropped: int = 0) -> bytes:
+    """The frames that carry ``records`` of ``rank`` (progress coalesced, ``_coalesce``), and a
+    ``Dropped`` record for ``dropped`` plus those JSON cannot carry; ``b""`` for nothing."""
+    parts = []
+    for record in _merge_metrics(_coalesce(records)):
+        part = _encoded(record)
+        if part is None and type(record) is events.Metrics and record.more:  # only the bad points are lost
+            pieces = [_encoded(events.Metrics(rank=record.rank, step=p.step, values=p.values, time=p.time))
+                      for p in record.points()]
+            dropped += pieces.count(None)
+            parts += [piece for piece in pieces if piece is not None]
+        elif part is None:
+            dropped += 1
+        else:
+            parts.append(part)
+    if dropped:
+        parts.append(events.dumps(events.Dropped(rank=rank, count=dropped)).encode("utf-8"))
+    return _pack(parts) if parts else b""
+
+
+def _encoded(record: events.Event) -> Optional[bytes]:
+    """The JSON of ``record``; ``None`` when JSON cannot carry it (nan, an object) or it would
+    not fit a frame."""
+    try:
+        part = events.dumps(record).encode("utf-8")
+    except (TypeError, ValueError):
+        return None
+    return part if len(part) <= MAX_FRAME - 16 else None
+
+
 def _pack(parts: List[bytes]) -> bytes:
     """Encoded records as ``{"events": [...]}`` frames of at most ``MAX_FRAME`` bytes."""
     frames, chunk, size = [], [], 0
@@ -930,6 +1000,30 @@ def _coalesce(records: List[events.Event]) -> List[events.Event]:
             newest[(record.rank, record.bar)] = i
     return [r for i, r in enumerate(records)
             if not isinstance(r, events.Progress) or newest[(r.rank, r.bar)] == i]
+
+
+def _merge_metrics(records: List[events.Event]) -> List[events.Event]:
+    """The ``Metrics`` records of each rank as one, at the place of its first (its points in
+    the order they were reported, in ``more``): the driver decodes and applies one record per
+    flush, not one per ``report()``.  Metrics only move ahead of other records, never behind."""
+    out: List[events.Event] = []
+    heads: Dict[int, int] = {}           # rank: index in out of its first Metrics
+    copied = set()                       # indices in out of merged copies (the sender's records stay as they were)
+    for record in records:
+        if type(record) is not events.Metrics:
+            out.append(record)
+            continue
+        at = heads.get(record.rank)
+        if at is None:
+            heads[record.rank] = len(out)
+            out.append(record)
+            continue
+        if at not in copied:
+            copied.add(at)
+            out[at] = dataclasses.replace(out[at], more=list(out[at].more))
+        out[at].more.append(events.MetricPoint(record.step, record.values, record.time))
+        out[at].more.extend(record.more)
+    return out
 
 
 def client_from_env(on_message: Optional[Callable[[events.Event], None]] = None) -> Optional[ChannelClient]:

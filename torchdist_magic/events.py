@@ -32,10 +32,10 @@ import typing
 from dataclasses import dataclass, field
 from time import time as _now
 from traceback import format_exception as _format_exception
-from typing import Any, ClassVar, Dict, List, Optional, Type, Union
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Type, Union
 
 #: bumped whenever a record changes shape; the channel refuses a peer with another version
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class MalformedEvent(ValueError):
@@ -164,13 +164,29 @@ class Progress(Event):
 
 
 @dataclass
+class MetricPoint:
+    """One ``report()``: its step, its named numbers and when it was made."""
+
+    step: int = 0
+    values: Dict[str, Union[float, str]] = field(default_factory=dict)
+    time: float = 0.0
+
+
+@dataclass
 class Metrics(Event):
-    """Named numbers from ``report()``; non-finite values travel as their text (``"nan"``)."""
+    """Named numbers from ``report()``; non-finite values travel as their text (``"nan"``).
+    ``more``: the points reported after this one, in order, sent in the same record (a rank's
+    client puts every point of one flush into one record: ``merge_metrics``)."""
 
     type: ClassVar[str] = "metrics"
     step: int = 0
     values: Dict[str, Union[float, str]] = field(default_factory=dict)
     time: float = 0.0
+    more: List[MetricPoint] = field(default_factory=list)
+
+    def points(self) -> List[MetricPoint]:
+        """Every point this record carries, in the order they were reported."""
+        return [MetricPoint(self.step, self.values, self.time), *self.more]
 
 
 @dataclass
@@ -388,76 +404,159 @@ def dumps(event: Event) -> str:
     return json.dumps(encode(event), separators=(",", ":"), allow_nan=False)
 
 
-def _check(value: Any, annotation: Any, where: str) -> Any:
-    """``value`` if it has the type ``annotation`` describes (recursively), else raise."""
+#: the JSON values each plain annotation takes
+_JSON_TYPES: Dict[Any, tuple] = {float: (float, int), int: (int,), str: (str,), bool: (bool,)}
+
+
+def _fail(where: str, expected: str, value: Any) -> MalformedEvent:
+    return MalformedEvent(f"{where}: expected {expected}, got {value!r:.80}")
+
+
+def _checker(annotation: Any) -> Callable[[Any, str], Any]:
+    """A function ``(value, where)`` that returns ``value`` if it has the type ``annotation``
+    describes (recursively; floats as finite floats), else raises ``MalformedEvent`` naming
+    ``where``.  Built once per annotation: decoding then costs no type introspection."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin is Union:
         options = [a for a in args if a is not type(None)]
-        if value is None and len(options) < len(args):
-            return None
+        nullable = len(options) < len(args)
         if len(options) == 1:  # Optional[X]: X's own message says what is wrong
-            return _check(value, options[0], where)
-        for option in options:
-            try:
-                return _check(value, option, where)
-            except MalformedEvent:
-                continue
-        raise MalformedEvent(f"{where}: {value!r} is none of {annotation}")
+            inner = _checker(options[0])
+
+            def check_optional(value, where):
+                return None if value is None else inner(value, where)
+            return check_optional
+        checks = [_checker(option) for option in options]
+        # the option a JSON value's own type points at is tried first (a float for
+        # Union[float, str]), so that the common case costs one check
+        likely = {}
+        for option, check in zip(options, checks):
+            for kind in _JSON_TYPES.get(option, (typing.get_origin(option),)):
+                likely.setdefault(kind, check)
+
+        def check_union(value, where):
+            if value is None and nullable:
+                return None
+            first = likely.get(type(value))
+            if first is not None:
+                try:
+                    return first(value, where)
+                except MalformedEvent:
+                    pass
+            for check in checks:
+                try:
+                    return check(value, where)
+                except MalformedEvent:
+                    continue
+            raise MalformedEvent(f"{where}: {value!r} is none of {annotation}")
+        return check_union
     if annotation is type(None):
-        if value is None:
-            return None
-    elif annotation is bool:
-        if isinstance(value, bool):
-            return value
-    elif annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif annotation is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        def check_none(value, where):
+            if value is None:
+                return None
+            raise _fail(where, "NoneType", value)
+        return check_none
+    if annotation is bool:
+        def check_bool(value, where):
+            if isinstance(value, bool):
+                return value
+            raise _fail(where, "bool", value)
+        return check_bool
+    if annotation is int:
+        def check_int(value, where):
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            raise _fail(where, "int", value)
+        return check_int
+    if annotation is float:
+        def check_float(value, where):
+            if isinstance(value, float) and value - value == 0.0:
+                return value  # the common case: a finite float (inf - inf and nan - nan are nan)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                try:
+                    number = float(value)
+                except OverflowError:  # an integer beyond any float
+                    number = math.inf
+                if math.isfinite(number):
+                    return number
+            raise _fail(where, "float", value)
+        return check_float
+    if annotation is str:
+        def check_str(value, where):
+            if isinstance(value, str):
+                return value
+            raise _fail(where, "str", value)
+        return check_str
+    if origin is list:
+        item = _checker(args[0])
+
+        def check_list(value, where):
+            if not isinstance(value, list):
+                raise _fail(where, "list", value)
             try:
-                number = float(value)
-            except OverflowError:  # an integer beyond any float
-                number = math.inf
-            if math.isfinite(number):
-                return number
-    elif annotation is str:
-        if isinstance(value, str):
-            return value
-    elif origin is list:
-        if isinstance(value, list):
-            return [_check(v, args[0], f"{where}[]") for v in value]
-    elif origin is dict:
-        if isinstance(value, dict):
-            return {_check(k, args[0], f"{where} key"): _check(v, args[1], f"{where}[{k!r}]")
-                    for k, v in value.items()}
-    elif dataclasses.is_dataclass(annotation):
-        if isinstance(value, dict):
-            return _build(annotation, value, where)
-    else:
-        raise TypeError(f"no check for {annotation!r}")  # a record field of a type added above
-    expected = (origin or annotation).__name__
-    raise MalformedEvent(f"{where}: expected {expected}, got {value!r:.80}")
+                return [item(v, where) for v in value]
+            except MalformedEvent:  # again, for the message: where the bad item is
+                return [item(v, f"{where}[]") for v in value]
+        return check_list
+    if origin is dict:
+        key_check, value_check = _checker(args[0]), _checker(args[1])
+
+        def check_dict(value, where):
+            if not isinstance(value, dict):
+                raise _fail(where, "dict", value)
+            out = {}
+            for k, v in value.items():
+                try:
+                    out[key_check(k, where)] = value_check(v, where)
+                except MalformedEvent:  # again, for the message: which key or which value
+                    out[key_check(k, f"{where} key")] = value_check(v, f"{where}[{k!r}]")
+            return out
+        return check_dict
+    if dataclasses.is_dataclass(annotation):
+        def check_record(value, where):
+            if isinstance(value, dict):
+                return _build(annotation, value, where)
+            raise _fail(where, annotation.__name__, value)
+        return check_record
+    raise TypeError(f"no check for {annotation!r}")  # a record field of a type added above
 
 
-_HINTS: Dict[type, Dict[str, Any]] = {}
+def _check(value: Any, annotation: Any, where: str) -> Any:
+    """``value`` if it has the type ``annotation`` describes (recursively), else raise."""
+    return _checker(annotation)(value, where)
 
 
-def _hints(cls: type) -> Dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
+_BUILDERS: Dict[type, Callable[[dict, str], Any]] = {}
+
+
+def _builder(cls: type) -> Callable[[dict, str], Any]:
+    """The function that builds a ``cls`` from its JSON object, checking every field; made once
+    per record type (``typing.get_type_hints`` and the fields' checkers)."""
+    hints = typing.get_type_hints(cls)
+    fields = [(f.name, _checker(hints[f.name]),
+               f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+              for f in dataclasses.fields(cls)]
+    own_where = getattr(cls, "type", "") or None
+    paths = {name: f"{own_where}.{name}" for name, _, _ in fields}
+
+    def build(data: dict, where: str):
+        kwargs = {}
+        own = where == own_where
+        for name, check, required in fields:
+            if name in data:
+                kwargs[name] = check(data[name], paths[name] if own else f"{where}.{name}")
+            elif required:
+                raise MalformedEvent(f"{where}: missing field {name!r}")
+        return cls(**kwargs)
+    return build
 
 
 def _build(cls: type, data: dict, where: str):
-    hints = _hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in data:
-            kwargs[f.name] = _check(data[f.name], hints[f.name], f"{where}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise MalformedEvent(f"{where}: missing field {f.name!r}")
-    return cls(**kwargs)
+    build = _BUILDERS.get(cls)
+    if build is None:
+        build = _BUILDERS[cls] = _builder(cls)
+    return build(data, where)
 
 
 def decode(data: Any) -> Event:

@@ -33,11 +33,13 @@ from typing import Callable, Dict, Optional
 
 from . import events, values
 from .procs import MARK_VARIABLE, end_marked_processes
-from .timing import PIPE_DRAIN_WAIT, REAP_WAIT, STACKS_SETTLE, STACKS_WAIT, STOP_GRACE
+from .timing import OUTPUT_GATHER, PIPE_DRAIN_WAIT, REAP_WAIT, STACKS_SETTLE, STACKS_WAIT, STOP_GRACE
 from .worker import ERROR_FILE, RESULT_FILE, STACKS_FILE, STACKS_HEADER, STACKS_SIGNAL
 
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 _OUTPUT_END = events.OUTPUT_END_MARK.encode()
+#: a read of a rank's output shorter than this is followed by a pause (``OUTPUT_GATHER``)
+_GATHER_BELOW = 16 * 1024
 #: of one stack dump sent to the driver (faulthandler caps threads and frames; this caps the rest)
 MAX_STACKS_CHARS = 256 * 1024
 
@@ -173,6 +175,13 @@ class RankProcess:
                 if text or end != b"\r":  # a \r at a line's start (tqdm's redraws begin so) moves nothing
                     self._line(stream, text, end == b"\r")
             pending = parts[-1] + (b"\r" if hold_cr else b"")
+            if len(chunk) < _GATHER_BELOW:
+                # A rank that prints a line per training step would otherwise wake this thread
+                # once a line, and on a busy machine each wake-up takes a core from the ranks
+                # for a moment: after a short read, let lines gather in the pipe a little, so
+                # that one wake-up reads many.  The first line after a quiet spell is read at
+                # once; a rank printing fast fills its reads and is read without a pause.
+                time.sleep(OUTPUT_GATHER)
         if pending:
             self._line(stream, pending.rstrip(b"\r"), pending.endswith(b"\r"))
         pipe.close()

@@ -34,11 +34,22 @@ from . import events
 from .events import Failure
 from .stragglers import Pace, Straggler
 
+#: a rank's history of one metric keeps at most this many points (past that, every other one)
 MAX_POINTS = 10_000
+#: ... and a run's, all ranks together, about this many per metric: each rank gets its share
+#: (at least ``MIN_POINTS``), so the driver's memory is bounded per run, not only per rank
+RUN_POINTS = 400_000
+MIN_POINTS = 256
 #: a rank's log keeps at most this many lines (and ``LOG_MEMORY_CHARS`` characters) in memory;
 #: past that the older half goes to the rank's file
 LOG_MEMORY_LINES = 20_000
 LOG_MEMORY_CHARS = 8 * 1024 * 1024
+#: ... and a run's, all ranks together, about this many lines (and characters): each rank gets
+#: its share (at least ``MIN_LOG_LINES`` and ``MIN_LOG_CHARS``)
+RUN_LOG_MEMORY_LINES = 400_000
+RUN_LOG_MEMORY_CHARS = 64 * 1024 * 1024
+MIN_LOG_LINES = 256
+MIN_LOG_CHARS = 64 * 1024
 #: a spilled line's file offset is remembered for every this many lines (to read a range)
 SPILL_INDEX_EVERY = 1024
 #: what a rank raises when a *peer* died: never the root cause while another failure is known
@@ -104,9 +115,14 @@ class LogStore:
     keeps a cursor should read a trailing ``\\r``-line again later (``model.LogCursor`` does).
     """
 
-    def __init__(self, directory: Callable[[], str], name: str):
+    def __init__(self, directory: Callable[[], str], name: str, *, max_lines: Optional[int] = None,
+                 max_chars: Optional[int] = None):
         self._directory = directory
         self._name = name
+        # lines and characters in memory at most; past that the older half spills (a RunState
+        # gives each rank its share of the run's)
+        self._max_lines = LOG_MEMORY_LINES if max_lines is None else max_lines
+        self._max_chars = LOG_MEMORY_CHARS if max_chars is None else max_chars
         self._memory: List[LogLine] = []
         self._first = 0                  # index of _memory[0]
         self._chars = 0                  # characters of the lines in memory
@@ -142,7 +158,7 @@ class LogStore:
             self._open_cr[line.stream] = len(self)
         self._memory.append(line)
         self._chars += len(line.text)
-        if len(self._memory) > LOG_MEMORY_LINES or self._chars > LOG_MEMORY_CHARS:
+        if len(self._memory) > self._max_lines or self._chars > self._max_chars:
             self._spill()
 
     def seal(self) -> None:
@@ -154,7 +170,7 @@ class LogStore:
         count = 0
         chars = 0
         while count < len(self._memory) - 1 and (count < len(self._memory) // 2 or
-                                                  self._chars - chars > LOG_MEMORY_CHARS // 2):
+                                                  self._chars - chars > self._max_chars // 2):
             chars += len(self._memory[count].text)
             count += 1
         if self._file is None:
@@ -395,7 +411,13 @@ class RunState:
         if spill_dir is None:
             own = RunDirectory(f"torchdist-logs-{run_id}-")
             spill_dir = own.path
-        self._logs = [LogStore(spill_dir, f"rank-{r}") for r in range(num_processes)]
+        share = max(num_processes, 1)
+        lines = min(LOG_MEMORY_LINES, max(MIN_LOG_LINES, RUN_LOG_MEMORY_LINES // share))
+        chars = min(LOG_MEMORY_CHARS, max(MIN_LOG_CHARS, RUN_LOG_MEMORY_CHARS // share))
+        self._logs = [LogStore(spill_dir, f"rank-{r}", max_lines=lines, max_chars=chars)
+                      for r in range(num_processes)]
+        #: points of one metric a rank's history keeps
+        self.max_points = min(MAX_POINTS, max(MIN_POINTS, RUN_POINTS // share))
         self._attempt_lines: List[List[int]] = [[0] for _ in range(num_processes)]
         self.ranks = [RankState(rank=r, logs=self._logs[r]) for r in range(num_processes)]
         self.version = 0
@@ -455,13 +477,20 @@ class RunState:
 
     def _on_metrics(self, rs: RankState, e: events.Metrics) -> None:
         self._alive()
-        for name, value in e.values.items():
+        self._metric_point(rs, e.step, e.values)
+        for point in e.more:  # the points of one flush, in order
+            self._metric_point(rs, point.step, point.values)
+
+    def _metric_point(self, rs: RankState, step: int, values: Dict[str, Union[float, str]]) -> None:
+        for name, value in values.items():
             if isinstance(value, str):  # a non-finite value: shown, not plotted
                 continue
             rs.metrics[name] = value
-            points = rs.history.setdefault(name, [])
-            points.append((e.step, value))
-            if len(points) > MAX_POINTS:
+            points = rs.history.get(name)
+            if points is None:
+                points = rs.history[name] = []
+            points.append((step, value))
+            if len(points) > self.max_points:
                 del points[-2::-2]  # halve the resolution; keep the first and newest points
 
     def _on_dropped(self, rs: RankState, e: events.Dropped) -> None:

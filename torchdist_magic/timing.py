@@ -20,6 +20,9 @@ PIPE_DRAIN_WAIT = 0.2
 #: when every failure seen so far is collateral (a peer noticing that a rank went away), how
 #: long the driver waits for the failure that caused it before naming a root cause
 ROOT_CAUSE_WAIT = 2.0
+#: how long a launcher lets a rank's output gather in its pipe after a short read: a few reads
+#: a second per pipe, not one per line a rank prints
+OUTPUT_GATHER = 0.02
 #: how often the driver checks a run's state (failures, exits, cancel, deadline)
 SUPERVISE_POLL = 0.02
 #: how often an orphaned worker checks whether its launcher is gone
@@ -34,8 +37,9 @@ STACKS_SETTLE = 0.1
 #: how long the driver waits for every rank's ``Stacks`` answer (the launchers' wait, and the way back)
 STACKS_COLLECT_WAIT = STACKS_WAIT + 1.0
 
-#: a channel connection must complete its handshake within this deadline
-HANDSHAKE_DEADLINE = 5.0
+#: a channel connection must complete its handshake within this deadline (a rank's client tries
+#: again, a few times, when it did not: ``channel.CONNECT_ATTEMPTS``)
+HANDSHAKE_DEADLINE = 10.0
 #: when a run ends, how long the driver waits for open channel connections to deliver
 CHANNEL_CLOSE_WAIT = 2.0
 #: beyond that, how long closing the channel waits for its thread, which may be delivering a

@@ -1,0 +1,391 @@
+"""The driver at scale, by simulation: a real ``ChannelServer`` (TLS by default, as on Spark), a
+real ``RunState`` and a real view, fed by a few load-generator processes that stand in for many
+ranks, each rank with two real authenticated connections (role worker and role launcher, as a
+Spark task and its worker have).
+
+    python benchmarks/scale.py --ranks 1024 --rate 100 --seconds 60 --view widget
+                               [--tls/--no-tls] [--generators 3] [--json benchmarks/results/scale.json]
+
+Every simulated rank sends the project's own records at ``--rate`` records/s: per 10 records, 1
+progress update, 5 metrics of 3 values and 4 log lines; progress and metrics on its worker
+connection, the log lines on its launcher connection (a launcher forwards its worker's output).
+The generators encode and batch them with the client's own code (``channel.encode_batch``),
+once every ``channel.FLUSH_EVERY`` seconds, as a rank's client does.
+
+Measured in the driver, which is this process:
+
+* ``lost`` / ``out_of_order``: every log line and every metric point carries its rank's sequence
+  number; progress updates are coalesced by design (only a bar's newest state counts), so they
+  are counted apart (``progress_sent`` / ``progress_received``);
+* latency: each log line and metric point carries the time it was made; the time from then to
+  the moment ``RunState.apply`` returned (one clock: the generators run on this machine);
+* ``driver_cpu_pct``: this process's CPU time over the window (from the start signal to the last
+  record applied), 100 = one core; ``rss_mb_start`` / ``rss_mb_end`` around it;
+* the view: ``widget`` is ``view.widget.WidgetView`` with its own throttles, updated every
+  ``SUPERVISE_POLL`` as a run's supervisor does, over a comm that serialises every message as
+  ipykernel does (the JSON of the comm message): ``frame_bytes_max`` is the largest message it
+  sent, ``view_mb_per_s`` their rate, ``render_ms_max`` the longest ``update()``; ``text`` is
+  ``view.text.TextView`` writing to a counting sink (lines, bytes); ``none`` is no view.
+
+The machine: the generators and the driver share its cores (two on the machine these figures
+were taken on, also shared with other work), so the generators' own cost, and whatever else
+runs, takes from the driver's.  ``gen_cpu_pct`` and ``gen_behind_s`` say how much the generators
+took and how far behind their schedule they fell (then the driver was offered less than
+``--rate``, and ``offered_rate`` says how much).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import multiprocessing
+import os
+import resource
+import socket
+import sys
+import time
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+from report import machine, write_json  # noqa: E402  (this script's folder is on sys.path)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from torchdist_magic import channel, events, tls  # noqa: E402
+from torchdist_magic.state import RunState  # noqa: E402
+from torchdist_magic.timing import SUPERVISE_POLL  # noqa: E402
+
+WORKER_SECRET, LAUNCHER_SECRET = "scale-worker-secret", "scale-launcher-secret"
+#: the records of every 10 a rank sends, in order: P progress, M metrics (3 values), L a log line
+PATTERN = "PMLMLMLMLM"
+#: how long after the last record was sent the driver may take to catch up before giving up
+CATCH_UP_LIMIT = 300.0
+#: how long all connections may take to authenticate
+CONNECT_LIMIT = 120.0
+#: per generator process: threads that open its connections at once
+CONNECT_THREADS = 32
+
+
+def _cpu_seconds(who=resource.RUSAGE_SELF) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+# -- load generator (a process of its own) -------------------------------------------------------
+
+def generate(address, certificate, run_id, ranks, rate, seconds, flush_every, go, results) -> None:
+    """Connect two clients per rank of ``ranks``, wait for ``go``, then send ``rate`` records/s
+    per rank for ``seconds``; put what was sent on ``results``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    context = tls.client_context(certificate) if certificate else None
+    host, _, port = address.rpartition(":")
+    where = (host, int(port))
+
+    def connect(key):
+        rank, role = key
+        secret = LAUNCHER_SECRET if role == "launcher" else WORKER_SECRET
+        return channel.open_connection(where, secret, run_id, rank, role, context)
+
+    keys = [(r, role) for r in ranks for role in ("worker", "launcher")]
+    started = time.monotonic()
+    with ThreadPoolExecutor(CONNECT_THREADS) as pool:
+        socks = dict(zip(keys, pool.map(connect, keys)))
+    connect_s = time.monotonic() - started
+    results.put(("connected", connect_s))
+    go.wait()
+    cpu0 = _cpu_seconds()
+    seq = {r: 0 for r in ranks}           # records made so far, per rank
+    log_seq = {r: 0 for r in ranks}
+    metric_seq = {r: 0 for r in ranks}
+    sent = {"logs": 0, "points": 0, "progress": 0}
+    behind = 0.0
+    start = time.time()
+    end = start + seconds
+    tick = 0
+    while True:
+        tick += 1
+        due_at = start + tick * flush_every
+        now = time.time()
+        if due_at > now:
+            time.sleep(due_at - now)
+        now = time.time()
+        behind = max(behind, now - due_at)
+        upto = int(rate * (min(now, end) - start))   # records each rank should have made by now
+        for r in ranks:
+            to_worker, to_launcher = [], []
+            while seq[r] < upto:
+                kind = PATTERN[seq[r] % len(PATTERN)]
+                seq[r] += 1
+                if kind == "P":
+                    to_worker.append(events.Progress(rank=r, bar="train#0", desc="train", n=seq[r],
+                                                     total=int(rate * seconds), elapsed=now - start))
+                    sent["progress"] += 1
+                elif kind == "M":
+                    metric_seq[r] += 1
+                    to_worker.append(events.Metrics(rank=r, step=metric_seq[r], time=now, values={
+                        "loss": 1.0 / metric_seq[r], "lr": 3e-4, "tokens_per_s": 12345.0 + r}))
+                    sent["points"] += 1
+                else:
+                    log_seq[r] += 1
+                    to_launcher.append(events.Log(rank=r, line=f"{log_seq[r]} {now:.6f} step {seq[r]} "
+                                                             f"loss {1.0 / seq[r]:.6f} lr 3.0e-4 tokens/s 123456"))
+                    sent["logs"] += 1
+            if to_worker:
+                socks[(r, "worker")].sendall(channel.encode_batch(to_worker, r))
+            if to_launcher:
+                socks[(r, "launcher")].sendall(channel.encode_batch(to_launcher, r))
+        if now >= end:
+            break
+    for sock in socks.values():
+        sock.shutdown(socket.SHUT_WR)
+    results.put(("sent", {**sent, "behind_s": behind, "send_cpu_s": _cpu_seconds() - cpu0,
+                          "send_s": time.time() - start}))
+    for sock in socks.values():  # the driver closes a connection once it has handled all of it
+        try:
+            while sock.recv(65536):
+                pass
+        except OSError:
+            pass
+        sock.close()
+
+
+# -- driver side -----------------------------------------------------------------------------
+
+class Meter:
+    """The driver's ``on_event``: applies each record to the run state, then counts it and the
+    latency of its log lines and metric points (a histogram of 1 ms buckets: bounded memory)."""
+
+    def __init__(self, state: RunState):
+        self.state = state
+        self.ranks = state.num_processes
+        self.last_log = [0] * self.ranks
+        self.last_step = [0] * self.ranks
+        self.logs = self.points = self.progress = self.out_of_order = 0
+        self.buckets = [0] * 1000 * 600
+        self.last_applied = 0.0
+
+    def __call__(self, record) -> None:
+        self.state.apply(record)
+        now = time.time()
+        self.last_applied = now
+        kind = type(record)
+        if kind is events.Log:
+            seq, made, _ = record.line.split(" ", 2)
+            self._seen(self.last_log, record.rank, int(seq), now - float(made))
+            self.logs += 1
+        elif kind is events.Metrics:
+            for step, when in _points(record):
+                self._seen(self.last_step, record.rank, step, now - when)
+                self.points += 1
+        elif kind is events.Progress:
+            self.progress += 1
+
+    def _seen(self, last, rank, seq, age) -> None:
+        if seq != last[rank] + 1:
+            self.out_of_order += 1
+        last[rank] = max(last[rank], seq)
+        self.buckets[min(max(int(age * 1000), 0), len(self.buckets) - 1)] += 1
+
+    def percentile(self, q: float) -> float:
+        total = sum(self.buckets)
+        if not total:
+            return float("nan")
+        want, seen = q * total, 0
+        for ms, count in enumerate(self.buckets):
+            seen += count
+            if seen >= want:
+                return float(ms + 1)
+        return float(len(self.buckets))
+
+
+def _points(record):
+    """``(step, time)`` of every metric point a ``Metrics`` record carries."""
+    yield record.step, record.time
+    for point in record.more:
+        yield point.step, point.time
+
+
+class IopubComm:
+    """A widget's comm that serialises every message as ipykernel puts it on iopub: the JSON of
+    the whole message (header, parent header, metadata, content).  Counts their bytes."""
+
+    sizes = []
+
+    @classmethod
+    def install(cls):
+        import comm
+        from comm.base_comm import BaseComm
+
+        class Comm(BaseComm):
+            def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
+                content = {"data": data or {}, "comm_id": self.comm_id, **keys}
+                msg = {"header": {"msg_id": uuid.uuid4().hex, "msg_type": msg_type, "username": "bench",
+                                  "session": "s", "date": time.time(), "version": "5.3"},
+                       "parent_header": {}, "metadata": metadata or {}, "content": content}
+                cls.sizes.append(len(json.dumps(msg, default=str).encode("utf-8")))
+
+        comm.create_comm = Comm
+
+
+class SimulatedRun:
+    """What a view needs of a run: its state, and a Stop that does nothing here."""
+
+    def __init__(self, state: RunState):
+        self.state = state
+
+    def cancel(self) -> None:
+        pass
+
+
+class CountingSink(io.TextIOBase):
+    def __init__(self):
+        self.bytes = self.lines = 0
+
+    def write(self, text: str) -> int:
+        self.bytes += len(text.encode("utf-8", "replace"))
+        self.lines += text.count("\n")
+        return len(text)
+
+
+def make_view(kind: str, state: RunState):
+    if kind == "widget":
+        IopubComm.install()
+        from torchdist_magic.view.widget import WidgetView
+
+        return WidgetView(SimulatedRun(state), display=False), None
+    if kind == "text":
+        from torchdist_magic.view.text import TextView
+
+        sink = CountingSink()
+        return TextView(state, out=sink, err=sink), sink
+    return None, None
+
+
+def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: bool, generators: int) -> dict:
+    run_id = f"scale-{uuid.uuid4().hex[:8]}"
+    identity = tls.new_identity() if use_tls else None
+    state = RunState(run_id, ranks, backend="simulated")
+    meter = Meter(state)
+    server = channel.ChannelServer(meter, run_id, secret=WORKER_SECRET, launcher_secret=LAUNCHER_SECRET,
+                                   identity=identity)
+    view, sink = make_view(view_kind, state)
+    address = f"{server.address[0]}:{server.address[1]}"
+    certificate = identity.certificate if identity is not None else ""
+    context = multiprocessing.get_context("spawn")
+    go, results = context.Event(), context.Queue()
+    shares = [list(range(ranks))[i::generators] for i in range(generators)]
+    flush_every = getattr(channel, "FLUSH_EVERY", 0.05)
+    procs = [context.Process(target=generate, args=(address, certificate, run_id, share, rate, seconds,
+                                                    flush_every, go, results), daemon=True)
+             for share in shares if share]
+    render_ms = []
+    try:
+        started = time.monotonic()
+        for p in procs:
+            p.start()
+        connects = [results.get(timeout=CONNECT_LIMIT)[1] for _ in procs]
+        connect_s = time.monotonic() - started
+        authenticated = server.stats["authenticated"]
+        rss_start = _rss_mb()
+        cpu0 = _cpu_seconds()
+        t0 = time.time()
+        go.set()
+        sent = None
+        expected = None
+        reports = []
+        while True:
+            if view is not None:
+                before = time.perf_counter()
+                view.update()
+                render_ms.append(1000 * (time.perf_counter() - before))
+            while not results.empty() and len(reports) < len(procs):
+                reports.append(results.get()[1])
+            if len(reports) == len(procs) and expected is None:
+                sent = {k: sum(r[k] for r in reports) for k in ("logs", "points", "progress")}
+                expected = sent["logs"] + sent["points"]
+                sent_at = time.time()
+            if expected is not None and (meter.logs + meter.points >= expected or
+                                         time.time() - sent_at > CATCH_UP_LIMIT):
+                break
+            time.sleep(SUPERVISE_POLL)
+        done = max(meter.last_applied, t0)
+        window = done - t0
+        cpu = _cpu_seconds() - cpu0
+        rss_end = _rss_mb()
+        if view is not None:
+            view.update()
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        server.close()
+        if view is not None:
+            view.close()
+    received = meter.logs + meter.points
+    frames = IopubComm.sizes if view_kind == "widget" else []
+    view_bytes = sum(frames) if view_kind == "widget" else (sink.bytes if sink else 0)
+    return {
+        "ranks": ranks, "rate": rate, "seconds": seconds, "view": view_kind, "tls": use_tls,
+        "generators": len(procs), "connections": 2 * ranks, "authenticated": authenticated,
+        "evicted": server.stats["evicted"], "connect_s": connect_s, "gen_connect_s_max": max(connects),
+        "sent": expected, "received": received, "lost": expected - received, "out_of_order": meter.out_of_order,
+        "progress_sent": sent["progress"], "progress_received": meter.progress,
+        "offered_rate": (expected + sent["progress"]) / ranks / max(max(r["send_s"] for r in reports), 1e-9),
+        "p50_ms": meter.percentile(0.5), "p99_ms": meter.percentile(0.99),
+        "window_s": window, "catch_up_s": max(0.0, done - sent_at),
+        "driver_cpu_pct": 100 * cpu / window if window else 0.0,
+        "driver_us_per_record": 1e6 * cpu / max(received + meter.progress, 1),
+        "gen_cpu_pct": 100 * sum(r["send_cpu_s"] for r in reports) / window if window else 0.0,
+        "gen_behind_s": max(r["behind_s"] for r in reports),
+        "rss_mb_start": rss_start, "rss_mb_end": rss_end,
+        "frame_bytes_max": max(frames, default=0), "view_messages": len(frames),
+        "view_mb_per_s": view_bytes / 1e6 / window if window else 0.0,
+        "text_lines": sink.lines if sink else None,
+        "render_ms_max": max(render_ms, default=0.0),
+        "malformed": server.stats["malformed"], "forbidden": server.stats["forbidden"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=64)
+    parser.add_argument("--rate", type=float, default=10, help="records per second per rank")
+    parser.add_argument("--seconds", type=float, default=10)
+    parser.add_argument("--view", choices=("widget", "text", "none"), default="widget")
+    parser.add_argument("--tls", action=argparse.BooleanOptionalAction, default=True,
+                        help="the channel over TLS, as on Spark (default), or plain, as locally")
+    parser.add_argument("--generators", type=int, default=3, help="load-generator processes")
+    parser.add_argument("--json", default=os.path.join(HERE, "results", "scale.json"))
+    args = parser.parse_args()
+
+    r = simulate(args.ranks, args.rate, args.seconds, args.view, args.tls, args.generators)
+    print(f"\n{'ranks':>5} {'rate':>5} {'view':>6} {'tls':>3} {'sent':>9} {'lost':>5} {'ooo':>4} "
+          f"{'p50 ms':>8} {'p99 ms':>8} {'catch-up':>8} {'cpu %':>6} {'gen %':>6} {'rss MB':>13} "
+          f"{'frame KB':>8} {'render ms':>9} {'conn s':>6} {'us/rec':>6}")
+    print(f"{r['ranks']:>5} {r['rate']:>5g} {r['view']:>6} {'on' if r['tls'] else 'off':>3} {r['sent']:>9,} "
+          f"{r['lost']:>5} {r['out_of_order']:>4} {r['p50_ms']:>8.0f} {r['p99_ms']:>8.0f} {r['catch_up_s']:>7.1f}s "
+          f"{r['driver_cpu_pct']:>6.0f} {r['gen_cpu_pct']:>6.0f} {r['rss_mb_start']:>6.0f}->{r['rss_mb_end']:<6.0f} "
+          f"{r['frame_bytes_max'] / 1e3:>8.1f} {r['render_ms_max']:>9.0f} {r['connect_s']:>6.1f} "
+          f"{r['driver_us_per_record']:>6.1f}")
+    m = machine()
+    print(f"offered {r['offered_rate']:.1f} records/s per rank (asked {args.rate:g}); generators fell up to "
+          f"{r['gen_behind_s']:.2f} s behind; {r['authenticated']}/{r['connections']} connections, "
+          f"{r['evicted']} handshakes evicted.  {m['cores']} cores shared by the driver and "
+          f"{r['generators']} generator processes (and whatever else runs here)")
+    write_json(args.json, {"benchmark": "the driver at scale, simulated ranks", "machine": m, **r})
+
+
+if __name__ == "__main__":
+    main()
