@@ -40,8 +40,9 @@ def _no_temp_leftovers(tmp_path, monkeypatch):
 
     from torchdist_magic.launcher import SHARED_MEMORY
 
-    def in_shared_memory():
-        return {n for n in os.listdir(SHARED_MEMORY) if n.startswith("torchdist-")} \
+    def in_shared_memory():  # this process's runs' only: another test session may share it
+        mine = f"-values-{os.getpid()}-"
+        return {n for n in os.listdir(SHARED_MEMORY) if n.startswith("torchdist-") and mine in n} \
             if os.path.isdir(SHARED_MEMORY) else set()
 
     scratch = tmp_path / "scratch"

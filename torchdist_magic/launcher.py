@@ -92,7 +92,9 @@ SHARED_MEMORY = "/dev/shm"
 def value_directory(prefix: str) -> str:
     """A new directory for ranks' values: in shared memory (``SHARED_MEMORY``) where this machine
     has it, so that a value written there is mapped by the driver, never copied; else an
-    ordinary temporary directory."""
+    ordinary temporary directory.  Its name carries this process's id after ``prefix``, so that
+    what a driver left in the machine-wide shared memory can be told apart from another's."""
+    prefix = f"{prefix}{os.getpid()}-"
     if os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK):
         try:
             return tempfile.mkdtemp(prefix=prefix, dir=SHARED_MEMORY)
