@@ -21,18 +21,10 @@ import nbformat
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "tests")]
 
-from browser.lab import JupyterLab, launch_chromium, run_all_cells, write_notebook  # noqa: E402
+from browser.lab import ALL_BARS_FULL, JupyterLab, launch_chromium, run_all_cells, write_notebook  # noqa: E402
 
 NOTEBOOK = os.path.join(ROOT, "notebooks", "04-launch-panel.ipynb")
 PANEL = ".torchdist-panel"
-#: every rank row of the panel's view has its bars at their totals
-ALL_BARS_FULL = """([scope, count]) => {
-    const rows = document.querySelectorAll(scope + ' .torchdist-rank-row');
-    return rows.length === count && Array.from(rows).every(row => {
-        const bars = row.querySelectorAll('.torchdist-bar');
-        return bars.length > 0 && Array.from(bars).every(b => b.dataset.total && b.dataset.n === b.dataset.total);
-    });
-}"""
 
 
 def panel_cells() -> list:

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from browser.lab import ARTIFACTS, JupyterLab, chromium_and_playwright, launch_chromium, run_all_cells, write_notebook
+from browser.lab import (ALL_BARS_FULL, ARTIFACTS, JupyterLab, chromium_and_playwright, launch_chromium, run_all_cells,
+                         write_notebook)
 from helpers import pids_of_run
 
 MISSING = chromium_and_playwright()
@@ -29,14 +30,6 @@ for i in progress(range(30000), desc="step"):  # ten minutes unless stopped
 """
 PANEL_CODE = "import time\nfor i in progress(range(20), desc='step'):\n    time.sleep(0.05)\nrank + 40"
 
-#: every rank row of a cell's (or the panel's) view has a bar at its total; ``scope`` is a CSS selector
-ALL_BARS_FULL = """([scope, count]) => {
-    const rows = document.querySelectorAll(scope + ' .torchdist-rank-row');
-    return rows.length === count && Array.from(rows).every(row => {
-        const bars = row.querySelectorAll('.torchdist-bar');
-        return bars.length > 0 && Array.from(bars).every(b => b.dataset.total && b.dataset.n === b.dataset.total);
-    });
-}"""
 
 #: both ranks of a view have made progress
 STEPPING = """(scope) => {

@@ -28,6 +28,16 @@ ARTIFACTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path
                          "artifacts")
 
 
+
+#: every rank row of a cell's (or the panel's) view has a bar at its total; ``scope`` is a CSS selector
+ALL_BARS_FULL = """([scope, count]) => {
+    const rows = document.querySelectorAll(scope + ' .torchdist-rank-row');
+    return rows.length === count && Array.from(rows).every(row => {
+        const bars = row.querySelectorAll('.torchdist-bar');
+        return bars.length > 0 && Array.from(bars).every(b => b.dataset.total && b.dataset.n === b.dataset.total);
+    });
+}"""
+
 def find_chromium() -> Optional[str]:
     found = os.environ.get("TORCHDIST_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if found:
