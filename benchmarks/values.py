@@ -51,20 +51,21 @@ def _reset_peak() -> None:
         pass
 
 
-def _peak_bytes() -> int:
+def _status_bytes(field: str) -> int:
+    """A memory figure of this process from ``/proc/self/status`` (``VmHWM``: its peak)."""
     with open("/proc/self/status") as fh:
         for line in fh:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _peak_bytes() -> int:
+    return _status_bytes("VmHWM")
 
 
 def _rss_bytes() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _status_bytes("VmRSS")
 
 
 def time_runs(call, repeat: int) -> float:
