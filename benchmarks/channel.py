@@ -33,7 +33,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-from report import machine, write_json  # noqa: E402  (this script's folder is on sys.path)
+from report import end_processes, machine, write_json  # noqa: E402  (this script's folder is on sys.path)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from torchdist_magic import events, tls  # noqa: E402
@@ -102,11 +102,7 @@ def streams(identity, kind: str, clients: int, count: int) -> dict:
             raise RuntimeError(f"{sink.count} of {sink.expected} records arrived")
         elapsed = sink.last - start
     finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        end_processes(procs, 60)
         server.close()
     if kind == "throughput":
         return {"records": sink.count, "seconds": elapsed, "records_per_s": sink.count / elapsed}

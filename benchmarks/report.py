@@ -22,6 +22,16 @@ def write_json(path: str, result: dict) -> None:
     print(f"\nwrote {path}")
 
 
+def end_processes(procs, wait: float) -> None:
+    """Wait up to ``wait`` seconds for each of ``procs`` (``multiprocessing`` processes), then
+    kill whichever is still there: a benchmark leaves no generator behind."""
+    for p in procs:
+        p.join(wait)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def spark_session(app: str):
     """A quiet ``local[2]`` SparkSession on the loopback interface, without the UI."""
     from pyspark.sql import SparkSession

@@ -49,7 +49,7 @@ import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-from report import machine, write_json  # noqa: E402  (this script's folder is on sys.path)
+from report import end_processes, machine, write_json  # noqa: E402  (this script's folder is on sys.path)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from torchdist_magic import channel, events, tls  # noqa: E402
@@ -325,11 +325,7 @@ def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: b
         if view is not None:
             view.update()
     finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        end_processes(procs, 30)
         server.close()
         if view is not None:
             view.close()
