@@ -60,7 +60,8 @@ def _client(address: str, certificate: str, rank: int, go, kind: str, count: int
 
 
 class Sink:
-    """The server's ``on_event``: counts records, and a metrics record's age on arrival."""
+    """The server's ``on_event``: counts what the clients sent (each metric point: a client
+    sends the points of one flush in one ``Metrics`` record), and each point's age on arrival."""
 
     def __init__(self, expected: int):
         self.expected = expected
@@ -72,9 +73,12 @@ class Sink:
     def __call__(self, record) -> None:
         now = time.monotonic()
         if isinstance(record, events.Metrics):
-            self.latencies.append(now - record.time)
-        self.count += 1
-        if self.count == self.expected:
+            points = record.points()
+            self.latencies += [now - point.time for point in points]
+            self.count += len(points)
+        else:
+            self.count += 1
+        if self.count >= self.expected and not self.done.is_set():
             self.last = now
             self.done.set()
 
