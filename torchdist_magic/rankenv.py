@@ -50,6 +50,8 @@ class RunSpec:
     keep_checkpoints: int = 3
     #: rank r's Arrow file of the run's DataFrame (local processes; a Spark task writes its own)
     data_files: Tuple[str, ...] = ()
+    #: each rank's launcher samples its CPU, memory and GPUs (``sysmetrics``)
+    system_metrics: bool = True
 
     @classmethod
     def resolve(cls, options: LaunchOptions, run_id: str, channel_address: str = "",
@@ -63,7 +65,8 @@ class RunSpec:
                    channel_address=channel_address, secret=secret, launcher_secret=launcher_secret,
                    channel_cert=channel_cert, attempt=attempt, max_restarts=options.max_restarts,
                    checkpoint_dir=options.checkpoint_dir or checkpoint_dir,
-                   keep_checkpoints=options.keep_checkpoints, data_files=tuple(data_files))
+                   keep_checkpoints=options.keep_checkpoints, data_files=tuple(data_files),
+                   system_metrics=options.system_metrics)
 
     def returns_value(self, rank: int) -> bool:
         """Whether ``rank``'s value comes back to the driver."""
@@ -218,6 +221,7 @@ def _run_variables(spec: RunSpec, place: Placement) -> Dict[str, str]:
         "TORCHDIST_RUN_ID": spec.run_id, "TORCHDIST_CHANNEL": spec.channel_address,
         "TORCHDIST_SECRET": spec.secret, "TORCHDIST_CHANNEL_CERT": spec.channel_cert,
         "TORCHDIST_USE_GPU": "1" if spec.use_gpu else "0",
+        "TORCHDIST_SYSTEM_METRICS": "1" if spec.system_metrics else "0",
         "TORCHDIST_RETURN_VALUE": "1" if spec.returns_value(place.rank) else "0",
         # torchrun's names too, so that code written for torchelastic sees the attempt
         "TORCHDIST_RESTART_COUNT": str(spec.attempt), "TORCHELASTIC_RESTART_COUNT": str(spec.attempt),
