@@ -25,7 +25,7 @@ LAYERS = [
     ("backends", {"backends.local", "backends.spark_classic", "backends.spark_connect"}),
     ("backend factory", {"backends"}),
     ("warm pools", {"pool"}),
-    ("runs", {"capture", "distributor"}),
+    ("runs", {"capture", "distributor", "tracking"}),
     ("views", {"view"}),  # every view.* module but the panel
     ("entry points", {"api", "magic", "view.panel", "__init__"}),
 ]

@@ -21,6 +21,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from typing import Any, Dict, List, Optional, Protocol
 
 from .backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
@@ -33,6 +34,7 @@ from . import values as value_blobs
 from .rankenv import RunSpec
 from .state import Attempt, RunDirectory, RunState, is_collateral
 from .timing import ROOT_CAUSE_WAIT, STACKS_COLLECT_WAIT, STOP_GRACE, SUPERVISE_POLL
+from .tracking import MlflowLogger
 
 _last_run: Optional["Run"] = None
 _run_counter = itertools.count(1)
@@ -140,6 +142,12 @@ class Run:
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._supervise, name=f"torchdist-run-{self.run_id}",
                                         daemon=True)
+        #: the run's MLflow run (``mlflow=True``), made here in the caller's thread: it nests under
+        #: that thread's active MLflow run
+        self.tracking: Optional[MlflowLogger] = None
+        self._tracking_warning = ""
+        if options.mlflow:
+            self.tracking = MlflowLogger(self.state, options, job.name)
 
     # -- public API ----------------------------------------------------------------------
     def result(self, timeout: Optional[float] = None) -> Any:
@@ -149,6 +157,9 @@ class Run:
         the run itself goes on."""
         if not self._done.wait(timeout):
             raise ResultTimeout(timeout)
+        if self._tracking_warning:  # said once, in the thread that asked for the result
+            warning, self._tracking_warning = self._tracking_warning, ""
+            warnings.warn(warning, RuntimeWarning, stacklevel=2)
         if self._error is not None:
             raise self._error
         return self._value
@@ -222,7 +233,19 @@ class Run:
             if self.data is not None:
                 self.data.remove_files()  # the ranks' copies of a pandas DataFrame
             self.backend.release()
+            self._close_tracking()
             self._done.set()
+
+    def _close_tracking(self) -> None:
+        """End the MLflow run (before ``result()`` returns: a reader then finds it complete); what
+        it could not log becomes ``result()``'s warning."""
+        if self.tracking is None:
+            return
+        try:
+            self._tracking_warning = self.tracking.close()
+        except Exception as exc:  # the run's own outcome stands; the tracking's failure is said
+            self._tracking_warning = (f"torchdist: MLflow run {self.tracking.run_id} could not be ended: "
+                                      f"{type(exc).__name__}: {exc}")
 
     def _attempt(self, deadline: Optional[float], checkpoints: str) -> bool:
         """Run the current attempt to its end; True when the job is to start again."""

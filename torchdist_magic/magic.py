@@ -13,7 +13,7 @@ from typing import Any, Optional
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
-from traitlets import CaselessStrEnum, Float, Int, Unicode
+from traitlets import Bool, CaselessStrEnum, Float, Int, Unicode
 
 from .options import BACKENDS, FlagError, LaunchOptions, OptionError, flag_specs, options_from_flags, parse_flags
 
@@ -40,6 +40,8 @@ class TorchdistMagics(Magics):
     default_timeout = Float(None, allow_none=True,
                             help="timeout in seconds when --timeout is not given (None: no limit)"
                             ).tag(config=True)
+    mlflow = Bool(False, help="log every run to MLflow when neither --mlflow nor --no-mlflow is given"
+                  ).tag(config=True)
     payload_warning_mb = Float(100.0, help="warn when the notebook values a cell sends are larger (MB)"
                                ).tag(config=True)
     view = CaselessStrEnum(["auto", "widget", "text"], default_value="auto",
@@ -53,7 +55,7 @@ class TorchdistMagics(Magics):
         """What ``%%torchdist`` with no flags uses: the ``%config`` defaults."""
         try:
             return LaunchOptions(num_processes=self.default_np, backend=self.default_backend,
-                                 timeout=self.default_timeout)
+                                 timeout=self.default_timeout, mlflow=self.mlflow)
         except OptionError as exc:
             raise UsageError(f"%config TorchdistMagics: {exc}") from None
 
@@ -133,10 +135,11 @@ class TorchdistMagics(Magics):
              data: Any = None, columns: Optional[list] = None) -> Any:
         """Start, show (unless ``quiet``), return rank 0's value; bad input is a ``UsageError``."""
         from .distributor import follow, submit
+        from .tracking import MlflowUnavailable
 
         try:
             run = submit(target, target_args, {}, options, data=data, columns=columns)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, MlflowUnavailable) as exc:
             raise UsageError(str(exc)) from None
         self.shell.user_ns[RUN_VARIABLE] = run
         observer = None

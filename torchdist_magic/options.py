@@ -182,6 +182,18 @@ class LaunchOptions:
         ),
     )
 
+    mlflow: bool = field(
+        default=False,
+        metadata=_flag(
+            "--mlflow",
+            "log the run to MLflow as one MLflow run (nested under the notebook's active run): the "
+            "options, rank 0's report() metrics, every rank's system metrics, each rank's log, the "
+            "outcome. This notebook writes it, with its tracking URI and experiment: the ranks "
+            "never reach the tracking server",
+            negative=("--no-mlflow", "do not log the run to MLflow (when %config TorchdistMagics.mlflow = True)"),
+        ),
+    )
+
     def __post_init__(self) -> None:
         _check_count("num_processes", self.num_processes, 1)
         _check_bool("use_gpu", self.use_gpu)
@@ -206,6 +218,7 @@ class LaunchOptions:
         if self.tls is not None:
             _check_bool("tls", self.tls, "True, False or None (the backend's default)")
         _check_bool("system_metrics", self.system_metrics)
+        _check_bool("mlflow", self.mlflow)
         if self.warm and self.max_restarts:
             raise OptionValueError("max_restarts", "{name} starts every rank again (a new process group) "
                                    "after a failure, and a warm pool keeps its ranks: use one or the other")

@@ -382,6 +382,8 @@ class RunSnapshot:
     stragglers: Tuple[Straggler, ...] = ()
     #: per rank, seconds since its last record (None: not heard from in this attempt)
     quiet: Tuple[Optional[float], ...] = ()
+    #: where the run is tracked (``tracking.TrackingLink``), or None
+    tracking: Optional[object] = None
 
     @property
     def finished(self) -> bool:
@@ -447,6 +449,16 @@ class RunState:
         self._stacks_came = threading.Condition(self._lock)
         self._unhandled: set = set()                # record types without a handler, named once
         self._pace = Pace(num_processes, clock)      # stragglers, from what arrives when
+        self._listeners: List[Callable[[events.Event], None]] = []
+        #: where the run is tracked (``tracking.TrackingLink``: its MLflow run), or None
+        self.tracking = None
+
+    def listen(self, listener: Callable[[events.Event], None]) -> None:
+        """Call ``listener(record)`` with every record the state takes from now on (those of
+        the current attempt), in the thread that applies it and with the state's lock held: it
+        must return at once (``tracking.MlflowLogger.take`` puts points in a bounded buffer)."""
+        with self._lock:
+            self._listeners.append(listener)
 
     # -- writing -------------------------------------------------------------------------
     def apply(self, event: events.Event, attempt: Optional[int] = None) -> None:
@@ -466,6 +478,8 @@ class RunState:
                 handler = RunState._on_unhandled
             handler(self, self.ranks[rank], event)
             self._pace.saw(rank, event)
+            for listener in self._listeners:
+                listener(event)
             self.version += 1
             self._rank_versions[rank] = self.version
 
@@ -694,7 +708,7 @@ class RunState:
                 use_gpu=self.use_gpu, job_name=self.job_name, state=self.state, started=self.started,
                 ended=self.ended, failure=self.failure, message=self.message, attempt=self.attempt,
                 max_attempts=self.max_attempts, attempts=tuple(self.attempts), ranks=ranks,
-                stacks=dict(self.stacks), changed=changed, quiet=quiet,
+                stacks=dict(self.stacks), changed=changed, quiet=quiet, tracking=self.tracking,
                 stragglers=tuple(self._pace.stragglers([rs.host for rs in self.ranks], check=self.ended is None)))
 
     def read_log(self, rank: int, start: int = 0, limit: Optional[int] = None, newest: bool = False) -> LogRead:

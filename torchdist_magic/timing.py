@@ -73,6 +73,9 @@ OUTPUT_END_WAIT = 2.0
 #: how long sending a job to a warm pool's ranks may wait for room on the channel
 WARM_SEND_WAIT = 60.0
 
+#: how often the driver writes a run's new metric points to MLflow (``tracking``)
+MLFLOW_FLUSH_INTERVAL = 1.0
+
 #: how often a rank's launcher samples its processes' CPU and memory (``sysmetrics``)
 SYSTEM_METRICS_INTERVAL = 2.0
 #: ... and how often once their memory is past ``sysmetrics.NEAR_LIMIT_FAST`` of its limit, so

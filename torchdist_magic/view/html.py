@@ -47,6 +47,9 @@ def header_html(facts: RunFacts) -> str:
         f'<span class="torchdist-gpu">{"gpu" if facts.use_gpu else "cpu"}</span>',
         f'<span class="torchdist-elapsed" title="elapsed">{format_duration(facts.elapsed)}</span>',
     ]
+    if facts.tracking_url:
+        parts.append(f'<a class="torchdist-mlflow" href="{_esc(facts.tracking_url)}" target="_blank" '
+                     f'rel="noopener" title="{_esc(facts.tracking_text)}">MLflow run</a>')
     if facts.attempt_text:
         parts.append(f'<span class="torchdist-attempt" data-attempt="{facts.attempt}">'
                      f'{_esc(facts.attempt_text)}</span>')

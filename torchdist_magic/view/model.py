@@ -114,6 +114,8 @@ class RunFacts:
     attempt: int = 1               # the current attempt, of ``max_attempts`` (1 + max_restarts)
     max_attempts: int = 1
     earlier: List[str] = field(default_factory=list)   # "attempt 1: rank 1 was killed by SIGKILL"
+    tracking_url: str = ""         # the page of the run's MLflow run, when its server has a UI
+    tracking_text: str = ""        # "MLflow run <id>: <page, or where it is>"; "" when not tracked
 
     @property
     def attempt_text(self) -> str:
@@ -133,7 +135,9 @@ def run_facts(state: State) -> RunFacts:
     return RunFacts(run_id=snap.run_id, state=snap.state, job_name=snap.job_name, backend=snap.backend,
                     num_processes=snap.num_processes, use_gpu=snap.use_gpu, elapsed=snap.elapsed(),
                     finished=snap.finished, outcome=outcome, attempt=snap.attempt,
-                    max_attempts=snap.max_attempts, earlier=earlier)
+                    max_attempts=snap.max_attempts, earlier=earlier,
+                    tracking_url=snap.tracking.url if snap.tracking is not None else "",
+                    tracking_text=snap.tracking.text() if snap.tracking is not None else "")
 
 
 # -- one row per rank -----------------------------------------------------------------------------

@@ -36,7 +36,8 @@ def header(state: State) -> str:
     facts = run_facts(state)
     gpu = ", gpu" if facts.use_gpu else ""
     name = f" {facts.job_name}" if facts.job_name else ""
-    return f"torchdist: run{name} on {facts.backend}, np={facts.num_processes}{gpu}"
+    line = f"torchdist: run{name} on {facts.backend}, np={facts.num_processes}{gpu}"
+    return f"{line}\ntorchdist: {facts.tracking_text}" if facts.tracking_text else line
 
 
 def _rank_line(rs) -> str:
