@@ -60,6 +60,7 @@ BAD = [
      "--checkpoint-dir must be a directory path"),
     ("tls", "yes", TypeError, "tls must be True, False or None (the backend's default), got 'yes'",
      "--tls must be True, False or None"),
+    ("mlflow", "yes", TypeError, "mlflow must be True or False, got 'yes'", "--mlflow must be True or False"),
 ]
 
 
@@ -179,3 +180,12 @@ def test_tls_is_a_switch_of_two_flags_and_neither_means_the_default():
     for line in ("--tls --no-tls", "--no-tls --tls"):
         with pytest.raises(FlagError, match=r"^--tls and --no-tls contradict each other: give one$"):
             parse_flags(line)
+
+
+def test_mlflow_is_off_by_default_and_a_switch_over_the_configured_default():
+    assert LaunchOptions().mlflow is False
+    assert options_from_flags(parse_flags("--mlflow"), LaunchOptions()).mlflow is True
+    assert options_from_flags(parse_flags("--np 2"), LaunchOptions(mlflow=True)).mlflow is True
+    assert options_from_flags(parse_flags("--no-mlflow"), LaunchOptions(mlflow=True)).mlflow is False
+    with pytest.raises(FlagError, match=r"^--mlflow and --no-mlflow contradict each other: give one$"):
+        parse_flags("--mlflow --no-mlflow")

@@ -263,6 +263,9 @@ class MlflowLogger:
                          "torchdist.root_cause": _clip(failure.summary())})
             if failure.host:
                 tags["torchdist.failed_host"] = failure.host
+        for ended in snap.attempts:  # a run that restarted: what ended each earlier attempt
+            if ended.failure is not None:
+                tags[f"torchdist.attempt_{ended.number}.root_cause"] = _clip(ended.failure.summary())
         lost = self.dropped + self.failed
         if lost:
             tags["torchdist.dropped_metric_points"] = str(lost)
