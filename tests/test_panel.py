@@ -218,6 +218,15 @@ def test_the_tls_switch_shows_default_on_off_and_round_trips_through_the_flags(p
         assert parse_line(line).tls is value
 
 
+def test_system_metrics_is_a_checkbox_on_by_default_that_round_trips_through_the_flags(panel):
+    assert panel.controls["system_metrics"].value is True
+    panel.controls["system_metrics"].value = False
+    assert panel.options().system_metrics is False
+    line = P.command_line(panel.options())
+    assert line == "%%torchdist --np 1 --no-system-metrics"
+    assert parse_line(line).system_metrics is False
+
+
 def test_quoted_env_round_trips_through_the_flags():
     opts = LaunchOptions(num_processes=2, env={"A": "x y", "B": "it's"})
     assert parse_line(P.command_line(opts)) == opts

@@ -48,8 +48,6 @@ RUN_SYSTEM_POINTS = 200_000
 MIN_SYSTEM_POINTS = 64
 #: the keys of a system sample its history keeps (what the views plot), in this order
 SYSTEM_HISTORY_KEYS = ("cpu_percent", "rss_bytes", "gpu_memory_used_bytes", "gpu_util_percent")
-#: how much of a new step time goes into a rank's smoothed ``step_time`` (exponential average)
-STEP_TIME_WEIGHT = 0.3
 #: a rank's log keeps at most this many lines (and ``LOG_MEMORY_CHARS`` characters) in memory;
 #: past that the older half goes to the rank's file
 LOG_MEMORY_LINES = 20_000
@@ -303,7 +301,6 @@ class RankState(_Bars):
     step_time: Optional[float] = None
     #: the samples of ``system`` so far: ``(time, *SYSTEM_HISTORY_KEYS)``, None where a sample lacked it
     system_samples: List[Tuple[Optional[float], ...]] = field(default_factory=list)
-    _step_last: Optional[Tuple[str, int, float]] = None     # (bar, n, elapsed) of the last step time
 
 
 @dataclass(frozen=True)
@@ -512,24 +509,15 @@ class RunState:
         self._step_time(rs, e)
 
     def _step_time(self, rs: RankState, e: events.Progress) -> None:
-        """Update ``rs.step_time`` from its innermost running bar: the time per step since that
-        bar's last update (its own ``elapsed`` and ``n``), averaged; it goes on across bars of
-        the same description (the next epoch's)."""
+        """Update ``rs.step_time`` from its innermost running bar: that bar's seconds per step so
+        far (its ``elapsed`` over its ``n``: tqdm's average rate, smoothed over the bar, which
+        starts again with each epoch's).  Goes to ``stragglers`` too (a rank whose step time is
+        well above the median is slow)."""
         running = [bar for bar, b in rs.progress.items() if b["state"] == "running"]
         if not running:
-            rs.step_time, rs._step_last = None, None
+            rs.step_time = None
         elif running[-1] == e.bar and e.n > 0:
-            last = rs._step_last
-            if last is not None and last[0] == e.bar and e.n > last[1]:
-                seconds = (e.elapsed - last[2]) / (e.n - last[1])
-            elif last is None or last[0] != e.bar:
-                seconds = e.elapsed / e.n
-            else:
-                return  # the same count again (a postfix changed)
-            seconds = max(seconds, 0.0)
-            rs.step_time = seconds if rs.step_time is None else (
-                STEP_TIME_WEIGHT * seconds + (1 - STEP_TIME_WEIGHT) * rs.step_time)
-            rs._step_last = (e.bar, e.n, e.elapsed)
+            rs.step_time = max(e.elapsed, 0.0) / e.n
         self._pace.step_time(rs.rank, rs.step_time, e.desc or e.bar)
 
     def _on_system(self, rs: RankState, e: events.SystemMetrics) -> None:

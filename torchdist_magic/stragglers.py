@@ -180,7 +180,8 @@ class Pace:
                 compared.update(steps)
                 for r, seconds in steps.items():
                     if median > 0 and seconds > SLOW_STEP_RATIO * median:
-                        note(r, (1, 1 / median), f"{_seconds_text(seconds)}/step against a median of "
+                        # the rank's own measure: said when the driver's measures say nothing
+                        note(r, (-1, seconds), f"{_seconds_text(seconds)}/step against a median of "
                                                  f"{_seconds_text(median)}/step ({name})")
         for r in compared:
             if r in odd:

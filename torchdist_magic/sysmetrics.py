@@ -239,9 +239,8 @@ class RankSampler:
             kills = cgroup_oom_kills(self._cgroup)
             if kills is not None and kills > self._oom_kills_before:
                 peak = cgroup_peak(self._cgroup)
-                reached = f"{gib(peak)} of {gib(limit)}" if peak else f"its limit of {gib(limit)}"
-                return (f"probably out of memory: the kernel's OOM killer fired in its cgroup at {reached}; "
-                        f"RSS {gib(rss)} when last sampled")
+                return (f"probably out of memory: RSS {gib(rss)} of {gib(limit)} when last sampled; the "
+                        f"kernel's OOM killer fired in its cgroup" + (f", whose memory reached {gib(peak)}" if peak else ""))
         if limit and rss >= NEAR_LIMIT * limit:
             return f"probably out of memory: RSS {gib(rss)} of {gib(limit)} ({where})"
         available = self.last.get("host_memory_available_bytes", 0.0)
