@@ -348,7 +348,24 @@ def test_without_mlflow_installed_nothing_starts_and_the_error_says_what_to_inst
     assert last_run() is before  # no run started
 
 
-def test_an_unreachable_tracking_server_is_refused_before_anything_starts(local_distributor, monkeypatch):
+def test_the_panel_shows_why_it_could_not_start_the_mlflow_run(monkeypatch):
+    from test_panel import Notebook
+    from torchdist_magic.distributor import last_run
+    from torchdist_magic.options import LaunchOptions
+    from torchdist_magic.view.panel import LaunchPanel
+
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    panel = LaunchPanel(Notebook(), LaunchOptions())
+    panel.code.value = "1"
+    panel.controls["mlflow"].value = True
+    assert panel.command_text() == "%%torchdist --np 1 --mlflow\n1"
+    before = last_run()
+    assert panel.launch() is None and panel.run is None and last_run() is before
+    assert "torchdist-launch-error" in panel.message.value
+    assert "the mlflow package is not installed here: pip install mlflow" in panel.message.value
+
+
+def test_an_unreachable_tracking_server_is_refused_before_anything_starts(ip, capsys, local_distributor, monkeypatch):
     from torchdist_magic.distributor import last_run
     from torchdist_magic.tracking import TrackingError
 
@@ -360,4 +377,8 @@ def test_an_unreachable_tracking_server_is_refused_before_anything_starts(local_
     with pytest.raises(TrackingError, match=rf"^could not start an MLflow run at {uri}: ") as info:
         local_distributor(1, mlflow=True).run(one)
     assert "Connection refused" in str(info.value) or "Max retries" in str(info.value)
+    result = cell(ip, "%%torchdist --np 1 --mlflow\n1")
+    assert result.error_in_exec is not None
+    text = "".join(capsys.readouterr())
+    assert f"UsageError: could not start an MLflow run at {uri}: " in text and "Traceback" not in text
     assert last_run() is before

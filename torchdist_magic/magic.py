@@ -135,11 +135,11 @@ class TorchdistMagics(Magics):
              data: Any = None, columns: Optional[list] = None) -> Any:
         """Start, show (unless ``quiet``), return rank 0's value; bad input is a ``UsageError``."""
         from .distributor import follow, submit
-        from .tracking import MlflowUnavailable
+        from .tracking import MlflowUnavailable, TrackingError
 
         try:
             run = submit(target, target_args, {}, options, data=data, columns=columns)
-        except (TypeError, ValueError, MlflowUnavailable) as exc:
+        except (TypeError, ValueError, MlflowUnavailable, TrackingError) as exc:
             raise UsageError(str(exc)) from None
         self.shell.user_ns[RUN_VARIABLE] = run
         observer = None

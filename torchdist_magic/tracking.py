@@ -117,8 +117,6 @@ def metric_name(name: str) -> str:
 
 def _number(value: Any) -> Optional[float]:
     """A metric value as a float (a non-finite one arrives as its text: ``"nan"``); else None."""
-    if isinstance(value, bool):
-        return float(value)
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -174,14 +172,18 @@ class MlflowLogger:
         self.errors: List[str] = []
         self._stop = threading.Event()
         try:
-            params = [(k, v) for k, v in launch_params(options, job_name).items()]
             from mlflow.entities import Param
+
+            params = list(launch_params(options, job_name).items())
 
             for i in range(0, len(params), BATCH_PARAMS):
                 self._client.log_batch(self.run_id, params=[Param(k, v) for k, v in params[i:i + BATCH_PARAMS]],
                                        synchronous=True)
         except Exception as exc:
-            self._client.set_terminated(self.run_id, "FAILED")
+            try:
+                self._client.set_terminated(self.run_id, "FAILED")
+            except Exception:  # the error below says what went wrong first
+                pass
             raise TrackingError(f"could not log the launch options to the MLflow run {self.run_id} at "
                                 f"{self.tracking_uri}: {type(exc).__name__}: {exc}") from exc
         state.tracking = self.link

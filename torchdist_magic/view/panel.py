@@ -377,6 +377,7 @@ class LaunchPanel:
         """Start the run the panel describes; its ``Run`` handle, or None when it could not start
         (the reason is shown in the panel)."""
         from ..distributor import submit
+        from ..tracking import MlflowUnavailable, TrackingError
 
         with self._lock:
             if self.running or not self.validate():
@@ -385,7 +386,7 @@ class LaunchPanel:
             try:
                 target, args, kwargs = self._target()
                 run = submit(target, args, kwargs, options)
-            except (TypeError, ValueError) as exc:  # a CaptureError is a ValueError
+            except (TypeError, ValueError, MlflowUnavailable, TrackingError) as exc:  # a CaptureError is a ValueError
                 self.message.value = (f'<pre class="torchdist-launch-error" style="color:{ERROR};white-space:pre-wrap;'
                                       f'margin:0">{html.escape(_shown(exc))}</pre>')
                 return None
