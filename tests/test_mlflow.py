@@ -268,6 +268,24 @@ def test_points_that_find_the_buffer_full_are_counted_and_said(local_distributor
     run.result()  # said once
 
 
+def test_points_still_unwritten_when_the_wait_at_the_end_is_over_are_counted_and_said(
+        local_distributor, experiment, monkeypatch):
+    import torchdist_magic.tracking as tracking
+
+    monkeypatch.setattr(tracking, "MLFLOW_FLUSH_INTERVAL", 3600.0)  # everything waits for the end...
+    monkeypatch.setattr(tracking, "MLFLOW_CLOSE_WAIT", 0.0)         # ... which has no time for it
+    run = local_distributor(1, mlflow=True, system_metrics=False).submit(report_many, 20)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert run.result(timeout=120) == 20
+    (text,) = [str(w.message) for w in caught]
+    assert text.endswith(": 20 metric points were not written: the tracking store took more than 0 s for the "
+                         "points still buffered when the run ended")
+    (mlrun,) = runs_of(experiment)
+    assert mlrun.data.tags["torchdist.dropped_metric_points"] == "20"
+    assert mlrun.info.status == "FINISHED" and history(mlrun.info.run_id, "attempt") == [(0, 1.0)]
+    assert history(mlrun.info.run_id, "loss") == []
+
+
 # -- classic Spark ---------------------------------------------------------------------------------
 @pytest.mark.spark
 def test_a_spark_run_is_written_by_the_driver(spark_local2, experiment, tmp_path):

@@ -75,6 +75,9 @@ WARM_SEND_WAIT = 60.0
 
 #: how often the driver writes a run's new metric points to MLflow (``tracking``)
 MLFLOW_FLUSH_INTERVAL = 1.0
+#: when a run ends, how long its result waits for the MLflow points still buffered to be written
+#: (the rest is counted and said); its logs and status are written after that
+MLFLOW_CLOSE_WAIT = 30.0
 
 #: how often a rank's launcher samples its processes' CPU and memory (``sysmetrics``)
 SYSTEM_METRICS_INTERVAL = 2.0

@@ -19,9 +19,11 @@ run when there is one.  It holds:
 
 Never in the ranks' way.  ``RunState`` hands every record it takes to ``MlflowLogger.take`` in
 the channel's thread, which keeps the metric points in a bounded buffer and returns; the
-logger's own thread writes them with ``log_batch`` every ``MLFLOW_FLUSH_INTERVAL``.  Points that
-find the buffer full, or that the tracking server refused, are counted: the run's ``result()``
-warns with the count, and the MLflow run has it as the tag ``torchdist.dropped_metric_points``.
+logger's own thread writes them with ``log_batch`` every ``MLFLOW_FLUSH_INTERVAL``.  When the run
+ends, what is still buffered is written for at most ``MLFLOW_CLOSE_WAIT`` (the buffer's bound
+keeps that short on a store that keeps up).  Points that find the buffer full, that the tracking
+server refused, or that were still unwritten then, are counted: the run's ``result()`` warns with
+the count, and the MLflow run has it as the tag ``torchdist.dropped_metric_points``.
 
 ``mlflow`` is imported when a run asks for it, never with the extension.
 """
@@ -39,7 +41,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from . import events
 from .options import LaunchOptions, option_fields
 from .state import RunState
-from .timing import MLFLOW_FLUSH_INTERVAL
+from .timing import MLFLOW_CLOSE_WAIT, MLFLOW_FLUSH_INTERVAL
 
 #: metric points waiting to be written at most; more are dropped (and counted)
 QUEUE_POINTS = 100_000
@@ -168,7 +170,8 @@ class MlflowLogger:
         self._system_steps: Dict[int, int] = {}
         self._attempt_logged = 0
         self.dropped = 0            # points that found the buffer full
-        self.failed = 0             # points (and artifacts, tags) the tracking server refused
+        self.failed = 0             # points the tracking server refused
+        self.late = 0               # points still unwritten ``MLFLOW_CLOSE_WAIT`` after the run ended
         self.errors: List[str] = []
         self._stop = threading.Event()
         try:
@@ -222,23 +225,30 @@ class MlflowLogger:
         while not self._stop.wait(MLFLOW_FLUSH_INTERVAL):
             self._flush()
 
-    def _flush(self) -> None:
-        from mlflow.entities import Metric
-
+    def _flush(self, deadline: Optional[float] = None) -> None:
+        """Write the buffered points (and a new attempt); with a ``deadline`` (``time.monotonic``)
+        the points still unwritten then are counted as ``late``."""
         with self._lock:
             rows, self._pending = self._pending, []
         attempt = self.state.attempt
         if attempt > self._attempt_logged:
             now = _ms(0)
-            rows += [("attempt", float(n), now, n - 1) for n in range(self._attempt_logged + 1, attempt + 1)]
+            self._write([("attempt", float(n), now, n - 1) for n in range(self._attempt_logged + 1, attempt + 1)])
             self._attempt_logged = attempt
         for i in range(0, len(rows), BATCH_METRICS):
-            chunk = rows[i:i + BATCH_METRICS]
-            try:
-                self._client.log_batch(self.run_id, metrics=[Metric(*row) for row in chunk], synchronous=True)
-            except Exception as exc:
-                self.failed += len(chunk)
-                self._error(f"log_batch: {type(exc).__name__}: {exc}")
+            if deadline is not None and time.monotonic() >= deadline:
+                self.late += len(rows) - i
+                return
+            self._write(rows[i:i + BATCH_METRICS])
+
+    def _write(self, rows: List[Tuple[str, float, int, int]]) -> None:
+        from mlflow.entities import Metric
+
+        try:
+            self._client.log_batch(self.run_id, metrics=[Metric(*row) for row in rows], synchronous=True)
+        except Exception as exc:
+            self.failed += len(rows)
+            self._error(f"log_batch: {type(exc).__name__}: {exc}")
 
     def _error(self, text: str) -> None:
         if len(self.errors) < 3:  # the first few say why; the counts say how much
@@ -250,7 +260,7 @@ class MlflowLogger:
         user should see (points not logged, a write that failed), or ``""``."""
         self._stop.set()
         self._thread.join()
-        self._flush()
+        self._flush(deadline=time.monotonic() + MLFLOW_CLOSE_WAIT)
         snap = self.state.snapshot()
         self._write_artifacts(snap)
         tags = {"torchdist.state": snap.state, "torchdist.attempts": str(snap.attempt)}
@@ -268,7 +278,7 @@ class MlflowLogger:
         for ended in snap.attempts:  # a run that restarted: what ended each earlier attempt
             if ended.failure is not None:
                 tags[f"torchdist.attempt_{ended.number}.root_cause"] = _clip(ended.failure.summary())
-        lost = self.dropped + self.failed
+        lost = self.dropped + self.failed + self.late
         if lost:
             tags["torchdist.dropped_metric_points"] = str(lost)
         try:
@@ -310,6 +320,9 @@ class MlflowLogger:
         if self.dropped:
             parts.append(f"{_points(self.dropped)} not logged: they came faster than they could be written "
                          f"(at most {QUEUE_POINTS} wait)")
+        if self.late:
+            parts.append(f"{_points(self.late)} not written: the tracking store took more than "
+                         f"{MLFLOW_CLOSE_WAIT:g} s for the points still buffered when the run ended")
         if self.failed:
             parts.append(f"{_points(self.failed)} refused by the tracking server")
         if self.errors:
