@@ -3,7 +3,8 @@
 Against a real tracking store (``sqlite:`` in the test's directory, artifacts beside it), read
 back with ``MlflowClient``: params, metric histories with their steps, system metrics, the logs
 as artifacts, status and tags; for a good run, a failed one, a restarted one, a cancelled one,
-warm cells, a run nested under the notebook's active run, on local processes and classic Spark.
+warm cells, a run nested under the notebook's active run; the good, failed and restarted ones on
+local processes and on classic Spark ``local[2]``.
 Then what a user sees: the view's line and link, the warning when points were dropped, the
 errors when mlflow is missing or the tracking server cannot be reached.
 """
@@ -136,21 +137,45 @@ def one():
     return 1
 
 
-# -- runs on local processes ---------------------------------------------------------------------
-def test_a_good_run_is_one_mlflow_run_with_options_metrics_system_metrics_and_logs(
-        local_distributor, experiment, tmp_path):
-    run = local_distributor(2, mlflow=True, timeout=300, env={"SECRET_TOKEN": "s3cret"}).submit(
+class Backend:
+    """Where a test's runs go: ``make(n, **options)`` a silent Distributor there; ``name`` the
+    ``backend`` param it logs; ``nothing_left(run)`` checks that no process (and no Spark task
+    directory) of the run is left."""
+
+    def __init__(self, name, local_mode, nothing_left):
+        self.name, self.local_mode, self.nothing_left = name, local_mode, nothing_left
+
+    def make(self, n, **options):
+        from torchdist_magic import Distributor
+
+        return Distributor(n, local_mode=self.local_mode, show=None, **options)
+
+
+@pytest.fixture(params=["local", pytest.param("spark", marks=pytest.mark.spark)])
+def on(request):
+    """The good, failed and restarted runs on local processes and on classic Spark ``local[2]``."""
+    from helpers import assert_nothing_left
+
+    if request.param == "local":
+        return Backend("local", True, assert_no_survivors)
+    request.getfixturevalue("spark_local2")
+    return Backend("spark", False, assert_nothing_left)
+
+
+# -- good, failed, restarted: local processes and classic Spark --------------------------------------
+def test_a_good_run_is_one_mlflow_run_with_options_metrics_system_metrics_and_logs(on, experiment, tmp_path):
+    run = on.make(2, mlflow=True, timeout=300, env={"SECRET_TOKEN": "s3cret"}).submit(
         report_then_wait, str(tmp_path), 4)
     assert run.state.tracking is not None and run.state.tracking.url == ""  # sqlite: no web page
     wait_for_points(run, "loss", 4)
     wait_for_samples(run)
     touch(tmp_path / "go")
-    assert run.result(timeout=120) == 0
+    assert run.result(timeout=180) == 0
     (mlrun,) = runs_of(experiment)
     run_id = mlrun.info.run_id
     assert run_id == run.tracking.run_id == run.state.tracking.run_id
     assert mlrun.info.status == "FINISHED" and mlrun.info.run_name == "report_then_wait"
-    assert mlrun.data.params == {"num_processes": "2", "backend": "local", "use_gpu": "False", "timeout": "300",
+    assert mlrun.data.params == {"num_processes": "2", "backend": on.name, "use_gpu": "False", "timeout": "300",
                                  "env": "SECRET_TOKEN", "job": "report_then_wait"}  # env: names, not values
     assert mlrun.data.tags["torchdist.state"] == "succeeded" and mlrun.data.tags["torchdist.run_id"] == run.run_id
     assert "mlflow.parentRunId" not in mlrun.data.tags and "torchdist.dropped_metric_points" not in mlrun.data.tags
@@ -169,15 +194,15 @@ def test_a_good_run_is_one_mlflow_run_with_options_metrics_system_metrics_and_lo
     assert artifact(run_id, "logs/rank_0.txt") == run.logs(0)
     assert "rank 1 step 3\n" in artifact(run_id, "logs/rank_1.txt")
     assert [a.path for a in mlflow.MlflowClient().list_artifacts(run_id)] == ["logs"]  # no failure.txt
-    assert_no_survivors(run)
+    on.nothing_left(run)
 
 
-def test_a_failed_run_is_failed_with_its_root_cause_as_tags(local_distributor, experiment, tmp_path):
-    run = local_distributor(2, mlflow=True).submit(fail_on_rank1, str(tmp_path))
+def test_a_failed_run_is_failed_with_its_root_cause_as_tags(on, experiment, tmp_path):
+    run = on.make(2, mlflow=True).submit(fail_on_rank1, str(tmp_path))
     wait_until(lambda: (tmp_path / "up-0").exists() and (tmp_path / "up-1").exists(), 60, "both ranks up")
     touch(tmp_path / "go")
     with pytest.raises(RankFailure):
-        run.result(timeout=120)
+        run.result(timeout=180)
     (mlrun,) = runs_of(experiment)
     tags = mlrun.data.tags
     assert mlrun.info.status == "FAILED"
@@ -187,17 +212,17 @@ def test_a_failed_run_is_failed_with_its_root_cause_as_tags(local_distributor, e
     failure = artifact(mlrun.info.run_id, "failure.txt")
     assert "raised ValueError: bad batch 7" in failure and 'raise ValueError("bad batch 7")' in failure
     assert "rank 1 up" in artifact(mlrun.info.run_id, "logs/rank_1.txt")
-    assert_no_survivors(run)
+    on.nothing_left(run)
 
 
-def test_a_restarted_run_is_one_mlflow_run_with_the_attempt_as_a_metric(local_distributor, experiment, tmp_path):
-    run = local_distributor(2, mlflow=True, max_restarts=1).submit(fail_the_first_attempt, str(tmp_path))
+def test_a_restarted_run_is_one_mlflow_run_with_the_attempt_as_a_metric(on, experiment, tmp_path):
+    run = on.make(2, mlflow=True, max_restarts=1).submit(fail_the_first_attempt, str(tmp_path))
     for attempt in (1, 2):
         wait_until(lambda: all((tmp_path / f"attempt{attempt}-{r}").exists() for r in (0, 1)), 60,
                    f"attempt {attempt} of both ranks")
         wait_for_points(run, "loss", 1)
         touch(tmp_path / f"go{attempt}")
-    assert run.result(timeout=120) == 2
+    assert run.result(timeout=180) == 2
     (mlrun,) = runs_of(experiment)
     run_id = mlrun.info.run_id
     assert mlrun.info.status == "FINISHED" and mlrun.data.params["max_restarts"] == "1"
@@ -207,11 +232,12 @@ def test_a_restarted_run_is_one_mlflow_run_with_the_attempt_as_a_metric(local_di
     log = artifact(run_id, "logs/rank_1.txt")
     assert log == "rank 1 attempt 1\nrank 1 attempt 2\n"
     assert mlrun.data.tags["torchdist.attempt_1.root_cause"].endswith("raised RuntimeError: lost a worker in attempt 1")
-    assert_no_survivors(run)
+    on.nothing_left(run)
     del run  # its directory (the default checkpoints) goes with it
     _forget_runs()
 
 
+# -- more runs on local processes -------------------------------------------------------------------
 def test_a_cancelled_run_is_killed(local_distributor, experiment, tmp_path):
     run = local_distributor(2, mlflow=True).submit(sleep_long, str(tmp_path))
     wait_until(lambda: (tmp_path / "up-0").exists() and (tmp_path / "up-1").exists(), 60, "both ranks up")
@@ -284,26 +310,6 @@ def test_points_still_unwritten_when_the_wait_at_the_end_is_over_are_counted_and
     assert mlrun.data.tags["torchdist.dropped_metric_points"] == "20"
     assert mlrun.info.status == "FINISHED" and history(mlrun.info.run_id, "attempt") == [(0, 1.0)]
     assert history(mlrun.info.run_id, "loss") == []
-
-
-# -- classic Spark ---------------------------------------------------------------------------------
-@pytest.mark.spark
-def test_a_spark_run_is_written_by_the_driver(spark_local2, experiment, tmp_path):
-    from helpers import assert_nothing_left
-    from torchdist_magic import Distributor
-
-    run = Distributor(2, local_mode=False, show=None, mlflow=True).submit(report_then_wait, str(tmp_path), 3)
-    wait_for_points(run, "loss", 3)
-    wait_for_samples(run)
-    touch(tmp_path / "go")
-    assert run.result(timeout=180) == 0
-    (mlrun,) = runs_of(experiment)
-    run_id = mlrun.info.run_id
-    assert mlrun.info.status == "FINISHED" and mlrun.data.params["backend"] == "spark"
-    assert history(run_id, "loss") == [(0, 1.0), (10, 0.5), (20, 1 / 3)]
-    assert {f"system/rank_{r}/rss_bytes" for r in (0, 1)} <= set(mlrun.data.metrics)
-    assert "rank 1 step 2\n" in artifact(run_id, "logs/rank_1.txt")
-    assert_nothing_left(run)
 
 
 # -- what a user sees ------------------------------------------------------------------------------
