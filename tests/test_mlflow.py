@@ -353,6 +353,20 @@ def test_the_magic_logs_when_configured_and_not_with_no_mlflow(ip, capsys, exper
     assert len(runs_of(experiment)) == 2
 
 
+def test_a_run_without_mlflow_never_imports_it():
+    import subprocess
+
+    code = "\n".join((
+        "import sys",
+        "from torchdist_magic import Distributor",
+        "def one():",
+        "    return 1",
+        "assert Distributor(2, show='text').run(one) == 1",
+        "print('mlflow' in sys.modules)"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "MLflow" not in out and out.splitlines()[-1] == "False"
+
+
 def test_without_mlflow_installed_nothing_starts_and_the_error_says_what_to_install(
         ip, capsys, local_distributor, monkeypatch):
     from torchdist_magic.distributor import last_run
