@@ -187,6 +187,13 @@ def test_the_points_of_one_metrics_record_are_applied_in_order():
     assert rs.metrics == {"loss": 0.25, "acc": 0.9}
 
 
+def test_a_log_record_with_more_lines_round_trips():
+    record = events.Log(rank=2, line="a", more=[events.OutputLine("stderr", "b", True)])
+    assert events.decode(json.loads(events.dumps(record))) == record
+    with pytest.raises(events.MalformedEvent):
+        events.decode({"type": "log", "rank": 0, "line": "a", "more": [{"stream": "stdout", "line": 3}]})
+
+
 def test_a_run_of_many_ranks_keeps_a_share_of_the_runs_memory_for_each():
     from torchdist_magic import state as S
 

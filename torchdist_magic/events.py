@@ -35,7 +35,7 @@ from traceback import format_exception as _format_exception
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Type, Union
 
 #: bumped whenever a record changes shape; the channel refuses a peer with another version
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class MalformedEvent(ValueError):
@@ -140,13 +140,29 @@ class Started(Event):
 
 
 @dataclass
+class OutputLine:
+    """One line of a rank's output after the first of a ``Log`` record."""
+
+    stream: str = "stdout"
+    line: str = ""
+    cr: bool = False
+
+
+@dataclass
 class Log(Event):
-    """One line of a rank's output; ``cr`` when it ended with ``\\r`` (a redrawn progress line)."""
+    """One line of a rank's output; ``cr`` when it ended with ``\\r`` (a redrawn progress line).
+    ``more``: the lines that followed it, in order, sent in the same record (a client puts the
+    lines of one flush into one record: ``channel.merge_logs``)."""
 
     type: ClassVar[str] = "log"
     stream: str = "stdout"
     line: str = ""
     cr: bool = False
+    more: List[OutputLine] = field(default_factory=list)
+
+    def lines(self) -> List[OutputLine]:
+        """Every line this record carries, in the order the rank wrote them."""
+        return [OutputLine(self.stream, self.line, self.cr), *self.more]
 
 
 @dataclass
