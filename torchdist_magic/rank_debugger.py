@@ -103,9 +103,14 @@ class Session:
                                                    prompt=prompt, end=end, time=self.time))
 
     def flush(self) -> None:
-        text = self._take()
-        if text:
-            self._send(text)
+        """Send the complete lines written so far; an unfinished one may be a prompt, which
+        ``readline`` sends as such."""
+        with self._lock:
+            text = "".join(self._pending)
+            head, newline, tail = text.rpartition("\n")
+            self._pending = [tail] if tail else []
+        if newline:
+            self._send(head + newline)
 
     def readline(self) -> str:
         """The next line the user typed; ``""`` (end of input: pdb quits, ``interact`` returns)
@@ -156,7 +161,6 @@ class RankPdb(pdb.Pdb):
             super().interaction(frame, traceback)
         finally:
             sys.stdin, sys.stdout = saved
-            self.session.flush()
 
     def set_continue(self):
         super().set_continue()
