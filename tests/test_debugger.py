@@ -258,3 +258,61 @@ def test_a_session_without_input_ends_at_the_idle_limit(kernel):
     assert "torchdist: no input for 1 s: the debugger session on rank 1 ends (--debug-idle-timeout)" in cell.text
     assert cell.error[0] == "RankFailure" and "bad value 21" in cell.error[1]
     assert_no_worker_left(kernel)
+
+
+@pytest.mark.spark
+def test_post_mortem_on_a_spark_local2_rank(kernel, tmp_path):
+    pytest.importorskip("pyspark")
+    kernel.run(f"from spark_fixtures import SparkSessions\n_sessions = SparkSessions({str(tmp_path)!r})\n"
+               "spark = _sessions.get('local[2]')")
+    try:
+        typist = Typist({1: ["p z", "up", "p x", "q"]})
+        cell = kernel.cell("%%torchdist --np 2 --pdb --quiet\n" + FAILING_CELL, typist)
+        assert typist.ranks == [1, 1, 1, 1], cell.text
+        assert "\n21\n" in cell.text and "\n20\n" in cell.text
+        assert cell.error[0] == "RankFailure" and "bad value 21" in cell.error[1]
+        kernel.kc.execute_interactive("print(type(_torchdist_run.backend).__name__)", timeout=60, output_hook=_keep)
+        assert _kept.pop().strip() == "SparkBarrierBackend"  # the ranks ran in Spark tasks
+        assert_no_worker_left(kernel)
+    finally:
+        kernel.run("_sessions.stop()")
+
+
+class Unreachable:
+    """A classic Spark backend whose tasks get an address where no driver listens."""
+
+    def __new__(cls, session):
+        import dataclasses
+
+        from torchdist_magic.backends.spark_classic import SparkBarrierBackend
+
+        class _Unreachable(SparkBarrierBackend):
+            def start(self, ctx):
+                ctx.spec = dataclasses.replace(ctx.spec, channel_address="127.0.0.1:9")
+                return super().start(ctx)
+
+        return _Unreachable(session)
+
+
+def fail_on_rank_1():
+    from torchdist_magic import rank
+
+    if rank() == 1:
+        raise ValueError("bad shard on rank 1")
+
+
+@pytest.mark.spark
+def test_pdb_says_so_when_the_executors_cannot_reach_the_notebook(spark_local2, monkeypatch):
+    from helpers import assert_nothing_left
+    from torchdist_magic import LaunchOptions, RankFailure
+    import torchdist_magic.distributor as distributor
+
+    monkeypatch.setattr(distributor, "make_backend", lambda options: Unreachable(spark_local2))
+    run = distributor.submit(fail_on_rank_1, (), {}, LaunchOptions(num_processes=2, backend="spark", pdb=True),
+                             debug_input=True)
+    with pytest.raises(RankFailure) as info:
+        distributor.follow(run)
+    assert (info.value.rank, info.value.message) == (1, "bad shard on rank 1")
+    assert "torchdist: --pdb: rank 1" in run.logs(1)
+    assert "cannot reach the notebook's event channel, so its failure is not held for a debugger" in run.logs(1)
+    assert_nothing_left(run)

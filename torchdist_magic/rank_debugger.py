@@ -32,6 +32,7 @@ import uuid
 from typing import Dict, Optional
 
 from torchdist_magic import events
+from torchdist_magic.timing import HANDSHAKE_DEADLINE
 
 DEBUG_ENV = "TORCHDIST_DEBUG"
 PDB_ENV = "TORCHDIST_PDB"
@@ -203,7 +204,8 @@ class RankDebugger:
             self._sessions.pop(session.id, None)
 
     def unreachable(self) -> bool:
-        return self.client is None or self.client.lost
+        """Whether the driver cannot be reached (a Spark task behind a firewall)."""
+        return self.client is None or not self.client.reaches_driver(HANDSHAKE_DEADLINE + 5.0)
 
     def breakpoint(self, frame) -> None:
         if not self.enabled or self.unreachable():
