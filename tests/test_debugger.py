@@ -55,18 +55,6 @@ class Kernel:
         idle = False
         while not idle:
             assert time.monotonic() < deadline, f"the cell did not finish; so far: {out.text}"
-            try:
-                msg = self.kc.get_stdin_msg(timeout=0.02)
-            except Exception:  # queue.Empty
-                msg = None
-            if msg is not None and msg["msg_type"] == "input_request":
-                prompt = msg["content"]["prompt"]
-                out.prompts.append(prompt)
-                out.text += prompt
-                line = answer(prompt) if answer is not None else None
-                if line is not None:
-                    out.text += line + "\n"
-                    self.kc.input(line)
             while True:
                 try:
                     msg = self.kc.get_iopub_msg(timeout=0.02)
@@ -85,6 +73,18 @@ class Kernel:
                 elif kind == "status" and content["execution_state"] == "idle":
                     idle = True
                     break
+            try:
+                msg = self.kc.get_stdin_msg(timeout=0.02)
+            except Exception:  # queue.Empty
+                msg = None
+            if msg is not None and msg["msg_type"] == "input_request":
+                prompt = msg["content"]["prompt"]
+                out.prompts.append(prompt)
+                out.text += prompt
+                line = answer(prompt) if answer is not None else None
+                if line is not None:
+                    out.text += line + "\n"
+                    self.kc.input(line)
         return out
 
     def close(self):
@@ -129,7 +129,7 @@ def kernel():
 
 
 def last_run_id(kernel):
-    reply = kernel.kc.execute_interactive("print(_torchdist_run.run_id)", timeout=60, output_hook=_keep)
+    kernel.kc.execute_interactive("print(_torchdist_run.run_id)", timeout=60, output_hook=_keep)
     return _kept.pop().strip()
 
 

@@ -149,7 +149,8 @@ class Run:
         self._done = threading.Event()
         #: the ranks' debugger sessions, which ``follow`` serves (``debugger``)
         self.debugger = Console()
-        self._debug_env = rank_env(options, debug_input)
+        # a warm pool's channel is its own: its ranks' sessions could not be served (not yet)
+        self._debug_env = rank_env(options, debug_input and not options.warm)
         self._thread = threading.Thread(target=self._supervise, name=f"torchdist-run-{self.run_id}",
                                         daemon=True)
 

@@ -217,6 +217,9 @@ class LaunchOptions:
         _check_seconds("debug_idle_timeout", self.debug_idle_timeout)
         if self.tls is not None:
             _check_bool("tls", self.tls, "True, False or None (the backend's default)")
+        if self.warm and self.pdb:
+            raise OptionValueError("pdb", "{name} holds a failing rank for a debugger, which a warm pool's "
+                                   "ranks cannot do yet: run it without --warm/warm=True")
         if self.warm and self.max_restarts:
             raise OptionValueError("max_restarts", "{name} starts every rank again (a new process group) "
                                    "after a failure, and a warm pool keeps its ranks: use one or the other")

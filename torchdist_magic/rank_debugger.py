@@ -212,7 +212,7 @@ class RankDebugger:
             if not self._warned:
                 self._warned = True
                 why = ("the notebook has no input to debug with (nbval, nbconvert --execute, a script, "
-                       "a run followed in the background)" if not self.enabled else
+                       "a run followed in the background, a warm pool)" if not self.enabled else
                        "its task cannot reach the notebook's event channel")
                 print(f"torchdist: breakpoint() skipped on rank {_rank()}: {why}", file=sys.stderr, flush=True)
             return
