@@ -727,6 +727,7 @@ class ChannelClient:
         self._flush_now = threading.Event()    # a record not to wait for, or close(): send what is queued
         self._sock: Optional[Union[socket.socket, _TlsSocket]] = None
         self._reader: Optional[threading.Thread] = None
+        self._settled = threading.Event()      # the first connection was made, or given up
         self._sender = threading.Thread(target=self._run, name=f"torchdist-channel-rank{rank}", daemon=True)
         self._sender.start()
 
@@ -735,6 +736,13 @@ class ChannelClient:
         """True once the driver could not be reached, refused this client, or the client was
         closed: nothing is sent from then on."""
         return self._lost
+
+    def reaches_driver(self, timeout: float) -> bool:
+        """Whether this client is connected to the driver, waiting at most ``timeout`` seconds
+        for its first connection to be made or given up (a rank's debugger asks before it waits
+        for the driver's lines)."""
+        self._settled.wait(timeout)
+        return self._settled.is_set() and not self._lost
 
     def send(self, event: events.Event) -> None:
         if not isinstance(event, events.Event):
@@ -788,7 +796,10 @@ class ChannelClient:
     # -- sender thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        sock = self._connect()
+        try:
+            sock = self._connect()
+        finally:
+            self._settled.set()
         if sock is not None:
             with self._lock:
                 keep = not self._lost  # close() may have given up while this thread connected

@@ -9,14 +9,15 @@ decoded: a field of the wrong type, a missing field or an unknown type raises
 Who may send what (the channel enforces it, ``SENDERS``):
 
 - a **worker** (the rank's own process): ``Started``, ``Progress``, ``Metrics``, ``Dropped``,
-  and in a warm pool ``JobValue`` and ``JobDone`` after each job;
+  ``DebugOutput`` (its debugger's output and prompts), and in a warm pool ``JobValue`` and
+  ``JobDone`` after each job;
 - a **launcher** (what starts and watches a worker: the local backend in the driver, or a
   Spark task on an executor): ``Log`` (the worker's output), ``Exit`` (what the process
   did), ``Stacks`` (every thread's stack, when the driver asked), ``OutputEnd`` (a warm rank's
   job output has all been read), and anything a worker may send;
 - the **driver** to ranks: ``Stop`` (stop the rank, with a grace period before the kill),
-  ``DumpStacks`` (capture every thread's Python stack) and ``RunJob`` (the next job of a warm
-  pool's ranks, in pieces).
+  ``DumpStacks`` (capture every thread's Python stack), ``RunJob`` (the next job of a warm
+  pool's ranks, in pieces) and, to a worker, ``DebugInput`` (a line for its debugger).
 
 A rank's ``Exit`` is what its launcher saw the process do, never what the worker claims.
 """
@@ -381,19 +382,49 @@ class Peers(Event):
     use_barrier: bool = False
 
 
+@dataclass
+class DebugOutput(Event):
+    """A worker's debugger (``rank_debugger``): ``text`` it wrote in session ``session``; with a
+    ``prompt``, the session now waits for a ``DebugInput`` line; ``end``: the session is over.
+    ``kind`` is ``"post-mortem"`` (the rank raised, ``--pdb``) or ``"breakpoint"``; ``time``
+    when the session opened (a post-mortem's: when the rank raised; the earliest is debugged)."""
+
+    type: ClassVar[str] = "debug_output"
+    session: str = ""
+    kind: str = "breakpoint"
+    text: str = ""
+    prompt: str = ""
+    end: bool = False
+    time: float = 0.0
+
+
+@dataclass
+class DebugInput(Event):
+    """Driver to a worker: the ``line`` the user typed for debugger session ``session``, or
+    ``end`` (the session is to end: the user interrupted, or another rank is debugged)."""
+
+    type: ClassVar[str] = "debug_input"
+    session: str = ""
+    line: str = ""
+    end: bool = False
+
+
 RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks)
-DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers)
+DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers, DebugInput)
 #: records that a backend takes for itself, never a RunState
 LAUNCHER_TO_DRIVER = (Joined,)
 #: records that a warm pool takes for itself (``pool``), never a RunState
 POOL_TO_DRIVER = (JobValue, JobDone, OutputEnd)
+#: records that the run's debugger console takes for itself (``debugger``), never a RunState
+DEBUG_TO_DRIVER = (DebugOutput,)
 RECORDS: Dict[str, Type[Event]] = {
-    cls.type: cls for cls in RANK_TO_DRIVER + DRIVER_TO_RANK + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER}
+    cls.type: cls for cls in RANK_TO_DRIVER + DRIVER_TO_RANK + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER
+    + DEBUG_TO_DRIVER}
 
 #: which records each role of connection may send to the driver
 SENDERS: Dict[str, frozenset] = {
-    "worker": frozenset({Started, Progress, Metrics, Dropped, JobValue, JobDone}),
-    "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER),
+    "worker": frozenset({Started, Progress, Metrics, Dropped, JobValue, JobDone, DebugOutput}),
+    "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER + DEBUG_TO_DRIVER),
 }
 
 
