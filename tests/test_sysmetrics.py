@@ -60,7 +60,10 @@ def burner():
     proc = subprocess.Popen([sys.executable, "-c", BURN], start_new_session=True, stdout=subprocess.PIPE)
     proc.stdout.readline()
     yield proc
-    os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the test ended it
+        pass
     proc.wait()
     assert not alive(proc.pid)
 
@@ -84,11 +87,13 @@ def test_a_sample_with_a_gpu_source_has_the_rank_s_devices(burner):
     assert sample["gpu_util_percent"] == 87.0
 
 
-def test_a_group_that_is_gone_samples_as_nothing():
-    proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
-    proc.wait()
-    sample = sysmetrics.RankSampler(proc.pid).sample()
-    assert sample["rss_bytes"] == 0 and sample["cpu_percent"] == 0
+def test_a_group_that_is_gone_samples_as_nothing_and_keeps_its_last_sample(burner):
+    sampler = sysmetrics.RankSampler(burner.pid)
+    last = sampler.sample()
+    os.killpg(burner.pid, signal.SIGKILL)
+    burner.wait()
+    assert sampler.sample() == {}
+    assert sampler.last == last
 
 
 # -- what a SIGKILL says ----------------------------------------------------------------------
