@@ -189,3 +189,17 @@ def test_mlflow_is_off_by_default_and_a_switch_over_the_configured_default():
     assert options_from_flags(parse_flags("--no-mlflow"), LaunchOptions(mlflow=True)).mlflow is False
     with pytest.raises(FlagError, match=r"^--mlflow and --no-mlflow contradict each other: give one$"):
         parse_flags("--mlflow --no-mlflow")
+
+
+def test_pdb_and_debug_idle_timeout():
+    args = flag_parser().parse_args(["--pdb", "--debug-idle-timeout", "30"])
+    options = options_from_flags(args, LaunchOptions())
+    assert (options.pdb, options.debug_idle_timeout) == (True, 30.0)
+    assert (LaunchOptions().pdb, LaunchOptions().debug_idle_timeout) == (False, 600.0)
+    with pytest.raises(OptionError, match="debug_idle_timeout must be a positive number of seconds, got 0"):
+        LaunchOptions(debug_idle_timeout=0)
+    with pytest.raises(OptionError, match="debug_idle_timeout must be a number of seconds, got None"):
+        LaunchOptions(debug_idle_timeout=None)
+    with pytest.raises(OptionError, match="pdb holds a failing rank for a debugger, which a warm pool's ranks "
+                                          "cannot do yet: run it without --warm/warm=True"):
+        LaunchOptions(pdb=True, warm=True)

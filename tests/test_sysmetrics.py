@@ -60,7 +60,10 @@ def burner():
     proc = subprocess.Popen([sys.executable, "-c", BURN], start_new_session=True, stdout=subprocess.PIPE)
     proc.stdout.readline()
     yield proc
-    os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the test ended it
+        pass
     proc.wait()
     assert not alive(proc.pid)
 
@@ -84,11 +87,13 @@ def test_a_sample_with_a_gpu_source_has_the_rank_s_devices(burner):
     assert sample["gpu_util_percent"] == 87.0
 
 
-def test_a_group_that_is_gone_samples_as_nothing():
-    proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
-    proc.wait()
-    sample = sysmetrics.RankSampler(proc.pid).sample()
-    assert sample["rss_bytes"] == 0 and sample["cpu_percent"] == 0
+def test_a_group_that_is_gone_samples_as_nothing_and_keeps_its_last_sample(burner):
+    sampler = sysmetrics.RankSampler(burner.pid)
+    last = sampler.sample()
+    os.killpg(burner.pid, signal.SIGKILL)
+    burner.wait()
+    assert sampler.sample() == {}
+    assert sampler.last == last
 
 
 # -- what a SIGKILL says ----------------------------------------------------------------------
@@ -365,3 +370,55 @@ def test_a_rank_whose_step_time_is_well_above_the_median_is_a_straggler():
         pace.step_time(r, None, "batch")
     pace.check()
     assert [s.rank for s in pace.stragglers(["h"] * 4)] == [2]
+
+
+# -- the view ---------------------------------------------------------------------------------
+
+def _sampled_state(ranks):
+    state = RunState("v", ranks)
+    for r in range(ranks):
+        state.apply(events.Started(rank=r, host=f"node-{r // 8}", pid=100 + r))
+        state.apply(events.SystemMetrics(rank=r, time=state.started + 2.0, values={
+            "cpu_percent": 150.0, "rss_bytes": float((r + 1) * GIB), "host_memory_available_bytes": 8e9,
+            "gpu_memory_used_bytes": 3.0 * GIB, "gpu_memory_total_bytes": 16.0 * GIB, "gpu_util_percent": 87.0}))
+        state.apply(_progress(r, 10, 5.0 * (r + 1)))
+    return state
+
+
+def test_the_small_view_shows_each_rank_s_system_metrics_and_plots_them():
+    from torchdist_magic.view import html, model, text
+
+    state = _sampled_state(2)
+    rows = model.rank_rows(state)
+    assert rows[0].system == "cpu 150% · rss 1 GiB · gpu 3 GiB/16 GiB 87% · 500 ms/step"
+    assert rows[1].system == "cpu 150% · rss 2 GiB · gpu 3 GiB/16 GiB 87% · 1 s/step"
+    assert rows[0].system in text.summary(state)
+    table = html.rows_html(rows)
+    assert table.count('class="torchdist-system"') == 2 and ">system</span>" in table
+    series = model.system_series(state)
+    assert series["rss (GiB)"] == {0: [(2.0, 1.0)], 1: [(2.0, 2.0)]}
+    assert series["cpu %"][1] == [(2.0, 150.0)]
+    assert "rss (GiB)" in html.summary_html(state)
+
+
+def test_a_rank_without_samples_has_no_system_column():
+    from torchdist_magic.view import html, model
+
+    state = RunState("v", 2)
+    rows = model.rank_rows(state)
+    assert [r.system for r in rows] == ["", ""] and ">system</span>" not in html.rows_html(rows)
+
+
+def test_the_large_view_aggregates_system_metrics_with_the_extremes_named():
+    from torchdist_magic.view import html, overview, text
+
+    state = _sampled_state(64)
+    ov = overview.overview(state)
+    by_key = {item.key: item for item in ov.system}
+    assert by_key["rss_bytes"].text == "rss: min 1 GiB (rank 0), median 32.5 GiB, max 64 GiB (rank 63), 64 ranks"
+    assert by_key["step_time"].text == ("step time: min 500 ms/step (rank 0), median 16.2 s/step, "
+                                        "max 32 s/step (rank 63), 64 ranks")
+    assert by_key["cpu_percent"].ranks == 64 and by_key["gpu_memory_used_bytes"].high == 3.0 * GIB
+    assert by_key["rss_bytes"].text in html.overview_html(ov)
+    assert by_key["rss_bytes"].text in text.status(state)
+    assert by_key["cpu_percent"].text in text.summary(state)

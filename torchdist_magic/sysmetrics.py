@@ -197,9 +197,16 @@ class RankSampler:
             self._oom_kills_before = cgroup_oom_kills(directory)
 
     def sample(self) -> Dict[str, float]:
-        """One sample of the rank's numbers (see the module's docstring); also kept as ``last``."""
+        """One sample of the rank's numbers (see the module's docstring); also kept as ``last``.
+        ``{}`` once no process of the group is alive with memory: an exiting rank (whose
+        ``/proc`` entries say nothing of its cgroup any more) leaves ``last`` as it was, to
+        explain its end."""
         now = self.clock()
         usage = _group_usage(self.pgid)
+        if not any(rss for _, rss in usage.values()):
+            # the rank has exited, or is exiting: its memory is gone and /proc shows it in the root
+            # cgroup already; its last sample is what it was
+            return {}
         spent = sum(ticks - self._ticks.get(pid, 0) for pid, (ticks, _) in usage.items())
         self._ticks = {pid: ticks for pid, (ticks, _) in usage.items()}
         wall, self._at = now - self._at, now
