@@ -312,6 +312,24 @@ def test_points_still_unwritten_when_the_wait_at_the_end_is_over_are_counted_and
     assert history(mlrun.info.run_id, "loss") == []
 
 
+def test_logs_that_cannot_be_stored_are_said_and_the_run_still_ends(local_distributor, tracking_db, tmp_path,
+                                                                    monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_db)
+    (tmp_path / "a-file").write_text("not a directory")
+    experiment_id = mlflow.MlflowClient(tracking_db).create_experiment(
+        f"test-{uuid.uuid4().hex[:8]}", artifact_location=(tmp_path / "a-file" / "artifacts").as_uri())
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", experiment_id)
+    run = local_distributor(1, mlflow=True, system_metrics=False).submit(report_many, 3)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert run.result(timeout=120) == 3
+    (text,) = [str(w.message) for w in caught]
+    assert text.startswith(f"torchdist: MLflow run {run.tracking.run_id} at {tracking_db}: errors: artifacts: ")
+    assert "a-file" in text
+    (mlrun,) = runs_of(experiment_id)
+    assert mlrun.info.status == "FINISHED" and mlrun.data.tags["torchdist.state"] == "succeeded"
+    assert history(mlrun.info.run_id, "loss") == [(0, 0.0), (1, 1.0), (2, 2.0)]
+
+
 # -- what a user sees ------------------------------------------------------------------------------
 def test_the_view_links_to_the_run_on_a_server_with_a_ui():
     from torchdist_magic.state import RunState

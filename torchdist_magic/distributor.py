@@ -246,19 +246,11 @@ class Run:
             if self.data is not None:
                 self.data.remove_files()  # the ranks' copies of a pandas DataFrame
             self.backend.release()
-            self._close_tracking()
-            self._done.set()
-
-    def _close_tracking(self) -> None:
-        """End the MLflow run (before ``result()`` returns: a reader then finds it complete); what
-        it could not log becomes ``result()``'s warning."""
-        if self.tracking is None:
-            return
-        try:
-            self._tracking_warning = self.tracking.close()
-        except Exception as exc:  # the run's own outcome stands; the tracking's failure is said
-            self._tracking_warning = (f"torchdist: MLflow run {self.tracking.run_id} could not be ended: "
-                                      f"{type(exc).__name__}: {exc}")
+            try:
+                if self.tracking is not None:  # ended before result() returns: a reader finds it complete
+                    self._tracking_warning = self.tracking.close()  # what it could not log, said by result()
+            finally:
+                self._done.set()
 
     def _attempt(self, deadline: Optional[float], checkpoints: str) -> bool:
         """Run the current attempt to its end; True when the job is to start again."""

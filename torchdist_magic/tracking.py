@@ -144,23 +144,34 @@ class MlflowLogger:
 
     def __init__(self, state: RunState, options: LaunchOptions, job_name: str):
         mlflow = _import_mlflow()
+        from mlflow.entities import Param
         from mlflow.tracking import fluent
 
         self.state = state
         self.tracking_uri = mlflow.get_tracking_uri()
         parent = mlflow.active_run()
         tags = {"torchdist.run_id": state.run_id, "torchdist.backend": state.backend}
+        self._client = mlflow.MlflowClient(self.tracking_uri)
+        self.run_id = ""
         try:
             if parent is not None:
                 experiment_id = parent.info.experiment_id
                 tags["mlflow.parentRunId"] = parent.info.run_id
             else:
                 experiment_id = fluent._get_experiment_id()  # set_experiment, env, a Databricks notebook's
-            self._client = mlflow.MlflowClient(self.tracking_uri)
             run = self._client.create_run(experiment_id or "0", tags=tags, run_name=job_name)
             self.run_id = run.info.run_id
             self.experiment_id = run.info.experiment_id
+            params = list(launch_params(options, job_name).items())
+            for i in range(0, len(params), BATCH_PARAMS):
+                self._client.log_batch(self.run_id, params=[Param(k, v) for k, v in params[i:i + BATCH_PARAMS]],
+                                       synchronous=True)
         except Exception as exc:
+            if self.run_id:  # made, and its params refused: it ends at once
+                try:
+                    self._client.set_terminated(self.run_id, "FAILED")
+                except Exception:  # the error raised below says what went wrong first
+                    pass
             raise TrackingError(f"could not start an MLflow run at {self.tracking_uri}: "
                                 f"{type(exc).__name__}: {exc}") from exc
         self.link = TrackingLink(self.run_id, self.experiment_id, self.tracking_uri,
@@ -174,21 +185,6 @@ class MlflowLogger:
         self.late = 0               # points still unwritten ``MLFLOW_CLOSE_WAIT`` after the run ended
         self.errors: List[str] = []
         self._stop = threading.Event()
-        try:
-            from mlflow.entities import Param
-
-            params = list(launch_params(options, job_name).items())
-
-            for i in range(0, len(params), BATCH_PARAMS):
-                self._client.log_batch(self.run_id, params=[Param(k, v) for k, v in params[i:i + BATCH_PARAMS]],
-                                       synchronous=True)
-        except Exception as exc:
-            try:
-                self._client.set_terminated(self.run_id, "FAILED")
-            except Exception:  # the error below says what went wrong first
-                pass
-            raise TrackingError(f"could not log the launch options to the MLflow run {self.run_id} at "
-                                f"{self.tracking_uri}: {type(exc).__name__}: {exc}") from exc
         state.tracking = self.link
         self._thread = threading.Thread(target=self._loop, name=f"torchdist-mlflow-{state.run_id}", daemon=True)
         self._thread.start()
@@ -294,6 +290,12 @@ class MlflowLogger:
         return self.warning()
 
     def _write_artifacts(self, snap) -> None:
+        try:
+            self._write_files(snap)
+        except Exception as exc:  # the status and tags are still written
+            self._error(f"artifacts: {type(exc).__name__}: {exc}")
+
+    def _write_files(self, snap) -> None:
         with tempfile.TemporaryDirectory(prefix=f"torchdist-mlflow-{self.state.run_id}-") as directory:
             logs = os.path.join(directory, "logs")
             os.makedirs(logs)
@@ -309,10 +311,7 @@ class MlflowLogger:
             if snap.failure is not None and snap.failure.traceback:
                 with open(os.path.join(directory, "failure.txt"), "w", encoding="utf-8", errors="replace") as fh:
                     fh.write(f"{snap.failure.summary()}\n\n{snap.failure.traceback}")
-            try:
-                self._client.log_artifacts(self.run_id, directory)
-            except Exception as exc:
-                self._error(f"artifacts: {type(exc).__name__}: {exc}")
+            self._client.log_artifacts(self.run_id, directory)
 
     def warning(self) -> str:
         """What went unlogged, in one paragraph; ``""`` when everything was written."""
