@@ -117,7 +117,8 @@ def _subdirectory(directory: RunDirectory, name: str) -> str:
 
 
 class Run:
-    """A run in progress or finished: its ``state`` (a ``RunState``), result, logs, cancel.
+    """A run in progress or finished: its ``state`` (a ``RunState``), result, logs, cancel; with
+    ``mlflow=True`` its MLflow run's logger, ``tracking`` (``tracking.run_id``).
 
     ``directory`` holds what the run keeps on the driver's disk (spilled logs, checkpoints when
     no ``checkpoint_dir`` was given); it is made when first needed and removed when the ``Run``
