@@ -255,11 +255,11 @@ class Pool:
         text = base64.b64encode(job.job_bytes).decode("ascii")
         pieces = [text[i:i + JOB_PIECE] for i in range(0, len(text), JOB_PIECE)] or [""]
         deadline = time.monotonic() + WARM_SEND_WAIT
-        for rank in range(self.options.num_processes):
+        for rank in job.ranks:
             for i, piece in enumerate(pieces):
                 last = i == len(pieces) - 1
                 record = events.RunJob(rank=rank, job_id=job.job_id, data=piece, last=last,
-                                       env=job.env if last else {}, all_ranks=job.all_ranks)
+                                       env=job.env if last else {}, all_ranks=job.returns_value(rank))
                 while not self._channel.send(rank, record, role="worker"):
                     if time.monotonic() > deadline or self.ending or self._dead or job.ended:
                         return  # the supervisor sees the rank's exit, or the run's deadline
@@ -332,8 +332,11 @@ class WarmJobRun(BackendRun):
         self.emit = ctx.emit
         self.job_id = f"{run_id}-{ctx.spec.attempt}"
         self.job_bytes = ctx.job_bytes
-        self.all_ranks = ctx.spec.all_ranks
         spec = ctx.spec
+        #: the ranks that run the job (``--ranks``; every rank of the pool by default): the
+        #: others stay idle in their serving loop, and the run's state shows them so
+        self.ranks = list(spec.ranks) or list(range(pool.options.num_processes))
+        self.returns_value = spec.returns_value
         self.env = dict(job_environment(spec), TORCHDIST_CHECKPOINT_DIR=spec.checkpoint_dir,
                         TORCHDIST_KEEP_CHECKPOINTS=str(spec.keep_checkpoints),
                         TORCHDIST_RETURN_VALUE="1")
@@ -385,12 +388,11 @@ class WarmJobRun(BackendRun):
         with self._lock:
             some_done = bool(self._done)
         end = time.monotonic() + (WARM_SETTLE if some_done else 0.0)
-        while time.monotonic() < end and len(self._done) < self.pool.options.num_processes \
-                and not self.pool._dead:
+        while time.monotonic() < end and len(self._done) < len(self.ranks) and not self.pool._dead:
             time.sleep(0.02)
-        if len(self._done) == self.pool.options.num_processes and not self.pool._dead:
+        if len(self._done) == len(self.ranks) and not self.pool._dead:
             return
-        still = [r for r in range(self.pool.options.num_processes) if r not in self._done]
+        still = [r for r in self.ranks if r not in self._done]
         why = (f"rank{'s' if len(still) > 1 else ''} {', '.join(map(str, still))} "
                f"{'were' if len(still) > 1 else 'was'} still in the job")
         if self.pool._dead:
@@ -481,6 +483,8 @@ def warm_backend(options: LaunchOptions) -> WarmBackend:
     with _lock:
         live = [p for p in _pools if not p.ending]
         same = next((p for p in live if p.placement == placement), None)
+        if same is None and options.ranks:
+            raise ValueError(_no_pool_for_ranks(options, live[0] if live else None, _broken.get(placement, "")))
         if same is None and live:
             other = live[0]
             raise ValueError(
@@ -499,6 +503,19 @@ def warm_backend(options: LaunchOptions) -> WarmBackend:
         pool._reserved = True
         _pools.append(pool)
         return WarmBackend(pool, fresh=True, note=note)
+
+
+def _no_pool_for_ranks(options: LaunchOptions, other: Optional[Pool], broken: str) -> str:
+    """Why a run on some ranks (``--ranks``) has no pool to run on."""
+    wanted = f"np={options.num_processes}{' gpu' if options.use_gpu else ''}"
+    if other is not None:
+        found = (f"the live one is {other.info().describe()}; give its --np (and --gpu, backend) "
+                 "to run on some of its ranks")
+    else:
+        found = ("none is live" + (f" ({broken})" if broken else "") + "; start one with a --warm cell "
+                 "on every rank first (or Distributor(..., warm=True).run(...))")
+    return (f"--ranks needs a warm pool: it runs on some ranks of a live pool with this placement "
+            f"({wanted}), and {found}")
 
 
 def check_cold_run(options: LaunchOptions, backend: Backend) -> None:
