@@ -428,14 +428,17 @@ class WarmBackend(Backend):
     name = "warm"
     needs_channel = False
 
-    def __init__(self, pool: Pool, fresh: bool, note: str = ""):
+    def __init__(self, pool: Pool, fresh: bool, note: str = "", ranks: Tuple[int, ...] = ()):
         super().__init__(pool.backend.session)
         self.pool = pool
         self.fresh = fresh
         self.note = note
+        self.ranks = ranks  # a run on some of its ranks (``--ranks``)
 
     def describe(self) -> str:
         how = "started for this run" if self.fresh else f"reused, run {self.pool.runs + 1}"
+        if self.ranks:
+            how += f"; on rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))} only"
         if self.note:
             how += f"; {self.note}"
         return f"warm {self.pool.id} ({how}) of {self.pool.backend.describe()}"
@@ -496,7 +499,7 @@ def warm_backend(options: LaunchOptions) -> WarmBackend:
                 raise ValueError(f"warm {same.id} is running another run; wait for it, or run "
                                  "without --warm/warm=True")
             same._reserved = True
-            return WarmBackend(same, fresh=False)
+            return WarmBackend(same, fresh=False, ranks=options.ranks or ())
         plan = backend.check(options)
         note = _broken.pop(placement, "")
         pool = Pool(options, backend, plan)

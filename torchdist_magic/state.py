@@ -520,6 +520,8 @@ class RunState:
                 log_tail=[line.text for line in rs.logs[max(len(rs.logs) - 20, self._attempt_lines[rs.rank][-1]):]])
 
     def _on_stacks(self, rs: RankState, e: events.Stacks) -> None:
+        if rs.state == "idle":  # waiting in its pool's serving loop: the note says more
+            return
         self.stacks[rs.rank] = e
         self._stacks_came.notify_all()
 
