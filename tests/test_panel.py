@@ -119,6 +119,18 @@ def test_text_that_is_not_a_number_is_refused(panel):
     assert panel.options().timeout is None
 
 
+def test_ranks_are_typed_as_the_flag_takes_them(panel):
+    panel.code.value = "rank"
+    panel.controls["num_processes"].value = 4
+    panel.controls["ranks"].value = "3, 1"
+    assert panel.field_errors() == {"ranks": "--ranks needs a warm pool: it runs a cell on some ranks of the "
+                                             "live pool (--warm/warm=True), and a cold run starts every rank afresh"}
+    panel.controls["warm"].value = True
+    assert panel.field_errors() == {} and panel.options().ranks == (1, 3)
+    assert "%%torchdist --np 4 --warm --ranks 1,3\nrank" in panel.command.value
+    assert P.LaunchPanel(panel.shell, panel.options()).controls["ranks"].value == "1,3"
+
+
 def test_what_to_run_is_checked_too(notebook, panel):
     assert panel.what_errors() == ["write the code to run"] and panel.launch_button.disabled
     panel.code.value = "for i in range(3)\n    pass"

@@ -288,13 +288,30 @@ class LaunchPanel:
         return LaunchOptions(**self.option_values())
 
     def field_errors(self) -> Dict[str, str]:
-        """``{field: message}`` for each control whose value ``LaunchOptions`` refuses."""
-        errors = {}
+        """``{field: message}`` for each control whose value ``LaunchOptions`` refuses: alone,
+        or, for a field that depends on others (``--ranks`` on ``--np`` and ``--warm``), with
+        the other controls' values."""
+        errors, values = {}, {}
         for name, control in self.controls.items():
             try:
-                LaunchOptions(**{name: control_value(self.fields[name], control)})
-            except (TypeError, ValueError) as exc:
-                errors[name] = _shown(exc)
+                values[name] = control_value(self.fields[name], control)
+            except ValueError as exc:
+                errors[name] = str(exc)
+        for name, value in values.items():
+            try:
+                LaunchOptions(**{name: value})
+            except (TypeError, ValueError) as alone:
+                errors[name] = _shown(alone)
+                others = {n: v for n, v in values.items() if n not in errors}
+                try:
+                    LaunchOptions(**others, **{name: value})
+                except OptionError as exc:
+                    if exc.name == name:
+                        errors[name] = _shown(exc)
+                except (TypeError, ValueError):
+                    pass
+                else:
+                    del errors[name]
         return errors
 
     def what_errors(self) -> List[str]:
