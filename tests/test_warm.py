@@ -688,3 +688,15 @@ def test_ranks_cells_in_the_notebook(ip, capsys):
         assert isinstance(result.error_in_exec, UsageError), flags
         assert re.search(message, str(result.error_in_exec)), (flags, str(result.error_in_exec))
     assert [p.id for p in pools()] == [info.id] and pools()[0].runs == 4
+
+
+@pytest.mark.spark
+def test_a_run_on_some_ranks_of_a_spark_pool(spark_local2):
+    from torchdist_magic import Distributor
+
+    pids = Distributor(2, local_mode=False, show=None, warm=True, all_ranks=True).run(keep_rank_state)
+    info, = pools()
+    some = Distributor(2, local_mode=False, show=None, warm=True, ranks=[1], all_ranks=True)
+    assert some.run(bump_and_say) == {1: (1, 11, pids[1])}
+    assert Distributor(2, local_mode=False, show=None, warm=True, all_ranks=True).run(kept_value) == [0, 11]
+    assert [p.id for p in pools()] == [info.id]
