@@ -629,6 +629,9 @@ def test_a_collective_on_some_ranks_hangs_and_the_watchdog_says_why(local_distri
     message = str(err.value)
     assert "This cell ran on rank 1 of the pool only (--ranks): a collective" in message, message
     assert "rank 0: idle: not one of the run's --ranks" in message and re.search(r"rank 1: all_reduce .* < all_reduce_alone", message), message
+    import pickle
+
+    assert str(pickle.loads(pickle.dumps(err.value))) == message
     assert pools() == []  # a rank left in the job ends the pool, as for any warm cell
     wait_until(lambda: _stopped(info), 15, "the hung pool's processes to end")
 
@@ -700,3 +703,40 @@ def test_a_run_on_some_ranks_of_a_spark_pool(spark_local2):
     assert some.run(bump_and_say) == {1: (1, 11, pids[1])}
     assert Distributor(2, local_mode=False, show=None, warm=True, all_ranks=True).run(kept_value) == [0, 11]
     assert [p.id for p in pools()] == [info.id]
+
+
+@pytest.mark.kernel
+def test_ranks_cells_in_a_real_kernel():
+    """The magic in a kernel (the view is the widget there): a value from rank 1, a refusal
+    shown as the kernel's UsageError, and no rank left once the kernel is gone."""
+    import json
+
+    pytest.importorskip("jupyter_client")
+    from test_kernel_poll import Kernel
+
+    def execute(code):
+        outputs = []
+        reply = kernel.kc.execute_interactive(code, timeout=120, output_hook=outputs.append)
+        results = [m["content"]["data"]["text/plain"] for m in outputs if m["msg_type"] == "execute_result"]
+        printed = "".join(m["content"]["text"] for m in outputs if m["msg_type"] == "stream")
+        return reply["content"], results, printed
+
+    run_id, pids = "", []
+    kernel = Kernel()
+    try:
+        execute("%load_ext torchdist_magic")
+        status, results, _ = execute("%%torchdist --np 2 --warm --quiet\nkept = rank * 7\nrank")
+        assert status["status"] == "ok" and results == ["0"]
+        status, results, _ = execute("%%torchdist --np 2 --warm --ranks 1\nkept")
+        assert status["status"] == "ok" and results == ["7"]
+        status, _, _ = execute("%%torchdist --np 2 --ranks 1\nkept")
+        assert status["status"] == "error" and status["ename"] == "UsageError"
+        assert status["evalue"].startswith("--ranks needs a warm pool")
+        _, _, printed = execute("import json, torchdist_magic\n"
+                                "print(json.dumps([(p.run_id, p.pids, p.runs) for p in torchdist_magic.pools()]))")
+        (run_id, pids, runs), = json.loads(printed)
+        assert runs == 2
+    finally:
+        kernel.close()
+    wait_until(lambda: not pids_of_run(run_id) and not any(alive(p) for p in pids), 30,
+               "the kernel's pool to end with the kernel")
