@@ -9,6 +9,11 @@ whose backend is the pool (``WarmBackend``): the run's supervision (timeout, han
 cancel, the view) is a cold run's, and the pool turns a rank's ``JobDone`` into that run's
 ``Exit`` for the rank once the rank's output for the job has all been read (``OutputEnd``).
 
+Some ranks (``--ranks``, ``ranks=``).  A warm run may go to some of the pool's ranks only: the
+job is sent to those, the others stay in their serving loop (the run's state shows them
+``idle``), and the run ends when the chosen ranks are done.  It needs a live pool of its
+placement (it never starts one), and must not call collectives (the idle ranks never join).
+
 Failures.  A job that raises on ranks that all finish it (``JobDone``) leaves the pool up: its
 ranks and process group are as consistent as after any cell that raised.  Anything else ends
 the pool (no process is left): a rank whose process ended, a run cancelled, timed out or hung,
