@@ -180,9 +180,10 @@ class Meter:
         self.last_applied = now
         kind = type(record)
         if kind is events.Log:
-            seq, made, _ = record.line.split(" ", 2)
-            self._seen(self.last_log, record.rank, int(seq), now - float(made))
-            self.logs += 1
+            for line in record.lines():
+                seq, made, _ = line.line.split(" ", 2)
+                self._seen(self.last_log, record.rank, int(seq), now - float(made))
+                self.logs += 1
         elif kind is events.Metrics:
             for step, when in _points(record):
                 self._seen(self.last_step, record.rank, step, now - when)

@@ -15,6 +15,7 @@ import pytest
 from helpers import Collector, wait_until
 from torchdist_magic import channel, events, tls
 from torchdist_magic.channel import ChannelClient, ChannelServer, client_from_env, new_secret
+from torchdist_magic.state import RunState
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def test_many_records_arrive_in_order(server):
     for i in range(20_000):
         client.send(events.Log(rank=1, line=f"l{i}"))
     client.close()  # returns once the driver has handled everything sent before it
-    assert [r.line for r in server.got.records] == [f"l{i}" for i in range(20_000)]
+    assert [o.line for r in server.got.records for o in r.lines()] == [f"l{i}" for i in range(20_000)]
 
 
 def test_a_worker_may_not_send_what_only_its_launcher_may(server):
@@ -135,7 +136,7 @@ def test_close_delivers_what_clients_already_sent(server):
     closing.start()
     server.close()
     closing.join()
-    assert [r.line for r in server.got.records] == [str(i) for i in range(5000)]
+    assert [o.line for r in server.got.records for o in r.lines()] == [str(i) for i in range(5000)]
     server.close()  # idempotent
     assert not server.send(0, events.Stop(rank=0))
 
@@ -144,6 +145,33 @@ def test_progress_updates_of_a_bar_are_coalesced_to_the_newest():
     a1, a2 = events.Progress(rank=0, bar="a", n=1), events.Progress(rank=0, bar="a", n=2)
     b1, log = events.Progress(rank=0, bar="b", n=1), events.Log(rank=0, line="x")
     assert channel._coalesce([a1, log, b1, a2]) == [log, b1, a2]
+
+
+def test_the_lines_of_a_flush_travel_as_one_record_and_never_cross_a_job_end():
+    a, b = events.Log(rank=0, line="a"), events.Log(rank=0, stream="stderr", line="b", cr=True)
+    bar, point = events.Progress(rank=0, bar="x", n=1), events.Metrics(rank=0, step=1, values={"l": 1.0})
+    end = events.OutputEnd(rank=0, job_id="j1")
+    c, d = events.Log(rank=0, line="c"), events.Log(rank=1, line="d")
+    merged = channel.merge_logs([a, bar, b, point, end, c, d])
+    # b moves ahead of the progress and metrics records, into a's record; c stays after the job's end
+    assert [type(r).__name__ for r in merged] == ["Log", "Progress", "Metrics", "OutputEnd", "Log", "Log"]
+    assert merged[0].lines() == [events.OutputLine("stdout", "a", False), events.OutputLine("stderr", "b", True)]
+    assert merged[4] is c and merged[5] is d  # rank 1's line is its own record
+    assert a.more == []  # the sender's record is not changed
+
+
+def test_merged_lines_stay_below_the_size_of_one_record():
+    line = "x" * 1000
+    merged = channel.merge_logs([events.Log(rank=0, line=line) for _ in range(200)])
+    assert sum(len(r.lines()) for r in merged) == 200
+    assert len(merged) == 4  # 64 lines of 1000 characters fit 64 KiB
+    assert all(sum(len(o.line) for o in r.lines()) <= channel.MERGED_LOG_CHARS for r in merged)
+
+
+def test_the_run_state_keeps_every_line_of_a_merged_record():
+    state = RunState("r", 1)
+    state.apply(channel.merge_logs([events.Log(rank=0, line=str(i)) for i in range(5)])[0])
+    assert state.logs(0).splitlines() == ["0", "1", "2", "3", "4"]
 
 
 class StalledDriver:

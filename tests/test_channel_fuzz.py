@@ -208,7 +208,7 @@ def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_reco
     for record in got.records:
         by_rank[record.rank].append(record)
     assert [p.step for r in by_rank[0] for p in r.points()] == sent_steps
-    assert [r.line for r in by_rank[1]] == [f"line {i}" for i in range(1000)]
+    assert [o.line for r in by_rank[1] for o in r.lines()] == [f"line {i}" for i in range(1000)]
     assert stats["authenticated"] == 2
     assert stats["malformed"] == stats["forbidden"] == stats["callback_errors"] == 0
     strangers = len(tasks) + idle_count

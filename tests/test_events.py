@@ -44,7 +44,8 @@ def test_every_record_round_trips_through_json(record):
 
 def test_every_record_type_is_in_the_contract_and_handled():
     assert set(events.RECORDS.values()) == (set(events.RANK_TO_DRIVER) | set(events.DRIVER_TO_RANK)
-                                            | set(events.LAUNCHER_TO_DRIVER) | set(events.POOL_TO_DRIVER))
+                                            | set(events.LAUNCHER_TO_DRIVER) | set(events.POOL_TO_DRIVER)
+                                            | set(events.DEBUG_TO_DRIVER))
     assert set(RunState.HANDLERS) == set(events.RANK_TO_DRIVER)
     assert events.SENDERS["worker"] < events.SENDERS["launcher"]
     assert events.Exit not in events.SENDERS["worker"] and events.Log not in events.SENDERS["worker"]
@@ -185,6 +186,13 @@ def test_the_points_of_one_metrics_record_are_applied_in_order():
     rs = state.ranks[0]
     assert rs.history == {"loss": [(1, 1.0), (2, 0.5), (3, 0.25)], "acc": [(3, 0.9)]}
     assert rs.metrics == {"loss": 0.25, "acc": 0.9}
+
+
+def test_a_log_record_with_more_lines_round_trips():
+    record = events.Log(rank=2, line="a", more=[events.OutputLine("stderr", "b", True)])
+    assert events.decode(json.loads(events.dumps(record))) == record
+    with pytest.raises(events.MalformedEvent):
+        events.decode({"type": "log", "rank": 0, "line": "a", "more": [{"stream": "stdout", "line": 3}]})
 
 
 def test_a_run_of_many_ranks_keeps_a_share_of_the_runs_memory_for_each():

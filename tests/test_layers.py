@@ -13,7 +13,7 @@ PACKAGE = pathlib.Path(torchdist_magic.__file__).parent
 #: bottom first; a module may import its own layer and those below it
 LAYERS = [
     ("contract", {"events", "timing", "options", "procs", "tls"}),
-    ("rank side", {"errors", "runtime", "rank_shell", "job", "rankenv", "data", "values"}),
+    ("rank side", {"errors", "runtime", "rank_shell", "job", "rankenv", "data", "values", "rank_debugger"}),
     ("worker and transport", {"worker", "channel"}),
     ("launch and state", {"launcher", "state", "stragglers"}),
     # backends/, bottom first: the interface, what runs in an executor, the driver's side of a
@@ -25,6 +25,7 @@ LAYERS = [
     ("backends", {"backends.local", "backends.spark_classic", "backends.spark_connect"}),
     ("backend factory", {"backends"}),
     ("warm pools", {"pool"}),
+    ("debugger console", {"debugger"}),
     ("runs", {"capture", "distributor"}),
     ("views", {"view"}),  # every view.* module but the panel
     ("entry points", {"api", "magic", "view.panel", "__init__"}),

@@ -179,3 +179,17 @@ def test_tls_is_a_switch_of_two_flags_and_neither_means_the_default():
     for line in ("--tls --no-tls", "--no-tls --tls"):
         with pytest.raises(FlagError, match=r"^--tls and --no-tls contradict each other: give one$"):
             parse_flags(line)
+
+
+def test_pdb_and_debug_idle_timeout():
+    args = flag_parser().parse_args(["--pdb", "--debug-idle-timeout", "30"])
+    options = options_from_flags(args, LaunchOptions())
+    assert (options.pdb, options.debug_idle_timeout) == (True, 30.0)
+    assert (LaunchOptions().pdb, LaunchOptions().debug_idle_timeout) == (False, 600.0)
+    with pytest.raises(OptionError, match="debug_idle_timeout must be a positive number of seconds, got 0"):
+        LaunchOptions(debug_idle_timeout=0)
+    with pytest.raises(OptionError, match="debug_idle_timeout must be a number of seconds, got None"):
+        LaunchOptions(debug_idle_timeout=None)
+    with pytest.raises(OptionError, match="pdb holds a failing rank for a debugger, which a warm pool's ranks "
+                                          "cannot do yet: run it without --warm/warm=True"):
+        LaunchOptions(pdb=True, warm=True)

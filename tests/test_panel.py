@@ -65,8 +65,8 @@ def test_control_kinds_follow_the_field_metadata(panel):
                      "max_restarts": widgets.IntText, "checkpoint_dir": widgets.Text,
                      "keep_checkpoints": widgets.IntText, "env": widgets.Textarea,
                      "all_ranks": widgets.Checkbox, "warm": widgets.Checkbox, "ranks": widgets.Text,
-                     "pool_idle_timeout": widgets.Text,
-                     "tls": widgets.Dropdown}
+                     "pool_idle_timeout": widgets.Text, "pdb": widgets.Checkbox,
+                     "debug_idle_timeout": widgets.Text, "tls": widgets.Dropdown}
     backend = next(f for f in option_fields() if f.name == "backend")
     assert panel.controls["backend"].options == tuple(backend.metadata["choices"])
     assert panel.options() == LaunchOptions()

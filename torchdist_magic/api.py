@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from .debugger import stdin_available
 from .distributor import Run, follow, submit
 from .options import LaunchOptions
 
@@ -81,8 +82,10 @@ class Distributor:
         return submit(train_object, args, kwargs, self.options)
 
     def run(self, train_object: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run and wait; rank 0's value.  Ctrl-C stops every rank and re-raises."""
-        return self._follow(self.submit(train_object, *args, **kwargs))
+        """Run and wait; rank 0's value.  Ctrl-C stops every rank and re-raises.  A rank's
+        debugger (``breakpoint()``, ``pdb=True``) opens here when this thread can read input
+        (a notebook with stdin, a terminal)."""
+        return self._follow(submit(train_object, args, kwargs, self.options, debug_input=stdin_available()))
 
     def train_on_dataframe(self, train_function: Any, spark_dataframe: Any, *args: Any, **kwargs: Any) -> Any:
         """Run ``train_function(*args, **kwargs)`` on every rank, each rank reading its own share
@@ -96,7 +99,8 @@ class Distributor:
         DataFrame that cannot be trained on (empty, fewer rows than ranks, columns that cannot
         become tensors, another SparkSession's) raises ``TypeError``/``ValueError`` before
         anything starts."""
-        return self._follow(submit(train_function, args, kwargs, self.options, data=spark_dataframe))
+        return self._follow(submit(train_function, args, kwargs, self.options, data=spark_dataframe,
+                                   debug_input=stdin_available()))
 
     #: TorchDistributor's private name for it, which code written for TorchDistributor calls
     _train_on_dataframe = train_on_dataframe

@@ -727,6 +727,7 @@ class ChannelClient:
         self._flush_now = threading.Event()    # a record not to wait for, or close(): send what is queued
         self._sock: Optional[Union[socket.socket, _TlsSocket]] = None
         self._reader: Optional[threading.Thread] = None
+        self._settled = threading.Event()      # the first connection was made, or given up
         self._sender = threading.Thread(target=self._run, name=f"torchdist-channel-rank{rank}", daemon=True)
         self._sender.start()
 
@@ -735,6 +736,13 @@ class ChannelClient:
         """True once the driver could not be reached, refused this client, or the client was
         closed: nothing is sent from then on."""
         return self._lost
+
+    def reaches_driver(self, timeout: float) -> bool:
+        """Whether this client is connected to the driver, waiting at most ``timeout`` seconds
+        for its first connection to be made or given up (a rank's debugger asks before it waits
+        for the driver's lines)."""
+        self._settled.wait(timeout)
+        return self._settled.is_set() and not self._lost
 
     def send(self, event: events.Event) -> None:
         if not isinstance(event, events.Event):
@@ -788,7 +796,10 @@ class ChannelClient:
     # -- sender thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        sock = self._connect()
+        try:
+            sock = self._connect()
+        finally:
+            self._settled.set()
         if sock is not None:
             with self._lock:
                 keep = not self._lost  # close() may have given up while this thread connected
@@ -947,11 +958,16 @@ def encode_batch(records: List[events.Event], rank: int, dropped: int = 0) -> by
     """The frames that carry ``records`` of ``rank`` (progress coalesced, ``_coalesce``), and a
     ``Dropped`` record for ``dropped`` plus those JSON cannot carry; ``b""`` for nothing."""
     parts = []
-    for record in _merge_metrics(_coalesce(records)):
+    for record in merge_logs(_merge_metrics(_coalesce(records))):
         part = _encoded(record)
         if part is None and type(record) is events.Metrics and record.more:  # only the bad points are lost
             pieces = [_encoded(events.Metrics(rank=record.rank, step=p.step, values=p.values, time=p.time))
                       for p in record.points()]
+            dropped += pieces.count(None)
+            parts += [piece for piece in pieces if piece is not None]
+        elif part is None and type(record) is events.Log and record.more:  # only the lines too long to send
+            pieces = [_encoded(events.Log(rank=record.rank, stream=o.stream, line=o.line, cr=o.cr))
+                      for o in record.lines()]
             dropped += pieces.count(None)
             parts += [piece for piece in pieces if piece is not None]
         elif part is None:
@@ -1023,6 +1039,42 @@ def _merge_metrics(records: List[events.Event]) -> List[events.Event]:
             out[at] = dataclasses.replace(out[at], more=list(out[at].more))
         out[at].more.append(events.MetricPoint(record.step, record.values, record.time))
         out[at].more.extend(record.more)
+    return out
+
+
+#: the most text ``merge_logs`` puts into one record (far below ``MAX_FRAME``)
+MERGED_LOG_CHARS = 64 * 1024
+
+
+def merge_logs(records: List[events.Event]) -> List[events.Event]:
+    """Each run of a rank's ``Log`` records as one (its lines in order, in ``more``), at the
+    place of the run's first: the driver decodes and applies one record per flush, not one per
+    line.  A line moves ahead only of progress and metrics records; any other record (a warm
+    job's ``OutputEnd``, an ``Exit``) ends the run, so no line ever crosses it."""
+    out: List[events.Event] = []
+    heads: Dict[int, Tuple[int, int]] = {}   # rank: (index in out of its open Log, its text so far)
+    copied = set()                           # indices in out of merged copies (the sender's records stay as they were)
+    for record in records:
+        kind = type(record)
+        if kind is not events.Log:
+            if kind is not events.Progress and kind is not events.Metrics:
+                heads.clear()
+            out.append(record)
+            continue
+        head = heads.get(record.rank)
+        size = len(record.line)
+        if head is None or head[1] + size > MERGED_LOG_CHARS:
+            heads[record.rank] = (len(out), size)
+            out.append(record)
+            continue
+        at, text = head
+        if at not in copied:
+            copied.add(at)
+            out[at] = dataclasses.replace(out[at], more=list(out[at].more))
+        merged = out[at]
+        merged.more.append(events.OutputLine(record.stream, record.line, record.cr))
+        merged.more.extend(record.more)
+        heads[record.rank] = (at, text + size + sum(len(o.line) for o in record.more))
     return out
 
 

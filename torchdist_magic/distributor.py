@@ -15,9 +15,11 @@ stacks are captured: the error and the view say where each rank was.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
+import sys
 import threading
 import time
 import uuid
@@ -25,8 +27,9 @@ from typing import Any, Dict, List, Optional, Protocol
 
 from .backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
 from .channel import ChannelServer, new_secret
+from .debugger import NO_STDIN_PDB, Console, rank_env
 from .errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
-from .events import Stacks
+from .events import DebugOutput, Stacks
 from .job import Job, function_job, script_job
 from .options import LaunchOptions
 from . import values as value_blobs
@@ -59,13 +62,17 @@ def build_job(target: Any, args: tuple, kwargs: dict) -> Job:
 
 
 def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data: Any = None,
-           columns: Optional[List[str]] = None) -> "Run":
+           columns: Optional[List[str]] = None, debug_input: bool = False) -> "Run":
     """Start ``target`` (a ``Job``, a function, or a script path) as a run and return its
     handle at once.  Bad input (options, arguments, an unplaceable run, a DataFrame ``data``
     that cannot be trained on) raises ``TypeError``/``ValueError`` before anything starts.
 
     With ``data`` (a Spark DataFrame on Spark, a pandas DataFrame on local processes; its
-    ``columns``, all by default) every rank reads its share with ``torchdist_magic.shard``."""
+    ``columns``, all by default) every rank reads its share with ``torchdist_magic.shard``.
+
+    ``debug_input``: the caller will ``follow`` the run where a person answers ``input()``
+    (``debugger.stdin_available``), so a rank's debugger may wait for them; otherwise
+    ``breakpoint()`` on a rank is skipped and ``--pdb`` holds no rank (it says so)."""
     if not isinstance(options, LaunchOptions):
         raise TypeError(f"options must be a LaunchOptions, got {type(options).__name__}")
     options = options.replace()  # validated again: a LaunchOptions can be changed after it was made
@@ -91,10 +98,12 @@ def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data:
             prepared = prepare_data(data, backend.name, options.num_processes, backend.session, columns)
         elif columns is not None:
             raise ValueError("columns name columns of the data to train on, and no data was given")
-        run = Run(job, options, backend, plan, prepared)
+        run = Run(job, options, backend, plan, prepared, debug_input=debug_input)
     except BaseException:
         backend.release()
         raise
+    if options.pdb and not debug_input:
+        print(NO_STDIN_PDB, file=sys.stderr, flush=True)
     run._start()
     return run
 
@@ -114,7 +123,7 @@ class Run:
     """
 
     def __init__(self, job: Job, options: LaunchOptions, backend: Backend, plan: LaunchPlan,
-                 data: Any = None):
+                 data: Any = None, debug_input: bool = False):
         import cloudpickle
 
         self.job = job
@@ -139,6 +148,10 @@ class Run:
         self._cancel = threading.Event()
         self._cancelled_by = "cancel()"
         self._done = threading.Event()
+        #: the ranks' debugger sessions, which ``follow`` serves (``debugger``)
+        self.debugger = Console()
+        # a warm pool's channel is its own: its ranks' sessions could not be served (not yet)
+        self._debug_env = rank_env(options, debug_input and not options.warm)
         self._thread = threading.Thread(target=self._supervise, name=f"torchdist-run-{self.run_id}",
                                         daemon=True)
 
@@ -267,6 +280,10 @@ class Run:
             spec = RunSpec.resolve(self.options, self.run_id, self.channel_address or "", secret, launcher_secret,
                                    attempt=self.state.attempt - 1, checkpoint_dir=checkpoints,
                                    data_files=data_files, channel_cert=certificate)
+            spec = dataclasses.replace(spec, env={**self._debug_env, **spec.env})
+            routes[DebugOutput] = self.debugger.on_output
+            if channel is not None:
+                self.debugger.attach(functools.partial(_to_worker, channel))
             ctx = LaunchContext(self.plan, spec, self._job_bytes, emit,
                                 lambda record: channel.broadcast(record, role="launcher") if channel else 0,
                                 data=self.data, routes=routes)
@@ -282,8 +299,16 @@ class Run:
         """Supervise one attempt; True when it failed and restarts remain."""
         first_failure: Optional[float] = None
         hang = self.options.hang_timeout
+        debug = self.debugger
         while True:
             failures = self.state.failures()
+            if failures:
+                debug.ranks_gone({f.rank for f in failures})
+            if debug.holding() and not self._cancel.is_set():
+                # a rank holds the failure's frames for the user (--pdb): nothing is stopped,
+                # timed out or declared hung until its session ends
+                time.sleep(SUPERVISE_POLL)
+                continue
             if failures and first_failure is None:
                 first_failure = time.monotonic()
             if failures and is_collateral(failures[0]) and not self.state.all_exited() \
@@ -306,12 +331,12 @@ class Run:
                 self._error = RunCancelled("the run was cancelled; every rank was stopped")
                 self.state.finish("cancelled", message=f"stopped by {self._cancelled_by}; every rank was stopped")
                 return False
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and time.monotonic() >= deadline and not debug.active():
                 stacks = self._capture_stacks(backend_run)
                 backend_run.stop(STOP_GRACE)
                 self._timed_out(stacks)
                 return False
-            if hang is not None and self.state.idle() >= hang:
+            if hang is not None and min(self.state.idle(), debug.idle()) >= hang:
                 stacks = self._capture_stacks(backend_run)
                 backend_run.stop(STOP_GRACE)
                 self._error = HangTimeout(hang, stacks, self.options.num_processes, hint=self._hang_hint())
@@ -361,6 +386,10 @@ class Run:
         return "; ".join(parts)
 
 
+def _to_worker(channel: ChannelServer, rank: int, record) -> bool:
+    return channel.send(rank, record, role="worker")
+
+
 class Observer(Protocol):
     """What ``follow`` notifies while it waits: a view."""
 
@@ -371,12 +400,16 @@ class Observer(Protocol):
 
 def follow(run: Run, observer: Optional[Observer] = None, interval: float = 0.1) -> Any:
     """Wait for ``run`` in the calling thread, calling ``observer.update()`` every ``interval``
-    seconds and ``observer.close()`` at the end; Ctrl-C cancels the run and re-raises.
+    seconds and ``observer.close()`` at the end, and serving the ranks' debugger sessions
+    (``debugger.Console.serve``: their output here, the user's lines by ``input()``); Ctrl-C
+    cancels the run and re-raises (at a debugger's prompt, it ends that session instead).
     Returns rank 0's value or raises the run's error."""
     try:
         while not run.wait(interval):
             if observer is not None:
                 observer.update()
+            run.debugger.serve(run.done)  # a rank's debugger session, in this thread's output
+        run.debugger.serve(run.done)  # what a session printed last
     except KeyboardInterrupt:
         run.cancel(by="an interrupt (Ctrl-C, or the kernel's interrupt)")
         run.wait()

@@ -9,14 +9,15 @@ decoded: a field of the wrong type, a missing field or an unknown type raises
 Who may send what (the channel enforces it, ``SENDERS``):
 
 - a **worker** (the rank's own process): ``Started``, ``Progress``, ``Metrics``, ``Dropped``,
-  and in a warm pool ``JobValue`` and ``JobDone`` after each job;
+  ``DebugOutput`` (its debugger's output and prompts), and in a warm pool ``JobValue`` and
+  ``JobDone`` after each job;
 - a **launcher** (what starts and watches a worker: the local backend in the driver, or a
   Spark task on an executor): ``Log`` (the worker's output), ``Exit`` (what the process
   did), ``Stacks`` (every thread's stack, when the driver asked), ``OutputEnd`` (a warm rank's
   job output has all been read), and anything a worker may send;
 - the **driver** to ranks: ``Stop`` (stop the rank, with a grace period before the kill),
-  ``DumpStacks`` (capture every thread's Python stack) and ``RunJob`` (the next job of a warm
-  pool's ranks, in pieces).
+  ``DumpStacks`` (capture every thread's Python stack), ``RunJob`` (the next job of a warm
+  pool's ranks, in pieces) and, to a worker, ``DebugInput`` (a line for its debugger).
 
 A rank's ``Exit`` is what its launcher saw the process do, never what the worker claims.
 """
@@ -35,7 +36,7 @@ from traceback import format_exception as _format_exception
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Type, Union
 
 #: bumped whenever a record changes shape; the channel refuses a peer with another version
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class MalformedEvent(ValueError):
@@ -140,13 +141,29 @@ class Started(Event):
 
 
 @dataclass
+class OutputLine:
+    """One line of a rank's output after the first of a ``Log`` record."""
+
+    stream: str = "stdout"
+    line: str = ""
+    cr: bool = False
+
+
+@dataclass
 class Log(Event):
-    """One line of a rank's output; ``cr`` when it ended with ``\\r`` (a redrawn progress line)."""
+    """One line of a rank's output; ``cr`` when it ended with ``\\r`` (a redrawn progress line).
+    ``more``: the lines that followed it, in order, sent in the same record (a client puts the
+    lines of one flush into one record: ``channel.merge_logs``)."""
 
     type: ClassVar[str] = "log"
     stream: str = "stdout"
     line: str = ""
     cr: bool = False
+    more: List[OutputLine] = field(default_factory=list)
+
+    def lines(self) -> List[OutputLine]:
+        """Every line this record carries, in the order the rank wrote them."""
+        return [OutputLine(self.stream, self.line, self.cr), *self.more]
 
 
 @dataclass
@@ -366,19 +383,49 @@ class Peers(Event):
     use_barrier: bool = False
 
 
+@dataclass
+class DebugOutput(Event):
+    """A worker's debugger (``rank_debugger``): ``text`` it wrote in session ``session``; with a
+    ``prompt``, the session now waits for a ``DebugInput`` line; ``end``: the session is over.
+    ``kind`` is ``"post-mortem"`` (the rank raised, ``--pdb``) or ``"breakpoint"``; ``time``
+    when the session opened (a post-mortem's: when the rank raised; the earliest is debugged)."""
+
+    type: ClassVar[str] = "debug_output"
+    session: str = ""
+    kind: str = "breakpoint"
+    text: str = ""
+    prompt: str = ""
+    end: bool = False
+    time: float = 0.0
+
+
+@dataclass
+class DebugInput(Event):
+    """Driver to a worker: the ``line`` the user typed for debugger session ``session``, or
+    ``end`` (the session is to end: the user interrupted, or another rank is debugged)."""
+
+    type: ClassVar[str] = "debug_input"
+    session: str = ""
+    line: str = ""
+    end: bool = False
+
+
 RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks)
-DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers)
+DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers, DebugInput)
 #: records that a backend takes for itself, never a RunState
 LAUNCHER_TO_DRIVER = (Joined,)
 #: records that a warm pool takes for itself (``pool``), never a RunState
 POOL_TO_DRIVER = (JobValue, JobDone, OutputEnd)
+#: records that the run's debugger console takes for itself (``debugger``), never a RunState
+DEBUG_TO_DRIVER = (DebugOutput,)
 RECORDS: Dict[str, Type[Event]] = {
-    cls.type: cls for cls in RANK_TO_DRIVER + DRIVER_TO_RANK + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER}
+    cls.type: cls for cls in RANK_TO_DRIVER + DRIVER_TO_RANK + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER
+    + DEBUG_TO_DRIVER}
 
 #: which records each role of connection may send to the driver
 SENDERS: Dict[str, frozenset] = {
-    "worker": frozenset({Started, Progress, Metrics, Dropped, JobValue, JobDone}),
-    "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER),
+    "worker": frozenset({Started, Progress, Metrics, Dropped, JobValue, JobDone, DebugOutput}),
+    "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER + DEBUG_TO_DRIVER),
 }
 
 

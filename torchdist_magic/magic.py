@@ -13,7 +13,7 @@ from typing import Any, Optional
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
-from traitlets import CaselessStrEnum, Float, Int, Unicode
+from traitlets import Bool, CaselessStrEnum, Float, Int, Unicode
 
 from .options import BACKENDS, FlagError, LaunchOptions, OptionError, flag_specs, options_from_flags, parse_flags
 
@@ -49,11 +49,14 @@ class TorchdistMagics(Magics):
                             help="filename tracebacks show for a cell; {n} is the execution count"
                             ).tag(config=True)
 
+    pdb = Bool(False, help="hold a failing rank for a (Pdb rank r) post-mortem session in the cell, "
+                           "as %pdb on does (--pdb)").tag(config=True)
+
     def configured_defaults(self) -> LaunchOptions:
         """What ``%%torchdist`` with no flags uses: the ``%config`` defaults."""
         try:
             return LaunchOptions(num_processes=self.default_np, backend=self.default_backend,
-                                 timeout=self.default_timeout)
+                                 timeout=self.default_timeout, pdb=self.pdb)
         except OptionError as exc:
             raise UsageError(f"%config TorchdistMagics: {exc}") from None
 
@@ -132,10 +135,12 @@ class TorchdistMagics(Magics):
     def _run(self, target: Any, target_args: tuple, options: LaunchOptions, *, quiet: bool,
              data: Any = None, columns: Optional[list] = None) -> Any:
         """Start, show (unless ``quiet``), return rank 0's value; bad input is a ``UsageError``."""
+        from .debugger import stdin_available
         from .distributor import follow, submit
 
         try:
-            run = submit(target, target_args, {}, options, data=data, columns=columns)
+            run = submit(target, target_args, {}, options, data=data, columns=columns,
+                         debug_input=stdin_available())
         except (TypeError, ValueError) as exc:
             raise UsageError(str(exc)) from None
         self.shell.user_ns[RUN_VARIABLE] = run

@@ -21,6 +21,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, List, Mapping, Optional, Tuple
 
+from .timing import DEBUG_IDLE_LIMIT
+
 BACKENDS = ("auto", "local", "spark")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -170,6 +172,25 @@ class LaunchOptions:
             metavar="SECONDS", type=float,
         ),
     )
+    pdb: bool = field(
+        default=False,
+        metadata=_flag(
+            "--pdb",
+            "when a rank raises, hold it and open a (Pdb rank r) post-mortem session on its frames "
+            "in the cell, as %pdb on does (where, up, p x, interact; q ends it and the cell raises). "
+            "Needs a notebook that can answer input (not nbval or nbconvert --execute) and, on "
+            "Spark, executors that reach the notebook",
+        ),
+    )
+    debug_idle_timeout: float = field(
+        default=DEBUG_IDLE_LIMIT,
+        metadata=_flag(
+            "--debug-idle-timeout",
+            "a debugger session on a rank (--pdb, breakpoint()) that gets no input for SECONDS "
+            "ends, freeing the rank (a post-mortem's rank exits, a breakpoint's stops the run)",
+            metavar="SECONDS", type=float,
+        ),
+    )
     tls: Optional[bool] = field(
         default=None,
         metadata=_flag(
@@ -207,8 +228,15 @@ class LaunchOptions:
         if self.ranks is not None and not self.warm:
             raise OptionValueError("ranks", "{name} needs a warm pool: it runs a cell on some ranks of "
                                    "the live pool (--warm/warm=True), and a cold run starts every rank afresh")
+        _check_bool("pdb", self.pdb)
+        if self.debug_idle_timeout is None:
+            raise OptionTypeError("debug_idle_timeout", "{name} must be a number of seconds, got None")
+        _check_seconds("debug_idle_timeout", self.debug_idle_timeout)
         if self.tls is not None:
             _check_bool("tls", self.tls, "True, False or None (the backend's default)")
+        if self.warm and self.pdb:
+            raise OptionValueError("pdb", "{name} holds a failing rank for a debugger, which a warm pool's "
+                                   "ranks cannot do yet: run it without --warm/warm=True")
         if self.warm and self.max_restarts:
             raise OptionValueError("max_restarts", "{name} starts every rank again (a new process group) "
                                    "after a failure, and a warm pool keeps its ranks: use one or the other")

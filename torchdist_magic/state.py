@@ -468,6 +468,8 @@ class RunState:
     def _on_log(self, rs: RankState, e: events.Log) -> None:
         self._alive()
         rs.logs.append(LogLine(e.stream, e.line, e.cr))
+        for more in e.more:  # the lines of one flush, in order
+            rs.logs.append(LogLine(more.stream, more.line, more.cr))
 
     def _on_progress(self, rs: RankState, e: events.Progress) -> None:
         self._alive()

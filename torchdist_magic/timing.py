@@ -72,3 +72,6 @@ WARM_SETTLE = 3.0
 OUTPUT_END_WAIT = 2.0
 #: how long sending a job to a warm pool's ranks may wait for room on the channel
 WARM_SEND_WAIT = 60.0
+#: a rank's debugger session (``--pdb``, ``breakpoint()``) that gets no input for this long ends,
+#: freeing the rank (``LaunchOptions.debug_idle_timeout``'s default)
+DEBUG_IDLE_LIMIT = 600.0

@@ -239,7 +239,16 @@ def execute(job, namespace: Optional[dict] = None) -> Tuple[int, Any, Optional[e
             code = 1
         return code, None, _failure(exc, "SystemExit", f"exit code {code}", exit_code=code)
     except BaseException as exc:
-        return 1, None, _failure(exc, type(exc).__qualname__, str(exc))
+        from bdb import BdbQuit
+
+        from torchdist_magic import rank_debugger
+
+        if isinstance(exc, BdbQuit):  # q (or an interrupt) in a breakpoint() session on this rank
+            return 1, None, _failure(exc, "BdbQuit", f"the debugger on rank {os.environ.get('RANK', '0')} "
+                                     "was quit, which stops the run")
+        failure = _failure(exc, type(exc).__qualname__, str(exc))
+        rank_debugger.post_mortem(exc, failure.time)  # with --pdb: held here until the user is done
+        return 1, None, failure
     return 0, value, None
 
 
@@ -476,12 +485,21 @@ def main(argv=None) -> int:
 
     import cloudpickle
 
-    from torchdist_magic import channel, runtime
+    from torchdist_magic import channel, rank_debugger, runtime
 
     with open(job_file, "rb") as fh:
         job = cloudpickle.load(fh)
     inbox = JobInbox() if job.kind == "serve" else None
-    client = channel.client_from_env(inbox.on_message if inbox is not None else None)
+
+    def on_message(record: events.Event) -> None:
+        if inbox is not None:
+            inbox.on_message(record)
+        if debug is not None:  # no session can be open before it is
+            debug.on_message(record)
+
+    debug = None
+    client = channel.client_from_env(on_message)
+    debug = rank_debugger.install(client)
     os.environ.pop("TORCHDIST_SECRET", None)
     startup_env = json.loads(os.environ.pop(ENV_BEFORE, "") or "{}")
     runtime._install_sink(client)

@@ -1,0 +1,318 @@
+"""A rank's debugger in a real kernel: ``--pdb`` post-mortem and ``breakpoint()`` on a rank.
+
+The kernel is started through jupyter_client, as a frontend starts it; cells run with
+``allow_stdin`` (the notebook can answer) or without it (nbval, ``nbconvert --execute``), and
+this test answers each ``input_request`` as a user would type at the ``(Pdb rank r)`` prompt.
+"""
+
+import os
+import pathlib
+import re
+import time
+
+import pytest
+
+from helpers import alive, pids_of_run
+
+pytest.importorskip("jupyter_client")
+pytest.importorskip("ipykernel")
+pytest.importorskip("torch")
+
+pytestmark = pytest.mark.kernel  # run under ipykernel 6 and 7 (README's test command)
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+#: a guard against a hang of the test itself, never an assertion on time
+CELL_LIMIT = 240.0
+
+
+class Kernel:
+    """A real kernel of this interpreter, importing this tree (and the tests' helpers)."""
+
+    def __init__(self):
+        from jupyter_client import KernelManager
+
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(env=env)
+        self.pid = self.km.provisioner.process.pid
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    def run(self, code):
+        reply = self.kc.execute_interactive(code, timeout=120, output_hook=lambda msg: None)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        return reply
+
+    def cell(self, code, answer=None, allow_stdin=True):
+        """Execute ``code``; each input request's prompt goes to ``answer(prompt)``, which returns
+        the line to type (``None``: type nothing, as a user who walked away).  What the cell
+        showed: ``Cell`` with its prompts, its text (streams and results) and its error."""
+        msg_id = self.kc.execute(code, allow_stdin=allow_stdin)
+        out = Cell()
+        deadline = time.monotonic() + CELL_LIMIT
+        idle = False
+        while not idle:
+            assert time.monotonic() < deadline, f"the cell did not finish; so far: {out.text}"
+            while True:
+                try:
+                    msg = self.kc.get_iopub_msg(timeout=0.02)
+                except Exception:
+                    break
+                if msg["parent_header"].get("msg_id") != msg_id:
+                    continue
+                kind, content = msg["msg_type"], msg["content"]
+                if kind == "stream":
+                    out.text += content["text"]
+                elif kind in ("execute_result", "display_data"):
+                    out.text += content["data"].get("text/plain", "") + "\n"
+                elif kind == "error":
+                    out.error = (content["ename"], content["evalue"])
+                    out.text += "\n".join(content["traceback"])
+                elif kind == "status" and content["execution_state"] == "idle":
+                    idle = True
+                    break
+            try:
+                msg = self.kc.get_stdin_msg(timeout=0.02)
+            except Exception:  # queue.Empty
+                msg = None
+            if msg is not None and msg["msg_type"] == "input_request":
+                prompt = msg["content"]["prompt"]
+                out.prompts.append(prompt)
+                out.text += prompt
+                line = answer(prompt) if answer is not None else None
+                if line is not None:
+                    out.text += line + "\n"
+                    self.kc.input(line)
+        return out
+
+    def close(self):
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
+
+
+class Cell:
+    def __init__(self):
+        self.prompts = []
+        self.text = ""
+        self.error = None
+
+
+class Typist:
+    """A user at the prompts: ``lines[rank]`` are typed in order at ``(Pdb rank r)``."""
+
+    def __init__(self, lines):
+        self.lines = {rank: list(seq) for rank, seq in lines.items()}
+        self.ranks = []
+
+    def __call__(self, prompt):
+        m = re.fullmatch(r"\(Pdb rank (\d+)\) ", prompt)
+        assert m, f"not a rank's pdb prompt: {prompt!r}"
+        rank = int(m.group(1))
+        self.ranks.append(rank)
+        return self.lines[rank].pop(0)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    kernel = Kernel()
+    try:
+        kernel.run("%load_ext torchdist_magic")
+        yield kernel
+    finally:
+        kernel.close()
+    deadline = time.monotonic() + 10
+    while alive(kernel.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(kernel.pid)
+
+
+def last_run_id(kernel):
+    kernel.kc.execute_interactive("print(_torchdist_run.run_id)", timeout=60, output_hook=_keep)
+    return _kept.pop().strip()
+
+
+_kept = []
+
+
+def _keep(msg):
+    if msg["msg_type"] == "stream":
+        _kept.append(msg["content"]["text"])
+
+
+def assert_no_worker_left(kernel):
+    run_id = last_run_id(kernel)
+    deadline = time.monotonic() + 15
+    while pids_of_run(run_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pids_of_run(run_id), "a rank of the run survived"
+
+
+FAILING_CELL = """\
+x = 10 * (rank + 1)
+def inner(y):
+    z = y + 1
+    raise ValueError(f"bad value {z}")
+if rank == 1:
+    inner(x)
+x
+"""
+
+
+def test_post_mortem_on_the_failing_rank_then_the_cell_raises(kernel):
+    typist = Typist({1: ["p z", "where", "up", "p x", "p y", "p [rank, world_size]", "q"]})
+    cell = kernel.cell("%%torchdist --np 2 --pdb --quiet\n" + FAILING_CELL, typist)
+    assert typist.ranks == [1] * 7 and not typist.lines[1]
+    text = cell.text
+    assert "torchdist: rank 1 raised ValueError: bad value 21" in text
+    assert "\n21\n" in text                             # p z, in inner()
+    assert "inner(x)" in text and "-> raise ValueError" in text  # where
+    assert "\n20\n" in text                              # p x, a frame up: the cell
+    assert "*** NameError: name 'y' is not defined" in text
+    assert "[1, 2]" in text
+    assert cell.error[0] == "RankFailure" and "bad value 21" in cell.error[1]
+    assert "rank 1" in cell.error[1]
+    logs = kernel.kc.execute_interactive("assert '(Pdb' not in _torchdist_run.logs(1), _torchdist_run.logs(1)",
+                                         timeout=60, output_hook=lambda m: None)
+    assert logs["content"]["status"] == "ok", logs["content"]   # pdb's output went to the cell only
+    assert_no_worker_left(kernel)
+
+
+def test_config_pdb_and_an_interrupt_at_the_prompt_ends_the_session(kernel):
+    kernel.run("%config TorchdistMagics.pdb = True")
+    interrupted = []
+
+    def answer(prompt):
+        if not interrupted:
+            interrupted.append(prompt)
+            kernel.km.interrupt_kernel()
+            return None
+        raise AssertionError(f"a prompt after the interrupt: {prompt!r}")
+
+    try:
+        cell = kernel.cell("%%torchdist --np 2 --quiet\n" + FAILING_CELL, answer)
+    finally:
+        kernel.run("%config TorchdistMagics.pdb = False")
+    assert interrupted == ["(Pdb rank 1) "]
+    assert cell.error[0] == "RankFailure" and "bad value 21" in cell.error[1]
+    assert_no_worker_left(kernel)
+
+
+def test_breakpoint_p_then_c_returns_the_cells_value(kernel):
+    typist = Typist({1: ["p x", "n", "p seen", "c"]})
+    cell = kernel.cell("%%torchdist --np 2 --quiet\nx = 100 + rank\nif rank == 1:\n    breakpoint()\n"
+                       "    seen = x + 1\nx * 2\n", typist)
+    assert cell.error is None, cell.text
+    assert typist.ranks == [1, 1, 1, 1]
+    assert "torchdist: rank 1 stopped at breakpoint(): c continues it, q stops the run" in cell.text
+    assert "\n101\n" in cell.text and "\n102\n" in cell.text
+    assert cell.text.rstrip().endswith("200")  # rank 0's value
+    assert_no_worker_left(kernel)
+
+
+def test_q_at_a_breakpoint_stops_the_run(kernel):
+    typist = Typist({0: ["q"]})
+    cell = kernel.cell("%%torchdist --np 2 --quiet\nif rank == 0:\n    breakpoint()\nrank\n", typist)
+    assert typist.ranks == [0]
+    assert cell.error[0] == "RankFailure"
+    assert "the debugger on rank 0 was quit, which stops the run" in cell.error[1]
+    assert_no_worker_left(kernel)
+
+
+def test_two_ranks_at_breakpoints_one_session_at_a_time(kernel):
+    typist = Typist({0: ["p who", "c"], 1: ["p who", "c"]})
+    cell = kernel.cell("%%torchdist --np 2 --all-ranks --quiet\nwho = f'rank-{rank}-here'\nbreakpoint()\n"
+                       "who\n", typist)
+    assert cell.error is None, cell.text
+    first = typist.ranks[0]
+    assert typist.ranks == [first, first, 1 - first, 1 - first]  # one session, then the other
+    assert "'rank-0-here'" in cell.text and "'rank-1-here'" in cell.text
+    assert f"(rank {1 - first} waits for their turn)" in cell.text
+    assert "['rank-0-here', 'rank-1-here']" in cell.text
+    assert_no_worker_left(kernel)
+
+
+def test_without_stdin_breakpoint_is_skipped_with_one_line_and_pdb_says_so(kernel):
+    kernel.run("%config TorchdistMagics.view = 'text'")
+    try:
+        cell = kernel.cell("%%torchdist --np 2\nx = 5 + rank\nif rank == 1:\n    breakpoint()\nx\n",
+                           allow_stdin=False)
+        assert cell.error is None and not cell.prompts, cell.text
+        assert cell.text.count("breakpoint() skipped") == 1, cell.text
+        assert "torchdist: breakpoint() skipped on rank 1: the notebook has no input to debug with" in cell.text
+        assert cell.text.rstrip().endswith("5")
+        assert_no_worker_left(kernel)
+        cell = kernel.cell("%%torchdist --np 2 --pdb\n" + FAILING_CELL, allow_stdin=False)
+        assert not cell.prompts and cell.error[0] == "RankFailure", cell.text
+        assert "torchdist: --pdb: this notebook cannot read input here" in cell.text
+        assert_no_worker_left(kernel)
+    finally:
+        kernel.run("%config TorchdistMagics.view = 'auto'")
+
+
+def test_a_session_without_input_ends_at_the_idle_limit(kernel):
+    cell = kernel.cell("%%torchdist --np 2 --pdb --debug-idle-timeout 1 --quiet\n" + FAILING_CELL,
+                       lambda prompt: None)
+    assert cell.prompts == ["(Pdb rank 1) "]
+    assert "torchdist: no input for 1 s: the debugger session on rank 1 ends (--debug-idle-timeout)" in cell.text
+    assert cell.error[0] == "RankFailure" and "bad value 21" in cell.error[1]
+    assert_no_worker_left(kernel)
+
+
+@pytest.mark.spark
+def test_post_mortem_on_a_spark_local2_rank(kernel, tmp_path):
+    pytest.importorskip("pyspark")
+    kernel.run(f"from spark_fixtures import SparkSessions\n_sessions = SparkSessions({str(tmp_path)!r})\n"
+               "spark = _sessions.get('local[2]')")
+    try:
+        typist = Typist({1: ["p z", "up", "p x", "q"]})
+        cell = kernel.cell("%%torchdist --np 2 --pdb --quiet\n" + FAILING_CELL, typist)
+        assert typist.ranks == [1, 1, 1, 1], cell.text
+        assert "\n21\n" in cell.text and "\n20\n" in cell.text
+        assert cell.error[0] == "RankFailure" and "bad value 21" in cell.error[1]
+        kernel.kc.execute_interactive("print(type(_torchdist_run.backend).__name__)", timeout=60, output_hook=_keep)
+        assert _kept.pop().strip() == "SparkBarrierBackend"  # the ranks ran in Spark tasks
+        assert_no_worker_left(kernel)
+    finally:
+        kernel.run("_sessions.stop()")
+
+
+class Unreachable:
+    """A classic Spark backend whose tasks get an address where no driver listens."""
+
+    def __new__(cls, session):
+        import dataclasses
+
+        from torchdist_magic.backends.spark_classic import SparkBarrierBackend
+
+        class _Unreachable(SparkBarrierBackend):
+            def start(self, ctx):
+                ctx.spec = dataclasses.replace(ctx.spec, channel_address="127.0.0.1:9")
+                return super().start(ctx)
+
+        return _Unreachable(session)
+
+
+def fail_on_rank_1():
+    from torchdist_magic import rank
+
+    if rank() == 1:
+        raise ValueError("bad shard on rank 1")
+
+
+@pytest.mark.spark
+def test_pdb_says_so_when_the_executors_cannot_reach_the_notebook(spark_local2, monkeypatch):
+    from helpers import assert_nothing_left
+    from torchdist_magic import LaunchOptions, RankFailure
+    import torchdist_magic.distributor as distributor
+
+    monkeypatch.setattr(distributor, "make_backend", lambda options: Unreachable(spark_local2))
+    run = distributor.submit(fail_on_rank_1, (), {}, LaunchOptions(num_processes=2, backend="spark", pdb=True),
+                             debug_input=True)
+    with pytest.raises(RankFailure) as info:
+        distributor.follow(run)
+    assert (info.value.rank, info.value.message) == (1, "bad shard on rank 1")
+    assert "torchdist: --pdb: rank 1" in run.logs(1)
+    assert "cannot reach the notebook's event channel, so its failure is not held for a debugger" in run.logs(1)
+    assert_nothing_left(run)
