@@ -87,3 +87,42 @@ def test_a_warm_pool_keeps_its_nccl_group_and_gpus():
         shutdown_pools()
     assert first == second  # same processes, same group, same device
     assert [(backend, total, dev) for _, backend, total, dev in first] == [("nccl", float(n), r) for r in range(n)]
+
+
+def allocate_on_the_gpu_and_wait():
+    import time
+
+    import torch
+
+    from torchdist_magic import device
+
+    held = torch.ones(64 << 20, device=device())  # 256 MiB
+    time.sleep(5.0)  # samples at 2 s: the launcher's and the rank's own (torch's peak) arrive
+    return float(held.sum().item())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_nvml_samples_a_device_s_memory_and_utilisation():
+    from torchdist_magic.gpu_metrics import GPU_KEYS, open_gpu_source
+
+    source = open_gpu_source()
+    assert source is not None, "nvidia-ml-py (the gpu extra) is not installed or NVML has no driver"
+    try:
+        sample = source.sample(["0"])
+    finally:
+        source.close()
+    assert set(sample) == set(GPU_KEYS)
+    assert 0 < sample["gpu_memory_used_bytes"] <= sample["gpu_memory_total_bytes"]
+    assert 0 <= sample["gpu_util_percent"] <= 100
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_gpu_run_has_each_rank_s_device_memory_and_torch_s_peak():
+    run = Distributor(1, use_gpu=True, show=None).submit(allocate_on_the_gpu_and_wait)
+    run.result(timeout=300)
+    system = run.state.ranks[0].system
+    assert system["gpu_memory_total_bytes"] >= system["gpu_memory_used_bytes"] > 256 << 20
+    assert 0 <= system["gpu_util_percent"] <= 100
+    assert system["torch_max_allocated_bytes"] >= 256 << 20

@@ -24,7 +24,7 @@ def fresh_ipython(*lines):
 
 def test_load_is_light():
     assert fresh_ipython(
-        "print(sorted(x for x in ('torch', 'pyspark', 'ipywidgets', 'cloudpickle', 'cryptography') if x in sys.modules))",
+        "print(sorted(x for x in ('torch', 'pyspark', 'ipywidgets', 'cloudpickle', 'cryptography', 'pynvml') if x in sys.modules))",
         "print('torchdist' in m['cell'])") == ["[]", "True"]
 
 

@@ -66,7 +66,8 @@ def test_control_kinds_follow_the_field_metadata(panel):
                      "keep_checkpoints": widgets.IntText, "env": widgets.Textarea,
                      "all_ranks": widgets.Checkbox, "warm": widgets.Checkbox, "ranks": widgets.Text,
                      "pool_idle_timeout": widgets.Text, "pdb": widgets.Checkbox,
-                     "debug_idle_timeout": widgets.Text, "tls": widgets.Dropdown}
+                     "debug_idle_timeout": widgets.Text, "tls": widgets.Dropdown,
+                     "system_metrics": widgets.Checkbox}
     backend = next(f for f in option_fields() if f.name == "backend")
     assert panel.controls["backend"].options == tuple(backend.metadata["choices"])
     assert panel.options() == LaunchOptions()
@@ -229,6 +230,15 @@ def test_the_tls_switch_shows_default_on_off_and_round_trips_through_the_flags(p
         line = P.command_line(panel.options())
         assert line == "%%torchdist --np 1" + flag
         assert parse_line(line).tls is value
+
+
+def test_system_metrics_is_a_checkbox_on_by_default_that_round_trips_through_the_flags(panel):
+    assert panel.controls["system_metrics"].value is True
+    panel.controls["system_metrics"].value = False
+    assert panel.options().system_metrics is False
+    line = P.command_line(panel.options())
+    assert line == "%%torchdist --np 1 --no-system-metrics"
+    assert parse_line(line).system_metrics is False
 
 
 def test_quoted_env_round_trips_through_the_flags():

@@ -9,11 +9,13 @@ decoded: a field of the wrong type, a missing field or an unknown type raises
 Who may send what (the channel enforces it, ``SENDERS``):
 
 - a **worker** (the rank's own process): ``Started``, ``Progress``, ``Metrics``, ``Dropped``,
-  ``DebugOutput`` (its debugger's output and prompts), and in a warm pool ``JobValue`` and
+  ``DebugOutput`` (its debugger's output and prompts), ``SystemMetrics`` (what only the
+  rank's process knows: torch's peak GPU memory), and in a warm pool ``JobValue`` and
   ``JobDone`` after each job;
 - a **launcher** (what starts and watches a worker: the local backend in the driver, or a
   Spark task on an executor): ``Log`` (the worker's output), ``Exit`` (what the process
-  did), ``Stacks`` (every thread's stack, when the driver asked), ``OutputEnd`` (a warm rank's
+  did), ``SystemMetrics`` (the rank's processes and machine, sampled every few seconds),
+  ``Stacks`` (every thread's stack, when the driver asked), ``OutputEnd`` (a warm rank's
   job output has all been read), and anything a worker may send;
 - the **driver** to ranks: ``Stop`` (stop the rank, with a grace period before the kill),
   ``DumpStacks`` (capture every thread's Python stack), ``RunJob`` (the next job of a warm
@@ -36,7 +38,7 @@ from traceback import format_exception as _format_exception
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Type, Union
 
 #: bumped whenever a record changes shape; the channel refuses a peer with another version
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 class MalformedEvent(ValueError):
@@ -115,6 +117,8 @@ class Failure:
         if self.exc_type:
             return f"{where} raised {self.exc_type}: {self.message}".rstrip(": ")
         if self.signal_name:
+            if self.message:  # what the launcher made of the kill (``sysmetrics.explain_kill``)
+                return f"{where} was killed ({self.signal_name}), {self.message}"
             return f"{where} was killed by {self.signal_name}"
         if self.exit_code is not None:
             return f"{where} exited with code {self.exit_code}"
@@ -204,6 +208,18 @@ class Metrics(Event):
     def points(self) -> List[MetricPoint]:
         """Every point this record carries, in the order they were reported."""
         return [MetricPoint(self.step, self.values, self.time), *self.more]
+
+
+@dataclass
+class SystemMetrics(Event):
+    """What the machine under a rank looked like at ``time``: named numbers (``cpu_percent``,
+    ``rss_bytes``, ``host_memory_available_bytes``, ``gpu_memory_used_bytes``, ...; see
+    ``sysmetrics``).  Its launcher samples the rank's processes every ``SYSTEM_METRICS_INTERVAL``;
+    the worker adds what only the rank's process knows (``torch_max_allocated_bytes``)."""
+
+    type: ClassVar[str] = "system"
+    values: Dict[str, float] = field(default_factory=dict)
+    time: float = 0.0
 
 
 @dataclass
@@ -410,7 +426,7 @@ class DebugInput(Event):
     end: bool = False
 
 
-RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks)
+RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks, SystemMetrics)
 DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers, DebugInput)
 #: records that a backend takes for itself, never a RunState
 LAUNCHER_TO_DRIVER = (Joined,)

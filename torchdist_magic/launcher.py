@@ -12,6 +12,12 @@ rank's environment (``procs.MARK_VARIABLE``, a value of this rank's alone) and, 
 process has ended, ends whatever still carries the mark (``procs.end_marked_processes``).
 Every signal sent to a rank, and every stop that failed, is logged to the ``torchdist_magic``
 logger (silent unless the application turns logging on).
+
+System metrics.  Unless told not to, the launcher samples the rank's process group every
+``timing.SYSTEM_METRICS_INTERVAL`` seconds from a thread of its own (``sysmetrics.RankSampler``,
+with the rank's GPUs through a ``gpu_metrics.GpuSource`` when it has any) and emits
+``SystemMetrics``.  The last sample explains the rank's end: a SIGKILL near its memory limit is
+reported as "probably out of memory", a CUDA out-of-memory error gets the device memory.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ import time
 import uuid
 from typing import Callable, Dict, Optional
 
-from . import events, values
+from . import events, timing, values
+from .gpu_metrics import GpuSource, visible_devices
 from .procs import MARK_VARIABLE, end_marked_processes
+from .sysmetrics import RankSampler, explain_cuda_oom, is_cuda_oom
 from .timing import OUTPUT_GATHER, PIPE_DRAIN_WAIT, REAP_WAIT, STACKS_SETTLE, STACKS_WAIT, STOP_GRACE
 from .worker import ERROR_FILE, RESULT_FILE, STACKS_FILE, STACKS_HEADER, STACKS_SIGNAL
 
@@ -130,7 +138,10 @@ class RankProcess:
     once what the rank left running (``mark``) has been ended too."""
 
     def __init__(self, rank: int, job_file: str, result_dir: str, env: Dict[str, str],
-                 emit: Callable[[events.Event], None], python: str = sys.executable):
+                 emit: Callable[[events.Event], None], python: str = sys.executable, *,
+                 system_metrics: bool = True, gpu_source: Optional[GpuSource] = None):
+        """``system_metrics``: sample the rank's processes (and, with ``gpu_source``, the GPUs of
+        its ``CUDA_VISIBLE_DEVICES``) and emit ``SystemMetrics``."""
         self.rank = rank
         self.result_dir = result_dir
         self.emit = emit
@@ -154,8 +165,29 @@ class RankProcess:
         ]
         for t in self._readers:
             t.start()
+        self._ended = threading.Event()  # the process has exited: sampling stops
+        self.sampler: Optional[RankSampler] = None
+        if system_metrics:
+            devices = visible_devices(env) if gpu_source is not None else []
+            self.sampler = RankSampler(self.pgid, gpu=(gpu_source, devices) if devices else None)
+            threading.Thread(target=self._sample, name=f"torchdist-system-rank{rank}", daemon=True).start()
         self._waiter = threading.Thread(target=self._wait, daemon=True)
         self._waiter.start()
+
+    def _sample(self) -> None:
+        """Emit the rank's system metrics until it exits: every ``SYSTEM_METRICS_INTERVAL``, and
+        more often while its memory is near its limit (``sysmetrics.NEAR_LIMIT_FAST``)."""
+        interval = 0.0  # the first sample at once: a short rank is seen too
+        while not self._ended.wait(interval):
+            try:
+                values = self.sampler.sample()
+            except Exception:  # a sample is never worth the rank: log it, go on
+                log.exception("rank %d: sampling its system metrics failed", self.rank)
+                values = {}
+            if values and not self._ended.is_set():
+                self.emit(events.SystemMetrics(rank=self.rank, values=values, time=time.time()))
+            interval = (timing.SYSTEM_METRICS_FAST_INTERVAL if self.sampler.near_limit()
+                        else timing.SYSTEM_METRICS_INTERVAL)
 
     def _forward(self, pipe, stream: str) -> None:
         fd = pipe.fileno()
@@ -201,6 +233,7 @@ class RankProcess:
     def _wait(self) -> None:
         code = self.proc.wait()
         when = time.time()
+        self._ended.set()
         self.returncode = code
         try:
             # what the rank started in a session of its own outlives its group: it goes with the rank
@@ -213,9 +246,21 @@ class RankProcess:
         if code != 0:
             failure = events.Failure.from_exit(self.rank, code, host=self.host, time=when,
                                                reported=read_failure(self.result_dir))
+            if self.sampler is not None and not self.stopping:
+                failure = self._explain(failure, code)
         self.emit(events.Exit(rank=self.rank, code=code, time=when, host=self.host,
                               stopped=self.stopping and code != 0, failure=failure))
         self.exited.set()
+
+    def _explain(self, failure: events.Failure, code: int) -> events.Failure:
+        """``failure`` with what the rank's last system metrics say about it: a SIGKILL near its
+        memory limit, a CUDA out-of-memory error's device memory."""
+        if not failure.exc_type:
+            why = self.sampler.explain_kill(code)
+            return failure.for_rank(self.rank, message=why) if why else failure
+        if is_cuda_oom(failure.exc_type, failure.message):
+            return failure.for_rank(self.rank, message=explain_cuda_oom(failure.message, self.sampler.last))
+        return failure
 
     def dump_stacks(self) -> None:
         """Ask the worker for every thread's stack; one ``Stacks`` record follows, from a thread

@@ -53,8 +53,9 @@ class FlagError(ValueError):
 
 
 def _flag(flag: str, help: str, **extra: Any) -> dict:
-    """A field's flag and help; ``negative=(flag, help)`` makes it a switch (``Optional[bool]``:
-    the flag sets True, the negative flag False, neither leaves the default)."""
+    """A field's flag and help; ``negative=(flag, help)`` makes it a switch (a ``bool``, or an
+    ``Optional[bool]`` whose ``None`` is the backend's choice: the flag sets True, the negative
+    flag False, neither leaves the default)."""
     return {"flag": flag, "help": help, **extra}
 
 
@@ -203,6 +204,18 @@ class LaunchOptions:
         ),
     )
 
+    system_metrics: bool = field(
+        default=True,
+        metadata=_flag(
+            "--system-metrics",
+            "sample each rank's CPU %, memory (RSS) and, with GPUs, device memory and utilisation "
+            "every few seconds beside the rank (never in its training thread), shown per rank and "
+            "in run.state.ranks[r].system; a rank killed near its memory limit is reported as out "
+            "of memory (default: on)",
+            negative=("--no-system-metrics", "do not sample the ranks' CPU, memory and GPUs"),
+        ),
+    )
+
     def __post_init__(self) -> None:
         _check_count("num_processes", self.num_processes, 1)
         _check_bool("use_gpu", self.use_gpu)
@@ -234,6 +247,7 @@ class LaunchOptions:
         _check_seconds("debug_idle_timeout", self.debug_idle_timeout)
         if self.tls is not None:
             _check_bool("tls", self.tls, "True, False or None (the backend's default)")
+        _check_bool("system_metrics", self.system_metrics)
         if self.warm and self.pdb:
             raise OptionValueError("pdb", "{name} holds a failing rank for a debugger, which a warm pool's "
                                    "ranks cannot do yet: run it without --warm/warm=True")
@@ -375,7 +389,7 @@ def flag_specs() -> List[Tuple[tuple, dict]]:
     for f in option_fields():
         meta = f.metadata
         kwargs: dict = {"help": meta["help"].replace("%", "%%"), "dest": f.name, "default": None}  # argparse formats help
-        if f.type in (bool, "bool"):
+        if f.type in (bool, "bool") and "negative" not in meta:
             kwargs["action"] = "store_true"
         elif "negative" in meta:  # a switch: on, off, or (neither given) the default
             off, off_help = meta["negative"]
@@ -453,7 +467,7 @@ def options_from_flags(args: argparse.Namespace, defaults: LaunchOptions) -> Lau
     values = {}
     for f in option_fields():
         given = getattr(args, f.name)
-        if f.type in (bool, "bool"):
+        if f.type in (bool, "bool") and "negative" not in f.metadata:
             given = True if given else None
         values[f.name] = getattr(defaults, f.name) if given is None else given
     try:

@@ -52,6 +52,8 @@ class RunSpec:
     data_files: Tuple[str, ...] = ()
     #: a warm run on some ranks of its pool (``LaunchOptions.ranks``); () for every rank
     ranks: Tuple[int, ...] = ()
+    #: each rank's launcher samples its CPU, memory and GPUs (``sysmetrics``)
+    system_metrics: bool = True
 
     @classmethod
     def resolve(cls, options: LaunchOptions, run_id: str, channel_address: str = "",
@@ -66,7 +68,7 @@ class RunSpec:
                    channel_cert=channel_cert, attempt=attempt, max_restarts=options.max_restarts,
                    checkpoint_dir=options.checkpoint_dir or checkpoint_dir,
                    keep_checkpoints=options.keep_checkpoints, data_files=tuple(data_files),
-                   ranks=tuple(options.ranks or ()))
+                   ranks=tuple(options.ranks or ()), system_metrics=options.system_metrics)
 
     def returns_value(self, rank: int) -> bool:
         """Whether ``rank``'s value comes back to the driver: rank 0's (with ``ranks``, the
@@ -224,6 +226,7 @@ def _run_variables(spec: RunSpec, place: Placement) -> Dict[str, str]:
         "TORCHDIST_RUN_ID": spec.run_id, "TORCHDIST_CHANNEL": spec.channel_address,
         "TORCHDIST_SECRET": spec.secret, "TORCHDIST_CHANNEL_CERT": spec.channel_cert,
         "TORCHDIST_USE_GPU": "1" if spec.use_gpu else "0",
+        "TORCHDIST_SYSTEM_METRICS": "1" if spec.system_metrics else "0",
         "TORCHDIST_RETURN_VALUE": "1" if spec.returns_value(place.rank) else "0",
         # torchrun's names too, so that code written for torchelastic sees the attempt
         "TORCHDIST_RESTART_COUNT": str(spec.attempt), "TORCHELASTIC_RESTART_COUNT": str(spec.attempt),

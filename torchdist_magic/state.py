@@ -40,6 +40,14 @@ MAX_POINTS = 10_000
 #: (at least ``MIN_POINTS``), so the driver's memory is bounded per run, not only per rank
 RUN_POINTS = 400_000
 MIN_POINTS = 256
+#: a rank's history of system metrics keeps at most this many samples (past that, every other
+#: one), and a run's, all ranks together, about ``RUN_SYSTEM_POINTS`` (at least
+#: ``MIN_SYSTEM_POINTS`` each): an hour at one sample every 2 s, for a few ranks
+MAX_SYSTEM_POINTS = 2048
+RUN_SYSTEM_POINTS = 200_000
+MIN_SYSTEM_POINTS = 64
+#: the keys of a system sample its history keeps (what the views plot), in this order
+SYSTEM_HISTORY_KEYS = ("cpu_percent", "rss_bytes", "gpu_memory_used_bytes", "gpu_util_percent")
 #: a rank's log keeps at most this many lines (and ``LOG_MEMORY_CHARS`` characters) in memory;
 #: past that the older half goes to the rank's file
 LOG_MEMORY_LINES = 20_000
@@ -287,6 +295,12 @@ class RankState(_Bars):
     logs: LogStore = None            # every attempt's lines (one store per rank, kept across attempts)
     dropped: int = 0
     failure: Optional[Failure] = None
+    #: the latest system sample (``sysmetrics``; ``time``: when it was taken), ``{}`` before any
+    system: Dict[str, float] = field(default_factory=dict)
+    #: seconds per step of its innermost running progress bar, smoothed (None: no such bar)
+    step_time: Optional[float] = None
+    #: the samples of ``system`` so far: ``(time, *SYSTEM_HISTORY_KEYS)``, None where a sample lacked it
+    system_samples: List[Tuple[Optional[float], ...]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -306,6 +320,8 @@ class RankSnapshot(_Bars):
     dropped: int
     failure: Optional[Failure]
     log_lines: int                 # lines in its log (every attempt's) at that moment
+    system: Dict[str, float] = field(default_factory=dict)   # the latest system sample
+    step_time: Optional[float] = None                          # seconds per step, smoothed
 
 
 @dataclass(frozen=True)
@@ -418,6 +434,8 @@ class RunState:
                       for r in range(num_processes)]
         #: points of one metric a rank's history keeps
         self.max_points = min(MAX_POINTS, max(MIN_POINTS, RUN_POINTS // share))
+        #: system samples a rank's history keeps
+        self.max_system_points = min(MAX_SYSTEM_POINTS, max(MIN_SYSTEM_POINTS, RUN_SYSTEM_POINTS // share))
         self._attempt_lines: List[List[int]] = [[0] for _ in range(num_processes)]
         #: ranks a warm run on some of its pool's ranks leaves out (``LaunchOptions.ranks``): they
         #: stay ``idle`` for the whole run and count as finished
@@ -480,6 +498,29 @@ class RunState:
                               "state": e.state, "postfix": e.postfix}
         if rs.state == "starting":
             rs.state = "running"
+        self._step_time(rs, e)
+
+    def _step_time(self, rs: RankState, e: events.Progress) -> None:
+        """Update ``rs.step_time`` from its innermost running bar: that bar's seconds per step so
+        far (its ``elapsed`` over its ``n``: tqdm's average rate, smoothed over the bar, which
+        starts again with each epoch's).  Goes to ``stragglers`` too (a rank whose step time is
+        well above the median is slow)."""
+        running = [bar for bar, b in rs.progress.items() if b["state"] == "running"]
+        if not running:
+            rs.step_time = None
+        elif running[-1] == e.bar and e.n > 0:
+            rs.step_time = max(e.elapsed, 0.0) / e.n
+        self._pace.step_time(rs.rank, rs.step_time, e.desc or e.bar)
+
+    def _on_system(self, rs: RankState, e: events.SystemMetrics) -> None:
+        """A sample of the machine under the rank (its launcher's, or the worker's own keys):
+        merged into ``rs.system``; its history keeps the launcher's samples (those with a CPU %)."""
+        rs.system.update(e.values)
+        rs.system["time"] = e.time
+        if "cpu_percent" in e.values:
+            rs.system_samples.append((e.time, *(e.values.get(k) for k in SYSTEM_HISTORY_KEYS)))
+            if len(rs.system_samples) > self.max_system_points:
+                del rs.system_samples[-2::-2]  # halve the resolution; keep the first and newest
 
     def _on_metrics(self, rs: RankState, e: events.Metrics) -> None:
         self._alive()
@@ -536,7 +577,7 @@ class RunState:
     HANDLERS = {
         events.Started: _on_started, events.Log: _on_log, events.Progress: _on_progress,
         events.Metrics: _on_metrics, events.Dropped: _on_dropped, events.Exit: _on_exit,
-        events.Stacks: _on_stacks,
+        events.Stacks: _on_stacks, events.SystemMetrics: _on_system,
     }
 
     def restart(self) -> None:
@@ -640,7 +681,8 @@ class RunState:
             ranks = tuple(RankSnapshot(
                 rank=rs.rank, host=rs.host, pid=rs.pid, state=rs.state, exit_code=rs.exit_code,
                 started=rs.started, ended=rs.ended, progress={k: dict(b) for k, b in rs.progress.items()},
-                metrics=dict(rs.metrics), dropped=rs.dropped, failure=rs.failure, log_lines=len(rs.logs))
+                metrics=dict(rs.metrics), dropped=rs.dropped, failure=rs.failure, log_lines=len(rs.logs),
+                system=dict(rs.system), step_time=rs.step_time)
                 for rs in self.ranks)
             changed = frozenset(r for r, v in enumerate(self._rank_versions) if since is None or v > since)
             now = self._pace.clock()
@@ -698,6 +740,22 @@ class RunState:
                             kept.append(last)
                     history.setdefault(name, {})[rs.rank] = list(kept)
             return history
+
+    def system_history(self, rank: int, points: Optional[int] = None) -> List[Dict[str, float]]:
+        """``rank``'s system samples of the current attempt, oldest first, each a dict of
+        ``time`` and the plotted keys it had (``SYSTEM_HISTORY_KEYS``); ``points``: about that
+        many, evenly spread, the newest kept."""
+        self._check_rank(rank)
+        with self._lock:
+            kept = self.ranks[rank].system_samples
+            if points is not None and len(kept) > points:
+                last = kept[-1]
+                kept = kept[::-(-len(kept) // points)]
+                if kept[-1] is not last:
+                    kept.append(last)
+            kept = list(kept)
+        keys = ("time",) + SYSTEM_HISTORY_KEYS
+        return [{k: v for k, v in zip(keys, sample) if v is not None} for sample in kept]
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.num_processes:

@@ -5,6 +5,11 @@ lock): the time a rank was last heard from and, for each of its progress bars, i
 ``(time, n)`` samples.  A rank's step rate on a bar is measured over the last ``RATE_WINDOW``
 seconds on the driver's clock, so a rank that goes quiet slows down too.
 
+Step times.  ``RunState`` also gives each rank's smoothed seconds per step of its innermost
+running bar (``step_time``): a rank whose step time is above ``SLOW_STEP_RATIO`` times the
+median of the ranks on the same bar is slow too.  System samples (``SystemMetrics``) come from a
+rank's launcher, not the rank: they are no sign of the rank's life.
+
 Bars are told apart by their description: an inner loop's bar is a new bar every epoch (a new
 id), and ranks in different epochs still compare on it; its count goes on across epochs (each
 new bar of the same description starts where the last one ended).
@@ -44,6 +49,9 @@ CHECK_EVERY = 0.5
 MIN_PEERS = 3
 #: bars tracked per rank (the newest ones): nested loops rarely go deeper
 MAX_BARS = 4
+#: a rank is slow when its step time (``RunState``'s ``step_time``) is above this many times
+#: the median step time of the ranks on the same bar
+SLOW_STEP_RATIO = 2.0
 
 
 class Straggler(NamedTuple):
@@ -67,6 +75,10 @@ def _rate_text(rate: float) -> str:
     return f"{rate:.2f} it/s" if rate < 10 else f"{rate:.0f} it/s"
 
 
+def _seconds_text(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
 class Pace:
     """Every rank's pace in one run attempt (see the module's docstring); not thread-safe: its
     ``RunState`` calls it under its lock."""
@@ -81,9 +93,19 @@ class Pace:
         self._fine_since: List[Optional[float]] = [None] * num_processes  # a listed rank, fine since
         self.listed: Dict[int, str] = {}    # rank -> why
         self._checked = float("-inf")
+        #: per rank, its smoothed seconds per step and the bar they are of (None: no running bar)
+        self._step_times: List[Optional[Tuple[float, str]]] = [None] * num_processes
+
+    def step_time(self, rank: int, seconds: Optional[float], bar: str) -> None:
+        """``rank``'s current step time on ``bar`` (None: it has no running bar)."""
+        self._step_times[rank] = None if seconds is None else (seconds, bar)
 
     def saw(self, rank: int, event: events.Event) -> None:
         now = self.clock()
+        if isinstance(event, events.SystemMetrics):  # sampled beside the rank: no sign of its life
+            if now - self._checked >= CHECK_EVERY:
+                self.check(now)
+            return
         self.last_seen[rank] = now
         if isinstance(event, events.Progress):
             self._progress(rank, event, now)
@@ -148,6 +170,19 @@ class Pace:
                     compared.add(r)
                     if b.running and b.n < (1 - BEHIND_RATIO) * median_n and median_n - b.n >= BEHIND_MIN_STEPS:
                         note(r, (0, median_n), f"at step {b.n} where the median is {median_n:g} ({name})")
+        by_bar: Dict[str, Dict[int, float]] = {}
+        for r, step in enumerate(self._step_times):
+            if step is not None:
+                by_bar.setdefault(step[1], {})[r] = step[0]
+        for name, steps in by_bar.items():
+            if len(steps) >= MIN_PEERS:
+                median = statistics.median(steps.values())
+                compared.update(steps)
+                for r, seconds in steps.items():
+                    if median > 0 and seconds > SLOW_STEP_RATIO * median:
+                        # the rank's own measure: said when the driver's measures say nothing
+                        note(r, (-1, seconds), f"{_seconds_text(seconds)}/step against a median of "
+                                                 f"{_seconds_text(median)}/step ({name})")
         for r in compared:
             if r in odd:
                 self._fine_since[r] = None

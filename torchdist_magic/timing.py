@@ -75,3 +75,9 @@ WARM_SEND_WAIT = 60.0
 #: a rank's debugger session (``--pdb``, ``breakpoint()``) that gets no input for this long ends,
 #: freeing the rank (``LaunchOptions.debug_idle_timeout``'s default)
 DEBUG_IDLE_LIMIT = 600.0
+
+#: how often a rank's launcher samples its processes' CPU and memory (``sysmetrics``)
+SYSTEM_METRICS_INTERVAL = 2.0
+#: ... and how often once their memory is past ``sysmetrics.NEAR_LIMIT_FAST`` of its limit, so
+#: that a rank the OOM killer ends was seen close to the limit
+SYSTEM_METRICS_FAST_INTERVAL = 0.25

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from torchdist_magic import events, procs
 from torchdist_magic.rankenv import ENV_BEFORE
-from torchdist_magic.timing import ATEXIT_WAIT, PARENT_WATCH_INTERVAL, STOP_GRACE
+from torchdist_magic.timing import ATEXIT_WAIT, PARENT_WATCH_INTERVAL, STOP_GRACE, SYSTEM_METRICS_INTERVAL
 
 RESULT_FILE = "result.pkl"
 #: where a rank writes its value when its launcher says (else ``RESULT_FILE`` in its result dir)
@@ -84,6 +84,32 @@ def _others_in_my_group() -> list:
     and the group's SIGKILL still reaches them)."""
     me = os.getpid()
     return [pid for pid in procs.group_members(me) if pid != me]
+
+
+def torch_memory() -> Dict[str, float]:
+    """What only the rank's own process knows of its GPU memory: torch's peak allocated bytes
+    over its devices (``torch_max_allocated_bytes``), once the job initialised CUDA; ``{}``
+    before (asking would initialise CUDA itself, or import torch)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return {}
+    peak = sum(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count()))
+    return {"torch_max_allocated_bytes": float(peak)}
+
+
+def _report_torch_memory(client) -> None:
+    """Send ``torch_memory()`` every ``SYSTEM_METRICS_INTERVAL`` when it changed (a thread of
+    its own: the job's thread is never interrupted for it)."""
+    sent: Dict[str, float] = {}
+    while True:
+        time.sleep(SYSTEM_METRICS_INTERVAL)
+        try:
+            values = torch_memory()
+        except Exception:  # CUDA in a bad state: the job will say so itself
+            continue
+        if values and values != sent:
+            client.send(events.SystemMetrics(rank=int(os.environ.get("RANK", "0")), values=values, time=time.time()))
+            sent = values
 
 
 def _write_failure(result_dir: str, failure: events.Failure) -> None:
@@ -507,6 +533,10 @@ def main(argv=None) -> int:
         client.send(events.Started(rank=runtime.rank(), host=socket.gethostname(), pid=os.getpid(),
                                    time=time.time()))
     _listen_for_stack_requests(result_dir)
+    if client is not None and os.environ.get("TORCHDIST_USE_GPU") == "1" \
+            and os.environ.get("TORCHDIST_SYSTEM_METRICS", "1") == "1":
+        threading.Thread(target=_report_torch_memory, args=(client,), name="torchdist-torch-memory",
+                         daemon=True).start()
     if inbox is not None:
         if client is None:
             print("a warm pool's rank needs the driver's event channel (TORCHDIST_CHANNEL)", file=sys.stderr)

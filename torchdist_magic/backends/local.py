@@ -8,6 +8,7 @@ import socket
 import tempfile
 from typing import List, Optional
 
+from ..gpu_metrics import GpuSource, open_gpu_source
 from ..launcher import RankProcess, map_value, reserve_port, stop_all, value_directory, write_job_file
 from ..options import LaunchOptions
 from ..procs import process_exited
@@ -58,6 +59,8 @@ class LocalRun(BackendRun):
         self.value_dir = value_dir
         self.procs: List[RankProcess] = []
         self._port: Optional[socket.socket] = None
+        #: NVML, for the ranks' GPU metrics (a run with GPUs and system metrics, where NVML is there)
+        self._gpu_source: Optional[GpuSource] = None
 
     def launch(self, ctx: LaunchContext) -> None:
         job_file = os.path.join(self.workdir, "job.pkl")
@@ -65,13 +68,16 @@ class LocalRun(BackendRun):
         self._port = reserve_port("127.0.0.1")
         n = ctx.spec.num_processes
         host = socket.gethostname()
+        if ctx.spec.system_metrics and ctx.spec.use_gpu:
+            self._gpu_source = open_gpu_source()
         for place in place_ranks([host] * n, "127.0.0.1", self._port.getsockname()[1]):
             env = rank_environment(os.environ, ctx.spec, place)
             # if this driver dies, the orphaned ranks remove these
             env["TORCHDIST_CLEANUP"] = os.pathsep.join([self.workdir, self.value_dir])
             env[VALUE_FILE_ENV] = self._value_file(place.rank)
             self.procs.append(RankProcess(place.rank, job_file,
-                                          os.path.join(self.workdir, f"rank-{place.rank}"), env, ctx.emit))
+                                          os.path.join(self.workdir, f"rank-{place.rank}"), env, ctx.emit,
+                                          system_metrics=ctx.spec.system_metrics, gpu_source=self._gpu_source))
 
     def stop(self, grace: float) -> None:
         stop_all(self.procs, grace)
@@ -97,6 +103,9 @@ class LocalRun(BackendRun):
         if self._port is not None:
             self._port.close()
             self._port = None
+        if self._gpu_source is not None:
+            self._gpu_source.close()
+            self._gpu_source = None
         shutil.rmtree(self.workdir, ignore_errors=True)
         shutil.rmtree(self.value_dir, ignore_errors=True)
 

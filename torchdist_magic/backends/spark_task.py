@@ -36,6 +36,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 
 from .. import events, procs
 from ..channel import ChannelClient
+from ..gpu_metrics import open_gpu_source
 from ..launcher import RankProcess, read_result, reserve_port, stop_all, write_job_file
 from ..rankenv import RunSpec, place_spark_tasks, rank_environment
 from ..timing import STOP_GRACE
@@ -246,6 +247,7 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
         env=dict(os.environ, TORCHDIST_RUN_ID=run.run_id), start_new_session=True, text=True)
     port = reserve_port("") if rank == 0 else None
     proc: Optional[RankProcess] = None
+    gpu_source = None
     try:
         gpus = None
         if run.use_gpu:
@@ -272,7 +274,10 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
         if driver.stopped():
             raise RunStopped(f"the run was stopped before rank {rank} started")
         result_dir = os.path.join(workdir, f"rank-{rank}")
-        proc = RankProcess(rank, job_file, result_dir, env, emit)
+        if run.system_metrics and run.use_gpu:
+            gpu_source = open_gpu_source()
+        proc = RankProcess(rank, job_file, result_dir, env, emit, system_metrics=run.system_metrics,
+                           gpu_source=gpu_source)
         driver.dump_stacks = proc.dump_stacks
         guard.stdin.write(f"{proc.pgid} {proc.mark}\n")
         guard.stdin.flush()
@@ -289,6 +294,8 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
             stop_all([proc], STOP_GRACE)  # also reaches what the worker left in its group
         if port is not None:
             port.close()
+        if gpu_source is not None:
+            gpu_source.close()
         shutil.rmtree(workdir, ignore_errors=True)
         try:
             guard.stdin.write("done\n")

@@ -16,7 +16,8 @@ from typing import Dict, List, Optional, Tuple
 
 from ..state import LogLine, RunState
 from .model import (BarView, RankLog, RankRow, RankStacks, RunFacts, Series, format_duration, metric_series,
-                    rank_log, rank_logs, rank_row, rank_rows, rank_stacks, root_cause_rank, run_facts, snapshot)
+                    rank_log, rank_logs, rank_row, rank_rows, rank_stacks, root_cause_rank, run_facts, snapshot,
+                    system_series)
 from .overview import LINE_RANKS, Band, Overview, is_large, metric_bands, overview
 from .style import (BAR_COLOURS, BORDER, ERROR, MONO, MUTED, PANE, STATE_COLOURS, STATE_TEXT, TEXT,
                     TRACK, WARN, rank_colour)
@@ -86,7 +87,8 @@ _COLUMNS = (("rank", "flex:0 0 auto;font-variant-numeric:tabular-nums"),
             ("host", "flex:0 1 96px;min-width:40px;overflow:hidden;text-overflow:ellipsis"),
             ("state", "flex:0 0 112px"),
             ("progress", "flex:3 1 320px;min-width:0;display:flex;flex-direction:column;gap:3px"),
-            ("metrics", "flex:1 1 140px;min-width:0;max-width:260px;white-space:normal;overflow-wrap:anywhere"))
+            ("metrics", "flex:1 1 140px;min-width:0;max-width:260px;white-space:normal;overflow-wrap:anywhere"),
+            ("system", "flex:1 1 160px;min-width:0;max-width:300px;white-space:normal;overflow-wrap:anywhere"))
 _ROW = "display:flex;flex-wrap:wrap;align-items:center;gap:2px 12px;padding:3px 0;white-space:nowrap"
 
 
@@ -95,7 +97,8 @@ def rows_html(rows: List[RankRow], why: Optional[Dict[int, str]] = None, digits:
     """The rank table (without a metrics column while no rank has reported any).  ``why``: a
     line under a rank's row saying why it is shown; ``digits``: of the largest rank number, so
     that columns line up (by default, of the rows').  ``scroll``: many rows scroll in a box."""
-    columns = [(name, css) for name, css in _COLUMNS if name != "metrics" or any(r.metrics for r in rows)]
+    columns = [(name, css) for name, css in _COLUMNS
+               if name not in ("metrics", "system") or any(getattr(r, name) for r in rows)]
     digits = digits or max((len(str(row.rank)) for row in rows), default=1)
     rank_width = f"width:{digits + 2.2:.1f}ch"
     cells = [f'<span style="{css}{";" + rank_width if name == "rank" else ""}">{name}</span>'
@@ -117,6 +120,8 @@ def rows_html(rows: List[RankRow], why: Optional[Dict[int, str]] = None, digits:
         bars = "".join(_bar_html(bar, row.bar_style, desc_width) for bar in row.bars)
         metrics = (f'<span class="torchdist-metrics" style="{css["metrics"]};font-family:{MONO};font-size:11.5px">'
                    f'{_esc(row.metrics)}</span>') if "metrics" in css else ""
+        system = (f'<span class="torchdist-system" style="{css["system"]};font-family:{MONO};font-size:11.5px;'
+                  f'color:{MUTED}">{_esc(row.system)}</span>') if "system" in css else ""
         reason = (why or {}).get(row.rank)
         note = (f'<div class="torchdist-why" style="flex:1 0 100%;box-sizing:border-box;white-space:normal;'
                 f'color:{MUTED};font-size:11.5px;padding-left:{digits + 2.2:.1f}ch">{_esc(reason)}</div>') if reason else ""
@@ -129,7 +134,7 @@ def rows_html(rows: List[RankRow], why: Optional[Dict[int, str]] = None, digits:
             f'{_esc(row.host) or "&ndash;"}</span>'
             f'<span class="torchdist-rank-state" style="{css["state"]}">'
             f'<span style="color:{BAR_COLOURS[row.bar_style]}">&#9679;</span> {state} {dropped}</span>'
-            f'<span style="{css["progress"]}">{bars}</span>{metrics}{note}</div>')
+            f'<span style="{css["progress"]}">{bars}</span>{metrics}{system}{note}</div>')
     out.append("</div></div>")
     return "".join(out)
 
@@ -173,6 +178,8 @@ def overview_html(ov: Overview) -> str:
                   f'&#9888; {len(ov.stragglers)} straggler{"s" if len(ov.stragglers) != 1 else ""}</span>'
                   if ov.stragglers else "")
     bars = "".join(_aggregate_bar_html(bar) for bar in ov.bars)
+    bars += "".join(f'<div class="torchdist-system-summary" data-key="{_esc(item.key)}" style="font-family:{MONO};'
+                    f'font-size:11.5px;color:{MUTED};white-space:normal">{_esc(item.text)}</div>' for item in ov.system)
     return (f'<div class="torchdist-overview" data-ranks="{ov.num_processes}" style="font-size:12.5px;'
             f'line-height:18px;color:{TEXT}">'
             f'<div style="display:flex;flex-wrap:wrap;gap:2px 12px"><b style="white-space:nowrap">'
@@ -484,7 +491,7 @@ def summary_html(state: RunState, log_hint: Optional[str] = None, open_rank: Opt
             logs += problems_html(problems, len(problems), log_hint, facts.finished)
     else:
         body = rows_html(rank_rows(snap), straggler_notes(snap))
-        plots = plots_html(metric_series(state))
+        plots = plots_html({**metric_series(state), **system_series(state)})
         logs = rank_logs_html(rank_logs(state, log_lines), log_hint, open_rank, facts.finished)
     return (f'<div class="torchdist-summary" style="border:1px solid {BORDER};border-radius:6px;'
             f'padding:8px 12px;max-width:1100px;min-width:0;overflow-wrap:anywhere">{header_html(facts)}'

@@ -8,6 +8,8 @@ HTML, the live widget) shows the same facts and tests read them without a kernel
 - ``rank_rows``: one row per rank (host, state, bars, metrics, exit code, dropped events);
 - ``rank_stacks``: where each rank was when a hang or a timeout stopped it (every thread);
 - ``metric_series``: each metric against step, one line per rank, thinned for plotting;
+- ``system_text``, ``system_series``: each rank's CPU, memory, GPU and step time, and their
+  samples against time;
 - ``rank_log`` / ``rank_logs``: a rank's last lines as a terminal would show them;
 - ``LogCursor``: each rank's lines written since the last read (the text view prints them);
 - ``MergedLog``: all ranks' lines in arrival order, and every rank's errors and warnings.
@@ -92,6 +94,38 @@ def metrics_text(metrics: dict) -> str:
     return " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
 
 
+def format_bytes(value: float) -> str:
+    """``812 MiB``, ``11.8 GiB``"""
+    if value < 1 << 30:
+        return f"{value / (1 << 20):.0f} MiB"
+    return f"{value / (1 << 30):.3g} GiB"
+
+
+def format_step_time(seconds: float) -> str:
+    """``120 ms/step``, ``2.5 s/step``"""
+    return f"{seconds * 1000:.3g} ms/step" if seconds < 1 else f"{seconds:.3g} s/step"
+
+
+def system_text(rs: Rank) -> str:
+    """A rank's machine and pace, as its row shows them: ``cpu 153% · rss 1.21 GiB · gpu 3.2/16 GiB
+    87% · 120 ms/step`` (what is known of it)."""
+    system, parts = rs.system, []
+    if "cpu_percent" in system:
+        parts.append(f"cpu {system['cpu_percent']:.0f}%")
+    if "rss_bytes" in system:
+        parts.append(f"rss {format_bytes(system['rss_bytes'])}")
+    if "gpu_memory_used_bytes" in system:
+        gpu = f"gpu {format_bytes(system['gpu_memory_used_bytes'])}"
+        if system.get("gpu_memory_total_bytes"):
+            gpu += f"/{format_bytes(system['gpu_memory_total_bytes'])}"
+        if "gpu_util_percent" in system:
+            gpu += f" {system['gpu_util_percent']:.0f}%"
+        parts.append(gpu)
+    if rs.step_time is not None:
+        parts.append(format_step_time(rs.step_time))
+    return " · ".join(parts)
+
+
 def rank_progress_text(rs: Rank) -> str:
     """Every bar a rank shows, outer loop first: ``epoch 1/3 [...] · batch 8/10 [...]``."""
     return " · ".join(progress_text(bar) for bar in rs.shown_progress())
@@ -161,6 +195,7 @@ class RankRow:
     metrics: str                   # "loss=0.31 acc=0.9"
     exit_code: Optional[int]
     dropped: int                   # progress or metric events the rank could not send
+    system: str = ""               # "cpu 153% · rss 1.21 GiB · 120 ms/step" (``system_text``)
 
 
 def bar_view(bar: dict) -> BarView:
@@ -180,7 +215,8 @@ def rank_row(rs: Rank) -> RankRow:
         bars = [BarView(desc="", n=0, total=None, fraction=1.0, text="", title="done")]
     return RankRow(rank=rs.rank, host=rs.host, state=rs.state,
                    bar_style=BAR_STYLES.get(rs.state, "info"), bars=bars,
-                   metrics=metrics_text(rs.metrics), exit_code=rs.exit_code, dropped=rs.dropped)
+                   metrics=metrics_text(rs.metrics), exit_code=rs.exit_code, dropped=rs.dropped,
+                   system=system_text(rs))
 
 
 def rank_rows(state: State) -> List[RankRow]:
@@ -224,6 +260,24 @@ def metric_series(state: RunState, limit: int = PLOT_POINTS) -> Dict[str, Series
         kept = {r: pts for r, pts in sorted(kept.items()) if pts}
         if kept:
             series[name] = kept
+    return series
+
+
+#: the system samples a small run plots, by the plot's name: (key of a sample, scale)
+SYSTEM_PLOTS = {"rss (GiB)": ("rss_bytes", 1 / (1 << 30)), "cpu %": ("cpu_percent", 1.0),
+                "gpu memory (GiB)": ("gpu_memory_used_bytes", 1 / (1 << 30))}
+
+
+def system_series(state: RunState, limit: int = PLOT_POINTS) -> Dict[str, Series]:
+    """``{plot: {rank: [(seconds since the run started, value), ...]}}`` of each rank's system
+    samples (``SYSTEM_PLOTS``; the GPU's only where ranks have one), ``limit`` points per rank."""
+    series: Dict[str, Series] = {}
+    for r in range(state.num_processes):
+        for sample in state.system_history(r, limit):
+            x = sample["time"] - state.started
+            for name, (key, scale) in SYSTEM_PLOTS.items():
+                if key in sample:
+                    series.setdefault(name, {}).setdefault(r, []).append((x, sample[key] * scale))
     return series
 
 

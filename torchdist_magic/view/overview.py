@@ -21,7 +21,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..state import RankSnapshot, RunSnapshot, RunState
 from ..stragglers import BEHIND_MIN_STEPS, BEHIND_RATIO
-from .model import Series, format_duration
+from .model import Series, format_bytes, format_duration, format_step_time
 
 #: ranks above which a view summarises instead of showing a row per rank
 LARGE_RUN = 16
@@ -96,6 +96,7 @@ class Overview:
     bars: List[BarSummary]
     look: List[RankLook]
     stragglers: List[int] = field(default_factory=list)
+    system: List["SystemSummary"] = field(default_factory=list)
 
     @property
     def counts_text(self) -> str:
@@ -133,6 +134,47 @@ def bar_summaries(ranks: Sequence[RankSnapshot]) -> List[BarSummary]:
             behind=0 if depth else sum(1 for n in counts if n < (1 - BEHIND_RATIO) * median
                                        and median - n >= BEHIND_MIN_STEPS),
             rate_median=statistics.median(rates) if rates else None))
+    return out
+
+
+@dataclass
+class SystemSummary:
+    """One system number across the ranks that have it (the latest sample of each): min,
+    median and max, the extremes named by rank."""
+
+    key: str                       # cpu_percent, rss_bytes, gpu_memory_used_bytes, step_time
+    label: str                     # "rss"
+    ranks: int
+    low: float
+    low_rank: int
+    median: float
+    high: float
+    high_rank: int
+
+    @property
+    def text(self) -> str:
+        """``rss: min 812 MiB (rank 7), median 1.1 GiB, max 2.3 GiB (rank 3), 1024 ranks``"""
+        show = _SYSTEM_FORMATS[self.key]
+        return (f"{self.label}: min {show(self.low)} (rank {self.low_rank}), median {show(self.median)}, "
+                f"max {show(self.high)} (rank {self.high_rank}), {self.ranks} rank{'s' if self.ranks != 1 else ''}")
+
+
+_SYSTEM_FORMATS = {"cpu_percent": lambda v: f"{v:.0f}%", "rss_bytes": format_bytes,
+                   "gpu_memory_used_bytes": format_bytes, "gpu_util_percent": lambda v: f"{v:.0f}%",
+                   "step_time": format_step_time}
+_SYSTEM_LABELS = {"cpu_percent": "cpu", "rss_bytes": "rss", "gpu_memory_used_bytes": "gpu memory",
+                  "gpu_util_percent": "gpu util", "step_time": "step time"}
+
+
+def system_summaries(ranks: Sequence[RankSnapshot]) -> List[SystemSummary]:
+    """Each system number (``_SYSTEM_LABELS``) across the ranks: O(ranks) per number."""
+    out = []
+    for key, label in _SYSTEM_LABELS.items():
+        values = sorted((rs.step_time if key == "step_time" else rs.system.get(key), rs.rank) for rs in ranks
+                        if (rs.step_time if key == "step_time" else rs.system.get(key)) is not None)
+        if values:
+            out.append(SystemSummary(key, label, len(values), values[0][0], values[0][1],
+                                     statistics.median(v for v, _ in values), values[-1][0], values[-1][1]))
     return out
 
 
@@ -198,7 +240,7 @@ def overview(state) -> Overview:
             hosts.setdefault(rs.host, []).append(rs.rank)
     return Overview(num_processes=snap.num_processes, states=states, hosts=sorted(hosts.items()),
                     bars=bar_summaries(snap.ranks), look=ranks_worth_a_look(snap),
-                    stragglers=[s.rank for s in snap.stragglers])
+                    stragglers=[s.rank for s in snap.stragglers], system=system_summaries(snap.ranks))
 
 
 # -- plots ----------------------------------------------------------------------------------------

@@ -60,11 +60,11 @@ def control_for(field: dataclasses.Field, value: Any) -> widgets.Widget:
     layout = widgets.Layout(width="220px", flex="0 1 220px", min_width="0")
     if "choices" in meta:
         control = widgets.Dropdown(options=list(meta["choices"]), value=value, layout=layout)
+    elif _is_bool(field):
+        control = widgets.Checkbox(value=bool(value), indent=False, layout=widgets.Layout(width="auto"))
     elif "negative" in meta:
         label = next(k for k, v in SWITCH_VALUES.items() if v is value)
         control = widgets.Dropdown(options=list(SWITCH_CHOICES), value=label, layout=layout)
-    elif _is_bool(field):
-        control = widgets.Checkbox(value=bool(value), indent=False, layout=widgets.Layout(width="auto"))
     elif meta.get("repeat"):
         control = widgets.Textarea(value="\n".join(f"{k}={v}" for k, v in dict(value).items()),
                                    placeholder=f"{meta.get('metavar', '')}, one per line",
@@ -89,7 +89,7 @@ def control_value(field: dataclasses.Field, control: widgets.Widget) -> Any:
     value = control.value
     if meta.get("repeat"):
         return [line.strip() for line in value.splitlines() if line.strip()]
-    if "negative" in meta:
+    if "negative" in meta and not _is_bool(field):
         return SWITCH_VALUES[value]
     if not isinstance(control, widgets.Text):
         return value
@@ -113,10 +113,10 @@ def command_line(options: LaunchOptions) -> str:
         flag, value = field.metadata["flag"], getattr(options, field.name)
         if field.name != "num_processes" and value == getattr(defaults, field.name):
             continue
-        if _is_bool(field):
-            parts.append(flag)
-        elif "negative" in field.metadata:
+        if "negative" in field.metadata:  # a switch, or a boolean whose default is on
             parts.append(flag if value else field.metadata["negative"][0])
+        elif _is_bool(field):
+            parts.append(flag)
         elif field.metadata.get("repeat"):
             for key, item in value.items():
                 parts += [flag, shlex.quote(f"{key}={item}")]

@@ -18,6 +18,7 @@ from typing import List, Optional, TextIO
 
 from ..state import RunSnapshot, RunState
 from .model import (LogCursor, State, format_duration, metrics_text, rank_log, rank_logs, rank_progress_text,
+                    system_text,
                     rank_stacks, run_facts, snapshot)
 from .overview import LOOK_RANKS, is_large, overview
 
@@ -50,6 +51,9 @@ def _rank_line(rs) -> str:
         bits.append(p)
     if rs.metrics:
         bits.append(metrics_text(rs.metrics))
+    system = system_text(rs)
+    if system:
+        bits.append(system)
     return "  ".join(bits)
 
 
@@ -65,6 +69,7 @@ def status(state: State) -> str:
     ov = overview(snap)
     parts = [f"torchdist: {format_duration(snap.elapsed())}", ov.counts_text]
     parts += [f"{bar.desc or 'progress'} {bar.text}" for bar in ov.bars]
+    parts += [item.text for item in ov.system if item.key in ("rss_bytes", "step_time")]
     if snap.stragglers:
         parts.append("stragglers: " + _ranks_text([s.rank for s in snap.stragglers]))
     return " · ".join(parts)
@@ -84,6 +89,7 @@ def summary(state: State) -> str:
         ov = overview(snap)
         rows.append(f"  {ov.counts_text}")
         rows += [f"  {bar.desc or 'progress'}: {bar.text}" for bar in ov.bars]
+        rows += [f"  {item.text}" for item in ov.system]
         if ov.look:
             rows.append("  worth a look:")
             for look in ov.look:

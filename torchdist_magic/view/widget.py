@@ -30,7 +30,7 @@ from ..state import RunState
 from .html import (BORDER, MUTED, bands_html, failure_html, header_html, large_rows_html, merged_log_html,
                    plots_html, problems_html, rank_log_html, rows_html, stacks_html, straggler_notes, summary_html)
 from .kernel_poll import KernelPoll
-from .model import MergedLog, metric_series, rank_log, rank_rows, rank_stacks, root_cause_rank, run_facts
+from .model import MergedLog, metric_series, system_series, rank_log, rank_rows, rank_stacks, root_cause_rank, run_facts
 from .overview import LINE_RANKS, PAGE_RANKS, Overview, is_large, metric_bands, overview
 from .text import header, summary_with_logs
 
@@ -234,7 +234,7 @@ class WidgetView:
                 lines = [look.rank for look in self._overview.look][:LINE_RANKS]
                 _set(self.plots, bands_html(metric_bands(state, lines)))
             else:
-                _set(self.plots, plots_html(metric_series(state)))
+                _set(self.plots, plots_html({**metric_series(state), **system_series(state)}))
         if facts.finished:
             self.stop_button.layout.display = "none"
 
