@@ -64,8 +64,9 @@ def test_control_kinds_follow_the_field_metadata(panel):
                      "backend": widgets.Dropdown, "timeout": widgets.Text, "hang_timeout": widgets.Text,
                      "max_restarts": widgets.IntText, "checkpoint_dir": widgets.Text,
                      "keep_checkpoints": widgets.IntText, "env": widgets.Textarea,
-                     "all_ranks": widgets.Checkbox, "warm": widgets.Checkbox, "pool_idle_timeout": widgets.Text,
-                     "pdb": widgets.Checkbox, "debug_idle_timeout": widgets.Text, "tls": widgets.Dropdown,
+                     "all_ranks": widgets.Checkbox, "warm": widgets.Checkbox, "ranks": widgets.Text,
+                     "pool_idle_timeout": widgets.Text, "pdb": widgets.Checkbox,
+                     "debug_idle_timeout": widgets.Text, "tls": widgets.Dropdown,
                      "system_metrics": widgets.Checkbox,
                      "mlflow": widgets.Checkbox}
     backend = next(f for f in option_fields() if f.name == "backend")
@@ -118,6 +119,18 @@ def test_text_that_is_not_a_number_is_refused(panel):
     assert panel.options().timeout == 12.5 and not panel.launch_button.disabled
     panel.controls["timeout"].value = ""
     assert panel.options().timeout is None
+
+
+def test_ranks_are_typed_as_the_flag_takes_them(panel):
+    panel.code.value = "rank"
+    panel.controls["num_processes"].value = 4
+    panel.controls["ranks"].value = "3, 1"
+    assert panel.field_errors() == {"ranks": "--ranks needs a warm pool: it runs a cell on some ranks of the "
+                                             "live pool (--warm/warm=True), and a cold run starts every rank afresh"}
+    panel.controls["warm"].value = True
+    assert panel.field_errors() == {} and panel.options().ranks == (1, 3)
+    assert "%%torchdist --np 4 --warm --ranks 1,3\nrank" in panel.command.value
+    assert P.LaunchPanel(panel.shell, panel.options()).controls["ranks"].value == "1,3"
 
 
 def test_what_to_run_is_checked_too(notebook, panel):

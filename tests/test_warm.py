@@ -549,3 +549,194 @@ def test_report_steps_start_again_in_each_warm_run(local_distributor):
     assert info.runs == 2
     assert shutdown_pools() == [info.id]
     wait_until(lambda: _stopped(info), 30, "the pool's processes to end")
+
+
+# -- cells on some ranks of a warm pool (--ranks, ranks=) ------------------------------------------
+
+def keep_rank_state():
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    sys.torchdist_kept = dist.get_rank() * 10
+    return os.getpid()
+
+
+def bump_and_say():
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    sys.torchdist_kept += 1
+    print(f"bumped on rank {dist.get_rank()}")
+    return dist.get_rank(), sys.torchdist_kept, os.getpid()
+
+
+def kept_value():
+    import sys
+
+    return sys.torchdist_kept
+
+
+def raise_on_this_rank():
+    import torch.distributed as dist
+
+    raise KeyError(f"nothing here on rank {dist.get_rank()}")
+
+
+def all_reduce_alone():
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(1))  # the idle ranks never join it
+
+
+def test_a_run_on_some_ranks_runs_there_only_and_leaves_the_others_untouched(local_distributor):
+    pids = local_distributor(3, warm=True, all_ranks=True).run(keep_rank_state)
+    info, = pools()
+    run = local_distributor(3, warm=True, ranks=[2, 1]).submit(bump_and_say)
+    assert run.result(timeout=120) == (1, 11, pids[1])  # the lowest chosen rank's value, not rank 0's
+    assert [rs.state for rs in run.state.snapshot().ranks] == ["idle", "done", "done"]
+    assert run.logs(0) == "" and "bumped on rank 2" in run.logs(2)
+    both = local_distributor(3, warm=True, ranks="1,2", all_ranks=True).run(bump_and_say)
+    assert both == {1: (1, 12, pids[1]), 2: (2, 22, pids[2])}  # a dict by chosen rank
+    # the idle rank kept its state, every rank is the pool's, the pool served every run
+    assert local_distributor(3, warm=True, all_ranks=True).run(kept_value) == [0, 12, 22]
+    again, = pools()
+    assert again.id == info.id and again.pids == pids and again.runs == 4
+
+
+def test_a_failure_on_a_chosen_rank_raises_and_the_pool_stays(local_distributor):
+    pids = local_distributor(2, warm=True, all_ranks=True).run(keep_rank_state)
+    run = local_distributor(2, warm=True, ranks=[1]).submit(raise_on_this_rank)
+    with pytest.raises(RankFailure) as err:
+        run.result(timeout=120)
+    assert err.value.rank == 1 and err.value.exc_type == "KeyError" and "nothing here on rank 1" in err.value.message
+    assert [rs.state for rs in run.state.snapshot().ranks] == ["idle", "failed"]
+    info, = pools()  # every chosen rank finished its job: the pool is as after any cell that raised
+    assert info.pids == pids
+    assert local_distributor(2, warm=True, all_ranks=True).run(kept_value) == [0, 10]
+
+
+def test_a_collective_on_some_ranks_hangs_and_the_watchdog_says_why(local_distributor):
+    local_distributor(2, warm=True).run(keep_rank_state)
+    info, = pools()
+    run = local_distributor(2, warm=True, ranks=[1], hang_timeout=3.0).submit(all_reduce_alone)
+    with pytest.raises(HangTimeout) as err:
+        run.result(timeout=120)
+    message = str(err.value)
+    assert "This cell ran on rank 1 of the pool only (--ranks): a collective" in message, message
+    assert "rank 0: idle: not one of the run's --ranks" in message and re.search(r"rank 1: all_reduce .* < all_reduce_alone", message), message
+    import pickle
+
+    assert str(pickle.loads(pickle.dumps(err.value))) == message
+    assert pools() == []  # a rank left in the job ends the pool, as for any warm cell
+    wait_until(lambda: _stopped(info), 15, "the hung pool's processes to end")
+
+
+def test_bad_ranks_are_refused_before_anything_starts(local_distributor):
+    for ranks, message in [("1,,x", r"ranks must be rank numbers separated by commas \(1,3\), got '1,,x'"),
+                           ("", "ranks must name at least one rank"),
+                           ([], "ranks must name at least one rank"),
+                           ([1, 1], "ranks names rank 1 more than once"),
+                           ([2], r"ranks: there is no rank 2 among 2 ranks \(0..1\)"),
+                           ([-1], r"ranks: there is no rank -1 among 2 ranks"),
+                           ([0.5], "ranks must be rank numbers"),
+                           ({"a": 1}, r"ranks must be rank numbers \(a list of ints, or '1,3'\), got \{'a': 1\}")]:
+        with pytest.raises(OptionError, match=message):
+            local_distributor(2, warm=True, ranks=ranks)
+    with pytest.raises(OptionError, match=r"ranks needs a warm pool: it runs a cell on some ranks of the live "
+                                          r"pool \(--warm/warm=True\), and a cold run starts every rank afresh"):
+        local_distributor(2, ranks=[1])
+    with pytest.raises(ValueError, match=r"--ranks needs a warm pool: .* \(np=2\), and none is live; start one "
+                                         "with a --warm cell on every rank first"):
+        local_distributor(2, warm=True, ranks=[1]).run(kept_value)
+    assert pools() == []
+    local_distributor(2, warm=True).run(keep_rank_state)
+    info, = pools()
+    with pytest.raises(ValueError, match=rf"--ranks needs a warm pool: .* \(np=3\), and the live one is {info.id}: "
+                                         r"np=2 on local processes.*; give its --np"):
+        local_distributor(3, warm=True, ranks=[1]).run(kept_value)
+    assert [p.id for p in pools()] == [info.id]
+
+
+def test_ranks_cells_in_the_notebook(ip, capsys):
+    from IPython.core.error import UsageError
+
+    ip.user_ns.pop("only_here", None)
+    assert cell(ip, "%%torchdist --np 2 --warm --quiet\nrank").result == 0
+    info, = pools()
+    shown = cell(ip, """
+        %%torchdist --np 2 --warm --ranks 1
+        only_here = rank * 100   # a name on rank 1 only
+        print("hello from", rank)
+        (rank, world_size)
+    """)
+    assert shown.error_in_exec is None and shown.result == (1, 2)
+    out = capsys.readouterr().out
+    assert f"on warm {info.id} (reused, run 2; on rank 1 only)" in out and "[rank 1] hello from 1" in out
+    assert re.search(r"rank 0 +idle", out) and re.search(r"rank 1 +done", out)
+    result = cell(ip, "%%torchdist --np 2 --warm --all-ranks --quiet\nglobals().get('only_here')")
+    assert result.error_in_exec is None and result.result == [None, 100]
+    result = cell(ip, "%%torchdist --np 2 --warm --ranks 0,1 --all-ranks --quiet\nrank + 1")
+    assert result.result == {0: 1, 1: 2}
+    for flags, message in [("--np 2 --warm --ranks 1,,x", "--ranks must be rank numbers separated by commas"),
+                           ("--np 2 --ranks 1", "--ranks needs a warm pool: it runs a cell on some ranks"),
+                           ("--np 2 --warm --ranks 2", r"--ranks: there is no rank 2 among 2 ranks"),
+                           ("--np 2 --warm --ranks 1,1", "--ranks names rank 1 more than once"),
+                           ("--np 3 --warm --ranks 1", rf"the live one is {info.id}: np=2")]:
+        result = cell(ip, f"%%torchdist {flags} --quiet\nrank")
+        assert isinstance(result.error_in_exec, UsageError), flags
+        assert re.search(message, str(result.error_in_exec)), (flags, str(result.error_in_exec))
+    assert [p.id for p in pools()] == [info.id] and pools()[0].runs == 4
+
+
+@pytest.mark.spark
+def test_a_run_on_some_ranks_of_a_spark_pool(spark_local2):
+    from torchdist_magic import Distributor
+
+    pids = Distributor(2, local_mode=False, show=None, warm=True, all_ranks=True).run(keep_rank_state)
+    info, = pools()
+    some = Distributor(2, local_mode=False, show=None, warm=True, ranks=[1], all_ranks=True)
+    assert some.run(bump_and_say) == {1: (1, 11, pids[1])}
+    assert Distributor(2, local_mode=False, show=None, warm=True, all_ranks=True).run(kept_value) == [0, 11]
+    assert [p.id for p in pools()] == [info.id]
+
+
+@pytest.mark.kernel
+def test_ranks_cells_in_a_real_kernel():
+    """The magic in a kernel (the view is the widget there): a value from rank 1, a refusal
+    shown as the kernel's UsageError, and no rank left once the kernel is gone."""
+    import json
+
+    pytest.importorskip("jupyter_client")
+    from test_kernel_poll import Kernel
+
+    def execute(code):
+        outputs = []
+        reply = kernel.kc.execute_interactive(code, timeout=120, output_hook=outputs.append)
+        results = [m["content"]["data"]["text/plain"] for m in outputs if m["msg_type"] == "execute_result"]
+        printed = "".join(m["content"]["text"] for m in outputs if m["msg_type"] == "stream")
+        return reply["content"], results, printed
+
+    run_id, pids = "", []
+    kernel = Kernel()
+    try:
+        execute("%load_ext torchdist_magic")
+        status, results, _ = execute("%%torchdist --np 2 --warm --quiet\nkept = rank * 7\nrank")
+        assert status["status"] == "ok" and results == ["0"]
+        status, results, _ = execute("%%torchdist --np 2 --warm --ranks 1\nkept")
+        assert status["status"] == "ok" and results == ["7"]
+        status, _, _ = execute("%%torchdist --np 2 --ranks 1\nkept")
+        assert status["status"] == "error" and status["ename"] == "UsageError"
+        assert status["evalue"].startswith("--ranks needs a warm pool")
+        _, _, printed = execute("import json, torchdist_magic\n"
+                                "print(json.dumps([(p.run_id, p.pids, p.runs) for p in torchdist_magic.pools()]))")
+        (run_id, pids, runs), = json.loads(printed)
+        assert runs == 2
+    finally:
+        kernel.close()
+    wait_until(lambda: not pids_of_run(run_id) and not any(alive(p) for p in pids), 30,
+               "the kernel's pool to end with the kernel")

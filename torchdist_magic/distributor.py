@@ -143,7 +143,8 @@ class Run:
         self.directory = RunDirectory(f"torchdist-run-{self.run_id}-")
         self.state = RunState(self.run_id, options.num_processes, backend.describe(),
                               options.use_gpu, job.name, max_attempts=options.max_restarts + 1,
-                              spill_dir=functools.partial(_subdirectory, self.directory, "logs"))
+                              spill_dir=functools.partial(_subdirectory, self.directory, "logs"),
+                              idle=set(range(options.num_processes)) - set(options.ranks or ()) if options.ranks else ())
         self._job_bytes = cloudpickle.dumps(job)
         self._value: Any = None
         self._error: Optional[BaseException] = None
@@ -354,7 +355,7 @@ class Run:
             if hang is not None and min(self.state.idle(), debug.idle()) >= hang:
                 stacks = self._capture_stacks(backend_run)
                 backend_run.stop(STOP_GRACE)
-                self._error = HangTimeout(hang, stacks, self.options.num_processes)
+                self._error = HangTimeout(hang, stacks, self.options.num_processes, hint=self._hang_hint())
                 self.state.finish("hung", message=self._error.headline)
                 return False
             time.sleep(SUPERVISE_POLL)
@@ -371,13 +372,26 @@ class Run:
         backend_run.dump_stacks()
         return self.state.wait_stacks(running, STACKS_COLLECT_WAIT)
 
+    def _hang_hint(self) -> str:
+        if not self.options.ranks:
+            return ""
+        chosen = ", ".join(map(str, self.options.ranks))
+        return (f"this cell ran on rank{'s' if len(self.options.ranks) > 1 else ''} {chosen} of the pool only "
+                "(--ranks): a collective (all_reduce, barrier, broadcast, DDP) waits for every rank of the "
+                "process group, and the other ranks were idle; run such a cell without --ranks")
+
     def _collect(self, backend_run: BackendRun) -> Any:
-        ranks = range(self.options.num_processes) if self.options.all_ranks else [0]
-        values: List[Any] = []
+        """Rank 0's value; a list by rank with ``all_ranks``.  On some ranks of a warm pool
+        (``ranks``): the lowest chosen rank's value; with ``all_ranks`` a dict by chosen rank."""
+        chosen = self.options.ranks or range(self.options.num_processes)
+        ranks = chosen if self.options.all_ranks else chosen[:1]
+        values: Dict[int, Any] = {}
         for r in ranks:
             data = backend_run.result(r)
-            values.append(None if data is None else value_blobs.loads(data))
-        return values if self.options.all_ranks else values[0]
+            values[r] = None if data is None else value_blobs.loads(data)
+        if not self.options.all_ranks:
+            return values[ranks[0]]
+        return values if self.options.ranks else list(values.values())
 
     def _progress_summary(self) -> str:
         parts = []

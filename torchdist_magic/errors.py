@@ -147,17 +147,20 @@ class HangTimeout(_WithStacks, TimeoutError):
     stacks were captured (``stacks``), then every rank was stopped.  The message names each
     rank's innermost frames."""
 
-    def __init__(self, seconds: float, stacks: Dict[int, Stacks], num_processes: int):
+    def __init__(self, seconds: float, stacks: Dict[int, Stacks], num_processes: int, hint: str = ""):
         self.seconds = seconds
         self.stacks = dict(stacks)
         self.num_processes = num_processes
+        self.hint = hint  # what probably hung it (a collective in a cell on some ranks)
         self.headline = (f"no rank sent progress, metrics or output for {seconds:g} s (hang_timeout); "
                          "every rank was stopped")
+        if hint:
+            self.headline += f". {hint[:1].upper()}{hint[1:]}"
         super().__init__(f"{self.headline}. Where each rank was (innermost frame first):\n"
                          + "\n".join(where_ranks_were(self.stacks, num_processes)))
 
     def __reduce__(self):
-        return (type(self), (self.seconds, self.stacks, self.num_processes))
+        return (type(self), (self.seconds, self.stacks, self.num_processes, self.hint))
 
 
 class ResultTimeout(_PlainRender, TimeoutError):

@@ -329,7 +329,8 @@ class Stacks(Event):
 class RunJob(Event):
     """Driver to the workers of a warm pool: one piece of the next job (``Job``, cloudpickled,
     base64 in ``data``), in order; the last piece (``last``) also carries what the job sets in
-    the ranks' environment (``env``) and whether every rank's value is wanted (``all_ranks``)."""
+    the ranks' environment (``env``) and whether this rank's value is wanted (``all_ranks``; rank
+    0's always is).  A run on some ranks (``--ranks``) sends its job to those ranks only."""
 
     type: ClassVar[str] = "run_job"
     job_id: str = ""

@@ -151,6 +151,19 @@ class LaunchOptions:
             "%torchdist_pool shows the pool, %torchdist_pool stop stops it",
         ),
     )
+    ranks: Optional[Tuple[int, ...]] = field(
+        default=None,
+        metadata=_flag(
+            "--ranks",
+            "with --warm: run the cell on these ranks of the live pool only (1,3), to look at or "
+            "change their state; the other ranks stay idle, their names untouched. Its value is "
+            "the lowest chosen rank's (not rank 0's unless chosen); with --all-ranks a dict "
+            "{rank: value} of the chosen ranks. Such a cell must not call collectives (all_reduce, "
+            "barrier, DDP): the idle ranks never join them, and it hangs until --hang-timeout or "
+            "an interrupt stops the pool",
+            metavar="R,R", text=lambda ranks: ",".join(map(str, ranks)),
+        ),
+    )
     pool_idle_timeout: float = field(
         default=1800.0,
         metadata=_flag(
@@ -236,6 +249,10 @@ class LaunchOptions:
         _check_bool("all_ranks", self.all_ranks)
         _check_bool("warm", self.warm)
         _check_seconds("pool_idle_timeout", self.pool_idle_timeout)
+        self.ranks = _chosen_ranks(self.ranks, self.num_processes)
+        if self.ranks is not None and not self.warm:
+            raise OptionValueError("ranks", "{name} needs a warm pool: it runs a cell on some ranks of "
+                                   "the live pool (--warm/warm=True), and a cold run starts every rank afresh")
         _check_bool("pdb", self.pdb)
         if self.debug_idle_timeout is None:
             raise OptionTypeError("debug_idle_timeout", "{name} must be a number of seconds, got None")
@@ -276,6 +293,40 @@ def _check_count(name: str, value: Any, least: int) -> None:
 def _check_bool(name: str, value: Any, allowed: str = "True or False") -> None:
     if not isinstance(value, bool):
         raise OptionTypeError(name, f"{{name}} must be {allowed}, got {value!r}")
+
+
+def _literal(value: Any) -> str:
+    """``repr(value)`` for a message template (its braces kept as they are)."""
+    return repr(value).replace("{", "{{").replace("}", "}}")
+
+
+def _chosen_ranks(ranks: Any, num_processes: int) -> Optional[Tuple[int, ...]]:
+    """``ranks`` (``None``, ``"1,3"`` or integers) as distinct ranks of ``num_processes``, in
+    order; refuses an empty, garbled or repeated list and a rank out of range."""
+    if ranks is None:
+        return None
+    if isinstance(ranks, str):
+        parts = [p.strip() for p in ranks.split(",")] if ranks.strip() else []
+        if not all(re.fullmatch(r"\d+", p) for p in parts):
+            raise OptionValueError("ranks", f"{{name}} must be rank numbers separated by commas (1,3), "
+                                   f"got {_literal(ranks)}")
+        ranks = [int(p) for p in parts]
+    elif isinstance(ranks, int) and not isinstance(ranks, bool):
+        ranks = [ranks]
+    if not isinstance(ranks, (list, tuple, set, frozenset, range)) or \
+            any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
+        raise OptionTypeError("ranks", f"{{name}} must be rank numbers (a list of ints, or '1,3'), got {_literal(ranks)}")
+    if not ranks:
+        raise OptionValueError("ranks", "{name} must name at least one rank")
+    seen = set()
+    for r in ranks:
+        if r in seen:
+            raise OptionValueError("ranks", f"{{name}} names rank {r} more than once")
+        seen.add(r)
+        if not 0 <= r < num_processes:
+            raise OptionValueError("ranks", f"{{name}}: there is no rank {r} among {num_processes} "
+                                   f"ranks (0..{num_processes - 1})")
+    return tuple(sorted(ranks))
 
 
 def parse_env(env: Any) -> dict:

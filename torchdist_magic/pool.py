@@ -9,6 +9,11 @@ whose backend is the pool (``WarmBackend``): the run's supervision (timeout, han
 cancel, the view) is a cold run's, and the pool turns a rank's ``JobDone`` into that run's
 ``Exit`` for the rank once the rank's output for the job has all been read (``OutputEnd``).
 
+Some ranks (``--ranks``, ``ranks=``).  A warm run may go to some of the pool's ranks only: the
+job is sent to those, the others stay in their serving loop (the run's state shows them
+``idle``), and the run ends when the chosen ranks are done.  It needs a live pool of its
+placement (it never starts one), and must not call collectives (the idle ranks never join).
+
 Failures.  A job that raises on ranks that all finish it (``JobDone``) leaves the pool up: its
 ranks and process group are as consistent as after any cell that raised.  Anything else ends
 the pool (no process is left): a rank whose process ended, a run cancelled, timed out or hung,
@@ -255,11 +260,11 @@ class Pool:
         text = base64.b64encode(job.job_bytes).decode("ascii")
         pieces = [text[i:i + JOB_PIECE] for i in range(0, len(text), JOB_PIECE)] or [""]
         deadline = time.monotonic() + WARM_SEND_WAIT
-        for rank in range(self.options.num_processes):
+        for rank in job.ranks:
             for i, piece in enumerate(pieces):
                 last = i == len(pieces) - 1
                 record = events.RunJob(rank=rank, job_id=job.job_id, data=piece, last=last,
-                                       env=job.env if last else {}, all_ranks=job.all_ranks)
+                                       env=job.env if last else {}, all_ranks=job.returns_value(rank))
                 while not self._channel.send(rank, record, role="worker"):
                     if time.monotonic() > deadline or self.ending or self._dead or job.ended:
                         return  # the supervisor sees the rank's exit, or the run's deadline
@@ -332,8 +337,11 @@ class WarmJobRun(BackendRun):
         self.emit = ctx.emit
         self.job_id = f"{run_id}-{ctx.spec.attempt}"
         self.job_bytes = ctx.job_bytes
-        self.all_ranks = ctx.spec.all_ranks
         spec = ctx.spec
+        #: the ranks that run the job (``--ranks``; every rank of the pool by default): the
+        #: others stay idle in their serving loop, and the run's state shows them so
+        self.ranks = list(spec.ranks) or list(range(pool.options.num_processes))
+        self.returns_value = spec.returns_value
         self.env = dict(job_environment(spec), TORCHDIST_CHECKPOINT_DIR=spec.checkpoint_dir,
                         TORCHDIST_KEEP_CHECKPOINTS=str(spec.keep_checkpoints),
                         TORCHDIST_RETURN_VALUE="1")
@@ -385,12 +393,11 @@ class WarmJobRun(BackendRun):
         with self._lock:
             some_done = bool(self._done)
         end = time.monotonic() + (WARM_SETTLE if some_done else 0.0)
-        while time.monotonic() < end and len(self._done) < self.pool.options.num_processes \
-                and not self.pool._dead:
+        while time.monotonic() < end and len(self._done) < len(self.ranks) and not self.pool._dead:
             time.sleep(0.02)
-        if len(self._done) == self.pool.options.num_processes and not self.pool._dead:
+        if len(self._done) == len(self.ranks) and not self.pool._dead:
             return
-        still = [r for r in range(self.pool.options.num_processes) if r not in self._done]
+        still = [r for r in self.ranks if r not in self._done]
         why = (f"rank{'s' if len(still) > 1 else ''} {', '.join(map(str, still))} "
                f"{'were' if len(still) > 1 else 'was'} still in the job")
         if self.pool._dead:
@@ -426,14 +433,17 @@ class WarmBackend(Backend):
     name = "warm"
     needs_channel = False
 
-    def __init__(self, pool: Pool, fresh: bool, note: str = ""):
+    def __init__(self, pool: Pool, fresh: bool, note: str = "", ranks: Tuple[int, ...] = ()):
         super().__init__(pool.backend.session)
         self.pool = pool
         self.fresh = fresh
         self.note = note
+        self.ranks = ranks  # a run on some of its ranks (``--ranks``)
 
     def describe(self) -> str:
         how = "started for this run" if self.fresh else f"reused, run {self.pool.runs + 1}"
+        if self.ranks:
+            how += f"; on rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))} only"
         if self.note:
             how += f"; {self.note}"
         return f"warm {self.pool.id} ({how}) of {self.pool.backend.describe()}"
@@ -481,6 +491,8 @@ def warm_backend(options: LaunchOptions) -> WarmBackend:
     with _lock:
         live = [p for p in _pools if not p.ending]
         same = next((p for p in live if p.placement == placement), None)
+        if same is None and options.ranks:
+            raise ValueError(_no_pool_for_ranks(options, live[0] if live else None, _broken.get(placement, "")))
         if same is None and live:
             other = live[0]
             raise ValueError(
@@ -492,13 +504,26 @@ def warm_backend(options: LaunchOptions) -> WarmBackend:
                 raise ValueError(f"warm {same.id} is running another run; wait for it, or run "
                                  "without --warm/warm=True")
             same._reserved = True
-            return WarmBackend(same, fresh=False)
+            return WarmBackend(same, fresh=False, ranks=options.ranks or ())
         plan = backend.check(options)
         note = _broken.pop(placement, "")
         pool = Pool(options, backend, plan)
         pool._reserved = True
         _pools.append(pool)
         return WarmBackend(pool, fresh=True, note=note)
+
+
+def _no_pool_for_ranks(options: LaunchOptions, other: Optional[Pool], broken: str) -> str:
+    """Why a run on some ranks (``--ranks``) has no pool to run on."""
+    wanted = f"np={options.num_processes}{' gpu' if options.use_gpu else ''}"
+    if other is not None:
+        found = (f"the live one is {other.info().describe()}; give its --np (and --gpu, backend) "
+                 "to run on some of its ranks")
+    else:
+        found = ("none is live" + (f" ({broken})" if broken else "") + "; start one with a --warm cell "
+                 "on every rank first (or Distributor(..., warm=True).run(...))")
+    return (f"--ranks needs a warm pool: it runs on some ranks of a live pool with this placement "
+            f"({wanted}), and {found}")
 
 
 def check_cold_run(options: LaunchOptions, backend: Backend) -> None:

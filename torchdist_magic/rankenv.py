@@ -50,6 +50,8 @@ class RunSpec:
     keep_checkpoints: int = 3
     #: rank r's Arrow file of the run's DataFrame (local processes; a Spark task writes its own)
     data_files: Tuple[str, ...] = ()
+    #: a warm run on some ranks of its pool (``LaunchOptions.ranks``); () for every rank
+    ranks: Tuple[int, ...] = ()
     #: each rank's launcher samples its CPU, memory and GPUs (``sysmetrics``)
     system_metrics: bool = True
 
@@ -66,10 +68,13 @@ class RunSpec:
                    channel_cert=channel_cert, attempt=attempt, max_restarts=options.max_restarts,
                    checkpoint_dir=options.checkpoint_dir or checkpoint_dir,
                    keep_checkpoints=options.keep_checkpoints, data_files=tuple(data_files),
-                   system_metrics=options.system_metrics)
+                   ranks=tuple(options.ranks or ()), system_metrics=options.system_metrics)
 
     def returns_value(self, rank: int) -> bool:
-        """Whether ``rank``'s value comes back to the driver."""
+        """Whether ``rank``'s value comes back to the driver: rank 0's (with ``ranks``, the
+        lowest chosen rank's), or every (chosen) rank's with ``all_ranks``."""
+        if self.ranks:
+            return rank in self.ranks and (self.all_ranks or rank == self.ranks[0])
         return rank == 0 or self.all_ranks
 
 

@@ -407,7 +407,7 @@ class RunState:
 
     def __init__(self, run_id: str, num_processes: int, backend: str = "", use_gpu: bool = False,
                  job_name: str = "", *, max_attempts: int = 1, spill_dir: Optional[Callable[[], str]] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, idle: Iterable[int] = ()):
         self.run_id = run_id
         self.num_processes = num_processes
         self.backend = backend
@@ -439,7 +439,11 @@ class RunState:
         #: system samples a rank's history keeps
         self.max_system_points = min(MAX_SYSTEM_POINTS, max(MIN_SYSTEM_POINTS, RUN_SYSTEM_POINTS // share))
         self._attempt_lines: List[List[int]] = [[0] for _ in range(num_processes)]
-        self.ranks = [RankState(rank=r, logs=self._logs[r]) for r in range(num_processes)]
+        #: ranks a warm run on some of its pool's ranks leaves out (``LaunchOptions.ranks``): they
+        #: stay ``idle`` for the whole run and count as finished
+        self.idle_ranks = frozenset(idle)
+        self.ranks = [RankState(rank=r, logs=self._logs[r], state="idle" if r in self.idle_ranks else "starting")
+                      for r in range(num_processes)]
         self.version = 0
         self._lock = threading.RLock()
         self._rank_versions = [0] * num_processes   # the version of each rank's latest change
@@ -573,6 +577,8 @@ class RunState:
                 log_tail=[line.text for line in rs.logs[max(len(rs.logs) - 20, self._attempt_lines[rs.rank][-1]):]])
 
     def _on_stacks(self, rs: RankState, e: events.Stacks) -> None:
+        if rs.state == "idle":  # waiting in its pool's serving loop: the note says more
+            return
         self.stacks[rs.rank] = e
         self._stacks_came.notify_all()
 
@@ -634,8 +640,10 @@ class RunState:
             now = time.time()
             self.stacks = {rs.rank: events.Stacks(rank=rs.rank, time=now, note=f"had exited with code {rs.exit_code}")
                            for rs in self.ranks if rs.exit_code is not None}
+            self.stacks.update({r: events.Stacks(rank=r, time=now, note="idle: not one of the run's --ranks")
+                                for r in self.idle_ranks})
             self._changed_all()
-            return [rs.rank for rs in self.ranks if rs.exit_code is None]
+            return [rs.rank for rs in self.ranks if rs.exit_code is None and rs.rank not in self.idle_ranks]
 
     def wait_stacks(self, ranks: Iterable[int], timeout: float) -> Dict[int, events.Stacks]:
         """Wait until every rank of ``ranks`` sent its stacks, or ``timeout`` seconds; returns a
@@ -673,12 +681,12 @@ class RunState:
 
     def all_exited(self) -> bool:
         with self._lock:
-            return all(rs.exit_code is not None or rs.state in ("done", "failed", "cancelled")
+            return all(rs.exit_code is not None or rs.state in ("done", "failed", "cancelled", "idle")
                        for rs in self.ranks)
 
     def all_exited_ok(self) -> bool:
         with self._lock:
-            return all(rs.exit_code == 0 for rs in self.ranks)
+            return all(rs.exit_code == 0 or rs.state == "idle" for rs in self.ranks)
 
     def snapshot(self, since: Optional[int] = None) -> RunSnapshot:
         """The run and every rank as they are now, copied at once; ``changed`` names the ranks

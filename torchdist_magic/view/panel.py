@@ -47,6 +47,13 @@ def _is_bool(field: dataclasses.Field) -> bool:
     return field.type in (bool, "bool")
 
 
+def _flag_text(field: dataclasses.Field, value: Any) -> str:
+    """``value`` as its flag takes it (``metadata["text"]`` when the field has its own form)."""
+    if "text" in field.metadata:
+        return field.metadata["text"](value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def control_for(field: dataclasses.Field, value: Any) -> widgets.Widget:
     """The control of one ``LaunchOptions`` field, showing ``value``."""
     meta = field.metadata
@@ -66,7 +73,7 @@ def control_for(field: dataclasses.Field, value: Any) -> widgets.Widget:
         control = widgets.IntText(value=value, layout=layout)
     else:
         optional = field.default is None
-        control = widgets.Text(value="" if value is None else f"{value:g}" if isinstance(value, float) else str(value),
+        control = widgets.Text(value="" if value is None else _flag_text(field, value),
                                placeholder=f"{meta.get('metavar', '')}" + (" (empty: none)" if optional else ""),
                                layout=layout)
     control.add_class("torchdist-option")
@@ -114,7 +121,7 @@ def command_line(options: LaunchOptions) -> str:
             for key, item in value.items():
                 parts += [flag, shlex.quote(f"{key}={item}")]
         else:
-            parts += [flag, shlex.quote(f"{value:g}" if isinstance(value, float) else str(value))]
+            parts += [flag, shlex.quote(_flag_text(field, value))]
     return " ".join(parts)
 
 
@@ -281,13 +288,30 @@ class LaunchPanel:
         return LaunchOptions(**self.option_values())
 
     def field_errors(self) -> Dict[str, str]:
-        """``{field: message}`` for each control whose value ``LaunchOptions`` refuses."""
-        errors = {}
+        """``{field: message}`` for each control whose value ``LaunchOptions`` refuses: alone,
+        or, for a field that depends on others (``--ranks`` on ``--np`` and ``--warm``), with
+        the other controls' values."""
+        errors, values = {}, {}
         for name, control in self.controls.items():
             try:
-                LaunchOptions(**{name: control_value(self.fields[name], control)})
-            except (TypeError, ValueError) as exc:
-                errors[name] = _shown(exc)
+                values[name] = control_value(self.fields[name], control)
+            except ValueError as exc:
+                errors[name] = str(exc)
+        for name, value in values.items():
+            try:
+                LaunchOptions(**{name: value})
+            except (TypeError, ValueError) as alone:
+                errors[name] = _shown(alone)
+                others = {n: v for n, v in values.items() if n not in errors}
+                try:
+                    LaunchOptions(**others, **{name: value})
+                except OptionError as exc:
+                    if exc.name == name:
+                        errors[name] = _shown(exc)
+                except (TypeError, ValueError):
+                    pass
+                else:
+                    del errors[name]
         return errors
 
     def what_errors(self) -> List[str]:
