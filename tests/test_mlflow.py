@@ -137,6 +137,13 @@ def one():
     return 1
 
 
+def rank_reports(count):
+    for i in range(count):
+        report(step=i, loss=float(rank()))
+    print(f"rank {rank()} reported {count} points")
+    return rank()
+
+
 class Backend:
     """Where a test's runs go: ``make(n, **options)`` a silent Distributor there; ``name`` the
     ``backend`` param it logs; ``nothing_left(run)`` checks that no process (and no Spark task
@@ -267,14 +274,21 @@ def test_each_warm_cell_is_an_mlflow_run_of_its_own(local_distributor, experimen
         warm = local_distributor(2, mlflow=True, warm=True, system_metrics=False)
         assert warm.run(report_many, 3) == 3
         assert warm.run(report_many, 5) == 5
+        on_rank1 = local_distributor(2, mlflow=True, warm=True, system_metrics=False, ranks=(1,))
+        assert on_rank1.run(rank_reports, 4) == 1
     finally:
         shutdown_pools()
-    first, second = runs_of(experiment)
-    assert first.info.run_id != second.info.run_id
-    assert first.info.status == second.info.status == "FINISHED"
+    first, second, third = runs_of(experiment)
+    assert len({first.info.run_id, second.info.run_id, third.info.run_id}) == 3
+    assert first.info.status == second.info.status == third.info.status == "FINISHED"
     assert first.data.params["warm"] == second.data.params["warm"] == "True"
     assert history(first.info.run_id, "loss") == [(i, float(i)) for i in range(3)]
     assert history(second.info.run_id, "loss") == [(i, float(i)) for i in range(5)]
+    # a warm run on rank 1 only: rank 1's metrics, as its value is rank 1's; rank 1's log only
+    assert third.data.params["ranks"] == "1"
+    assert history(third.info.run_id, "loss") == [(i, 1.0) for i in range(4)]
+    assert [a.path for a in mlflow.MlflowClient().list_artifacts(third.info.run_id, "logs")] == ["logs/rank_1.txt"]
+    assert artifact(third.info.run_id, "logs/rank_1.txt") == "rank 1 reported 4 points\n"
 
 
 def test_points_that_find_the_buffer_full_are_counted_and_said(local_distributor, experiment, monkeypatch):

@@ -9,10 +9,11 @@ run when there is one.  It holds:
 
 * params: the launch options (``num_processes``, ``backend``, ``use_gpu`` and every other one
   that differs from its default; of ``env`` only the names, its values may be secrets), ``job``;
-* rank 0's ``report()`` metrics under their own names and steps, every rank's system samples
+* rank 0's ``report()`` metrics (on some ranks of a warm pool, ``ranks``, the lowest chosen
+  rank's) under their own names and steps, every rank's system samples
   as ``system/rank_<r>/<name>`` (``events.SystemMetrics``), and ``attempt`` (1, 2, ... by
   restart count);
-* each rank's complete log as the artifact ``logs/rank_<r>.txt`` and the root cause's
+* each rank's complete log (each chosen rank's) as the artifact ``logs/rank_<r>.txt`` and the root cause's
   traceback as ``failure.txt``, written at the end;
 * status FINISHED, FAILED (tags ``torchdist.failed_rank``, ``torchdist.exception``,
   ``torchdist.message``) or KILLED (cancelled, timed out, hung), and ``torchdist.state``.
@@ -107,7 +108,11 @@ def launch_params(options: LaunchOptions, job_name: str) -> Dict[str, str]:
         value = getattr(options, f.name)
         if f.name in params or f.name == "mlflow" or value == getattr(defaults, f.name):
             continue
-        params[f.name] = ",".join(sorted(value)) if f.name == "env" else _param_text(value)
+        text = f.metadata.get("text")  # how the flag writes it (``--ranks 1,3``)
+        if f.name == "env":
+            params[f.name] = ",".join(sorted(value))
+        else:
+            params[f.name] = _param_text(text(value) if text else value)
     params["job"] = _param_text(job_name)
     return params
 
@@ -179,6 +184,9 @@ class MlflowLogger:
         self._lock = threading.Lock()
         self._pending: List[Tuple[str, float, int, int]] = []   # (name, value, timestamp ms, step)
         self._system_steps: Dict[int, int] = {}
+        #: whose ``report()`` metrics are the job's: rank 0's, or on some ranks of a warm pool
+        #: (``ranks``) the lowest chosen one's, as the job's value is
+        self.metrics_rank = min(options.ranks) if options.ranks else 0
         self._attempt_logged = 0
         self.dropped = 0            # points that found the buffer full
         self.failed = 0             # points the tracking server refused
@@ -195,7 +203,7 @@ class MlflowLogger:
         """Keep the metric points of ``record`` for the writer; never waits (the state's lock is
         held, and the channel's thread must go on)."""
         if isinstance(record, events.Metrics):
-            if record.rank != 0:
+            if record.rank != self.metrics_rank:
                 return
             points = [(record.step, record.values, record.time)]
             points += [(p.step, p.values, p.time) for p in record.more]
@@ -300,6 +308,8 @@ class MlflowLogger:
             logs = os.path.join(directory, "logs")
             os.makedirs(logs)
             for r in range(snap.num_processes):
+                if r in self.state.idle_ranks:  # not one of a warm run's ranks: it printed nothing
+                    continue
                 with open(os.path.join(logs, f"rank_{r}.txt"), "w", encoding="utf-8", errors="replace") as fh:
                     start = 0
                     while True:
