@@ -137,6 +137,11 @@ def one():
     return 1
 
 
+def report_odd_names():
+    report(step=3, **{"acc@1": 0.9, "val/loss": 0.5})
+    return 1
+
+
 def rank_reports(count):
     for i in range(count):
         report(step=i, loss=float(rank()))
@@ -261,10 +266,12 @@ def test_a_cancelled_run_is_killed(local_distributor, experiment, tmp_path):
 
 def test_a_run_is_nested_under_the_notebooks_active_run(local_distributor, experiment):
     with mlflow.start_run(experiment_id=experiment, run_name="notebook") as parent:
-        assert local_distributor(1, mlflow=True).run(one) == 1
-    child = next(r for r in runs_of(experiment) if r.info.run_name == "one")
+        assert local_distributor(1, mlflow=True).run(report_odd_names) == 1
+    child = next(r for r in runs_of(experiment) if r.info.run_name == "report_odd_names")
     assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
     assert child.info.status == "FINISHED"
+    # names MLflow would refuse (and with them the whole batch) are made acceptable
+    assert history(child.info.run_id, "acc_1") == [(3, 0.9)] and history(child.info.run_id, "val/loss") == [(3, 0.5)]
 
 
 def test_each_warm_cell_is_an_mlflow_run_of_its_own(local_distributor, experiment):

@@ -10,11 +10,11 @@ run when there is one.  It holds:
 * params: the launch options (``num_processes``, ``backend``, ``use_gpu`` and every other one
   that differs from its default; of ``env`` only the names, its values may be secrets), ``job``;
 * rank 0's ``report()`` metrics (on some ranks of a warm pool, ``ranks``, the lowest chosen
-  rank's) under their own names and steps, every rank's system samples
-  as ``system/rank_<r>/<name>`` (``events.SystemMetrics``), and ``attempt`` (1, 2, ... by
-  restart count);
-* each rank's complete log (each chosen rank's) as the artifact ``logs/rank_<r>.txt`` and the root cause's
-  traceback as ``failure.txt``, written at the end;
+  rank's) under their own names (characters MLflow refuses become ``_``) and steps, every
+  rank's system samples as ``system/rank_<r>/<name>`` (``events.SystemMetrics``), and
+  ``attempt`` (1, 2, ... by restart count);
+* each rank's complete log (a ``ranks`` run: each chosen rank's) as the artifact
+  ``logs/rank_<r>.txt`` and the root cause's traceback as ``failure.txt``, written at the end;
 * status FINISHED, FAILED (tags ``torchdist.failed_rank``, ``torchdist.exception``,
   ``torchdist.message``) or KILLED (cancelled, timed out, hung), and ``torchdist.state``.
 
