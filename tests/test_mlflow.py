@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from helpers import assert_no_survivors, cell, free_port, touch, wait_until
+from helpers import alive, assert_no_survivors, cell, free_port, pids_of_run, touch, wait_until
 from torchdist_magic import RankFailure, RunCancelled, rank, report, restart_count
 
 mlflow = pytest.importorskip("mlflow")
@@ -265,8 +265,11 @@ def test_a_cancelled_run_is_killed(local_distributor, experiment, tmp_path):
 
 
 def test_a_run_is_nested_under_the_notebooks_active_run(local_distributor, experiment):
+    from torchdist_magic.distributor import last_run
+
     with mlflow.start_run(experiment_id=experiment, run_name="notebook") as parent:
         assert local_distributor(1, mlflow=True).run(report_odd_names) == 1
+    assert_no_survivors(last_run())
     child = next(r for r in runs_of(experiment) if r.info.run_name == "report_odd_names")
     assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
     assert child.info.status == "FINISHED"
@@ -275,8 +278,9 @@ def test_a_run_is_nested_under_the_notebooks_active_run(local_distributor, exper
 
 
 def test_each_warm_cell_is_an_mlflow_run_of_its_own(local_distributor, experiment):
-    from torchdist_magic import shutdown_pools
+    from torchdist_magic import pools, shutdown_pools
 
+    live = []
     try:
         warm = local_distributor(2, mlflow=True, warm=True, system_metrics=False)
         assert warm.run(report_many, 3) == 3
@@ -284,7 +288,11 @@ def test_each_warm_cell_is_an_mlflow_run_of_its_own(local_distributor, experimen
         on_rank1 = local_distributor(2, mlflow=True, warm=True, system_metrics=False, ranks=(1,))
         assert on_rank1.run(rank_reports, 4) == 1
     finally:
+        live = pools()
         shutdown_pools()
+    (pool,) = live  # one pool served the three cells; its ranks are gone with it
+    wait_until(lambda: not pids_of_run(pool.run_id) and not any(alive(p) for p in pool.pids), 15,
+               "the pool's processes to end")
     first, second, third = runs_of(experiment)
     assert len({first.info.run_id, second.info.run_id, third.info.run_id}) == 3
     assert first.info.status == second.info.status == third.info.status == "FINISHED"
@@ -306,6 +314,7 @@ def test_points_that_find_the_buffer_full_are_counted_and_said(local_distributor
     run = local_distributor(1, mlflow=True, system_metrics=False).submit(report_many, 100)
     with pytest.warns(RuntimeWarning) as caught:
         assert run.result(timeout=120) == 100
+    assert_no_survivors(run)
     (text,) = [str(w.message) for w in caught]
     assert text == (f"torchdist: MLflow run {run.tracking.run_id} at {mlflow.get_tracking_uri()}: 90 metric "
                     "points were not logged: they came faster than they could be written (at most 10 wait)")
@@ -324,6 +333,7 @@ def test_points_still_unwritten_when_the_wait_at_the_end_is_over_are_counted_and
     run = local_distributor(1, mlflow=True, system_metrics=False).submit(report_many, 20)
     with pytest.warns(RuntimeWarning) as caught:
         assert run.result(timeout=120) == 20
+    assert_no_survivors(run)
     (text,) = [str(w.message) for w in caught]
     assert text.endswith(": 20 metric points were not written: the tracking store took more than 0 s for the "
                          "points still buffered when the run ended")
@@ -343,6 +353,7 @@ def test_logs_that_cannot_be_stored_are_said_and_the_run_still_ends(local_distri
     run = local_distributor(1, mlflow=True, system_metrics=False).submit(report_many, 3)
     with pytest.warns(RuntimeWarning) as caught:
         assert run.result(timeout=120) == 3
+    assert_no_survivors(run)
     (text,) = [str(w.message) for w in caught]
     assert text.startswith(f"torchdist: MLflow run {run.tracking.run_id} at {tracking_db}: errors: artifacts: ")
     assert "a-file" in text
@@ -381,6 +392,7 @@ def test_the_magic_logs_when_configured_and_not_with_no_mlflow(ip, capsys, exper
             21 * 2
         """)
         assert result.error_in_exec is None and result.result == 42
+        assert_no_survivors(ip.user_ns["_torchdist_run"])
         (mlrun,) = runs_of(experiment)
         assert f"torchdist: MLflow run {mlrun.info.run_id}: experiment {experiment} at " in capsys.readouterr().out
         assert mlrun.info.status == "FINISHED" and mlrun.info.run_name.startswith("cell In[")

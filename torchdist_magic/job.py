@@ -61,7 +61,9 @@ def in_memory_sources() -> Dict[str, List[str]]:
 
     out: Dict[str, List[str]] = {}
     size = 0
-    for filename, entry in list(linecache.cache.items()):
+    # a copy in one step: building a list of the items allocates, which can run the garbage
+    # collector, whose finalizers may warn, and a warning adds its source line to this very cache
+    for filename, entry in linecache.cache.copy().items():
         if len(entry) != 4 or not isinstance(entry[2], list) or os.path.exists(filename):
             continue
         size += sum(len(line) for line in entry[2])
