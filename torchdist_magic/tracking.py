@@ -182,7 +182,8 @@ class MlflowLogger:
         self.link = TrackingLink(self.run_id, self.experiment_id, self.tracking_uri,
                                  run_url(self.tracking_uri, self.experiment_id, self.run_id))
         self._lock = threading.Lock()
-        self._pending: List[Tuple[str, float, int, int]] = []   # (name, value, timestamp ms, step)
+        self._pending: List[Tuple[str, Any, float, int]] = []   # (name, value, time, step) as they came
+        self._names: Dict[str, str] = {}                        # a name as reported -> as MLflow takes it
         self._system_steps: Dict[int, int] = {}
         #: whose ``report()`` metrics are the job's: rank 0's, or on some ranks of a warm pool
         #: (``ranks``) the lowest chosen one's, as the job's value is
@@ -200,21 +201,19 @@ class MlflowLogger:
 
     # -- the channel's thread ----------------------------------------------------------------
     def take(self, record: events.Event) -> None:
-        """Keep the metric points of ``record`` for the writer; never waits (the state's lock is
-        held, and the channel's thread must go on)."""
+        """Keep the metric points of ``record`` for the writer, as they came (the writer makes
+        them MLflow's); never waits (the state's lock is held, and the channel's thread must go on)."""
         if isinstance(record, events.Metrics):
             if record.rank != self.metrics_rank:
                 return
-            points = [(record.step, record.values, record.time)]
-            points += [(p.step, p.values, p.time) for p in record.more]
-            rows = [(metric_name(name), number, _ms(at), step) for step, values, at in points
-                    for name, value in values.items() if (number := _number(value)) is not None]
+            rows = [(name, value, record.time, record.step) for name, value in record.values.items()]
+            for point in record.more:
+                rows += [(name, value, point.time, point.step) for name, value in point.values.items()]
         elif isinstance(record, events.SystemMetrics):
             step = self._system_steps.get(record.rank, 0)
             self._system_steps[record.rank] = step + 1
             prefix = f"system/rank_{record.rank}/"
-            rows = [(prefix + metric_name(name), number, _ms(record.time), step)
-                    for name, value in record.values.items() if (number := _number(value)) is not None]
+            rows = [(prefix + name, value, record.time, step) for name, value in record.values.items()]
         else:
             return
         with self._lock:
@@ -236,8 +235,8 @@ class MlflowLogger:
             rows, self._pending = self._pending, []
         attempt = self.state.attempt
         if attempt > self._attempt_logged:
-            now = _ms(0)
-            self._write([("attempt", float(n), now, n - 1) for n in range(self._attempt_logged + 1, attempt + 1)])
+            now = time.time()
+            self._write([("attempt", n, now, n - 1) for n in range(self._attempt_logged + 1, attempt + 1)])
             self._attempt_logged = attempt
         for i in range(0, len(rows), BATCH_METRICS):
             if deadline is not None and time.monotonic() >= deadline:
@@ -245,11 +244,20 @@ class MlflowLogger:
                 return
             self._write(rows[i:i + BATCH_METRICS])
 
-    def _write(self, rows: List[Tuple[str, float, int, int]]) -> None:
+    def _write(self, rows: List[Tuple[str, Any, float, int]]) -> None:
         from mlflow.entities import Metric
 
+        metrics = []
+        for name, value, at, step in rows:
+            number = _number(value)
+            if number is None:
+                continue
+            key = self._names.get(name)
+            if key is None:
+                key = self._names[name] = metric_name(name)
+            metrics.append(Metric(key, number, _ms(at), step))
         try:
-            self._client.log_batch(self.run_id, metrics=[Metric(*row) for row in rows], synchronous=True)
+            self._client.log_batch(self.run_id, metrics=metrics, synchronous=True)
         except Exception as exc:
             self.failed += len(rows)
             self._error(f"log_batch: {type(exc).__name__}: {exc}")
