@@ -163,9 +163,11 @@ class Backend:
         return Distributor(n, local_mode=self.local_mode, show=None, **options)
 
 
-@pytest.fixture(params=["local", pytest.param("spark", marks=pytest.mark.spark)])
+@pytest.fixture(params=["local", pytest.param("local2", id="spark-local2", marks=pytest.mark.spark)])
 def on(request):
-    """The good, failed and restarted runs on local processes and on classic Spark ``local[2]``."""
+    """The good, failed and restarted runs on local processes and on classic Spark ``local[2]``
+    (the parameter names the fixture as ``spark_fixtures`` orders Spark tests: with the others
+    on ``local[2]``, after every test without Spark)."""
     from helpers import assert_nothing_left
 
     if request.param == "local":
