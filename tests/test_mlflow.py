@@ -423,7 +423,7 @@ def test_a_run_without_mlflow_never_imports_it():
 def test_without_mlflow_installed_nothing_starts_and_the_error_says_what_to_install(
         ip, capsys, local_distributor, monkeypatch):
     from torchdist_magic.distributor import last_run
-    from torchdist_magic.tracking import MlflowUnavailable
+    from torchdist_magic import MlflowUnavailable
 
     monkeypatch.setitem(sys.modules, "mlflow", None)  # what ``import mlflow`` meets where it is missing
     before = last_run()
@@ -458,7 +458,7 @@ def test_the_panel_shows_why_it_could_not_start_the_mlflow_run(monkeypatch):
 
 def test_an_unreachable_tracking_server_is_refused_before_anything_starts(ip, capsys, local_distributor, monkeypatch):
     from torchdist_magic.distributor import last_run
-    from torchdist_magic.tracking import TrackingError
+    from torchdist_magic import TrackingError
 
     uri = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)

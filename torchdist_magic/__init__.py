@@ -20,10 +20,12 @@ __all__ = [
     "Run", "last_run", "progress", "report", "rank", "world_size", "local_rank", "local_world_size", "host_ranks", "is_main", "device",
     "restart_count", "save_checkpoint", "load_checkpoint", "RankStopped", "shard",
     "load_ipython_extension", "unload_ipython_extension", "pools", "shutdown_pools",
+    "MlflowUnavailable", "TrackingError",
 ]
 
 _LAZY = {"Distributor": "api", "Run": "distributor", "last_run": "distributor",
-         "pools": "pool", "shutdown_pools": "pool"}
+         "pools": "pool", "shutdown_pools": "pool",
+         "MlflowUnavailable": "tracking", "TrackingError": "tracking"}
 
 
 def __getattr__(name):
