@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from . import events
 from .options import LaunchOptions
@@ -127,11 +127,12 @@ class Console:
         self.changed.set()
 
     # -- what the run's supervisor asks ----------------------------------------------------
-    def holding(self) -> bool:
-        """Whether a post-mortem session is open: its rank holds the root cause of the failure,
-        so the run is not stopped (nor timed out, nor declared hung) until it ends."""
+    def held_ranks(self) -> Set[int]:
+        """The ranks with a post-mortem session open: the first holds the root cause of the
+        failure, so it is not stopped (nor timed out, nor declared hung) until its session ends;
+        the other ranks are stopped meanwhile."""
         with self._lock:
-            return any(s.kind == "post-mortem" and not s.ended.is_set() for s in self._sessions.values())
+            return {s.rank for s in self._sessions.values() if s.kind == "post-mortem" and not s.ended.is_set()}
 
     def active(self) -> bool:
         """Whether any session is open (someone may be reading a prompt: no hang, no timeout)."""

@@ -6,7 +6,7 @@ import os
 import shutil
 import socket
 import tempfile
-from typing import List, Optional
+from typing import Collection, List, Optional, Set
 
 from ..launcher import RankProcess, map_value, reserve_port, stop_all, value_directory, write_job_file
 from ..options import LaunchOptions
@@ -75,6 +75,11 @@ class LocalRun(BackendRun):
 
     def stop(self, grace: float) -> None:
         stop_all(self.procs, grace)
+
+    def stop_ranks(self, ranks: Collection[int], grace: float) -> Set[int]:
+        procs = [p for p in self.procs if p.rank in ranks]
+        stop_all(procs, grace)
+        return {p.rank for p in procs}
 
     def dump_stacks(self) -> None:
         for p in self.procs:
