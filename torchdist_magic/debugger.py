@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from . import events
 from .options import LaunchOptions
@@ -127,12 +127,13 @@ class Console:
         self.changed.set()
 
     # -- what the run's supervisor asks ----------------------------------------------------
-    def held_ranks(self) -> Set[int]:
-        """The ranks with a post-mortem session open: the first holds the root cause of the
-        failure, so it is not stopped (nor timed out, nor declared hung) until its session ends;
-        the other ranks are stopped meanwhile."""
+    def held_ranks(self) -> List[int]:
+        """The ranks with a post-mortem session open, the earliest failure (the root cause, the
+        one debugged) first: they are not stopped (nor timed out, nor declared hung) until their
+        sessions end; the other ranks are stopped meanwhile."""
         with self._lock:
-            return {s.rank for s in self._sessions.values() if s.kind == "post-mortem" and not s.ended.is_set()}
+            held = [s for s in self._sessions.values() if s.kind == "post-mortem" and not s.ended.is_set()]
+        return [s.rank for s in sorted(held, key=lambda s: s.time)]
 
     def active(self) -> bool:
         """Whether any session is open (someone may be reading a prompt: no hang, no timeout)."""

@@ -10,7 +10,9 @@ own channel, port and Spark stage) and ends when every rank succeeded, or one fa
 was cancelled, passed its ``timeout``, or hung (no output, progress or metrics from any rank for
 ``hang_timeout``).  A failure stops every rank and, while ``max_restarts`` allow, starts the next
 attempt; anything else ends the run.  Before a timeout or a hang stops the ranks, every rank's
-stacks are captured: the error and the view say where each rank was.
+stacks are captured: the error and the view say where each rank was.  Under ``--pdb`` a failing
+rank holds its frames in a post-mortem session (``debugger``): the other ranks are stopped at
+once, the held one when its session ends, and it stays the root cause.
 """
 
 from __future__ import annotations
@@ -286,7 +288,7 @@ class Run:
             ctx = LaunchContext(self.plan, spec, self._job_bytes, emit,
                                 lambda record: channel.broadcast(record, role="launcher") if channel else 0,
                                 data=self.data, routes=routes,
-                                to_rank=lambda rank, record: channel.send(rank, record, role="launcher") if channel else False)
+                                to_rank=lambda rank, record: bool(channel and channel.send(rank, record)))
             backend_run = self.backend.start(ctx)
             return self._watch(backend_run, deadline)
         finally:
@@ -348,14 +350,13 @@ class Run:
                 return False
             time.sleep(SUPERVISE_POLL)
 
-    def _stop_bystanders(self, backend_run: BackendRun, held: set, stopped: set) -> set:
-        """Stop the running ranks that hold no post-mortem session (not yet told to); each
-        stopped rank's log says why.  The ranks reached."""
-        reached = backend_run.stop_ranks(sorted(set(self.state.running()) - held - stopped), STOP_GRACE)
-        holder = min(held)
+    def _stop_bystanders(self, backend_run: BackendRun, held: List[int], stopped: set) -> set:
+        """Stop the running ranks that hold no post-mortem session (``held``: root cause first)
+        and were not told to yet; each stopped rank's log says why.  The ranks reached."""
+        reached = backend_run.stop_ranks(sorted(set(self.state.running()) - set(held) - stopped), STOP_GRACE)
         for rank in sorted(reached):
             self.state.apply(Log(rank=rank, stream="stderr", line=(
-                f"[torchdist] rank {rank} was stopped: rank {holder}'s failure is held for the "
+                f"[torchdist] rank {rank} was stopped: rank {held[0]}'s failure is held for the "
                 "debugger (--pdb)")), attempt=self.state.attempt)
         return reached
 
