@@ -165,17 +165,21 @@ def kernel():
     assert not alive(kernel.pid)
 
 
+def printed(kernel, code):
+    """Everything ``code`` printed in the kernel (however many stream messages it came in)."""
+    texts = []
+
+    def keep(msg):
+        if msg["msg_type"] == "stream":
+            texts.append(msg["content"]["text"])
+
+    reply = kernel.kc.execute_interactive(code, timeout=60, output_hook=keep)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    return "".join(texts)
+
+
 def last_run_id(kernel):
-    kernel.kc.execute_interactive("print(_torchdist_run.run_id)", timeout=60, output_hook=_keep)
-    return _kept.pop().strip()
-
-
-_kept = []
-
-
-def _keep(msg):
-    if msg["msg_type"] == "stream":
-        _kept.append(msg["content"]["text"])
+    return printed(kernel, "print(_torchdist_run.run_id)").strip()
 
 
 def assert_no_worker_left(kernel):
@@ -337,10 +341,9 @@ def post_mortem_on_spark(kernel, directory, backend):
     assert typist.ranks == [1, 1, 1, 1], cell.text
     assert "(Pdb rank 1) p z\n21\n" in cell.text and "(Pdb rank 1) p x\n20\n" in cell.text
     assert cell.error[0] == "RankFailure" and "bad value 21" in cell.error[1] and "rank 1" in cell.error[1]
-    kernel.kc.execute_interactive("print(type(_torchdist_run.backend).__name__, "
-                                  "[f.rank for f in _torchdist_run.state.failures()], "
-                                  "_torchdist_run.state.ranks[0].state)", timeout=60, output_hook=_keep)
-    assert _kept.pop().strip() == f"{backend} [1] cancelled"  # the ranks ran in Spark tasks
+    shown = printed(kernel, "print(type(_torchdist_run.backend).__name__, [f.rank for f in "
+                            "_torchdist_run.state.failures()], _torchdist_run.state.ranks[0].state)").strip()
+    assert shown == f"{backend} [1] cancelled"  # the ranks ran in Spark tasks; rank 0 was stopped
     assert_no_worker_left(kernel)
 
 
