@@ -10,7 +10,9 @@ own channel, port and Spark stage) and ends when every rank succeeded, or one fa
 was cancelled, passed its ``timeout``, or hung (no output, progress or metrics from any rank for
 ``hang_timeout``).  A failure stops every rank and, while ``max_restarts`` allow, starts the next
 attempt; anything else ends the run.  Before a timeout or a hang stops the ranks, every rank's
-stacks are captured: the error and the view say where each rank was.
+stacks are captured: the error and the view say where each rank was.  Under ``--pdb`` a failing
+rank holds its frames in a post-mortem session (``debugger``): the other ranks are stopped at
+once, the held one when its session ends, and it stays the root cause.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backe
 from .channel import ChannelServer, new_secret
 from .debugger import NO_STDIN_PDB, Console, rank_env
 from .errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
-from .events import DebugOutput, Stacks
+from .events import DebugOutput, Log, Stacks
 from .job import Job, function_job, script_job
 from .options import LaunchOptions
 from . import values as value_blobs
@@ -286,7 +288,8 @@ class Run:
                 self.debugger.attach(functools.partial(_to_worker, channel))
             ctx = LaunchContext(self.plan, spec, self._job_bytes, emit,
                                 lambda record: channel.broadcast(record, role="launcher") if channel else 0,
-                                data=self.data, routes=routes)
+                                data=self.data, routes=routes,
+                                to_rank=lambda rank, record: bool(channel and channel.send(rank, record)))
             backend_run = self.backend.start(ctx)
             return self._watch(backend_run, deadline)
         finally:
@@ -300,13 +303,17 @@ class Run:
         first_failure: Optional[float] = None
         hang = self.options.hang_timeout
         debug = self.debugger
+        bystanders_stopped: set = set()
         while True:
             failures = self.state.failures()
             if failures:
                 debug.ranks_gone({f.rank for f in failures})
-            if debug.holding() and not self._cancel.is_set():
-                # a rank holds the failure's frames for the user (--pdb): nothing is stopped,
-                # timed out or declared hung until its session ends
+            held = debug.held_ranks()
+            if held and not self._cancel.is_set():
+                # a rank holds the failure's frames for the user (--pdb): the other ranks are
+                # stopped as after any failure, the held one is not, nor timed out or declared
+                # hung, until its session ends
+                bystanders_stopped |= self._stop_bystanders(backend_run, held, bystanders_stopped)
                 time.sleep(SUPERVISE_POLL)
                 continue
             if failures and first_failure is None:
@@ -343,6 +350,16 @@ class Run:
                 self.state.finish("hung", message=self._error.headline)
                 return False
             time.sleep(SUPERVISE_POLL)
+
+    def _stop_bystanders(self, backend_run: BackendRun, held: List[int], stopped: set) -> set:
+        """Stop the running ranks that hold no post-mortem session (``held``: root cause first)
+        and were not told to yet; each stopped rank's log says why.  The ranks reached."""
+        reached = backend_run.stop_ranks(sorted(set(self.state.running()) - set(held) - stopped), STOP_GRACE)
+        for rank in sorted(reached):
+            self.state.apply(Log(rank=rank, stream="stderr", line=(
+                f"[torchdist] rank {rank} was stopped: rank {held[0]}'s failure is held for the "
+                "debugger (--pdb)")), attempt=self.state.attempt)
+        return reached
 
     def _timed_out(self, stacks: Dict[int, Stacks]) -> None:
         self._error = JobTimeout(self.options.timeout, self._progress_summary(), stacks,
