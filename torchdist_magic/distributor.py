@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -28,6 +29,7 @@ from .channel import ChannelServer, new_secret
 from .errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
 from .events import Stacks
 from .job import Job, function_job, script_job
+from .launcher import value_directory
 from .options import LaunchOptions
 from . import values as value_blobs
 from .rankenv import RunSpec
@@ -115,8 +117,6 @@ class Run:
 
     def __init__(self, job: Job, options: LaunchOptions, backend: Backend, plan: LaunchPlan,
                  data: Any = None):
-        import cloudpickle
-
         self.job = job
         self.options = options
         self.backend = backend
@@ -132,7 +132,9 @@ class Run:
         self.state = RunState(self.run_id, options.num_processes, backend.describe(),
                               options.use_gpu, job.name, max_attempts=options.max_restarts + 1,
                               spill_dir=functools.partial(_subdirectory, self.directory, "logs"))
-        self._job_bytes = cloudpickle.dumps(job)
+        #: where this run's large values out to the ranks are (``_job_bytes`` names the file)
+        self._sent_dir = ""
+        self._job_bytes = self._pickle_job(job)
         self._value: Any = None
         self._error: Optional[BaseException] = None
         self._cancel = threading.Event()
@@ -140,6 +142,28 @@ class Run:
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._supervise, name=f"torchdist-run-{self.run_id}",
                                         daemon=True)
+
+    def _pickle_job(self, job: Job) -> bytes:
+        """The job as its ranks read it.  Its large values (a cell's notebook tensors and
+        arrays, a function's arguments) go, where every rank shares this machine, into one file
+        in shared memory that the job names (written once per run, from the values' own memory;
+        each rank maps it); elsewhere they travel inside the job."""
+        import cloudpickle
+
+        sent = job.sent_buffers()
+        if sent is None or sent.nbytes < value_blobs.APART_BYTES or not self.backend.ranks_share_machine():
+            return cloudpickle.dumps(job)
+        self._sent_dir = value_directory(f"torchdist-{self.run_id}-values-")
+        try:
+            return cloudpickle.dumps(job.with_sent_buffers(sent.in_file(self._sent_dir)))
+        except BaseException:
+            self._remove_sent()
+            raise
+
+    def _remove_sent(self) -> None:
+        if self._sent_dir:
+            shutil.rmtree(self._sent_dir, ignore_errors=True)
+            self._sent_dir = ""
 
     # -- public API ----------------------------------------------------------------------
     def result(self, timeout: Optional[float] = None) -> Any:
@@ -221,6 +245,7 @@ class Run:
         finally:
             if self.data is not None:
                 self.data.remove_files()  # the ranks' copies of a pandas DataFrame
+            self._remove_sent()
             self.backend.release()
             self._done.set()
 
