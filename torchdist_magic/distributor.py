@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import shutil
 import sys
 import threading
 import time
@@ -33,6 +34,7 @@ from .debugger import NO_STDIN_PDB, Console, rank_env
 from .errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
 from .events import DebugOutput, Log, Stacks
 from .job import Job, function_job, script_job
+from .launcher import value_directory
 from .options import LaunchOptions
 from . import values as value_blobs
 from .rankenv import RunSpec
@@ -126,8 +128,6 @@ class Run:
 
     def __init__(self, job: Job, options: LaunchOptions, backend: Backend, plan: LaunchPlan,
                  data: Any = None, debug_input: bool = False):
-        import cloudpickle
-
         self.job = job
         self.options = options
         self.backend = backend
@@ -144,7 +144,9 @@ class Run:
                               options.use_gpu, job.name, max_attempts=options.max_restarts + 1,
                               spill_dir=functools.partial(_subdirectory, self.directory, "logs"),
                               idle=set(range(options.num_processes)) - set(options.ranks or ()) if options.ranks else ())
-        self._job_bytes = cloudpickle.dumps(job)
+        #: where this run's large values out to the ranks are (``_job_bytes`` names the file)
+        self._sent_dir = ""
+        self._job_bytes = self._pickle_job(job)
         self._value: Any = None
         self._error: Optional[BaseException] = None
         self._cancel = threading.Event()
@@ -156,6 +158,28 @@ class Run:
         self._debug_env = rank_env(options, debug_input and not options.warm)
         self._thread = threading.Thread(target=self._supervise, name=f"torchdist-run-{self.run_id}",
                                         daemon=True)
+
+    def _pickle_job(self, job: Job) -> bytes:
+        """The job as its ranks read it.  Its large values (a cell's notebook tensors and
+        arrays, a function's arguments) go, where every rank shares this machine, into one file
+        in shared memory that the job names (written once per run, from the values' own memory;
+        each rank maps it); elsewhere they travel inside the job."""
+        import cloudpickle
+
+        sent = job.sent_buffers()
+        if sent is None or sent.nbytes < value_blobs.APART_BYTES or not self.backend.ranks_share_machine():
+            return cloudpickle.dumps(job)
+        self._sent_dir = value_directory(f"torchdist-{self.run_id}-values-")
+        try:
+            return cloudpickle.dumps(job.with_sent_buffers(sent.in_file(self._sent_dir)))
+        except BaseException:
+            self._remove_sent()
+            raise
+
+    def _remove_sent(self) -> None:
+        if self._sent_dir:
+            shutil.rmtree(self._sent_dir, ignore_errors=True)
+            self._sent_dir = ""
 
     # -- public API ----------------------------------------------------------------------
     def result(self, timeout: Optional[float] = None) -> Any:
@@ -237,6 +261,7 @@ class Run:
         finally:
             if self.data is not None:
                 self.data.remove_files()  # the ranks' copies of a pandas DataFrame
+            self._remove_sent()
             self.backend.release()
             self._done.set()
 

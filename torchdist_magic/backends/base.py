@@ -104,6 +104,12 @@ class Backend(abc.ABC):
         """How many ranks can run at once, or ``None`` when nothing limits it up front."""
         return None
 
+    def ranks_share_machine(self) -> bool:
+        """Whether every rank surely runs on this machine, and so reads a file the driver
+        writes into shared memory (a job's large values, ``values.Buffers``); where it cannot be
+        sure, the values travel inside the job."""
+        return False
+
     def check(self, options: LaunchOptions) -> LaunchPlan:
         """The plan for a run of ``options``; ``ValueError`` before anything starts if the run
         cannot be placed."""

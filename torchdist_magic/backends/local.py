@@ -30,6 +30,9 @@ class LocalProcessBackend(Backend):
     def describe(self) -> str:
         return f"local processes on {socket.gethostname()}"
 
+    def ranks_share_machine(self) -> bool:
+        return True
+
     def check(self, options: LaunchOptions) -> LaunchPlan:
         if options.use_gpu:
             gpus = visible_gpu_count()
