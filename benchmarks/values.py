@@ -1,16 +1,20 @@
-"""Values both ways: rank 0's value back to the notebook, and a notebook value out to the ranks,
-for 1, 64, 512 and 2048 MiB, on local processes and Spark ``local[2]`` (classic), against
-pyspark's TorchDistributor (local mode and Spark) in the same process.
+"""Values both ways: rank 0's value back to the notebook, and a notebook tensor out to the
+ranks, for 1, 64, 512 and 2048 MiB, on local processes, Spark ``local[2]`` (classic) and Spark
+Connect (a server on ``local[2]`` started for it), against pyspark's TorchDistributor (local
+mode, and on the same Spark sessions) in the same process.
 
     python benchmarks/values.py [--sizes 1 64 512 2048] [--repeat 3] [--json OUT] [--no-spark]
-                                [--no-torchdistributor]
+                                [--no-connect] [--no-torchdistributor] [--max-spark-mib N]
 
-Every figure is the whole run's wall time (start the ranks, train nothing, move the value,
-return), the median of ``--repeat``; "MiB/s" is the size over the time beyond the 1 MiB run's,
-i.e. what the value itself costs.  The driver's peak resident memory is read from
-``/proc/self/status`` (VmHWM, reset before each size) and reported in units of the value.
-TorchDistributor has no notebook-value path of its own beyond its function's arguments, which
-is what "out" times for it too.
+Every figure is the whole run's wall time (start 2 ranks, train nothing, move the value,
+return), the median of ``--repeat``; "MiB/s" is the largest size over its time beyond the
+smallest size's, i.e. what the value itself costs.  "out" is a cell that uses a notebook tensor
+(``capture_cell``, as ``%%torchdist`` does) for torchdist_magic, and the function's argument for
+TorchDistributor, which has no other way.  The driver's peak resident memory above what it held
+before (``/proc/self/status`` VmHWM, reset before each size) is in units of the value.  Spark
+sizes above ``--max-spark-mib`` are skipped (TorchDistributor's closure and result paths hold
+several copies of the value in the JVM: 2 GiB exhausts a small machine).  The Connect rows run
+last: a Connect session makes this process a Connect client for good.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ def back(mib):
 def out(tensor):
     """A notebook tensor, out to every rank: its sum comes back."""
     return float(tensor[::4096].sum())
+
+
+OUT_CELL = "float(tensor[::4096].sum())"
 
 
 def _reset_peak() -> None:
@@ -77,19 +84,94 @@ def time_runs(call, repeat: int) -> float:
     return statistics.median(times)
 
 
-def runners(spark: bool, torchdistributor: bool):
+def torchdist_runner(local_mode: bool):
+    """``(back, out)`` for torchdist_magic: ``run(back, mib)``, and the out cell on a tensor."""
     from torchdist_magic import Distributor
+    from torchdist_magic.capture import capture_cell
+    from torchdist_magic.job import cell_job
 
-    found = {"torchdist local": lambda fn, *a: Distributor(2, local_mode=True, show=None).run(fn, *a)}
-    if spark:
-        found["torchdist spark"] = lambda fn, *a: Distributor(2, local_mode=False, show=None).run(fn, *a)
-    if torchdistributor:
-        from pyspark.ml.torch.distributor import TorchDistributor
+    def run_back(mib):
+        return Distributor(2, local_mode=local_mode, show=None).run(back, mib)
 
-        found["TorchDistributor local"] = lambda fn, *a: TorchDistributor(2, local_mode=True, use_gpu=False).run(fn, *a)
-        if spark:
-            found["TorchDistributor spark"] = lambda fn, *a: TorchDistributor(2, local_mode=False, use_gpu=False).run(fn, *a)
-    return found
+    def run_out(tensor):
+        cell = capture_cell(OUT_CELL, {"tensor": tensor}, [], warn_bytes=1 << 62).cell
+        return Distributor(2, local_mode=local_mode, show=None).run(cell_job(cell, "out"))
+
+    return run_back, run_out
+
+
+def torchdistributor_runner(local_mode: bool):
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    def run(fn, arg):
+        return TorchDistributor(2, local_mode=local_mode, use_gpu=False).run(fn, arg)
+
+    return (lambda mib: run(back, mib)), (lambda tensor: run(out, tensor))
+
+
+def measure(name: str, runner, sizes, repeat: int, rows: list) -> None:
+    import torch
+
+    run_back, run_out = runner
+    run_back(1)  # warm-up: the file cache, Spark's Python daemon
+    for direction in ("back", "out"):
+        for mib in sizes:
+            tensor = torch.ones(mib * 2**18) if direction == "out" else None
+            _reset_peak()
+            before = _rss_bytes()
+            if direction == "back":
+                seconds = time_runs(lambda: run_back(mib), repeat)
+            else:
+                seconds = time_runs(lambda: run_out(tensor), repeat)
+            peak = (_peak_bytes() - before) / (mib * 2**20)
+            del tensor
+            rows.append({"runner": name, "direction": direction, "mib": mib, "seconds": seconds,
+                         "driver_peak_per_value": peak})
+            print(f"{name:28s} {direction:4s} {mib:5d} MiB  {seconds:7.2f} s  driver peak +{peak:.2f}x", flush=True)
+
+
+def rate(mine: list):
+    """MiB/s of the largest size beyond the smallest (``None`` when not measurably slower)."""
+    if len(mine) < 2:
+        return None
+    extra = mine[-1]["seconds"] - mine[0]["seconds"]
+    return (mine[-1]["mib"] - mine[0]["mib"]) / extra if extra > 0 else None
+
+
+def print_table(rows: list, sizes) -> None:
+    print()
+    print("| runner | direction | " + " | ".join(f"{m} MiB" for m in sizes)
+          + " | MiB/s beyond a trivial run | driver peak (x value) |")
+    print("|" + "---|" * (4 + len(sizes)))
+    seen = []
+    for r in rows:
+        if (r["runner"], r["direction"]) not in seen:
+            seen.append((r["runner"], r["direction"]))
+    for name, direction in seen:
+        mine = [r for r in rows if r["runner"] == name and r["direction"] == direction]
+        by_size = {r["mib"]: r for r in mine}
+        cells = [f"{by_size[m]['seconds']:.2f}" if m in by_size else "-" for m in sizes]
+        speed = rate(mine)
+        print(f"| {name} | {direction} | " + " | ".join(cells) + f" | {f'{speed:,.0f}' if speed else '-'} | "
+              f"{mine[-1]['driver_peak_per_value']:.2f} |")
+
+
+def on_connect(measure_all) -> None:
+    """``measure_all()`` with a Spark Connect session on a server started for it (and stopped)."""
+    import tempfile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    from pyspark.sql import SparkSession
+    from spark_fixtures import ConnectServer
+
+    with tempfile.TemporaryDirectory(prefix="torchdist-bench-") as tmp:
+        server = ConnectServer(os.path.join(tmp, "connect"))
+        try:
+            spark = SparkSession.builder.remote(server.url).getOrCreate()
+            measure_all()
+            spark.stop()
+        finally:
+            server.stop()
 
 
 def main() -> None:
@@ -98,55 +180,43 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", default=os.path.join(HERE, "results", "values.json"))
     parser.add_argument("--no-spark", action="store_true")
+    parser.add_argument("--no-connect", action="store_true")
     parser.add_argument("--no-torchdistributor", action="store_true")
+    parser.add_argument("--max-spark-mib", type=int, default=512)
     args = parser.parse_args()
+    import pyspark
     import torch
 
-    spark = None
+    rows: list = []
+    spark_sizes = [m for m in args.sizes if m <= args.max_spark_mib]
+    # TorchDistributor's tasks run Spark's interpreter: the notebook's, as torchdist_magic picks
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    measure("torchdist local", torchdist_runner(True), args.sizes, args.repeat, rows)
     if not args.no_spark:
         spark = spark_session("torchdist_magic values benchmark")
-        # TorchDistributor's tasks run Spark's interpreter: the notebook's, as torchdist_magic picks
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    found = runners(spark is not None, not args.no_torchdistributor and spark is not None)
-    rows = []
-    for name, run in found.items():
-        run(back, 1)  # warm-up: the file cache, Spark's Python daemon
-        base = {}
-        for direction in ("back", "out"):
-            for mib in args.sizes:
-                _reset_peak()
-                before = _rss_bytes()
-                if direction == "back":
-                    seconds = time_runs(lambda: run(back, mib), args.repeat)
-                else:
-                    tensor = torch.ones(mib * 2**18)
-                    before = _rss_bytes()
-                    seconds = time_runs(lambda: run(out, tensor), args.repeat)
-                    del tensor
-                peak = (_peak_bytes() - before) / (mib * 2**20)
-                base.setdefault(direction, seconds)
-                extra = seconds - base[direction]
-                rate = (mib - args.sizes[0]) / extra if extra > 0 and mib > args.sizes[0] else None
-                rows.append({"runner": name, "direction": direction, "mib": mib, "seconds": seconds,
-                             "mib_per_s": rate, "driver_peak_per_value": peak})
-                print(f"{name:24s} {direction:4s} {mib:5d} MiB  {seconds:7.2f} s  "
-                      f"{(f'{rate:7.0f} MiB/s' if rate else '     -     ')}  driver peak +{peak:.2f}x", flush=True)
-    print()
-    header = "| runner | direction | " + " | ".join(f"{m} MiB" for m in args.sizes) + " | MiB/s beyond a trivial run |"
-    print(header)
-    print("|" + "---|" * (3 + len(args.sizes)))
-    for name in found:
-        for direction in ("back", "out"):
-            mine = [r for r in rows if r["runner"] == name and r["direction"] == direction]
-            rate = mine[-1]["mib_per_s"]
-            rate_text = f"{rate:.0f}" if rate else "-"
-            print(f"| {name} | {direction} | " + " | ".join(f"{r['seconds']:.2f}" for r in mine) + f" | {rate_text} |")
-    import pyspark
-
-    write_json(args.json, {"machine": machine(torch=torch.__version__, pyspark=pyspark.__version__),
-                           "repeat": args.repeat, "rows": rows})
-    if spark is not None:
+        if not args.no_torchdistributor:  # it wants an active session even in local mode
+            measure("TorchDistributor local", torchdistributor_runner(True), spark_sizes, args.repeat, rows)
+        measure("torchdist spark local[2]", torchdist_runner(False), spark_sizes, args.repeat, rows)
+        if not args.no_torchdistributor:
+            measure("TorchDistributor spark local[2]", torchdistributor_runner(False), spark_sizes, args.repeat, rows)
         spark.stop()
+        if not args.no_connect:
+            def measure_connect():
+                measure("torchdist connect", torchdist_runner(False), spark_sizes, args.repeat, rows)
+                if not args.no_torchdistributor:
+                    measure("TorchDistributor connect", torchdistributor_runner(False), spark_sizes,
+                            args.repeat, rows)
+
+            on_connect(measure_connect)
+    print_table(rows, args.sizes)
+    for r in rows:
+        r["mib_per_s_beyond_smallest"] = None
+    for name, direction in {(r["runner"], r["direction"]) for r in rows}:
+        mine = [r for r in rows if r["runner"] == name and r["direction"] == direction]
+        mine[-1]["mib_per_s_beyond_smallest"] = rate(mine)
+    write_json(args.json, {"machine": machine(torch=torch.__version__, pyspark=pyspark.__version__),
+                           "repeat": args.repeat, "note": "2 ranks; measured on a busy 2-core machine",
+                           "rows": rows})
 
 
 if __name__ == "__main__":

@@ -91,6 +91,70 @@ def test_a_512_mib_notebook_tensor_reaches_two_ranks():
     assert_no_survivors(run)
 
 
+def checksum(tensor):
+    import torch
+
+    from torchdist_magic import rank
+
+    return rank(), float(tensor.sum(dtype=torch.float64)), tensor.data_ptr() % values.ALIGN
+
+
+def test_a_512_mib_notebook_tensor_in_a_cell_reaches_two_ranks_from_one_file():
+    """The cell's notebook tensor goes into one file, written once, that both ranks map: the
+    job itself stays small."""
+    from torchdist_magic.capture import capture_cell
+    from torchdist_magic.job import cell_job
+
+    big = torch.arange(512 * 2**20 // 4, dtype=torch.float32)
+    cell = capture_cell("rank, float(big.sum(dtype=torch.float64)), big[-1].item()",
+                        {"big": big, "torch": torch}, ["import torch"], warn_bytes=2**40).cell
+    assert cell.buffers.nbytes == big.nbytes and len(cell.values) < 4096
+    run = Distributor(2, local_mode=True, show=None, all_ranks=True).submit(cell_job(cell, "cell"))
+    assert len(run._job_bytes) < 2**20  # the tensor is in the run's file, not in the job
+    expected = float(big.sum(dtype=torch.float64))
+    assert run.result(timeout=600) == [(0, expected, big[-1].item()), (1, expected, big[-1].item())]
+    assert_no_survivors(run)
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"torchdist-{run.run_id}-")]
+
+
+def test_notebook_values_reach_a_warm_pools_ranks_from_a_file():
+    from torchdist_magic import shutdown_pools
+
+    tensor = torch.ones(16 * 2**20 // 4)
+    try:
+        d = Distributor(2, local_mode=True, show=None, all_ranks=True, warm=True)
+        for _ in range(2):
+            run = d.submit(checksum, tensor)
+            assert len(run._job_bytes) < 2**20
+            assert run.result(timeout=300) == [(0, float(tensor.numel()), 0), (1, float(tensor.numel()), 0)]
+            assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"torchdist-{run.run_id}-")]
+    finally:
+        shutdown_pools()
+
+
+def test_buffers_not_in_a_file_travel_inside_the_job():
+    """Where the ranks may be on other machines (a Spark cluster), the bytes are in the job."""
+    import cloudpickle
+
+    arrays = {"a": np.arange(300_000.0), "t": torch.arange(5.0)}
+    stream, buffers = values.pickled_apart(arrays)
+    back = values.loads_apart(stream, pickle.loads(cloudpickle.dumps(buffers)))
+    assert (back["a"] == arrays["a"]).all() and torch.equal(back["t"], arrays["t"])
+    back["t"][0] = 9.0  # the rank's own copy
+    assert arrays["t"][0].item() == 0.0
+
+
+def test_a_rank_that_cannot_see_the_values_file_says_so(tmp_path):
+    stream, buffers = values.pickled_apart({"a": np.arange(10.0)})
+    in_file = buffers.in_file(str(tmp_path))
+    assert (values.loads_apart(stream, in_file)["a"] == np.arange(10.0)).all()
+    os.remove(in_file.path)
+    with pytest.raises(FileNotFoundError, match=r"^the notebook values sent to the ranks are in "
+                       + str(tmp_path) + r"/sent.values on the driver's machine, which this rank's "
+                       r"machine \(.+\) cannot see$"):
+        values.loads_apart(stream, pickle.loads(pickle.dumps(in_file)))
+
+
 def mib_of_sevens(mib):
     import torch
 
@@ -117,3 +181,15 @@ def test_a_small_value_through_sparks_own_result_path_still_loads():
     blob = values.dumps({"w": torch.arange(4.0)})
     rows = sort_rows([{"rank": 0, "kind": "value", "chunk": blob[:10]}, {"rank": 0, "kind": "value", "chunk": blob[10:]}])
     assert torch.equal(values.loads(rows.values[0])["w"], torch.arange(4.0))
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("session", ["spark_local2", "spark_connect"])
+def test_a_512_mib_notebook_tensor_reaches_spark_tasks_through_the_file(session, request):
+    request.getfixturevalue(session)
+    tensor = torch.ones(512 * 2**20 // 4)
+    run = Distributor(2, local_mode=False, show=None, all_ranks=True).submit(checksum, tensor)
+    assert len(run._job_bytes) < 2**20
+    assert run.result(timeout=600) == [(0, float(tensor.numel()), 0), (1, float(tensor.numel()), 0)]
+    assert_nothing_left(run)
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"torchdist-{run.run_id}-")]

@@ -23,6 +23,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from . import rank_shell
 from .job import CellCode, type_name
+from .values import pickled_apart
 from .runtime import CELL_PROVIDED
 
 #: notebook names that never travel (IPython's own machinery)
@@ -439,8 +440,6 @@ def capture_cell(source: str, namespace: dict, history: Iterable[str] = (), *,
     ``line_offset`` is how many notebook lines precede the cell body (1 for the ``%%torchdist``
     line), so line numbers in errors and tracebacks are the notebook's.
     """
-    import cloudpickle
-
     translation = translate_cell(source, line_offset)
     history = list(history)
     imports = notebook_imports(history, namespace)
@@ -459,23 +458,31 @@ def capture_cell(source: str, namespace: dict, history: Iterable[str] = (), *,
         if name in imported:
             continue
         values[name] = value
+    stream, buffers = b"", None
     try:
-        blob = cloudpickle.dumps(values) if values else b""
+        if values:  # tensors' and arrays' bytes apart, not copied (see values.Buffers)
+            stream, buffers = pickled_apart(values)
     except Exception as exc:
         raise CaptureError(_unpicklable_message(values, exc)) from None
-    if len(blob) > warn_bytes:
-        sizes = {k: len(cloudpickle.dumps(v)) for k, v in values.items()}
+    total = len(stream) + (buffers.nbytes if buffers is not None else 0)
+    if total > warn_bytes:
+        sizes = {k: _pickled_size(v) for k, v in values.items()}
         largest = sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
         warnings.warn(
-            f"the cell sends {len(blob) / 2**20:.0f} MB of notebook values to every rank; largest: "
+            f"the cell sends {total / 2**20:.0f} MB of notebook values to every rank; largest: "
             + ", ".join(f"{k} ({v / 2**20:.0f} MB)" for k, v in largest)
             + ". Load large data inside the cell (per rank) instead.", stacklevel=3)
-    cell = CellCode(source=source, filename=filename, imports=imports, values=blob,
+    cell = CellCode(source=source, filename=filename, imports=imports, values=stream, buffers=buffers,
                     value_names=sorted(values),
                     init_process_group=not _calls_init_process_group(translation.analysis),
                     line_offset=line_offset, silent=_ends_with_semicolon(source),
                     python="" if translation.python == source else translation.python)
     return Capture(cell=cell)
+
+
+def _pickled_size(value: object) -> int:
+    stream, buffers = pickled_apart(value)
+    return len(stream) + buffers.nbytes
 
 
 def _syntax_message(exc: SyntaxError) -> str:

@@ -127,11 +127,13 @@ class Console:
         self.changed.set()
 
     # -- what the run's supervisor asks ----------------------------------------------------
-    def holding(self) -> bool:
-        """Whether a post-mortem session is open: its rank holds the root cause of the failure,
-        so the run is not stopped (nor timed out, nor declared hung) until it ends."""
+    def held_ranks(self) -> List[int]:
+        """The ranks with a post-mortem session open, the earliest failure (the root cause, the
+        one debugged) first: they are not stopped (nor timed out, nor declared hung) until their
+        sessions end; the other ranks are stopped meanwhile."""
         with self._lock:
-            return any(s.kind == "post-mortem" and not s.ended.is_set() for s in self._sessions.values())
+            held = [s for s in self._sessions.values() if s.kind == "post-mortem" and not s.ended.is_set()]
+        return [s.rank for s in sorted(held, key=lambda s: s.time)]
 
     def active(self) -> bool:
         """Whether any session is open (someone may be reading a prompt: no hang, no timeout)."""

@@ -10,7 +10,9 @@ own channel, port and Spark stage) and ends when every rank succeeded, or one fa
 was cancelled, passed its ``timeout``, or hung (no output, progress or metrics from any rank for
 ``hang_timeout``).  A failure stops every rank and, while ``max_restarts`` allow, starts the next
 attempt; anything else ends the run.  Before a timeout or a hang stops the ranks, every rank's
-stacks are captured: the error and the view say where each rank was.
+stacks are captured: the error and the view say where each rank was.  Under ``--pdb`` a failing
+rank holds its frames in a post-mortem session (``debugger``): the other ranks are stopped at
+once, the held one when its session ends, and it stays the root cause.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import shutil
 import sys
 import threading
 import time
@@ -30,8 +33,9 @@ from .backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backe
 from .channel import ChannelServer, new_secret
 from .debugger import NO_STDIN_PDB, Console, rank_env
 from .errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
-from .events import DebugOutput, Stacks
+from .events import DebugOutput, Log, Stacks
 from .job import Job, function_job, script_job
+from .launcher import value_directory
 from .options import LaunchOptions
 from . import values as value_blobs
 from .rankenv import RunSpec
@@ -127,8 +131,6 @@ class Run:
 
     def __init__(self, job: Job, options: LaunchOptions, backend: Backend, plan: LaunchPlan,
                  data: Any = None, debug_input: bool = False):
-        import cloudpickle
-
         self.job = job
         self.options = options
         self.backend = backend
@@ -145,7 +147,9 @@ class Run:
                               options.use_gpu, job.name, max_attempts=options.max_restarts + 1,
                               spill_dir=functools.partial(_subdirectory, self.directory, "logs"),
                               idle=set(range(options.num_processes)) - set(options.ranks or ()) if options.ranks else ())
-        self._job_bytes = cloudpickle.dumps(job)
+        #: where this run's large values out to the ranks are (``_job_bytes`` names the file)
+        self._sent_dir = ""
+        self._job_bytes = self._pickle_job(job)
         self._value: Any = None
         self._error: Optional[BaseException] = None
         self._cancel = threading.Event()
@@ -163,6 +167,28 @@ class Run:
         self._tracking_warning = ""
         if options.mlflow:
             self.tracking = MlflowLogger(self.state, options, job.name)
+
+    def _pickle_job(self, job: Job) -> bytes:
+        """The job as its ranks read it.  Its large values (a cell's notebook tensors and
+        arrays, a function's arguments) go, where every rank shares this machine, into one file
+        in shared memory that the job names (written once per run, from the values' own memory;
+        each rank maps it); elsewhere they travel inside the job."""
+        import cloudpickle
+
+        sent = job.sent_buffers()
+        if sent is None or sent.nbytes < value_blobs.APART_BYTES or not self.backend.ranks_share_machine():
+            return cloudpickle.dumps(job)
+        self._sent_dir = value_directory(f"torchdist-{self.run_id}-values-")
+        try:
+            return cloudpickle.dumps(job.with_sent_buffers(sent.in_file(self._sent_dir)))
+        except BaseException:
+            self._remove_sent()
+            raise
+
+    def _remove_sent(self) -> None:
+        if self._sent_dir:
+            shutil.rmtree(self._sent_dir, ignore_errors=True)
+            self._sent_dir = ""
 
     # -- public API ----------------------------------------------------------------------
     def result(self, timeout: Optional[float] = None) -> Any:
@@ -247,6 +273,7 @@ class Run:
         finally:
             if self.data is not None:
                 self.data.remove_files()  # the ranks' copies of a pandas DataFrame
+            self._remove_sent()
             self.backend.release()
             try:
                 if self.tracking is not None:  # ended before result() returns: a reader finds it complete
@@ -302,7 +329,8 @@ class Run:
                 self.debugger.attach(functools.partial(_to_worker, channel))
             ctx = LaunchContext(self.plan, spec, self._job_bytes, emit,
                                 lambda record: channel.broadcast(record, role="launcher") if channel else 0,
-                                data=self.data, routes=routes)
+                                data=self.data, routes=routes,
+                                to_rank=lambda rank, record: bool(channel and channel.send(rank, record)))
             backend_run = self.backend.start(ctx)
             return self._watch(backend_run, deadline)
         finally:
@@ -316,13 +344,17 @@ class Run:
         first_failure: Optional[float] = None
         hang = self.options.hang_timeout
         debug = self.debugger
+        bystanders_stopped: set = set()
         while True:
             failures = self.state.failures()
             if failures:
                 debug.ranks_gone({f.rank for f in failures})
-            if debug.holding() and not self._cancel.is_set():
-                # a rank holds the failure's frames for the user (--pdb): nothing is stopped,
-                # timed out or declared hung until its session ends
+            held = debug.held_ranks()
+            if held and not self._cancel.is_set():
+                # a rank holds the failure's frames for the user (--pdb): the other ranks are
+                # stopped as after any failure, the held one is not, nor timed out or declared
+                # hung, until its session ends
+                bystanders_stopped |= self._stop_bystanders(backend_run, held, bystanders_stopped)
                 time.sleep(SUPERVISE_POLL)
                 continue
             if failures and first_failure is None:
@@ -359,6 +391,16 @@ class Run:
                 self.state.finish("hung", message=self._error.headline)
                 return False
             time.sleep(SUPERVISE_POLL)
+
+    def _stop_bystanders(self, backend_run: BackendRun, held: List[int], stopped: set) -> set:
+        """Stop the running ranks that hold no post-mortem session (``held``: root cause first)
+        and were not told to yet; each stopped rank's log says why.  The ranks reached."""
+        reached = backend_run.stop_ranks(sorted(set(self.state.running()) - set(held) - stopped), STOP_GRACE)
+        for rank in sorted(reached):
+            self.state.apply(Log(rank=rank, stream="stderr", line=(
+                f"[torchdist] rank {rank} was stopped: rank {held[0]}'s failure is held for the "
+                "debugger (--pdb)")), attempt=self.state.attempt)
+        return reached
 
     def _timed_out(self, stacks: Dict[int, Stacks]) -> None:
         self._error = JobTimeout(self.options.timeout, self._progress_summary(), stacks,

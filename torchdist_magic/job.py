@@ -6,12 +6,15 @@ by ``torchdist_magic.worker`` from a file the driver wrote, never from a socket.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import sysconfig
 import types
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
+
+from .values import Buffers, pickled_apart
 
 
 @dataclass
@@ -21,7 +24,9 @@ class CellCode:
     source: str
     filename: str
     imports: List[Tuple[str, str]] = field(default_factory=list)  # (statement, origin)
-    values: bytes = b""                                            # cloudpickled {name: value}
+    values: bytes = b""                                            # pickle stream of {name: value}
+    #: the large buffers of those values, apart (``values.pickled_apart``)
+    buffers: Optional[Buffers] = None
     value_names: List[str] = field(default_factory=list)
     init_process_group: bool = True
     line_offset: int = 1
@@ -40,7 +45,8 @@ class Job:
 
     kind: str
     name: str
-    payload: bytes = b""                      # function: cloudpickle of (fn, args, kwargs)
+    payload: bytes = b""                      # function: pickle stream of (fn, args, kwargs)
+    buffers: Optional[Buffers] = None         # the payload's large buffers, apart
     script_path: str = ""
     script_source: str = ""
     script_args: List[str] = field(default_factory=list)
@@ -50,6 +56,17 @@ class Job:
     #: source of code that exists only in the driver's memory (notebook cells), so that
     #: tracebacks on the ranks show its lines: {filename: lines}
     sources: Dict[str, List[str]] = field(default_factory=dict)
+
+    def sent_buffers(self) -> Optional[Buffers]:
+        """The large buffers this job sends to the ranks apart from its pickle (a cell's notebook
+        values', a function's arguments'), or ``None``."""
+        return self.cell.buffers if self.cell is not None else self.buffers
+
+    def with_sent_buffers(self, buffers: Buffers) -> "Job":
+        """A copy of this job whose ``sent_buffers`` are ``buffers`` (the same buffers in a file)."""
+        if self.cell is not None:
+            return dataclasses.replace(self, cell=dataclasses.replace(self.cell, buffers=buffers))
+        return dataclasses.replace(self, buffers=buffers)
 
 
 MAX_SHIPPED_SOURCE = 2 * 1024 * 1024
@@ -154,7 +171,7 @@ def function_job(fn: Any, args: tuple, kwargs: dict) -> Job:
         raise TypeError(f"train_object must be a function or a path to a .py file, got {type(fn).__name__}")
     modules = [_pickled_by_value(getattr(fn, "__module__", None))]
     try:
-        payload = dumps_by_value((fn, tuple(args), dict(kwargs)), modules)
+        payload, buffers = pickled_apart((fn, tuple(args), dict(kwargs)), modules)
     except Exception as exc:
         named = [(f"argument {i} of run()", a) for i, a in enumerate(args)]
         named += [(f"keyword argument {k!r} of run()", v) for k, v in kwargs.items()]
@@ -162,7 +179,8 @@ def function_job(fn: Any, args: tuple, kwargs: dict) -> Job:
         culprit = find_unpicklable(named, modules)
         name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(culprit or f"function {name} cannot be pickled: {exc}") from exc
-    return Job(kind="function", name=getattr(fn, "__name__", "function"), payload=payload, **_where())
+    return Job(kind="function", name=getattr(fn, "__name__", "function"), payload=payload, buffers=buffers,
+               **_where())
 
 
 def script_job(path: str, args: tuple) -> Job:

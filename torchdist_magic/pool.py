@@ -451,6 +451,9 @@ class WarmBackend(Backend):
     def channel_host(self) -> str:
         return self.pool.backend.channel_host()
 
+    def ranks_share_machine(self) -> bool:
+        return self.pool.backend.ranks_share_machine()
+
     def slots(self) -> Optional[int]:
         return self.pool.backend.slots()
 

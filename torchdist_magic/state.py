@@ -679,6 +679,12 @@ class RunState:
         with self._lock:
             return self._pace.stragglers([rs.host for rs in self.ranks], check=self.ended is None)
 
+    def running(self) -> List[int]:
+        """The ranks of the current attempt that have not exited."""
+        with self._lock:
+            return [rs.rank for rs in self.ranks
+                    if rs.exit_code is None and rs.state not in ("done", "failed", "cancelled")]
+
     def all_exited(self) -> bool:
         with self._lock:
             return all(rs.exit_code is not None or rs.state in ("done", "failed", "cancelled", "idle")

@@ -16,6 +16,11 @@ speed of the page cache) and the loaded tensors and arrays are views into it: th
 the value once, plus the small pickle stream.  (A view of a small part of a large storage
 brings the whole storage, as ``torch.save`` does.)
 
+The same machinery carries values the other way, out to the ranks (``Buffers``): the notebook
+values a cell uses and ``run()``'s arguments are pickled with their large buffers apart; on the
+driver those are views of the values' own memory, written once per run into one file in shared
+memory, which every rank on the machine maps (``Buffers.load``).
+
 Nothing here imports torch unless the value holds a tensor.
 """
 
@@ -23,16 +28,23 @@ from __future__ import annotations
 
 import io
 import json
+import mmap
 import os
 import pickle
+import socket
 import struct
-from typing import Any, List, Union
+from typing import Any, List, Optional, Tuple, Union
 
 MAGIC = b"torchdist-value-1\n"
 ALIGN = 64
 _LEN = struct.Struct("<Q")
 #: bytes per read or write call: one call of more than 2 GiB may be cut short by the system
 CHUNK = 1 << 30
+#: values sent to the ranks whose large buffers come to at least this travel in a file of their
+#: own (``Buffers.write``) where the ranks share the driver's machine; below it, in the job
+APART_BYTES = 1 << 20
+#: the name of that file in the run's value directory
+SENT_FILE = "sent.values"
 
 Blob = Union[bytes, bytearray, memoryview]
 
@@ -41,12 +53,14 @@ def _pad(n: int) -> int:
     return -n % ALIGN
 
 
-def _pickler_class():
+def _pickler_class(cpu_only: bool = False):
     import cloudpickle
 
     class ValuePickler(cloudpickle.Pickler):
         """cloudpickle (functions and classes of the notebook by value) with the bytes of
-        tensors' storages out of band, each storage once."""
+        tensors' storages out of band, each storage once; ``cpu_only``: tensors on other
+        devices are left to torch's own pickling (a notebook's CUDA tensor reaches a rank on
+        CUDA, as before)."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -54,7 +68,7 @@ def _pickler_class():
 
         def reducer_override(self, obj):
             if type(obj).__module__ == "torch" or type(obj).__name__ == "Parameter":
-                reduced = _reduce_tensor(obj, self._storages)
+                reduced = _reduce_tensor(obj, self._storages, cpu_only)
                 if reduced is not None:
                     return reduced
             return super().reducer_override(obj)
@@ -73,7 +87,7 @@ class _Storage:
         return (_storage_from_buffer, (pickle.PickleBuffer(self.raw),))
 
 
-def _reduce_tensor(obj, storages: dict):
+def _reduce_tensor(obj, storages: dict, cpu_only: bool = False):
     """``(_tensor_from_storage, args)`` for a dense tensor (on any device: it comes back on the
     CPU, as ``torch.save`` with ``map_location="cpu"`` gives it); ``None`` for anything else,
     which torch pickles itself."""
@@ -82,6 +96,8 @@ def _reduce_tensor(obj, storages: dict):
     if not isinstance(obj, torch.Tensor) or type(obj) not in (torch.Tensor, torch.nn.Parameter):
         return None
     if obj.layout != torch.strided or obj.is_quantized or obj.is_nested or obj.device.type == "meta":
+        return None
+    if cpu_only and obj.device.type != "cpu":
         return None
     storage = obj.untyped_storage()
     key = (obj.device.type, obj.device.index, storage.data_ptr(), storage.nbytes())
@@ -112,11 +128,11 @@ def _tensor_from_storage(storage, dtype: str, shape, stride, offset: int, requir
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
 
 
-def _pickled(value: Any):
+def _pickled(value: Any, cpu_only: bool = False) -> Tuple[bytes, List[memoryview]]:
     """The pickle stream of ``value`` and its out-of-band buffers (as raw memoryviews)."""
     buffers: List[pickle.PickleBuffer] = []
     stream = io.BytesIO()
-    _pickler_class()(stream, protocol=5, buffer_callback=buffers.append).dump(value)
+    _pickler_class(cpu_only)(stream, protocol=5, buffer_callback=buffers.append).dump(value)
     return stream.getvalue(), [b.raw() for b in buffers]
 
 
@@ -136,9 +152,13 @@ def _write_all(fh, view: memoryview) -> None:
 def dump(value: Any, path: str) -> int:
     """Write ``value`` to ``path``; the number of bytes written.  Raises what pickling raises."""
     stream, raws = _pickled(value)
+    return _write_blob(path, stream, raws)
+
+
+def _write_blob(path: str, stream: bytes, raws: List[memoryview], mode: str = "wb") -> int:
     head = _header(stream, raws)
     size = 0
-    with open(path, "wb", buffering=0) as fh:
+    with open(path, mode, buffering=0) as fh:
         for part in [memoryview(head), memoryview(stream)] + raws:
             pad = _pad(size)  # 0 before the header
             _write_all(fh, memoryview(b"\0" * pad))
@@ -176,6 +196,12 @@ def read(path: str) -> bytearray:
 def loads(blob: Blob) -> Any:
     """The value in ``blob`` (from ``dump``/``dumps``/``read``); its arrays and tensors are views
     into ``blob``, which they keep alive."""
+    stream, buffers = _parts(blob)
+    return pickle.loads(stream, buffers=buffers)
+
+
+def _parts(blob: Blob) -> Tuple[memoryview, List[memoryview]]:
+    """The pickle stream of ``blob`` and its buffers, as views into it."""
     view = memoryview(blob).cast("B")
     if view.readonly:  # tensors over read-only memory would be writable anyway: own a copy
         view = memoryview(bytearray(view))
@@ -194,4 +220,85 @@ def loads(blob: Blob) -> Any:
         offset += _pad(offset)
         buffers.append(view[offset:offset + size])
         offset += size
-    return pickle.loads(stream, buffers=buffers)
+    return stream, buffers
+
+
+# -- values out to the ranks ----------------------------------------------------------------
+
+
+class Buffers:
+    """The large buffers of values sent to the ranks, apart from the job that holds their pickle
+    stream (``pickled_apart``).
+
+    On the driver they are views of the values' own memory: nothing is copied until ``in_file``
+    writes them, once per run, into one file, which the job then names instead of holding the
+    bytes; every rank on the machine maps that file (``load``).  A job pickled with buffers not
+    in a file holds the bytes (a Spark task on another machine gets them so, in its job).
+    """
+
+    def __init__(self, raws: List[memoryview], path: str = ""):
+        self._raws = raws
+        self.sizes = [r.nbytes for r in raws]
+        self.path = path
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
+    def in_file(self, directory: str) -> "Buffers":
+        """These buffers written into ``directory`` (``SENT_FILE``, readable by its owner only),
+        as ``Buffers`` that name the file; the caller removes the directory."""
+        path = os.path.join(directory, SENT_FILE)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        _write_blob(path, b"", self._raws, mode="r+b")
+        return Buffers([], path)
+
+    def __getstate__(self):
+        if self.path:
+            return {"path": self.path, "sizes": self.sizes}
+        return {"path": "", "sizes": self.sizes, "raws": [pickle.PickleBuffer(r) for r in self._raws]}
+
+    def __setstate__(self, state):
+        self.path, self.sizes = state["path"], state["sizes"]
+        self._raws = [memoryview(r).cast("B") for r in state.get("raws", [])]
+
+    def load(self) -> List[memoryview]:
+        """The buffers, on a rank: views of the file mapped copy-on-write (the machine's pages
+        of it are shared by every rank that maps it, until a rank writes to a tensor of its
+        own), or of the bytes the job held."""
+        if not self.path:
+            return self._raws
+        try:
+            fh = open(self.path, "rb")
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"the notebook values sent to the ranks are in {self.path} on the driver's machine, "
+                f"which this rank's machine ({socket.gethostname()}) cannot see") from None
+        with fh:
+            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        _, buffers = _parts(mapped)
+        return buffers
+
+
+def pickled_apart(value: Any, by_value: Optional[list] = None) -> Tuple[bytes, Buffers]:
+    """``value``'s pickle stream (cloudpickle, protocol 5; ``by_value``: modules whose functions
+    travel by value) and its large buffers (``Buffers``): CPU tensors' storages and NumPy
+    arrays, not copied.  ``pickle.loads(stream, buffers=buffers.load())`` rebuilds it."""
+    import cloudpickle
+
+    registered = []
+    try:
+        for m in by_value or ():
+            if m is not None and m.__name__ not in cloudpickle.list_registry_pickle_by_value():
+                cloudpickle.register_pickle_by_value(m)
+                registered.append(m)
+        stream, raws = _pickled(value, cpu_only=True)
+    finally:
+        for m in registered:
+            cloudpickle.unregister_pickle_by_value(m)
+    return stream, Buffers(raws)
+
+
+def loads_apart(stream: bytes, buffers: Optional[Buffers]) -> Any:
+    """The value of ``pickled_apart``."""
+    return pickle.loads(stream, buffers=buffers.load() if buffers is not None else ())

@@ -133,9 +133,9 @@ def _format_exception(exc: BaseException) -> str:
 
 
 def _run_function(job):
-    import cloudpickle
+    from torchdist_magic import values
 
-    fn, args, kwargs = cloudpickle.loads(job.payload)
+    fn, args, kwargs = values.loads_apart(job.payload, job.buffers)
     return fn(*args, **kwargs)
 
 
@@ -195,7 +195,7 @@ def _init_process_group() -> bool:
 
 def _run_cell(job, ns: Optional[dict] = None):
     """Run a cell in ``ns`` (a warm rank's namespace, kept from cell to cell), else in a new one."""
-    import cloudpickle
+    from torchdist_magic import values
 
     cell = job.cell
     ns = _cell_namespace() if ns is None else ns
@@ -208,7 +208,7 @@ def _run_cell(job, ns: Optional[dict] = None):
                 f"{os.environ.get('RANK', '0')} ({socket.gethostname()}): {type(exc).__name__}: {exc}"
             ) from None
     if cell.values:
-        ns.update(cloudpickle.loads(cell.values))
+        ns.update(values.loads_apart(cell.values, cell.buffers))
     padded = "\n" * cell.line_offset + cell.source
     # tracebacks show the cell as it was typed; the ranks run its translation (same line numbers)
     linecache.cache[cell.filename] = (len(padded), None, padded.splitlines(True), cell.filename)

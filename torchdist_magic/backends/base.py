@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Collection, Dict, Optional, Set
 
 from .. import events
 from ..options import LaunchOptions
@@ -46,6 +46,9 @@ class LaunchContext:
     #: where records the backend takes for itself (``events.LAUNCHER_TO_DRIVER``) go, by type;
     #: the backend fills it in ``start``
     routes: Dict[type, Callable[[events.Event], None]] = field(default_factory=dict)
+    #: send a record to one rank's launcher: whether it was queued for it (a run without a
+    #: channel of its own, a warm pool's: never)
+    to_rank: Callable[[int, events.Event], bool] = lambda rank, record: False
 
 
 class BackendRun(abc.ABC):
@@ -54,6 +57,12 @@ class BackendRun(abc.ABC):
     @abc.abstractmethod
     def stop(self, grace: float) -> None:
         """Stop every rank still running: signal, wait until ``grace`` seconds, then kill."""
+
+    def stop_ranks(self, ranks: Collection[int], grace: float) -> Set[int]:
+        """Stop the ranks ``ranks`` (signal, ``grace``, kill) while the others go on (a rank held
+        for a debugger under ``--pdb``); their ``Exit`` records say they were stopped.  The ranks
+        reached; a backend that cannot stop one rank alone (a warm pool) reaches none."""
+        return set()
 
     def dump_stacks(self) -> None:
         """Ask every running rank for its threads' stacks; each answers with an
@@ -94,6 +103,12 @@ class Backend(abc.ABC):
     def slots(self) -> Optional[int]:
         """How many ranks can run at once, or ``None`` when nothing limits it up front."""
         return None
+
+    def ranks_share_machine(self) -> bool:
+        """Whether every rank surely runs on this machine, and so reads a file the driver
+        writes into shared memory (a job's large values, ``values.Buffers``); where it cannot be
+        sure, the values travel inside the job."""
+        return False
 
     def check(self, options: LaunchOptions) -> LaunchPlan:
         """The plan for a run of ``options``; ``ValueError`` before anything starts if the run

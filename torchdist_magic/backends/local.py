@@ -6,7 +6,7 @@ import os
 import shutil
 import socket
 import tempfile
-from typing import List, Optional
+from typing import Collection, List, Optional, Set
 
 from ..gpu_metrics import GpuSource, open_gpu_source
 from ..launcher import RankProcess, map_value, reserve_port, stop_all, value_directory, write_job_file
@@ -29,6 +29,9 @@ class LocalProcessBackend(Backend):
 
     def describe(self) -> str:
         return f"local processes on {socket.gethostname()}"
+
+    def ranks_share_machine(self) -> bool:
+        return True
 
     def check(self, options: LaunchOptions) -> LaunchPlan:
         if options.use_gpu:
@@ -81,6 +84,11 @@ class LocalRun(BackendRun):
 
     def stop(self, grace: float) -> None:
         stop_all(self.procs, grace)
+
+    def stop_ranks(self, ranks: Collection[int], grace: float) -> Set[int]:
+        procs = [p for p in self.procs if p.rank in ranks]
+        stop_all(procs, grace)
+        return {p.rank for p in procs}
 
     def dump_stacks(self) -> None:
         for p in self.procs:

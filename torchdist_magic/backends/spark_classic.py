@@ -58,6 +58,10 @@ class SparkBarrierBackend(SparkStageBackend):
                              "spark_connect.SparkConnectBackend")
         super().__init__(session)
 
+    def ranks_share_machine(self) -> bool:
+        """``local[...]`` and ``local-cluster[...]``: executors on this machine."""
+        return self.session.sparkContext.master.strip().startswith("local")
+
     @property
     def context(self):
         return self.session.sparkContext

@@ -72,6 +72,14 @@ class SparkConnectBackend(SparkStageBackend):
     def channel_host(self) -> str:
         return address_towards(remote_host(self.session))
 
+    def ranks_share_machine(self) -> bool:
+        """A server on this machine's loopback with a ``local[...]`` master.  (A loopback that is
+        a tunnel to another machine would make the ranks fail to find the values' file, naming
+        it; nothing here can tell such a tunnel apart.)"""
+        host = remote_host(self.session)
+        return ((host == "localhost" or host.startswith("127.") or host == "::1")
+                and self.conf("spark.master").strip().startswith("local"))
+
     def slots(self) -> int:
         """Tasks the cluster runs at once: its default parallelism (what ``spark.range``
         splits into by default) over ``spark.task.cpus``."""

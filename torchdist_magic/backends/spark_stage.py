@@ -30,7 +30,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Collection, Dict, List, Optional, Set, Tuple
 
 from .. import events
 from ..options import LaunchOptions
@@ -324,6 +324,12 @@ class BarrierStageRun(BackendRun):
         if self._thread.is_alive():
             log.warning("run %s: the stage of job tag %s was still running %g s after it was interrupted",
                         self._spec.run.run_id, self.job_tag, SPARK_CANCEL_WAIT)
+
+    def stop_ranks(self, ranks: Collection[int], grace: float) -> Set[int]:
+        """``Stop`` to each of those ranks' tasks alone: each stops its rank and returns its
+        outcome (a stopped rank's task ends without failing the barrier stage, which would take
+        the other tasks with it), while the stage goes on.  The job tag is left alone."""
+        return {r for r in ranks if self._ctx.to_rank(r, events.Stop(rank=r, grace=grace))}
 
     def dump_stacks(self) -> None:
         """Each task's launcher signals its worker and sends the ``Stacks`` back over the channel."""

@@ -9,11 +9,14 @@ barrier stage fails at once.
 
 Stopping.  Each task holds a launcher connection on the run's event channel; when the driver
 sends ``events.Stop`` over it, the task gives its worker SIGTERM, the grace, then SIGKILL,
-reports the exit and returns.  A task can also be killed
-outright (Spark kills the Python process of a cancelled or failed stage's task with SIGKILL
-after ``spark.python.task.killTimeout``), and then no ``finally`` runs: so each task also starts
-a small guard process in a session of its own, which notices the task's end and, unless the
-task said "done", stops the worker's process group and removes the task's files.
+reports the exit and returns.  A ``Stop`` may reach one task alone (under ``--pdb`` the other
+ranks stop while a failed rank is held for a debugger): its rows or outcome then say "stopped",
+which ends the task without failing the barrier stage, and the held rank's task goes on.  A task
+can also be killed outright (Spark kills the Python process of a cancelled or failed stage's
+task with SIGKILL after ``spark.python.task.killTimeout``), and then no ``finally`` runs: so
+each task also starts a small guard process in a session of its own, which notices the task's
+end and, unless the task said "done", stops the worker's process group and removes the task's
+files.
 
 Nothing here imports pyspark at module level, and nothing here is driver code: the driver's side
 of the stage is ``spark_stage``.
