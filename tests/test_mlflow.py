@@ -4,7 +4,7 @@ Against a real tracking store (``sqlite:`` in the test's directory, artifacts be
 back with ``MlflowClient``: params, metric histories with their steps, system metrics, the logs
 as artifacts, status and tags; for a good run, a failed one, a restarted one, a cancelled one,
 warm cells, a run nested under the notebook's active run; the good, failed and restarted ones on
-local processes and on classic Spark ``local[2]``.
+local processes and on classic Spark ``local[2]``, a good one on Spark Connect.
 Then what a user sees: the view's line and link, the warning when points were dropped, the
 errors when mlflow is missing or the tracking server cannot be reached.
 """
@@ -249,6 +249,24 @@ def test_a_restarted_run_is_one_mlflow_run_with_the_attempt_as_a_metric(on, expe
     on.nothing_left(run)
     del run  # its directory (the default checkpoints) goes with it
     _forget_runs()
+
+
+@pytest.mark.spark
+def test_a_spark_connect_run_is_written_by_the_notebook_too(spark_connect, experiment, tmp_path):
+    from helpers import assert_nothing_left
+    from torchdist_magic import Distributor
+
+    run = Distributor(2, local_mode=False, show=None, mlflow=True).submit(report_then_wait, str(tmp_path), 3)
+    wait_for_points(run, "loss", 3)
+    wait_for_samples(run)
+    touch(tmp_path / "go")
+    assert run.result(timeout=180) == 0
+    (mlrun,) = runs_of(experiment)
+    assert mlrun.info.status == "FINISHED" and mlrun.data.params["backend"] == "spark"
+    assert history(mlrun.info.run_id, "loss") == [(0, 1.0), (10, 0.5), (20, 1 / 3)]
+    assert {f"system/rank_{r}/cpu_percent" for r in (0, 1)} <= set(mlrun.data.metrics)
+    assert "rank 1 step 2\n" in artifact(mlrun.info.run_id, "logs/rank_1.txt")
+    assert_nothing_left(run)
 
 
 # -- more runs on local processes -------------------------------------------------------------------
