@@ -156,9 +156,9 @@ class MlflowLogger:
         self.tracking_uri = mlflow.get_tracking_uri()
         parent = mlflow.active_run()
         tags = {"torchdist.run_id": state.run_id, "torchdist.backend": state.backend}
-        self._client = mlflow.MlflowClient(self.tracking_uri)
         self.run_id = ""
         try:
+            self._client = mlflow.MlflowClient(self.tracking_uri)
             if parent is not None:
                 experiment_id = parent.info.experiment_id
                 tags["mlflow.parentRunId"] = parent.info.run_id
