@@ -142,15 +142,18 @@ def test_launch_panel_refuses_bad_settings_and_launches(browser, lab):
         page.set_viewport_size({"width": 700, "height": 1500})
         page.wait_for_timeout(400)
         assert 550 <= page.locator(panel).bounding_box()["width"] <= 620
+        top = page.locator(panel).bounding_box()["y"]
+        # the first options, the folded rest, the code and Launch: a screen tall
+        assert page.locator(f"{panel} .torchdist-launch").bounding_box()["y"] - top < 900  # was 2,100 px
+        page.locator(panel).screenshot(path=artifact("browser-panel-600.png"))
+        page.locator(f"{panel} .torchdist-more-options").get_by_text("more options").click()
+        page.wait_for_selector(f"{panel} .torchdist-option-hang_timeout input", state="visible")
         flags = page.eval_on_selector_all(f"{panel} code", "els => els.map(e => e.getClientRects().length)")
         assert flags and set(flags) == {1}, flags  # each flag on one line
         notes = page.eval_on_selector_all(f"{panel} .torchdist-option-note span",
                                           "els => els.map(e => [e.scrollWidth <= e.clientWidth + 1,"
                                           " e.getBoundingClientRect().height, e.title.length > 0])")
         assert all(fits and height <= 40 and titled for fits, height, titled in notes), notes
-        top = page.locator(panel).bounding_box()["y"]
-        assert page.locator(f"{panel} .torchdist-launch").bounding_box()["y"] - top < 900  # was 2,100 px
-        page.locator(panel).screenshot(path=artifact("browser-panel-600.png"))
         page.set_viewport_size({"width": 1280, "height": 1500})
         np_input = page.locator(f"{panel} .torchdist-option-num_processes input")
         page.locator(f"{panel} .torchdist-code textarea").fill(PANEL_CODE)

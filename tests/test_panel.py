@@ -341,3 +341,17 @@ def test_a_cell_that_cannot_be_captured_is_refused_before_anything_starts(notebo
     panel.code.value = "with PANEL_LOCK:\n    pass"
     assert panel.launch() is None and panel.run is None
     assert "PANEL_LOCK" in panel.message.value and "torchdist-launch-error" in panel.message.value
+
+
+def test_the_options_past_the_first_few_are_folded_and_open_when_one_is_refused(panel):
+    from torchdist_magic.view.panel import FIRST_OPTIONS
+
+    folded = panel.more_options.children[0].children
+    assert len(folded) == len(panel.fields) - len(FIRST_OPTIONS) > 0
+    assert panel.more_options.selected_index is None  # folded: the panel stays a screen tall
+    assert all(panel.controls[name] not in row.children for row in folded for name in FIRST_OPTIONS)
+    panel.code.value = "rank"
+    panel.controls["hang_timeout"].value = "soon"
+    assert "hang_timeout" in panel.field_errors()
+    assert panel.more_options.selected_index == 0  # the refused option is in sight
+    assert "--hang-timeout" in panel.more_options.titles[0]

@@ -36,6 +36,9 @@ _HELP = _NOTE + ";display:-webkit-box;-webkit-line-clamp:2;-webkit-box-orient:ve
 #: values: a dropdown whose value is ``None`` shows no selection at all, not "default"
 SWITCH_CHOICES = ("default", "on", "off")
 SWITCH_VALUES = {"default": None, "on": True, "off": False}
+#: the options shown at once; the others are under "more options" (opened when one of them is
+#: refused), so that the panel stays a screen tall however many options there are
+FIRST_OPTIONS = ("num_processes", "use_gpu", "backend", "timeout", "env", "all_ranks", "warm", "mlflow")
 
 
 def _shown(exc: Exception) -> str:
@@ -207,6 +210,7 @@ class LaunchPanel:
         self.controls: Dict[str, widgets.Widget] = {}
         self.notes: Dict[str, widgets.HTML] = {}
         rows: List[widgets.Widget] = []
+        more_rows: List[widgets.Widget] = []
         for name, field in self.fields.items():
             # a flag on one line; a row wraps its note under the control in a narrow pane
             label = widgets.HTML(f'<code style="font-size:12px;white-space:nowrap">'
@@ -217,9 +221,15 @@ class LaunchPanel:
             note.add_class("torchdist-option-note")
             control.observe(self._changed, "value")
             self.controls[name], self.notes[name] = control, note
-            rows.append(widgets.HBox([label, control, note], layout=widgets.Layout(
-                flex_flow="row wrap", align_items="center", margin="2px 0", min_width="0")))
-        self.options_grid = widgets.VBox(rows, layout=widgets.Layout(min_width="0"))
+            (rows if name in FIRST_OPTIONS else more_rows).append(widgets.HBox(
+                [label, control, note],
+                layout=widgets.Layout(flex_flow="row wrap", align_items="center", margin="2px 0", min_width="0")))
+        self.more_options = widgets.Accordion(
+            children=[widgets.VBox(more_rows, layout=widgets.Layout(min_width="0"))], selected_index=None,
+            titles=("more options: " + " ".join(
+                self.fields[n].metadata["flag"] for n in self.fields if n not in FIRST_OPTIONS),))
+        self.more_options.add_class("torchdist-more-options")
+        self.options_grid = widgets.VBox(rows + [self.more_options], layout=widgets.Layout(min_width="0"))
 
         self.source = widgets.ToggleButtons(options=[("code", CODE), ("function", FUNCTION)], value=CODE,
                                             style={"button_width": "90px"})
@@ -357,6 +367,8 @@ class LaunchPanel:
         """Show every problem next to its control; Launch is enabled only without any."""
         self.what.children = [self.code_box] if self.source.value == CODE else [self.function_box]
         errors = self.field_errors()
+        if any(name not in FIRST_OPTIONS for name in errors):
+            self.more_options.selected_index = 0  # a refused option is never out of sight
         for name, note in self.notes.items():
             if name in errors:
                 note.value = (f'<span class="torchdist-option-error" style="{_NOTE};color:{ERROR}">'
