@@ -133,6 +133,10 @@ def report_many(count):
     return count
 
 
+def numel(tensor):
+    return tensor.numel()
+
+
 def one():
     return 1
 
@@ -486,6 +490,10 @@ def test_an_unreachable_tracking_server_is_refused_before_anything_starts(ip, ca
     with pytest.raises(TrackingError, match=rf"^could not start an MLflow run at {uri}: ") as info:
         local_distributor(1, mlflow=True).run(one)
     assert "Connection refused" in str(info.value) or "Max retries" in str(info.value)
+    import torch  # a large argument goes to shared memory first: refused, none of it stays there
+
+    with pytest.raises(TrackingError):
+        local_distributor(1, mlflow=True).run(numel, torch.zeros(2 ** 20))
     result = cell(ip, "%%torchdist --np 1 --mlflow\n1")
     assert result.error_in_exec is not None
     text = "".join(capsys.readouterr())

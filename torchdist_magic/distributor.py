@@ -166,7 +166,11 @@ class Run:
         self.tracking: Optional[MlflowLogger] = None
         self._tracking_warning = ""
         if options.mlflow:
-            self.tracking = MlflowLogger(self.state, options, job.name)
+            try:
+                self.tracking = MlflowLogger(self.state, options, job.name)
+            except BaseException:  # no MLflow run, no run: nothing of it stays behind
+                self._remove_sent()
+                raise
 
     def _pickle_job(self, job: Job) -> bytes:
         """The job as its ranks read it.  Its large values (a cell's notebook tensors and
