@@ -410,3 +410,25 @@ def test_a_cleared_bar_is_gone():
     state.apply(Progress(rank=0, bar="val", n=1, total=2))
     state.apply(Progress(rank=0, bar="val", n=2, total=2, state="cleared"))
     assert state.ranks[0].progress == {}
+
+
+@pytest.mark.parametrize("values, ok", [
+    ({"loss": 0.5, "note": "nan"}, True),            # the common case passes as it came
+    ({"loss": 1}, True),                             # an integer is made a float
+    ({"loss": True}, False), ({"loss": None}, False), ({"loss": [1.0]}, False), ({3: 1.0}, False),
+    ({"loss": float("nan")}, False), ({"loss": float("inf")}, False),
+])
+def test_metric_values_are_checked_whatever_path_they_take(values, ok):
+    data = {"type": "metrics", "rank": 0, "step": 1, "values": values}
+    if ok:
+        got = events.decode(data).values
+        assert got == {k: float(v) if isinstance(v, int) else v for k, v in values.items()}
+        assert all(type(v) in (float, str) for v in got.values())
+    else:
+        with pytest.raises(events.MalformedEvent):
+            events.decode(data)
+
+
+def test_a_dict_of_texts_refuses_a_number():
+    with pytest.raises(events.MalformedEvent):
+        events.decode({"type": "run_job", "rank": 0, "env": {"A": 1.5}})
