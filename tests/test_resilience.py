@@ -201,7 +201,7 @@ def test_a_rank_is_not_signalled_before_it_can_take_the_stack_signal(tmp_path):
     """Before the worker's handler is in place, the stack signal would kill the rank."""
     import signal as signals
 
-    from helpers import Collector
+    from helpers import Collector, wait_until
     from torchdist_magic.launcher import RankProcess, stop_all
 
     not_a_worker = tmp_path / "python"
@@ -210,9 +210,11 @@ def test_a_rank_is_not_signalled_before_it_can_take_the_stack_signal(tmp_path):
     got = Collector()
     proc = RankProcess(0, "job", str(tmp_path / "rank-0"), dict(os.environ), got, python=str(not_a_worker))
     try:
-        got.wait_for(1)  # "up": it runs
+        # its launcher also sends system samples: wait for the records meant, whatever came between
+        wait_until(lambda: any(r.type == "log" and r.line == "up" for r in got.records), 10, '"up": it runs')
         proc.dump_stacks()
-        stacks = [r for r in got.wait_for(2) if r.type == "stacks"]
+        wait_until(lambda: any(r.type == "stacks" for r in got.records), 10, "its stacks record")
+        stacks = [r for r in got.wait_for(1) if r.type == "stacks"]
         assert stacks[0].note == "the rank had not started its job yet" and proc.alive()
     finally:
         stop_all([proc], 0.5)
