@@ -9,8 +9,10 @@ Spark task and its worker have).
 Every simulated rank sends the project's own records at ``--rate`` records/s: per 10 records, 1
 progress update, 5 metrics of 3 values and 4 log lines; progress and metrics on its worker
 connection, the log lines on its launcher connection (a launcher forwards its worker's output).
-The generators encode and batch them with the client's own code (``channel.encode_batch``),
-once every ``channel.FLUSH_EVERY`` seconds, as a rank's client does.
+The generators send what the client's own code (``channel.encode_batch``) sends, batched once
+every ``channel.FLUSH_EVERY`` seconds as a rank's client does, but written from a template
+(``batch_bytes``): they stand in for a thousand machines on a few cores, so they must cost
+little.  In their first flushes they check their bytes against ``encode_batch``'s, byte for byte.
 
 Measured in the driver, which is this process:
 
@@ -24,7 +26,10 @@ Measured in the driver, which is this process:
 * the view: ``widget`` is ``view.widget.WidgetView`` with its own throttles, updated every
   ``SUPERVISE_POLL`` as a run's supervisor does, over a comm that serialises every message as
   ipykernel does (the JSON of the comm message): ``frame_bytes_max`` is the largest message it
-  sent, ``view_mb_per_s`` their rate, ``render_ms_max`` the longest ``update()``; ``text`` is
+  sent, ``view_mb_per_s`` their rate, ``render_ms_max`` the longest ``update()`` (wall time: it
+  includes waiting for the interpreter's lock, which the channel thread holds between its
+  switches), ``render_cpu_ms_max`` its CPU time, ``view_refresh_s`` the period the view had come
+  to (``WidgetView.update_every``: longer where a refresh costs more); ``text`` is
   ``view.text.TextView`` writing to a counting sink (lines, bytes); ``none`` is no view.
 
 The machine: the generators and the driver share its cores (two on the machine these figures
@@ -37,6 +42,7 @@ took and how far behind their schedule they fell (then the driver was offered le
 from __future__ import annotations
 
 import argparse
+import array
 import io
 import json
 import multiprocessing
@@ -111,6 +117,7 @@ def generate(address, certificate, run_id, ranks, rate, seconds, flush_every, go
     behind = 0.0
     start = time.time()
     end = start + seconds
+    total = int(rate * seconds)
     tick = 0
     while True:
         tick += 1
@@ -122,28 +129,33 @@ def generate(address, certificate, run_id, ranks, rate, seconds, flush_every, go
         behind = max(behind, now - due_at)
         upto = int(rate * (min(now, end) - start))   # records each rank should have made by now
         for r in ranks:
-            to_worker, to_launcher = [], []
+            made = []                     # (kind, its numbers) of this flush, in order
             while seq[r] < upto:
                 kind = PATTERN[seq[r] % len(PATTERN)]
                 seq[r] += 1
                 if kind == "P":
-                    to_worker.append(events.Progress(rank=r, bar="train#0", desc="train", n=seq[r],
-                                                     total=int(rate * seconds), elapsed=now - start))
+                    made.append(("P", seq[r]))
                     sent["progress"] += 1
                 elif kind == "M":
                     metric_seq[r] += 1
-                    to_worker.append(events.Metrics(rank=r, step=metric_seq[r], time=now, values={
-                        "loss": 1.0 / metric_seq[r], "lr": 3e-4, "tokens_per_s": 12345.0 + r}))
+                    made.append(("M", metric_seq[r]))
                     sent["points"] += 1
                 else:
                     log_seq[r] += 1
-                    to_launcher.append(events.Log(rank=r, line=f"{log_seq[r]} {now:.6f} step {seq[r]} "
-                                                             f"loss {1.0 / seq[r]:.6f} lr 3.0e-4 tokens/s 123456"))
+                    made.append(("L", log_seq[r], seq[r]))
                     sent["logs"] += 1
+            if not made:
+                continue
+            to_worker, to_launcher = batch_bytes(made, r, now, start, total)
+            if tick <= 3:  # the same bytes as the client's own encoding, or this benchmark is wrong
+                expected = client_bytes(made, r, now, start, total)
+                if (to_worker, to_launcher) != expected:
+                    raise AssertionError(f"scale.py's frames differ from channel.encode_batch's: "
+                                         f"{(to_worker, to_launcher)!r:.400} != {expected!r:.400}")
             if to_worker:
-                socks[(r, "worker")].sendall(channel.encode_batch(to_worker, r))
+                socks[(r, "worker")].sendall(to_worker)
             if to_launcher:
-                socks[(r, "launcher")].sendall(channel.encode_batch(to_launcher, r))
+                socks[(r, "launcher")].sendall(to_launcher)
         if now >= end:
             break
     for sock in socks.values():
@@ -159,6 +171,80 @@ def generate(address, certificate, run_id, ranks, rate, seconds, flush_every, go
         sock.close()
 
 
+def _values(r: int, step: int) -> dict:
+    return {"loss": 1.0 / step, "lr": 3e-4, "tokens_per_s": 12345.0 + r}
+
+
+def _line(number: int, now: float, record: int) -> str:
+    return f"{number} {now:.6f} step {record} loss {1.0 / record:.6f} lr 3.0e-4 tokens/s 123456"
+
+
+def client_records(made, r: int, now: float, start: float, total: int):
+    """The records of one flush of rank ``r`` (``made``: what ``generate`` made), for the worker
+    connection and for the launcher connection, as a rank's client holds them."""
+    worker, launcher = [], []
+    for item in made:
+        if item[0] == "P":
+            worker.append(events.Progress(rank=r, bar="train#0", desc="train", n=item[1], total=total,
+                                          elapsed=now - start))
+        elif item[0] == "M":
+            worker.append(events.Metrics(rank=r, step=item[1], time=now, values=_values(r, item[1])))
+        else:
+            launcher.append(events.Log(rank=r, line=_line(item[1], now, item[2])))
+    return worker, launcher
+
+
+def client_bytes(made, r: int, now: float, start: float, total: int):
+    """What the client's own code (``channel.encode_batch``) sends for one flush."""
+    worker, launcher = client_records(made, r, now, start, total)
+    return (channel.encode_batch(worker, r) if worker else b"",
+            channel.encode_batch(launcher, r) if launcher else b"")
+
+
+def _frame(parts) -> bytes:
+    body = ('{"events":[' + ",".join(parts) + "]}").encode("utf-8")
+    return channel._LEN.pack(len(body)) + body
+
+
+def batch_bytes(made, r: int, now: float, start: float, total: int):
+    """``client_bytes``, written straight from a template: the generators stand in for a
+    thousand machines on two cores, so they must cost little (``generate`` checks the first
+    flush against ``client_bytes`` byte for byte).  Holds for this benchmark's records: one
+    bar, one flush's lines far below ``channel.MERGED_LOG_CHARS``, no value JSON would refuse."""
+    points, lines, progress, progress_at, metrics_at = [], [], None, -1, -1
+    for i, item in enumerate(made):
+        if item[0] == "P":  # only a bar's newest state is sent, where it was made
+            progress, progress_at = item[1], i
+        elif item[0] == "M":  # every point, in one record where the first was made
+            points.append(item[1])
+            if metrics_at < 0:
+                metrics_at = i
+        else:
+            lines.append(item)
+    worker = []
+    if progress is not None:
+        worker.append(f'{{"rank":{r},"bar":"train#0","desc":"train","n":{progress},"total":{total},'
+                      f'"elapsed":{float.__repr__(now - start)},"state":"running","postfix":"","type":"progress"}}')
+    if points:
+        when = float.__repr__(now)
+
+        def values(step):
+            return (f'{{"loss":{float.__repr__(1.0 / step)},"lr":{float.__repr__(3e-4)},'
+                    f'"tokens_per_s":{float.__repr__(12345.0 + r)}}}')
+
+        more = ",".join(f'{{"step":{p},"values":{values(p)},"time":{when}}}' for p in points[1:])
+        metrics = (f'{{"rank":{r},"step":{points[0]},"values":{values(points[0])},"time":{when},'
+                   f'"more":[{more}],"type":"metrics"}}')
+        worker.insert(0 if metrics_at < progress_at else len(worker), metrics)
+    launcher = b""
+    if lines:
+        texts = [_line(item[1], now, item[2]) for item in lines]
+        more = ",".join(f'{{"stream":"stdout","line":"{t}","cr":false}}' for t in texts[1:])
+        launcher = _frame([f'{{"rank":{r},"stream":"stdout","line":"{texts[0]}","cr":false,'
+                           f'"more":[{more}],"type":"log"}}'])
+    return (_frame(worker) if worker else b""), launcher
+
+
 # -- driver side -----------------------------------------------------------------------------
 
 class Meter:
@@ -171,7 +257,7 @@ class Meter:
         self.last_log = [0] * self.ranks
         self.last_step = [0] * self.ranks
         self.logs = self.points = self.progress = self.out_of_order = 0
-        self.buckets = [0] * 1000 * 600
+        self.buckets = array.array("q", bytes(8 * 1000 * 600))  # not a list: no work for the collector
         self.last_applied = 0.0
 
     def __call__(self, record) -> None:
@@ -289,7 +375,7 @@ def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: b
     procs = [context.Process(target=generate, args=(address, certificate, run_id, share, rate, seconds,
                                                     flush_every, go, results), daemon=True)
              for share in shares if share]
-    render_ms = []
+    render_ms, render_cpu_ms = [], []
     try:
         started = time.monotonic()
         for p in procs:
@@ -306,11 +392,14 @@ def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: b
         reports = []
         while True:
             if view is not None:
-                before = time.perf_counter()
+                before, before_cpu = time.perf_counter(), time.thread_time()
                 view.update()
                 render_ms.append(1000 * (time.perf_counter() - before))
+                render_cpu_ms.append(1000 * (time.thread_time() - before_cpu))
             while not results.empty() and len(reports) < len(procs):
                 reports.append(results.get()[1])
+            if len(reports) < len(procs) and any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError("a load generator failed (its traceback is above)")
             if len(reports) == len(procs) and expected is None:
                 sent = {k: sum(r[k] for r in reports) for k in ("logs", "points", "progress")}
                 expected = sent["logs"] + sent["points"]
@@ -351,6 +440,8 @@ def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: b
         "view_mb_per_s": view_bytes / 1e6 / window if window else 0.0,
         "text_lines": sink.lines if sink else None,
         "render_ms_max": max(render_ms, default=0.0),
+        "render_cpu_ms_max": max(render_cpu_ms, default=0.0),
+        "view_refresh_s": getattr(view, "update_every", None),
         "malformed": server.stats["malformed"], "forbidden": server.stats["forbidden"],
     }
 
@@ -370,11 +461,12 @@ def main() -> None:
     r = simulate(args.ranks, args.rate, args.seconds, args.view, args.tls, args.generators)
     print(f"\n{'ranks':>5} {'rate':>5} {'view':>6} {'tls':>3} {'sent':>9} {'lost':>5} {'ooo':>4} "
           f"{'p50 ms':>8} {'p99 ms':>8} {'catch-up':>8} {'cpu %':>6} {'gen %':>6} {'rss MB':>13} "
-          f"{'frame KB':>8} {'render ms':>9} {'conn s':>6} {'us/rec':>6}")
+          f"{'frame KB':>8} {'render ms':>13} {'conn s':>6} {'us/rec':>6}")
     print(f"{r['ranks']:>5} {r['rate']:>5g} {r['view']:>6} {'on' if r['tls'] else 'off':>3} {r['sent']:>9,} "
           f"{r['lost']:>5} {r['out_of_order']:>4} {r['p50_ms']:>8.0f} {r['p99_ms']:>8.0f} {r['catch_up_s']:>7.1f}s "
           f"{r['driver_cpu_pct']:>6.0f} {r['gen_cpu_pct']:>6.0f} {r['rss_mb_start']:>6.0f}->{r['rss_mb_end']:<6.0f} "
-          f"{r['frame_bytes_max'] / 1e3:>8.1f} {r['render_ms_max']:>9.0f} {r['connect_s']:>6.1f} "
+          f"{r['frame_bytes_max'] / 1e3:>8.1f} {r['render_ms_max']:>6.0f}/{r['render_cpu_ms_max']:<3.0f}cpu "
+          f"{r['connect_s']:>6.1f} "
           f"{r['driver_us_per_record']:>6.1f}")
     m = machine()
     print(f"offered {r['offered_rate']:.1f} records/s per rank (asked {args.rate:g}); generators fell up to "

@@ -198,6 +198,7 @@ def test_all_ranks_log_is_in_arrival_order():
     log(state, 1, "b0")
     log(state, 1, "50%", cr=True)
     assert merged.drain(state)
+    assert not merged.drain(state)  # the bar's line, read again, is not a new line
     log(state, 0, "a1")
     merged.drain(state)
     assert [(r, l.text) for r, l in merged.shown()] == [(0, "a0"), (1, "b0"), (0, "a1"), (1, "50%")]
@@ -611,3 +612,16 @@ def test_no_module_but_the_state_touches_the_run_states_lock():
     assert found == {}
     with open(os.path.join(REPO, "torchdist_magic", "state.py")) as fh:
         assert "self._lock" in fh.read()  # the check looks at the right attribute
+
+
+def test_errors_and_warnings_are_told_by_their_words_in_any_case():
+    assert M.is_problem("RuntimeError: boom") and M.is_problem("a UserWarning here")
+    assert M.is_problem("TRACEBACK (most recent call last)") and M.is_problem("an Exception was raised")
+    assert not M.is_problem("epoch 3 loss 0.25") and not M.is_problem("")
+    state = FakeRun(2).state
+    merged = M.MergedLog(2)
+    log(state, 0, "step 1")
+    log(state, 1, "WARNING: slow step")
+    log(state, 0, "plain words on stderr", stream="stderr")
+    merged.drain(state)
+    assert [(r, l.text) for r, l in merged.problems] == [(0, "plain words on stderr"), (1, "WARNING: slow step")]

@@ -67,6 +67,31 @@ def test_updates_are_coalesced_whatever_the_event_rate():
     assert (len(rows_sent), len(logs_sent), len(plots_sent)) == before
 
 
+def test_a_view_that_costs_more_to_draw_refreshes_less_often():
+    """Each refresh, and each redraw of the plots, may take ``VIEW_CPU_SHARE`` of a core: one
+    that took 0.1 s of CPU waits 1 s before the next (at 1024 ranks the view would otherwise
+    take the core that decodes the ranks' records)."""
+    run, clock = FakeRun(4), Clock()
+    cpu = Clock()
+
+    def cpu_clock():
+        cpu.now += 0.05  # every reading: 0.1 s between two readings around a part
+        return cpu.now
+
+    view = W.WidgetView(run, display=False, clock=clock, cpu_clock=cpu_clock)
+    assert view.update_every == pytest.approx(0.05 / W.VIEW_CPU_SHARE)
+    assert view.plot_every == pytest.approx(max(W.PLOT_EVERY, 0.05 / W.VIEW_CPU_SHARE))
+    renders = view.renders
+    for i in range(1000):  # ten seconds of calls every 10 ms, something new each time
+        clock.now += 0.01
+        metrics(run.state, 0, i, loss=1 / (i + 1))
+        view.update()
+    assert view.renders - renders <= 10 / view.update_every + 1
+    assert view.renders - renders >= 10 / view.update_every - 1
+    cheap = W.WidgetView(FakeRun(4), display=False, clock=clock, cpu_clock=lambda: 0.0)
+    assert cheap.update_every == W.UPDATE_EVERY and cheap.plot_every == W.PLOT_EVERY
+
+
 def test_stop_button_cancels_the_run():
     run = FakeRun()
     view = W.WidgetView(run, display=False)

@@ -495,8 +495,12 @@ class ChannelServer:
                 return self._ended(conn)
             conn.inbuf += data
             self._parse(conn)
-        if conn.open:
-            self._write(conn)  # the TLS handshake's answer, the challenge, the hello's reply
+            if conn.secure and not conn.tls_in.pending and not conn.tls.pending():
+                break  # all taken: no read that would only raise SSLWantReadError
+        # the TLS handshake's answer, the challenge, the hello's reply; nothing at all, most of the
+        # time, once a rank streams its records (then not even a look under the lock)
+        if conn.open and (not conn.secure or conn.outbox or conn.wire or conn.tls_out.pending):
+            self._write(conn)
 
     def _reject(self, conn: _Conn, reason: Optional[str] = None) -> None:
         """End a failed handshake, telling the client why when it deserves to know."""

@@ -12,7 +12,10 @@ depends on what is shown, not on the number of ranks.
 
 Updates are coalesced: whatever the event rate, the view refreshes at most every
 ``UPDATE_EVERY`` seconds and redraws plots at most every ``PLOT_EVERY`` seconds, from whichever
-thread calls ``update()``.  While a cell blocks the kernel waiting for the run, ``update()`` also
+thread calls ``update()``.  Those periods stretch where drawing costs more: each of the two
+takes at most ``VIEW_CPU_SHARE`` of a core (the CPU time of its last drawing, over that share),
+so that at a thousand ranks the view refreshes about every second instead of taking the core
+that decodes the ranks' records.  While a cell blocks the kernel waiting for the run, ``update()`` also
 lets the kernel handle widget messages (``kernel_poll``), so Stop and the log selector answer
 during the cell.
 """
@@ -36,6 +39,7 @@ from .text import header, summary_with_logs
 
 UPDATE_EVERY = 0.1    # seconds between refreshes of the view (every part of it together)
 PLOT_EVERY = 0.5      # seconds between redraws of the metric plots
+VIEW_CPU_SHARE = 0.1  # of a core, at most, for the refreshes, and as much for the plots
 ALL_RANKS = -1        # log selector value for "all ranks"
 PROBLEMS = -2         # log selector value for every rank's errors and warnings
 WORTH_A_LOOK = ""     # host page value: no host's page, the ranks worth a look only
@@ -54,11 +58,14 @@ class WidgetView:
     """
 
     def __init__(self, run, *, display: bool = True, stop: bool = True, log_hint: Optional[str] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, cpu_clock: Callable[[], float] = time.thread_time):
         self.run = run
         self.state: RunState = run.state
         self.log_hint = log_hint
         self.clock = clock
+        self.cpu_clock = cpu_clock
+        #: seconds between refreshes and between plot redraws now (``VIEW_CPU_SHARE``)
+        self.update_every, self.plot_every = UPDATE_EVERY, PLOT_EVERY
         self.renders = 0
         self._lock = threading.RLock()
         self._last_render: Optional[float] = None
@@ -193,17 +200,18 @@ class WidgetView:
 
     # -- rendering ------------------------------------------------------------------------------
     def update(self) -> None:
-        """Refresh if ``UPDATE_EVERY`` has passed since the last refresh.  Called from the cell
+        """Refresh if ``update_every`` has passed since the last refresh.  Called from the cell
         that blocks the kernel, it first lets the kernel handle the widget messages waiting."""
         if self._poll is not None:
             self._poll.poll()
         now = self.clock()
         with self._lock:
-            if self._closed or (self._last_render is not None and now - self._last_render < UPDATE_EVERY):
+            if self._closed or (self._last_render is not None and now - self._last_render < self.update_every):
                 return
             self._render(now)
 
     def _render(self, now: float, force: bool = False) -> None:
+        started = self.cpu_clock()
         self._last_render = now
         self.renders += 1
         state = self.state
@@ -227,7 +235,9 @@ class WidgetView:
             if cause is not None and not self._log_chosen and self.log_select.value != cause:
                 self._show_log(cause)  # the root cause's output
             self._render_logs(facts.finished)
-        if self._plot_version != version and (force or self._last_plot is None or now - self._last_plot >= PLOT_EVERY):
+        drawn = self.cpu_clock()
+        self.update_every = max(UPDATE_EVERY, (drawn - started) / VIEW_CPU_SHARE)
+        if self._plot_version != version and (force or self._last_plot is None or now - self._last_plot >= self.plot_every):
             self._last_plot = now
             self._plot_version = version
             if self.large:
@@ -235,6 +245,7 @@ class WidgetView:
                 _set(self.plots, bands_html(metric_bands(state, lines)))
             else:
                 _set(self.plots, plots_html({**metric_series(state), **system_series(state)}))
+            self.plot_every = max(PLOT_EVERY, (self.cpu_clock() - drawn) / VIEW_CPU_SHARE)
         if facts.finished:
             self.stop_button.layout.display = "none"
 
