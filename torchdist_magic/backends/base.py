@@ -104,6 +104,10 @@ class Backend(abc.ABC):
         """How many ranks can run at once, or ``None`` when nothing limits it up front."""
         return None
 
+    #: whether a launcher of this backend's ranks (a Spark task) fetches the job's large values
+    #: from the driver's channel, once per machine, where the job names them (``hostcopy``)
+    fetches_values = False
+
     def ranks_share_machine(self) -> bool:
         """Whether every rank surely runs on this machine, and so reads a file the driver
         writes into shared memory (a job's large values, ``values.Buffers``); where it cannot be

@@ -1,0 +1,276 @@
+"""Notebook values out to ranks on other machines: each machine fetches the values' file once
+from the driver's channel (``hostcopy``), and its ranks map that copy.
+
+On one machine the Spark tests take that path with ``TORCHDIST_VALUES_FETCH=1``; with
+``local-cluster`` both executors share this machine, so "once per machine" is one fetch for both
+ranks.  The fetch's failures are each made for real: a closed port, a wrong secret, a connection
+cut by a relay, a file size limit in the fetching process."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import Collector, assert_nothing_left
+from torchdist_magic import Distributor, RankFailure, hostcopy, values
+from torchdist_magic.channel import ChannelServer, new_secret
+from torchdist_magic.distributor import VALUES_FETCH_ENV
+from torchdist_magic.rankenv import RunSpec
+from torchdist_magic.tls import new_identity
+
+MIB = 2**20
+FETCHED = r"\[torchdist\] notebook values: {size} fetched from the driver in [\d.]+ s \(\d+ MiB/s\)"
+
+
+def spark_copies(run_id):
+    return [n for n in os.listdir(values.SHARED_MEMORY) if n.startswith(f"torchdist-{run_id}-")]
+
+
+# -- the fetch, against a real channel ------------------------------------------------------
+
+
+@pytest.fixture
+def served(tmp_path):
+    """``make(mib, tls=False, files=None)`` -> (channel, RunSpec of a rank fetching a blob of
+    ``mib`` MiB of known bytes, the array); every copy is removed afterwards."""
+    made = []
+
+    def make(mib, tls=False, files=None):
+        array = np.arange(mib * MIB // 8, dtype=np.int64)
+        _, buffers = values.pickled_apart({"a": array})
+        folder = tmp_path / f"sent-{len(made)}"
+        folder.mkdir()
+        path = buffers.in_file(str(folder)).path
+        name = f"torchdist-test{uuid.uuid4().hex[:8]}-values-{os.getpid()}-copy"
+        identity = new_identity() if tls else None
+        secret, launcher_secret = new_secret(), new_secret()
+        channel = ChannelServer(Collector(), "run-1", secret=secret, launcher_secret=launcher_secret,
+                                identity=identity, files={name: path} if files is None else files)
+        spec = RunSpec("run-1", 2, False, False, {}, None, channel_address="127.0.0.1:%d" % channel.port,
+                       secret=secret, launcher_secret=launcher_secret,
+                       channel_cert=identity.certificate if tls else "",
+                       values_fetch=name, values_fetch_size=os.path.getsize(path))
+        made.append((channel, name))
+        return channel, spec, array
+
+    yield make
+    for channel, name in made:
+        channel.close()
+        for suffix in ("", ".tmp", ".lock", ".users"):
+            try:
+                os.unlink(values.host_copy_path(name) + suffix)
+            except FileNotFoundError:
+                pass
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["sendfile", "tls"])
+def test_a_machine_fetches_the_values_once_and_its_other_ranks_map_them(served, tls):
+    channel, spec, array = served(8, tls=tls)
+    size = f"{spec.values_fetch_size / MIB:.1f} MiB"
+    assert __import__("re").fullmatch(FETCHED.format(size=size), hostcopy.fetch(spec, 1, lambda: False))
+    assert hostcopy.fetch(spec, 0, lambda: False) == \
+        f"[torchdist] notebook values: {size} mapped (fetched by rank 1 on this host)"
+    assert channel.stats["files_sent"] == 1
+    back = values.Buffers([], host_copy=spec.values_fetch).load()
+    assert (np.frombuffer(back[0], dtype=np.int64) == array).all()
+    assert not os.path.exists(values.host_copy_path(spec.values_fetch) + ".tmp")
+
+
+def test_a_stranger_gets_nothing_of_the_values(served):
+    channel, spec, _ = served(1)
+    stranger = RunSpec(**{**spec.__dict__, "launcher_secret": new_secret()})
+    with pytest.raises(hostcopy.ValuesNotFetched, match=(
+            r"^rank 0 could not fetch the notebook values \(1\.0 MiB\) from the driver at 127\.0\.0\.1:\d+ "
+            rf"onto {socket.gethostname()}: the driver refused: authentication failed: wrong secret "
+            r"for role launcher$")):
+        hostcopy.fetch(stranger, 0, lambda: False)
+    assert channel.stats["files_sent"] == 0 and channel.stats["rejected"] == 1
+    assert not os.path.exists(values.host_copy_path(spec.values_fetch))
+
+
+def test_a_file_the_channel_does_not_serve_is_refused(served):
+    _, spec, _ = served(1)
+    other = RunSpec(**{**spec.__dict__, "values_fetch": spec.values_fetch + "-other"})
+    with pytest.raises(hostcopy.ValuesNotFetched, match=(
+            r": the driver refused: this channel serves no file named 'torchdist-.+-other'$")):
+        hostcopy.fetch(other, 0, lambda: False)
+    os.unlink(values.host_copy_path(other.values_fetch) + ".lock")
+
+
+def test_an_unreachable_driver_fails_the_fetch_naming_host_size_and_cause(served):
+    channel, spec, _ = served(1)
+    channel.close()
+    with pytest.raises(hostcopy.ValuesNotFetched, match=(
+            rf"^rank 0 could not fetch the notebook values \(1\.0 MiB\) from the driver at {spec.channel_address} "
+            rf"onto {socket.gethostname()}: cannot reach the driver's event channel \(\[Errno 111\] "
+            r"Connection refused\)$")):
+        hostcopy.fetch(spec, 0, lambda: False)
+
+
+def test_a_driver_that_cannot_read_its_file_says_so(served, tmp_path):
+    _, spec, _ = served(1, files={})
+    missing = str(tmp_path / "gone")
+    channel = ChannelServer(Collector(), "run-1", secret=spec.secret, launcher_secret=spec.launcher_secret,
+                            files={spec.values_fetch: missing})
+    try:
+        moved = RunSpec(**{**spec.__dict__, "channel_address": f"127.0.0.1:{channel.port}"})
+        with pytest.raises(hostcopy.ValuesNotFetched, match=(
+                r": the driver cannot read it: \[Errno 2\] No such file or directory: '.+/gone'$")):
+            hostcopy.fetch(moved, 0, lambda: False)
+    finally:
+        channel.close()
+
+
+def relay(target, limit):
+    """A port that relays one connection to ``target``, and cuts it once ``limit`` bytes came
+    back from there."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        client, _ = listener.accept()
+        upstream = socket.create_connection(target)
+        threading.Thread(target=lambda: _pipe(client, upstream, None), daemon=True).start()
+        _pipe(upstream, client, limit)
+        for s in (client, upstream, listener):
+            s.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()[1]
+
+
+def _pipe(source, sink, limit):
+    passed = 0
+    try:
+        while limit is None or passed < limit:
+            data = source.recv(65536 if limit is None else min(65536, limit - passed))
+            if not data:
+                break
+            sink.sendall(data)
+            passed += len(data)
+        sink.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def test_a_connection_cut_midway_fails_the_fetch_and_leaves_no_partial_copy(served):
+    _, spec, _ = served(16)
+    port = relay(("127.0.0.1", int(spec.channel_address.rpartition(":")[2])), 3 * MIB)
+    cut = RunSpec(**{**spec.__dict__, "channel_address": f"127.0.0.1:{port}"})
+    with pytest.raises(hostcopy.ValuesNotFetched, match=(
+            rf"^rank 0 could not fetch the notebook values \(16\.0 MiB\) from the driver at 127\.0\.0\.1:{port} "
+            rf"onto {socket.gethostname()}: the connection was cut after 3\.0 MiB of 16\.0 MiB$")):
+        hostcopy.fetch(cut, 0, lambda: False)
+    copy = values.host_copy_path(spec.values_fetch)
+    assert not os.path.exists(copy) and not os.path.exists(copy + ".tmp")
+
+
+FETCH_WITH_FILE_LIMIT = """
+import json, resource, sys
+from torchdist_magic import hostcopy
+from torchdist_magic.rankenv import RunSpec
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+try:
+    hostcopy.fetch(RunSpec(**json.loads(sys.argv[1])), 0, lambda: False)
+except hostcopy.ValuesNotFetched as exc:
+    print(exc)
+"""
+
+
+def test_no_room_for_the_copy_fails_the_fetch_before_it_begins(served):
+    """A file size limit in the fetching process stands for a full disk: the room for the copy is
+    taken first, so the fetch fails at once."""
+    import json
+
+    channel, spec, _ = served(4)
+    out = subprocess.run([sys.executable, "-c", FETCH_WITH_FILE_LIMIT, json.dumps(spec.__dict__)],
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ))
+    assert out.stdout.strip() == (
+        f"rank 0 could not fetch the notebook values (4.0 MiB) from the driver at {spec.channel_address} "
+        f"onto {socket.gethostname()}: no room for it in {values.SHARED_MEMORY} ([Errno 27] File too large)"), out.stderr
+    assert not os.path.exists(values.host_copy_path(spec.values_fetch) + ".tmp")
+
+
+# -- through Spark ---------------------------------------------------------------------------
+
+
+def sum_and_last(tensor):
+    import torch
+
+    from torchdist_magic import rank
+
+    return rank(), float(tensor.sum(dtype=torch.float64)), tensor[-1].item()
+
+
+def one_fetch(run, size):
+    """The ranks' lines about the values: one fetched them, the other mapped that copy."""
+    lines = {r: [line for line in run.logs(r).splitlines() if "notebook values" in line] for r in (0, 1)}
+    fetcher = [r for r, found in lines.items() if found and "fetched from the driver" in found[0]]
+    assert len(fetcher) == 1, lines
+    other = 1 - fetcher[0]
+    assert __import__("re").fullmatch(FETCHED.format(size=size), lines[fetcher[0]][0])
+    assert lines[other] == [f"[torchdist] notebook values: {size} mapped (fetched by rank {fetcher[0]} on this host)"]
+
+
+@pytest.mark.spark
+def test_a_512_mib_notebook_tensor_reaches_two_executors_fetched_once(spark_cluster, monkeypatch):
+    """Two executors (JVMs of their own) on this machine: one fetch, both ranks map it."""
+    from torchdist_magic.capture import capture_cell
+    from torchdist_magic.job import cell_job
+
+    monkeypatch.setenv(VALUES_FETCH_ENV, "1")
+    big = torch.arange(512 * MIB // 4, dtype=torch.float32)
+    cell = capture_cell("rank, float(big.sum(dtype=torch.float64)), big[-1].item()",
+                        {"big": big, "torch": torch}, ["import torch"], warn_bytes=2**40).cell
+    run = Distributor(2, local_mode=False, show=None, all_ranks=True).submit(cell_job(cell, "cell"))
+    assert len(run._job_bytes) < MIB and run.channel_encrypted
+    expected = float(big.sum(dtype=torch.float64))
+    assert run.result(timeout=600) == [(0, expected, big[-1].item()), (1, expected, big[-1].item())]
+    one_fetch(run, "512.0 MiB")
+    assert_nothing_left(run)
+    assert not spark_copies(run.run_id)
+
+
+def kill_my_task_after_the_values(tensor):
+    import os
+    import signal
+    import time
+
+    from torchdist_magic import rank
+
+    if rank() == 1:
+        os.kill(os.getppid(), signal.SIGKILL)  # the Python process of this rank's Spark task
+    time.sleep(600)
+
+
+@pytest.mark.spark
+def test_a_killed_task_leaves_no_copy_of_the_values(spark_cluster, monkeypatch):
+    monkeypatch.setenv(VALUES_FETCH_ENV, "1")
+    run = Distributor(2, local_mode=False, show=None).submit(kill_my_task_after_the_values, torch.ones(4 * MIB))
+    with pytest.raises(RankFailure):
+        run.result(timeout=120)
+    assert_nothing_left(run)  # the guards stopped the workers and the last one removed the copy
+    deadline = time.monotonic() + 10
+    while spark_copies(run.run_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not spark_copies(run.run_id)
+
+
+@pytest.mark.spark
+def test_notebook_values_reach_spark_connect_tasks_fetched_once(spark_connect, monkeypatch):
+    monkeypatch.setenv(VALUES_FETCH_ENV, "1")
+    tensor = torch.arange(64 * MIB // 4, dtype=torch.float32)
+    run = Distributor(2, local_mode=False, show=None, all_ranks=True).submit(sum_and_last, tensor)
+    assert len(run._job_bytes) < MIB
+    expected = float(tensor.sum(dtype=torch.float64))
+    assert run.result(timeout=600) == [(0, expected, tensor[-1].item()), (1, expected, tensor[-1].item())]
+    one_fetch(run, "64.0 MiB")
+    assert_nothing_left(run)
+    assert not spark_copies(run.run_id)
