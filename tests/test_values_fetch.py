@@ -274,3 +274,22 @@ def test_notebook_values_reach_spark_connect_tasks_fetched_once(spark_connect, m
     one_fetch(run, "64.0 MiB")
     assert_nothing_left(run)
     assert not spark_copies(run.run_id)
+
+
+@pytest.mark.spark
+def test_a_failed_fetch_fails_the_rank_naming_its_host_size_and_cause(spark_cluster, monkeypatch):
+    """The driver's file gone before any task fetched it (the tasks take a second or more to
+    start): the rank's failure says so, and nothing is left on either side."""
+    monkeypatch.setenv(VALUES_FETCH_ENV, "1")
+    run = Distributor(2, local_mode=False, show=None).submit(sum_and_last, torch.ones(MIB))
+    (path,) = run._served.values()
+    os.unlink(path)
+    with pytest.raises(RankFailure) as info:
+        run.result(timeout=120)
+    assert info.value.exc_type == "ValuesNotFetched"
+    assert re.fullmatch(
+        rf"rank {info.value.rank} could not fetch the notebook values \(4\.0 MiB\) from the driver at "
+        rf"{re.escape(run.channel_address)} onto {re.escape(socket.gethostname())}: the driver cannot read it: "
+        r"\[Errno 2\] No such file or directory: '.+/sent\.values'", info.value.message), info.value.message
+    assert_nothing_left(run)
+    assert not spark_copies(run.run_id)

@@ -155,8 +155,10 @@ class Run:
                               idle=set(range(options.num_processes)) - set(options.ranks or ()) if options.ranks else ())
         #: where this run's large values out to the ranks are (``_job_bytes`` names the file)
         self._sent_dir = ""
-        #: ``{name: path}`` of that file where each machine fetches it from the channel
+        #: ``{name: path}`` of that file where each machine fetches it from the channel, and
+        #: what the ranks' ``RunSpec`` says of it then
         self._served: Dict[str, str] = {}
+        self._fetch: Dict[str, Any] = {}
         self._job_bytes = self._pickle_job(job)
         self._value: Any = None
         self._error: Optional[BaseException] = None
@@ -202,6 +204,7 @@ class Run:
             if fetch:  # the name of each machine's copy: this process's, as the file's own
                 name = f"torchdist-{self.run_id}-values-{os.getpid()}-copy"
                 self._served = {name: in_file.path}
+                self._fetch = {"values_fetch": name, "values_fetch_size": os.path.getsize(in_file.path)}
                 in_file = in_file.fetched(name)
             return cloudpickle.dumps(job.with_sent_buffers(in_file))
         except BaseException:
@@ -347,9 +350,7 @@ class Run:
             spec = RunSpec.resolve(self.options, self.run_id, self.channel_address or "", secret, launcher_secret,
                                    attempt=self.state.attempt - 1, checkpoint_dir=checkpoints,
                                    data_files=data_files, channel_cert=certificate)
-            spec = dataclasses.replace(spec, env={**self._debug_env, **spec.env})
-            for name, path in self._served.items():  # each machine fetches it from the channel
-                spec = dataclasses.replace(spec, values_fetch=name, values_fetch_size=os.path.getsize(path))
+            spec = dataclasses.replace(spec, env={**self._debug_env, **spec.env}, **self._fetch)
             routes[DebugOutput] = self.debugger.on_output
             if channel is not None:
                 self.debugger.attach(functools.partial(_to_worker, channel))
