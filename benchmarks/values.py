@@ -21,7 +21,7 @@ The "fetch" rows send the notebook tensor out the way a multi-host cluster does
 (``TORCHDIST_VALUES_FETCH=1`` on ``local[2]``: one task fetches the file from the driver's channel
 into this machine's shared memory, the other maps it; ``hostcopy``), with the channel's TLS (the
 default on Spark) and without; "fetch MiB/s" is what the fetching rank's log line says of the
-largest size: the transfer alone.  Those sizes go up to ``--fetch-sizes`` (the job itself stays
+largest size (the median of the rounds): the transfer alone.  Those sizes go up to ``--fetch-sizes`` (the job itself stays
 small on that path).
 """
 
@@ -143,6 +143,9 @@ def measure(name: str, runner, sizes, repeat: int, rows: list, directions=("back
             before = _rss_bytes()
             if direction == "back":
                 seconds = time_runs(lambda: run_back(mib), repeat)
+            elif "fetch" in name:  # each run's fetch as its fetching rank's log says
+                fetches: list = []
+                seconds = time_runs(lambda: (run_out(tensor), fetches.append(fetched_rate())), repeat)
             else:
                 seconds = time_runs(lambda: run_out(tensor), repeat)
             peak = (_peak_bytes() - before) / (mib * 2**20)
@@ -150,7 +153,7 @@ def measure(name: str, runner, sizes, repeat: int, rows: list, directions=("back
             row = {"runner": name, "direction": direction, "mib": mib, "seconds": seconds,
                    "driver_peak_per_value": peak}
             if "fetch" in name:
-                row["fetch_mib_per_s"] = fetched_rate()
+                row["fetch_mib_per_s"] = statistics.median(fetches)
             rows.append(row)
             print(f"{name:28s} {direction:4s} {mib:5d} MiB  {seconds:7.2f} s  driver peak +{peak:.2f}x"
                   + (f"  fetched at {row['fetch_mib_per_s']:.0f} MiB/s" if "fetch_mib_per_s" in row else ""),
