@@ -9,6 +9,7 @@ cut by a relay, a file size limit in the fetching process."""
 import os
 import re
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -129,16 +130,21 @@ def test_a_driver_that_cannot_read_its_file_says_so(served, tmp_path):
         channel.close()
 
 
-def relay(target, limit):
+def relay(target, limit, reset=False):
     """A port that relays one connection to ``target``, and cuts it once ``limit`` bytes came
-    back from there."""
+    back from there (``reset``: with a TCP reset)."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def serve():
         client, _ = listener.accept()
         upstream = socket.create_connection(target)
-        threading.Thread(target=lambda: _pipe(client, upstream, None), daemon=True).start()
+        back = threading.Thread(target=_pipe, args=(client, upstream, None), daemon=True)
+        back.start()
         _pipe(upstream, client, limit)
+        client.shutdown(socket.SHUT_RD if reset else socket.SHUT_RDWR)  # ends the other direction
+        back.join()
+        if reset:  # closed with nothing in flight and no lingering: a reset
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         for s in (client, upstream, listener):
             s.close()
 
@@ -155,21 +161,103 @@ def _pipe(source, sink, limit):
                 break
             sink.sendall(data)
             passed += len(data)
-        sink.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
 
 
+def through(spec, port):
+    return RunSpec(**{**spec.__dict__, "channel_address": f"127.0.0.1:{port}"})
+
+
+def driver_port(spec):
+    return int(spec.channel_address.rpartition(":")[2])
+
+
 def test_a_connection_cut_midway_fails_the_fetch_and_leaves_no_partial_copy(served):
     _, spec, _ = served(16)
-    port = relay(("127.0.0.1", int(spec.channel_address.rpartition(":")[2])), 3 * MIB)
-    cut = RunSpec(**{**spec.__dict__, "channel_address": f"127.0.0.1:{port}"})
+    port = relay(("127.0.0.1", driver_port(spec)), 3 * MIB)
     with pytest.raises(hostcopy.ValuesNotFetched, match=(
             rf"^rank 0 could not fetch the notebook values \(16\.0 MiB\) from the driver at 127\.0\.0\.1:{port} "
             rf"onto {socket.gethostname()}: the connection was cut after 3\.0 MiB of 16\.0 MiB$")):
-        hostcopy.fetch(cut, 0, lambda: False)
+        hostcopy.fetch(through(spec, port), 0, lambda: False)
     copy = values.host_copy_path(spec.values_fetch)
     assert not os.path.exists(copy) and not os.path.exists(copy + ".tmp")
+
+
+def test_a_connection_reset_midway_fails_the_fetch(served):
+    _, spec, _ = served(16)
+    port = relay(("127.0.0.1", driver_port(spec)), 3 * MIB, reset=True)
+    with pytest.raises(hostcopy.ValuesNotFetched, match=(
+            r": the connection failed after [\d.]+ MiB of 16\.0 MiB \(\[Errno 104\] Connection reset by peer\)$")):
+        hostcopy.fetch(through(spec, port), 0, lambda: False)
+    assert not os.path.exists(values.host_copy_path(spec.values_fetch) + ".tmp")
+
+
+def test_a_connection_cut_before_the_values_fails_the_fetch(served):
+    from torchdist_magic.channel import _frame
+
+    _, spec, _ = served(1)
+    handshake = len(_frame({"nonce": "0" * 32})) + len(_frame({"ok": True, "mac": "0" * 64}))
+    port = relay(("127.0.0.1", driver_port(spec)), handshake)
+    with pytest.raises(hostcopy.ValuesNotFetched, match=(
+            r": the connection ended before the values began \(connection closed\)$")):
+        hostcopy.fetch(through(spec, port), 0, lambda: False)
+
+
+def test_a_server_without_the_runs_certificate_gets_no_fetch(served):
+    _, spec, _ = served(1, tls=True)
+    other = RunSpec(**{**spec.__dict__, "channel_cert": new_identity().certificate})
+    with pytest.raises(hostcopy.ValuesNotFetched, match=(
+            r": the server there is not this run's driver: its TLS certificate is not the one this run "
+            r"pinned \(.+\)$")):
+        hostcopy.fetch(other, 0, lambda: False)
+
+
+def test_a_size_other_than_the_jobs_fails_the_fetch(served):
+    _, spec, _ = served(1)
+    wrong = RunSpec(**{**spec.__dict__, "values_fetch_size": spec.values_fetch_size + 1})
+    with pytest.raises(hostcopy.ValuesNotFetched, match=(
+            rf": the driver offered {spec.values_fetch_size} bytes where the job names {spec.values_fetch_size + 1}$")):
+        hostcopy.fetch(wrong, 0, lambda: False)
+
+
+def test_what_is_not_the_values_is_not_kept(served, tmp_path):
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"x" * 4096)
+    channel, spec, _ = served(1)
+    other = ChannelServer(Collector(), "run-1", secret=spec.secret, launcher_secret=spec.launcher_secret,
+                          files={spec.values_fetch: str(junk)})
+    try:
+        moved = RunSpec(**{**through(spec, other.port).__dict__, "values_fetch_size": 4096})
+        with pytest.raises(hostcopy.ValuesNotFetched, match=(
+                r": what arrived is not the values the job names \(4096 bytes written, -1 by its header, "
+                r"4096 expected\)$")):
+            hostcopy.fetch(moved, 0, lambda: False)
+    finally:
+        other.close()
+    copy = values.host_copy_path(spec.values_fetch)
+    assert not os.path.exists(copy) and not os.path.exists(copy + ".tmp")
+
+
+def test_a_copy_that_cannot_be_written_fails_the_fetch(served):
+    _, spec, _ = served(1)
+    tmp = values.host_copy_path(spec.values_fetch) + ".tmp"
+    os.mkdir(tmp)
+    try:
+        with pytest.raises(hostcopy.ValuesNotFetched, match=(
+                rf": cannot write {tmp} \(\[Errno 21\] Is a directory: '{tmp}'\)$")):
+            hostcopy.fetch(spec, 0, lambda: False)
+    finally:
+        os.rmdir(tmp)
+
+
+def test_a_rank_whose_machine_has_no_copy_says_so():
+    missing = values.Buffers([], host_copy="torchdist-nothing-values-copy")
+    with pytest.raises(FileNotFoundError, match=(
+            r"^the notebook values sent to the ranks were to be fetched from the driver into "
+            rf"{values.host_copy_path('torchdist-nothing-values-copy')} on this rank's machine "
+            rf"\({socket.gethostname()}\) before it started, and are not there$")):
+        missing.load()
 
 
 FETCH_WITH_FILE_LIMIT = """

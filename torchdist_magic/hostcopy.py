@@ -40,7 +40,7 @@ from typing import Callable
 from . import tls
 from .channel import MAX_HELLO, FrameError, _NotTheDriver, _read_frame, _Refused, open_connection
 from .rankenv import RunSpec
-from .timing import FETCH_STALL
+from .timing import FETCH_QUEUE_WAIT, FETCH_STALL
 from .values import blob_size, host_copy_path
 
 #: what a fetch receives and writes at once
@@ -126,20 +126,19 @@ def _fetch_into(run: RunSpec, rank: int, copy: str) -> None:
         raise failed(f"cannot reach the driver's event channel ({exc or type(exc).__name__})") from None
     tmp = copy + ".tmp"
     try:
-        sock.settimeout(FETCH_STALL)
+        sock.settimeout(FETCH_QUEUE_WAIT)  # the size comes when the driver's turn for this fetch does
         try:
             head = _read_frame(sock, MAX_HELLO)
         except (OSError, EOFError, FrameError) as exc:
             raise failed(f"the connection ended before the values began ({exc or type(exc).__name__})") from None
+        sock.settimeout(FETCH_STALL)
         if "error" in head:
             raise failed(f"{head['error']!s:.500}")
         if head.get("size") != size:
             raise failed(f"the driver offered {head.get('size')!r:.40} bytes where the job names {size}")
         try:
-            os.unlink(tmp)  # what a fetcher killed before left
-        except FileNotFoundError:
-            pass
-        try:
+            if os.path.lexists(tmp):  # what a fetcher killed before left
+                os.unlink(tmp)
             out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
             raise failed(f"cannot write {tmp} ({exc})") from None
@@ -152,7 +151,7 @@ def _fetch_into(run: RunSpec, rank: int, copy: str) -> None:
     except BaseException:
         try:
             os.unlink(tmp)
-        except FileNotFoundError:
+        except OSError:  # not there, or not ours to remove (a directory in its way)
             pass
         raise
     finally:
