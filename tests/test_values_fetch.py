@@ -381,3 +381,36 @@ def test_a_failed_fetch_fails_the_rank_naming_its_host_size_and_cause(spark_clus
         r"\[Errno 2\] No such file or directory: '.+/sent\.values'", info.value.message), info.value.message
     assert_nothing_left(run)
     assert not spark_copies(run.run_id)
+
+
+def test_many_machines_fetch_at_once_while_the_channel_delivers_records(served, tmp_path):
+    """More fetches than the driver sends at once (``FETCHES_AT_ONCE``) all arrive; the channel's
+    own records keep being delivered meanwhile."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torchdist_magic import events
+    from torchdist_magic.channel import FETCHES_AT_ONCE, ChannelClient
+
+    _, spec, array = served(4)
+    names = [f"{spec.values_fetch}-{i}" for i in range(FETCHES_AT_ONCE + 4)]
+    path = next((tmp_path / "sent-0").iterdir())  # the file the fixture serves
+    records = Collector()
+    channel = ChannelServer(records, "run-1", secret=spec.secret, launcher_secret=spec.launcher_secret,
+                            files={name: str(path) for name in names})
+    client = ChannelClient(f"127.0.0.1:{channel.port}", spec.launcher_secret, "run-1", 0, role="launcher")
+    try:
+        specs = [RunSpec(**{**through(spec, channel.port).__dict__, "values_fetch": name}) for name in names]
+        with ThreadPoolExecutor(len(specs)) as pool:
+            fetched = pool.map(lambda s: hostcopy.fetch(s, 0, lambda: False), specs)
+            client.send(events.Log(rank=0, stream="stderr", line="still heard"))
+            assert all("fetched from the driver" in line for line in fetched)
+        assert [r.line for r in records.wait_for(1)] == ["still heard"]
+        assert channel.stats["files_sent"] == len(names)
+        for name in names:
+            assert (np.frombuffer(values.Buffers([], host_copy=name).load()[0], dtype=np.int64) == array).all()
+    finally:
+        client.close()
+        channel.close()
+        for name in names:
+            for suffix in ("", ".lock"):
+                os.unlink(values.host_copy_path(name) + suffix)
