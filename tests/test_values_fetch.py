@@ -38,6 +38,24 @@ def spark_copies(run_id):
 # -- the fetch, against a real channel ------------------------------------------------------
 
 
+def copy_of(spec):
+    return values.host_copy_path(spec.values_fetch, spec.values_fetch_size)
+
+
+def fetch(spec, rank=0):
+    return hostcopy.fetch(spec, copy_of(spec), rank, lambda: False)
+
+
+def test_the_copy_goes_to_shared_memory_where_it_takes_at_most_half_of_it():
+    """A container's shared memory is often 64 MiB: a larger copy goes to the temporary
+    directory, on every task of the machine alike."""
+    import tempfile
+
+    assert values.host_copy_path("v", 1 << 50) == os.path.join(tempfile.gettempdir(), "v")
+    if os.access(values.SHARED_MEMORY, os.W_OK):
+        assert values.host_copy_path("v", 1 << 20) == os.path.join(values.SHARED_MEMORY, "v")
+
+
 @pytest.fixture
 def served(tmp_path):
     """``make(mib, tls=False, files=None)`` -> (channel, RunSpec of a rank fetching a blob of
@@ -67,7 +85,7 @@ def served(tmp_path):
         channel.close()
         for suffix in ("", ".tmp", ".lock", ".users"):
             try:
-                os.unlink(values.host_copy_path(name) + suffix)
+                os.unlink(values.host_copy_path(name, 0) + suffix)
             except FileNotFoundError:
                 pass
 
@@ -76,13 +94,13 @@ def served(tmp_path):
 def test_a_machine_fetches_the_values_once_and_its_other_ranks_map_them(served, tls):
     channel, spec, array = served(8, tls=tls)
     size = f"{spec.values_fetch_size / MIB:.1f} MiB"
-    assert re.fullmatch(FETCHED.format(size=size), hostcopy.fetch(spec, 1, lambda: False))
-    assert hostcopy.fetch(spec, 0, lambda: False) == \
+    assert re.fullmatch(FETCHED.format(size=size), fetch(spec, 1))
+    assert fetch(spec, 0) == \
         f"[torchdist] notebook values: {size} mapped (fetched by rank 1 on this host)"
     assert channel.stats["files_sent"] == 1
     back = values.Buffers([], host_copy=spec.values_fetch).load()
     assert (np.frombuffer(back[0], dtype=np.int64) == array).all()
-    assert not os.path.exists(values.host_copy_path(spec.values_fetch) + ".tmp")
+    assert not os.path.exists(copy_of(spec) + ".tmp")
 
 
 def test_a_stranger_gets_nothing_of_the_values(served):
@@ -92,9 +110,9 @@ def test_a_stranger_gets_nothing_of_the_values(served):
             r"^rank 0 could not fetch the notebook values \(1\.0 MiB\) from the driver at 127\.0\.0\.1:\d+ "
             rf"onto {socket.gethostname()}: the driver refused: authentication failed: wrong secret "
             r"for role launcher$")):
-        hostcopy.fetch(stranger, 0, lambda: False)
+        fetch(stranger, 0)
     assert channel.stats["files_sent"] == 0 and channel.stats["rejected"] == 1
-    assert not os.path.exists(values.host_copy_path(spec.values_fetch))
+    assert not os.path.exists(copy_of(spec))
 
 
 def test_a_file_the_channel_does_not_serve_is_refused(served):
@@ -102,8 +120,8 @@ def test_a_file_the_channel_does_not_serve_is_refused(served):
     other = RunSpec(**{**spec.__dict__, "values_fetch": spec.values_fetch + "-other"})
     with pytest.raises(hostcopy.ValuesNotFetched, match=(
             r": the driver refused: this channel serves no file named 'torchdist-.+-other'$")):
-        hostcopy.fetch(other, 0, lambda: False)
-    os.unlink(values.host_copy_path(other.values_fetch) + ".lock")
+        fetch(other, 0)
+    os.unlink(copy_of(other) + ".lock")
 
 
 def test_an_unreachable_driver_fails_the_fetch_naming_host_size_and_cause(served):
@@ -113,7 +131,7 @@ def test_an_unreachable_driver_fails_the_fetch_naming_host_size_and_cause(served
             rf"^rank 0 could not fetch the notebook values \(1\.0 MiB\) from the driver at {spec.channel_address} "
             rf"onto {socket.gethostname()}: cannot reach the driver's event channel \(\[Errno 111\] "
             r"Connection refused\)$")):
-        hostcopy.fetch(spec, 0, lambda: False)
+        fetch(spec, 0)
 
 
 def test_a_driver_that_cannot_read_its_file_says_so(served, tmp_path):
@@ -125,7 +143,7 @@ def test_a_driver_that_cannot_read_its_file_says_so(served, tmp_path):
         moved = RunSpec(**{**spec.__dict__, "channel_address": f"127.0.0.1:{channel.port}"})
         with pytest.raises(hostcopy.ValuesNotFetched, match=(
                 r": the driver cannot read it: \[Errno 2\] No such file or directory: '.+/gone'$")):
-            hostcopy.fetch(moved, 0, lambda: False)
+            fetch(moved, 0)
     finally:
         channel.close()
 
@@ -179,8 +197,8 @@ def test_a_connection_cut_midway_fails_the_fetch_and_leaves_no_partial_copy(serv
     with pytest.raises(hostcopy.ValuesNotFetched, match=(
             rf"^rank 0 could not fetch the notebook values \(16\.0 MiB\) from the driver at 127\.0\.0\.1:{port} "
             rf"onto {socket.gethostname()}: the connection was cut after 3\.0 MiB of 16\.0 MiB$")):
-        hostcopy.fetch(through(spec, port), 0, lambda: False)
-    copy = values.host_copy_path(spec.values_fetch)
+        fetch(through(spec, port), 0)
+    copy = copy_of(spec)
     assert not os.path.exists(copy) and not os.path.exists(copy + ".tmp")
 
 
@@ -189,8 +207,8 @@ def test_a_connection_reset_midway_fails_the_fetch(served):
     port = relay(("127.0.0.1", driver_port(spec)), 3 * MIB, reset=True)
     with pytest.raises(hostcopy.ValuesNotFetched, match=(
             r": the connection failed after [\d.]+ MiB of 16\.0 MiB \(\[Errno 104\] Connection reset by peer\)$")):
-        hostcopy.fetch(through(spec, port), 0, lambda: False)
-    assert not os.path.exists(values.host_copy_path(spec.values_fetch) + ".tmp")
+        fetch(through(spec, port), 0)
+    assert not os.path.exists(copy_of(spec) + ".tmp")
 
 
 def test_a_connection_cut_before_the_values_fails_the_fetch(served):
@@ -201,7 +219,7 @@ def test_a_connection_cut_before_the_values_fails_the_fetch(served):
     port = relay(("127.0.0.1", driver_port(spec)), handshake)
     with pytest.raises(hostcopy.ValuesNotFetched, match=(
             r": the connection ended before the values began \(connection closed\)$")):
-        hostcopy.fetch(through(spec, port), 0, lambda: False)
+        fetch(through(spec, port), 0)
 
 
 def test_a_server_without_the_runs_certificate_gets_no_fetch(served):
@@ -210,7 +228,7 @@ def test_a_server_without_the_runs_certificate_gets_no_fetch(served):
     with pytest.raises(hostcopy.ValuesNotFetched, match=(
             r": the server there is not this run's driver: its TLS certificate is not the one this run "
             r"pinned \(.+\)$")):
-        hostcopy.fetch(other, 0, lambda: False)
+        fetch(other, 0)
 
 
 def test_a_size_other_than_the_jobs_fails_the_fetch(served):
@@ -218,7 +236,7 @@ def test_a_size_other_than_the_jobs_fails_the_fetch(served):
     wrong = RunSpec(**{**spec.__dict__, "values_fetch_size": spec.values_fetch_size + 1})
     with pytest.raises(hostcopy.ValuesNotFetched, match=(
             rf": the driver offered {spec.values_fetch_size} bytes where the job names {spec.values_fetch_size + 1}$")):
-        hostcopy.fetch(wrong, 0, lambda: False)
+        fetch(wrong, 0)
 
 
 def test_what_is_not_the_values_is_not_kept(served, tmp_path):
@@ -232,21 +250,21 @@ def test_what_is_not_the_values_is_not_kept(served, tmp_path):
         with pytest.raises(hostcopy.ValuesNotFetched, match=(
                 r": what arrived is not the values the job names \(4096 bytes written, -1 by its header, "
                 r"4096 expected\)$")):
-            hostcopy.fetch(moved, 0, lambda: False)
+            fetch(moved, 0)
     finally:
         other.close()
-    copy = values.host_copy_path(spec.values_fetch)
+    copy = copy_of(spec)
     assert not os.path.exists(copy) and not os.path.exists(copy + ".tmp")
 
 
 def test_a_copy_that_cannot_be_written_fails_the_fetch(served):
     _, spec, _ = served(1)
-    tmp = values.host_copy_path(spec.values_fetch) + ".tmp"
+    tmp = copy_of(spec) + ".tmp"
     os.mkdir(tmp)
     try:
         with pytest.raises(hostcopy.ValuesNotFetched, match=(
                 rf": cannot write {tmp} \(\[Errno 21\] Is a directory: '{tmp}'\)$")):
-            hostcopy.fetch(spec, 0, lambda: False)
+            fetch(spec, 0)
     finally:
         os.rmdir(tmp)
 
@@ -255,18 +273,19 @@ def test_a_rank_whose_machine_has_no_copy_says_so():
     missing = values.Buffers([], host_copy="torchdist-nothing-values-copy")
     with pytest.raises(FileNotFoundError, match=(
             r"^the notebook values sent to the ranks were to be fetched from the driver into "
-            rf"{values.host_copy_path('torchdist-nothing-values-copy')} on this rank's machine "
+            rf"{values.host_copy_path('torchdist-nothing-values-copy', 0)} on this rank's machine "
             rf"\({socket.gethostname()}\) before it started, and are not there$")):
         missing.load()
 
 
 FETCH_WITH_FILE_LIMIT = """
 import json, resource, sys
-from torchdist_magic import hostcopy
+from torchdist_magic import hostcopy, values
 from torchdist_magic.rankenv import RunSpec
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
 try:
-    hostcopy.fetch(RunSpec(**json.loads(sys.argv[1])), 0, lambda: False)
+    spec = RunSpec(**json.loads(sys.argv[1]))
+    hostcopy.fetch(spec, values.host_copy_path(spec.values_fetch, spec.values_fetch_size), 0, lambda: False)
 except hostcopy.ValuesNotFetched as exc:
     print(exc)
 """
@@ -283,7 +302,7 @@ def test_no_room_for_the_copy_fails_the_fetch(served):
         rf"rank 0 could not fetch the notebook values \(4\.0 MiB\) from the driver at {spec.channel_address} "
         rf"onto {socket.gethostname()}: no room for it in {values.SHARED_MEMORY} after [\d.]+ MiB "
         r"\(\[Errno 27\] File too large\)", out.stdout.strip()), out.stdout + out.stderr
-    assert not os.path.exists(values.host_copy_path(spec.values_fetch) + ".tmp")
+    assert not os.path.exists(copy_of(spec) + ".tmp")
 
 
 # -- through Spark ---------------------------------------------------------------------------
@@ -401,7 +420,7 @@ def test_many_machines_fetch_at_once_while_the_channel_delivers_records(served, 
     try:
         specs = [RunSpec(**{**through(spec, channel.port).__dict__, "values_fetch": name}) for name in names]
         with ThreadPoolExecutor(len(specs)) as pool:
-            fetched = pool.map(lambda s: hostcopy.fetch(s, 0, lambda: False), specs)
+            fetched = pool.map(fetch, specs)
             client.send(events.Log(rank=0, stream="stderr", line="still heard"))
             assert all("fetched from the driver" in line for line in fetched)
         assert [r.line for r in records.wait_for(1)] == ["still heard"]
@@ -413,4 +432,4 @@ def test_many_machines_fetch_at_once_while_the_channel_delivers_records(served, 
         channel.close()
         for name in names:
             for suffix in ("", ".lock"):
-                os.unlink(values.host_copy_path(name) + suffix)
+                os.unlink(values.host_copy_path(name, 0) + suffix)

@@ -8,7 +8,8 @@ job names it (``values.Buffers.fetched``).  On each machine the Spark task of ea
 starts its rank:
 
 - ``join``: takes a shared ``flock`` on ``<copy>.users`` (``<copy>`` is
-  ``values.host_copy_path(name)``).  The task hands that lock to its guard process
+  ``values.host_copy_path``: in shared memory where the machine has room, else in its temporary
+  directory).  The task hands that lock to its guard process
   (``spark_task``), which holds it until the task has ended; the kernel lets it go when they
   die, even by SIGKILL, so it counts the machine's users of the copy without any count to
   repair.
@@ -41,7 +42,7 @@ from . import tls
 from .channel import MAX_HELLO, FrameError, _NotTheDriver, _read_frame, _Refused, open_connection
 from .rankenv import RunSpec
 from .timing import FETCH_QUEUE_WAIT, FETCH_STALL
-from .values import blob_size, host_copy_path
+from .values import blob_size
 
 #: what a fetch receives and writes at once
 CHUNK = 1 << 20
@@ -54,10 +55,10 @@ class ValuesNotFetched(RuntimeError):
     """The notebook values could not be fetched from the driver onto this machine."""
 
 
-def join(name: str) -> int:
-    """A file descriptor holding a shared lock on the machine's users of the copy ``name``
+def join(copy: str) -> int:
+    """A file descriptor holding a shared lock on the machine's users of the copy at ``copy``
     (see the module's docstring); the caller hands it to whatever outlives it."""
-    path = host_copy_path(name) + ".users"
+    path = copy + ".users"
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a last user removes the copy
@@ -70,11 +71,11 @@ def join(name: str) -> int:
         os.close(fd)  # removed by the last user of an earlier copy: join the next one
 
 
-def fetch(run: RunSpec, rank: int, stopped: Callable[[], bool]) -> str:
-    """Make sure this machine has the copy of ``run.values_fetch``, fetching it from the driver
-    if no other task of the machine did; the line for the rank's log.  ``""`` when the run was
-    stopped while this task waited.  ``ValuesNotFetched`` when the fetch failed."""
-    copy = host_copy_path(run.values_fetch)
+def fetch(run: RunSpec, copy: str, rank: int, stopped: Callable[[], bool]) -> str:
+    """Make sure this machine has the copy of ``run.values_fetch`` at ``copy``, fetching it
+    from the driver if no other task of the machine did; the line for the rank's log.  ``""``
+    when the run was stopped while this task waited.  ``ValuesNotFetched`` when the fetch
+    failed."""
     lock = os.open(copy + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         while True:

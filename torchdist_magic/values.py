@@ -48,7 +48,7 @@ APART_BYTES = 1 << 20
 #: the name of that file in the run's value directory
 SENT_FILE = "sent.values"
 #: where a machine keeps files in memory (tmpfs): a fetched copy of the values goes there
-#: where the machine has it (``host_copy_path``)
+#: where the machine has room for it (``host_copy_path``)
 SHARED_MEMORY = "/dev/shm"
 
 Blob = Union[bytes, bytearray, memoryview]
@@ -239,8 +239,8 @@ class Buffers:
     writes them, once per run, into one file, which the job then names instead of holding the
     bytes; every rank on the machine maps that file (``load``).  Where the ranks are on other
     machines, the job names the file by a name instead (``fetched``): each of those machines
-    fetches it once from the driver into ``host_copy_path(name)`` before its ranks start, and
-    they map that copy.  A job pickled with buffers not in a file holds the bytes.
+    fetches it once from the driver into ``host_copy_path`` before its ranks start, and they map
+    that copy.  A job pickled with buffers not in a file holds the bytes.
     """
 
     def __init__(self, raws: List[memoryview], path: str = "", host_copy: str = ""):
@@ -264,7 +264,7 @@ class Buffers:
 
     def fetched(self, name: str) -> "Buffers":
         """These buffers (already ``in_file``) as each rank's machine has them once it fetched
-        the file: in ``host_copy_path(name)``."""
+        the file: in ``host_copy_path(name, ...)``."""
         copy = Buffers([], host_copy=name)
         copy.sizes = self.sizes
         return copy
@@ -285,7 +285,7 @@ class Buffers:
         own), or of the bytes the job held."""
         if not self.path and not self.host_copy:
             return self._raws
-        path = self.path or host_copy_path(self.host_copy)
+        path = self.path or _host_copy_found(self.host_copy)
         try:
             fh = open(path, "rb")
         except FileNotFoundError:
@@ -303,14 +303,30 @@ class Buffers:
         return buffers
 
 
-def host_copy_path(name: str) -> str:
-    """Where a machine keeps its fetched copy of the values named ``name``: in shared memory
-    (``SHARED_MEMORY``) where it has it, else in the temporary directory."""
-    if os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK):
+def host_copy_path(name: str, nbytes: int) -> str:
+    """Where a machine keeps its fetched copy (of ``nbytes``) of the values named ``name``: in
+    shared memory (``SHARED_MEMORY``) where the machine has it and the copy takes at most half of
+    its size (a container's is often 64 MiB), else in the temporary directory.  The same on
+    every task of a machine: it goes by the size of its shared memory, not by what is free."""
+    if _shared_memory_size() >= 2 * nbytes:
         return os.path.join(SHARED_MEMORY, name)
     import tempfile
 
     return os.path.join(tempfile.gettempdir(), name)
+
+
+def _shared_memory_size() -> int:
+    if not (os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK)):
+        return 0
+    stats = os.statvfs(SHARED_MEMORY)
+    return stats.f_blocks * stats.f_frsize
+
+
+def _host_copy_found(name: str) -> str:
+    """The machine's copy of the values named ``name``, wherever ``host_copy_path`` put it (where
+    it would be, when it is nowhere)."""
+    small, large = host_copy_path(name, 0), host_copy_path(name, 1 << 62)
+    return large if not os.path.exists(small) and os.path.exists(large) else small
 
 
 def blob_size(path: str) -> int:

@@ -273,11 +273,11 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
     hold it up)."""
     run = spec.run
     workdir = tempfile.mkdtemp(prefix=f"torchdist-{run.run_id}-rank{rank}-")
-    users = hostcopy.join(run.values_fetch) if run.values_fetch else -1
+    copy = host_copy_path(run.values_fetch, run.values_fetch_size) if run.values_fetch else ""
+    users = hostcopy.join(copy) if copy else -1
     try:
         guard = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", guard_source(), workdir, str(STOP_GRACE), str(users),
-             host_copy_path(run.values_fetch) if run.values_fetch else ""],
+            [sys.executable, "-I", "-S", "-c", guard_source(), workdir, str(STOP_GRACE), str(users), copy],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env=dict(os.environ, TORCHDIST_RUN_ID=run.run_id), start_new_session=True, text=True,
             pass_fds=(users,) if users >= 0 else ())
@@ -308,8 +308,8 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
         value_file = spec.value_file(rank)
         if value_file:
             env[VALUE_FILE_ENV] = value_file
-        if run.values_fetch:
-            line = hostcopy.fetch(run, rank, driver.stopped)
+        if copy:
+            line = hostcopy.fetch(run, copy, rank, driver.stopped)
             if line:
                 emit(events.Log(rank=rank, stream="stderr", line=line))
         job_file = os.path.join(workdir, "job.pkl")
