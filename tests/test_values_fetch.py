@@ -48,12 +48,17 @@ def fetch(spec, rank=0):
 
 def test_the_copy_goes_to_shared_memory_where_it_takes_at_most_half_of_it():
     """A container's shared memory is often 64 MiB: a larger copy goes to the temporary
-    directory, on every task of the machine alike."""
+    directory, on every task of the machine alike; so does the driver's file of the values."""
     import tempfile
+
+    from torchdist_magic.launcher import value_directory
 
     assert values.host_copy_path("v", 1 << 50) == os.path.join(tempfile.gettempdir(), "v")
     if os.access(values.SHARED_MEMORY, os.W_OK):
         assert values.host_copy_path("v", 1 << 20) == os.path.join(values.SHARED_MEMORY, "v")
+    folder = value_directory("torchdist-test-values-", 1 << 50)
+    os.rmdir(folder)
+    assert os.path.dirname(folder) == tempfile.gettempdir()
 
 
 @pytest.fixture

@@ -198,7 +198,7 @@ class Run:
         fetch = self.backend.fetches_values and (not shared or os.environ.get(VALUES_FETCH_ENV) == "1")
         if not shared and not fetch:
             return cloudpickle.dumps(job)
-        self._sent_dir = value_directory(f"torchdist-{self.run_id}-values-")
+        self._sent_dir = value_directory(f"torchdist-{self.run_id}-values-", sent.nbytes)
         try:
             in_file = sent.in_file(self._sent_dir)
             if fetch:  # the name of each machine's copy: this process's, as the file's own

@@ -308,18 +308,21 @@ def host_copy_path(name: str, nbytes: int) -> str:
     shared memory (``SHARED_MEMORY``) where the machine has it and the copy takes at most half of
     its size (a container's is often 64 MiB), else in the temporary directory.  The same on
     every task of a machine: it goes by the size of its shared memory, not by what is free."""
-    if _shared_memory_size() >= 2 * nbytes:
+    if fits_shared_memory(nbytes):
         return os.path.join(SHARED_MEMORY, name)
     import tempfile
 
     return os.path.join(tempfile.gettempdir(), name)
 
 
-def _shared_memory_size() -> int:
+def fits_shared_memory(nbytes: int) -> bool:
+    """Whether this machine has shared memory (``SHARED_MEMORY``) that a file of ``nbytes``
+    would take at most half of: by its size, not by what is free, so that every process of the
+    machine answers alike."""
     if not (os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK)):
-        return 0
+        return False
     stats = os.statvfs(SHARED_MEMORY)
-    return stats.f_blocks * stats.f_frsize
+    return stats.f_blocks * stats.f_frsize >= 2 * nbytes
 
 
 def _host_copy_found(name: str) -> str:
