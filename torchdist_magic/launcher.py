@@ -94,7 +94,7 @@ def read_result(result_dir: str) -> Optional[bytearray]:
 
 
 #: where a machine keeps files in memory (tmpfs): ranks' values go there when it exists
-SHARED_MEMORY = "/dev/shm"
+SHARED_MEMORY = values.SHARED_MEMORY
 
 
 def value_directory(prefix: str, nbytes: int = 0) -> str:
@@ -105,7 +105,7 @@ def value_directory(prefix: str, nbytes: int = 0) -> str:
     ``nbytes``: what will be written there, known in advance, goes to the temporary directory
     where it would take more than half of the shared memory (``values.fits_shared_memory``)."""
     prefix = f"{prefix}{os.getpid()}-"
-    if os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK) and values.fits_shared_memory(nbytes):
+    if values.fits_shared_memory(nbytes):  # SHARED_MEMORY, there and writable
         try:
             return tempfile.mkdtemp(prefix=prefix, dir=SHARED_MEMORY)
         except OSError:
