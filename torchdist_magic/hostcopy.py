@@ -24,6 +24,9 @@ starts its rank:
   copy, the ``.tmp``, the lock and the users file; of tasks ending together, each lets go before
   it tries, so the last always gets it.  A rank that already mapped the copy keeps its pages.
 
+Nothing that arrives is unpickled: the file holds the values' raw buffers only (their pickle
+stream is in the job, which travels through Spark), which the ranks' tensors and arrays view.
+
 Each fetch says so in its rank's log: ``[torchdist] notebook values: 512.0 MiB fetched from the
 driver in 0.6 s (850 MiB/s)``, the others ``... mapped (fetched by rank 0 on this host)``.  A
 fetch that fails fails its rank with a message naming the machine, the size and the cause.
