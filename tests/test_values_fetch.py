@@ -438,3 +438,29 @@ def test_many_machines_fetch_at_once_while_the_channel_delivers_records(served, 
         for name in names:
             for suffix in ("", ".lock"):
                 os.unlink(values.host_copy_path(name, 0) + suffix)
+
+
+def fails_on_the_first_attempt(tensor):
+    import torch
+
+    from torchdist_magic import rank, restart_count
+
+    if restart_count() == 0 and rank() == 1:
+        raise ValueError("first attempt")
+    return rank(), float(tensor.sum(dtype=torch.float64))
+
+
+@pytest.mark.spark
+def test_a_restarted_run_has_its_values_in_every_attempt(spark_cluster, monkeypatch, tmp_path):
+    monkeypatch.setenv(VALUES_FETCH_ENV, "1")
+    tensor = torch.ones(4 * MIB)
+    run = Distributor(2, local_mode=False, show=None, all_ranks=True, max_restarts=1,
+                      checkpoint_dir=str(tmp_path)).submit(fails_on_the_first_attempt, tensor)
+    assert run.result(timeout=300) == [(0, float(tensor.numel())), (1, float(tensor.numel()))]
+    assert run.attempt == 2
+    for attempt in (1, 2):  # each attempt's ranks have the values: fetched from its own channel, or
+        # mapped (a copy that the first attempt's last task had not removed yet is the same values)
+        lines = [line for r in (0, 1) for line in run.logs(r, attempt).splitlines() if "notebook values" in line]
+        assert len(lines) == 2 and all("fetched from the driver" in line or "mapped" in line for line in lines), lines
+    assert_nothing_left(run)
+    assert not spark_copies(run.run_id)
