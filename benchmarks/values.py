@@ -21,8 +21,8 @@ The "fetch" rows send the notebook tensor out the way a multi-host cluster does
 (``TORCHDIST_VALUES_FETCH=1`` on ``local[2]``: one task fetches the file from the driver's channel
 into this machine's shared memory, the other maps it; ``hostcopy``), with the channel's TLS (the
 default on Spark) and without; "fetch MiB/s" is what the fetching rank's log line says of the
-largest size (the median of the rounds): the transfer alone.  Those sizes go up to ``--fetch-sizes`` (the job itself stays
-small on that path).
+largest size (the median of the rounds): the transfer alone.  Their sizes are ``--fetch-sizes``
+(up to 2048 MiB by default: the job itself stays small on that path).
 """
 
 from __future__ import annotations

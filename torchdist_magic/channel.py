@@ -1026,9 +1026,9 @@ class ChannelClient:
 def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: int, role: str,
                     context: Optional[ssl.SSLContext] = None, fetch: str = "") -> Union[socket.socket, _TlsSocket]:
     """An authenticated connection to the driver at ``address`` as ``role`` of ``rank`` (TLS
-    with ``context``; ``fetch``: to fetch the file of that name, see the module's "Files"): each handshake within ``HANDSHAKE_DEADLINE``; one that the driver cut off
-    (evicted from its pending table) or that took too long is tried again after a jittered,
-    growing pause, for at most ``CONNECT_ATTEMPTS`` times ``HANDSHAKE_DEADLINE``.  Raises
+    with ``context``; ``fetch``: to fetch the file of that name, see the module's "Files"): each
+    handshake within ``HANDSHAKE_DEADLINE``; one that the driver cut off (evicted from its
+    pending table) or that took too long is tried again after a jittered, growing pause, for at most ``CONNECT_ATTEMPTS`` times ``HANDSHAKE_DEADLINE``.  Raises
     ``_Refused``, ``_NotTheDriver``, ``FrameError``, ``EOFError`` or ``OSError`` (``TimeoutError``
     too)."""
     started = time.monotonic()

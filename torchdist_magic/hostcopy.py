@@ -14,8 +14,9 @@ starts its rank:
   die, even by SIGKILL, so it counts the machine's users of the copy without any count to
   repair.
 - ``fetch``: takes ``<copy>.lock`` exclusively.  The first task to get it fetches the file into
-  ``<copy>.tmp``, checks its size and the blob's own header, renames it to ``<copy>`` and writes its rank into the lock file; every other
-  task of the machine waits for the lock, then finds the copy there.  Each rank maps ``<copy>``
+  ``<copy>.tmp``, checks its size and the blob's own header, renames it to ``<copy>`` and writes
+  its rank into the lock file; every other task of the machine waits for the lock, then finds
+  the copy there.  Each rank maps ``<copy>``
   copy-on-write (``values.Buffers.load``), so the machine holds the bytes once.  A task killed
   while fetching leaves a ``.tmp`` that the next one replaces.
 - at the task's end (its guard does it, after a kill too: ``spark_task``'s ``_GUARD_MAIN``,
@@ -172,7 +173,8 @@ def _receive(sock, out: int, size: int, tmp: str, failed: Callable[[str], Values
         try:
             n = sock.recv_into(buffer[:min(len(buffer), size - got)])
         except OSError as exc:
-            raise failed(f"the connection failed after {_mib(got)} of {_mib(size)} ({exc or type(exc).__name__})") from None
+            raise failed(f"the connection failed after {_mib(got)} of {_mib(size)} "
+                         f"({exc or type(exc).__name__})") from None
         if not n:
             raise failed(f"the connection was cut after {_mib(got)} of {_mib(size)}")
         part = buffer[:n]
