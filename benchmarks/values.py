@@ -5,6 +5,7 @@ mode, and on the same Spark sessions) in the same process.
 
     python benchmarks/values.py [--sizes 1 64 512 2048] [--repeat 3] [--json OUT] [--no-spark]
                                 [--no-connect] [--no-torchdistributor] [--max-spark-mib N]
+                                [--fetch-sizes 1 64 512 2048] [--only-fetch]
 
 Every figure is the whole run's wall time (start 2 ranks, train nothing, move the value,
 return), the median of ``--repeat``; "MiB/s" is the largest size over its time beyond the
@@ -15,6 +16,13 @@ before (``/proc/self/status`` VmHWM, reset before each size) is in units of the 
 sizes above ``--max-spark-mib`` are skipped (TorchDistributor's closure and result paths hold
 several copies of the value in the JVM: 2 GiB exhausts a small machine).  The Connect rows run
 last: a Connect session makes this process a Connect client for good.
+
+The "fetch" rows send the notebook tensor out the way a multi-host cluster does
+(``TORCHDIST_VALUES_FETCH=1`` on ``local[2]``: one task fetches the file from the driver's channel
+into this machine's shared memory, the other maps it; ``hostcopy``), with the channel's TLS (the
+default on Spark) and without; "fetch MiB/s" is what the fetching rank's log line says of the
+largest size (the median of the rounds): the transfer alone.  Their sizes are ``--fetch-sizes``
+(up to 2048 MiB by default: the job itself stays small on that path).
 """
 
 from __future__ import annotations
@@ -84,18 +92,18 @@ def time_runs(call, repeat: int) -> float:
     return statistics.median(times)
 
 
-def torchdist_runner(local_mode: bool):
+def torchdist_runner(local_mode: bool, **options):
     """``(back, out)`` for torchdist_magic: ``run(back, mib)``, and the out cell on a tensor."""
     from torchdist_magic import Distributor
     from torchdist_magic.capture import capture_cell
     from torchdist_magic.job import cell_job
 
     def run_back(mib):
-        return Distributor(2, local_mode=local_mode, show=None).run(back, mib)
+        return Distributor(2, local_mode=local_mode, show=None, **options).run(back, mib)
 
     def run_out(tensor):
         cell = capture_cell(OUT_CELL, {"tensor": tensor}, [], warn_bytes=1 << 62).cell
-        return Distributor(2, local_mode=local_mode, show=None).run(cell_job(cell, "out"))
+        return Distributor(2, local_mode=local_mode, show=None, **options).run(cell_job(cell, "out"))
 
     return run_back, run_out
 
@@ -109,25 +117,47 @@ def torchdistributor_runner(local_mode: bool):
     return (lambda mib: run(back, mib)), (lambda tensor: run(out, tensor))
 
 
-def measure(name: str, runner, sizes, repeat: int, rows: list) -> None:
+def fetched_rate() -> float:
+    """MiB/s of the last run's fetch of the notebook values, as its fetching rank's log says."""
+    import re
+
+    from torchdist_magic.distributor import last_run
+
+    run = last_run()
+    for rank in range(run.options.num_processes):
+        found = re.search(r"fetched from the driver in [\d.]+ s \((\d+) MiB/s\)", run.logs(rank))
+        if found:
+            return float(found.group(1))
+    raise RuntimeError(f"no rank of run {run.run_id} fetched the notebook values")
+
+
+def measure(name: str, runner, sizes, repeat: int, rows: list, directions=("back", "out")) -> None:
     import torch
 
     run_back, run_out = runner
     run_back(1)  # warm-up: the file cache, Spark's Python daemon
-    for direction in ("back", "out"):
+    for direction in directions:
         for mib in sizes:
             tensor = torch.ones(mib * 2**18) if direction == "out" else None
             _reset_peak()
             before = _rss_bytes()
             if direction == "back":
                 seconds = time_runs(lambda: run_back(mib), repeat)
+            elif "fetch" in name:  # each run's fetch as its fetching rank's log says
+                fetches: list = []
+                seconds = time_runs(lambda: (run_out(tensor), fetches.append(fetched_rate())), repeat)
             else:
                 seconds = time_runs(lambda: run_out(tensor), repeat)
             peak = (_peak_bytes() - before) / (mib * 2**20)
             del tensor
-            rows.append({"runner": name, "direction": direction, "mib": mib, "seconds": seconds,
-                         "driver_peak_per_value": peak})
-            print(f"{name:28s} {direction:4s} {mib:5d} MiB  {seconds:7.2f} s  driver peak +{peak:.2f}x", flush=True)
+            row = {"runner": name, "direction": direction, "mib": mib, "seconds": seconds,
+                   "driver_peak_per_value": peak}
+            if "fetch" in name:
+                row["fetch_mib_per_s"] = statistics.median(fetches)
+            rows.append(row)
+            print(f"{name:28s} {direction:4s} {mib:5d} MiB  {seconds:7.2f} s  driver peak +{peak:.2f}x"
+                  + (f"  fetched at {row['fetch_mib_per_s']:.0f} MiB/s" if "fetch_mib_per_s" in row else ""),
+                  flush=True)
 
 
 def rate(mine: list):
@@ -141,8 +171,8 @@ def rate(mine: list):
 def print_table(rows: list, sizes) -> None:
     print()
     print("| runner | direction | " + " | ".join(f"{m} MiB" for m in sizes)
-          + " | MiB/s beyond a trivial run | driver peak (x value) |")
-    print("|" + "---|" * (4 + len(sizes)))
+          + " | MiB/s beyond a trivial run | driver peak (x value) | fetch MiB/s |")
+    print("|" + "---|" * (5 + len(sizes)))
     seen = []
     for r in rows:
         if (r["runner"], r["direction"]) not in seen:
@@ -152,8 +182,9 @@ def print_table(rows: list, sizes) -> None:
         by_size = {r["mib"]: r for r in mine}
         cells = [f"{by_size[m]['seconds']:.2f}" if m in by_size else "-" for m in sizes]
         speed = rate(mine)
+        fetch = mine[-1].get("fetch_mib_per_s")
         print(f"| {name} | {direction} | " + " | ".join(cells) + f" | {f'{speed:,.0f}' if speed else '-'} | "
-              f"{mine[-1]['driver_peak_per_value']:.2f} |")
+              f"{mine[-1]['driver_peak_per_value']:.2f} | {f'{fetch:,.0f}' if fetch else '-'} |")
 
 
 def on_connect(measure_all) -> None:
@@ -183,6 +214,8 @@ def main() -> None:
     parser.add_argument("--no-connect", action="store_true")
     parser.add_argument("--no-torchdistributor", action="store_true")
     parser.add_argument("--max-spark-mib", type=int, default=512)
+    parser.add_argument("--fetch-sizes", type=int, nargs="+", default=[1, 64, 512, 2048])
+    parser.add_argument("--only-fetch", action="store_true", help="only the fetch rows (on Spark local[2])")
     args = parser.parse_args()
     import pyspark
     import torch
@@ -191,16 +224,25 @@ def main() -> None:
     spark_sizes = [m for m in args.sizes if m <= args.max_spark_mib]
     # TorchDistributor's tasks run Spark's interpreter: the notebook's, as torchdist_magic picks
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    measure("torchdist local", torchdist_runner(True), args.sizes, args.repeat, rows)
+    if not args.only_fetch:
+        measure("torchdist local", torchdist_runner(True), args.sizes, args.repeat, rows)
     if not args.no_spark:
         spark = spark_session("torchdist_magic values benchmark")
-        if not args.no_torchdistributor:  # it wants an active session even in local mode
+        if not args.no_torchdistributor and not args.only_fetch:  # it wants an active session even in local mode
             measure("TorchDistributor local", torchdistributor_runner(True), spark_sizes, args.repeat, rows)
-        measure("torchdist spark local[2]", torchdist_runner(False), spark_sizes, args.repeat, rows)
-        if not args.no_torchdistributor:
+        if not args.only_fetch:
+            measure("torchdist spark local[2]", torchdist_runner(False), spark_sizes, args.repeat, rows)
+        from torchdist_magic.distributor import VALUES_FETCH_ENV
+
+        os.environ[VALUES_FETCH_ENV] = "1"
+        for tls in (True, False):
+            measure(f"torchdist spark fetch{'' if tls else ' no TLS'}", torchdist_runner(False, tls=tls),
+                    args.fetch_sizes, args.repeat, rows, directions=("out",))
+        del os.environ[VALUES_FETCH_ENV]
+        if not args.no_torchdistributor and not args.only_fetch:
             measure("TorchDistributor spark local[2]", torchdistributor_runner(False), spark_sizes, args.repeat, rows)
         spark.stop()
-        if not args.no_connect:
+        if not args.no_connect and not args.only_fetch:
             def measure_connect():
                 measure("torchdist connect", torchdist_runner(False), spark_sizes, args.repeat, rows)
                 if not args.no_torchdistributor:

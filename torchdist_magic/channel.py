@@ -52,11 +52,20 @@ ciphertext waiting for a slow rank stays small and ``MAX_OUTBOX`` still bounds t
 client's sender and reader threads share one TLS object (OpenSSL's are not safe to use from two
 threads at once): one lock around it, and the socket's write side taken before that lock is let
 go, so that records leave in the order they were made while the reader never waits for a send.
+
+Files.  A channel may serve files (``ChannelServer``'s ``files``: the notebook values out to the
+ranks, which each machine of a cluster fetches once, ``hostcopy``).  A fetch is a connection
+whose hello names the file (``"fetch"``); it authenticates as any other, then leaves the server's
+thread for a thread of its own (``_FileSender``: at most ``FETCHES_AT_ONCE`` at a time), which
+sends ``{"size": n}`` and the file's ``n`` bytes raw (``socket.sendfile`` on plain TCP; read
+into one reused buffer and encrypted a chunk at a time with TLS) and closes.  A stranger gets
+the refusal of any failed handshake and nothing of the file.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -77,7 +86,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from . import events, tls
-from .timing import CHANNEL_CLOSE_WAIT, CHANNEL_THREAD_WAIT, CLIENT_CLOSE_WAIT, HANDSHAKE_DEADLINE
+from .timing import CHANNEL_CLOSE_WAIT, CHANNEL_THREAD_WAIT, CLIENT_CLOSE_WAIT, FETCH_STALL, HANDSHAKE_DEADLINE
 
 #: largest frame after authentication (a batch of records)
 MAX_FRAME = 4 * 1024 * 1024
@@ -121,6 +130,10 @@ _TLS_RECORD = 5 + 2 ** 14 + 256
 #: ``CONNECT_ATTEMPTS`` times ``HANDSHAKE_DEADLINE`` in all
 _RETRY_PAUSE, _RETRY_PAUSE_MAX = 0.05, 2.0
 CONNECT_ATTEMPTS = 6
+#: files sent at once at most (one thread each); more fetches wait their turn
+FETCHES_AT_ONCE = 8
+#: what a fetch over TLS reads from the file and encrypts at once
+_FILE_CHUNK = 1 << 20
 
 
 class FrameError(Exception):
@@ -233,12 +246,14 @@ class ChannelServer:
     ``delivered`` (after authentication), ``malformed`` (undecodable frames or records),
     ``forbidden`` (records the connection's role may not send), ``callback_errors``.  With
     ``identity`` (a ``tls.ChannelIdentity``) every connection is TLS; a TLS handshake that fails
-    is a failed handshake (``rejected``).
+    is a failed handshake (``rejected``).  ``files`` (``{name: path}``) are the files an
+    authenticated peer may fetch (see the module's "Files"); ``files_sent`` counts those sent
+    whole.
     """
 
     def __init__(self, on_event: Callable[[events.Event], None], run_id: str, *,
                  host: str = "127.0.0.1", secret: str, launcher_secret: str,
-                 identity: Optional[tls.ChannelIdentity] = None):
+                 identity: Optional[tls.ChannelIdentity] = None, files: Optional[Dict[str, str]] = None):
         self._on_event = on_event
         self._run_id = run_id
         self._secrets = {"worker": secret, "launcher": launcher_secret}
@@ -247,7 +262,8 @@ class ChannelServer:
         self.encrypted = self._tls is not None
         self.stats: Dict[str, int] = dict.fromkeys(
             ("accepted", "authenticated", "rejected", "evicted", "frames", "delivered",
-             "malformed", "forbidden", "callback_errors"), 0)
+             "malformed", "forbidden", "callback_errors", "files_sent"), 0)
+        self._files = _FileSender(dict(files or {}), self.stats)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener: Optional[socket.socket] = socket.create_server((host, 0), family=family, backlog=512)
         self._listener.setblocking(False)
@@ -290,6 +306,7 @@ class ChannelServer:
             if self._close_deadline is None:
                 self._close_deadline = time.monotonic() + CHANNEL_CLOSE_WAIT
         self._wake()
+        self._files.close()
         if threading.current_thread() is not self._thread:  # on_event may close the channel
             self._thread.join(CHANNEL_CLOSE_WAIT + CHANNEL_THREAD_WAIT)
             if self._thread.is_alive():
@@ -534,6 +551,8 @@ class ChannelServer:
         if reason is not None:
             return self._reject(conn, reason)
         del self._pending[conn]
+        if "fetch" in hello:
+            return self._hand_off(conn, hello)
         self._authed.add(conn)
         conn.role, conn.rank = hello["role"], hello["rank"]
         self.stats["authenticated"] += 1
@@ -562,7 +581,18 @@ class ChannelServer:
         rank, nonce = hello.get("rank"), hello.get("nonce")
         if type(rank) is not int or rank < 0 or not isinstance(nonce, str):
             return "a hello needs a rank and a nonce"
+        fetch = hello.get("fetch")
+        if fetch is not None and not self._files.serves(fetch):
+            return f"this channel serves no file named {fetch!r:.100}"
         return None
+
+    def _hand_off(self, conn: _Conn, hello: dict) -> None:
+        """An authenticated fetch: its reply queued, it leaves this thread for the file's sender."""
+        self.stats["authenticated"] += 1
+        conn.outbox += _frame({"ok": True, "mac": _mac(self._secrets[hello["role"]], hello["nonce"]).decode()})
+        conn.open = False  # the server's loops let go of it
+        self._selector.unregister(conn.sock)
+        self._files.start(conn, hello["fetch"])
 
     def _frames(self, conn: _Conn) -> None:
         buf, offset = conn.inbuf, 0
@@ -616,6 +646,98 @@ class ChannelServer:
         conn.sock.close()
 
 
+class _FileSender:
+    """Sends the files a channel serves (see the module's "Files"), each fetch on a thread of its
+    own, at most ``FETCHES_AT_ONCE`` at once: the channel's thread, which decodes the ranks'
+    records, never waits for a file.  Sent from the file itself, never held in memory."""
+
+    def __init__(self, files: Dict[str, str], stats: Dict[str, int]):
+        self._files = files
+        self._stats = stats
+        self._lock = threading.Lock()
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._sockets: set = set()   # of fetches started and not ended
+        self._closed = False
+
+    def serves(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._files
+
+    def start(self, conn: _Conn, name: str) -> None:
+        with self._lock:
+            if not self._closed:
+                if self._pool is None:
+                    self._pool = concurrent.futures.ThreadPoolExecutor(FETCHES_AT_ONCE, "torchdist-fetch")
+                self._sockets.add(conn.sock)
+                self._pool.submit(self._send, conn, self._files[name])
+                return
+        conn.sock.close()
+
+    def close(self) -> None:
+        """End the fetches under way (their connections are shut) and those waiting."""
+        with self._lock:
+            self._closed = True
+            sockets, pool = list(self._sockets), self._pool
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes its thread, which closes it
+            except OSError:
+                pass
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+    def _send(self, conn: _Conn, path: str) -> None:
+        sock = conn.sock
+        try:
+            with self._lock:
+                if self._closed:
+                    return
+            sock.settimeout(FETCH_STALL)
+            if conn.tls is not None:  # what the TLS handshake left to send comes first
+                sock.sendall(bytes(conn.wire) + conn.tls_out.read())
+            try:
+                fh = open(path, "rb", buffering=0)
+            except OSError as exc:
+                self._sendall(conn, bytes(conn.outbox) + _frame({"error": f"the driver cannot read it: {exc}"}))
+                return
+            with fh:
+                size = os.fstat(fh.fileno()).st_size
+                self._sendall(conn, bytes(conn.outbox) + _frame({"size": size}))
+                if conn.tls is None:
+                    sent = sock.sendfile(fh, 0, size)
+                else:
+                    sent = self._send_sealed(conn, fh, size)
+            if sent == size:
+                with self._lock:
+                    self._stats["files_sent"] += 1
+        except (OSError, ssl.SSLError):  # the fetcher went, stalled, or close(): it says what it saw
+            pass
+        finally:
+            with self._lock:
+                self._sockets.discard(sock)
+            sock.close()
+
+    @staticmethod
+    def _sendall(conn: _Conn, data: bytes) -> None:
+        if conn.tls is None:
+            conn.sock.sendall(data)
+        else:
+            conn.tls.write(data)
+            conn.sock.sendall(conn.tls_out.read())
+
+    @staticmethod
+    def _send_sealed(conn: _Conn, fh, size: int) -> int:
+        buffer = memoryview(bytearray(min(size, _FILE_CHUNK)))
+        sent = 0
+        while sent < size:
+            n = fh.readinto(buffer)
+            if not n:
+                break
+            conn.tls.write(buffer[:n])
+            conn.sock.sendall(conn.tls_out.read())
+            sent += n
+        return sent
+
+
 # -- rank side --------------------------------------------------------------------------------
 
 class _TlsSocket:
@@ -652,14 +774,24 @@ class _TlsSocket:
                 with self._lock:
                     self._in.write_eof()
 
-    def _plaintext(self, n: int) -> Optional[bytes]:
+    def recv_into(self, buffer: memoryview) -> int:
+        """Plaintext into ``buffer`` (a fetch's reused buffer); 0 at the end."""
+        while True:
+            data = self._locked(functools.partial(self._plaintext, len(buffer), buffer))
+            if data is not None:
+                return data
+            if not self._fill():
+                with self._lock:
+                    self._in.write_eof()
+
+    def _plaintext(self, n: int, buffer: Optional[memoryview] = None) -> Optional[Union[bytes, int]]:
         """Up to ``n`` bytes of plaintext; ``None`` when more ciphertext is needed first."""
         try:
-            return self._tls.read(n)
+            return self._tls.read(n) if buffer is None else self._tls.read(n, buffer)
         except ssl.SSLWantReadError:
             return None
         except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # closed, with or without TLS's goodbye
-            return b""
+            return b"" if buffer is None else 0
 
     def _fill(self) -> bool:
         """Read ciphertext from the socket into TLS; False at the end of the connection."""
@@ -896,11 +1028,11 @@ class ChannelClient:
 
 
 def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: int, role: str,
-                    context: Optional[ssl.SSLContext] = None) -> Union[socket.socket, _TlsSocket]:
+                    context: Optional[ssl.SSLContext] = None, fetch: str = "") -> Union[socket.socket, _TlsSocket]:
     """An authenticated connection to the driver at ``address`` as ``role`` of ``rank`` (TLS
-    with ``context``): each handshake within ``HANDSHAKE_DEADLINE``; one that the driver cut off
-    (evicted from its pending table) or that took too long is tried again after a jittered,
-    growing pause, for at most ``CONNECT_ATTEMPTS`` times ``HANDSHAKE_DEADLINE``.  Raises
+    with ``context``; ``fetch``: to fetch the file of that name, see the module's "Files"): each
+    handshake within ``HANDSHAKE_DEADLINE``; one that the driver cut off (evicted from its
+    pending table) or that took too long is tried again after a jittered, growing pause, for at most ``CONNECT_ATTEMPTS`` times ``HANDSHAKE_DEADLINE``.  Raises
     ``_Refused``, ``_NotTheDriver``, ``FrameError``, ``EOFError`` or ``OSError`` (``TimeoutError``
     too)."""
     started = time.monotonic()
@@ -910,7 +1042,7 @@ def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: in
         attempt = time.monotonic()
         try:
             return _handshake(address, secret, run_id, rank, role, context,
-                              min(attempt + HANDSHAKE_DEADLINE, give_up))
+                              min(attempt + HANDSHAKE_DEADLINE, give_up), fetch)
         except (EOFError, ConnectionResetError, BrokenPipeError, TimeoutError, socket.timeout):  # 3.9: not the same
             wait = pause * random.uniform(0.5, 1.5)
             if time.monotonic() + wait >= give_up:
@@ -920,7 +1052,7 @@ def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: in
 
 
 def _handshake(address: Tuple[str, int], secret: str, run_id: str, rank: int, role: str,
-               context: Optional[ssl.SSLContext], deadline: float) -> Union[socket.socket, _TlsSocket]:
+               context: Optional[ssl.SSLContext], deadline: float, fetch: str = "") -> Union[socket.socket, _TlsSocket]:
     def left() -> float:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -942,9 +1074,9 @@ def _handshake(address: Tuple[str, int], secret: str, run_id: str, rank: int, ro
             raise FrameError("the driver sent no challenge")
         own_nonce = secrets.token_hex(16)
         sock.settimeout(left())
-        sock.sendall(_frame({"mac": _mac(secret, nonce).decode(), "nonce": own_nonce,
-                             "run_id": run_id, "rank": rank, "role": role,
-                             "protocol": events.PROTOCOL_VERSION}))
+        hello = {"mac": _mac(secret, nonce).decode(), "nonce": own_nonce, "run_id": run_id, "rank": rank,
+                 "role": role, "protocol": events.PROTOCOL_VERSION}
+        sock.sendall(_frame(dict(hello, fetch=fetch) if fetch else hello))
         sock.settimeout(left())
         reply = _read_frame(sock, MAX_HELLO)
         if reply.get("ok") is not True:

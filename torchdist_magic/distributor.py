@@ -43,6 +43,12 @@ from .state import Attempt, RunDirectory, RunState, is_collateral
 from .timing import ROOT_CAUSE_WAIT, STACKS_COLLECT_WAIT, STOP_GRACE, SUPERVISE_POLL
 from .tracking import MlflowLogger
 
+#: set to 1 on the driver, a run on Spark whose executors share the driver's machine (``local[...]``,
+#: ``local-cluster[...]``) takes the path of a cluster's: each machine fetches the notebook values
+#: from the driver's channel (``hostcopy``) rather than mapping the driver's file.  For testing
+#: that path on one machine.
+VALUES_FETCH_ENV = "TORCHDIST_VALUES_FETCH"
+
 _last_run: Optional["Run"] = None
 _run_counter = itertools.count(1)
 
@@ -149,6 +155,10 @@ class Run:
                               idle=set(range(options.num_processes)) - set(options.ranks or ()) if options.ranks else ())
         #: where this run's large values out to the ranks are (``_job_bytes`` names the file)
         self._sent_dir = ""
+        #: ``{name: path}`` of that file where each machine fetches it from the channel, and
+        #: what the ranks' ``RunSpec`` says of it then
+        self._served: Dict[str, str] = {}
+        self._fetch: Dict[str, Any] = {}
         self._job_bytes = self._pickle_job(job)
         self._value: Any = None
         self._error: Optional[BaseException] = None
@@ -174,17 +184,29 @@ class Run:
 
     def _pickle_job(self, job: Job) -> bytes:
         """The job as its ranks read it.  Its large values (a cell's notebook tensors and
-        arrays, a function's arguments) go, where every rank shares this machine, into one file
-        in shared memory that the job names (written once per run, from the values' own memory;
-        each rank maps it); elsewhere they travel inside the job."""
+        arrays, a function's arguments) go into one file in shared memory (written once per run,
+        from the values' own memory) that the job names: where every rank shares this machine,
+        each rank maps it; on a Spark cluster each machine fetches it once from the run's channel
+        and its ranks map that copy (``hostcopy``).  Elsewhere (a warm pool on a cluster) they
+        travel inside the job."""
         import cloudpickle
 
         sent = job.sent_buffers()
-        if sent is None or sent.nbytes < value_blobs.APART_BYTES or not self.backend.ranks_share_machine():
+        if sent is None or sent.nbytes < value_blobs.APART_BYTES:
             return cloudpickle.dumps(job)
-        self._sent_dir = value_directory(f"torchdist-{self.run_id}-values-")
+        shared = self.backend.ranks_share_machine()
+        fetch = self.backend.fetches_values and (not shared or os.environ.get(VALUES_FETCH_ENV) == "1")
+        if not shared and not fetch:
+            return cloudpickle.dumps(job)
+        self._sent_dir = value_directory(f"torchdist-{self.run_id}-values-", sent.nbytes)
         try:
-            return cloudpickle.dumps(job.with_sent_buffers(sent.in_file(self._sent_dir)))
+            in_file = sent.in_file(self._sent_dir)
+            if fetch:  # the name of each machine's copy: this process's, as the file's own
+                name = f"torchdist-{self.run_id}-values-{os.getpid()}-copy"
+                self._served = {name: in_file.path}
+                self._fetch = {"values_fetch": name, "values_fetch_size": os.path.getsize(in_file.path)}
+                in_file = in_file.fetched(name)
+            return cloudpickle.dumps(job.with_sent_buffers(in_file))
         except BaseException:
             self._remove_sent()
             raise
@@ -316,7 +338,8 @@ class Run:
                     identity = new_identity()
                     certificate = identity.certificate
                 channel = ChannelServer(deliver, self.run_id, host=self.backend.channel_host(),
-                                        secret=secret, launcher_secret=launcher_secret, identity=identity)
+                                        secret=secret, launcher_secret=launcher_secret, identity=identity,
+                                        files=self._served)
                 host, port = channel.address[:2]
                 self.channel_address = f"{host}:{port}"
                 self.channel_certificate = certificate
@@ -327,7 +350,7 @@ class Run:
             spec = RunSpec.resolve(self.options, self.run_id, self.channel_address or "", secret, launcher_secret,
                                    attempt=self.state.attempt - 1, checkpoint_dir=checkpoints,
                                    data_files=data_files, channel_cert=certificate)
-            spec = dataclasses.replace(spec, env={**self._debug_env, **spec.env})
+            spec = dataclasses.replace(spec, env={**self._debug_env, **spec.env}, **self._fetch)
             routes[DebugOutput] = self.debugger.on_output
             if channel is not None:
                 self.debugger.attach(functools.partial(_to_worker, channel))

@@ -94,16 +94,18 @@ def read_result(result_dir: str) -> Optional[bytearray]:
 
 
 #: where a machine keeps files in memory (tmpfs): ranks' values go there when it exists
-SHARED_MEMORY = "/dev/shm"
+SHARED_MEMORY = values.SHARED_MEMORY
 
 
-def value_directory(prefix: str) -> str:
+def value_directory(prefix: str, nbytes: int = 0) -> str:
     """A new directory for ranks' values: in shared memory (``SHARED_MEMORY``) where this machine
     has it, so that a value written there is mapped by the driver, never copied; else an
     ordinary temporary directory.  Its name carries this process's id after ``prefix``, so that
-    what a driver left in the machine-wide shared memory can be told apart from another's."""
+    what a driver left in the machine-wide shared memory can be told apart from another's.
+    ``nbytes``: what will be written there, known in advance, goes to the temporary directory
+    where it would take more than half of the shared memory (``values.fits_shared_memory``)."""
     prefix = f"{prefix}{os.getpid()}-"
-    if os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK):
+    if values.fits_shared_memory(nbytes):  # SHARED_MEMORY, there and writable
         try:
             return tempfile.mkdtemp(prefix=prefix, dir=SHARED_MEMORY)
         except OSError:

@@ -54,6 +54,11 @@ class RunSpec:
     ranks: Tuple[int, ...] = ()
     #: each rank's launcher samples its CPU, memory and GPUs (``sysmetrics``)
     system_metrics: bool = True
+    #: the name of the notebook values' file that each machine fetches once from the driver's
+    #: channel before its ranks start (``hostcopy``), and its size in bytes; "" when the job
+    #: holds them or names a file on the driver's machine
+    values_fetch: str = ""
+    values_fetch_size: int = 0
 
     @classmethod
     def resolve(cls, options: LaunchOptions, run_id: str, channel_address: str = "",

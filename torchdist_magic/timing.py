@@ -47,6 +47,13 @@ CHANNEL_CLOSE_WAIT = 2.0
 CHANNEL_THREAD_WAIT = 5.0
 #: how long a rank waits at exit for its queued events to be sent
 CLIENT_CLOSE_WAIT = 5.0
+#: a fetch of the notebook values (``hostcopy``) whose connection moves no byte for this long is
+#: given up, on both ends
+FETCH_STALL = 60.0
+#: how long a fetch waits for its turn at the driver, which sends ``channel.FETCHES_AT_ONCE`` at
+#: a time (many machines fetching a large value over one network link wait in line); a run that
+#: ends closes the fetches still waiting
+FETCH_QUEUE_WAIT = 1800.0
 
 #: Spark: how long a run waits for executors to register before giving up on slots
 SPARK_SLOT_WAIT = 30.0

@@ -19,7 +19,9 @@ brings the whole storage, as ``torch.save`` does.)
 The same machinery carries values the other way, out to the ranks (``Buffers``): the notebook
 values a cell uses and ``run()``'s arguments are pickled with their large buffers apart; on the
 driver those are views of the values' own memory, written once per run into one file in shared
-memory, which every rank on the machine maps (``Buffers.load``).
+memory, which every rank on the machine maps (``Buffers.load``).  Where the ranks are on other
+machines, each machine fetches that file once from the driver into its own shared memory
+(``hostcopy``), and its ranks map that copy (``Buffers.fetched``).
 
 Nothing here imports torch unless the value holds a tensor.
 """
@@ -45,6 +47,9 @@ CHUNK = 1 << 30
 APART_BYTES = 1 << 20
 #: the name of that file in the run's value directory
 SENT_FILE = "sent.values"
+#: where a machine keeps files in memory (tmpfs): a fetched copy of the values goes there
+#: where the machine has room for it (``host_copy_path``)
+SHARED_MEMORY = "/dev/shm"
 
 Blob = Union[bytes, bytearray, memoryview]
 
@@ -232,14 +237,18 @@ class Buffers:
 
     On the driver they are views of the values' own memory: nothing is copied until ``in_file``
     writes them, once per run, into one file, which the job then names instead of holding the
-    bytes; every rank on the machine maps that file (``load``).  A job pickled with buffers not
-    in a file holds the bytes (a Spark task on another machine gets them so, in its job).
+    bytes; every rank on the machine maps that file (``load``).  Where the ranks are on other
+    machines, the job names the file by a name instead (``fetched``): each of those machines
+    fetches it once from the driver into ``host_copy_path`` before its ranks start, and they map
+    that copy.  A job pickled with buffers not in a file holds the bytes.
     """
 
-    def __init__(self, raws: List[memoryview], path: str = ""):
+    def __init__(self, raws: List[memoryview], path: str = "", host_copy: str = ""):
         self._raws = raws
         self.sizes = [r.nbytes for r in raws]
         self.path = path
+        #: the name of the machine's own copy of the file, fetched from the driver; else ""
+        self.host_copy = host_copy
 
     @property
     def nbytes(self) -> int:
@@ -253,24 +262,38 @@ class Buffers:
         _write_blob(path, b"", self._raws, mode="r+b")
         return Buffers([], path)
 
+    def fetched(self, name: str) -> "Buffers":
+        """These buffers (already ``in_file``) as each rank's machine has them once it fetched
+        the file: in ``host_copy_path(name, ...)``."""
+        copy = Buffers([], host_copy=name)
+        copy.sizes = self.sizes
+        return copy
+
     def __getstate__(self):
-        if self.path:
-            return {"path": self.path, "sizes": self.sizes}
+        if self.path or self.host_copy:
+            return {"path": self.path, "host_copy": self.host_copy, "sizes": self.sizes}
         return {"path": "", "sizes": self.sizes, "raws": [pickle.PickleBuffer(r) for r in self._raws]}
 
     def __setstate__(self, state):
         self.path, self.sizes = state["path"], state["sizes"]
+        self.host_copy = state.get("host_copy", "")
         self._raws = [memoryview(r).cast("B") for r in state.get("raws", [])]
 
     def load(self) -> List[memoryview]:
         """The buffers, on a rank: views of the file mapped copy-on-write (the machine's pages
         of it are shared by every rank that maps it, until a rank writes to a tensor of its
         own), or of the bytes the job held."""
-        if not self.path:
+        if not self.path and not self.host_copy:
             return self._raws
+        path = self.path or _host_copy_found(self.host_copy)
         try:
-            fh = open(self.path, "rb")
+            fh = open(path, "rb")
         except FileNotFoundError:
+            if self.host_copy:
+                raise FileNotFoundError(
+                    f"the notebook values sent to the ranks were to be fetched from the driver into {path} "
+                    f"on this rank's machine ({socket.gethostname()}) before it started, and are not there"
+                ) from None
             raise FileNotFoundError(
                 f"the notebook values sent to the ranks are in {self.path} on the driver's machine, "
                 f"which this rank's machine ({socket.gethostname()}) cannot see") from None
@@ -278,6 +301,53 @@ class Buffers:
             mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
         _, buffers = _parts(mapped)
         return buffers
+
+
+def host_copy_path(name: str, nbytes: int) -> str:
+    """Where a machine keeps its fetched copy (of ``nbytes``) of the values named ``name``: in
+    shared memory (``SHARED_MEMORY``) where the machine has it and the copy takes at most half of
+    its size (a container's is often 64 MiB), else in the temporary directory.  The same on
+    every task of a machine: it goes by the size of its shared memory, not by what is free."""
+    if fits_shared_memory(nbytes):
+        return os.path.join(SHARED_MEMORY, name)
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), name)
+
+
+def fits_shared_memory(nbytes: int) -> bool:
+    """Whether this machine has shared memory (``SHARED_MEMORY``) that a file of ``nbytes``
+    would take at most half of: by its size, not by what is free, so that every process of the
+    machine answers alike."""
+    if not (os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK)):
+        return False
+    stats = os.statvfs(SHARED_MEMORY)
+    return stats.f_blocks * stats.f_frsize >= 2 * nbytes
+
+
+def _host_copy_found(name: str) -> str:
+    """The machine's copy of the values named ``name``, wherever ``host_copy_path`` put it (where
+    it would be, when it is nowhere)."""
+    small, large = host_copy_path(name, 0), host_copy_path(name, 1 << 62)
+    return large if not os.path.exists(small) and os.path.exists(large) else small
+
+
+def blob_size(path: str) -> int:
+    """The size the blob in the file at ``path`` has by its own header (its mark, the header's
+    length and the header: the sizes of its parts); ``ValueError`` when it is not a blob."""
+    with open(path, "rb") as fh:
+        start = fh.read(len(MAGIC) + _LEN.size)
+        if start[:len(MAGIC)] != MAGIC or len(start) < len(MAGIC) + _LEN.size:
+            raise ValueError("not a torchdist value: the blob does not start with its mark")
+        (head_size,) = _LEN.unpack_from(start, len(MAGIC))
+        try:
+            header = json.loads(fh.read(head_size))
+            size = len(start) + head_size
+            for part in [header["pickle"]] + header["buffers"]:
+                size += _pad(size) + part
+        except (ValueError, KeyError, TypeError):
+            raise ValueError("not a torchdist value: its header is not one") from None
+    return size
 
 
 def pickled_apart(value: Any, by_value: Optional[list] = None) -> Tuple[bytes, Buffers]:

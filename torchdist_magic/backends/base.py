@@ -88,6 +88,9 @@ class Backend(abc.ABC):
     name = "backend"
     #: whether a run on this backend needs an event channel of its own (a warm pool has one)
     needs_channel = True
+    #: whether a launcher of this backend's ranks (a Spark task) fetches the job's large values
+    #: from the driver's channel, once per machine, where the job names them (``hostcopy``)
+    fetches_values = False
 
     def __init__(self, session: Any = None):
         self.session = session
@@ -107,7 +110,7 @@ class Backend(abc.ABC):
     def ranks_share_machine(self) -> bool:
         """Whether every rank surely runs on this machine, and so reads a file the driver
         writes into shared memory (a job's large values, ``values.Buffers``); where it cannot be
-        sure, the values travel inside the job."""
+        sure, each machine fetches them (``fetches_values``), or they travel inside the job."""
         return False
 
     def check(self, options: LaunchOptions) -> LaunchPlan:

@@ -60,6 +60,7 @@ class SparkStageBackend(Backend):
     name = "spark"
     #: how the refusals name the cluster, e.g. "this Spark cluster"
     cluster = "this Spark cluster"
+    fetches_values = True
 
     @abc.abstractmethod
     def slots(self) -> int:

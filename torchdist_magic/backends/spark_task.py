@@ -18,6 +18,12 @@ each task also starts a small guard process in a session of its own, which notic
 end and, unless the task said "done", stops the worker's process group and removes the task's
 files.
 
+Notebook values.  Where the job names values to fetch (``RunSpec.values_fetch``), the task joins
+its machine's users of their copy before anything else and hands that lock to its guard, then,
+after the rendezvous, fetches them or waits for the task of its machine that does (``hostcopy``);
+the guard, at the task's end or after its kill, removes the copy when it was its machine's last
+user.
+
 Nothing here imports pyspark at module level, and nothing here is driver code: the driver's side
 of the stage is ``spark_stage``.
 """
@@ -37,12 +43,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Tuple
 
-from .. import events, procs
+from .. import events, hostcopy, procs
 from ..channel import ChannelClient
 from ..gpu_metrics import open_gpu_source
 from ..launcher import RankProcess, read_result, reserve_port, stop_all, write_job_file
 from ..rankenv import RunSpec, place_spark_tasks, rank_environment
 from ..timing import STOP_GRACE
+from ..values import host_copy_path
 from ..worker import VALUE_FILE_ENV
 
 #: lines of a rank's output a task keeps, for when its channel to the driver is lost
@@ -60,13 +67,34 @@ SCHEMA = "rank int, kind string, chunk binary"
 # itself.  End of input without "done" means the task was killed: SIGTERM the worker's group, wait
 # up to the grace for the worker to exit (an orphan may stay a zombie for a while: that counts as
 # exited), SIGKILL what is left of the group, end what the rank started in a session of its own
-# (its mark), remove the files.
+# (its mark), remove the files.  Either way, it then leaves the users of the machine's copy of the
+# notebook values (``hostcopy``: the shared lock it holds on fd ``users``, -1 for none) and removes
+# the copy when it was the last.
 _GUARD_MAIN = r"""
-import shutil, sys
-workdir, grace = sys.argv[1], float(sys.argv[2])
+import fcntl, shutil, sys
+workdir, grace, users, copy = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+def leave_copy():
+    if users < 0:
+        return
+    fcntl.flock(users, fcntl.LOCK_UN)
+    try:
+        fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return  # another task of this machine uses the copy: the last one removes it
+    try:
+        last = os.stat(copy + ".users").st_ino == os.fstat(users).st_ino
+    except OSError:
+        last = False  # removed, and maybe made again for a later attempt, by another
+    if last:
+        for suffix in ("", ".tmp", ".lock", ".users"):
+            try:
+                os.unlink(copy + suffix)
+            except OSError:
+                pass
 ranks = []
 for line in sys.stdin:
     if line.strip() == "done":
+        leave_copy()
         sys.exit(0)
     pgid, _, mark = line.strip().partition(" ")
     ranks.append((int(pgid), mark))
@@ -84,6 +112,7 @@ signal_all(signal.SIGKILL)
 for _, mark in ranks:
     end_marked_processes(mark, grace)
 shutil.rmtree(workdir, ignore_errors=True)
+leave_copy()
 """
 
 
@@ -244,10 +273,17 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
     hold it up)."""
     run = spec.run
     workdir = tempfile.mkdtemp(prefix=f"torchdist-{run.run_id}-rank{rank}-")
-    guard = subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", guard_source(), workdir, str(STOP_GRACE)],
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env=dict(os.environ, TORCHDIST_RUN_ID=run.run_id), start_new_session=True, text=True)
+    copy = host_copy_path(run.values_fetch, run.values_fetch_size) if run.values_fetch else ""
+    users = hostcopy.join(copy) if copy else -1
+    try:
+        guard = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", guard_source(), workdir, str(STOP_GRACE), str(users), copy],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=dict(os.environ, TORCHDIST_RUN_ID=run.run_id), start_new_session=True, text=True,
+            pass_fds=(users,) if users >= 0 else ())
+    finally:
+        if users >= 0:
+            os.close(users)  # the lock is the guard's now: it lets go of it when the task has ended
     port = reserve_port("") if rank == 0 else None
     proc: Optional[RankProcess] = None
     gpu_source = None
@@ -272,6 +308,10 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
         value_file = spec.value_file(rank)
         if value_file:
             env[VALUE_FILE_ENV] = value_file
+        if copy:
+            line = hostcopy.fetch(run, copy, rank, driver.stopped)
+            if line:
+                emit(events.Log(rank=rank, stream="stderr", line=line))
         job_file = os.path.join(workdir, "job.pkl")
         write_job_file(job_file, spec.job_bytes)
         if driver.stopped():
