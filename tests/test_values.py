@@ -58,27 +58,11 @@ def test_what_is_not_a_value_blob_is_refused():
         values.loads(pickle.dumps(1))
 
 
-def test_a_large_value_written_by_several_threads_is_the_blob_written_by_one(tmp_path, monkeypatch):
-    """Above ``PARALLEL_BYTES`` the parts go in pieces, by several threads, each to its place:
-    the file is byte for byte what one thread writes in order (``dumps``)."""
-    monkeypatch.setattr(values, "PIECE", 1 << 20)  # many pieces: the threads take turns
-    monkeypatch.setattr(values, "WRITERS", 3)
-    value = {"big": torch.arange(values.PARALLEL_BYTES // 4 + 12345, dtype=torch.int32),
-             "odd": torch.arange(3, dtype=torch.int8), "array": np.arange(100_001, dtype=np.float64)}
-    path = str(tmp_path / "value")
-    size = values.dump(value, path)
-    assert size == os.path.getsize(path) > values.PARALLEL_BYTES
-    with open(path, "rb") as fh:
-        assert fh.read() == values.dumps(value)
-    back = values.loads(values.read(path))
-    assert torch.equal(back["big"], value["big"]) and (back["array"] == value["array"]).all()
-
-
 def test_many_small_buffers_and_one_large_one_load_back_both_ways(tmp_path):
-    """The small parts and the large one share the pieces; so do the values sent to the ranks
-    (``Buffers.in_file`` writes into the file it made)."""
+    """Each part at its aligned place, in a file as in memory (``dumps``); so too for the values
+    sent to the ranks (``Buffers.in_file`` writes into the file it made)."""
     value = {f"small{i}": torch.full((i % 37 + 1,), float(i)) for i in range(500)}
-    value["large"] = torch.arange(values.PARALLEL_BYTES // 8 * 3, dtype=torch.float64)
+    value["large"] = torch.arange(3 * 2**20, dtype=torch.float64)
     value["bytes"] = np.frombuffer(os.urandom(1001), dtype=np.uint8)
     path = str(tmp_path / "value")
     values.dump(value, path)
@@ -131,15 +115,18 @@ assert_no_survivors(run)
 """
 
 
+#: rank 0's value in ``FULL_SHM_RUN``: more than the 8 MiB of its small mounts
+FULL_SHM_VALUE = 32 * 2**20
+
+
 def _run_with_small_mounts(tmp: bool) -> str:
-    """What ``FULL_SHM_RUN`` prints for a value larger than ``PARALLEL_BYTES`` (written by
-    several threads) where /dev/shm (and with ``tmp`` the temporary directory, where the ranks'
-    result dirs are) is an 8 MiB tmpfs of its own: a private mount, in a process this test
-    starts."""
+    """What ``FULL_SHM_RUN`` prints where /dev/shm (and with ``tmp`` the temporary directory,
+    where the ranks' result dirs are) is an 8 MiB tmpfs of its own: a private mount, in a
+    process this test starts."""
     import subprocess
     import sys
 
-    size = values.PARALLEL_BYTES + 16 * 2**20
+    size = FULL_SHM_VALUE
     tests = os.path.dirname(os.path.abspath(__file__))
     mounts = "mount -t tmpfs -o size=8m tmpfs /dev/shm"
     if tmp:
@@ -155,8 +142,7 @@ def _run_with_small_mounts(tmp: bool) -> str:
 @pytest.mark.skipif(UNSHARE is None, reason="a full /dev/shm needs a mount of its own (unshare)")
 def test_a_value_too_large_for_shared_memory_comes_back_through_the_result_dir():
     """Rank 0's value fills the ranks' /dev/shm (ENOSPC) and comes back from its result dir."""
-    size = values.PARALLEL_BYTES + 16 * 2**20
-    assert _run_with_small_mounts(tmp=False).split() == [str(size), "True", str(8 * 2**20)]
+    assert _run_with_small_mounts(tmp=False).split() == [str(FULL_SHM_VALUE), "True", str(8 * 2**20)]
 
 
 @pytest.mark.skipif(UNSHARE is None, reason="a full /dev/shm needs a mount of its own (unshare)")

@@ -11,13 +11,14 @@ reduced to its storage's raw bytes, once per storage, and its shape, strides and
     MAGIC | 8-byte length of the header | header (JSON: sizes) | pickle stream | buffers
 
 each buffer aligned to ``ALIGN`` bytes.  Writing streams each buffer straight from the tensor's
-memory to the file.  A large blob is written by a few threads at once (``_write_in_pieces``):
-each new page of a file in shared memory is a page of memory the system must find and, in a
-virtual machine, often the host too; one thread doing that for 2 GiB took 0.7 to 3.6 s here,
-two threads writing pieces at their places in the file (sized first) 0.75 to 0.95 s.  Reading fills one ``bytearray`` with the whole file (a plain read, at the
-speed of the page cache) and the loaded tensors and arrays are views into it: the driver holds
-the value once, plus the small pickle stream.  (A view of a small part of a large storage
-brings the whole storage, as ``torch.save`` does.)
+memory to the file, from one thread: the system takes the file's lock for each write, so that
+threads writing pieces of one file take turns (two to four of them were no faster here, 2 GiB
+into shared memory in 0.75 s either way when the machine was quiet; what made it slower at
+times, up to 3.6 s, was a busy host, whichever the count; ``benchmarks/value_writers.py``).
+Reading fills one ``bytearray`` with the whole file (a plain read, at the speed of the page
+cache) and the loaded tensors and arrays are views into it: the driver holds the value once,
+plus the small pickle stream.  (A view of a small part of a large storage brings the whole
+storage, as ``torch.save`` does.)
 
 The same machinery carries values the other way, out to the ranks (``Buffers``): the notebook
 values a cell uses and ``run()``'s arguments are pickled with their large buffers apart; on the
@@ -36,7 +37,6 @@ import os
 import pickle
 import socket
 import struct
-import threading
 from typing import Any, List, Optional, Tuple, Union
 
 MAGIC = b"torchdist-value-1\n"
@@ -44,13 +44,6 @@ ALIGN = 64
 _LEN = struct.Struct("<Q")
 #: bytes per read or write call: one call of more than 2 GiB may be cut short by the system
 CHUNK = 1 << 30
-#: a blob of at least this many bytes is written by several threads (``WRITERS``) ...
-PARALLEL_BYTES = 64 << 20
-#: ... which take pieces of this size in turn
-PIECE = 64 << 20
-#: how many: a thread or two more than one keep the copy going while another waits for new
-#: pages; more than four gain nothing where the memory's bandwidth is the limit
-WRITERS = max(2, min(4, os.cpu_count() or 2))
 #: values sent to the ranks whose large buffers come to at least this travel in a file of their
 #: own (``Buffers.write``) where the ranks share the driver's machine; below it, in the job
 APART_BYTES = 1 << 20
@@ -169,59 +162,15 @@ def dump(value: Any, path: str) -> int:
 def _write_blob(path: str, stream: bytes, raws: List[memoryview], mode: str = "wb") -> int:
     """Write the blob of ``stream`` and ``raws`` into ``path``, opened with ``mode`` (``"r+b"``:
     an existing, empty file); its size.  Raises the ``OSError`` of a failed write (a full disk)."""
-    placed: List[Tuple[int, memoryview]] = []  # each part and where it goes
+    head = _header(stream, raws)
     size = 0
-    for part in [memoryview(_header(stream, raws)), memoryview(stream)] + raws:
-        size += _pad(size)  # 0 before the header
-        placed.append((size, part))
-        size += part.nbytes
     with open(path, mode, buffering=0) as fh:
-        if size < PARALLEL_BYTES:
-            written = 0
-            for offset, part in placed:
-                _write_all(fh, memoryview(b"\0" * (offset - written)))
-                _write_all(fh, part)
-                written = offset + part.nbytes
-        else:
-            os.ftruncate(fh.fileno(), size)  # the padding reads as zeros without being written
-            _write_in_pieces(fh.fileno(), placed, WRITERS)
+        for part in [memoryview(head), memoryview(stream)] + raws:
+            pad = _pad(size)  # 0 before the header
+            _write_all(fh, memoryview(b"\0" * pad))
+            _write_all(fh, part)
+            size += pad + part.nbytes
     return size
-
-
-def _write_in_pieces(fd: int, placed: List[Tuple[int, memoryview]], writers: int) -> None:
-    """Write each part of ``placed`` at its offset in ``fd``, in pieces of ``PIECE`` bytes taken
-    in turn by ``writers`` threads (this one among them).  The first error stops them all and
-    is raised once they have stopped."""
-    pieces = iter([(offset + start, part[start:start + PIECE])
-                   for offset, part in placed for start in range(0, part.nbytes, PIECE)])
-    lock = threading.Lock()
-    errors: List[BaseException] = []
-
-    def write() -> None:
-        while not errors:
-            with lock:
-                piece = next(pieces, None)
-            if piece is None:
-                return
-            offset, view = piece
-            try:
-                while view.nbytes:
-                    done = os.pwrite(fd, view, offset)
-                    view, offset = view[done:], offset + done
-            except BaseException as exc:  # an interrupt in this thread stops the others too
-                errors.append(exc)
-
-    threads = [threading.Thread(target=write, name="torchdist-value-writer", daemon=True)
-               for _ in range(writers - 1)]
-    for t in threads:
-        t.start()
-    try:
-        write()
-    finally:
-        for t in threads:
-            t.join()
-    if errors:
-        raise errors[0]
 
 
 def dumps(value: Any) -> bytes:
