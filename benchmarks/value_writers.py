@@ -101,7 +101,7 @@ def main() -> None:
             print(f"round {r + 1}: {writers} writer(s): fill {tries[writers][-1]['fill']:.2f} s, "
                   f"write {tries[writers][-1]['write']:.2f} s", flush=True)
     rows = []
-    print(f"\n| writers | write, median (s) | fastest | slowest | MiB/s (median) | fill, median (s) |")
+    print("\n| writers | write, median (s) | fastest | slowest | MiB/s (median) | fill, median (s) |")
     print("|---|---|---|---|---|---|")
     for writers, mine in tries.items():
         writes = [t["write"] for t in mine]
