@@ -126,13 +126,12 @@ def _run_with_small_mounts(tmp: bool) -> str:
     import subprocess
     import sys
 
-    size = FULL_SHM_VALUE
     tests = os.path.dirname(os.path.abspath(__file__))
     mounts = "mount -t tmpfs -o size=8m tmpfs /dev/shm"
     if tmp:
         mounts += " && mount -t tmpfs -o size=8m tmpfs /mnt && export TMPDIR=/mnt"
     script = f'{mounts} && exec {sys.executable} -c "$0" "$@"'
-    done = subprocess.run(["unshare", *UNSHARE, "sh", "-c", script, FULL_SHM_RUN, tests, str(size)],
+    done = subprocess.run(["unshare", *UNSHARE, "sh", "-c", script, FULL_SHM_RUN, tests, str(FULL_SHM_VALUE)],
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": os.path.dirname(tests)})
     assert done.returncode == 0, done.stderr
