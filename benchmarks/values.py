@@ -6,6 +6,8 @@ mode, and on the same Spark sessions) in the same process.
     python benchmarks/values.py [--sizes 1 64 512 2048] [--repeat 3] [--json OUT] [--no-spark]
                                 [--no-connect] [--no-torchdistributor] [--max-spark-mib N]
                                 [--fetch-sizes 1 64 512 2048] [--only-fetch]
+                                [--max-torchdistributor-mib N] [--torchdistributor-repeat N]
+                                [--connect-driver-memory 4g]
 
 Every figure is the whole run's wall time (start 2 ranks, train nothing, move the value,
 return), the median of ``--repeat``; "MiB/s" is the largest size over its time beyond the
@@ -13,9 +15,15 @@ smallest size's, i.e. what the value itself costs.  "out" is a cell that uses a 
 (``capture_cell``, as ``%%torchdist`` does) for torchdist_magic, and the function's argument for
 TorchDistributor, which has no other way.  The driver's peak resident memory above what it held
 before (``/proc/self/status`` VmHWM, reset before each size) is in units of the value.  Spark
-sizes above ``--max-spark-mib`` are skipped (TorchDistributor's closure and result paths hold
-several copies of the value in the JVM: 2 GiB exhausts a small machine).  The Connect rows run
-last: a Connect session makes this process a Connect client for good.
+sizes above ``--max-spark-mib`` are skipped, and TorchDistributor's above
+``--max-torchdistributor-mib`` (its closure and result paths hold several copies of the value in
+the JVM: 2 GiB exhausts a small machine); TorchDistributor's runs, several times slower, are
+repeated ``--torchdistributor-repeat`` times.  A size that fails is recorded with its error
+(``"error"`` in the JSON, "failed" in the table) and the runner's larger sizes in that direction
+are not tried.  The Connect rows run last (a Connect session makes this process a Connect client
+for good), on a server with ``--connect-driver-memory`` of heap: at Spark's default of 1 GiB
+TorchDistributor's 512 MiB value back exhausts it (``OutOfMemoryError`` serializing the task's
+result; the server stops), where torchdist_magic's value never enters the JVM.
 
 The "fetch" rows send the notebook tensor out the way a multi-host cluster does
 (``TORCHDIST_VALUES_FETCH=1`` on ``local[2]``: one task fetches the file from the driver's channel
@@ -141,27 +149,35 @@ def measure(name: str, runner, sizes, repeat: int, rows: list, directions=("back
             tensor = torch.ones(mib * 2**18) if direction == "out" else None
             _reset_peak()
             before = _rss_bytes()
-            if direction == "back":
-                seconds = time_runs(lambda: run_back(mib), repeat)
-            elif "fetch" in name:  # each run's fetch as its fetching rank's log says
-                fetches: list = []
-                seconds = time_runs(lambda: (run_out(tensor), fetches.append(fetched_rate())), repeat)
-            else:
-                seconds = time_runs(lambda: run_out(tensor), repeat)
-            peak = (_peak_bytes() - before) / (mib * 2**20)
-            del tensor
-            row = {"runner": name, "direction": direction, "mib": mib, "seconds": seconds,
-                   "driver_peak_per_value": peak}
-            if "fetch" in name:
+            row = {"runner": name, "direction": direction, "mib": mib}
+            fetches: list = []
+            try:
+                if direction == "back":
+                    row["seconds"] = time_runs(lambda: run_back(mib), repeat)
+                elif "fetch" in name:  # each run's fetch as its fetching rank's log says
+                    row["seconds"] = time_runs(lambda: (run_out(tensor), fetches.append(fetched_rate())), repeat)
+                else:
+                    row["seconds"] = time_runs(lambda: run_out(tensor), repeat)
+            except Exception as exc:  # a runner's limit: recorded, its larger sizes not tried
+                row.update(seconds=None, error=f"{type(exc).__name__}: {str(exc)[:500]}")
+            row["driver_peak_per_value"] = (_peak_bytes() - before) / (mib * 2**20)
+            if fetches:
                 row["fetch_mib_per_s"] = statistics.median(fetches)
+            del tensor
             rows.append(row)
-            print(f"{name:28s} {direction:4s} {mib:5d} MiB  {seconds:7.2f} s  driver peak +{peak:.2f}x"
+            if row["seconds"] is None:
+                print(f"{name:28s} {direction:4s} {mib:5d} MiB  failed: {row['error'][:200]}", flush=True)
+                break
+            print(f"{name:28s} {direction:4s} {mib:5d} MiB  {row['seconds']:7.2f} s  "
+                  f"driver peak +{row['driver_peak_per_value']:.2f}x"
                   + (f"  fetched at {row['fetch_mib_per_s']:.0f} MiB/s" if "fetch_mib_per_s" in row else ""),
                   flush=True)
 
 
 def rate(mine: list):
-    """MiB/s of the largest size beyond the smallest (``None`` when not measurably slower)."""
+    """MiB/s of the largest size measured beyond the smallest (``None`` when not measurably
+    slower)."""
+    mine = [r for r in mine if r["seconds"] is not None]
     if len(mine) < 2:
         return None
     extra = mine[-1]["seconds"] - mine[0]["seconds"]
@@ -180,15 +196,18 @@ def print_table(rows: list, sizes) -> None:
     for name, direction in seen:
         mine = [r for r in rows if r["runner"] == name and r["direction"] == direction]
         by_size = {r["mib"]: r for r in mine}
-        cells = [f"{by_size[m]['seconds']:.2f}" if m in by_size else "-" for m in sizes]
+        cells = [("failed" if by_size[m]["seconds"] is None else f"{by_size[m]['seconds']:.2f}")
+                 if m in by_size else "-" for m in sizes]
         speed = rate(mine)
-        fetch = mine[-1].get("fetch_mib_per_s")
+        largest = [r for r in mine if r["seconds"] is not None][-1:] or mine
+        fetch = largest[0].get("fetch_mib_per_s")
         print(f"| {name} | {direction} | " + " | ".join(cells) + f" | {f'{speed:,.0f}' if speed else '-'} | "
-              f"{mine[-1]['driver_peak_per_value']:.2f} | {f'{fetch:,.0f}' if fetch else '-'} |")
+              f"{largest[0]['driver_peak_per_value']:.2f} | {f'{fetch:,.0f}' if fetch else '-'} |")
 
 
-def on_connect(measure_all) -> None:
-    """``measure_all()`` with a Spark Connect session on a server started for it (and stopped)."""
+def on_connect(measure_all, driver_memory: str) -> None:
+    """``measure_all()`` with a Spark Connect session on a server started for it (and stopped),
+    with ``driver_memory`` of heap."""
     import tempfile
 
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
@@ -196,7 +215,7 @@ def on_connect(measure_all) -> None:
     from spark_fixtures import ConnectServer
 
     with tempfile.TemporaryDirectory(prefix="torchdist-bench-") as tmp:
-        server = ConnectServer(os.path.join(tmp, "connect"))
+        server = ConnectServer(os.path.join(tmp, "connect"), extra_conf={"spark.driver.memory": driver_memory})
         try:
             spark = SparkSession.builder.remote(server.url).getOrCreate()
             measure_all()
@@ -216,12 +235,19 @@ def main() -> None:
     parser.add_argument("--max-spark-mib", type=int, default=512)
     parser.add_argument("--fetch-sizes", type=int, nargs="+", default=[1, 64, 512, 2048])
     parser.add_argument("--only-fetch", action="store_true", help="only the fetch rows (on Spark local[2])")
+    parser.add_argument("--max-torchdistributor-mib", type=int, default=512)
+    parser.add_argument("--torchdistributor-repeat", type=int, default=1)
+    parser.add_argument("--connect-driver-memory", default="4g")
     args = parser.parse_args()
     import pyspark
     import torch
 
     rows: list = []
+    load_before = os.getloadavg()
     spark_sizes = [m for m in args.sizes if m <= args.max_spark_mib]
+    td_local_sizes = [m for m in args.sizes if m <= args.max_torchdistributor_mib]
+    td_sizes = [m for m in spark_sizes if m <= args.max_torchdistributor_mib]
+    td_repeat = args.torchdistributor_repeat
     # TorchDistributor's tasks run Spark's interpreter: the notebook's, as torchdist_magic picks
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     if not args.only_fetch:
@@ -229,7 +255,7 @@ def main() -> None:
     if not args.no_spark:
         spark = spark_session("torchdist_magic values benchmark")
         if not args.no_torchdistributor and not args.only_fetch:  # it wants an active session even in local mode
-            measure("TorchDistributor local", torchdistributor_runner(True), spark_sizes, args.repeat, rows)
+            measure("TorchDistributor local", torchdistributor_runner(True), td_local_sizes, td_repeat, rows)
         if not args.only_fetch:
             measure("torchdist spark local[2]", torchdist_runner(False), spark_sizes, args.repeat, rows)
         from torchdist_magic.distributor import VALUES_FETCH_ENV
@@ -240,25 +266,27 @@ def main() -> None:
                     args.fetch_sizes, args.repeat, rows, directions=("out",))
         del os.environ[VALUES_FETCH_ENV]
         if not args.no_torchdistributor and not args.only_fetch:
-            measure("TorchDistributor spark local[2]", torchdistributor_runner(False), spark_sizes, args.repeat, rows)
+            measure("TorchDistributor spark local[2]", torchdistributor_runner(False), td_sizes, td_repeat, rows)
         spark.stop()
         if not args.no_connect and not args.only_fetch:
             def measure_connect():
                 measure("torchdist connect", torchdist_runner(False), spark_sizes, args.repeat, rows)
                 if not args.no_torchdistributor:
-                    measure("TorchDistributor connect", torchdistributor_runner(False), spark_sizes,
-                            args.repeat, rows)
+                    measure("TorchDistributor connect", torchdistributor_runner(False), td_sizes, td_repeat, rows)
 
-            on_connect(measure_connect)
+            on_connect(measure_connect, args.connect_driver_memory)
     print_table(rows, args.sizes)
     for r in rows:
         r["mib_per_s_beyond_smallest"] = None
     for name, direction in {(r["runner"], r["direction"]) for r in rows}:
-        mine = [r for r in rows if r["runner"] == name and r["direction"] == direction]
-        mine[-1]["mib_per_s_beyond_smallest"] = rate(mine)
+        mine = [r for r in rows if r["runner"] == name and r["direction"] == direction and r["seconds"] is not None]
+        if mine:
+            mine[-1]["mib_per_s_beyond_smallest"] = rate(mine)
     write_json(args.json, {"machine": machine(torch=torch.__version__, pyspark=pyspark.__version__),
-                           "repeat": args.repeat, "note": "2 ranks; measured on a busy 2-core machine",
-                           "rows": rows})
+                           "repeat": args.repeat, "torchdistributor_repeat": td_repeat,
+                           "connect_driver_memory": args.connect_driver_memory,
+                           "load_average": {"before": load_before, "after": os.getloadavg()},
+                           "note": "2 ranks; a shared 2-core machine: see load_average", "rows": rows})
 
 
 if __name__ == "__main__":

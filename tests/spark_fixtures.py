@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from typing import Dict, Optional
 
 import pytest
 
@@ -206,7 +207,8 @@ class ConnectServer:
     """A Spark Connect server (``SparkConnectServer`` through the wheel's ``spark-submit``) on a
     free loopback port, its files under ``base_dir``, in a process group of its own."""
 
-    def __init__(self, base_dir: str, master: str = "local[2]"):
+    def __init__(self, base_dir: str, master: str = "local[2]", extra_conf: Optional[Dict[str, str]] = None):
+        """``extra_conf``: more of the server's Spark settings (``spark.driver.memory``: its heap)."""
         import pyspark
 
         home = os.path.dirname(pyspark.__file__)
@@ -224,7 +226,7 @@ class ConnectServer:
                 "spark.local.dir": os.path.join(base_dir, "local"),
                 "spark.sql.warehouse.dir": os.path.join(base_dir, "warehouse"),
                 "spark.jars.ivy": os.path.join(base_dir, "ivy"),
-                "spark.driver.extraJavaOptions": f"-Djava.io.tmpdir={tmp}"}
+                "spark.driver.extraJavaOptions": f"-Djava.io.tmpdir={tmp}", **(extra_conf or {})}
         command = [os.path.join(home, "bin", "spark-submit"), "--master", master,
                    "--class", "org.apache.spark.sql.connect.service.SparkConnectServer"]
         for key, value in conf.items():

@@ -4,6 +4,7 @@ values come back from Spark; large notebook values reach the ranks."""
 
 import os
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -55,6 +56,100 @@ def test_a_view_keeps_torchs_pickling_which_keeps_the_sharing():
 def test_what_is_not_a_value_blob_is_refused():
     with pytest.raises(ValueError, match="^not a torchdist value: the blob does not start with its mark$"):
         values.loads(pickle.dumps(1))
+
+
+def test_many_small_buffers_and_one_large_one_load_back_both_ways(tmp_path):
+    """Each part at its aligned place, in a file as in memory (``dumps``); so too for the values
+    sent to the ranks (``Buffers.in_file`` writes into the file it made)."""
+    value = {f"small{i}": torch.full((i % 37 + 1,), float(i)) for i in range(500)}
+    value["large"] = torch.arange(3 * 2**20, dtype=torch.float64)
+    value["bytes"] = np.frombuffer(os.urandom(1001), dtype=np.uint8)
+    path = str(tmp_path / "value")
+    values.dump(value, path)
+    with open(path, "rb") as fh:
+        assert fh.read() == values.dumps(value)
+    stream, buffers = values.pickled_apart(value)
+    for back in (values.loads(values.read(path)), values.loads_apart(stream, buffers.in_file(str(tmp_path)))):
+        assert sorted(back) == sorted(value)
+        assert all(torch.equal(back[k], v) for k, v in value.items() if k != "bytes")
+        assert (back["bytes"] == value["bytes"]).all()
+
+
+def _unshare_flags():
+    """The ``unshare`` flags that give a process a mount of its own here (as root, or in a user
+    namespace), or ``None``."""
+    import shutil
+    import subprocess
+
+    for flags in (["-m"], ["-rm"]):
+        if shutil.which("unshare") and subprocess.run(
+                ["unshare", *flags, "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+                capture_output=True).returncode == 0:
+            return flags
+    return None
+
+
+UNSHARE = _unshare_flags()
+
+FULL_SHM_RUN = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from helpers import assert_no_survivors
+from torchdist_magic import Distributor
+from torchdist_magic.errors import RankFailure
+
+def value_of(size):
+    import torch
+    from torchdist_magic import rank
+    return torch.full((size // 4,), 7.0) if rank() == 0 else None
+
+run = Distributor(2, local_mode=True, show=None).submit(value_of, int(sys.argv[2]))
+try:
+    value = run.result(timeout=300)
+except RankFailure as exc:
+    print(exc.exc_type, exc.message, sep="\\n")
+else:
+    shm = os.statvfs("/dev/shm")
+    print(value.numel() * 4, bool((value == 7.0).all()), shm.f_blocks * shm.f_frsize)
+assert_no_survivors(run)
+"""
+
+
+#: rank 0's value in ``FULL_SHM_RUN``: more than the 8 MiB of its small mounts
+FULL_SHM_VALUE = 32 * 2**20
+
+
+def _run_with_small_mounts(tmp: bool) -> str:
+    """What ``FULL_SHM_RUN`` prints where /dev/shm (and with ``tmp`` the temporary directory,
+    where the ranks' result dirs are) is an 8 MiB tmpfs of its own: a private mount, in a
+    process this test starts."""
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    mounts = "mount -t tmpfs -o size=8m tmpfs /dev/shm"
+    if tmp:
+        mounts += " && mount -t tmpfs -o size=8m tmpfs /mnt && export TMPDIR=/mnt"
+    script = f'{mounts} && exec {sys.executable} -c "$0" "$@"'
+    done = subprocess.run(["unshare", *UNSHARE, "sh", "-c", script, FULL_SHM_RUN, tests, str(FULL_SHM_VALUE)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.path.dirname(tests)})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.skipif(UNSHARE is None, reason="a full /dev/shm needs a mount of its own (unshare)")
+def test_a_value_too_large_for_shared_memory_comes_back_through_the_result_dir():
+    """Rank 0's value fills the ranks' /dev/shm (ENOSPC) and comes back from its result dir."""
+    assert _run_with_small_mounts(tmp=False).split() == [str(FULL_SHM_VALUE), "True", str(8 * 2**20)]
+
+
+@pytest.mark.skipif(UNSHARE is None, reason="a full /dev/shm needs a mount of its own (unshare)")
+def test_a_value_too_large_for_both_places_is_the_ranks_failure():
+    exc_type, message = _run_with_small_mounts(tmp=True).splitlines()
+    assert exc_type == "OSError"
+    assert re.fullmatch(r"the value of rank 0 could not be written to /mnt/torchdist-[^/]+/rank-0/result\.pkl: "
+                        r"\[Errno 28\] No space left on device", message), message
 
 
 def rank0_value_of(size):

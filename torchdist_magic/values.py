@@ -11,10 +11,14 @@ reduced to its storage's raw bytes, once per storage, and its shape, strides and
     MAGIC | 8-byte length of the header | header (JSON: sizes) | pickle stream | buffers
 
 each buffer aligned to ``ALIGN`` bytes.  Writing streams each buffer straight from the tensor's
-memory to the file; reading fills one ``bytearray`` with the whole file (a plain read, at the
-speed of the page cache) and the loaded tensors and arrays are views into it: the driver holds
-the value once, plus the small pickle stream.  (A view of a small part of a large storage
-brings the whole storage, as ``torch.save`` does.)
+memory to the file, from one thread: the system takes the file's lock for each write, so that
+threads writing pieces of one file take turns (two to four of them were no faster here, 2 GiB
+into shared memory in 0.75 s either way when the machine was quiet; what made it slower at
+times, up to 3.6 s, was a busy host, whichever the count; ``benchmarks/value_writers.py``).
+Reading fills one ``bytearray`` with the whole file (a plain read, at the speed of the page
+cache) and the loaded tensors and arrays are views into it: the driver holds the value once,
+plus the small pickle stream.  (A view of a small part of a large storage brings the whole
+storage, as ``torch.save`` does.)
 
 The same machinery carries values the other way, out to the ranks (``Buffers``): the notebook
 values a cell uses and ``run()``'s arguments are pickled with their large buffers apart; on the
@@ -161,6 +165,8 @@ def dump(value: Any, path: str) -> int:
 
 
 def _write_blob(path: str, stream: bytes, raws: List[memoryview], mode: str = "wb") -> int:
+    """Write the blob of ``stream`` and ``raws`` into ``path``, opened with ``mode`` (``"r+b"``:
+    an existing, empty file); its size.  Raises the ``OSError`` of a failed write (a full disk)."""
     head = _header(stream, raws)
     size = 0
     with open(path, mode, buffering=0) as fh:
