@@ -383,22 +383,45 @@ def mib_for_rank_0(mib):
 
 
 @pytest.mark.spark
-def test_a_value_over_the_drivers_result_limit_says_spark_could_not_return_it(spark_local2, spark_sessions,
-                                                                            monkeypatch):
+def test_a_value_over_the_drivers_result_limit_from_a_task_off_the_channel_says_spark_could_not_return_it(
+        spark_local2, spark_sessions, monkeypatch):
+    import torchdist_magic.backends.spark_stage as spark_stage
+    import torchdist_magic.distributor as distributor
+    from torchdist_magic.channel import ChannelServer, new_secret
+
+    # as above, and the channel refuses the tasks' launchers (another launcher secret than the
+    # one they are given): they meet through Spark's barrier, and the value goes through Spark
+    monkeypatch.setattr(spark_stage, "value_dir_mark", lambda run_id: "not-what-the-tasks-look-for")
+    monkeypatch.setattr(distributor, "ChannelServer",
+                        lambda *args, **kwargs: ChannelServer(*args, **{**kwargs, "launcher_secret": new_secret()}))
+    spark_sessions.stop()
+    spark_sessions.get("local[2]", **{"spark.driver.maxResultSize": "1m"})
+    try:
+        run = spark_dist(2).submit(mib_for_rank_0, 2)
+        with pytest.raises(RankFailure) as info:  # the driver heard of the ranks through Spark alone
+            run.result(timeout=180)
+        assert info.value.exc_type == "SparkException"
+        assert "is bigger than spark.driver.maxResultSize" in info.value.message
+        assert_nothing_left(run)
+    finally:
+        spark_sessions.stop()  # the next test gets a session without the limit
+
+
+@pytest.mark.spark
+def test_a_value_over_the_drivers_result_limit_comes_back_over_the_channel(spark_local2, spark_sessions,
+                                                                          monkeypatch):
     import torchdist_magic.backends.spark_stage as spark_stage
 
-    # the tasks do not find the driver's value directory (as on a cluster): values go through
-    # Spark, to a driver that takes at most 1 MiB of task results (spark.driver.maxResultSize)
+    # the tasks do not find the driver's value directory (as on a cluster): each sends its
+    # rank's value over the run's channel, not through Spark, whose driver here takes at most
+    # 1 MiB of task results (spark.driver.maxResultSize)
     monkeypatch.setattr(spark_stage, "value_dir_mark", lambda run_id: "not-what-the-tasks-look-for")
     spark_sessions.stop()
     spark_sessions.get("local[2]", **{"spark.driver.maxResultSize": "1m"})
     try:
         run = spark_dist(2).submit(mib_for_rank_0, 2)
-        with pytest.raises(RuntimeError) as info:
-            run.result(timeout=180)
-        assert str(info.value).startswith("rank 0 finished, but Spark could not return its value: ")
-        assert "spark.driver.maxResultSize" in str(info.value)
-        assert [rs.exit_code for rs in run.state.ranks] == [0, 0] and run.state.state == "failed"
+        assert run.result(timeout=180) == bytes(2 * 2**20)
+        assert "MiB sent to the driver in" in run.logs(0)
         assert_nothing_left(run)
     finally:
         spark_sessions.stop()  # the next test gets a session without the limit

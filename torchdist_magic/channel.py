@@ -56,10 +56,22 @@ go, so that records leave in the order they were made while the reader never wai
 Files.  A channel may serve files (``ChannelServer``'s ``files``: the notebook values out to the
 ranks, which each machine of a cluster fetches once, ``hostcopy``).  A fetch is a connection
 whose hello names the file (``"fetch"``); it authenticates as any other, then leaves the server's
-thread for a thread of its own (``_FileSender``: at most ``FETCHES_AT_ONCE`` at a time), which
+thread for a thread of its own (``_FileTransfers``: at most ``FETCHES_AT_ONCE`` at a time), which
 sends ``{"size": n}`` and the file's ``n`` bytes raw (``socket.sendfile`` on plain TCP; read
 into one reused buffer and encrypted a chunk at a time with TLS) and closes.  A stranger gets
 the refusal of any failed handshake and nothing of the file.
+
+The other way, a channel takes the ranks' values (``receive_values``: a path for each rank whose
+value the driver wants; ``upload``, from a Spark task on another machine).  An upload is a
+launcher's connection whose hello names its own rank (``"upload"``, which must be the hello's
+``"rank"``) and the value's size (``"size"``); the server refuses one for a rank it takes no
+value from.  On a thread of the same pool, it answers ``{"ready": true}`` once it has checked
+that the value's directory has room for it (else ``{"error": ...}``), reads the ``size`` bytes
+into ``<path>.tmp`` through one reused buffer, renames that to ``path`` and answers
+``{"ok": true}``.  What goes wrong (the disk fills, the connection is cut) removes the ``.tmp``;
+a write that failed is answered with its error at once, and the rest of the value is read and
+dropped, so that the rank hears why rather than a reset.  A rank can write nothing but its own
+value's file, and no more bytes than it announced.
 """
 
 from __future__ import annotations
@@ -67,6 +79,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import errno
 import functools
 import hashlib
 import hmac
@@ -130,10 +143,12 @@ _TLS_RECORD = 5 + 2 ** 14 + 256
 #: ``CONNECT_ATTEMPTS`` times ``HANDSHAKE_DEADLINE`` in all
 _RETRY_PAUSE, _RETRY_PAUSE_MAX = 0.05, 2.0
 CONNECT_ATTEMPTS = 6
-#: files sent at once at most (one thread each); more fetches wait their turn
+#: files sent or received at once at most (one thread each); more fetches and uploads wait their turn
 FETCHES_AT_ONCE = 8
-#: what a fetch over TLS reads from the file and encrypts at once
+#: what a fetch over TLS reads from the file and encrypts at once, and what an upload reads at once
 _FILE_CHUNK = 1 << 20
+#: a full disk, as ``os.write`` says it (``EFBIG``: a file size limit)
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class FrameError(Exception):
@@ -248,7 +263,7 @@ class ChannelServer:
     ``identity`` (a ``tls.ChannelIdentity``) every connection is TLS; a TLS handshake that fails
     is a failed handshake (``rejected``).  ``files`` (``{name: path}``) are the files an
     authenticated peer may fetch (see the module's "Files"); ``files_sent`` counts those sent
-    whole.
+    whole, ``values_received`` the ranks' values taken whole (``receive_values``).
     """
 
     def __init__(self, on_event: Callable[[events.Event], None], run_id: str, *,
@@ -262,8 +277,8 @@ class ChannelServer:
         self.encrypted = self._tls is not None
         self.stats: Dict[str, int] = dict.fromkeys(
             ("accepted", "authenticated", "rejected", "evicted", "frames", "delivered",
-             "malformed", "forbidden", "callback_errors", "files_sent"), 0)
-        self._files = _FileSender(dict(files or {}), self.stats)
+             "malformed", "forbidden", "callback_errors", "files_sent", "values_received"), 0)
+        self._files = _FileTransfers(dict(files or {}), self.stats)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener: Optional[socket.socket] = socket.create_server((host, 0), family=family, backlog=512)
         self._listener.setblocking(False)
@@ -298,6 +313,11 @@ class ChannelServer:
         with self._lock:
             keys = [key for key in self._routes if key[0] == role]
         return self._send_to(keys, _frame({"events": [events.encode(record)]}))
+
+    def receive_values(self, paths: Dict[int, str]) -> None:
+        """Take each rank's value (``{rank: path}``) over the channel into its path (see the
+        module's "Files"), in place of those given before; a rank not named may upload nothing."""
+        self._files.receive_values(paths)
 
     def close(self) -> None:
         """Stop accepting; give authenticated connections until ``CHANNEL_CLOSE_WAIT`` (one
@@ -551,7 +571,7 @@ class ChannelServer:
         if reason is not None:
             return self._reject(conn, reason)
         del self._pending[conn]
-        if "fetch" in hello:
+        if "fetch" in hello or "upload" in hello:
             return self._hand_off(conn, hello)
         self._authed.add(conn)
         conn.role, conn.rank = hello["role"], hello["rank"]
@@ -584,15 +604,27 @@ class ChannelServer:
         fetch = hello.get("fetch")
         if fetch is not None and not self._files.serves(fetch):
             return f"this channel serves no file named {fetch!r:.100}"
+        if "upload" in hello:
+            size = hello.get("size")
+            if role != "launcher" or type(hello["upload"]) is not int or hello["upload"] != rank or fetch is not None:
+                return "only a rank's launcher uploads, and only its own rank's value"
+            if type(size) is not int or size < 0:
+                return "an upload needs the value's size"
+            if not self._files.takes_value(rank):
+                return f"this run takes no value from rank {rank} over the channel"
         return None
 
     def _hand_off(self, conn: _Conn, hello: dict) -> None:
-        """An authenticated fetch: its reply queued, it leaves this thread for the file's sender."""
+        """An authenticated fetch or upload: its reply queued, it leaves this thread for one of
+        the file transfers'."""
         self.stats["authenticated"] += 1
         conn.outbox += _frame({"ok": True, "mac": _mac(self._secrets[hello["role"]], hello["nonce"]).decode()})
         conn.open = False  # the server's loops let go of it
         self._selector.unregister(conn.sock)
-        self._files.start(conn, hello["fetch"])
+        if "fetch" in hello:
+            self._files.start(conn, hello["fetch"])
+        else:
+            self._files.start_upload(conn, hello["rank"], hello["size"])
 
     def _frames(self, conn: _Conn) -> None:
         buf, offset = conn.inbuf, 0
@@ -646,34 +678,55 @@ class ChannelServer:
         conn.sock.close()
 
 
-class _FileSender:
-    """Sends the files a channel serves (see the module's "Files"), each fetch on a thread of its
-    own, at most ``FETCHES_AT_ONCE`` at once: the channel's thread, which decodes the ranks'
-    records, never waits for a file.  Sent from the file itself, never held in memory."""
+class _FileTransfers:
+    """Sends the files a channel serves and takes the ranks' values (see the module's "Files"),
+    each on a thread of its own, at most ``FETCHES_AT_ONCE`` at once: the channel's thread,
+    which decodes the ranks' records, never waits for a file.  Sent from the file itself and
+    written as it arrives, never held in memory."""
 
     def __init__(self, files: Dict[str, str], stats: Dict[str, int]):
         self._files = files
         self._stats = stats
         self._lock = threading.Lock()
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._sockets: set = set()   # of fetches started and not ended
+        self._sockets: set = set()   # of transfers started and not ended
         self._closed = False
+        self._values: Dict[int, str] = {}  # where each rank's value goes
 
     def serves(self, name: object) -> bool:
         return isinstance(name, str) and name in self._files
 
+    def receive_values(self, paths: Dict[int, str]) -> None:
+        with self._lock:
+            self._values = dict(paths)
+
+    def takes_value(self, rank: int) -> bool:
+        with self._lock:
+            return rank in self._values
+
     def start(self, conn: _Conn, name: str) -> None:
+        self._begin(conn, self._send, self._files[name])
+
+    def start_upload(self, conn: _Conn, rank: int, size: int) -> None:
+        with self._lock:
+            path = self._values.get(rank)
+        if path is None:  # another attempt's paths since the hello was checked
+            conn.sock.close()
+            return
+        self._begin(conn, self._receive, path, size)
+
+    def _begin(self, conn: _Conn, transfer: Callable, *args) -> None:
         with self._lock:
             if not self._closed:
                 if self._pool is None:
-                    self._pool = concurrent.futures.ThreadPoolExecutor(FETCHES_AT_ONCE, "torchdist-fetch")
+                    self._pool = concurrent.futures.ThreadPoolExecutor(FETCHES_AT_ONCE, "torchdist-files")
                 self._sockets.add(conn.sock)
-                self._pool.submit(self._send, conn, self._files[name])
+                self._pool.submit(self._run, transfer, conn, *args)
                 return
         conn.sock.close()
 
     def close(self) -> None:
-        """End the fetches under way (their connections are shut) and those waiting."""
+        """End the transfers under way (their connections are shut) and those waiting."""
         with self._lock:
             self._closed = True
             sockets, pool = list(self._sockets), self._pool
@@ -685,7 +738,7 @@ class _FileSender:
         if pool is not None:
             pool.shutdown(wait=False)
 
-    def _send(self, conn: _Conn, path: str) -> None:
+    def _run(self, transfer: Callable, conn: _Conn, *args) -> None:
         sock = conn.sock
         try:
             with self._lock:
@@ -694,27 +747,94 @@ class _FileSender:
             sock.settimeout(FETCH_STALL)
             if conn.tls is not None:  # what the TLS handshake left to send comes first
                 sock.sendall(bytes(conn.wire) + conn.tls_out.read())
-            try:
-                fh = open(path, "rb", buffering=0)
-            except OSError as exc:
-                self._sendall(conn, bytes(conn.outbox) + _frame({"error": f"the driver cannot read it: {exc}"}))
-                return
-            with fh:
-                size = os.fstat(fh.fileno()).st_size
-                self._sendall(conn, bytes(conn.outbox) + _frame({"size": size}))
-                if conn.tls is None:
-                    sent = sock.sendfile(fh, 0, size)
-                else:
-                    sent = self._send_sealed(conn, fh, size)
-            if sent == size:
-                with self._lock:
-                    self._stats["files_sent"] += 1
-        except (OSError, ssl.SSLError):  # the fetcher went, stalled, or close(): it says what it saw
+            transfer(conn, *args)
+        except (OSError, ssl.SSLError):  # the peer went, stalled, or close(): it says what it saw
             pass
         finally:
             with self._lock:
                 self._sockets.discard(sock)
             sock.close()
+
+    def _send(self, conn: _Conn, path: str) -> None:
+        try:
+            fh = open(path, "rb", buffering=0)
+        except OSError as exc:
+            self._sendall(conn, bytes(conn.outbox) + _frame({"error": f"the driver cannot read it: {exc}"}))
+            return
+        with fh:
+            size = os.fstat(fh.fileno()).st_size
+            self._sendall(conn, bytes(conn.outbox) + _frame({"size": size}))
+            if conn.tls is None:
+                sent = conn.sock.sendfile(fh, 0, size)
+            else:
+                sent = self._send_sealed(conn, fh, size)
+        if sent == size:
+            with self._lock:
+                self._stats["files_sent"] += 1
+
+    def _receive(self, conn: _Conn, path: str, size: int) -> None:
+        """A rank's value of ``size`` bytes into ``path``, through ``path.tmp``."""
+        folder, tmp = os.path.dirname(path), path + ".tmp"
+        try:
+            room = os.statvfs(folder)
+            free = room.f_bavail * room.f_frsize
+            if size > free:
+                return self._sendall(conn, bytes(conn.outbox) + _frame({"error": (
+                    f"no room for it on the driver: {folder} has {free / 2**20:.1f} MiB free")}))
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as exc:
+            return self._sendall(conn, bytes(conn.outbox) + _frame({"error": f"the driver cannot write {tmp}: {exc}"}))
+        written = False
+        try:
+            self._sendall(conn, bytes(conn.outbox) + _frame({"ready": True}))
+            buffer = memoryview(bytearray(max(min(size, _FILE_CHUNK), 1)))
+            got, failure = 0, ""
+            while got < size:
+                n = self._recv_into(conn, buffer[:min(len(buffer), size - got)])
+                if not n:
+                    return  # the rank went: it says what it saw
+                if not failure:
+                    try:
+                        part = buffer[:n]
+                        while part.nbytes:
+                            part = part[os.write(out, part):]
+                    except OSError as exc:
+                        cause = f"no room for it in {folder}" if exc.errno in _NO_ROOM else f"cannot write {tmp}"
+                        failure = f"{cause} on the driver after {got / 2**20:.1f} MiB ({exc})"
+                        self._sendall(conn, _frame({"error": failure}))  # the rest is read and dropped
+                got += n
+            if not failure:
+                os.close(out)
+                out = -1
+                os.rename(tmp, path)
+                written = True
+                with self._lock:
+                    self._stats["values_received"] += 1
+                self._sendall(conn, _frame({"ok": True}))
+        finally:
+            if out >= 0:
+                os.close(out)
+            if not written:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+
+    @staticmethod
+    def _recv_into(conn: _Conn, buffer: memoryview) -> int:
+        """Plaintext of the connection into ``buffer``; 0 at its end."""
+        if conn.tls is None:
+            return conn.sock.recv_into(buffer)
+        while True:
+            try:
+                return conn.tls.read(len(buffer), buffer)
+            except ssl.SSLWantReadError:
+                data = conn.sock.recv(_FILE_CHUNK)
+                if not data:
+                    return 0
+                conn.tls_in.write(data)
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return 0
 
     @staticmethod
     def _sendall(conn: _Conn, data: bytes) -> None:
@@ -1028,9 +1148,11 @@ class ChannelClient:
 
 
 def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: int, role: str,
-                    context: Optional[ssl.SSLContext] = None, fetch: str = "") -> Union[socket.socket, _TlsSocket]:
+                    context: Optional[ssl.SSLContext] = None, fetch: str = "",
+                    upload: Optional[int] = None) -> Union[socket.socket, _TlsSocket]:
     """An authenticated connection to the driver at ``address`` as ``role`` of ``rank`` (TLS
-    with ``context``; ``fetch``: to fetch the file of that name, see the module's "Files"): each
+    with ``context``; ``fetch``: to fetch the file of that name; ``upload``: to send the rank's
+    value of that many bytes; see the module's "Files"): each
     handshake within ``HANDSHAKE_DEADLINE``; one that the driver cut off (evicted from its
     pending table) or that took too long is tried again after a jittered, growing pause, for at most ``CONNECT_ATTEMPTS`` times ``HANDSHAKE_DEADLINE``.  Raises
     ``_Refused``, ``_NotTheDriver``, ``FrameError``, ``EOFError`` or ``OSError`` (``TimeoutError``
@@ -1042,7 +1164,7 @@ def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: in
         attempt = time.monotonic()
         try:
             return _handshake(address, secret, run_id, rank, role, context,
-                              min(attempt + HANDSHAKE_DEADLINE, give_up), fetch)
+                              min(attempt + HANDSHAKE_DEADLINE, give_up), fetch, upload)
         except (EOFError, ConnectionResetError, BrokenPipeError, TimeoutError, socket.timeout):  # 3.9: not the same
             wait = pause * random.uniform(0.5, 1.5)
             if time.monotonic() + wait >= give_up:
@@ -1052,7 +1174,8 @@ def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: in
 
 
 def _handshake(address: Tuple[str, int], secret: str, run_id: str, rank: int, role: str,
-               context: Optional[ssl.SSLContext], deadline: float, fetch: str = "") -> Union[socket.socket, _TlsSocket]:
+               context: Optional[ssl.SSLContext], deadline: float, fetch: str = "",
+               upload: Optional[int] = None) -> Union[socket.socket, _TlsSocket]:
     def left() -> float:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -1076,7 +1199,11 @@ def _handshake(address: Tuple[str, int], secret: str, run_id: str, rank: int, ro
         sock.settimeout(left())
         hello = {"mac": _mac(secret, nonce).decode(), "nonce": own_nonce, "run_id": run_id, "rank": rank,
                  "role": role, "protocol": events.PROTOCOL_VERSION}
-        sock.sendall(_frame(dict(hello, fetch=fetch) if fetch else hello))
+        if fetch:
+            hello["fetch"] = fetch
+        if upload is not None:
+            hello.update(upload=rank, size=upload)
+        sock.sendall(_frame(hello))
         sock.settimeout(left())
         reply = _read_frame(sock, MAX_HELLO)
         if reply.get("ok") is not True:

@@ -38,16 +38,11 @@ from .job import Job, function_job, script_job
 from .launcher import value_directory
 from .options import LaunchOptions
 from . import values as value_blobs
+from .values import VALUES_FETCH_ENV
 from .rankenv import RunSpec
 from .state import Attempt, RunDirectory, RunState, is_collateral
 from .timing import ROOT_CAUSE_WAIT, STACKS_COLLECT_WAIT, STOP_GRACE, SUPERVISE_POLL
 from .tracking import MlflowLogger
-
-#: set to 1 on the driver, a run on Spark whose executors share the driver's machine (``local[...]``,
-#: ``local-cluster[...]``) takes the path of a cluster's: each machine fetches the notebook values
-#: from the driver's channel (``hostcopy``) rather than mapping the driver's file.  For testing
-#: that path on one machine.
-VALUES_FETCH_ENV = "TORCHDIST_VALUES_FETCH"
 
 _last_run: Optional["Run"] = None
 _run_counter = itertools.count(1)
@@ -357,7 +352,8 @@ class Run:
             ctx = LaunchContext(self.plan, spec, self._job_bytes, emit,
                                 lambda record: channel.broadcast(record, role="launcher") if channel else 0,
                                 data=self.data, routes=routes,
-                                to_rank=lambda rank, record: bool(channel and channel.send(rank, record)))
+                                to_rank=lambda rank, record: bool(channel and channel.send(rank, record)),
+                                receive_values=channel.receive_values if channel is not None else lambda paths: None)
             backend_run = self.backend.start(ctx)
             return self._watch(backend_run, deadline)
         finally:

@@ -54,6 +54,13 @@ SENT_FILE = "sent.values"
 #: where a machine keeps files in memory (tmpfs): a fetched copy of the values goes there
 #: where the machine has room for it (``host_copy_path``)
 SHARED_MEMORY = "/dev/shm"
+#: set to 1 on the driver, a run on Spark whose executors share the driver's machine (``local[...]``,
+#: ``local-cluster[...]``) takes the path of a cluster's both ways: each machine fetches the
+#: notebook values from the driver's channel (``hostcopy``) rather than mapping the driver's file,
+#: and each rank's task sends its value to the driver over the channel (``valueupload``) rather
+#: than have its rank write it into the driver's value directory.  For testing those paths on one
+#: machine.
+VALUES_FETCH_ENV = "TORCHDIST_VALUES_FETCH"
 
 Blob = Union[bytes, bytearray, memoryview]
 

@@ -49,6 +49,10 @@ class LaunchContext:
     #: send a record to one rank's launcher: whether it was queued for it (a run without a
     #: channel of its own, a warm pool's: never)
     to_rank: Callable[[int, events.Event], bool] = lambda rank, record: False
+    #: where the run's channel writes the values that ranks' launchers send over it
+    #: (``{rank: path}``, ``ChannelServer.receive_values``); nowhere for a run without a channel
+    #: of its own
+    receive_values: Callable[[Dict[int, str]], None] = lambda paths: None
 
 
 class BackendRun(abc.ABC):

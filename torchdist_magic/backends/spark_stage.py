@@ -36,6 +36,7 @@ from .. import events
 from ..options import LaunchOptions
 from ..launcher import map_value, value_directory
 from ..rankenv import RunSpec
+from ..values import VALUES_FETCH_ENV
 from ..timing import SPARK_CANCEL_RETRY, SPARK_CANCEL_WAIT, SPARK_RENDEZVOUS_WAIT, SPARK_STAGE_END_WAIT, STOP_GRACE
 from .base import Backend, BackendRun, LaunchContext, LaunchPlan
 from .spark_task import FAILURE_MARK, SCHEMA, BarrierTaskSpec, value_dir_mark
@@ -135,7 +136,10 @@ class SparkStageBackend(Backend):
         value_dir = value_directory(f"torchdist-{ctx.spec.run_id}-values-")
         open(os.path.join(value_dir, value_dir_mark(ctx.spec.run_id)), "w").close()
         spec = BarrierTaskSpec(run=ctx.spec, job_bytes=ctx.job_bytes,
-                               data_schema=data.schema if data is not None else None, value_dir=value_dir)
+                               data_schema=data.schema if data is not None else None, value_dir=value_dir,
+                               values_sent=os.environ.get(VALUES_FETCH_ENV) == "1")
+        ctx.receive_values({rank: spec.value_path(rank) for rank in range(ctx.spec.num_processes)
+                            if ctx.spec.returns_value(rank)})
         try:
             run = self.stage_run(spec, ctx, data.frame if data is not None else None)
             run.launch()

@@ -24,6 +24,12 @@ after the rendezvous, fetches them or waits for the task of its machine that doe
 the guard, at the task's end or after its kill, removes the copy when it was its machine's last
 user.
 
+A rank's value.  A task that sees the driver's value directory has its rank write its value
+there (``BarrierTaskSpec.value_file``); any other sends the file its rank wrote to the driver over
+the run's channel (``valueupload``), which writes it into that directory, before it reports the
+rank's exit.  Either way the stage's outcome names the file, which the driver maps.  Only a task
+that cannot reach the channel returns the value itself, through Spark.
+
 Nothing here imports pyspark at module level, and nothing here is driver code: the driver's side
 of the stage is ``spark_stage``.
 """
@@ -43,14 +49,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Tuple
 
-from .. import events, hostcopy, procs
+from .. import events, hostcopy, procs, valueupload
 from ..channel import ChannelClient
 from ..gpu_metrics import open_gpu_source
 from ..launcher import RankProcess, read_result, reserve_port, stop_all, write_job_file
 from ..rankenv import RunSpec, place_spark_tasks, rank_environment
 from ..timing import STOP_GRACE
 from ..values import host_copy_path
-from ..worker import VALUE_FILE_ENV
+from ..worker import RESULT_FILE, VALUE_FILE_ENV
 
 #: lines of a rank's output a task keeps, for when its channel to the driver is lost
 LOG_TAIL = 20
@@ -136,14 +142,22 @@ class BarrierTaskSpec:
     data_schema: Optional[bytes] = None
     #: the driver's directory for the ranks' values: a task that sees it (on the driver's
     #: machine, or a file system they share) has its rank write its value there, which the
-    #: driver then maps, rather than send it through Spark
+    #: driver then maps; any other sends it there over the run's channel (``valueupload``)
     value_dir: str = ""
+    #: every task sends its rank's value over the channel, even one that sees ``value_dir``
+    #: (``TORCHDIST_VALUES_FETCH=1``: a cluster's path, tested on one machine)
+    values_sent: bool = False
+
+    def value_path(self, rank: int) -> str:
+        """The file of ``rank``'s value in the driver's value directory."""
+        return os.path.join(self.value_dir, f"rank-{rank}.value")
 
     def value_file(self, rank: int) -> str:
         """Where ``rank`` writes its value for the driver to map; ``""`` when this task cannot
-        see the driver's value directory."""
-        if self.value_dir and os.path.exists(os.path.join(self.value_dir, value_dir_mark(self.run.run_id))):
-            return os.path.join(self.value_dir, f"rank-{rank}.value")
+        see the driver's value directory (or ``values_sent``)."""
+        if (self.value_dir and not self.values_sent
+                and os.path.exists(os.path.join(self.value_dir, value_dir_mark(self.run.run_id)))):
+            return self.value_path(rank)
         return ""
 
 
@@ -268,9 +282,11 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
               emit: Callable[[events.Event], None], driver: DriverMessages,
               batches=None) -> Tuple[Optional[bytearray], str]:
     """Start and watch the rank; its value blob, or the file in the driver's value directory
-    that holds it (``BarrierTaskSpec.value_file``).  ``batches``: its rows, written to a file of
-    the task's workdir as they arrive (after the rendezvous, so that a large partition does not
-    hold it up)."""
+    that holds it (``BarrierTaskSpec.value_path``): written there by the rank, or sent there by
+    this task (``valueupload``: the rank's ``Exit`` is held back until then, and a value that
+    could not be sent raises).  The blob comes back through Spark only where this task cannot
+    reach the driver's channel.  ``batches``: its rows, written to a file of the task's workdir as they arrive
+    (after the rendezvous, so that a large partition does not hold it up)."""
     run = spec.run
     workdir = tempfile.mkdtemp(prefix=f"torchdist-{run.run_id}-rank{rank}-")
     copy = host_copy_path(run.values_fetch, run.values_fetch_size) if run.values_fetch else ""
@@ -308,6 +324,15 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
         value_file = spec.value_file(rank)
         if value_file:
             env[VALUE_FILE_ENV] = value_file
+        held: List[events.Exit] = []  # the rank's exit, until its value is with the driver
+        sends = not value_file and run.returns_value(rank)
+
+        def rank_emit(event: events.Event) -> None:
+            if sends and isinstance(event, events.Exit):
+                held.append(event)
+            else:
+                emit(event)
+
         if copy:
             line = hostcopy.fetch(run, copy, rank, driver.stopped)
             if line:
@@ -319,7 +344,7 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
         result_dir = os.path.join(workdir, f"rank-{rank}")
         if run.system_metrics and run.use_gpu:
             gpu_source = open_gpu_source()
-        proc = RankProcess(rank, job_file, result_dir, env, emit, system_metrics=run.system_metrics,
+        proc = RankProcess(rank, job_file, result_dir, env, rank_emit, system_metrics=run.system_metrics,
                            gpu_source=gpu_source)
         driver.dump_stacks = proc.dump_stacks
         guard.stdin.write(f"{proc.pgid} {proc.mark}\n")
@@ -327,11 +352,19 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
         while not proc.exited.wait(0.05):
             if driver.stopped():
                 stop_all([proc], driver.grace)
-        if proc.returncode != 0 or not run.returns_value(rank):
-            return None, ""
-        if value_file and os.path.exists(value_file):
-            return None, value_file
-        return read_result(result_dir), ""  # through Spark: the driver's value directory is elsewhere
+        value, where = None, ""
+        if proc.returncode == 0 and run.returns_value(rank):
+            if value_file:
+                where = value_file if os.path.exists(value_file) else ""
+            elif channel.lost:  # through Spark: the driver's channel is out of this task's reach
+                value = read_result(result_dir)
+            else:
+                line = valueupload.send(run, os.path.join(result_dir, RESULT_FILE), rank)
+                emit(events.Log(rank=rank, stream="stderr", line=line))
+                where = spec.value_path(rank)
+        for event in held:
+            emit(event)
+        return value, where
     finally:
         if proc is not None:
             stop_all([proc], STOP_GRACE)  # also reaches what the worker left in its group
