@@ -788,9 +788,10 @@ class _FileTransfers:
         try:
             self._sendall(conn, bytes(conn.outbox) + _frame({"ready": True}))
             buffer = memoryview(bytearray(max(min(size, _FILE_CHUNK), 1)))
+            wire = memoryview(bytearray(_FILE_CHUNK)) if conn.tls is not None else buffer
             got, failure = 0, ""
             while got < size:
-                n = self._recv_into(conn, buffer[:min(len(buffer), size - got)])
+                n = self._recv_into(conn, buffer[:min(len(buffer), size - got)], wire)
                 if not n:
                     return  # the rank went: it says what it saw
                 if not failure:
@@ -821,18 +822,20 @@ class _FileTransfers:
                     pass
 
     @staticmethod
-    def _recv_into(conn: _Conn, buffer: memoryview) -> int:
-        """Plaintext of the connection into ``buffer``; 0 at its end."""
+    def _recv_into(conn: _Conn, buffer: memoryview, wire: memoryview) -> int:
+        """Plaintext of the connection into ``buffer``; 0 at its end.  With TLS, the
+        ciphertext comes through ``wire``, reused as ``buffer`` is (a fresh 1 MiB per read
+        would cost its pages' faults each time)."""
         if conn.tls is None:
             return conn.sock.recv_into(buffer)
         while True:
             try:
                 return conn.tls.read(len(buffer), buffer)
             except ssl.SSLWantReadError:
-                data = conn.sock.recv(_FILE_CHUNK)
-                if not data:
+                n = conn.sock.recv_into(wire)
+                if not n:
                     return 0
-                conn.tls_in.write(data)
+                conn.tls_in.write(wire[:n])
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                 return 0
 
