@@ -25,12 +25,13 @@ for good), on a server with ``--connect-driver-memory`` of heap: at Spark's defa
 TorchDistributor's 512 MiB value back exhausts it (``OutOfMemoryError`` serializing the task's
 result; the server stops), where torchdist_magic's value never enters the JVM.
 
-The "fetch" rows send the notebook tensor out the way a multi-host cluster does
-(``TORCHDIST_VALUES_FETCH=1`` on ``local[2]``: one task fetches the file from the driver's channel
-into this machine's shared memory, the other maps it; ``hostcopy``), with the channel's TLS (the
-default on Spark) and without; "fetch MiB/s" is what the fetching rank's log line says of the
-largest size (the median of the rounds): the transfer alone.  Their sizes are ``--fetch-sizes``
-(up to 2048 MiB by default: the job itself stays small on that path).
+The "fetch" rows move the values the way a multi-host cluster does (``TORCHDIST_VALUES_FETCH=1``
+on ``local[2]``), with the channel's TLS (the default on Spark) and without: out, one task fetches
+the notebook tensor's file from the driver's channel into this machine's shared memory, the other
+maps it (``hostcopy``); back, rank 0's task sends the file its rank wrote to the driver over the
+channel (``valueupload``).  "channel MiB/s" is what the fetching or sending rank's log line says
+of the largest size (the median of the rounds): the transfer alone.  Their sizes are
+``--fetch-sizes`` (up to 2048 MiB by default: the job itself stays small on that path).
 """
 
 from __future__ import annotations
@@ -125,18 +126,23 @@ def torchdistributor_runner(local_mode: bool):
     return (lambda mib: run(back, mib)), (lambda tensor: run(out, tensor))
 
 
-def fetched_rate() -> float:
-    """MiB/s of the last run's fetch of the notebook values, as its fetching rank's log says."""
+#: what a rank's log line says of the values over the channel, by direction
+CHANNEL_LINES = {"out": "fetched from the driver", "back": "sent to the driver"}
+
+
+def channel_rate(direction: str) -> float:
+    """MiB/s of the last run's values over the channel in ``direction``, as the fetching rank's
+    log says (out) or the sending one's (back)."""
     import re
 
     from torchdist_magic.distributor import last_run
 
     run = last_run()
     for rank in range(run.options.num_processes):
-        found = re.search(r"fetched from the driver in [\d.]+ s \((\d+) MiB/s\)", run.logs(rank))
+        found = re.search(CHANNEL_LINES[direction] + r" in [\d.]+ s \((\d+) MiB/s\)", run.logs(rank))
         if found:
             return float(found.group(1))
-    raise RuntimeError(f"no rank of run {run.run_id} fetched the notebook values")
+    raise RuntimeError(f"no rank of run {run.run_id} says it moved values {direction} over the channel")
 
 
 def measure(name: str, runner, sizes, repeat: int, rows: list, directions=("back", "out")) -> None:
@@ -151,13 +157,12 @@ def measure(name: str, runner, sizes, repeat: int, rows: list, directions=("back
             before = _rss_bytes()
             row = {"runner": name, "direction": direction, "mib": mib}
             fetches: list = []
+            call = (lambda: run_back(mib)) if direction == "back" else (lambda: run_out(tensor))
             try:
-                if direction == "back":
-                    row["seconds"] = time_runs(lambda: run_back(mib), repeat)
-                elif "fetch" in name:  # each run's fetch as its fetching rank's log says
-                    row["seconds"] = time_runs(lambda: (run_out(tensor), fetches.append(fetched_rate())), repeat)
+                if "fetch" in name:  # each run's transfer as its rank's log says
+                    row["seconds"] = time_runs(lambda: (call(), fetches.append(channel_rate(direction))), repeat)
                 else:
-                    row["seconds"] = time_runs(lambda: run_out(tensor), repeat)
+                    row["seconds"] = time_runs(call, repeat)
             except Exception as exc:  # a runner's limit: recorded, its larger sizes not tried
                 row.update(seconds=None, error=f"{type(exc).__name__}: {str(exc)[:500]}")
             row["driver_peak_per_value"] = (_peak_bytes() - before) / (mib * 2**20)
@@ -170,7 +175,7 @@ def measure(name: str, runner, sizes, repeat: int, rows: list, directions=("back
                 break
             print(f"{name:28s} {direction:4s} {mib:5d} MiB  {row['seconds']:7.2f} s  "
                   f"driver peak +{row['driver_peak_per_value']:.2f}x"
-                  + (f"  fetched at {row['fetch_mib_per_s']:.0f} MiB/s" if "fetch_mib_per_s" in row else ""),
+                  + (f"  channel {row['fetch_mib_per_s']:.0f} MiB/s" if "fetch_mib_per_s" in row else ""),
                   flush=True)
 
 
@@ -187,7 +192,7 @@ def rate(mine: list):
 def print_table(rows: list, sizes) -> None:
     print()
     print("| runner | direction | " + " | ".join(f"{m} MiB" for m in sizes)
-          + " | MiB/s beyond a trivial run | driver peak (x value) | fetch MiB/s |")
+          + " | MiB/s beyond a trivial run | driver peak (x value) | channel MiB/s |")
     print("|" + "---|" * (5 + len(sizes)))
     seen = []
     for r in rows:
@@ -263,7 +268,7 @@ def main() -> None:
         os.environ[VALUES_FETCH_ENV] = "1"
         for tls in (True, False):
             measure(f"torchdist spark fetch{'' if tls else ' no TLS'}", torchdist_runner(False, tls=tls),
-                    args.fetch_sizes, args.repeat, rows, directions=("out",))
+                    args.fetch_sizes, args.repeat, rows)
         del os.environ[VALUES_FETCH_ENV]
         if not args.no_torchdistributor and not args.only_fetch:
             measure("TorchDistributor spark local[2]", torchdistributor_runner(False), td_sizes, td_repeat, rows)
