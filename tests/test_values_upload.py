@@ -294,3 +294,25 @@ def test_values_come_back_from_spark_connect_tasks_over_the_channel(spark_connec
     assert [float(t[-1]) for _, t in back] == [1.0, 2.0] and all(t.numel() == 16 * MIB for _, t in back)
     assert all(len(sent_line(run, rank)) == 1 for rank in (0, 1))
     assert_nothing_left(run)
+
+
+def seven_for_rank_0(size):
+    import torch
+
+    from torchdist_magic import rank
+
+    return torch.full((size // 4,), 7.0) if rank() == 0 else None
+
+
+@pytest.mark.spark
+def test_a_value_over_4_gib_comes_back_over_the_channel(spark_local2, monkeypatch):
+    size = 4 * 2**30 + 2**29
+    monkeypatch.setenv(VALUES_FETCH_ENV, "1")
+    run = Distributor(2, local_mode=False, show=None, tls=False).submit(seven_for_rank_0, size)
+    value = run.result(timeout=600)
+    assert value.shape == (size // 4,) and bool((value == 7.0).all())
+    (line,) = sent_line(run, 0)
+    assert re.fullmatch(SENT.format(rank=0, size=r"4608\.0 MiB"), line)
+    del value
+    assert_nothing_left(run)
+    assert not [n for n in os.listdir(values.SHARED_MEMORY) if n.startswith(f"torchdist-{run.run_id}-")]
