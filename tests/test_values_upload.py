@@ -104,6 +104,13 @@ def test_only_a_launcher_uploads(uploads):
     assert not os.listdir(driver_dir)
 
 
+def test_an_upload_without_its_size_is_refused(uploads):
+    _, spec, _, _, driver_dir = uploads(1)
+    with pytest.raises(_Refused, match="^an upload needs the value's size$"):
+        open_connection(("127.0.0.1", driver_port(spec)), spec.launcher_secret, "run-1", 0, "launcher", upload=-1)
+    assert not os.listdir(driver_dir)
+
+
 def test_a_stranger_uploads_nothing(uploads):
     channel, spec, path, _, driver_dir = uploads(1)
     stranger = RunSpec(**{**spec.__dict__, "launcher_secret": new_secret()})
