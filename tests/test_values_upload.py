@@ -85,13 +85,16 @@ def test_a_value_reaches_the_drivers_value_directory(uploads, tls):
     assert os.listdir(driver_dir) == ["rank-0.value"]
     back = values.loads(open(os.path.join(driver_dir, "rank-0.value"), "rb").read())
     assert (back["a"] == array).all()
+    with pytest.raises(valueupload.ValueNotSent, match=(  # once: nothing overwrites it
+            r": the driver refused: this channel waits for no value from rank 0$")):
+        valueupload.send(spec, path, 0)
 
 
 def test_a_rank_whose_value_the_driver_does_not_take_is_refused(uploads):
     channel, spec, path, _, driver_dir = uploads(1)
     with pytest.raises(valueupload.ValueNotSent, match=(
             rf"^rank 1 could not send its value \(1\.0 MiB\) from {socket.gethostname()} to the driver at "
-            r"127\.0\.0\.1:\d+: the driver refused: this run takes no value from rank 1 over the channel$")):
+            r"127\.0\.0\.1:\d+: the driver refused: this channel waits for no value from rank 1$")):
         valueupload.send(spec, path, 1)
     assert channel.stats["values_received"] == 0 and not os.listdir(driver_dir)
 

@@ -64,8 +64,8 @@ the refusal of any failed handshake and nothing of the file.
 The other way, a channel takes the ranks' values (``receive_values``: a path for each rank whose
 value the driver wants; ``upload``, from a Spark task on another machine).  An upload is a
 launcher's connection whose hello names its own rank (``"upload"``, which must be the hello's
-``"rank"``) and the value's size (``"size"``); the server refuses one for a rank it takes no
-value from.  On a thread of the same pool, it answers ``{"ready": true}`` once it has checked
+``"rank"``) and the value's size (``"size"``); the server refuses one for a rank whose value it
+does not wait for, or no longer (each is taken once).  On a thread of the same pool, it answers ``{"ready": true}`` once it has checked
 that the value's directory has room for it (else ``{"error": ...}``), reads the ``size`` bytes
 into ``<path>.tmp`` through one reused buffer, renames that to ``path`` and answers
 ``{"ok": true}``.  What goes wrong (the disk fills, the connection is cut) removes the ``.tmp``;
@@ -315,8 +315,9 @@ class ChannelServer:
         return self._send_to(keys, _frame({"events": [events.encode(record)]}))
 
     def receive_values(self, paths: Dict[int, str]) -> None:
-        """Take each rank's value (``{rank: path}``) over the channel into its path (see the
-        module's "Files"), in place of those given before; a rank not named may upload nothing."""
+        """Take each rank's value (``{rank: path}``) over the channel into its path, once (see
+        the module's "Files"), in place of those given before; a rank not named may upload
+        nothing."""
         self._files.receive_values(paths)
 
     def close(self) -> None:
@@ -611,7 +612,7 @@ class ChannelServer:
             if type(size) is not int or size < 0:
                 return "an upload needs the value's size"
             if not self._files.takes_value(rank):
-                return f"this run takes no value from rank {rank} over the channel"
+                return f"this channel waits for no value from rank {rank}"
         return None
 
     def _hand_off(self, conn: _Conn, hello: dict) -> None:
@@ -708,9 +709,9 @@ class _FileTransfers:
         self._begin(conn, self._send, self._files[name])
 
     def start_upload(self, conn: _Conn, rank: int, size: int) -> None:
-        with self._lock:
-            path = self._values.get(rank)
-        if path is None:  # another attempt's paths since the hello was checked
+        with self._lock:  # each rank's value is taken once: no two uploads write one file
+            path = self._values.pop(rank, None)
+        if path is None:  # taken by another upload, or another attempt's paths, since the hello was checked
             conn.sock.close()
             return
         self._begin(conn, self._receive, path, size)
