@@ -141,3 +141,18 @@ class Collector:
 def cell(ip, source):
     """Run a notebook cell (dedented) in the shell ``ip``, stored in its history."""
     return ip.run_cell(textwrap.dedent(source).strip("\n"), store_history=True)
+
+
+def pipe_bytes(source: socket.socket, sink: socket.socket, limit=None) -> None:
+    """Copy what ``source`` receives to ``sink`` until it ends or ``limit`` bytes went (a
+    relay's one direction, in tests that cut a connection part way)."""
+    passed = 0
+    try:
+        while limit is None or passed < limit:
+            data = source.recv(65536 if limit is None else min(65536, limit - passed))
+            if not data:
+                break
+            sink.sendall(data)
+            passed += len(data)
+    except OSError:
+        pass

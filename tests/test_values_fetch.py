@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import Collector, assert_nothing_left
+from helpers import Collector, assert_nothing_left, pipe_bytes
 from torchdist_magic import Distributor, RankFailure, hostcopy, values
 from torchdist_magic.channel import ChannelServer, new_secret
 from torchdist_magic.distributor import VALUES_FETCH_ENV
@@ -161,9 +161,9 @@ def relay(target, limit, reset=False):
     def serve():
         client, _ = listener.accept()
         upstream = socket.create_connection(target)
-        back = threading.Thread(target=_pipe, args=(client, upstream, None), daemon=True)
+        back = threading.Thread(target=pipe_bytes, args=(client, upstream, None), daemon=True)
         back.start()
-        _pipe(upstream, client, limit)
+        pipe_bytes(upstream, client, limit)
         client.shutdown(socket.SHUT_RD if reset else socket.SHUT_RDWR)  # ends the other direction
         back.join()
         if reset:  # closed with nothing in flight and no lingering: a reset
@@ -173,19 +173,6 @@ def relay(target, limit, reset=False):
 
     threading.Thread(target=serve, daemon=True).start()
     return listener.getsockname()[1]
-
-
-def _pipe(source, sink, limit):
-    passed = 0
-    try:
-        while limit is None or passed < limit:
-            data = source.recv(65536 if limit is None else min(65536, limit - passed))
-            if not data:
-                break
-            sink.sendall(data)
-            passed += len(data)
-    except OSError:
-        pass
 
 
 def through(spec, port):

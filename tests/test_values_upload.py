@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import Collector, assert_nothing_left
+from helpers import Collector, assert_nothing_left, pipe_bytes
 from torchdist_magic import Distributor, RankFailure, values, valueupload
 from torchdist_magic.channel import ChannelServer, _Refused, new_secret, open_connection
 from torchdist_magic.rankenv import RunSpec
@@ -141,9 +141,9 @@ def relay_up(target, limit):
     def serve():
         client, _ = listener.accept()
         upstream = socket.create_connection(target)
-        back = threading.Thread(target=_pipe, args=(upstream, client, None), daemon=True)
+        back = threading.Thread(target=pipe_bytes, args=(upstream, client, None), daemon=True)
         back.start()
-        _pipe(client, upstream, limit)
+        pipe_bytes(client, upstream, limit)
         for s in (client, upstream):
             s.shutdown(socket.SHUT_RDWR)
         back.join()
@@ -152,19 +152,6 @@ def relay_up(target, limit):
 
     threading.Thread(target=serve, daemon=True).start()
     return listener.getsockname()[1]
-
-
-def _pipe(source, sink, limit):
-    passed = 0
-    try:
-        while limit is None or passed < limit:
-            data = source.recv(65536 if limit is None else min(65536, limit - passed))
-            if not data:
-                break
-            sink.sendall(data)
-            passed += len(data)
-    except OSError:
-        pass
 
 
 def driver_port(spec):

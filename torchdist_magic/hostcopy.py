@@ -90,7 +90,7 @@ def fetch(run: RunSpec, copy: str, rank: int, stopped: Callable[[], bool]) -> st
                 if stopped():
                     return ""
                 time.sleep(LOCK_POLL)
-        size = _mib(run.values_fetch_size)
+        size = mib_text(run.values_fetch_size)
         if os.path.exists(copy):
             fetcher = os.pread(lock, 32, 0).decode("ascii", "replace") or "?"
             return f"[torchdist] notebook values: {size} mapped (fetched by rank {fetcher} on this host)"
@@ -105,8 +105,25 @@ def fetch(run: RunSpec, copy: str, rank: int, stopped: Callable[[], bool]) -> st
         os.close(lock)
 
 
-def _mib(n: int) -> str:
+def mib_text(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def file_connection(run: RunSpec, rank: int, failed: Callable[[str], Exception], **hello):
+    """``rank``'s launcher connection to the run's driver for a file (``fetch=name`` here,
+    ``upload=size`` in ``valueupload``), authenticated; ``failed(cause)`` raised when the driver
+    refuses it, is not this run's, or cannot be reached."""
+    host, _, port = run.channel_address.rpartition(":")
+    context = tls.client_context(run.channel_cert) if run.channel_cert else None
+    try:
+        return open_connection((host.strip("[]"), int(port)), run.launcher_secret, run.run_id, rank,
+                               "launcher", context, **hello)
+    except _Refused as exc:
+        raise failed(f"the driver refused: {exc}") from None
+    except _NotTheDriver as exc:
+        raise failed(f"the server there is not this run's driver: {exc}") from None
+    except (OSError, EOFError, FrameError) as exc:
+        raise failed(f"cannot reach the driver's event channel ({exc or type(exc).__name__})") from None
 
 
 def _fetch_into(run: RunSpec, rank: int, copy: str) -> None:
@@ -115,20 +132,10 @@ def _fetch_into(run: RunSpec, rank: int, copy: str) -> None:
 
     def failed(cause: str) -> ValuesNotFetched:
         return ValuesNotFetched(
-            f"rank {rank} could not fetch the notebook values ({_mib(size)}) from the driver at "
+            f"rank {rank} could not fetch the notebook values ({mib_text(size)}) from the driver at "
             f"{run.channel_address} onto {socket.gethostname()}: {cause}")
 
-    host, _, port = run.channel_address.rpartition(":")
-    context = tls.client_context(run.channel_cert) if run.channel_cert else None
-    try:
-        sock = open_connection((host.strip("[]"), int(port)), run.launcher_secret, run.run_id, rank,
-                               "launcher", context, fetch=run.values_fetch)
-    except _Refused as exc:
-        raise failed(f"the driver refused: {exc}") from None
-    except _NotTheDriver as exc:
-        raise failed(f"the server there is not this run's driver: {exc}") from None
-    except (OSError, EOFError, FrameError) as exc:
-        raise failed(f"cannot reach the driver's event channel ({exc or type(exc).__name__})") from None
+    sock = file_connection(run, rank, failed, fetch=run.values_fetch)
     tmp = copy + ".tmp"
     try:
         sock.settimeout(FETCH_QUEUE_WAIT)  # the size comes when the driver's turn for this fetch does
@@ -173,17 +180,17 @@ def _receive(sock, out: int, size: int, tmp: str, failed: Callable[[str], Values
         try:
             n = sock.recv_into(buffer[:min(len(buffer), size - got)])
         except OSError as exc:
-            raise failed(f"the connection failed after {_mib(got)} of {_mib(size)} "
+            raise failed(f"the connection failed after {mib_text(got)} of {mib_text(size)} "
                          f"({exc or type(exc).__name__})") from None
         if not n:
-            raise failed(f"the connection was cut after {_mib(got)} of {_mib(size)}")
+            raise failed(f"the connection was cut after {mib_text(got)} of {mib_text(size)}")
         part = buffer[:n]
         try:
             while part.nbytes:
                 part = part[os.write(out, part):]
         except OSError as exc:
             cause = f"no room for it in {os.path.dirname(tmp)}" if exc.errno in _NO_ROOM else f"cannot write {tmp}"
-            raise failed(f"{cause} after {_mib(got)} ({exc})") from None
+            raise failed(f"{cause} after {mib_text(got)} ({exc})") from None
         got += n
 
 

@@ -24,8 +24,8 @@ import os
 import socket
 import time
 
-from . import tls
-from .channel import MAX_HELLO, FrameError, _NotTheDriver, _read_frame, _Refused, _TlsSocket, open_connection
+from .channel import MAX_HELLO, FrameError, _read_frame, _TlsSocket
+from .hostcopy import file_connection, mib_text
 from .rankenv import RunSpec
 from .timing import FETCH_QUEUE_WAIT, FETCH_STALL
 
@@ -41,25 +41,15 @@ def send(run: RunSpec, path: str, rank: int) -> str:
     """Send the value blob at ``path`` (``rank``'s) to the driver; the line for the rank's log.
     ``ValueNotSent`` when it could not."""
     size = os.path.getsize(path)
-    mib = _mib(size)
+    mib = mib_text(size)
 
     def failed(cause: str) -> ValueNotSent:
         return ValueNotSent(
             f"rank {rank} could not send its value ({mib}) from {socket.gethostname()} to the driver "
             f"at {run.channel_address}: {cause}")
 
-    host, _, port = run.channel_address.rpartition(":")
-    context = tls.client_context(run.channel_cert) if run.channel_cert else None
     started = time.monotonic()
-    try:
-        sock = open_connection((host.strip("[]"), int(port)), run.launcher_secret, run.run_id, rank,
-                               "launcher", context, upload=size)
-    except _Refused as exc:
-        raise failed(f"the driver refused: {exc}") from None
-    except _NotTheDriver as exc:
-        raise failed(f"the server there is not this run's driver: {exc}") from None
-    except (OSError, EOFError, FrameError) as exc:
-        raise failed(f"cannot reach the driver's event channel ({exc or type(exc).__name__})") from None
+    sock = file_connection(run, rank, failed, upload=size)
     try:
         sock.settimeout(FETCH_QUEUE_WAIT)  # "ready" comes when the driver's turn for this upload does
         _answer(sock, failed, "before the value began")
@@ -68,7 +58,7 @@ def send(run: RunSpec, path: str, rank: int) -> str:
             try:
                 _send_file(sock, fh, size)
             except OSError as exc:  # the file's offset: what went (``sendfile`` leaves it there too)
-                raise failed(f"the connection failed after {_mib(fh.tell())} of {mib} "
+                raise failed(f"the connection failed after {mib_text(fh.tell())} of {mib} "
                              f"({exc or type(exc).__name__})") from None
         _answer(sock, failed, "before the driver confirmed the value")
     finally:
@@ -105,5 +95,3 @@ def _answer(sock, failed, when: str) -> None:
         raise failed(f"{head['error']!s:.500}")
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
