@@ -126,3 +126,36 @@ def test_a_gpu_run_has_each_rank_s_device_memory_and_torch_s_peak():
     assert system["gpu_memory_total_bytes"] >= system["gpu_memory_used_bytes"] > 256 << 20
     assert 0 <= system["gpu_util_percent"] <= 100
     assert system["torch_max_allocated_bytes"] >= 256 << 20
+
+
+def cuda_value(mib, tensor=None):
+    """Rank 0's value: a CUDA tensor of ``mib`` MiB (``tensor``, one the notebook sent, when
+    given: where it arrived, and its sum)."""
+    import torch
+
+    from torchdist_magic import device, rank
+
+    if tensor is not None:
+        return str(tensor.device), float(tensor.double().sum())
+    value = torch.arange(mib * 2**18, dtype=torch.float32, device=device())
+    return value if rank() == 0 else None
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_cuda_value_comes_back_whole_on_the_cpu():
+    import torch
+
+    value = Distributor(1, use_gpu=True, show=None).run(cuda_value, 256)
+    assert value.device.type == "cpu" and value.dtype == torch.float32  # as torch.save with map_location="cpu"
+    assert torch.equal(value, torch.arange(256 * 2**18, dtype=torch.float32))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_notebook_cuda_tensor_reaches_a_gpu_rank_on_its_device():
+    import torch
+
+    sent = torch.ones(64 * 2**18, device="cuda:0")
+    where, total = Distributor(1, use_gpu=True, show=None).run(cuda_value, 0, sent)
+    assert where == "cuda:0" and total == 64 * 2**18
