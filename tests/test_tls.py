@@ -123,4 +123,5 @@ def test_spark_ssl_enabled_refuses_an_unencrypted_channel_unless_ignore_ssl(spar
         assert_nothing_left(run)
     finally:
         conf._jconf.remove("spark.ssl.enabled")
+        spark_local2.conf.unset("spark.ssl.enabled")  # the session's own conf had taken it up too
         spark_local2.conf.unset("pytorch.spark.distributor.ignoreSsl")
