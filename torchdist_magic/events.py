@@ -639,12 +639,8 @@ def _builder(cls: type) -> Callable[[dict, str], Any]:
         else:
             lines.append(f"        raise MalformedEvent(f\"{{where}}: missing field {f.name!r}\")")
         inline = _INLINE_CHECKS.get(hints[f.name])
-        if inline is None:
-            lines.append(f"    else:")
-            lines.append(f"        {v} = {check}({v}, {where})")
-        else:
-            lines.append(f"    elif not ({inline.format(v=v)}):")
-            lines.append(f"        {v} = {check}({v}, {where})")
+        lines.append("    else:" if inline is None else f"    elif not ({inline.format(v=v)}):")
+        lines.append(f"        {v} = {check}({v}, {where})")
         args.append(f"{f.name}={v}")
     lines.append(f"    return cls({', '.join(args)})")
     exec("\n".join(lines), names)  # noqa: S102  code made above from the record's own fields

@@ -35,13 +35,16 @@ from ..state import LogLine, RankSnapshot, RankState, RunSnapshot, RunState
 LOG_LINES = 300       # lines of a log pane; the complete logs stay on the run's ``logs(rank)``
 LOG_SCAN = 20_000     # lines looked at from the end of a rank's log to fill a pane
 PLOT_POINTS = 400     # points per line in a plot; longer histories are thinned
-#: a line worth showing among every rank's errors and warnings (besides every stderr line)
+
+
 def is_problem(text: str) -> bool:
-    """Whether a stdout line says error, warning, traceback or exception, in any case (a
-    lowered copy and four substring tests: a tenth of what a case-blind regular expression
-    costs, on every line of a thousand ranks)."""
+    """Whether a stdout line is worth showing among every rank's errors and warnings (besides
+    every stderr line): it says error, warning, traceback or exception, in any case (a lowered
+    copy and four substring tests: a tenth of what a case-blind regular expression costs, on
+    every line of a thousand ranks)."""
     low = text.lower()
     return "error" in low or "warning" in low or "traceback" in low or "exception" in low
+
 
 #: run states after which nothing more happens but a message says why
 STOPPED_STATES = ("failed", "timed out", "hung", "cancelled")

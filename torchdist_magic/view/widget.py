@@ -15,9 +15,9 @@ Updates are coalesced: whatever the event rate, the view refreshes at most every
 thread calls ``update()``.  Those periods stretch where drawing costs more: each of the two
 takes at most ``VIEW_CPU_SHARE`` of a core (the CPU time of its last drawing, over that share),
 so that at a thousand ranks (a refresh of 20 to 100 ms of CPU) the view refreshes every few
-tenths of a second instead of taking the core that decodes the ranks' records.  While a cell blocks the kernel waiting for the run, ``update()`` also
-lets the kernel handle widget messages (``kernel_poll``), so Stop and the log selector answer
-during the cell.
+tenths of a second instead of taking the core that decodes the ranks' records.  While a cell
+blocks the kernel waiting for the run, ``update()`` also lets the kernel handle widget messages
+(``kernel_poll``), so Stop and the log selector answer during the cell.
 """
 
 from __future__ import annotations
