@@ -10,7 +10,7 @@ import re
 import pytest
 
 from test_view_model import _stacks
-from view_helpers import FakeRun, bar, exit_, feed, log, metrics, running, simulated_run
+from view_helpers import FakeRun, bar, exit_, feed, log, metrics, no_cpu, running, simulated_run
 from torchdist_magic import events
 from torchdist_magic.view import html as H
 from torchdist_magic.view import overview as O
@@ -84,7 +84,7 @@ def test_up_to_16_ranks_keep_a_row_per_rank_and_mark_stragglers():
 
 def test_an_update_and_the_kept_summary_do_not_grow_with_the_ranks(run_1024):
     run, clock = run_1024
-    view = W.WidgetView(run, display=False, clock=clock)
+    view = W.WidgetView(run, display=False, clock=clock, cpu_clock=no_cpu)
     assert view.large
     clock.now += W.PLOT_EVERY
 

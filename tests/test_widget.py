@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 from helpers import assert_no_survivors
-from view_helpers import Clock, FakeRun, bar, exit_, log, metrics, running
+from view_helpers import Clock, FakeRun, bar, exit_, log, metrics, no_cpu, running
 from torchdist_magic import progress, rank, report
 from torchdist_magic.distributor import follow, submit
 from torchdist_magic.options import LaunchOptions
@@ -31,7 +31,7 @@ def values_sent(widget):
 
 def test_updates_are_coalesced_whatever_the_event_rate():
     run, clock = FakeRun(4), Clock()
-    view = W.WidgetView(run, display=False, clock=clock)
+    view = W.WidgetView(run, display=False, clock=clock, cpu_clock=no_cpu)
     rows_sent, logs_sent, plots_sent = values_sent(view.rows), values_sent(view.logs), values_sent(view.plots)
     assert view.renders == 1
     for i in range(2000):  # a flood: 2000 events between two refreshes
@@ -88,7 +88,7 @@ def test_a_view_that_costs_more_to_draw_refreshes_less_often():
         view.update()
     assert view.renders - renders <= 10 / view.update_every + 1
     assert view.renders - renders >= 10 / view.update_every - 1
-    cheap = W.WidgetView(FakeRun(4), display=False, clock=clock, cpu_clock=lambda: 0.0)
+    cheap = W.WidgetView(FakeRun(4), display=False, clock=clock, cpu_clock=no_cpu)
     assert cheap.update_every == W.UPDATE_EVERY and cheap.plot_every == W.PLOT_EVERY
 
 

@@ -31,6 +31,13 @@ class Clock:
         return self.now
 
 
+def no_cpu():
+    """A ``cpu_clock`` for a view under a fake ``Clock``: drawing costs no CPU, so the view's
+    refresh intervals stay ``UPDATE_EVERY`` and ``PLOT_EVERY`` however slow this machine is (the
+    stretching itself: test_widget's test of a view that costs more to draw)."""
+    return 0.0
+
+
 def feed(state, *records):
     for record in records:
         state.apply(record)
