@@ -12,7 +12,7 @@ import pytest
 from helpers import assert_nothing_left, one, wait_until
 from torchdist_magic import Distributor, LaunchOptions, RankFailure, RunCancelled, rank
 from torchdist_magic.backends import make_backend
-from torchdist_magic.backends.spark_classic import SparkBarrierBackend
+from torchdist_magic.backends.spark_classic import SparkBarrierBackend, SparkRun
 
 pytestmark = pytest.mark.spark  # also run under pyspark 3.5 (README's test command)
 
@@ -425,6 +425,69 @@ def test_a_value_over_the_drivers_result_limit_comes_back_over_the_channel(spark
         assert_nothing_left(run)
     finally:
         spark_sessions.stop()  # the next test gets a session without the limit
+
+
+def long_lines_then_mib(mib):
+    for i in range(30):  # more than the tasks' LOG_TAIL lines, each of 64 KiB
+        print(f"{i:02d}" + "x" * 65536)
+    return bytes(mib * 2**20) if rank() == 0 else None
+
+
+@pytest.mark.spark
+def test_ranks_that_print_long_lines_return_their_value_under_a_small_result_limit(spark_local2, spark_sessions):
+    # the channel carried every line: the tasks' results (2 x 20 lines of 64 KiB, before, over
+    # the 1 MiB of spark.driver.maxResultSize) do not repeat them, and the stage does not fail
+    spark_sessions.stop()
+    spark_sessions.get("local[2]", **{"spark.driver.maxResultSize": "1m"})
+    try:
+        run = spark_dist(2).submit(long_lines_then_mib, 2)
+        assert run.result(timeout=180) == bytes(2 * 2**20)
+        assert run.logs(1).count("x" * 65536) == 30
+        assert_nothing_left(run)
+    finally:
+        spark_sessions.stop()  # the next test gets a session without the limit
+
+
+def failing_after(task, remove_value):
+    """The barrier task ``task``, then, once every rank has finished, a failure of rank 0's task
+    (as when its executor is lost then), having first removed rank 0's value file from the
+    driver's directory if ``remove_value``."""
+
+    def run(partition):
+        from pyspark import BarrierTaskContext
+
+        outcomes = task(partition)
+        BarrierTaskContext.get().barrier()  # every rank has finished, its Exit sent
+        for outcome in outcomes:
+            if outcome.rank == 0:
+                if remove_value:
+                    os.remove(outcome.value_file)
+                raise OSError(f"the executor of rank {outcome.rank} went away after its rank finished")
+        return outcomes
+
+    return run
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("remove_value", [False, True], ids=["value-there", "value-gone"])
+def test_a_stage_that_fails_after_its_ranks_finished(spark_local2, monkeypatch, remove_value):
+    original = SparkRun._barrier_rdd
+
+    def barrier_rdd(self):
+        self._task = failing_after(self._task, remove_value)
+        return original(self)
+
+    monkeypatch.setattr(SparkRun, "_barrier_rdd", barrier_rdd)
+    run = spark_dist(2).submit(mib_for_rank_0, 1)
+    if not remove_value:  # the value its rank wrote into the driver's directory is whole there
+        assert run.result(timeout=180) == bytes(2**20)
+    else:
+        with pytest.raises(RuntimeError) as info:
+            run.result(timeout=180)
+        assert str(info.value).startswith("rank 0 finished, but Spark could not return its value: ")
+        assert "the executor of rank " in str(info.value)
+    assert run.state.snapshot().ranks[0].exit_code == 0
+    assert_nothing_left(run)
 
 
 @pytest.mark.spark

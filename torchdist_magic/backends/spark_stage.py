@@ -347,6 +347,10 @@ class BarrierStageRun(BackendRun):
         if rank in self._value_files:
             return map_value(self._value_files[rank])
         if self._error is not None:
+            # the stage failed after the rank had finished (its ``Exit`` came over the channel):
+            # a value its rank wrote, or its task sent, into the driver's directory is whole there
+            if os.path.exists(self._spec.value_path(rank)):
+                return map_value(self._spec.value_path(rank))
             _, reason = spark_failure(self._error)
             raise RuntimeError(f"rank {rank} finished, but Spark could not return its value: "
                                f"{reason.exc_type}: {reason.message}")

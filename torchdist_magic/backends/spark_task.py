@@ -249,8 +249,10 @@ def run_barrier_task(spec: BarrierTaskSpec, partition) -> List[TaskOutcome]:
     final = exits[-1]
     if final.failure is not None:  # its output travels with it when nothing else carries it
         final = dataclasses.replace(final, failure=final.failure.for_rank(rank, log_tail=list(tail)))
+    # the last lines go back through Spark only when the channel did not carry them: at a
+    # thousand ranks, long lines would otherwise fill spark.driver.maxResultSize with copies
     return [TaskOutcome(rank, value, events.encode(final), channel_lost=lost,
-                        log_tail=list(tail), value_file=value_file)]
+                        log_tail=list(tail) if lost else [], value_file=value_file)]
 
 
 def host_identity() -> str:
