@@ -241,6 +241,10 @@ def test_a_512_mib_value_comes_back_from_an_executor_over_the_channel(spark_clus
     (line,) = sent_line(run, 0)
     assert re.fullmatch(SENT.format(rank=0, size=r"512\.0 MiB"), line)
     assert sent_line(run, 1) == []
+    # while it went, rank 0's log said why its exit waited
+    lines = run.logs(0).splitlines()
+    assert lines.index("[torchdist] value of rank 0: sending 512.0 MiB to the driver") == lines.index(line) - 1
+    assert "sending" not in run.logs(1)
     del tensor
     assert_nothing_left(run)
     assert not [n for n in os.listdir(values.SHARED_MEMORY) if n.startswith(f"torchdist-{run.run_id}-")]

@@ -361,7 +361,12 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
             elif channel.lost:  # through Spark: the driver's channel is out of this task's reach
                 value = read_result(result_dir)
             else:
-                line = valueupload.send(run, os.path.join(result_dir, RESULT_FILE), rank)
+                result = os.path.join(result_dir, RESULT_FILE)
+                # the rank has ended; its exit waits for the value, GiBs maybe: the log says why
+                emit(events.Log(rank=rank, stream="stderr", line=(
+                    f"[torchdist] value of rank {rank}: sending {hostcopy.mib_text(os.path.getsize(result))} "
+                    "to the driver")))
+                line = valueupload.send(run, result, rank)
                 emit(events.Log(rank=rank, stream="stderr", line=line))
                 where = spec.value_path(rank)
         for event in held:
