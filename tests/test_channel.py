@@ -187,7 +187,7 @@ class StalledDriver:
         conn, _ = self.listener.accept()
         conn.settimeout(10)
         conn.sendall(channel._frame({"nonce": "n0"}))
-        hello = channel._read_frame(conn, channel.MAX_HELLO)
+        hello = channel.read_frame(conn, channel.MAX_HELLO)
         assert hello["mac"] == channel._mac(self.secret, "n0").decode()
         conn.sendall(channel._frame({"ok": True, "mac": channel._mac(self.secret, hello["nonce"]).decode()}))
         return conn
@@ -213,7 +213,7 @@ def test_a_full_queue_drops_and_reports_how_many():
     received = []
     while True:
         try:
-            frame = channel._read_frame(conn, channel.MAX_FRAME)
+            frame = channel.read_frame(conn, channel.MAX_FRAME)
         except EOFError:
             break
         received += [events.decode(e) for e in frame["events"]]
@@ -230,7 +230,7 @@ def assert_the_record_arrives_on(conn, client, driver, capfd):
     retried handshake, as the client closes; nothing was printed."""
     closing = threading.Thread(target=client.close)
     closing.start()
-    frame = channel._read_frame(conn, channel.MAX_FRAME)
+    frame = channel.read_frame(conn, channel.MAX_FRAME)
     assert [events.decode(e) for e in frame["events"]] == [events.Started(rank=2, pid=2)]
     conn.close()
     closing.join()
@@ -264,7 +264,7 @@ def test_a_driver_that_cannot_prove_the_secret_is_not_obeyed(capfd):
     client = ChannelClient(driver.address, "s", "r", 0, role="launcher", on_message=got)
     conn, _ = driver.listener.accept()
     conn.sendall(channel._frame({"nonce": "n0"}))
-    channel._read_frame(conn, channel.MAX_HELLO)
+    channel.read_frame(conn, channel.MAX_HELLO)
     conn.sendall(channel._frame({"ok": True, "mac": "0" * 64}))
     conn.sendall(channel._frame({"events": [events.encode(events.Stop(rank=0))]}))
     client.close()

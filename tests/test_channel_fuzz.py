@@ -228,11 +228,11 @@ def authenticate(server, role: str, rank: int) -> socket.socket:
     sock = socket.create_connection(server.address, timeout=10)
     if server.cert:
         sock = tls.client_context(server.cert).wrap_socket(sock)
-    nonce = channel._read_frame(sock, MAX_HELLO)["nonce"]
+    nonce = channel.read_frame(sock, MAX_HELLO)["nonce"]
     sock.sendall(channel._frame({"mac": channel._mac(secret, nonce).decode(), "nonce": "mine",
                                  "run_id": "run-1", "rank": rank, "role": role,
                                  "protocol": events.PROTOCOL_VERSION}))
-    reply = channel._read_frame(sock, MAX_HELLO)
+    reply = channel.read_frame(sock, MAX_HELLO)
     assert reply["ok"] is True and reply["mac"] == channel._mac(secret, "mine").decode()
     return sock
 

@@ -34,7 +34,7 @@ def greeting(run):
     if run.channel_certificate:
         sock = tls.client_context(run.channel_certificate).wrap_socket(sock)
     with sock:
-        return channel._read_frame(sock, channel.MAX_HELLO)
+        return channel.read_frame(sock, channel.MAX_HELLO)
 
 
 def run_and_probe(distributor, tmp_path):

@@ -22,7 +22,7 @@ import torch
 
 from helpers import Collector, assert_nothing_left, pipe_bytes
 from torchdist_magic import Distributor, RankFailure, values, valueupload
-from torchdist_magic.channel import ChannelServer, _Refused, new_secret, open_connection
+from torchdist_magic.channel import ChannelServer, Refused, new_secret, open_connection
 from torchdist_magic.rankenv import RunSpec
 from torchdist_magic.tls import new_identity
 from torchdist_magic.values import VALUES_FETCH_ENV
@@ -102,14 +102,14 @@ def test_a_rank_whose_value_the_driver_does_not_take_is_refused(uploads):
 def test_only_a_launcher_uploads(uploads):
     """A rank's worker has the run's other secret: it cannot write the driver's files."""
     _, spec, _, _, driver_dir = uploads(1)
-    with pytest.raises(_Refused, match="^only a rank's launcher uploads, and only its own rank's value$"):
+    with pytest.raises(Refused, match="^only a rank's launcher uploads, and only its own rank's value$"):
         open_connection(("127.0.0.1", driver_port(spec)), spec.secret, "run-1", 0, "worker", upload=10)
     assert not os.listdir(driver_dir)
 
 
 def test_an_upload_without_its_size_is_refused(uploads):
     _, spec, _, _, driver_dir = uploads(1)
-    with pytest.raises(_Refused, match="^an upload needs the value's size$"):
+    with pytest.raises(Refused, match="^an upload needs the value's size$"):
         open_connection(("127.0.0.1", driver_port(spec)), spec.launcher_secret, "run-1", 0, "launcher", upload=-1)
     assert not os.listdir(driver_dir)
 

@@ -155,11 +155,11 @@ class FrameError(Exception):
     """A peer sent something that is not a well-formed frame."""
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """The other end refused the handshake, with a reason worth telling the user."""
 
 
-class _NotTheDriver(Exception):
+class NotTheDriver(Exception):
     """The other end could not prove, with the run's TLS certificate, that it is the driver."""
 
 
@@ -212,7 +212,10 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def _read_frame(sock: socket.socket, limit: int) -> dict:
+def read_frame(sock: socket.socket, limit: int) -> dict:
+    """The next frame on a blocking ``sock`` (a handshake's, a file transfer's head): its JSON
+    object; ``FrameError`` for one over ``limit`` bytes or not a JSON object, ``EOFError`` when
+    the connection ends first."""
     (length,) = _LEN.unpack(_read_exact(sock, _LEN.size))
     if length > limit:
         raise FrameError(f"frame of {length} bytes is over the {limit} byte limit")
@@ -864,7 +867,7 @@ class _FileTransfers:
 
 # -- rank side --------------------------------------------------------------------------------
 
-class _TlsSocket:
+class TlsSocket:
     """A client's TLS connection over its blocking socket, done in memory, with what
     ``ChannelClient`` uses of a socket (``sendall``, ``recv``, ``settimeout``, ``shutdown``,
     ``close``).  The sender and the reader thread share it (see the module's "TLS")."""
@@ -985,7 +988,7 @@ class ChannelClient:
         self._lost = False                     # no driver to send to: drop everything
         self._closed = False
         self._flush_now = threading.Event()    # a record not to wait for, or close(): send what is queued
-        self._sock: Optional[Union[socket.socket, _TlsSocket]] = None
+        self._sock: Optional[Union[socket.socket, TlsSocket]] = None
         self._reader: Optional[threading.Thread] = None
         self._settled = threading.Event()      # the first connection was made, or given up
         self._sender = threading.Thread(target=self._run, name=f"torchdist-channel-rank{rank}", daemon=True)
@@ -1089,13 +1092,13 @@ class ChannelClient:
             self._write(batch)
         self._finish()
 
-    def _connect(self) -> Optional[Union[socket.socket, _TlsSocket]]:
+    def _connect(self) -> Optional[Union[socket.socket, TlsSocket]]:
         where = f"{self._address[0]}:{self._address[1]}"
         try:
             return open_connection(self._address, self._secret, self._run_id, self._rank, self._role, self._tls)
-        except _Refused as exc:
+        except Refused as exc:
             self._give_up(f"the driver at {where} refused the event channel of rank {self._rank}: {exc}")
-        except _NotTheDriver as exc:
+        except NotTheDriver as exc:
             self._give_up(f"the server at {where} is not this run's driver: {exc}; events of rank "
                           f"{self._rank} are not sent to it")
         except (OSError, EOFError, FrameError) as exc:
@@ -1133,10 +1136,10 @@ class ChannelClient:
 
     # -- reader thread --------------------------------------------------------------------
 
-    def _read(self, sock: Union[socket.socket, _TlsSocket]) -> None:
+    def _read(self, sock: Union[socket.socket, TlsSocket]) -> None:
         while True:
             try:
-                frame = _read_frame(sock, MAX_FRAME)
+                frame = read_frame(sock, MAX_FRAME)
             except (OSError, EOFError, FrameError):  # the driver, or close(), ended the connection
                 return
             items = frame.get("events")
@@ -1153,13 +1156,13 @@ class ChannelClient:
 
 def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: int, role: str,
                     context: Optional[ssl.SSLContext] = None, fetch: str = "",
-                    upload: Optional[int] = None) -> Union[socket.socket, _TlsSocket]:
+                    upload: Optional[int] = None) -> Union[socket.socket, TlsSocket]:
     """An authenticated connection to the driver at ``address`` as ``role`` of ``rank`` (TLS
     with ``context``; ``fetch``: to fetch the file of that name; ``upload``: to send the rank's
     value of that many bytes; see the module's "Files"): each
     handshake within ``HANDSHAKE_DEADLINE``; one that the driver cut off (evicted from its
     pending table) or that took too long is tried again after a jittered, growing pause, for at most ``CONNECT_ATTEMPTS`` times ``HANDSHAKE_DEADLINE``.  Raises
-    ``_Refused``, ``_NotTheDriver``, ``FrameError``, ``EOFError`` or ``OSError`` (``TimeoutError``
+    ``Refused``, ``NotTheDriver``, ``FrameError``, ``EOFError`` or ``OSError`` (``TimeoutError``
     too)."""
     started = time.monotonic()
     give_up = started + CONNECT_ATTEMPTS * HANDSHAKE_DEADLINE
@@ -1179,7 +1182,7 @@ def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: in
 
 def _handshake(address: Tuple[str, int], secret: str, run_id: str, rank: int, role: str,
                context: Optional[ssl.SSLContext], deadline: float, fetch: str = "",
-               upload: Optional[int] = None) -> Union[socket.socket, _TlsSocket]:
+               upload: Optional[int] = None) -> Union[socket.socket, TlsSocket]:
     def left() -> float:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -1189,14 +1192,14 @@ def _handshake(address: Tuple[str, int], secret: str, run_id: str, rank: int, ro
     sock = socket.create_connection(address, timeout=left())
     try:
         if context is not None:
-            sock = _TlsSocket(sock, context)
+            sock = TlsSocket(sock, context)
             try:
                 sock.handshake()
             except ssl.SSLCertVerificationError as exc:
-                raise _NotTheDriver(f"its TLS certificate is not the one this run pinned "
+                raise NotTheDriver(f"its TLS certificate is not the one this run pinned "
                                     f"({exc.verify_message})") from None
             sock.settimeout(left())
-        nonce = _read_frame(sock, MAX_HELLO).get("nonce")
+        nonce = read_frame(sock, MAX_HELLO).get("nonce")
         if not isinstance(nonce, str):
             raise FrameError("the driver sent no challenge")
         own_nonce = secrets.token_hex(16)
@@ -1209,11 +1212,11 @@ def _handshake(address: Tuple[str, int], secret: str, run_id: str, rank: int, ro
             hello.update(upload=rank, size=upload)
         sock.sendall(_frame(hello))
         sock.settimeout(left())
-        reply = _read_frame(sock, MAX_HELLO)
+        reply = read_frame(sock, MAX_HELLO)
         if reply.get("ok") is not True:
-            raise _Refused(f"{reply.get('error', 'no reason given')!s:.500}")
+            raise Refused(f"{reply.get('error', 'no reason given')!s:.500}")
         if not _macs_equal(reply.get("mac"), _mac(secret, own_nonce)):
-            raise _Refused("it could not prove that it knows this run's secret")
+            raise Refused("it could not prove that it knows this run's secret")
         sock.settimeout(None)
         return sock
     except BaseException:

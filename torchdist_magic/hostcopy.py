@@ -43,7 +43,7 @@ import time
 from typing import Callable
 
 from . import tls
-from .channel import MAX_HELLO, FrameError, _NotTheDriver, _read_frame, _Refused, open_connection
+from .channel import MAX_HELLO, FrameError, NotTheDriver, read_frame, Refused, open_connection
 from .rankenv import RunSpec
 from .timing import FETCH_QUEUE_WAIT, FETCH_STALL
 from .values import blob_size
@@ -118,9 +118,9 @@ def file_connection(run: RunSpec, rank: int, failed: Callable[[str], Exception],
     try:
         return open_connection((host.strip("[]"), int(port)), run.launcher_secret, run.run_id, rank,
                                "launcher", context, **hello)
-    except _Refused as exc:
+    except Refused as exc:
         raise failed(f"the driver refused: {exc}") from None
-    except _NotTheDriver as exc:
+    except NotTheDriver as exc:
         raise failed(f"the server there is not this run's driver: {exc}") from None
     except (OSError, EOFError, FrameError) as exc:
         raise failed(f"cannot reach the driver's event channel ({exc or type(exc).__name__})") from None
@@ -140,7 +140,7 @@ def _fetch_into(run: RunSpec, rank: int, copy: str) -> None:
     try:
         sock.settimeout(FETCH_QUEUE_WAIT)  # the size comes when the driver's turn for this fetch does
         try:
-            head = _read_frame(sock, MAX_HELLO)
+            head = read_frame(sock, MAX_HELLO)
         except (OSError, EOFError, FrameError) as exc:
             raise failed(f"the connection ended before the values began ({exc or type(exc).__name__})") from None
         sock.settimeout(FETCH_STALL)

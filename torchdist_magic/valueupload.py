@@ -24,7 +24,7 @@ import os
 import socket
 import time
 
-from .channel import MAX_HELLO, FrameError, _read_frame, _TlsSocket
+from .channel import MAX_HELLO, FrameError, read_frame, TlsSocket
 from .hostcopy import file_connection, mib_text
 from .rankenv import RunSpec
 from .timing import FETCH_QUEUE_WAIT, FETCH_STALL
@@ -71,7 +71,7 @@ def send(run: RunSpec, path: str, rank: int) -> str:
 def _send_file(sock, fh, size: int) -> None:
     """``size`` bytes of ``fh`` to ``sock``: ``sendfile`` on plain TCP, else through one
     reused buffer."""
-    if not isinstance(sock, _TlsSocket):
+    if not isinstance(sock, TlsSocket):
         sock.sendfile(fh, 0, size)
         return
     buffer = memoryview(bytearray(max(min(size, CHUNK), 1)))
@@ -88,7 +88,7 @@ def _answer(sock, failed, when: str) -> None:
     """The driver's next frame (``{"ready": true}``, then ``{"ok": true}``); ``failed`` when it
     is an error or none comes."""
     try:
-        head = _read_frame(sock, MAX_HELLO)
+        head = read_frame(sock, MAX_HELLO)
     except (OSError, EOFError, FrameError) as exc:
         raise failed(f"the connection ended {when} ({exc or type(exc).__name__})") from None
     if "error" in head:
