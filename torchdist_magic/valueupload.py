@@ -14,8 +14,9 @@ on the driver's machine.
 
 The task reports its rank's exit only once the value is with the driver: a value that could not
 be sent fails its rank, with a message naming the machine, the size and the cause.  The sending
-says so in its rank's log: ``[torchdist] value of rank 0: 512.0 MiB sent to the driver in 0.6 s
-(850 MiB/s)``.
+says so in its rank's log, as it starts (``sending_line``: ``[torchdist] value of rank 0: sending
+512.0 MiB to the driver``) and when it is done (``[torchdist] value of rank 0: 512.0 MiB sent to
+the driver in 0.6 s (850 MiB/s)``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ CHUNK = 1 << 20
 
 class ValueNotSent(RuntimeError):
     """A rank's value could not be sent to the driver."""
+
+
+def sending_line(path: str, rank: int) -> str:
+    """The line for the rank's log while its value at ``path`` goes to the driver (its exit
+    waits for it)."""
+    return f"[torchdist] value of rank {rank}: sending {mib_text(os.path.getsize(path))} to the driver"
 
 
 def send(run: RunSpec, path: str, rank: int) -> str:

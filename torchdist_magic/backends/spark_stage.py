@@ -349,8 +349,9 @@ class BarrierStageRun(BackendRun):
         if self._error is not None:
             # the stage failed after the rank had finished (its ``Exit`` came over the channel):
             # a value its rank wrote, or its task sent, into the driver's directory is whole there
-            if os.path.exists(self._spec.value_path(rank)):
-                return map_value(self._spec.value_path(rank))
+            path = self._spec.value_path(rank)
+            if os.path.exists(path):
+                return map_value(path)
             _, reason = spark_failure(self._error)
             raise RuntimeError(f"rank {rank} finished, but Spark could not return its value: "
                                f"{reason.exc_type}: {reason.message}")

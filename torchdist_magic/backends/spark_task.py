@@ -363,9 +363,7 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
             else:
                 result = os.path.join(result_dir, RESULT_FILE)
                 # the rank has ended; its exit waits for the value, GiBs maybe: the log says why
-                emit(events.Log(rank=rank, stream="stderr", line=(
-                    f"[torchdist] value of rank {rank}: sending {hostcopy.mib_text(os.path.getsize(result))} "
-                    "to the driver")))
+                emit(events.Log(rank=rank, stream="stderr", line=valueupload.sending_line(result, rank)))
                 line = valueupload.send(run, result, rank)
                 emit(events.Log(rank=rank, stream="stderr", line=line))
                 where = spec.value_path(rank)
