@@ -7,6 +7,27 @@ import pytest
 
 pytest_plugins = ["spark_fixtures"]
 
+#: the packages whose releases change how a job is pickled, launched or shown: their versions head
+#: every test run, so that a failure after a fresh set-up names the release that changed
+PACKAGES_UNDER_TEST = ("cloudpickle", "torch", "pyspark", "ipykernel", "ipywidgets", "IPython", "mlflow")
+
+
+def package_versions():
+    """``{name: version}`` of ``PACKAGES_UNDER_TEST``, "not installed" where one is missing."""
+    from importlib import metadata
+
+    versions = {}
+    for name in PACKAGES_UNDER_TEST:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def pytest_report_header(config):
+    return "torchdist_magic runs with " + ", ".join(f"{k} {v}" for k, v in package_versions().items())
+
 
 @pytest.fixture(scope="module")
 def ip():

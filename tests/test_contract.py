@@ -79,7 +79,34 @@ def test_raise_is_rank_failure_with_root_cause(dist):
     assert err.exc_type == "ValueError"
     assert err.message == "bad batch on rank 1"
     assert "raise_on" in err.traceback and 'raise ValueError(f"bad batch' in err.traceback
+    assert f'File "{__file__}", line ' in err.traceback  # the test file's own name, as sent by value
     assert run.state.ranks[0].state == "cancelled"
+    assert_no_survivors(run)
+
+
+def test_a_helper_modules_function_fails_with_its_file_and_line(dist, tmp_path, monkeypatch):
+    """A module next to the notebook (not installed) travels by value: its frames name its file
+    and show its lines, which the ranks read from the job where they cannot read the file."""
+    helper = tmp_path / "contract_helper.py"
+    helper.write_text("import os, time\n"
+                      "def bad_shard(go):\n"
+                      "    while not os.path.exists(go):\n"
+                      "        time.sleep(0.05)\n"
+                      "    raise KeyError('shard ' + str(go))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import contract_helper
+
+    go = tmp_path / "go"
+    try:
+        run = dist(2).submit(contract_helper.bad_shard, str(go))
+        helper.unlink()  # as on an executor, where the file is not
+        go.touch()
+        err = rank_failure_of(run)
+    finally:
+        sys.modules.pop("contract_helper", None)
+    assert err.exc_type == "KeyError"
+    assert f'File "{helper}", line 5, in bad_shard' in err.traceback
+    assert "raise KeyError('shard ' + str(go))" in err.traceback
     assert_no_survivors(run)
 
 

@@ -23,7 +23,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from . import rank_shell
 from .job import CellCode, type_name
-from .values import pickled_apart
+from .values import pickle_for_ranks, pickled_apart
 from .runtime import CELL_PROVIDED
 
 #: notebook names that never travel (IPython's own machinery)
@@ -497,11 +497,9 @@ def _syntax_message(exc: SyntaxError) -> str:
 
 
 def _unpicklable_message(values: Dict[str, object], exc: Exception) -> str:
-    import cloudpickle
-
     for name, value in values.items():
         try:
-            cloudpickle.dumps(value)
+            pickle_for_ranks(value)
         except Exception as inner:
             return (f"the cell uses {name!r} (a {type_name(value)}) from the notebook, which cannot be "
                     f"sent to the ranks: {inner}. Create it inside the cell instead.")

@@ -184,15 +184,13 @@ class Run:
         each rank maps it; on a Spark cluster each machine fetches it once from the run's channel
         and its ranks map that copy (``hostcopy``).  Elsewhere (a warm pool on a cluster) they
         travel inside the job."""
-        import cloudpickle
-
         sent = job.sent_buffers()
         if sent is None or sent.nbytes < value_blobs.APART_BYTES:
-            return cloudpickle.dumps(job)
+            return value_blobs.pickle_for_ranks(job)
         shared = self.backend.ranks_share_machine()
         fetch = self.backend.fetches_values and (not shared or os.environ.get(VALUES_FETCH_ENV) == "1")
         if not shared and not fetch:
-            return cloudpickle.dumps(job)
+            return value_blobs.pickle_for_ranks(job)
         self._sent_dir = value_directory(f"torchdist-{self.run_id}-values-", sent.nbytes)
         try:
             in_file = sent.in_file(self._sent_dir)
@@ -201,7 +199,7 @@ class Run:
                 self._served = {name: in_file.path}
                 self._fetch = {"values_fetch": name, "values_fetch_size": os.path.getsize(in_file.path)}
                 in_file = in_file.fetched(name)
-            return cloudpickle.dumps(job.with_sent_buffers(in_file))
+            return value_blobs.pickle_for_ranks(job.with_sent_buffers(in_file))
         except BaseException:
             self._remove_sent()
             raise

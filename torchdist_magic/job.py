@@ -7,6 +7,7 @@ by ``torchdist_magic.worker`` from a file the driver wrote, never from a socket.
 from __future__ import annotations
 
 import dataclasses
+import linecache
 import os
 import sys
 import sysconfig
@@ -14,7 +15,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from .values import Buffers, pickled_apart
+from .values import Buffers, pickle_for_ranks, pickled_apart
 
 
 @dataclass
@@ -74,8 +75,6 @@ MAX_SHIPPED_SOURCE = 2 * 1024 * 1024
 
 def in_memory_sources() -> Dict[str, List[str]]:
     """``linecache`` entries with no file behind them (IPython's and ipykernel's cells)."""
-    import linecache
-
     out: Dict[str, List[str]] = {}
     size = 0
     # a copy in one step: building a list of the items allocates, which can run the garbage
@@ -112,21 +111,6 @@ def _pickled_by_value(module_name: Optional[str]) -> Optional[types.ModuleType]:
     return module
 
 
-def dumps_by_value(obj: Any, modules: List[types.ModuleType]) -> bytes:
-    import cloudpickle
-
-    registered = []
-    try:
-        for m in modules:
-            if m is not None and m.__name__ not in cloudpickle.list_registry_pickle_by_value():
-                cloudpickle.register_pickle_by_value(m)
-                registered.append(m)
-        return cloudpickle.dumps(obj)
-    finally:
-        for m in registered:
-            cloudpickle.unregister_pickle_by_value(m)
-
-
 def type_name(value: Any) -> str:
     """The type of ``value`` as messages name it: ``module.Qualname`` (``dict``, not
     ``builtins.dict``)."""
@@ -137,7 +121,7 @@ def find_unpicklable(named: List[Tuple[str, Any]], modules: List[types.ModuleTyp
     """Name the first of ``named`` that cannot be pickled, with its type and the reason."""
     for label, value in named:
         try:
-            dumps_by_value(value, modules)
+            pickle_for_ranks(value, modules)
         except Exception as exc:  # cloudpickle raises TypeError, PicklingError, AttributeError...
             return f"{label} (a {type_name(value)}) cannot be pickled: {exc}"
     return None
@@ -160,10 +144,22 @@ def _function_references(fn: Any) -> List[Tuple[str, Any]]:
     return refs
 
 
-def _where() -> dict:
+def _where(by_value: Optional[List[types.ModuleType]] = None) -> dict:
     """What every job carries from the driver: its import path, working directory, and the
-    source of code that exists only in memory (for tracebacks)."""
-    return {"sys_path": list(sys.path), "cwd": os.getcwd(), "sources": in_memory_sources()}
+    source of code the ranks may not be able to read (for tracebacks): code that exists only
+    in memory, and the files of the modules whose functions travel by value (a helper next to
+    the notebook is not on a Spark executor's disk)."""
+    sources = in_memory_sources()
+    budget = MAX_SHIPPED_SOURCE - sum(len(line) for lines in sources.values() for line in lines)
+    for module in by_value or ():
+        filename = getattr(module, "__file__", None) if module is not None else None
+        if not filename or filename in sources:
+            continue
+        lines = linecache.getlines(filename)
+        budget -= sum(map(len, lines))
+        if lines and budget >= 0:
+            sources[filename] = list(lines)
+    return {"sys_path": list(sys.path), "cwd": os.getcwd(), "sources": sources}
 
 
 def function_job(fn: Any, args: tuple, kwargs: dict) -> Job:
@@ -180,7 +176,7 @@ def function_job(fn: Any, args: tuple, kwargs: dict) -> Job:
         name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(culprit or f"function {name} cannot be pickled: {exc}") from exc
     return Job(kind="function", name=getattr(fn, "__name__", "function"), payload=payload, buffers=buffers,
-               **_where())
+               **_where(modules))
 
 
 def script_job(path: str, args: tuple) -> Job:

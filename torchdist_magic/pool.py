@@ -122,9 +122,8 @@ class Pool:
 
     # -- life ----------------------------------------------------------------------------
     def _start(self) -> None:
-        import cloudpickle
-
         from .job import serve_job
+        from .values import pickle_for_ranks
 
         run_id = self.run_id
         secret, launcher_secret = new_secret(), new_secret()
@@ -138,7 +137,7 @@ class Pool:
         host, port = self._channel.address[:2]
         spec = RunSpec.resolve(self.options, run_id, f"{host}:{port}", secret, launcher_secret,
                                channel_cert=identity.certificate if identity is not None else "")
-        ctx = LaunchContext(self.plan, spec, cloudpickle.dumps(serve_job()), self._on_record,
+        ctx = LaunchContext(self.plan, spec, pickle_for_ranks(serve_job()), self._on_record,
                             lambda record: self._channel.broadcast(record, role="launcher"),
                             routes=self._routes)
         self._backend_run = self.backend.start(ctx)

@@ -32,14 +32,18 @@ Nothing here imports torch unless the value holds a tensor.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import json
+import marshal
 import mmap
 import os
 import pickle
 import socket
 import struct
-from typing import Any, List, Optional, Tuple, Union
+import types
+from typing import Any, Iterator, List, Optional, Tuple, Union
 
 MAGIC = b"torchdist-value-1\n"
 ALIGN = 64
@@ -69,14 +73,41 @@ def _pad(n: int) -> int:
     return -n % ALIGN
 
 
-def _pickler_class(cpu_only: bool = False):
+def _code_from_marshal(data: bytes) -> types.CodeType:
+    """A code object as ``_SourcePickler`` sent it (its file name and line numbers whole)."""
+    return marshal.loads(data)
+
+
+@functools.lru_cache(maxsize=None)
+def _source_pickler_class():
     import cloudpickle
 
-    class ValuePickler(cloudpickle.Pickler):
-        """cloudpickle (functions and classes of the notebook by value) with the bytes of
-        tensors' storages out of band, each storage once; ``cpu_only``: tensors on other
-        devices are left to torch's own pickling (a notebook's CUDA tensor reaches a rank on
-        CUDA, as before)."""
+    class SourcePickler(cloudpickle.Pickler):
+        """cloudpickle whose code objects keep the file they come from.
+
+        cloudpickle 3.1.3 and later write ``co_filename = "<dynamic-code>"`` into every code
+        object they send by value, so that a rank's traceback and stack through a function of
+        the notebook, of a helper module or of a test file would name no file and show no source
+        line.  Code objects go as ``marshal`` writes them instead: whole, with their file name
+        and line table.  (marshal's format is Python's own: the ranks run the notebook's Python
+        version, which the Spark check stage compares, as cloudpickle's byte code needs too.)
+        This uses only cloudpickle's public ``Pickler`` and pickle's ``reducer_override``."""
+
+        def reducer_override(self, obj):
+            if type(obj) is types.CodeType:
+                return _code_from_marshal, (marshal.dumps(obj),)
+            return super().reducer_override(obj)
+
+    return SourcePickler
+
+
+@functools.lru_cache(maxsize=None)
+def _pickler_class(cpu_only: bool = False):
+    class ValuePickler(_source_pickler_class()):
+        """``SourcePickler`` (functions and classes of the notebook by value, with their files)
+        with the bytes of tensors' storages out of band, each storage once; ``cpu_only``:
+        tensors on other devices are left to torch's own pickling (a notebook's CUDA tensor
+        reaches a rank on CUDA, as before)."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -90,6 +121,35 @@ def _pickler_class(cpu_only: bool = False):
             return super().reducer_override(obj)
 
     return ValuePickler
+
+
+@contextlib.contextmanager
+def _sent_by_value(modules: Optional[list]) -> Iterator[None]:
+    """cloudpickle sends the functions and classes of ``modules`` by value meanwhile (modules
+    the ranks cannot be assumed to import: a test file, a helper next to the notebook)."""
+    import cloudpickle
+
+    registered = []
+    try:
+        for m in modules or ():
+            if m is not None and m.__name__ not in cloudpickle.list_registry_pickle_by_value():
+                cloudpickle.register_pickle_by_value(m)
+                registered.append(m)
+        yield
+    finally:
+        for m in registered:
+            cloudpickle.unregister_pickle_by_value(m)
+
+
+def pickle_for_ranks(value: Any, by_value: Optional[list] = None) -> bytes:
+    """``value``'s pickle stream, every buffer in it: what the ranks read a job from, and how
+    the driver checks that a value can be sent.  Functions and classes defined in the notebook,
+    and those of the ``by_value`` modules, travel by value, each code object with its file name
+    (``SourcePickler``).  The one way this package pickles for the ranks, with ``pickled_apart``."""
+    stream = io.BytesIO()
+    with _sent_by_value(by_value):
+        _source_pickler_class()(stream, protocol=5).dump(value)
+    return stream.getvalue()
 
 
 class _Storage:
@@ -367,18 +427,8 @@ def pickled_apart(value: Any, by_value: Optional[list] = None) -> Tuple[bytes, B
     """``value``'s pickle stream (cloudpickle, protocol 5; ``by_value``: modules whose functions
     travel by value) and its large buffers (``Buffers``): CPU tensors' storages and NumPy
     arrays, not copied.  ``pickle.loads(stream, buffers=buffers.load())`` rebuilds it."""
-    import cloudpickle
-
-    registered = []
-    try:
-        for m in by_value or ():
-            if m is not None and m.__name__ not in cloudpickle.list_registry_pickle_by_value():
-                cloudpickle.register_pickle_by_value(m)
-                registered.append(m)
+    with _sent_by_value(by_value):
         stream, raws = _pickled(value, cpu_only=True)
-    finally:
-        for m in registered:
-            cloudpickle.unregister_pickle_by_value(m)
     return stream, Buffers(raws)
 
 
