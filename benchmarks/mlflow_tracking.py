@@ -40,7 +40,7 @@ def report_points(count):
 
 
 def metrics_records(count: int, points: int):
-    from torchdist_magic import events
+    from torchdist_magic.core import events
 
     out = []
     for i in range(count):
@@ -69,10 +69,11 @@ def main() -> None:
 
     import mlflow
 
-    import torchdist_magic.tracking as tracking
-    from torchdist_magic import Distributor, events
-    from torchdist_magic.options import LaunchOptions
-    from torchdist_magic.state import RunState
+    import torchdist_magic.driver.tracking as tracking
+    from torchdist_magic import Distributor
+    from torchdist_magic.core import events
+    from torchdist_magic.core.options import LaunchOptions
+    from torchdist_magic.driver.state import RunState
 
     workdir = tempfile.mkdtemp(prefix="torchdist-bench-mlflow-")
     try:

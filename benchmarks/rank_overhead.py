@@ -85,7 +85,7 @@ def with_torchdist(script: str, ranks: int, steps: int, out: str) -> float:
 
 def _discarding_driver(addresses) -> None:
     """A real ``ChannelServer`` that drops what it gets, in a process of its own."""
-    from torchdist_magic.channel import ChannelServer
+    from torchdist_magic.wire.channel import ChannelServer
 
     server = ChannelServer(lambda record: None, "overhead", secret="s", launcher_secret="l")
     addresses.put(server.address)
@@ -98,7 +98,8 @@ def reporting_cost(calls: int = 20_000) -> dict:
     included: it runs on the rank's interpreter too).  Load-independent, unlike steps/s."""
     import multiprocessing
 
-    from torchdist_magic import channel, runtime
+    from torchdist_magic.wire import channel
+    from torchdist_magic.rank import runtime
 
     context = multiprocessing.get_context("spawn")
     addresses = context.Queue()

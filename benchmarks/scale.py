@@ -58,9 +58,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 from report import end_processes, machine, write_json  # noqa: E402  (this script's folder is on sys.path)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from torchdist_magic import channel, events, tls  # noqa: E402
-from torchdist_magic.state import RunState  # noqa: E402
-from torchdist_magic.timing import SUPERVISE_POLL  # noqa: E402
+from torchdist_magic.wire import channel, tls
+from torchdist_magic.core import events  # noqa: E402
+from torchdist_magic.driver.state import RunState  # noqa: E402
+from torchdist_magic.core.timing import SUPERVISE_POLL  # noqa: E402
 
 WORKER_SECRET, LAUNCHER_SECRET = "scale-worker-secret", "scale-launcher-secret"
 #: the records of every 10 a rank sends, in order: P progress, M metrics (3 values), L a log line

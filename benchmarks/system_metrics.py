@@ -43,7 +43,7 @@ def steps_per_s(script: str, ranks: int, steps: int, out: str, system_metrics: b
 def sample_cost(samples: int = 200) -> dict:
     """CPU milliseconds of one sample of a live process group (a ``sleep`` of its own), and the
     processes this machine had (what a sample reads)."""
-    from torchdist_magic import sysmetrics
+    from torchdist_magic.launch import sysmetrics
 
     sleeper = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
@@ -69,7 +69,7 @@ def main() -> None:
 
     import torch
 
-    from torchdist_magic.timing import SYSTEM_METRICS_INTERVAL
+    from torchdist_magic.core.timing import SYSTEM_METRICS_INTERVAL
 
     runs = {"on": [], "off": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -104,8 +104,8 @@ def time_runs(call, repeat: int) -> float:
 def torchdist_runner(local_mode: bool, **options):
     """``(back, out)`` for torchdist_magic: ``run(back, mib)``, and the out cell on a tensor."""
     from torchdist_magic import Distributor
-    from torchdist_magic.capture import capture_cell
-    from torchdist_magic.job import cell_job
+    from torchdist_magic.driver.capture import capture_cell
+    from torchdist_magic.core.job import cell_job
 
     def run_back(mib):
         return Distributor(2, local_mode=local_mode, show=None, **options).run(back, mib)
@@ -135,7 +135,7 @@ def channel_rate(direction: str) -> float:
     log says (out) or the sending one's (back)."""
     import re
 
-    from torchdist_magic.distributor import last_run
+    from torchdist_magic.driver.distributor import last_run
 
     run = last_run()
     for rank in range(run.options.num_processes):
@@ -263,7 +263,7 @@ def main() -> None:
             measure("TorchDistributor local", torchdistributor_runner(True), td_local_sizes, td_repeat, rows)
         if not args.only_fetch:
             measure("torchdist spark local[2]", torchdist_runner(False), spark_sizes, args.repeat, rows)
-        from torchdist_magic.distributor import VALUES_FETCH_ENV
+        from torchdist_magic.core.names import VALUES_FETCH_ENV
 
         os.environ[VALUES_FETCH_ENV] = "1"
         for tls in (True, False):

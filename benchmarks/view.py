@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from view_helpers import simulated_run  # noqa: E402
 
-from torchdist_magic import events  # noqa: E402
+from torchdist_magic.core import events  # noqa: E402
 from torchdist_magic.view import widget as W  # noqa: E402
 from torchdist_magic.view.text import summary_with_logs  # noqa: E402
 

@@ -59,7 +59,7 @@ def _no_temp_leftovers(tmp_path, monkeypatch):
     leaves nothing of its runs in shared memory (where ranks write their values)."""
     import tempfile
 
-    from torchdist_magic.launcher import SHARED_MEMORY
+    from torchdist_magic.core.values import SHARED_MEMORY
 
     def in_shared_memory():  # this process's runs' only: another test session may share it
         mine = f"-values-{os.getpid()}-"
@@ -88,7 +88,7 @@ def _no_unfinished_runs(_no_temp_leftovers):
     (a test that checks what a run's garbage collection removes still can)."""
     import weakref
 
-    import torchdist_magic.distributor as distributor
+    import torchdist_magic.driver.distributor as distributor
     from helpers import assert_no_survivors
 
     started = weakref.WeakSet()

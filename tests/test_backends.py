@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from torchdist_magic import Distributor, events
+from torchdist_magic import Distributor
+from torchdist_magic.core import events
 from torchdist_magic.backends.base import Backend, BackendRun, LaunchContext, LaunchPlan
 
 
@@ -15,7 +16,7 @@ class ConstantRun(BackendRun):
     """Every rank 'runs' at once and returns its rank times ten."""
 
     def __init__(self, ctx: LaunchContext):
-        from torchdist_magic import values
+        from torchdist_magic.core import values
 
         self.values = {r: values.dumps(r * 10) for r in range(ctx.spec.num_processes)}
         for r in range(ctx.spec.num_processes):
@@ -53,7 +54,7 @@ class InlineBackend(Backend):
 
 
 def test_a_third_backend_needs_only_the_base_class(monkeypatch):
-    import torchdist_magic.distributor as distributor
+    import torchdist_magic.driver.distributor as distributor
 
     backend = InlineBackend()
     monkeypatch.setattr(distributor, "make_backend", lambda options: backend)
@@ -70,7 +71,7 @@ class LockProbeRun(BackendRun):
     lock_free = None
 
     def stop(self, grace):
-        from torchdist_magic import pool as pools
+        from torchdist_magic.backends import pool as pools
 
         def probe():
             got = pools._lock.acquire(timeout=5)
@@ -103,7 +104,8 @@ class DeadPoolBackend(Backend):
 
 
 def test_a_dead_pool_is_stopped_outside_the_registry_lock(monkeypatch):
-    from torchdist_magic import LaunchOptions, pool as pools
+    from torchdist_magic import LaunchOptions
+    from torchdist_magic.backends import pool as pools
 
     options = LaunchOptions(num_processes=1, warm=True)
     old = pools.Pool(options, DeadPoolBackend(), LaunchPlan(1))
@@ -140,7 +142,8 @@ def at_a_freed_address(make, use):
 
 
 def test_a_pool_placement_never_matches_a_new_session_at_a_dead_ones_address():
-    from torchdist_magic import LaunchOptions, pool as pools
+    from torchdist_magic import LaunchOptions
+    from torchdist_magic.backends import pool as pools
 
     options = LaunchOptions(num_processes=2, warm=True)
     seen, other = at_a_freed_address(Session, lambda s: pools._placement(options, DeadPoolBackend(s)))

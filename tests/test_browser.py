@@ -202,7 +202,7 @@ def test_jupyterlab_stops_with_no_kernel_or_rank_left(browser, tmp_path):
         finally:
             page.close()
     kernels = [pid for pid, cmd in own.seen.items() if "ipykernel" in cmd]
-    ranks = [pid for pid, cmd in own.seen.items() if "torchdist_magic.worker" in cmd]
+    ranks = [pid for pid, cmd in own.seen.items() if "torchdist_magic.rank.worker" in cmd]
     assert len(kernels) == 1 and len(ranks) >= 2, f"expected a kernel and its ranks under JupyterLab: {own.seen}"
     assert len(own.run_ids) == 1
     assert_lab_left_nothing(own)

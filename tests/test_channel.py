@@ -13,9 +13,10 @@ import threading
 import pytest
 
 from helpers import Collector, wait_until
-from torchdist_magic import channel, events, tls
-from torchdist_magic.channel import ChannelClient, ChannelServer, client_from_env, new_secret
-from torchdist_magic.state import RunState
+from torchdist_magic.wire import channel, tls
+from torchdist_magic.core import events
+from torchdist_magic.wire.channel import ChannelClient, ChannelServer, client_from_env, new_secret
+from torchdist_magic.driver.state import RunState
 
 
 @pytest.fixture(scope="module")
@@ -558,7 +559,7 @@ def test_the_bytes_on_the_wire_are_ciphertext_with_tls_only(server):
 
 CONNECT_ALL = """
 import resource, sys
-from torchdist_magic.channel import ChannelClient
+from torchdist_magic.wire.channel import ChannelClient
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, {count} + 256)), hard))
 address, secret, role, cert = sys.argv[1:5]

@@ -17,8 +17,9 @@ import time
 import pytest
 
 from helpers import Collector, assert_no_survivors, wait_until
-from torchdist_magic import channel, events, tls
-from torchdist_magic.channel import MAX_FRAME, MAX_HELLO, ChannelClient, ChannelServer
+from torchdist_magic.wire import channel, tls
+from torchdist_magic.core import events
+from torchdist_magic.wire.channel import MAX_FRAME, MAX_HELLO, ChannelClient, ChannelServer
 
 LEN = struct.Struct(">I")
 WORKER_SECRET, LAUNCHER_SECRET = "worker-secret", "launcher-secret"

@@ -13,8 +13,7 @@ import time
 import pytest
 
 from helpers import assert_no_survivors, rank_failure_of, touch, wait_until
-from torchdist_magic import (HangTimeout, JobTimeout, RankFailure, RunCancelled, load_checkpoint, progress, rank,
-                             report, restart_count, save_checkpoint)
+from torchdist_magic import HangTimeout, JobTimeout, RankFailure, RunCancelled, load_checkpoint, progress, rank, report, restart_count, save_checkpoint
 
 
 def rank_value_after_delay(slow_rank):

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import assert_no_survivors, cell
 from torchdist_magic import Distributor, RankFailure, last_run, shard
-from torchdist_magic.data import NO_DATA
+from torchdist_magic.rank.shard import NO_DATA
 
 
 def read_everything(batch_size):
@@ -104,7 +104,7 @@ def test_shard_without_data_is_a_clear_error(monkeypatch):
 
 
 def test_shard_arguments_are_checked(monkeypatch, tmp_path):
-    from torchdist_magic.data import prepare_data
+    from torchdist_magic.driver.dataframes import prepare_data
 
     data = prepare_data(frame(4), "local", 1)
     path = data.write_rank_files("torchdist-test-", 1)[0]
@@ -132,7 +132,7 @@ BAD_PANDAS = [
 @pytest.mark.parametrize("data, columns, error, message", BAD_PANDAS,
                          ids=["not-a-frame", "no-column", "string", "empty", "too-few-rows"])
 def test_bad_data_is_refused_before_start(data, columns, error, message):
-    from torchdist_magic.distributor import submit
+    from torchdist_magic.driver.distributor import submit
 
     before = last_run()
     with pytest.raises(error, match=message):
@@ -182,7 +182,7 @@ def test_a_spark_connect_dataframe_is_read_inside_the_executors(spark_connect):
 
 @pytest.mark.spark
 def test_bad_spark_input_is_refused_before_start(spark_local2):
-    from torchdist_magic.distributor import submit
+    from torchdist_magic.driver.distributor import submit
 
     spark = spark_local2
     on_spark = Distributor(2, local_mode=False).options

@@ -395,7 +395,7 @@ def fail_on_rank_1():
 def test_pdb_says_so_when_the_executors_cannot_reach_the_notebook(spark_local2, monkeypatch):
     from helpers import assert_nothing_left
     from torchdist_magic import LaunchOptions, RankFailure
-    import torchdist_magic.distributor as distributor
+    import torchdist_magic.driver.distributor as distributor
 
     monkeypatch.setattr(distributor, "make_backend", lambda options: Unreachable(spark_local2))
     run = distributor.submit(fail_on_rank_1, (), {}, LaunchOptions(num_processes=2, backend="spark", pdb=True),

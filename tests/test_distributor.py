@@ -457,10 +457,10 @@ def test_ranks_exit_when_the_driver_is_killed(tmp_path):
 
 
 def test_text_view_shows_outer_and_inner_bars():
-    from torchdist_magic.state import RunState
+    from torchdist_magic.driver.state import RunState
     from torchdist_magic.view.text import rank_progress_text
 
-    from torchdist_magic.events import Progress
+    from torchdist_magic.core.events import Progress
 
     state = RunState("r", 1)
     state.apply(Progress(rank=0, bar="epoch#0", desc="epoch", n=1, total=3, elapsed=2.0, state="running"))
@@ -471,8 +471,8 @@ def test_text_view_shows_outer_and_inner_bars():
 
 def test_a_run_cancelled_before_it_starts_starts_nothing():
     from torchdist_magic.backends.local import LocalProcessBackend
-    from torchdist_magic.distributor import Run, build_job
-    from torchdist_magic.errors import RunCancelled
+    from torchdist_magic.driver.distributor import Run, build_job
+    from torchdist_magic.core.errors import RunCancelled
 
     opts = LaunchOptions(num_processes=2)
     backend = LocalProcessBackend()

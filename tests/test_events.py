@@ -6,10 +6,9 @@ import os
 
 import pytest
 
-from torchdist_magic import events
-from torchdist_magic.events import (Dropped, Exit, Failure, Log, MalformedEvent, Metrics, Progress, RunJob,
-                                    Started, Stop)
-from torchdist_magic.state import MAX_POINTS, RunState
+from torchdist_magic.core import events
+from torchdist_magic.core.events import Dropped, Exit, Failure, Log, MalformedEvent, Metrics, Progress, RunJob, Started, Stop
+from torchdist_magic.driver.state import MAX_POINTS, RunState
 
 SAMPLES = [
     Started(rank=1, host="h", pid=42, time=1.5),
@@ -196,7 +195,7 @@ def test_a_log_record_with_more_lines_round_trips():
 
 
 def test_a_run_of_many_ranks_keeps_a_share_of_the_runs_memory_for_each():
-    from torchdist_magic import state as S
+    from torchdist_magic.driver import state as S
 
     state = RunState("r", 1024)
     share = S.RUN_LOG_MEMORY_LINES // 1024
@@ -319,7 +318,7 @@ def test_where_shows_library_frames_then_the_users_own():
   File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 81 in wrapper
   File "/usr/lib/python3.11/contextlib.py", line 81 in inner
   File "/home/me/train.py", line 12 in step
-  File "/work/torchdist_magic/worker.py", line 118 in _run_function
+  File "/work/torchdist_magic/rank/worker.py", line 118 in _run_function
   File "<frozen runpy>", line 88 in _run_code
 """
     record = events.Stacks(rank=0, text=text, main_thread=0x7F0000000001)
@@ -336,7 +335,7 @@ def test_where_shows_library_frames_then_the_users_own():
 # -- logs ----------------------------------------------------------------------------------------
 
 def test_log_store_spills_and_reads_back_every_line_in_order(tmp_path, monkeypatch):
-    from torchdist_magic import state as S
+    from torchdist_magic.driver import state as S
 
     monkeypatch.setattr(S, "LOG_MEMORY_LINES", 100)
     monkeypatch.setattr(S, "SPILL_INDEX_EVERY", 16)
@@ -362,7 +361,7 @@ def test_lines_kept_in_memory_give_the_garbage_collector_nothing_to_follow():
     every full collection walked them all (four tenths of the driver's CPU at 1024 ranks)."""
     import gc
 
-    from torchdist_magic.state import LogLine, LogStore
+    from torchdist_magic.driver.state import LogLine, LogStore
 
     store = LogStore(lambda: pytest.fail("nothing spills"), "rank-0", max_lines=50_000)
     gc.collect()
@@ -378,7 +377,7 @@ def test_lines_kept_in_memory_give_the_garbage_collector_nothing_to_follow():
 
 
 def test_log_store_keeps_a_redrawn_line_s_latest_state_only():
-    from torchdist_magic.state import LogLine, LogStore
+    from torchdist_magic.driver.state import LogLine, LogStore
 
     store = LogStore(lambda: pytest.fail("nothing spills"), "rank-0")
     for pct in (10, 50):

@@ -104,7 +104,7 @@ def allocate_on_the_gpu_and_wait():
 @pytest.mark.gpu
 @needs_cuda
 def test_nvml_samples_a_device_s_memory_and_utilisation():
-    from torchdist_magic.gpu_metrics import GPU_KEYS, open_gpu_source
+    from torchdist_magic.launch.gpu_metrics import GPU_KEYS, open_gpu_source
 
     source = open_gpu_source()
     assert source is not None, "nvidia-ml-py (the gpu extra) is not installed or NVML has no driver"

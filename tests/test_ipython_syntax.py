@@ -19,8 +19,8 @@ import pytest
 
 from helpers import assert_no_survivors, cell
 from torchdist_magic import RankFailure
-from torchdist_magic.capture import CaptureError, capture_cell, translate_cell
-from torchdist_magic.rank_shell import MagicError, PipFailed, RankShell, SList, TimeitResult
+from torchdist_magic.driver.capture import CaptureError, capture_cell, translate_cell
+from torchdist_magic.rank.shell import MagicError, PipFailed, RankShell, SList, TimeitResult
 
 SUPPORTED = "!cmd, x = !cmd, %time, %%time, %timeit, %%timeit, %env, %cd and %pip"
 
@@ -190,7 +190,7 @@ def test_a_magic_the_ranks_lack_is_named_when_called(shell):
     ("\n%%time\nx = 1\ny = x / (x - 1)\n", [2, 4], "    y = x / (x - 1)\n        ~~^~~~~~~~~\n"),
 ])
 def test_traceback_through_time_shows_the_cells_lines(source, lines, shown):
-    from torchdist_magic.worker import _format_exception
+    from torchdist_magic.rank.worker import _format_exception
 
     filename = "<torchdist cell In[7]>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)

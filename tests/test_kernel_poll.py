@@ -25,7 +25,7 @@ pytest.importorskip("ipykernel")
 SETUP = '''
 import threading, time
 from torchdist_magic import events
-from torchdist_magic.state import RunState
+from torchdist_magic.driver.state import RunState
 from torchdist_magic.view import make_view
 
 class WaitingRun:

@@ -13,9 +13,9 @@ import uuid
 import pytest
 
 from helpers import alive, assert_no_survivors, wait_until
-from torchdist_magic import procs
-from torchdist_magic.errors import RankFailure
-from torchdist_magic.timing import STOP_GRACE
+from torchdist_magic.core import procs
+from torchdist_magic.core.errors import RankFailure
+from torchdist_magic.core.timing import STOP_GRACE
 
 
 def _end(daemons):

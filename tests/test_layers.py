@@ -1,7 +1,13 @@
-"""Layers point one way: no module imports one above it in the data flow of DESIGN.md
-(capture -> distributor -> backend -> launcher -> worker; events -> channel -> RunState -> view),
-and no modules import each other in a circle, not even within a layer.  Function-level (lazy)
-imports count too."""
+"""The package is laid out by process (DESIGN.md, "Three processes, one package folder each"), and
+its imports point one way:
+
+    top (api, magic, panel, __init__) -> view -> driver -> backends -> launch -> wire -> core
+    rank -> wire -> core
+
+``launch`` (beside each rank) and ``rank`` (the rank's worker) never import each other, and the
+driver's side (``backends``, ``driver``, ``view``) never imports the rank's code: what they share
+lives in ``core``.  No modules import each other in a circle, not even within a package.
+Function-level (lazy) imports count too."""
 
 import ast
 import pathlib
@@ -10,35 +16,29 @@ import torchdist_magic
 
 PACKAGE = pathlib.Path(torchdist_magic.__file__).parent
 
-#: bottom first; a module may import its own layer and those below it
-LAYERS = [
-    ("contract", {"events", "timing", "options", "procs", "tls", "sysmetrics", "gpu_metrics"}),
-    ("rank side", {"errors", "runtime", "rank_shell", "job", "rankenv", "data", "values", "rank_debugger"}),
-    ("worker and transport", {"worker", "channel", "hostcopy", "valueupload"}),
-    ("launch and state", {"launcher", "state", "stragglers"}),
-    # backends/, bottom first: the interface, what runs in an executor, the driver's side of a
-    # Spark stage, the executors' interpreter, the backends themselves, the factory
-    ("backend interface", {"backends.base"}),
-    ("spark executor side", {"backends.spark_task"}),
-    ("spark driver side", {"backends.spark_stage"}),
-    ("spark interpreter", {"backends.spark_python"}),
-    ("backends", {"backends.local", "backends.spark_classic", "backends.spark_connect"}),
-    ("backend factory", {"backends"}),
-    ("warm pools", {"pool"}),
-    ("debugger console", {"debugger"}),
-    ("runs", {"capture", "distributor", "tracking"}),
-    ("views", {"view"}),  # every view.* module but the panel
-    ("entry points", {"api", "magic", "view.panel", "__init__"}),
-]
+#: each package folder and the folders its modules may import (besides their own)
+MAY_IMPORT = {
+    "core": set(),
+    "wire": {"core"},
+    "rank": {"wire", "core"},
+    "launch": {"wire", "core"},
+    "backends": {"launch", "wire", "core"},
+    "driver": {"backends", "launch", "wire", "core"},
+    "view": {"driver", "backends", "launch", "wire", "core"},
+    # the public names: the Python API, the magics, the panel, and the helpers a job calls
+    "top": {"view", "driver", "backends", "launch", "wire", "core", "rank"},
+}
+TOP = {"__init__", "api", "magic", "panel"}
 
 
-def layer_of(module: str) -> int:
-    for index, (_, names) in enumerate(LAYERS):
-        if module in names:
-            return index
-    if module.startswith("view."):
-        return layer_of("view")
-    raise AssertionError(f"torchdist_magic.{module} has no layer in this test: add it to LAYERS")
+def package_of(module: str) -> str:
+    if module in TOP:
+        return "top"
+    folder = module.split(".")[0]
+    if folder not in MAY_IMPORT:
+        raise AssertionError(f"torchdist_magic.{module} is in no package this test knows: put it in one of "
+                             f"{sorted(MAY_IMPORT)} or add it to TOP")
+    return folder
 
 
 def module_names():
@@ -79,14 +79,39 @@ def _known(name: str) -> str:
     return name or "__init__"
 
 
+def test_every_module_sits_in_a_package_of_the_layout():
+    assert {package_of(m) for m, _ in module_names()} == set(MAY_IMPORT)
+
+
 def test_every_import_points_down():
     upward = []
     for module, path in module_names():
         for target in imported(module, path):
-            if target != module and layer_of(target) > layer_of(module):
-                upward.append(f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} "
-                              f"({LAYERS[layer_of(target)][0]})")
+            source, dest = package_of(module), package_of(target)
+            if dest != source and dest not in MAY_IMPORT[source]:
+                upward.append(f"{module} ({source}) imports {target} ({dest})")
     assert not upward, "\n".join(upward)
+
+
+def test_the_rank_and_the_launcher_never_import_each_other_nor_the_driver_the_rank():
+    assert "rank" not in MAY_IMPORT["launch"] and "launch" not in MAY_IMPORT["rank"]
+    assert not {"rank"} & (MAY_IMPORT["driver"] | MAY_IMPORT["backends"] | MAY_IMPORT["view"])
+
+
+def test_the_check_finds_an_import_that_points_up(tmp_path, monkeypatch):
+    """The check itself: a module of ``core`` that imports the driver is named."""
+    fake = tmp_path / "torchdist_magic"
+    (fake / "core").mkdir(parents=True)
+    (fake / "driver").mkdir()
+    for init in (fake / "__init__.py", fake / "core" / "__init__.py", fake / "driver" / "__init__.py"):
+        init.write_text("")
+    (fake / "driver" / "state.py").write_text("")
+    (fake / "core" / "events.py").write_text("def f():\n    from ..driver.state import RunState\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    found = {m: set(imported(m, p)) for m, p in module_names()}
+    assert found["core.events"] == {"driver.state"}
+    with __import__("pytest").raises(AssertionError, match=r"core\.events \(core\) imports driver\.state \(driver\)"):
+        test_every_import_points_down()
 
 
 def import_cycles():
@@ -115,8 +140,8 @@ def test_no_modules_import_each_other_in_a_circle():
 
 def test_the_check_sees_lazy_and_relative_imports():
     found = dict((m, set(imported(m, p))) for m, p in module_names())
-    assert "view" in found["api"]            # a function-level import
-    assert "events" in found["state"]        # a relative import
+    assert "view" in found["api"]                          # a function-level import
+    assert "core.events" in found["driver.state"]          # a relative import, one package up
     assert "backends.local" in found["backends"]
-    assert "backends.base" in found["backends.local"]     # ``from .base import ...``
-    assert "runtime" in found["worker"]         # ``from torchdist_magic import runtime``
+    assert "backends.base" in found["backends.local"]      # ``from .base import ...``
+    assert "rank.runtime" in found["rank.worker"]          # ``from torchdist_magic.rank import runtime``

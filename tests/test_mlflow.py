@@ -78,7 +78,7 @@ def _forget_runs():
     """Drop the module's reference to the latest run and collect it (and its directory)."""
     import gc
 
-    import torchdist_magic.distributor as distributor
+    import torchdist_magic.driver.distributor as distributor
 
     distributor._last_run = None
     gc.collect()
@@ -289,7 +289,7 @@ def test_a_cancelled_run_is_killed(local_distributor, experiment, tmp_path):
 
 
 def test_a_run_is_nested_under_the_notebooks_active_run(local_distributor, experiment):
-    from torchdist_magic.distributor import last_run
+    from torchdist_magic.driver.distributor import last_run
 
     with mlflow.start_run(experiment_id=experiment, run_name="notebook") as parent:
         assert local_distributor(1, mlflow=True).run(report_odd_names) == 1
@@ -331,7 +331,7 @@ def test_each_warm_cell_is_an_mlflow_run_of_its_own(local_distributor, experimen
 
 
 def test_points_that_find_the_buffer_full_are_counted_and_said(local_distributor, experiment, monkeypatch):
-    import torchdist_magic.tracking as tracking
+    import torchdist_magic.driver.tracking as tracking
 
     monkeypatch.setattr(tracking, "QUEUE_POINTS", 10)
     monkeypatch.setattr(tracking, "MLFLOW_FLUSH_INTERVAL", 3600.0)  # nothing is written before the end
@@ -350,7 +350,7 @@ def test_points_that_find_the_buffer_full_are_counted_and_said(local_distributor
 
 def test_points_still_unwritten_when_the_wait_at_the_end_is_over_are_counted_and_said(
         local_distributor, experiment, monkeypatch):
-    import torchdist_magic.tracking as tracking
+    import torchdist_magic.driver.tracking as tracking
 
     monkeypatch.setattr(tracking, "MLFLOW_FLUSH_INTERVAL", 3600.0)  # everything waits for the end...
     monkeypatch.setattr(tracking, "MLFLOW_CLOSE_WAIT", 0.0)         # ... which has no time for it
@@ -388,8 +388,8 @@ def test_logs_that_cannot_be_stored_are_said_and_the_run_still_ends(local_distri
 
 # -- what a user sees ------------------------------------------------------------------------------
 def test_the_view_links_to_the_run_on_a_server_with_a_ui():
-    from torchdist_magic.state import RunState
-    from torchdist_magic.tracking import TrackingLink, run_url
+    from torchdist_magic.driver.state import RunState
+    from torchdist_magic.driver.tracking import TrackingLink, run_url
     from torchdist_magic.view.html import header_html
     from torchdist_magic.view.model import run_facts
     from torchdist_magic.view.text import header
@@ -444,7 +444,7 @@ def test_a_run_without_mlflow_never_imports_it():
 
 def test_without_mlflow_installed_nothing_starts_and_the_error_says_what_to_install(
         ip, capsys, local_distributor, monkeypatch):
-    from torchdist_magic.distributor import last_run
+    from torchdist_magic.driver.distributor import last_run
     from torchdist_magic import MlflowUnavailable
 
     monkeypatch.setitem(sys.modules, "mlflow", None)  # what ``import mlflow`` meets where it is missing
@@ -463,9 +463,9 @@ def test_without_mlflow_installed_nothing_starts_and_the_error_says_what_to_inst
 
 def test_the_panel_shows_why_it_could_not_start_the_mlflow_run(monkeypatch):
     from test_panel import Notebook
-    from torchdist_magic.distributor import last_run
-    from torchdist_magic.options import LaunchOptions
-    from torchdist_magic.view.panel import LaunchPanel
+    from torchdist_magic.driver.distributor import last_run
+    from torchdist_magic.core.options import LaunchOptions
+    from torchdist_magic.panel import LaunchPanel
 
     monkeypatch.setitem(sys.modules, "mlflow", None)
     panel = LaunchPanel(Notebook(), LaunchOptions())
@@ -479,7 +479,7 @@ def test_the_panel_shows_why_it_could_not_start_the_mlflow_run(monkeypatch):
 
 
 def test_an_unreachable_tracking_server_is_refused_before_anything_starts(ip, capsys, local_distributor, monkeypatch):
-    from torchdist_magic.distributor import last_run
+    from torchdist_magic.driver.distributor import last_run
     from torchdist_magic import TrackingError
 
     uri = f"http://127.0.0.1:{free_port()}"

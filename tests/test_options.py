@@ -7,10 +7,9 @@ import pickle
 import pytest
 
 from torchdist_magic import LaunchOptions, is_main, local_rank, progress, rank, report, world_size
-from torchdist_magic.errors import RankFailure
-from torchdist_magic.events import Failure
-from torchdist_magic.options import (FlagError, OptionError, flag_parser, option_fields, options_from_flags,
-                                     parse_flags)
+from torchdist_magic.core.errors import RankFailure
+from torchdist_magic.core.events import Failure
+from torchdist_magic.core.options import FlagError, OptionError, flag_parser, option_fields, options_from_flags, parse_flags
 
 
 def test_defaults_and_no_environment_probe(monkeypatch):
@@ -156,7 +155,8 @@ def test_device_outside_a_run_is_cpu():
 
 
 def test_cell_names_are_the_provided_names():
-    from torchdist_magic.runtime import CELL_PROVIDED, cell_names
+    from torchdist_magic.core.names import CELL_PROVIDED
+    from torchdist_magic.rank.runtime import cell_names
 
     assert set(cell_names()) == set(CELL_PROVIDED)
 

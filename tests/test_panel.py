@@ -8,8 +8,8 @@ import ipywidgets as widgets
 import pytest
 
 from helpers import assert_no_survivors, wait_until
-from torchdist_magic.options import LaunchOptions, flag_parser, option_fields, options_from_flags, parse_flags
-from torchdist_magic.view import panel as P
+from torchdist_magic.core.options import LaunchOptions, flag_parser, option_fields, options_from_flags, parse_flags
+from torchdist_magic import panel as P
 from torchdist_magic.view.model import rank_rows
 
 #: flags that are no launch setting: shortcuts of --backend, where the value goes, no view
@@ -344,7 +344,7 @@ def test_a_cell_that_cannot_be_captured_is_refused_before_anything_starts(notebo
 
 
 def test_the_options_past_the_first_few_are_folded_and_open_when_one_is_refused(panel):
-    from torchdist_magic.view.panel import FIRST_OPTIONS
+    from torchdist_magic.panel import FIRST_OPTIONS
 
     folded = panel.more_options.children[0].children
     assert len(folded) == len(panel.fields) - len(FIRST_OPTIONS) > 0

@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from torchdist_magic import values
-from torchdist_magic.job import function_job
+from torchdist_magic.core import values
+from torchdist_magic.core.job import function_job
 
 
 def outer(x):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from torchdist_magic.options import LaunchOptions
-from torchdist_magic.rankenv import RunSpec, place_ranks, place_spark_tasks, rank_environment
+from torchdist_magic.core.options import LaunchOptions
+from torchdist_magic.core.rankenv import RunSpec, place_ranks, place_spark_tasks, rank_environment
 
 
 def test_placement_on_two_hosts_is_torchruns():
@@ -77,7 +77,7 @@ def test_a_cpu_run_on_spark_sees_no_gpu():
 
 
 def test_threads_and_host_ranks_go_by_the_ranks_on_the_machine(monkeypatch):
-    import torchdist_magic.rankenv as rankenv
+    import torchdist_magic.core.rankenv as rankenv
 
     monkeypatch.setattr(rankenv, "cores_available", lambda: 8)
     spec = RunSpec.resolve(LaunchOptions(num_processes=3), "r")

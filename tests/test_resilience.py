@@ -14,7 +14,7 @@ import pytest
 
 from helpers import assert_no_survivors, touch, wait_until
 from torchdist_magic import RankFailure, rank, restart_count
-from torchdist_magic.runtime import load_checkpoint, save_checkpoint
+from torchdist_magic.rank.runtime import load_checkpoint, save_checkpoint
 
 
 def needs(*modules):
@@ -25,7 +25,7 @@ def needs(*modules):
 
 def _forget_runs():
     """Drop the module's reference to the latest run, so that only the test holds its runs."""
-    import torchdist_magic.distributor as distributor
+    import torchdist_magic.driver.distributor as distributor
 
     distributor._last_run = None
 
@@ -53,7 +53,7 @@ class SteppedClock:
 @pytest.fixture
 def run_clock(monkeypatch):
     """The ``SteppedClock`` that runs started in this test measure their ``timeout`` with."""
-    import torchdist_magic.distributor as distributor
+    import torchdist_magic.driver.distributor as distributor
 
     clock = SteppedClock()
     monkeypatch.setattr(distributor, "time", clock)
@@ -181,7 +181,7 @@ def test_a_hang_after_a_rank_finished_says_it_had_exited(local_distributor, monk
     import threading
 
     from torchdist_magic import HangTimeout
-    from torchdist_magic.state import RunState
+    from torchdist_magic.driver.state import RunState
 
     # the run's quiet counts only from when rank 0 naps and rank 1 has exited
     counting, real_idle = threading.Event(), RunState.idle
@@ -202,7 +202,7 @@ def test_a_rank_is_not_signalled_before_it_can_take_the_stack_signal(tmp_path):
     import signal as signals
 
     from helpers import Collector, wait_until
-    from torchdist_magic.launcher import RankProcess, stop_all
+    from torchdist_magic.launch.launcher import RankProcess, stop_all
 
     not_a_worker = tmp_path / "python"
     not_a_worker.write_text("#!/bin/sh\necho up\nexec sleep 600\n")
@@ -225,7 +225,7 @@ def test_timeout_and_hang_errors_name_every_rank_and_survive_pickling():
     import pickle
 
     from torchdist_magic import HangTimeout, JobTimeout
-    from torchdist_magic.events import Stacks
+    from torchdist_magic.core.events import Stacks
 
     stacks = {0: Stacks(rank=0, text='Current thread 0x1 (most recent call first):\n  File "/a/t.py", line 5 in f\n',
                         main_thread=1)}

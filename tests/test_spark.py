@@ -95,7 +95,7 @@ def test_50_mib_value_comes_back_through_collect(request, session):
 @pytest.mark.spark
 @pytest.mark.parametrize("session", ["spark_local2", "spark_cluster"])
 def test_more_ranks_than_task_slots_is_refused_before_start(request, session):
-    from torchdist_magic.distributor import last_run
+    from torchdist_magic.driver.distributor import last_run
 
     request.getfixturevalue(session)
     before = last_run()
@@ -221,7 +221,7 @@ class ClosureFailsOnExecutorBackend(SparkBarrierBackend):
 
 @pytest.mark.spark
 def test_stage_failure_is_rank_failure_with_the_python_exception(spark_local2, monkeypatch):
-    import torchdist_magic.distributor as distributor
+    import torchdist_magic.driver.distributor as distributor
 
     monkeypatch.setattr(distributor, "make_backend", lambda options: ClosureFailsOnExecutorBackend(spark_local2))
     run = spark_dist(2).submit(one)
@@ -305,7 +305,7 @@ class OneTaskCannotReachTheDriver(SparkBarrierBackend):
 @pytest.mark.spark
 def test_tasks_that_cannot_reach_the_driver_still_rendezvous(spark_local2, monkeypatch):
     import torchdist_magic.backends.spark_stage as spark_stage
-    import torchdist_magic.distributor as distributor
+    import torchdist_magic.driver.distributor as distributor
 
     monkeypatch.setattr(spark_stage, "SPARK_RENDEZVOUS_WAIT", 1.0)  # the driver's wait for rank 1
     monkeypatch.setattr(distributor, "make_backend", lambda options: OneTaskCannotReachTheDriver(spark_local2))
@@ -357,8 +357,8 @@ def test_classic_spark_whose_executors_cannot_reach_the_notebook_still_returns_r
         spark_local2, monkeypatch):
     """No task reaches the notebook (a firewall between the executors and the driver): the
     tasks meet through Spark's barrier, and rank 0's value comes back through the stage."""
-    import torchdist_magic.distributor as distributor
-    from torchdist_magic.channel import ChannelServer
+    import torchdist_magic.driver.distributor as distributor
+    from torchdist_magic.wire.channel import ChannelServer
 
     class BehindAFirewall(ChannelServer):
         """The run's channel, whose address as the tasks are told it is where nothing listens."""
@@ -386,8 +386,8 @@ def mib_for_rank_0(mib):
 def test_a_value_over_the_drivers_result_limit_from_a_task_off_the_channel_says_spark_could_not_return_it(
         spark_local2, spark_sessions, monkeypatch):
     import torchdist_magic.backends.spark_stage as spark_stage
-    import torchdist_magic.distributor as distributor
-    from torchdist_magic.channel import ChannelServer, new_secret
+    import torchdist_magic.driver.distributor as distributor
+    from torchdist_magic.wire.channel import ChannelServer, new_secret
 
     # as above, and the channel refuses the tasks' launchers (another launcher secret than the
     # one they are given): they meet through Spark's barrier, and the value goes through Spark

@@ -51,7 +51,7 @@ class Unreachable(SparkConnectBackend):
 
 @pytest.fixture
 def unreachable(spark_connect, monkeypatch):
-    import torchdist_magic.distributor as distributor
+    import torchdist_magic.driver.distributor as distributor
 
     monkeypatch.setattr(distributor, "make_backend", lambda options: Unreachable(spark_connect))
     return lambda n=2, **o: Distributor(n, local_mode=False, show=None, **o)

@@ -8,10 +8,10 @@ import time
 from helpers import assert_no_survivors
 from view_helpers import Clock, bar, exit_, running
 from torchdist_magic import progress, rank
-from torchdist_magic import stragglers as P
-from torchdist_magic.distributor import follow, submit
-from torchdist_magic.options import LaunchOptions
-from torchdist_magic.state import RunState
+from torchdist_magic.driver import stragglers as P
+from torchdist_magic.driver.distributor import follow, submit
+from torchdist_magic.core.options import LaunchOptions
+from torchdist_magic.driver.state import RunState
 
 
 def paced_state(ranks=4):

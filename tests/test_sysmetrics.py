@@ -15,12 +15,14 @@ import cloudpickle
 import pytest
 
 from helpers import alive, assert_no_survivors, touch, wait_until
-from torchdist_magic import Distributor, LaunchOptions, RankFailure, events, sysmetrics, timing
-from torchdist_magic.job import function_job
-from torchdist_magic.launcher import RankProcess
-from torchdist_magic.options import FlagError, OptionTypeError, options_from_flags, parse_flags
-from torchdist_magic.state import RunState
-from torchdist_magic.stragglers import SLOW_FOR, Pace, Straggler
+from torchdist_magic import Distributor, LaunchOptions, RankFailure
+from torchdist_magic.core import events, timing
+from torchdist_magic.launch import sysmetrics
+from torchdist_magic.core.job import function_job
+from torchdist_magic.launch.launcher import RankProcess
+from torchdist_magic.core.options import FlagError, OptionTypeError, options_from_flags, parse_flags
+from torchdist_magic.driver.state import RunState
+from torchdist_magic.driver.stragglers import SLOW_FOR, Pace, Straggler
 
 GIB = 1 << 30
 

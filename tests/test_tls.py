@@ -9,7 +9,8 @@ import socket
 import pytest
 
 from helpers import assert_no_survivors, assert_nothing_left, one, touch, wait_until
-from torchdist_magic import Distributor, LaunchOptions, channel, shutdown_pools, tls
+from torchdist_magic import Distributor, LaunchOptions, shutdown_pools
+from torchdist_magic.wire import channel, tls
 from torchdist_magic.backends import make_backend
 
 

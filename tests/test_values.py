@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from helpers import assert_no_survivors, assert_nothing_left
-from torchdist_magic import Distributor, values
+from torchdist_magic import Distributor
+from torchdist_magic.core import values
 
 GIB = 2**30
 
@@ -96,7 +97,7 @@ import os, sys
 sys.path.insert(0, sys.argv[1])
 from helpers import assert_no_survivors
 from torchdist_magic import Distributor
-from torchdist_magic.errors import RankFailure
+from torchdist_magic.core.errors import RankFailure
 
 def value_of(size):
     import torch
@@ -197,8 +198,8 @@ def checksum(tensor):
 def test_a_512_mib_notebook_tensor_in_a_cell_reaches_two_ranks_from_one_file():
     """The cell's notebook tensor goes into one file, written once, that both ranks map: the
     job itself stays small."""
-    from torchdist_magic.capture import capture_cell
-    from torchdist_magic.job import cell_job
+    from torchdist_magic.driver.capture import capture_cell
+    from torchdist_magic.core.job import cell_job
 
     big = torch.arange(512 * 2**20 // 4, dtype=torch.float32)
     cell = capture_cell("rank, float(big.sum(dtype=torch.float64)), big[-1].item()",

@@ -21,11 +21,13 @@ import pytest
 import torch
 
 from helpers import Collector, assert_nothing_left, pipe_bytes
-from torchdist_magic import Distributor, RankFailure, hostcopy, values
-from torchdist_magic.channel import ChannelServer, new_secret
-from torchdist_magic.distributor import VALUES_FETCH_ENV
-from torchdist_magic.rankenv import RunSpec
-from torchdist_magic.tls import new_identity
+from torchdist_magic import Distributor, RankFailure
+from torchdist_magic.launch import hostcopy
+from torchdist_magic.core import values
+from torchdist_magic.wire.channel import ChannelServer, new_secret
+from torchdist_magic.core.names import VALUES_FETCH_ENV
+from torchdist_magic.core.rankenv import RunSpec
+from torchdist_magic.wire.tls import new_identity
 
 MIB = 2**20
 FETCHED = r"\[torchdist\] notebook values: {size} fetched from the driver in [\d.]+ s \(\d+ MiB/s\)"
@@ -51,7 +53,7 @@ def test_the_copy_goes_to_shared_memory_where_it_takes_at_most_half_of_it():
     directory, on every task of the machine alike; so does the driver's file of the values."""
     import tempfile
 
-    from torchdist_magic.launcher import value_directory
+    from torchdist_magic.core.values import value_directory
 
     assert values.host_copy_path("v", 1 << 50) == os.path.join(tempfile.gettempdir(), "v")
     if os.access(values.SHARED_MEMORY, os.W_OK):
@@ -204,7 +206,7 @@ def test_a_connection_reset_midway_fails_the_fetch(served):
 
 
 def test_a_connection_cut_before_the_values_fails_the_fetch(served):
-    from torchdist_magic.channel import _frame
+    from torchdist_magic.wire.channel import _frame
 
     _, spec, _ = served(1)
     handshake = len(_frame({"nonce": "0" * 32})) + len(_frame({"ok": True, "mac": "0" * 64}))
@@ -273,7 +275,7 @@ def test_a_rank_whose_machine_has_no_copy_says_so():
 FETCH_WITH_FILE_LIMIT = """
 import json, resource, sys
 from torchdist_magic import hostcopy, values
-from torchdist_magic.rankenv import RunSpec
+from torchdist_magic.core.rankenv import RunSpec
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
 try:
     spec = RunSpec(**json.loads(sys.argv[1]))
@@ -321,8 +323,8 @@ def one_fetch(run, size):
 @pytest.mark.spark
 def test_a_512_mib_notebook_tensor_reaches_two_executors_fetched_once(spark_cluster, monkeypatch):
     """Two executors (JVMs of their own) on this machine: one fetch, both ranks map it."""
-    from torchdist_magic.capture import capture_cell
-    from torchdist_magic.job import cell_job
+    from torchdist_magic.driver.capture import capture_cell
+    from torchdist_magic.core.job import cell_job
 
     monkeypatch.setenv(VALUES_FETCH_ENV, "1")
     big = torch.arange(512 * MIB // 4, dtype=torch.float32)
@@ -399,8 +401,8 @@ def test_many_machines_fetch_at_once_while_the_channel_delivers_records(served, 
     own records keep being delivered meanwhile."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from torchdist_magic import events
-    from torchdist_magic.channel import FETCHES_AT_ONCE, ChannelClient
+    from torchdist_magic.core import events
+    from torchdist_magic.wire.channel import FETCHES_AT_ONCE, ChannelClient
 
     _, spec, array = served(4)
     names = [f"{spec.values_fetch}-{i}" for i in range(FETCHES_AT_ONCE + 4)]

@@ -21,11 +21,13 @@ import pytest
 import torch
 
 from helpers import Collector, assert_nothing_left, pipe_bytes
-from torchdist_magic import Distributor, RankFailure, values, valueupload
-from torchdist_magic.channel import ChannelServer, Refused, new_secret, open_connection
-from torchdist_magic.rankenv import RunSpec
-from torchdist_magic.tls import new_identity
-from torchdist_magic.values import VALUES_FETCH_ENV
+from torchdist_magic import Distributor, RankFailure
+from torchdist_magic.core import values
+from torchdist_magic.launch import valueupload
+from torchdist_magic.wire.channel import ChannelServer, Refused, new_secret, open_connection
+from torchdist_magic.core.rankenv import RunSpec
+from torchdist_magic.wire.tls import new_identity
+from torchdist_magic.core.names import VALUES_FETCH_ENV
 
 MIB = 2**20
 SENT = r"\[torchdist\] value of rank {rank}: {size} sent to the driver in [\d.]+ s \(\d+ MiB/s\)"
@@ -173,7 +175,7 @@ def test_a_connection_cut_midway_fails_the_sending_and_leaves_nothing_on_the_dri
 
 DRIVER_WITH_FILE_LIMIT = """
 import json, resource, sys
-from torchdist_magic.channel import ChannelServer, new_secret
+from torchdist_magic.wire.channel import ChannelServer, new_secret
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
 secret, launcher_secret = new_secret(), new_secret()
 channel = ChannelServer(lambda record: None, "run-1", secret=secret, launcher_secret=launcher_secret)

@@ -18,11 +18,12 @@ import pytest
 
 from helpers import assert_no_survivors
 from view_helpers import FakeRun, bar, exit_, feed, log, metrics, running
-from torchdist_magic import ResultTimeout, events
-from torchdist_magic import state as S
-from torchdist_magic.distributor import submit
-from torchdist_magic.errors import JobTimeout, RunCancelled
-from torchdist_magic.options import LaunchOptions
+from torchdist_magic import ResultTimeout
+from torchdist_magic.core import events
+from torchdist_magic.driver import state as S
+from torchdist_magic.driver.distributor import submit
+from torchdist_magic.core.errors import JobTimeout, RunCancelled
+from torchdist_magic.core.options import LaunchOptions
 from torchdist_magic.view import html as H
 from torchdist_magic.view import model as M
 from torchdist_magic.view.text import TextView, summary, summary_with_logs
@@ -483,7 +484,7 @@ def _repo_text(skip):
 
 
 def test_every_public_method_of_the_run_state_module_is_used():
-    path = os.path.join(REPO, "torchdist_magic", "state.py")
+    path = os.path.join(REPO, "torchdist_magic", "driver", "state.py")
     with open(path) as fh:
         source = fh.read()
     elsewhere = _repo_text(path)
@@ -606,11 +607,11 @@ def test_no_module_but_the_state_touches_the_run_states_lock():
         for folder, _, files in os.walk(os.path.join(REPO, sub)):
             for name in files:
                 path = os.path.join(folder, name)
-                if name.endswith(".py") and os.path.relpath(path, REPO) != os.path.join("torchdist_magic", "state.py"):
+                if name.endswith(".py") and os.path.relpath(path, REPO) != os.path.join("torchdist_magic", "driver", "state.py"):
                     if _receivers_of_lock(path):
                         found[os.path.relpath(path, REPO)] = _receivers_of_lock(path)
     assert found == {}
-    with open(os.path.join(REPO, "torchdist_magic", "state.py")) as fh:
+    with open(os.path.join(REPO, "torchdist_magic", "driver", "state.py")) as fh:
         assert "self._lock" in fh.read()  # the check looks at the right attribute
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from test_view_model import _stacks
 from view_helpers import FakeRun, bar, exit_, feed, log, metrics, no_cpu, running, simulated_run
-from torchdist_magic import events
+from torchdist_magic.core import events
 from torchdist_magic.view import html as H
 from torchdist_magic.view import overview as O
 from torchdist_magic.view import widget as W

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import alive, cell, pids_of_run, wait_until
 from torchdist_magic import HangTimeout, JobTimeout, RankFailure, RunCancelled, pools, shutdown_pools
-from torchdist_magic.options import OptionError
+from torchdist_magic.core.options import OptionError
 
 
 @pytest.fixture(autouse=True)
@@ -236,7 +236,7 @@ def test_an_idle_pool_stops_after_its_idle_timeout(local_distributor):
 def test_a_second_stop_returns_once_the_first_is_done(local_distributor):
     import threading
 
-    from torchdist_magic.pool import _pools
+    from torchdist_magic.backends.pool import _pools
 
     local_distributor(2, warm=True).run(kept_and_group)
     info, = pools()
@@ -392,8 +392,8 @@ def test_a_spark_pool_holds_its_slots_and_gives_them_back_when_torn_down(spark_l
 # -- the views say warm or cold ---------------------------------------------------------------------
 
 def test_the_text_view_and_the_panel_say_whether_a_run_was_warm(ip, capsys):
-    from torchdist_magic.options import LaunchOptions
-    from torchdist_magic.view import panel as P
+    from torchdist_magic.core.options import LaunchOptions
+    from torchdist_magic import panel as P
 
     cell(ip, "%%torchdist --np 2 --warm\n1")
     out = capsys.readouterr().out
@@ -414,7 +414,7 @@ def test_the_text_view_and_the_panel_say_whether_a_run_was_warm(ip, capsys):
 def test_a_warm_run_with_a_dataframe_or_columns_without_data_is_refused(local_distributor):
     import pandas as pd
 
-    from torchdist_magic.distributor import submit
+    from torchdist_magic.driver.distributor import submit
 
     with pytest.raises(ValueError, match="a warm run cannot train on a DataFrame: the pool's ranks were started"):
         local_distributor(2, warm=True).train_on_dataframe(kept_and_group, pd.DataFrame({"x": [1.0, 2.0]}))
@@ -424,8 +424,8 @@ def test_a_warm_run_with_a_dataframe_or_columns_without_data_is_refused(local_di
 
 
 def test_a_pool_stopped_before_its_first_run_started_fails_that_run_clearly(local_distributor):
-    from torchdist_magic.distributor import Run, build_job
-    from torchdist_magic.pool import warm_backend
+    from torchdist_magic.driver.distributor import Run, build_job
+    from torchdist_magic.backends.pool import warm_backend
 
     options = local_distributor(2, warm=True).options
     backend = warm_backend(options)
@@ -439,7 +439,7 @@ def test_a_pool_stopped_before_its_first_run_started_fails_that_run_clearly(loca
 
 def test_a_reservation_released_unused_leaves_no_pool(local_distributor):
     """A run that ends before its start (a bad argument, a cancel) gives back the new pool."""
-    from torchdist_magic.pool import warm_backend
+    from torchdist_magic.backends.pool import warm_backend
 
     backend = warm_backend(local_distributor(2, warm=True).options)
     assert [info.state for info in pools()] == ["new"]
@@ -455,13 +455,13 @@ def test_a_serving_worker_without_a_channel_says_what_it_needs(tmp_path):
 
     import cloudpickle
 
-    from torchdist_magic.job import serve_job
+    from torchdist_magic.core.job import serve_job
 
     job = tmp_path / "job.pkl"
     job.write_bytes(cloudpickle.dumps(serve_job()))
     env = {k: v for k, v in os.environ.items() if k != "TORCHDIST_CHANNEL"}
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-m", "torchdist_magic.worker", str(job), str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", "torchdist_magic.rank.worker", str(job), str(tmp_path)],
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 2
     assert "a warm pool's rank needs the driver's event channel (TORCHDIST_CHANNEL)" in out.stderr

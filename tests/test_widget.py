@@ -13,12 +13,12 @@ import pytest
 from helpers import assert_no_survivors
 from view_helpers import Clock, FakeRun, bar, exit_, log, metrics, no_cpu, running
 from torchdist_magic import progress, rank, report
-from torchdist_magic.distributor import follow, submit
-from torchdist_magic.options import LaunchOptions
+from torchdist_magic.driver.distributor import follow, submit
+from torchdist_magic.core.options import LaunchOptions
 from torchdist_magic.view import make_view
 from torchdist_magic.view import widget as W
 from torchdist_magic.view.model import metric_series, rank_rows
-from torchdist_magic.view.panel import follow_in_background
+from torchdist_magic.panel import follow_in_background
 from torchdist_magic.view.text import TextView
 
 

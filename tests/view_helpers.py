@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from torchdist_magic import events
-from torchdist_magic.state import RunState
+from torchdist_magic.core import events
+from torchdist_magic.driver.state import RunState
 
 
 class FakeRun:
@@ -71,7 +71,7 @@ def simulated_run(ranks, steps=100, lines=20, per_host=8):
     three metrics and ``lines`` lines of output each (every tenth on stderr or a warning); rank
     ``ranks // 3`` straggles at a fifth of the others' pace, the last rank failed with a
     traceback and, from 8 ranks, rank ``ranks // 2`` fell silent."""
-    from torchdist_magic import stragglers
+    from torchdist_magic.driver import stragglers
 
     clock = Clock()
     run = FakeRun(ranks)

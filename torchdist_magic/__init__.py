@@ -7,11 +7,10 @@ the Python API.  Heavy modules (torch, pyspark, ipywidgets, IPython) are importe
 
 from __future__ import annotations
 
-from .data import shard
-from .errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
-from .options import LaunchOptions
-from .runtime import (RankStopped, device, host_ranks, is_main, load_checkpoint, local_rank, local_world_size,
-                      progress, rank, report, restart_count, save_checkpoint, world_size)
+from .rank.shard import shard
+from .core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
+from .core.options import LaunchOptions
+from .rank.runtime import RankStopped, device, host_ranks, is_main, load_checkpoint, local_rank, local_world_size, progress, rank, report, restart_count, save_checkpoint, world_size
 
 __version__ = "0.1.0"
 
@@ -23,9 +22,9 @@ __all__ = [
     "MlflowUnavailable", "TrackingError",
 ]
 
-_LAZY = {"Distributor": "api", "Run": "distributor", "last_run": "distributor",
-         "pools": "pool", "shutdown_pools": "pool",
-         "MlflowUnavailable": "tracking", "TrackingError": "tracking"}
+_LAZY = {"Distributor": "api", "Run": "driver.distributor", "last_run": "driver.distributor",
+         "pools": "backends.pool", "shutdown_pools": "backends.pool",
+         "MlflowUnavailable": "driver.tracking", "TrackingError": "driver.tracking"}
 
 
 def __getattr__(name):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .debugger import stdin_available
-from .distributor import Run, follow, submit
-from .options import LaunchOptions
+from .driver.console import stdin_available
+from .driver.distributor import Run, follow, submit
+from .core.options import LaunchOptions
 
 SHOW_CHOICES = ("text", "auto", "widget", None)
 _UNSET: Any = object()  # local_mode not given: True, unless backend= says otherwise

@@ -15,7 +15,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from traitlets import Bool, CaselessStrEnum, Float, Int, Unicode
 
-from .options import BACKENDS, FlagError, LaunchOptions, OptionError, flag_specs, options_from_flags, parse_flags
+from .core.options import BACKENDS, FlagError, LaunchOptions, OptionError, flag_specs, options_from_flags, parse_flags
 
 RUN_VARIABLE = "_torchdist_run"
 PANEL_VARIABLE = "_torchdist_panel"
@@ -119,8 +119,8 @@ class TorchdistMagics(Magics):
         return self.shell.user_ns[args.data], columns
 
     def _capture(self, cell: str):
-        from .capture import CaptureError, capture_cell
-        from .job import cell_job
+        from .driver.capture import CaptureError, capture_cell
+        from .core.job import cell_job
 
         inputs = self.shell.user_ns.get("In")
         # ``In`` holds this cell already; its index is the cell's number on IPython 8 and 9 alike
@@ -138,9 +138,9 @@ class TorchdistMagics(Magics):
     def _run(self, target: Any, target_args: tuple, options: LaunchOptions, *, quiet: bool,
              data: Any = None, columns: Optional[list] = None) -> Any:
         """Start, show (unless ``quiet``), return rank 0's value; bad input is a ``UsageError``."""
-        from .debugger import stdin_available
-        from .distributor import follow, submit
-        from .tracking import MlflowUnavailable, TrackingError
+        from .driver.console import stdin_available
+        from .driver.distributor import follow, submit
+        from .driver.tracking import MlflowUnavailable, TrackingError
 
         try:
             run = submit(target, target_args, {}, options, data=data, columns=columns,
@@ -159,7 +159,7 @@ class TorchdistMagics(Magics):
     def torchdist_pool(self, line: str = ""):
         """Show the live warm pools (``--warm``): placement, state, runs served, idle time, the
         ranks' pids (or Spark job tag) and memory.  ``%torchdist_pool stop`` stops them."""
-        from .pool import pools, shutdown_pools
+        from .backends.pool import pools, shutdown_pools
 
         words = line.split()
         if words == ["stop"]:
@@ -178,7 +178,7 @@ class TorchdistMagics(Magics):
         """Show the launch panel: set the options, write or pick what to run, press Launch.
         The panel is kept in the notebook variable ``_torchdist_panel`` (its ``run``,
         ``value``, ``stop()``)."""
-        from .view.panel import LaunchPanel
+        from .panel import LaunchPanel
 
         panel = LaunchPanel(self.shell, self.configured_defaults(), name=PANEL_VARIABLE)
         self.shell.user_ns[PANEL_VARIABLE] = panel
@@ -192,8 +192,8 @@ def load(ipython) -> None:
 def unload(ipython) -> None:
     import sys
 
-    if "torchdist_magic.pool" in sys.modules:  # the pools go with the extension
-        sys.modules["torchdist_magic.pool"].shutdown_pools()
+    if "torchdist_magic.backends.pool" in sys.modules:  # the pools go with the extension
+        sys.modules["torchdist_magic.backends.pool"].shutdown_pools()
     manager = ipython.magics_manager
     for kind, names in (("line", ("torchdist", "torchdist_panel", "torchdist_pool")), ("cell", ("torchdist",))):
         for name in names:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from ..options import LaunchOptions
+from ..core.options import LaunchOptions
 from .base import Backend, BackendRun, LaunchContext, LaunchPlan
 from .local import LocalProcessBackend
 from .spark_classic import SparkBarrierBackend

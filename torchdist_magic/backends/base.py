@@ -15,9 +15,9 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Dict, Optional, Set
 
-from .. import events
-from ..options import LaunchOptions
-from ..rankenv import RunSpec
+from ..core import events
+from ..core.options import LaunchOptions
+from ..core.rankenv import RunSpec
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class LaunchContext:
     #: (``{rank: path}``, ``ChannelServer.receive_values``); nowhere for a run without a channel
     #: of its own
     receive_values: Callable[[Dict[int, str]], None] = lambda paths: None
+    #: where a channel that serves this run counts what it refused (``RunState.refused``): a
+    #: warm pool's channel, which outlives its runs, reports to the run it serves
+    refused: Callable[[str, int, str], None] = lambda kind, rank, detail: None
 
 
 class BackendRun(abc.ABC):

@@ -8,14 +8,16 @@ import socket
 import tempfile
 from typing import Collection, List, Optional, Set
 
-from ..gpu_metrics import GpuSource, open_gpu_source
-from ..launcher import RankProcess, map_value, reserve_port, stop_all, value_directory, write_job_file
-from ..options import LaunchOptions
-from ..procs import process_exited
-from ..rankenv import place_ranks, rank_environment
-from ..timing import CLOSE_GRACE
-from ..worker import RESULT_FILE, VALUE_FILE_ENV
+from ..launch.gpu_metrics import GpuSource, open_gpu_source
+from ..core.values import map_value, value_directory
+from ..launch.launcher import RankProcess, reserve_port, stop_all, write_job_file
+from ..core.options import LaunchOptions
+from ..core.procs import process_exited
+from ..core.rankenv import place_ranks, rank_environment
+from ..core.timing import CLOSE_GRACE
+from ..core.names import RESULT_FILE, VALUE_FILE_ENV
 from .base import Backend, BackendRun, LaunchContext, LaunchPlan
+from ..core.names import CLEANUP_ENV
 
 
 def visible_gpu_count() -> int:
@@ -76,7 +78,7 @@ class LocalRun(BackendRun):
         for place in place_ranks([host] * n, "127.0.0.1", self._port.getsockname()[1]):
             env = rank_environment(os.environ, ctx.spec, place)
             # if this driver dies, the orphaned ranks remove these
-            env["TORCHDIST_CLEANUP"] = os.pathsep.join([self.workdir, self.value_dir])
+            env[CLEANUP_ENV] = os.pathsep.join([self.workdir, self.value_dir])
             env[VALUE_FILE_ENV] = self._value_file(place.rank)
             self.procs.append(RankProcess(place.rank, job_file,
                                           os.path.join(self.workdir, f"rank-{place.rank}"), env, ctx.emit,

@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Callable, Dict
 
-from .. import events
-from ..timing import SPARK_SLOT_WAIT
+from ..core import events
+from ..core.timing import SPARK_SLOT_WAIT
 from .base import LaunchContext
 from .spark_python import build_with_python, choose_python, python_exec
 from .spark_stage import GPU_AMOUNT_CONF, BarrierStageRun, SparkStageBackend, data_stage, is_spark_connect, log, sort_rows

@@ -32,12 +32,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Collection, Dict, List, Optional, Set, Tuple
 
-from .. import events
-from ..options import LaunchOptions
-from ..launcher import map_value, value_directory
-from ..rankenv import RunSpec
-from ..values import VALUES_FETCH_ENV
-from ..timing import SPARK_CANCEL_RETRY, SPARK_CANCEL_WAIT, SPARK_RENDEZVOUS_WAIT, SPARK_STAGE_END_WAIT, STOP_GRACE
+from ..core import events
+from ..core.options import LaunchOptions
+from ..core.values import map_value, value_directory
+from ..core.rankenv import RunSpec
+from ..core.names import VALUES_FETCH_ENV
+from ..core.timing import SPARK_CANCEL_RETRY, SPARK_CANCEL_WAIT, SPARK_RENDEZVOUS_WAIT, SPARK_STAGE_END_WAIT, STOP_GRACE
 from .base import Backend, BackendRun, LaunchContext, LaunchPlan
 from .spark_task import FAILURE_MARK, SCHEMA, BarrierTaskSpec, value_dir_mark
 

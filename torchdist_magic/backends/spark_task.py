@@ -49,14 +49,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Tuple
 
-from .. import events, hostcopy, procs, valueupload
-from ..channel import ChannelClient
-from ..gpu_metrics import open_gpu_source
-from ..launcher import RankProcess, read_result, reserve_port, stop_all, write_job_file
-from ..rankenv import RunSpec, place_spark_tasks, rank_environment
-from ..timing import STOP_GRACE
-from ..values import host_copy_path
-from ..worker import RESULT_FILE, VALUE_FILE_ENV
+from ..core import events, procs
+from ..launch import hostcopy, valueupload
+from ..wire.channel import ChannelClient
+from ..launch.gpu_metrics import open_gpu_source
+from ..launch.launcher import RankProcess, read_result, reserve_port, stop_all, write_job_file
+from ..core.rankenv import RunSpec, place_spark_tasks, rank_environment
+from ..core.timing import STOP_GRACE
+from ..core.values import host_copy_path
+from ..core.names import RESULT_FILE, VALUE_FILE_ENV
+from ..core.names import CLEANUP_ENV
 
 #: lines of a rank's output a task keeps, for when its channel to the driver is lost
 LOG_TAIL = 20
@@ -317,12 +319,12 @@ def _run_rank(spec: BarrierTaskSpec, context, rank: int, channel: ChannelClient,
                                   run.use_gpu, [p.gpus for p in peers])[rank]
         data_file = ""
         if batches is not None:
-            from ..data import write_batches
+            from ..launch.partitions import write_batches
 
             data_file = os.path.join(workdir, "data.arrow")
             write_batches(data_file, batches, spec.data_schema, driver.stopped)
         env = rank_environment(os.environ, run, place, data_file=data_file)
-        env["TORCHDIST_CLEANUP"] = workdir  # the worker removes it if it outlives this task
+        env[CLEANUP_ENV] = workdir  # the worker removes it if it outlives this task
         value_file = spec.value_file(rank)
         if value_file:
             env[VALUE_FILE_ENV] = value_file

@@ -14,13 +14,10 @@ import math
 import re
 from typing import Dict, List, Optional, Tuple
 
-from ..state import LogLine, RunState
-from .model import (BarView, RankLog, RankRow, RankStacks, RunFacts, Series, format_duration, metric_series,
-                    rank_log, rank_logs, rank_row, rank_rows, rank_stacks, root_cause_rank, run_facts, snapshot,
-                    system_series)
+from ..driver.state import LogLine, RunState
+from .model import BarView, RankLog, RankRow, RankStacks, RunFacts, Series, format_duration, metric_series, rank_log, rank_logs, rank_row, rank_rows, rank_stacks, root_cause_rank, run_facts, snapshot, system_series
 from .overview import LINE_RANKS, Band, Overview, is_large, metric_bands, overview
-from .style import (BAR_COLOURS, BORDER, ERROR, MONO, MUTED, PANE, STATE_COLOURS, STATE_TEXT, TEXT,
-                    TRACK, WARN, rank_colour)
+from .style import BAR_COLOURS, BORDER, ERROR, MONO, MUTED, PANE, STATE_COLOURS, STATE_TEXT, TEXT, TRACK, WARN, rank_colour
 
 LOG_LINE_CHARS = 1000   # longer lines are cut in a pane (not in the run's ``logs(rank)``)
 LOG_PANE_CHARS = 24_000  # characters of a pane, newest lines kept: an update's size is bounded
@@ -51,6 +48,9 @@ def header_html(facts: RunFacts) -> str:
     if facts.tracking_url:
         parts.append(f'<a class="torchdist-mlflow" href="{_esc(facts.tracking_url)}" target="_blank" '
                      f'rel="noopener" title="{_esc(facts.tracking_text)}">MLflow run</a>')
+    if facts.refused_text:
+        parts.append(f'<span class="torchdist-refused" style="color:{WARN}" title="{_esc(facts.refused_text)}">'
+                     f'&#9888; refused records</span>')
     if facts.attempt_text:
         parts.append(f'<span class="torchdist-attempt" data-attempt="{facts.attempt}">'
                      f'{_esc(facts.attempt_text)}</span>')

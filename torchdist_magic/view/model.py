@@ -29,8 +29,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, Iterable, List, Optional, Tuple, Union
 
-from ..data import ROWS_BAR
-from ..state import LogLine, RankSnapshot, RankState, RunSnapshot, RunState
+from ..core.names import ROWS_BAR
+from ..driver.state import LogLine, RankSnapshot, RankState, RunSnapshot, RunState
 
 LOG_LINES = 300       # lines of a log pane; the complete logs stay on the run's ``logs(rank)``
 LOG_SCAN = 20_000     # lines looked at from the end of a rank's log to fill a pane
@@ -157,6 +157,7 @@ class RunFacts:
     earlier: List[str] = field(default_factory=list)   # "attempt 1: rank 1 was killed by SIGKILL"
     tracking_url: str = ""         # the page of the run's MLflow run, when its server has a UI
     tracking_text: str = ""        # "MLflow run <id>: <page, or where it is>"; "" when not tracked
+    refused_text: str = ""         # what the run's channel refused, "" when nothing
 
     @property
     def attempt_text(self) -> str:
@@ -178,7 +179,17 @@ def run_facts(state: State) -> RunFacts:
                     finished=snap.finished, outcome=outcome, attempt=snap.attempt,
                     max_attempts=snap.max_attempts, earlier=earlier,
                     tracking_url=snap.tracking.url if snap.tracking is not None else "",
-                    tracking_text=snap.tracking.text() if snap.tracking is not None else "")
+                    tracking_text=snap.tracking.text() if snap.tracking is not None else "",
+                    refused_text=refused_text(snap))
+
+
+def refused_text(snap) -> str:
+    """``the run's channel refused ...`` for each kind of record it refused; "" when none."""
+    if not snap.refusals:
+        return ""
+    total = sum(r.count for r in snap.refusals)
+    return (f"the run's channel refused {total} record{'s' if total > 1 else ''}: "
+            + "; ".join(r.text() for r in snap.refusals))
 
 
 # -- one row per rank -----------------------------------------------------------------------------

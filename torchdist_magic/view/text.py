@@ -16,10 +16,8 @@ import sys
 import time
 from typing import List, Optional, TextIO
 
-from ..state import RunSnapshot, RunState
-from .model import (LogCursor, State, format_duration, metrics_text, rank_log, rank_logs, rank_progress_text,
-                    system_text,
-                    rank_stacks, run_facts, snapshot)
+from ..driver.state import RunSnapshot, RunState
+from .model import LogCursor, State, format_duration, metrics_text, rank_log, rank_logs, rank_progress_text, system_text, rank_stacks, run_facts, snapshot
 from .overview import LOOK_RANKS, is_large, overview
 
 PROGRESS_EVERY = 5.0   # seconds between progress summaries
@@ -99,6 +97,8 @@ def summary(state: State) -> str:
         rows += [_rank_line(rs) for rs in snap.ranks]
         rows += [f"  straggler: rank {s.rank} ({s.why})" for s in snap.stragglers]
     rows += [f"  {line} (restarted)" for line in facts.earlier]
+    if facts.refused_text:
+        rows.append(f"  {facts.refused_text}")
     if facts.outcome:
         rows.append(f"  {facts.outcome}")
     stacks = rank_stacks(snap)

@@ -29,9 +29,8 @@ from typing import Callable, Optional
 
 import ipywidgets as widgets
 
-from ..state import RunState
-from .html import (BORDER, MUTED, bands_html, failure_html, header_html, large_rows_html, merged_log_html,
-                   plots_html, problems_html, rank_log_html, rows_html, stacks_html, straggler_notes, summary_html)
+from ..driver.state import RunState
+from .html import BORDER, MUTED, bands_html, failure_html, header_html, large_rows_html, merged_log_html, plots_html, problems_html, rank_log_html, rows_html, stacks_html, straggler_notes, summary_html
 from .kernel_poll import KernelPoll
 from .model import MergedLog, metric_series, system_series, rank_log, rank_rows, rank_stacks, root_cause_rank, run_facts
 from .overview import LINE_RANKS, PAGE_RANKS, Overview, is_large, metric_bands, overview

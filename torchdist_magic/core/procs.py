@@ -19,10 +19,8 @@ import os
 import signal
 import time
 from typing import List, Optional
+from .names import MARK_VARIABLE
 
-#: the environment variable that marks every process a rank starts (its launcher sets it to
-#: ``<run id>:<attempt>:<rank>``; children inherit it, also those in a session of their own)
-MARK_VARIABLE = "TORCHDIST_RANK_MARK"
 
 log = logging.getLogger("torchdist_magic")
 

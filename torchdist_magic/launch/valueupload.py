@@ -25,10 +25,10 @@ import os
 import socket
 import time
 
-from .channel import MAX_HELLO, FrameError, read_frame, TlsSocket
+from ..wire.channel import MAX_HELLO, FrameError, read_frame, TlsSocket
 from .hostcopy import file_connection, mib_text
-from .rankenv import RunSpec
-from .timing import FETCH_QUEUE_WAIT, FETCH_STALL
+from ..core.rankenv import RunSpec
+from ..core.timing import FETCH_QUEUE_WAIT, FETCH_STALL
 
 #: what a send over TLS reads from the file and encrypts at once
 CHUNK = 1 << 20

@@ -21,9 +21,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ipywidgets as widgets
 
-from ..options import LaunchOptions, OptionError, option_fields
-from .style import ERROR, MONO, MUTED, STATE_TEXT
-from .widget import UPDATE_EVERY, WidgetView, close_tree
+from .core.options import LaunchOptions, OptionError, option_fields
+from .view.style import ERROR, MONO, MUTED, STATE_TEXT
+from .view.widget import UPDATE_EVERY, WidgetView, close_tree
 
 CODE = "code"
 FUNCTION = "function"
@@ -329,7 +329,7 @@ class LaunchPanel:
         if self.source.value == CODE:
             if not self.code.value.strip():
                 return ["write the code to run"]
-            from ..capture import CaptureError, translate_cell
+            from .driver.capture import CaptureError, translate_cell
 
             try:
                 translate_cell(self.code.value)  # IPython syntax (!cmd, %time...) as in a cell
@@ -412,8 +412,8 @@ class LaunchPanel:
     def launch(self):
         """Start the run the panel describes; its ``Run`` handle, or None when it could not start
         (the reason is shown in the panel)."""
-        from ..distributor import submit
-        from ..tracking import MlflowUnavailable, TrackingError
+        from .driver.distributor import submit
+        from .driver.tracking import MlflowUnavailable, TrackingError
 
         with self._lock:
             if self.running or not self.validate():
@@ -446,8 +446,8 @@ class LaunchPanel:
         if self.source.value == FUNCTION:
             args, kwargs = parse_call_arguments(self.arguments.value, self.shell.user_ns)
             return self.shell.user_ns[self.function.value], args, kwargs
-        from ..capture import capture_cell
-        from ..job import cell_job
+        from .driver.capture import capture_cell
+        from .core.job import cell_job
 
         history = list(self.shell.user_ns.get("In", []))
         captured = capture_cell(self.code.value, self.shell.user_ns, history,
@@ -470,7 +470,7 @@ class LaunchPanel:
 
     def _finished(self, run) -> None:
         """From the updater thread, after the run: show rank 0's value or the error."""
-        from ..errors import RankFailure
+        from .core.errors import RankFailure
 
         if run is not self.run:
             return

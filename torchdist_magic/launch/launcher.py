@@ -24,25 +24,24 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from typing import Callable, Dict, Optional
 
-from . import events, timing, values
+from ..core import events, timing, values
 from .gpu_metrics import GpuSource, visible_devices
-from .procs import MARK_VARIABLE, end_marked_processes
+from ..core.procs import MARK_VARIABLE, end_marked_processes
 from .sysmetrics import RankSampler, explain_cuda_oom, is_cuda_oom
-from .timing import OUTPUT_GATHER, PIPE_DRAIN_WAIT, REAP_WAIT, STACKS_SETTLE, STACKS_WAIT, STOP_GRACE
-from .worker import ERROR_FILE, RESULT_FILE, STACKS_FILE, STACKS_HEADER, STACKS_SIGNAL
+from ..core.timing import OUTPUT_GATHER, PIPE_DRAIN_WAIT, REAP_WAIT, STACKS_SETTLE, STACKS_WAIT, STOP_GRACE
+from ..core.names import ERROR_FILE, RESULT_FILE, STACKS_FILE, STACKS_HEADER, STACKS_SIGNAL
+from ..core.names import RUN_ID_ENV
 
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 _OUTPUT_END = events.OUTPUT_END_MARK.encode()
@@ -97,41 +96,10 @@ def read_result(result_dir: str) -> Optional[bytearray]:
 SHARED_MEMORY = values.SHARED_MEMORY
 
 
-def value_directory(prefix: str, nbytes: int = 0) -> str:
-    """A new directory for ranks' values: in shared memory (``SHARED_MEMORY``) where this machine
-    has it, so that a value written there is mapped by the driver, never copied; else an
-    ordinary temporary directory.  Its name carries this process's id after ``prefix``, so that
-    what a driver left in the machine-wide shared memory can be told apart from another's.
-    ``nbytes``: what will be written there, known in advance, goes to the temporary directory
-    where it would take more than half of the shared memory (``values.fits_shared_memory``)."""
-    prefix = f"{prefix}{os.getpid()}-"
-    if values.fits_shared_memory(nbytes):  # SHARED_MEMORY, there and writable
-        try:
-            return tempfile.mkdtemp(prefix=prefix, dir=SHARED_MEMORY)
-        except OSError:
-            pass
-    return tempfile.mkdtemp(prefix=prefix)
-
-
-def map_value(path: str) -> Optional[mmap.mmap]:
-    """The value blob at ``path`` mapped into memory, copy-on-write, and the file's name removed:
-    in shared memory the value's pages are then the ones the rank wrote, never copied; the
-    mapping (and with it the memory) goes when the last tensor or array of the value goes.
-    ``None`` when there is no such file."""
-    try:
-        fh = open(path, "rb")
-    except FileNotFoundError:
-        return None
-    with fh:
-        blob = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-    os.unlink(path)
-    return blob
-
-
 def rank_mark(env: Dict[str, str], rank: int) -> str:
     """The value of ``MARK_VARIABLE`` for ``rank`` started with ``env``: its run, attempt and
     rank, so that ending one rank's processes never touches another's."""
-    run_id = env.get("TORCHDIST_RUN_ID") or uuid.uuid4().hex  # no run: a mark of its own
+    run_id = env.get(RUN_ID_ENV) or uuid.uuid4().hex  # no run: a mark of its own
     return f"{run_id}:{env.get('TORCHDIST_RESTART_COUNT', '0')}:{rank}"
 
 
@@ -156,7 +124,7 @@ class RankProcess:
         self.mark = rank_mark(env, rank)
         os.makedirs(result_dir, exist_ok=True)
         self.proc = subprocess.Popen(
-            [python, "-m", "torchdist_magic.worker", job_file, result_dir],
+            [python, "-m", "torchdist_magic.rank.worker", job_file, result_dir],
             env={**env, MARK_VARIABLE: self.mark}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True,
         )

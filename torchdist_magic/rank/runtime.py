@@ -25,11 +25,9 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from . import events
+from ..core import events
+from ..core.names import CHECKPOINT_DIR_ENV, HOST_RANKS_ENV, KEEP_CHECKPOINTS_ENV, RESTART_COUNT_ENV, RUN_ID_ENV, USE_GPU_ENV
 
-#: names a cell gets from the run, in place of any notebook value of the same name
-CELL_PROVIDED = ("rank", "local_rank", "world_size", "device", "progress", "report", "is_main",
-                 "restart_count", "save_checkpoint", "load_checkpoint")
 
 _sink_lock = threading.Lock()
 _sink = None  # set by the worker: an object with .send(dict)
@@ -103,7 +101,7 @@ def host_ranks() -> List[int]:
     done once per machine (a download to local disk, a cache): ``if rank() == host_ranks()[0]``.
     Not ``local_rank() == 0``: on Spark every rank is a node of its own (``LOCAL_RANK`` 0), as
     under TorchDistributor, whichever machine it shares."""
-    text = os.environ.get("TORCHDIST_HOST_RANKS", "")
+    text = os.environ.get(HOST_RANKS_ENV, "")
     try:
         return [int(r) for r in text.split(",")] if text else [rank()]
     except ValueError:
@@ -117,7 +115,7 @@ def is_main() -> bool:
 
 def uses_gpu() -> bool:
     """Whether the run asked for GPUs (``--gpu`` / ``use_gpu=True``)."""
-    return os.environ.get("TORCHDIST_USE_GPU") == "1"
+    return os.environ.get(USE_GPU_ENV) == "1"
 
 
 def device():
@@ -225,13 +223,13 @@ _CHECKPOINT_TMP = re.compile(r"^\.checkpoint-\d+\.pt\.tmp-a(\d+)-\d+$")
 def restart_count() -> int:
     """0 on a run's first attempt, n after its n-th restart (``max_restarts``).  Also right
     under torchrun (``TORCHELASTIC_RESTART_COUNT``); 0 outside a run."""
-    return _env_int("TORCHDIST_RESTART_COUNT", _env_int("TORCHELASTIC_RESTART_COUNT", 0))
+    return _env_int(RESTART_COUNT_ENV, _env_int("TORCHELASTIC_RESTART_COUNT", 0))
 
 
 def checkpoint_dir() -> Optional[str]:
     """The run's checkpoint directory (``checkpoint_dir``, or the run's own); ``None`` outside
     a run.  Frameworks with checkpoints of their own can write there too."""
-    return os.environ.get("TORCHDIST_CHECKPOINT_DIR") or None
+    return os.environ.get(CHECKPOINT_DIR_ENV) or None
 
 
 def _checkpoints(directory: str) -> List[Tuple[int, str]]:
@@ -263,7 +261,7 @@ def save_checkpoint(obj: Any, step: Optional[int] = None, *, rank: int = 0,
     if global_rank != rank:
         return None
     directory = directory or checkpoint_dir()
-    if not directory and os.environ.get("TORCHDIST_RUN_ID"):
+    if not directory and os.environ.get(RUN_ID_ENV):
         raise ValueError("save_checkpoint: this run has no checkpoint directory; give it one "
                          "(--checkpoint-dir, checkpoint_dir=), or restarts (--max-restarts: the run "
                          "then has one of its own), or pass directory=...")
@@ -289,7 +287,7 @@ def save_checkpoint(obj: Any, step: Optional[int] = None, *, rank: int = 0,
         _remove(tmp)
         raise
     _sync_directory(directory)
-    _prune(directory, _env_int("TORCHDIST_KEEP_CHECKPOINTS", 3), attempt)
+    _prune(directory, _env_int(KEEP_CHECKPOINTS_ENV, 3), attempt)
     return path
 
 

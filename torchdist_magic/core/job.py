@@ -1,7 +1,7 @@
 """Jobs: what every rank runs, as one self-contained picklable value.
 
 A job is built on the driver (from a function, a script path or a notebook cell) and read
-by ``torchdist_magic.worker`` from a file the driver wrote, never from a socket.
+by ``torchdist_magic.rank.worker`` from a file the driver wrote, never from a socket.
 """
 
 from __future__ import annotations

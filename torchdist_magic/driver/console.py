@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
-from . import events
-from .options import LaunchOptions
-from .rank_debugger import DEBUG_ENV, IDLE_ENV, PDB_ENV
+from ..core import events
+from ..core.options import LaunchOptions
+from ..core.names import DEBUG_ENV, IDLE_ENV, PDB_ENV
 
 NO_STDIN_PDB = ("torchdist: --pdb: this notebook cannot read input here (no stdin: nbval, nbconvert "
                 "--execute, a script, a run followed in the background), so a failing rank is not "

@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from . import events
+from ..core import events
 
 #: seconds over which a rank's step rate is measured
 RATE_WINDOW = 5.0

@@ -440,7 +440,7 @@ RECORDS: Dict[str, Type[Event]] = {
 
 #: which records each role of connection may send to the driver
 SENDERS: Dict[str, frozenset] = {
-    "worker": frozenset({Started, Progress, Metrics, Dropped, JobValue, JobDone, DebugOutput}),
+    "worker": frozenset({Started, Progress, Metrics, Dropped, JobValue, JobDone, DebugOutput, SystemMetrics}),
     "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER + DEBUG_TO_DRIVER),
 }
 
@@ -691,7 +691,7 @@ def failure_to_json(failure: Failure) -> dict:
 _THREAD_LINE = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME_LINE = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _LIBRARY_PARTS = ("site-packages", "dist-packages", "<frozen ")
-_RUNNER_FILES = ("torchdist_magic/worker.py", "<frozen runpy>")
+_RUNNER_FILES = ("torchdist_magic/rank/worker.py", "<frozen runpy>")
 
 
 def parse_stacks(text: str) -> List[ThreadStack]:

@@ -98,8 +98,10 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
-from . import events, tls
-from .timing import CHANNEL_CLOSE_WAIT, CHANNEL_THREAD_WAIT, CLIENT_CLOSE_WAIT, FETCH_STALL, HANDSHAKE_DEADLINE
+from ..core import events
+from . import tls
+from ..core.timing import CHANNEL_CLOSE_WAIT, CHANNEL_THREAD_WAIT, CLIENT_CLOSE_WAIT, FETCH_STALL, HANDSHAKE_DEADLINE
+from ..core.names import CHANNEL_CERT_ENV, CHANNEL_ENV, RUN_ID_ENV, SECRET_ENV
 
 #: largest frame after authentication (a batch of records)
 MAX_FRAME = 4 * 1024 * 1024
@@ -262,7 +264,10 @@ class ChannelServer:
     ``stats`` counts what happened: ``accepted``, ``authenticated``, ``rejected`` (failed
     handshakes), ``evicted`` (unauthenticated connections closed to make room), ``frames`` and
     ``delivered`` (after authentication), ``malformed`` (undecodable frames or records),
-    ``forbidden`` (records the connection's role may not send), ``callback_errors``.  With
+    ``forbidden`` (records the connection's role may not send), ``callback_errors``.  Nothing is
+    refused in silence: the first refusal of each kind is logged (the ``torchdist_magic`` logger,
+    a warning), and every one goes to ``on_refusal(kind, rank, detail)`` (the run's state counts
+    them where the view and ``run.state.refusals`` show them).  With
     ``identity`` (a ``tls.ChannelIdentity``) every connection is TLS; a TLS handshake that fails
     is a failed handshake (``rejected``).  ``files`` (``{name: path}``) are the files an
     authenticated peer may fetch (see the module's "Files"); ``files_sent`` counts those sent
@@ -271,8 +276,11 @@ class ChannelServer:
 
     def __init__(self, on_event: Callable[[events.Event], None], run_id: str, *,
                  host: str = "127.0.0.1", secret: str, launcher_secret: str,
-                 identity: Optional[tls.ChannelIdentity] = None, files: Optional[Dict[str, str]] = None):
+                 identity: Optional[tls.ChannelIdentity] = None, files: Optional[Dict[str, str]] = None,
+                 on_refusal: Optional[Callable[[str, int, str], None]] = None):
         self._on_event = on_event
+        self._on_refusal = on_refusal
+        self._refusals_logged: set = set()
         self._run_id = run_id
         self._secrets = {"worker": secret, "launcher": launcher_secret}
         self._tls = identity.server_context() if identity is not None else None
@@ -635,7 +643,8 @@ class ChannelServer:
         while len(buf) - offset >= _LEN.size:
             (length,) = _LEN.unpack_from(buf, offset)
             if length > MAX_FRAME:  # the stream can no longer be split into frames
-                self.stats["malformed"] += 1
+                self._refuse("malformed", conn, f"a frame of {length} bytes, over the channel's {MAX_FRAME}; "
+                                                f"the connection was closed")
                 return self._drop(conn)
             end = offset + _LEN.size + length
             if len(buf) < end:
@@ -650,23 +659,40 @@ class ChannelServer:
         frame = _parse(body)
         items = frame.get("events") if frame is not None else None
         if not isinstance(items, list):
-            self.stats["malformed"] += 1
+            self._refuse("malformed", conn, "a frame that is not a JSON object with a list of records")
             return
         allowed = events.SENDERS[conn.role]
         for item in items:
             record = _decode(item)
             if record is None:
-                self.stats["malformed"] += 1
+                kind = item.get("type") if isinstance(item, dict) else None
+                self._refuse("malformed", conn, f"a record that does not decode ({kind!r})"[:200])
             elif type(record) not in allowed:
-                self.stats["forbidden"] += 1
+                self._refuse("forbidden", conn, f"a {type(record).__name__} record, which a {conn.role} may not send")
             else:
                 record.rank = conn.rank  # the record was made here, from the frame: no copy needed
                 try:
                     self._on_event(record)
-                except Exception:  # noqa: BLE001  the driver's handler must not stop the channel
-                    self.stats["callback_errors"] += 1
+                except Exception as exc:  # noqa: BLE001  the driver's handler must not stop the channel
+                    self._refuse("callback_errors", conn,
+                                 f"a {type(record).__name__} record that the run's state could not take "
+                                 f"({type(exc).__name__}: {exc})"[:300])
                 else:
                     self.stats["delivered"] += 1
+
+    def _refuse(self, kind: str, conn: _Conn, detail: str) -> None:
+        """Count a refused record (``kind``: a ``stats`` key), say it once per kind in the log,
+        and hand it to ``on_refusal``."""
+        self.stats[kind] += 1
+        if kind not in self._refusals_logged:
+            self._refusals_logged.add(kind)
+            _log.warning("run %s: the channel refused %s from rank %s's %s (further refusals of this kind "
+                        "are counted in run.state.refusals)", self._run_id, detail, conn.rank, conn.role)
+        if self._on_refusal is not None:
+            try:
+                self._on_refusal(kind, conn.rank, detail)
+            except Exception:  # noqa: BLE001  counting must not stop the channel
+                _log.exception("run %s: counting a refused record failed", self._run_id)
 
     def _drop(self, conn: _Conn) -> None:
         if not conn.open:
@@ -1353,9 +1379,9 @@ def client_from_env(on_message: Optional[Callable[[events.Event], None]] = None)
     ``TORCHDIST_RUN_ID``, ``RANK`` and ``TORCHDIST_CHANNEL_CERT`` (the run's certificate, when its
     channel is TLS); ``None`` when the rank runs without a channel.
     ``on_message`` gets what the driver sends the worker (a warm pool's ``RunJob``)."""
-    address = os.environ.get("TORCHDIST_CHANNEL")
+    address = os.environ.get(CHANNEL_ENV)
     if not address:
         return None
-    return ChannelClient(address, os.environ.get("TORCHDIST_SECRET", ""),
-                         os.environ.get("TORCHDIST_RUN_ID", ""), int(os.environ.get("RANK", "0")),
-                         on_message=on_message, certificate=os.environ.get("TORCHDIST_CHANNEL_CERT", ""))
+    return ChannelClient(address, os.environ.get(SECRET_ENV, ""),
+                         os.environ.get(RUN_ID_ENV, ""), int(os.environ.get("RANK", "0")),
+                         on_message=on_message, certificate=os.environ.get(CHANNEL_CERT_ENV, ""))

@@ -19,13 +19,10 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 from .options import LaunchOptions
+from .names import ENV_BEFORE
+from .names import CHANNEL_CERT_ENV, CHANNEL_ENV, CHECKPOINT_DIR_ENV, DATA_FILE_ENV, HOST_RANKS_ENV, KEEP_CHECKPOINTS_ENV, MAX_RESTARTS_ENV, RESTART_COUNT_ENV, RETURN_VALUE_ENV, RUN_ID_ENV, SECRET_ENV, SYSTEM_METRICS_ENV, USE_GPU_ENV
 
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: what the run's ``env`` changed in a rank's environment, ``{name: its value without it}`` as
-#: JSON (``null``: unset): a warm pool's rank started with the ``env`` of the run that started
-#: the pool and sets these back (``worker.serve``), so that a later run without it does not see
-#: it.  The worker removes the variable itself before any job runs.
-ENV_BEFORE = "TORCHDIST_ENV_BEFORE"
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclass(frozen=True)
@@ -204,9 +201,9 @@ def _environment(base: Dict[str, str], spec: RunSpec, place: Placement, data_fil
     env.update(_run_variables(spec, place))
     data_file = data_file or (spec.data_files[place.rank] if spec.data_files else "")
     if data_file:
-        env["TORCHDIST_DATA_FILE"] = data_file  # what torchdist_magic.shard() reads
+        env[DATA_FILE_ENV] = data_file  # what torchdist_magic.shard() reads
     else:
-        env.pop("TORCHDIST_DATA_FILE", None)
+        env.pop(DATA_FILE_ENV, None)
     return env
 
 
@@ -214,7 +211,7 @@ def job_environment(spec: RunSpec) -> Dict[str, str]:
     """What a warm job's ``env`` may set in a live rank: ``spec.env`` less the run's own
     variables (``RANK``, ``MASTER_ADDR``, ``TORCHDIST_*``...), which no ``env`` overrides, as in
     ``rank_environment``."""
-    owned = set(_run_variables(spec, Placement(0, 0, 1, 0, 1, "", 0))) | {"TORCHDIST_DATA_FILE"}
+    owned = set(_run_variables(spec, Placement(0, 0, 1, 0, 1, "", 0))) | {DATA_FILE_ENV}
     return {name: value for name, value in spec.env.items() if name not in owned}
 
 
@@ -227,15 +224,15 @@ def _run_variables(spec: RunSpec, place: Placement) -> Dict[str, str]:
         "GROUP_WORLD_SIZE": str(place.group_world_size),
         "ROLE_RANK": str(place.rank), "ROLE_WORLD_SIZE": str(spec.num_processes),
         "MASTER_ADDR": place.master_addr, "MASTER_PORT": str(place.master_port),
-        "TORCHDIST_HOST_RANKS": ",".join(map(str, place.host_ranks or (place.rank,))),
-        "TORCHDIST_RUN_ID": spec.run_id, "TORCHDIST_CHANNEL": spec.channel_address,
-        "TORCHDIST_SECRET": spec.secret, "TORCHDIST_CHANNEL_CERT": spec.channel_cert,
-        "TORCHDIST_USE_GPU": "1" if spec.use_gpu else "0",
-        "TORCHDIST_SYSTEM_METRICS": "1" if spec.system_metrics else "0",
-        "TORCHDIST_RETURN_VALUE": "1" if spec.returns_value(place.rank) else "0",
+        HOST_RANKS_ENV: ",".join(map(str, place.host_ranks or (place.rank,))),
+        RUN_ID_ENV: spec.run_id, CHANNEL_ENV: spec.channel_address,
+        SECRET_ENV: spec.secret, CHANNEL_CERT_ENV: spec.channel_cert,
+        USE_GPU_ENV: "1" if spec.use_gpu else "0",
+        SYSTEM_METRICS_ENV: "1" if spec.system_metrics else "0",
+        RETURN_VALUE_ENV: "1" if spec.returns_value(place.rank) else "0",
         # torchrun's names too, so that code written for torchelastic sees the attempt
-        "TORCHDIST_RESTART_COUNT": str(spec.attempt), "TORCHELASTIC_RESTART_COUNT": str(spec.attempt),
-        "TORCHDIST_MAX_RESTARTS": str(spec.max_restarts), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
-        "TORCHDIST_CHECKPOINT_DIR": spec.checkpoint_dir,
-        "TORCHDIST_KEEP_CHECKPOINTS": str(spec.keep_checkpoints),
+        RESTART_COUNT_ENV: str(spec.attempt), "TORCHELASTIC_RESTART_COUNT": str(spec.attempt),
+        MAX_RESTARTS_ENV: str(spec.max_restarts), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+        CHECKPOINT_DIR_ENV: spec.checkpoint_dir,
+        KEEP_CHECKPOINTS_ENV: str(spec.keep_checkpoints),
     }

@@ -42,11 +42,11 @@ import socket
 import time
 from typing import Callable
 
-from . import tls
-from .channel import MAX_HELLO, FrameError, NotTheDriver, read_frame, Refused, open_connection
-from .rankenv import RunSpec
-from .timing import FETCH_QUEUE_WAIT, FETCH_STALL
-from .values import blob_size
+from ..wire import tls
+from ..wire.channel import MAX_HELLO, FrameError, NotTheDriver, read_frame, Refused, open_connection
+from ..core.rankenv import RunSpec
+from ..core.timing import FETCH_QUEUE_WAIT, FETCH_STALL
+from ..core.values import blob_size
 
 #: what a fetch receives and writes at once
 CHUNK = 1 << 20

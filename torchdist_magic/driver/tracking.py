@@ -39,10 +39,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import events
-from .options import LaunchOptions, option_fields
+from ..core import events
+from ..core.options import LaunchOptions, option_fields
 from .state import RunState
-from .timing import MLFLOW_CLOSE_WAIT, MLFLOW_FLUSH_INTERVAL
+from ..core.timing import MLFLOW_CLOSE_WAIT, MLFLOW_FLUSH_INTERVAL
 
 #: metric points waiting to be written at most; more are dropped (and counted)
 QUEUE_POINTS = 100_000

@@ -29,19 +29,19 @@ import uuid
 import warnings
 from typing import Any, Dict, List, Optional, Protocol
 
-from .backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
-from .channel import ChannelServer, new_secret
-from .debugger import NO_STDIN_PDB, Console, rank_env
-from .errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
-from .events import DebugOutput, Log, Stacks
-from .job import Job, function_job, script_job
-from .launcher import value_directory
-from .options import LaunchOptions
-from . import values as value_blobs
-from .values import VALUES_FETCH_ENV
-from .rankenv import RunSpec
+from ..backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
+from ..wire.channel import ChannelServer, new_secret
+from .console import NO_STDIN_PDB, Console, rank_env
+from ..core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
+from ..core.events import DebugOutput, Log, Stacks
+from ..core.job import Job, function_job, script_job
+from ..core.values import value_directory
+from ..core.options import LaunchOptions
+from ..core import values as value_blobs
+from ..core.names import VALUES_FETCH_ENV
+from ..core.rankenv import RunSpec
 from .state import Attempt, RunDirectory, RunState, is_collateral
-from .timing import ROOT_CAUSE_WAIT, STACKS_COLLECT_WAIT, STOP_GRACE, SUPERVISE_POLL
+from ..core.timing import ROOT_CAUSE_WAIT, STACKS_COLLECT_WAIT, STOP_GRACE, SUPERVISE_POLL
 from .tracking import MlflowLogger
 
 _last_run: Optional["Run"] = None
@@ -88,19 +88,19 @@ def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data:
         if data is not None:
             raise ValueError("a warm run cannot train on a DataFrame: the pool's ranks were started "
                              "before the data was given; run it without --warm/warm=True")
-        from .pool import warm_backend
+        from ..backends.pool import warm_backend
 
         backend = warm_backend(options)  # checks the placement when it starts a pool
     else:
         backend = make_backend(options)
-        from .pool import check_cold_run
+        from ..backends.pool import check_cold_run
 
         check_cold_run(options, backend)  # a warm pool may hold the Spark task slots
     try:
         plan = backend.check(options)
         prepared = None
         if data is not None:
-            from .data import prepare_data
+            from .dataframes import prepare_data
 
             prepared = prepare_data(data, backend.name, options.num_processes, backend.session, columns)
         elif columns is not None:
@@ -326,13 +326,13 @@ class Run:
                 secret, launcher_secret = new_secret(), new_secret()
                 identity = None
                 if self.plan.tls:  # a key per attempt, as the secrets; it never leaves this process
-                    from .tls import new_identity
+                    from ..wire.tls import new_identity
 
                     identity = new_identity()
                     certificate = identity.certificate
                 channel = ChannelServer(deliver, self.run_id, host=self.backend.channel_host(),
                                         secret=secret, launcher_secret=launcher_secret, identity=identity,
-                                        files=self._served)
+                                        files=self._served, on_refusal=self.state.refused)
                 host, port = channel.address[:2]
                 self.channel_address = f"{host}:{port}"
                 self.channel_certificate = certificate
@@ -351,7 +351,8 @@ class Run:
                                 lambda record: channel.broadcast(record, role="launcher") if channel else 0,
                                 data=self.data, routes=routes,
                                 to_rank=lambda rank, record: bool(channel and channel.send(rank, record)),
-                                receive_values=channel.receive_values if channel is not None else lambda paths: None)
+                                receive_values=channel.receive_values if channel is not None else lambda paths: None,
+                                refused=self.state.refused)
             backend_run = self.backend.start(ctx)
             return self._watch(backend_run, deadline)
         finally:

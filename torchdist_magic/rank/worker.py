@@ -1,6 +1,6 @@
 """The entry point every rank runs, locally or inside a Spark task.
 
-    python -m torchdist_magic.worker JOB_FILE RESULT_DIR
+    python -m torchdist_magic.rank.worker JOB_FILE RESULT_DIR
 
 The launcher sets the environment (``rankenv.rank_environment``: ``RANK``, ``MASTER_ADDR``, ...,
 the channel, ``TORCHDIST_USE_GPU`` and ``TORCHDIST_RETURN_VALUE``), reads this process's
@@ -33,18 +33,12 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
 
-from torchdist_magic import events, procs
-from torchdist_magic.rankenv import ENV_BEFORE
-from torchdist_magic.timing import ATEXIT_WAIT, PARENT_WATCH_INTERVAL, STOP_GRACE, SYSTEM_METRICS_INTERVAL
+from torchdist_magic.core import events, procs
+from torchdist_magic.core.rankenv import ENV_BEFORE
+from torchdist_magic.core.timing import ATEXIT_WAIT, PARENT_WATCH_INTERVAL, STOP_GRACE, SYSTEM_METRICS_INTERVAL
+from ..core.names import RESULT_FILE, VALUE_FILE_ENV, ERROR_FILE, STACKS_FILE, STACKS_SIGNAL, STACKS_HEADER
+from ..core.names import CLEANUP_ENV, RETURN_VALUE_ENV, SECRET_ENV, SYSTEM_METRICS_ENV, USE_GPU_ENV
 
-RESULT_FILE = "result.pkl"
-#: where a rank writes its value when its launcher says (else ``RESULT_FILE`` in its result dir)
-VALUE_FILE_ENV = "TORCHDIST_VALUE_FILE"
-ERROR_FILE = "error.json"
-STACKS_FILE = "stacks.txt"
-#: the signal that asks a worker for its stacks: one that no library uses (SIGUSR1 is Lightning's on SLURM)
-STACKS_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
-STACKS_HEADER = "torchdist main thread "
 
 
 class CellImportError(ImportError):
@@ -57,7 +51,7 @@ def _watch_parent(parent: int) -> None:
     remove, then stop this process's group (the worker leads it), which takes the rank's own
     children (a ``subprocess``, DataLoader workers) along with it, and what the rank started in
     a session of its own (found by its launcher's mark, ``procs.MARK_VARIABLE``)."""
-    cleanup = [p for p in os.environ.pop("TORCHDIST_CLEANUP", "").split(os.pathsep) if p]
+    cleanup = [p for p in os.environ.pop(CLEANUP_ENV, "").split(os.pathsep) if p]
     mark = os.environ.get(procs.MARK_VARIABLE, "")
     while True:
         time.sleep(PARENT_WATCH_INTERVAL)
@@ -86,14 +80,19 @@ def _others_in_my_group() -> list:
     return [pid for pid in procs.group_members(me) if pid != me]
 
 
-def torch_memory() -> Dict[str, float]:
+def torch_memory(cuda: Any = None) -> Dict[str, float]:
     """What only the rank's own process knows of its GPU memory: torch's peak allocated bytes
     over its devices (``torch_max_allocated_bytes``), once the job initialised CUDA; ``{}``
-    before (asking would initialise CUDA itself, or import torch)."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
+    before (asking would initialise CUDA itself, or import torch).  ``cuda``: where to ask
+    (``torch.cuda`` by default; a fake one in tests, on a machine without a GPU)."""
+    if cuda is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return {}
+        cuda = torch.cuda
+    if not cuda.is_initialized():
         return {}
-    peak = sum(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count()))
+    peak = sum(cuda.max_memory_allocated(i) for i in range(cuda.device_count()))
     return {"torch_max_allocated_bytes": float(peak)}
 
 
@@ -123,7 +122,7 @@ def _write_failure(result_dir: str, failure: events.Failure) -> None:
 def _format_exception(exc: BaseException) -> str:
     """The traceback without this module's own frames, nor those of ``rank_shell`` (between a
     ``%time`` line and the code it runs): it starts at, and stays in, the user's code."""
-    from torchdist_magic import rank_shell
+    from torchdist_magic.rank import shell as rank_shell
 
     te = traceback.TracebackException.from_exception(exc)
     ours = {os.path.abspath(__file__), os.path.abspath(rank_shell.__file__)}
@@ -133,7 +132,7 @@ def _format_exception(exc: BaseException) -> str:
 
 
 def _run_function(job):
-    from torchdist_magic import values
+    from torchdist_magic.core import values
 
     fn, args, kwargs = values.loads_apart(job.payload, job.buffers)
     return fn(*args, **kwargs)
@@ -152,7 +151,7 @@ def _run_script(job):
 
 
 def _cell_namespace() -> dict:
-    from torchdist_magic import rank_shell, runtime
+    from torchdist_magic.rank import shell as rank_shell, runtime
 
     ns = {"__name__": "__main__", "__builtins__": __builtins__}
     ns.update(runtime.cell_names())
@@ -180,7 +179,7 @@ def _init_process_group() -> bool:
     import torch
     import torch.distributed as dist
 
-    from torchdist_magic import runtime
+    from torchdist_magic.rank import runtime
 
     if dist.is_initialized():
         return False
@@ -195,7 +194,7 @@ def _init_process_group() -> bool:
 
 def _run_cell(job, ns: Optional[dict] = None):
     """Run a cell in ``ns`` (a warm rank's namespace, kept from cell to cell), else in a new one."""
-    from torchdist_magic import values
+    from torchdist_magic.core import values
 
     cell = job.cell
     ns = _cell_namespace() if ns is None else ns
@@ -236,7 +235,7 @@ RUNNERS = {"function": _run_function, "script": _run_script}
 
 def _failure(exc: BaseException, exc_type: str, message: str, exit_code: Optional[int] = None,
              traceback_text: Optional[str] = None) -> events.Failure:
-    from torchdist_magic import runtime
+    from torchdist_magic.rank import runtime
 
     return events.Failure.from_exception(
         runtime.rank(), exc, host=socket.gethostname(), exit_code=exit_code, exc_type=exc_type, message=message,
@@ -267,7 +266,7 @@ def execute(job, namespace: Optional[dict] = None) -> Tuple[int, Any, Optional[e
     except BaseException as exc:
         from bdb import BdbQuit
 
-        from torchdist_magic import rank_debugger
+        from torchdist_magic.rank import debugger as rank_debugger
 
         if isinstance(exc, BdbQuit):  # q (or an interrupt) in a breakpoint() session on this rank
             return 1, None, _failure(exc, "BdbQuit", f"the debugger on rank {os.environ.get('RANK', '0')} "
@@ -279,7 +278,7 @@ def execute(job, namespace: Optional[dict] = None) -> Tuple[int, Any, Optional[e
 
 
 def _unpicklable(value: Any, exc: Exception) -> events.Failure:
-    from torchdist_magic import runtime
+    from torchdist_magic.rank import runtime
 
     return _failure(exc, "TypeError", f"the value of rank {runtime.rank()} (a "
                     f"{type(value).__qualname__}) cannot be pickled: {exc}", traceback_text="")
@@ -287,7 +286,7 @@ def _unpicklable(value: Any, exc: Exception) -> events.Failure:
 
 def _pickled_value(value: Any) -> Tuple[Optional[bytes], Optional[events.Failure]]:
     """``value`` as one blob (``values.dumps``), or why it cannot be pickled."""
-    from torchdist_magic import values
+    from torchdist_magic.core import values
 
     try:
         return values.dumps(value), None
@@ -300,10 +299,10 @@ def run_job(job, result_dir: str) -> int:
     failure into ``result_dir``; the exit code.  The value goes to ``TORCHDIST_VALUE_FILE``
     where the launcher names one (shared memory, on the driver's machine), else into
     ``result_dir``, written straight from the value's memory (``values.dump``)."""
-    from torchdist_magic import values
+    from torchdist_magic.core import values
 
     code, value, failure = execute(job)
-    if failure is None and os.environ.get("TORCHDIST_RETURN_VALUE", "1") == "1":
+    if failure is None and os.environ.get(RETURN_VALUE_ENV, "1") == "1":
         paths = [p for p in (os.environ.get(VALUE_FILE_ENV), os.path.join(result_dir, RESULT_FILE)) if p]
         for path in paths:
             tmp = path + ".tmp"
@@ -401,7 +400,7 @@ def serve(client, inbox: JobInbox, startup_env: Optional[Dict[str, Optional[str]
 
     import cloudpickle
 
-    from torchdist_magic import runtime
+    from torchdist_magic.rank import runtime
 
     _init_process_group()
     import torch.distributed as dist
@@ -479,7 +478,7 @@ def _stoppable():
 
 
 def _raise_rank_stopped(signum, frame) -> None:
-    from torchdist_magic.runtime import RankStopped
+    from torchdist_magic.rank.runtime import RankStopped
 
     signal.signal(signal.SIGTERM, _ignore_signal)  # once: a second SIGTERM must not cut the cleanup short
     raise RankStopped("the run stopped this rank (SIGTERM)")
@@ -503,7 +502,7 @@ def _run_atexit_handlers(code: int) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python -m torchdist_magic.worker JOB_FILE RESULT_DIR", file=sys.stderr)
+        print("usage: python -m torchdist_magic.rank.worker JOB_FILE RESULT_DIR", file=sys.stderr)
         return 2
     job_file, result_dir = argv
     faulthandler.enable()
@@ -511,7 +510,8 @@ def main(argv=None) -> int:
 
     import cloudpickle
 
-    from torchdist_magic import channel, rank_debugger, runtime
+    from torchdist_magic.wire import channel
+    from torchdist_magic.rank import debugger as rank_debugger, runtime
 
     with open(job_file, "rb") as fh:
         job = cloudpickle.load(fh)
@@ -526,15 +526,15 @@ def main(argv=None) -> int:
     debug = None
     client = channel.client_from_env(on_message)
     debug = rank_debugger.install(client)
-    os.environ.pop("TORCHDIST_SECRET", None)
+    os.environ.pop(SECRET_ENV, None)
     startup_env = json.loads(os.environ.pop(ENV_BEFORE, "") or "{}")
     runtime._install_sink(client)
     if client is not None:
         client.send(events.Started(rank=runtime.rank(), host=socket.gethostname(), pid=os.getpid(),
                                    time=time.time()))
     _listen_for_stack_requests(result_dir)
-    if client is not None and os.environ.get("TORCHDIST_USE_GPU") == "1" \
-            and os.environ.get("TORCHDIST_SYSTEM_METRICS", "1") == "1":
+    if client is not None and os.environ.get(USE_GPU_ENV) == "1" \
+            and os.environ.get(SYSTEM_METRICS_ENV, "1") == "1":
         threading.Thread(target=_report_torch_memory, args=(client,), name="torchdist-torch-memory",
                          daemon=True).start()
     if inbox is not None:

@@ -31,12 +31,10 @@ import threading
 import uuid
 from typing import Dict, Optional
 
-from torchdist_magic import events
-from torchdist_magic.timing import HANDSHAKE_DEADLINE
+from torchdist_magic.core import events
+from torchdist_magic.core.timing import HANDSHAKE_DEADLINE
+from ..core.names import DEBUG_ENV, PDB_ENV, IDLE_ENV
 
-DEBUG_ENV = "TORCHDIST_DEBUG"
-PDB_ENV = "TORCHDIST_PDB"
-IDLE_ENV = "TORCHDIST_DEBUG_IDLE"
 
 _debugger: Optional["RankDebugger"] = None
 

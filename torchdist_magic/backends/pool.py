@@ -39,13 +39,13 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-from . import events
-from .backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
-from .channel import ChannelServer, new_secret
-from .options import LaunchOptions
-from .procs import rss_bytes
-from .rankenv import RunSpec, job_environment
-from .timing import OUTPUT_END_WAIT, STOP_GRACE, STOP_WAIT, WARM_SEND_WAIT, WARM_SETTLE
+from ..core import events
+from . import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
+from ..wire.channel import ChannelServer, new_secret
+from ..core.options import LaunchOptions
+from ..core.procs import rss_bytes
+from ..core.rankenv import RunSpec, job_environment
+from ..core.timing import OUTPUT_END_WAIT, STOP_GRACE, STOP_WAIT, WARM_SEND_WAIT, WARM_SETTLE
 
 #: characters of a job per ``RunJob`` piece (base64): well under the channel's frame limit
 JOB_PIECE = 1024 * 1024
@@ -122,18 +122,19 @@ class Pool:
 
     # -- life ----------------------------------------------------------------------------
     def _start(self) -> None:
-        from .job import serve_job
-        from .values import pickle_for_ranks
+        from ..core.job import serve_job
+        from ..core.values import pickle_for_ranks
 
         run_id = self.run_id
         secret, launcher_secret = new_secret(), new_secret()
         identity = None
         if self.plan.tls:  # a key for the pool's life, as its secrets; it never leaves this process
-            from .tls import new_identity
+            from ..wire.tls import new_identity
 
             identity = new_identity()
         self._channel = ChannelServer(self._deliver, run_id, host=self.backend.channel_host(),
-                                      secret=secret, launcher_secret=launcher_secret, identity=identity)
+                                      secret=secret, launcher_secret=launcher_secret, identity=identity,
+                                      on_refusal=self._on_refusal)
         host, port = self._channel.address[:2]
         spec = RunSpec.resolve(self.options, run_id, f"{host}:{port}", secret, launcher_secret,
                                channel_cert=identity.certificate if identity is not None else "")
@@ -302,6 +303,11 @@ class Pool:
         else:
             self._on_record(record)
 
+    def _on_refusal(self, kind: str, rank: int, detail: str) -> None:
+        job = self._job
+        if job is not None:  # between runs the channel's log says it
+            job.refused(kind, rank, detail)
+
     def _on_record(self, record: events.Event) -> None:
         job = self._job
         if isinstance(record, events.Started):
@@ -334,6 +340,7 @@ class WarmJobRun(BackendRun):
     def __init__(self, pool: Pool, ctx: LaunchContext, run_id: str):
         self.pool = pool
         self.emit = ctx.emit
+        self.refused = ctx.refused
         self.job_id = f"{run_id}-{ctx.spec.attempt}"
         self.job_bytes = ctx.job_bytes
         spec = ctx.spec

@@ -21,10 +21,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
-from . import rank_shell
-from .job import CellCode, type_name
-from .values import pickle_for_ranks, pickled_apart
-from .runtime import CELL_PROVIDED
+from ..core import syntax
+from ..core.job import CellCode, type_name
+from ..core.values import pickle_for_ranks, pickled_apart
+from ..core.names import CELL_PROVIDED
 
 #: notebook names that never travel (IPython's own machinery)
 NOT_SENT = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_ih", "_oh", "_dh"}
@@ -344,8 +344,8 @@ class _Translator:
             if name.startswith("%"):  # IPython reads %%name past the first line as a line magic %name
                 raise CaptureError(f"{self.where(line)}: a cell magic (%{name}) must be the first line of "
                                    "the code, and applies to all of it")
-            if name not in rank_shell.LINE_MAGICS:
-                raise CaptureError(f"{self.where(line)}: {rank_shell.unsupported('%' + name)}")
+            if name not in syntax.LINE_MAGICS:
+                raise CaptureError(f"{self.where(line)}: {syntax.unsupported('%' + name)}")
             if name == "time":
                 python, statements = self.code(arg, line)
                 return (*_value_of(statements), [name, python])
@@ -354,10 +354,10 @@ class _Translator:
                 python, statements = self.code(arg[start:], line)
                 return statements, ast.Constant(None), [name, arg[:start] + python]
             return [], self._expansions(arg), args
-        if name not in rank_shell.CELL_MAGICS:
-            raise CaptureError(f"{self.where(line)}: {rank_shell.unsupported('%%' + name)}")
+        if name not in syntax.CELL_MAGICS:
+            raise CaptureError(f"{self.where(line)}: {syntax.unsupported('%%' + name)}")
         if name == "time" and arg.strip():
-            raise CaptureError(f"{self.where(line)}: {rank_shell.TIME_TAKES_NO_ARGUMENTS}")
+            raise CaptureError(f"{self.where(line)}: {syntax.TIME_TAKES_NO_ARGUMENTS}")
         body, statements = self.code(args[2], line + 1)
         if name == "time":
             return (*_value_of(statements), [name, arg, body])
@@ -367,7 +367,7 @@ class _Translator:
 
     def _timeit_start(self, line_text: str, line: int) -> int:
         try:
-            return rank_shell.parse_timeit(line_text)[1]
+            return syntax.parse_timeit(line_text)[1]
         except ValueError as exc:
             raise CaptureError(f"{self.where(line)}: {exc}") from None
 
@@ -376,7 +376,7 @@ class _Translator:
         """The expressions that the ranks evaluate to expand ``text`` (a ``{model_dir}`` must reach
         them), as one tuple."""
         found = []
-        for expression in rank_shell.expansions(text):
+        for expression in syntax.expansions(text):
             try:
                 found.append(ast.parse(expression.strip(), mode="eval").body)
             except SyntaxError:  # the rank cannot expand it either, and runs the line as it is
@@ -419,7 +419,7 @@ class _Inliner(ast.NodeTransformer):
         method, args = call
         if method not in SHELL_METHODS:  # ``?`` alone is get_ipython().show_usage()
             raise CaptureError(f"{self.translator.where(node.lineno)}: "
-                               f"{rank_shell.unsupported(f'get_ipython().{method}')}")
+                               f"{syntax.unsupported(f'get_ipython().{method}')}")
         if args is None:
             return node  # computed at run time: the rank's get_ipython() checks it then
         statements, value, sent = self.translator.inline(method, args, node.lineno)

@@ -42,8 +42,10 @@ import os
 import pickle
 import socket
 import struct
+import tempfile
 import types
 from typing import Any, Iterator, List, Optional, Tuple, Union
+
 
 MAGIC = b"torchdist-value-1\n"
 ALIGN = 64
@@ -58,13 +60,6 @@ SENT_FILE = "sent.values"
 #: where a machine keeps files in memory (tmpfs): a fetched copy of the values goes there
 #: where the machine has room for it (``host_copy_path``)
 SHARED_MEMORY = "/dev/shm"
-#: set to 1 on the driver, a run on Spark whose executors share the driver's machine (``local[...]``,
-#: ``local-cluster[...]``) takes the path of a cluster's both ways: each machine fetches the
-#: notebook values from the driver's channel (``hostcopy``) rather than mapping the driver's file,
-#: and each rank's task sends its value to the driver over the channel (``valueupload``) rather
-#: than have its rank write it into the driver's value directory.  For testing those paths on one
-#: machine.
-VALUES_FETCH_ENV = "TORCHDIST_VALUES_FETCH"
 
 Blob = Union[bytes, bytearray, memoryview]
 
@@ -435,3 +430,38 @@ def pickled_apart(value: Any, by_value: Optional[list] = None) -> Tuple[bytes, B
 def loads_apart(stream: bytes, buffers: Optional[Buffers]) -> Any:
     """The value of ``pickled_apart``."""
     return pickle.loads(stream, buffers=buffers.load() if buffers is not None else ())
+
+
+# -- the run's value directories -----------------------------------------------------------
+
+def value_directory(prefix: str, nbytes: int = 0) -> str:
+    """A new directory for ranks' values: in shared memory (``SHARED_MEMORY``) where this machine
+    has it, so that a value written there is mapped by the driver, never copied; else an
+    ordinary temporary directory.  Its name carries this process's id after ``prefix``, so that
+    what a driver left in the machine-wide shared memory can be told apart from another's.
+    ``nbytes``: what will be written there, known in advance, goes to the temporary directory
+    where it would take more than half of the shared memory (``fits_shared_memory``)."""
+    prefix = f"{prefix}{os.getpid()}-"
+    if fits_shared_memory(nbytes):  # SHARED_MEMORY, there and writable
+        try:
+            return tempfile.mkdtemp(prefix=prefix, dir=SHARED_MEMORY)
+        except OSError:
+            pass
+    return tempfile.mkdtemp(prefix=prefix)
+
+
+
+def map_value(path: str) -> Optional[mmap.mmap]:
+    """The value blob at ``path`` mapped into memory, copy-on-write, and the file's name removed:
+    in shared memory the value's pages are then the ones the rank wrote, never copied; the
+    mapping (and with it the memory) goes when the last tensor or array of the value goes.
+    ``None`` when there is no such file."""
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        return None
+    with fh:
+        blob = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    os.unlink(path)
+    return blob
+

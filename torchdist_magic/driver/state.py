@@ -30,8 +30,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, Iterable, Iterator, List, Optional, Tuple, Union
 
-from . import events
-from .events import Failure
+from ..core import events
+from ..core.events import Failure
 from .stragglers import Pace, Straggler
 
 #: a rank's history of one metric keeps at most this many points (past that, every other one)
@@ -361,6 +361,20 @@ class Attempt:
     failures: List[Failure] = field(default_factory=list)   # every failed rank, root cause first
 
 
+@dataclass
+class Refusal:
+    """Records of one kind that the run's channel refused: how many, and the first one."""
+
+    kind: str
+    count: int
+    rank: int
+    detail: str
+
+    def text(self) -> str:
+        more = f" and {self.count - 1} more" if self.count > 1 else ""
+        return f"{self.detail}, from rank {self.rank}{more}"
+
+
 @dataclass(frozen=True)
 class RunSnapshot:
     """The run as it was at one moment (``RunState.snapshot``): a consistent copy that every
@@ -390,6 +404,8 @@ class RunSnapshot:
     quiet: Tuple[Optional[float], ...] = ()
     #: where the run is tracked (``tracking.TrackingLink``), or None
     tracking: Optional[object] = None
+    #: what the run's channel refused (``RunState.refusals``)
+    refusals: Tuple[Refusal, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -462,6 +478,19 @@ class RunState:
         self._listeners: List[Callable[[events.Event], None]] = []
         #: where the run is tracked (``tracking.TrackingLink``: its MLflow run), or None
         self.tracking = None
+        #: what the run's channel refused, by kind (``malformed``, ``forbidden``,
+        #: ``callback_errors``): how many, and the first one's rank and what it was
+        self.refusals: Dict[str, Refusal] = {}
+
+    def refused(self, kind: str, rank: int, detail: str) -> None:
+        """The channel refused a record of ``rank`` (``ChannelServer``'s ``on_refusal``)."""
+        with self._lock:
+            known = self.refusals.get(kind)
+            if known is None:
+                self.refusals[kind] = Refusal(kind, 1, rank, detail)
+            else:
+                known.count += 1
+            self.version += 1
 
     def listen(self, listener: Callable[[events.Event], None]) -> None:
         """Call ``listener(record)`` with every record the state takes from now on (those of
@@ -722,6 +751,7 @@ class RunState:
                 ended=self.ended, failure=self.failure, message=self.message, attempt=self.attempt,
                 max_attempts=self.max_attempts, attempts=tuple(self.attempts), ranks=ranks,
                 stacks=dict(self.stacks), changed=changed, quiet=quiet, tracking=self.tracking,
+                refusals=tuple(Refusal(r.kind, r.count, r.rank, r.detail) for r in self.refusals.values()),
                 stragglers=tuple(self._pace.stragglers([rs.host for rs in self.ranks], check=self.ended is None)))
 
     def read_log(self, rank: int, start: int = 0, limit: Optional[int] = None, newest: bool = False) -> LogRead:

@@ -1,0 +1,4 @@
+"""What runs in a rank's worker process: the entry point (``worker``), the helpers a job calls
+(``rank()``, ``progress()``, ``report()``, checkpoints: ``runtime``), IPython syntax in a cell
+(``shell``), the rank's debugger and ``shard``.  Never imports the driver, the launcher or
+ipywidgets."""
