@@ -32,8 +32,9 @@ from typing import Any, Dict, List, Optional, Protocol
 from .backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
 from .channel import ChannelServer, new_secret
 from .debugger import NO_STDIN_PDB, Console, rank_env
-from .errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
-from .events import DebugOutput, Log, Stacks
+from . import culprit
+from .errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled, stack_text
+from .events import DebugOutput, DumpCollectives, Failure, Log, Stacks
 from .job import Job, function_job, script_job
 from .launcher import value_directory
 from .options import LaunchOptions
@@ -158,6 +159,8 @@ class Run:
         self._value: Any = None
         self._error: Optional[BaseException] = None
         self._cancel = threading.Event()
+        #: the current attempt's channel (None: a warm run's, on its pool's channel)
+        self._channel: Optional[ChannelServer] = None
         self._cancelled_by = "cancel()"
         self._done = threading.Event()
         #: the ranks' debugger sessions, which ``follow`` serves (``debugger``)
@@ -335,6 +338,7 @@ class Run:
                 channel = ChannelServer(deliver, self.run_id, host=self.backend.channel_host(),
                                         secret=secret, launcher_secret=launcher_secret, identity=identity,
                                         files=self._served)
+                self._channel = channel
                 host, port = channel.address[:2]
                 self.channel_address = f"{host}:{port}"
                 self.channel_certificate = certificate
@@ -386,11 +390,20 @@ class Run:
                     and time.monotonic() - first_failure < ROOT_CAUSE_WAIT:
                 failures = []  # a peer noticed a failure whose own report is still on its way
             if failures:
+                verdict, stacks = None, {}
+                if culprit.is_collective_timeout(failures[0]) or is_collateral(failures[0]):
+                    # a peer's doing, perhaps: before they are stopped, where is every rank?
+                    stacks = self._capture_stacks(backend_run)
+                    verdict = self.state.verdict
                 backend_run.stop(STOP_GRACE)
                 failures = self.state.failures()  # the root cause may have arrived meanwhile
+                if verdict and failures[0].rank not in verdict.suspects \
+                        and (culprit.is_collective_timeout(failures[0]) or is_collateral(failures[0])):
+                    failures = [self._suspect_failure(verdict, stacks, failures[0].time)] + failures
                 if self.state.attempt <= self.options.max_restarts and not self._cancel.is_set():
                     return True
-                self._error = RankFailure(failures[0], failures[1:], [a.failure for a in self.state.attempts])
+                self._error = RankFailure(failures[0], failures[1:], [a.failure for a in self.state.attempts],
+                                          verdict=verdict or None)
                 self.state.finish("failed", failures[0])
                 return False
             if self.state.all_exited_ok():
@@ -410,7 +423,8 @@ class Run:
             if hang is not None and min(self.state.idle(), debug.idle()) >= hang:
                 stacks = self._capture_stacks(backend_run)
                 backend_run.stop(STOP_GRACE)
-                self._error = HangTimeout(hang, stacks, self.options.num_processes, hint=self._hang_hint())
+                self._error = HangTimeout(hang, stacks, self.options.num_processes, hint=self._hang_hint(),
+                                          verdict=self.state.verdict or None)
                 self.state.finish("hung", message=self._error.headline)
                 return False
             time.sleep(SUPERVISE_POLL)
@@ -427,15 +441,36 @@ class Run:
 
     def _timed_out(self, stacks: Dict[int, Stacks]) -> None:
         self._error = JobTimeout(self.options.timeout, self._progress_summary(), stacks,
-                                 self.options.num_processes)
+                                 self.options.num_processes, verdict=self.state.verdict if stacks else None)
         self.state.finish("timed out", message=self._error.headline)
 
     def _capture_stacks(self, backend_run: BackendRun) -> Dict[int, Stacks]:
-        """Every running rank's stacks (all threads), as far as they come within
-        ``STACKS_COLLECT_WAIT``; they are also the state's ``stacks`` (the view shows them)."""
+        """Every running rank's stacks (all threads) and collective record, as far as they come
+        within ``STACKS_COLLECT_WAIT``; the stacks are also the state's ``stacks``, and what the
+        records say its ``verdict`` (the view shows both)."""
+        self.state.begin_collectives()
         running = self.state.begin_stacks()
         backend_run.dump_stacks()
-        return self.state.wait_stacks(running, STACKS_COLLECT_WAIT)
+        if self._channel is not None:
+            self._channel.broadcast(DumpCollectives(rank=-1), role="worker")
+        else:
+            backend_run.dump_collectives()
+        end = time.monotonic() + STACKS_COLLECT_WAIT
+        stacks = self.state.wait_stacks(running, STACKS_COLLECT_WAIT)
+        # a rank without a process group never answers: its peers' records say enough then
+        records = self.state.wait_collectives(running, max(0.0, end - time.monotonic()))
+        ranks = self.options.ranks or range(self.options.num_processes)
+        self.state.set_verdict(culprit.verdict(records, ranks, self.state.exits()))
+        return stacks
+
+    def _suspect_failure(self, verdict: "culprit.Verdict", stacks: Dict[int, Stacks], when: float) -> Failure:
+        """The root cause where a collective timed out because of ``verdict``'s first suspect:
+        that rank, the verdict as its message, its stack as its traceback."""
+        rank = verdict.suspects[0]
+        host = next((rs.host for rs in self.state.snapshot().ranks if rs.rank == rank), "")
+        return Failure(rank=rank, host=host, message=verdict.sentence,
+                       traceback=stack_text(stacks[rank]) if rank in stacks and stacks[rank].text else "",
+                       time=when)
 
     def _hang_hint(self) -> str:
         if not self.options.ranks:

@@ -412,6 +412,11 @@ class WarmJobRun(BackendRun):
         if run is not None:
             run.dump_stacks()
 
+    def dump_collectives(self) -> None:
+        channel = self.pool._channel
+        if channel is not None:
+            channel.broadcast(events.DumpCollectives(rank=-1), role="worker")
+
     def result(self, rank: int) -> Optional[bytes]:
         with self._lock:
             done = self._done.get(rank)

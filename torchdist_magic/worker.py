@@ -273,9 +273,21 @@ def execute(job, namespace: Optional[dict] = None) -> Tuple[int, Any, Optional[e
             return 1, None, _failure(exc, "BdbQuit", f"the debugger on rank {os.environ.get('RANK', '0')} "
                                      "was quit, which stops the run")
         failure = _failure(exc, type(exc).__qualname__, str(exc))
+        _report_collectives()
         rank_debugger.post_mortem(exc, failure.time)  # with --pdb: held here until the user is done
         return 1, None, failure
     return 0, value, None
+
+
+def _report_collectives() -> None:
+    """Send where this failing rank is in each process group (``collectives``) before it exits:
+    its record goes with it, and the driver compares it with its peers' (a collective timeout
+    here may be a peer's doing)."""
+    from torchdist_magic import collectives, runtime
+
+    if "torch.distributed" in sys.modules:
+        with contextlib.suppress(Exception):  # the failure itself is what must get out
+            runtime._emit(collectives.record(runtime.rank()))
 
 
 def _unpicklable(value: Any, exc: Exception) -> events.Failure:
@@ -511,13 +523,17 @@ def main(argv=None) -> int:
 
     import cloudpickle
 
-    from torchdist_magic import channel, rank_debugger, runtime
+    from torchdist_magic import channel, collectives, rank_debugger, runtime
+
+    collectives.enable_flight_recorder()  # before the job's first process group
 
     with open(job_file, "rb") as fh:
         job = cloudpickle.load(fh)
     inbox = JobInbox() if job.kind == "serve" else None
 
     def on_message(record: events.Event) -> None:
+        if isinstance(record, events.DumpCollectives):
+            collectives.send_record(client.send, runtime.rank())
         if inbox is not None:
             inbox.on_message(record)
         if debug is not None:  # no session can be open before it is
