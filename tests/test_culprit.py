@@ -281,3 +281,34 @@ def test_a_rank_that_left_while_the_others_wait_is_named(local_distributor):
                                    "ranks 0, 2 wait in #4 all_reduce (default group)"), str(failure)
     assert "  rank 1: no collective record; exited with code 0" in str(failure)
     assert_no_survivors(run)
+
+
+def test_a_warm_pools_hang_names_the_rank_behind(local_distributor):
+    from torchdist_magic import pools, shutdown_pools
+
+    try:
+        local_distributor(3, warm=True).run(rank)  # the pool's start is no part of the hang
+        info, = pools()
+        run = local_distributor(3, warm=True, hang_timeout=6).submit(one_rank_behind, 1)
+        with pytest.raises(HangTimeout) as hung:
+            run.result(timeout=240)
+        assert hung.value.suspects == (1,), str(hung.value)
+        assert re.match(r"Rank 1 is behind: its last collective was #\d+ all_reduce; ranks 0, 2 wait in #\d+ "
+                        r"all_reduce \(default group\)\. No rank sent progress", str(hung.value)), str(hung.value)
+    finally:
+        shutdown_pools()
+    assert_no_survivors(run, extra_pids=info.pids)
+
+
+@pytest.mark.spark
+def test_on_spark_a_collective_timeout_blames_the_rank_behind(spark_local2):
+    from helpers import assert_nothing_left
+    from torchdist_magic import Distributor
+
+    run = Distributor(2, local_mode=False, show=None).submit(one_rank_behind, 1, 600.0, 5.0)
+    failure = rank_failure_of(run, timeout=240)
+    assert failure.rank == 1 and failure.suspects == (1,), str(failure)
+    assert str(failure).startswith("RankFailure: rank 1 is behind: its last collective was #3 all_reduce; "
+                                   "rank 0 waits in #4 all_reduce (default group)"), str(failure)
+    assert "Timed out waiting" in failure.failures[1].message
+    assert_nothing_left(run)
