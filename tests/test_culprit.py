@@ -312,3 +312,28 @@ def test_on_spark_a_collective_timeout_blames_the_rank_behind(spark_local2):
                                    "rank 0 waits in #4 all_reduce (default group)"), str(failure)
     assert "Timed out waiting" in failure.failures[1].message
     assert_nothing_left(run)
+
+
+# -- the view, the summary and MLflow --------------------------------------------------------------
+def test_the_failure_pane_and_the_summary_lead_with_the_culprit():
+    from view_helpers import FakeRun
+    from torchdist_magic.view import html as H
+    from torchdist_magic.view import model as M
+    from torchdist_magic.view.text import summary
+
+    run = FakeRun(3)
+    assert M.run_facts(run.state).culprit == ""
+    found = verdict({0: fr(0, 4, 3), 1: fr(1, 3, 3), 2: fr(2, 4, 3)}, range(3))
+    run.state.set_verdict(found)
+    run.state.finish("hung", message="no rank sent progress, metrics or output for 8 s (hang_timeout); every "
+                                     "rank was stopped")
+    facts = M.run_facts(run.state)
+    assert facts.culprit == found.sentence
+    pane = H.failure_html(facts)
+    assert pane.startswith('<div class="torchdist-culprit"')
+    assert pane.index("Rank 1 is behind: its last collective was #3 all_reduce") < pane.index("no rank sent progress")
+    assert "torchdist-culprit" in H.summary_html(run.state)
+    text = summary(run.state)
+    assert ("\n  culprit: rank 1 is behind: its last collective was #3 all_reduce; ranks 0, 2 wait in #4 "
+            "all_reduce (default group)\n  no rank sent progress") in text
+

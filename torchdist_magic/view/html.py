@@ -215,10 +215,13 @@ def large_rows_html(state, ov: Overview, page: Optional[List[int]] = None, page_
 
 
 def failure_html(facts: RunFacts) -> str:
-    """The root cause of each earlier attempt (a run that restarted), then the outcome line (root
-    cause, or why the run stopped); empty while there is neither."""
-    out = [f'<div class="torchdist-attempt-failure" style="color:{STATE_TEXT["restarting"]};font-size:12px;'
-           f'margin-top:2px">{_esc(line)} &rarr; restarted</div>' for line in facts.earlier]
+    """The culprit line (which rank held the others up) on top, the root cause of each earlier
+    attempt (a run that restarted), then the outcome line (root cause, or why the run stopped);
+    empty while there is none of them."""
+    out = [f'<div class="torchdist-culprit" style="color:{ERROR};font-size:12.5px;margin-top:4px;'
+           f'font-weight:600">{_esc(facts.culprit[:1].upper() + facts.culprit[1:])}</div>'] if facts.culprit else []
+    out += [f'<div class="torchdist-attempt-failure" style="color:{STATE_TEXT["restarting"]};font-size:12px;'
+            f'margin-top:2px">{_esc(line)} &rarr; restarted</div>' for line in facts.earlier]
     if facts.outcome:
         colour = STATE_TEXT.get(facts.state, ERROR)
         out.append(f'<div class="torchdist-failure" style="color:{colour};font-size:12.5px;margin-top:4px;'

@@ -157,6 +157,9 @@ class RunFacts:
     earlier: List[str] = field(default_factory=list)   # "attempt 1: rank 1 was killed by SIGKILL"
     tracking_url: str = ""         # the page of the run's MLflow run, when its server has a UI
     tracking_text: str = ""        # "MLflow run <id>: <page, or where it is>"; "" when not tracked
+    #: which rank held the others up, from their collective records ("rank 2 is behind: ...");
+    #: "" when they were not compared or point at no rank (``culprit``)
+    culprit: str = ""
 
     @property
     def attempt_text(self) -> str:
@@ -178,7 +181,8 @@ def run_facts(state: State) -> RunFacts:
                     finished=snap.finished, outcome=outcome, attempt=snap.attempt,
                     max_attempts=snap.max_attempts, earlier=earlier,
                     tracking_url=snap.tracking.url if snap.tracking is not None else "",
-                    tracking_text=snap.tracking.text() if snap.tracking is not None else "")
+                    tracking_text=snap.tracking.text() if snap.tracking is not None else "",
+                    culprit=snap.verdict.sentence if snap.verdict else "")
 
 
 # -- one row per rank -----------------------------------------------------------------------------

@@ -98,6 +98,8 @@ def summary(state: State) -> str:
     else:
         rows += [_rank_line(rs) for rs in snap.ranks]
         rows += [f"  straggler: rank {s.rank} ({s.why})" for s in snap.stragglers]
+    if facts.culprit:
+        rows.append(f"  culprit: {facts.culprit}")
     rows += [f"  {line} (restarted)" for line in facts.earlier]
     if facts.outcome:
         rows.append(f"  {facts.outcome}")
