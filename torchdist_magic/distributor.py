@@ -34,10 +34,11 @@ from .channel import ChannelServer, new_secret
 from .debugger import NO_STDIN_PDB, Console, rank_env
 from . import culprit
 from .errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled, stack_text
-from .events import DebugOutput, DumpCollectives, Failure, Log, Stacks
+from .events import DebugOutput, DumpCollectives, Failure, Log, Preflight, Stacks
 from .job import Job, function_job, script_job
 from .launcher import value_directory
 from .options import LaunchOptions
+from .preflight import PreflightResult, compare
 from . import values as value_blobs
 from .values import VALUES_FETCH_ENV
 from .rankenv import RunSpec
@@ -267,6 +268,18 @@ class Run:
     def stacks(self) -> Dict[int, Stacks]:
         """Every rank's stacks (all threads) as captured at a hang or a timeout; else empty."""
         return dict(self.state.snapshot().stacks)
+
+    @property
+    def preflight(self) -> Optional[PreflightResult]:
+        """What the ranks' pre-flight reports say (``--preflight``: ``refusal``, ``warnings``,
+        ``lines`` with the figures by host), or ``None`` when no report came."""
+        reports = self.state.snapshot().preflight
+        return compare(list(reports.values())) if reports else None
+
+    @property
+    def preflight_reports(self) -> Dict[int, Preflight]:
+        """Each rank's pre-flight report (``events.Preflight``), by rank; empty without one."""
+        return dict(self.state.snapshot().preflight)
 
     @property
     def exception(self) -> Optional[BaseException]:

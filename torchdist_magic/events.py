@@ -11,7 +11,8 @@ Who may send what (the channel enforces it, ``SENDERS``):
 - a **worker** (the rank's own process): ``Started``, ``Progress``, ``Metrics``, ``Dropped``,
   ``DebugOutput`` (its debugger's output and prompts), ``SystemMetrics`` (what only the
   rank's process knows: torch's peak GPU memory), ``Collectives`` (where it is in each process
-  group: when the driver asked, and when its job failed), and in a warm pool ``JobValue`` and
+  group: when the driver asked, and when its job failed), ``Preflight`` (its versions, GPUs and
+  bandwidth, before its job: ``--preflight``), and in a warm pool ``JobValue`` and
   ``JobDone`` after each job;
 - a **launcher** (what starts and watches a worker: the local backend in the driver, or a
   Spark task on an executor): ``Log`` (the worker's output), ``Exit`` (what the process
@@ -304,6 +305,40 @@ class Collectives(Event):
 
 
 @dataclass
+class GpuHealth:
+    """One GPU of a rank at its pre-flight check (NVML): its index, name, uncorrected ECC errors
+    (volatile), the throttle reasons that slow it (``"hw_slowdown, sw_thermal"``; "" for none)
+    and its free memory in bytes."""
+
+    index: int
+    name: str = ""
+    ecc_errors: int = 0
+    throttled: str = ""
+    free_bytes: float = 0.0
+
+
+@dataclass
+class Preflight(Event):
+    """A rank's pre-flight report (``--preflight``), sent before its job runs: the versions it
+    runs with ("" where there is none: ``cuda``, ``nccl`` and ``driver`` on a CPU rank), its GPUs'
+    health, and what it measured: ``bus_gbps``, the bus bandwidth of an ``all_reduce`` of every
+    rank (GB/s), ``link_gbps``, the bandwidth of what it received from the rank before it in a
+    ring (GB/s), and ``seconds``, how long the check took on it."""
+
+    type: ClassVar[str] = "preflight"
+    host: str = ""
+    python: str = ""
+    torch: str = ""
+    cuda: str = ""
+    nccl: str = ""
+    driver: str = ""
+    gpus: List[GpuHealth] = field(default_factory=list)
+    bus_gbps: float = 0.0
+    link_gbps: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass
 class Frame:
     """One frame of a stack: where a thread was."""
 
@@ -470,7 +505,7 @@ class DebugInput(Event):
     end: bool = False
 
 
-RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks, SystemMetrics, Collectives)
+RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks, SystemMetrics, Collectives, Preflight)
 DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers, DebugInput, DumpCollectives)
 #: records that a backend takes for itself, never a RunState
 LAUNCHER_TO_DRIVER = (Joined,)
@@ -484,7 +519,8 @@ RECORDS: Dict[str, Type[Event]] = {
 
 #: which records each role of connection may send to the driver
 SENDERS: Dict[str, frozenset] = {
-    "worker": frozenset({Started, Progress, Metrics, Dropped, JobValue, JobDone, DebugOutput, Collectives}),
+    "worker": frozenset({Started, Progress, Metrics, Dropped, JobValue, JobDone, DebugOutput, Collectives,
+                         Preflight}),
     "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER + DEBUG_TO_DRIVER),
 }
 

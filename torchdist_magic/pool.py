@@ -344,7 +344,7 @@ class WarmJobRun(BackendRun):
         self.returns_value = spec.returns_value
         self.env = dict(job_environment(spec), TORCHDIST_CHECKPOINT_DIR=spec.checkpoint_dir,
                         TORCHDIST_KEEP_CHECKPOINTS=str(spec.keep_checkpoints),
-                        TORCHDIST_RETURN_VALUE="1")
+                        TORCHDIST_RETURN_VALUE="1", TORCHDIST_PREFLIGHT="1" if spec.preflight else "0")
         self.sent = False
         self.ended = False
         self._lock = threading.Lock()

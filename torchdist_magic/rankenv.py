@@ -59,6 +59,8 @@ class RunSpec:
     #: holds them or names a file on the driver's machine
     values_fetch: str = ""
     values_fetch_size: int = 0
+    #: every rank runs the pre-flight check before its job (``preflight``)
+    preflight: bool = False
 
     @classmethod
     def resolve(cls, options: LaunchOptions, run_id: str, channel_address: str = "",
@@ -73,7 +75,8 @@ class RunSpec:
                    channel_cert=channel_cert, attempt=attempt, max_restarts=options.max_restarts,
                    checkpoint_dir=options.checkpoint_dir or checkpoint_dir,
                    keep_checkpoints=options.keep_checkpoints, data_files=tuple(data_files),
-                   ranks=tuple(options.ranks or ()), system_metrics=options.system_metrics)
+                   ranks=tuple(options.ranks or ()), system_metrics=options.system_metrics,
+                   preflight=options.preflight)
 
     def returns_value(self, rank: int) -> bool:
         """Whether ``rank``'s value comes back to the driver: rank 0's (with ``ranks``, the
@@ -232,6 +235,7 @@ def _run_variables(spec: RunSpec, place: Placement) -> Dict[str, str]:
         "TORCHDIST_SECRET": spec.secret, "TORCHDIST_CHANNEL_CERT": spec.channel_cert,
         "TORCHDIST_USE_GPU": "1" if spec.use_gpu else "0",
         "TORCHDIST_SYSTEM_METRICS": "1" if spec.system_metrics else "0",
+        "TORCHDIST_PREFLIGHT": "1" if spec.preflight else "0",
         "TORCHDIST_RETURN_VALUE": "1" if spec.returns_value(place.rank) else "0",
         # torchrun's names too, so that code written for torchelastic sees the attempt
         "TORCHDIST_RESTART_COUNT": str(spec.attempt), "TORCHELASTIC_RESTART_COUNT": str(spec.attempt),

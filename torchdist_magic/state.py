@@ -2,7 +2,7 @@
 that every view (text, widget, panel) reads.
 
 ``apply`` takes the records a rank or its launcher sends (``Started``, ``Log``, ``Progress``,
-``Metrics``, ``Dropped``, ``Exit``, ``Stacks``, ``Collectives``), each through the handler ``HANDLERS`` names for
+``Metrics``, ``Dropped``, ``Exit``, ``Stacks``, ``Collectives``, ``Preflight``), each through the handler ``HANDLERS`` names for
 its type.  A run that restarts (``max_restarts``) has attempts: ``restart`` records how the
 current one ended and starts the next with fresh rank states; records of an earlier attempt
 that arrive late are ignored.
@@ -390,6 +390,8 @@ class RunSnapshot:
     #: what the ranks' collective records say (``culprit.Verdict``) when a hang, a timeout or a
     #: collective timeout had them compared; None before
     verdict: Optional[Verdict] = None
+    #: each rank's pre-flight report (``--preflight``), by rank; empty without one
+    preflight: Dict[int, events.Preflight] = field(default_factory=dict)
     stragglers: Tuple[Straggler, ...] = ()
     #: per rank, seconds since its last record (None: not heard from in this attempt)
     quiet: Tuple[Optional[float], ...] = ()
@@ -443,6 +445,8 @@ class RunState:
         #: what they said when they were compared (``set_verdict``), else None
         self.verdict: Optional[Verdict] = None
         self._fresh_collectives: set = set()   # ranks whose record came since ``begin_collectives``
+        #: each rank's pre-flight report (``--preflight``) of the current attempt
+        self.preflight: Dict[int, events.Preflight] = {}
         #: ``time.monotonic()`` of the newest sign of life (output, progress, metrics) of any rank
         self.last_activity = time.monotonic()
         if spill_dir is None:
@@ -606,6 +610,9 @@ class RunState:
         self._fresh_collectives.add(rs.rank)
         self._stacks_came.notify_all()
 
+    def _on_preflight(self, rs: RankState, e: events.Preflight) -> None:
+        self.preflight[rs.rank] = e
+
     def _on_unhandled(self, rs: RankState, e: events.Event) -> None:
         """Said once per record type, in the log of the rank that sent it first."""
         rs.logs.append(LogLine("stderr", f"torchdist: ignored a record of type {e.type or '?'} "
@@ -616,6 +623,7 @@ class RunState:
         events.Started: _on_started, events.Log: _on_log, events.Progress: _on_progress,
         events.Metrics: _on_metrics, events.Dropped: _on_dropped, events.Exit: _on_exit,
         events.Stacks: _on_stacks, events.SystemMetrics: _on_system, events.Collectives: _on_collectives,
+        events.Preflight: _on_preflight,
     }
 
     def restart(self) -> None:
@@ -632,6 +640,7 @@ class RunState:
             self.stacks = {}
             self.collectives = {}
             self.verdict = None
+            self.preflight = {}
             self.last_activity = time.monotonic()
             for r, store in enumerate(self._logs):
                 store.seal()
@@ -764,6 +773,7 @@ class RunState:
                 ended=self.ended, failure=self.failure, message=self.message, attempt=self.attempt,
                 max_attempts=self.max_attempts, attempts=tuple(self.attempts), ranks=ranks,
                 stacks=dict(self.stacks), changed=changed, quiet=quiet, tracking=self.tracking, verdict=self.verdict,
+                preflight=dict(self.preflight),
                 stragglers=tuple(self._pace.stragglers([rs.host for rs in self.ranks], check=self.ended is None)))
 
     def read_log(self, rank: int, start: int = 0, limit: Optional[int] = None, newest: bool = False) -> LogRead:

@@ -255,6 +255,8 @@ def execute(job, namespace: Optional[dict] = None) -> Tuple[int, Any, Optional[e
         if job.cwd and os.path.isdir(job.cwd):
             os.chdir(job.cwd)
         with _stoppable():
+            if os.environ.get("TORCHDIST_PREFLIGHT") == "1":
+                _preflight()
             value = _run_cell(job, namespace) if job.kind == "cell" else RUNNERS[job.kind](job)
     except SystemExit as exc:
         code = exc.code
@@ -277,6 +279,15 @@ def execute(job, namespace: Optional[dict] = None) -> Tuple[int, Any, Optional[e
         rank_debugger.post_mortem(exc, failure.time)  # with --pdb: held here until the user is done
         return 1, None, failure
     return 0, value, None
+
+
+def _preflight() -> None:
+    """The pre-flight check with every other rank (``preflight``), before the job; raises
+    ``PreflightRefused`` when the ranks' reports refuse the run."""
+    from torchdist_magic import preflight, runtime
+
+    health = preflight.open_health() if os.environ.get("TORCHDIST_USE_GPU") == "1" else None
+    preflight.run(runtime._emit, health, preflight.driver_version(health))
 
 
 def _report_collectives() -> None:
