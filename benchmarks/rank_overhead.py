@@ -1,7 +1,9 @@
 """What torchdist_magic costs a rank: the same DDP training script, steps of about 2 ms (a small
 model, gloo, CPU) that call ``progress``, ``report`` and ``print`` every step, run by
 torchdist_magic (local processes, the driver in this process, as a notebook's kernel would be)
-and by plain ``torchrun`` (``python -m torch.distributed.run``), in interleaved rounds.
+and by plain ``torchrun`` (``python -m torch.distributed.run``), in interleaved rounds; and by
+torchdist_magic with torch's Flight Recorder off (``TORCH_FR_BUFFER_SIZE=0``), which a run
+otherwise turns on for every rank (``collectives``): the recorder's own cost.
 
     python benchmarks/rank_overhead.py [--ranks 2] [--steps 2000] [--rounds 5]
                                        [--json benchmarks/results/rank_overhead.json]
@@ -25,6 +27,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -75,12 +78,16 @@ def with_torchrun(script: str, ranks: int, steps: int, out: str) -> float:
         return json.load(fh)["steps_per_s"]
 
 
-def with_torchdist(script: str, ranks: int, steps: int, out: str) -> float:
+def with_torchdist(script: str, ranks: int, steps: int, out: str, env: Optional[dict] = None) -> float:
     from torchdist_magic import Distributor
 
-    Distributor(ranks, local_mode=True, show=None).run(script, str(steps), str(WARMUP), out)
+    Distributor(ranks, local_mode=True, show=None, env=env or {}).run(script, str(steps), str(WARMUP), out)
     with open(out) as fh:
         return json.load(fh)["steps_per_s"]
+
+
+def without_recorder(script: str, ranks: int, steps: int, out: str) -> float:
+    return with_torchdist(script, ranks, steps, out, env={"TORCH_FR_BUFFER_SIZE": "0"})
 
 
 def _discarding_driver(addresses) -> None:
@@ -135,7 +142,7 @@ def main() -> None:
 
     import torch
 
-    runners = {"torchrun": with_torchrun, "torchdist_magic": with_torchdist}
+    runners = {"torchrun": with_torchrun, "torchdist_magic": with_torchdist, "no recorder": without_recorder}
     runs = {name: [] for name in runners}
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "train.py")
@@ -152,6 +159,7 @@ def main() -> None:
     cost = reporting_cost()
     medians = {name: statistics.median(values) for name, values in runs.items()}
     ratio = medians["torchdist_magic"] / medians["torchrun"]
+    recorder = medians["torchdist_magic"] / medians["no recorder"]
     load = os.getloadavg()
     print(f"\n{'launcher':<16} {'steps/s (median)':>16} {'min':>8} {'max':>8}")
     for name, values in runs.items():
@@ -159,12 +167,14 @@ def main() -> None:
     print(f"torchdist_magic / torchrun: {ratio:.3f}x ({args.ranks} ranks, {args.steps} steps of which "
           f"{WARMUP} warm-up, {args.rounds} interleaved rounds; load average {load[0]:.1f} on "
           f"{machine()['cores']} cores)")
+    print(f"Flight Recorder on / off (torchdist_magic, TORCH_FR_BUFFER_SIZE=0 for off): {recorder:.3f}x")
     print(f"progress + report (3 values) per step, CPU of the rank: {cost['reporting_us']:.1f} us reporting to "
           f"a driver, {cost['no_run_us']:.1f} us outside a run")
     write_json(args.json, {"benchmark": "a rank's overhead: torchdist_magic vs torchrun, same DDP script",
                            "machine": machine(torch=torch.__version__), "ranks": args.ranks, "steps": args.steps,
                            "warmup": WARMUP, "rounds": args.rounds, "runs": runs, "medians": medians,
-                           "ratio": ratio, "load_average": load, "reporting_cost": cost})
+                           "ratio": ratio, "recorder_ratio": recorder, "load_average": load,
+                           "reporting_cost": cost})
 
 
 if __name__ == "__main__":

@@ -121,6 +121,10 @@ def test_collective_timeouts_are_recognised():
                                          "for recv operation to complete"))
     assert is_collective_timeout(failure("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(...)"))
     assert not is_collective_timeout(failure("bad batch"))
+    aborted = Failure(rank=1, exit_code=-6, log_tail=[
+        "[rank1]:[E ProcessGroupNCCL.cpp:632] [Rank 1] Watchdog caught collective operation timeout: "
+        "WorkNCCL(SeqNum=4, OpType=ALLREDUCE, Timeout(ms)=10000) ran for 10005 milliseconds before timing out."])
+    assert is_collective_timeout(aborted) and not is_collective_timeout(Failure(rank=1, exit_code=-6))
 
 
 def test_the_flight_recorders_dump_becomes_each_groups_state():
@@ -197,7 +201,7 @@ def one_rank_behind(behind, seconds=600.0, timeout_s=0.0):
     t = torch.ones(10)
     for _ in range(STEPS_BEFORE):
         dist.all_reduce(t)
-    print("three done", flush=True)
+    print("three done", flush=True)  # the hang watchdog's quiet counts from here
     if rank() == behind:
         load_next_batch(seconds)
     dist.all_reduce(t)
@@ -208,7 +212,7 @@ def load_next_batch(seconds):
 
 
 def test_a_hang_names_the_rank_behind(local_distributor):
-    run = local_distributor(4, hang_timeout=6).submit(one_rank_behind, 2)
+    run = local_distributor(4, hang_timeout=10).submit(one_rank_behind, 2)
     with pytest.raises(HangTimeout) as info:
         run.result(timeout=240)
     err = info.value
@@ -230,6 +234,7 @@ def mismatched(odd):
     t = torch.ones(10)
     for _ in range(STEPS_BEFORE):
         dist.all_reduce(t)
+    print("three done", flush=True)  # the hang watchdog's quiet counts from here
     if rank() == odd:
         dist.broadcast(t, src=0)
     else:
@@ -237,7 +242,7 @@ def mismatched(odd):
 
 
 def test_a_hang_in_mismatched_collectives_says_mismatch(local_distributor):
-    run = local_distributor(3, hang_timeout=6).submit(mismatched, 1)
+    run = local_distributor(3, hang_timeout=10).submit(mismatched, 1)
     with pytest.raises(HangTimeout) as info:
         run.result(timeout=240)
     err = info.value
@@ -337,3 +342,42 @@ def test_the_failure_pane_and_the_summary_lead_with_the_culprit():
     assert ("\n  culprit: rank 1 is behind: its last collective was #3 all_reduce; ranks 0, 2 wait in #4 "
             "all_reduce (default group)\n  no rank sent progress") in text
 
+
+
+# -- NCCL (GPUs) -----------------------------------------------------------------------------------
+def _cuda_count():
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def nccl_rank_behind(behind, timeout_s):
+    import torch
+    import torch.distributed as dist
+    from torchdist_magic import local_rank
+
+    torch.cuda.set_device(local_rank())
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=timeout_s))
+    t = torch.ones(10, device="cuda")
+    for _ in range(STEPS_BEFORE):
+        dist.all_reduce(t)
+    torch.cuda.synchronize()
+    if rank() == behind:
+        load_next_batch(600)
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_count() < 2, reason="needs two CUDA devices (NCCL: one GPU per rank)")
+def test_nccl_a_hang_and_a_watchdog_timeout_name_the_rank_behind(local_distributor):
+    run = local_distributor(2, use_gpu=True, hang_timeout=8).submit(nccl_rank_behind, 1, 600)
+    with pytest.raises(HangTimeout) as hung:
+        run.result(timeout=300)
+    assert hung.value.suspects == (1,), str(hung.value)
+    assert str(hung.value).startswith("Rank 1 is behind: its last collective was #3 all_reduce"), str(hung.value)
+    assert_no_survivors(run)
+    run = local_distributor(2, use_gpu=True).submit(nccl_rank_behind, 1, 10)
+    failure = rank_failure_of(run, timeout=300)
+    assert failure.rank == 1 and failure.suspects == (1,), str(failure)
+    assert_no_survivors(run)

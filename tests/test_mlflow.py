@@ -187,6 +187,7 @@ def rank1_behind():
 
     dist.init_process_group("gloo")
     dist.all_reduce(torch.ones(2))
+    print("one done", flush=True)  # the hang watchdog's quiet counts from here
     if rank() == 1:
         time.sleep(600)
     dist.all_reduce(torch.ones(2))
@@ -516,7 +517,7 @@ def test_an_unreachable_tracking_server_is_refused_before_anything_starts(ip, ca
 def test_a_hung_run_names_the_rank_that_held_the_others_up(experiment):
     from torchdist_magic import Distributor, HangTimeout
 
-    run = Distributor(3, local_mode=True, show=None, mlflow=True, hang_timeout=6).submit(rank1_behind)
+    run = Distributor(3, local_mode=True, show=None, mlflow=True, hang_timeout=10).submit(rank1_behind)
     with pytest.raises(HangTimeout):
         run.result(timeout=240)
     (mlrun,) = runs_of(experiment)

@@ -118,3 +118,23 @@ def test_a_cell_runs_after_the_check_in_its_own_process_group_and_config_turns_i
     assert sorted(ip.user_ns["_torchdist_run"].preflight_reports) == [0, 1]
     cell(ip, "%%torchdist --np 2 --no-preflight\nrank")
     assert ip.user_ns["_torchdist_run"].preflight is None
+
+
+def _cuda_count():
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_count() < 1, reason="needs a CUDA device")
+def test_on_gpus_the_report_has_cuda_nccl_the_driver_and_each_gpus_health(local_distributor):
+    pytest.importorskip("pynvml")
+    n = _cuda_count()
+    run = local_distributor(n, use_gpu=True, preflight=True).submit(rank)
+    assert run.result(timeout=300) == 0
+    for r, mine in run.preflight_reports.items():
+        assert mine.cuda and mine.nccl and mine.driver, mine
+        assert len(mine.gpus) == 1 and mine.gpus[0].free_bytes > 0 and mine.gpus[0].name
+    assert run.preflight.refusal == ""
+    assert_no_survivors(run)

@@ -34,8 +34,12 @@ COLLECTIVE_TIMEOUT = re.compile(
 
 
 def is_collective_timeout(failure: Failure) -> bool:
-    """Whether ``failure`` is a collective that timed out waiting for its peers."""
-    return bool(failure.exc_type) and bool(COLLECTIVE_TIMEOUT.search(failure.message))
+    """Whether ``failure`` is a collective that timed out waiting for its peers: what the rank
+    raised, or, for a rank that NCCL's watchdog aborted (no exception of its own), its last
+    output."""
+    if failure.exc_type:
+        return bool(COLLECTIVE_TIMEOUT.search(failure.message))
+    return any(COLLECTIVE_TIMEOUT.search(line) for line in failure.log_tail)
 
 
 @dataclass(frozen=True)
