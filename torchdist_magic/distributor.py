@@ -10,7 +10,10 @@ own channel, port and Spark stage) and ends when every rank succeeded, or one fa
 was cancelled, passed its ``timeout``, or hung (no output, progress or metrics from any rank for
 ``hang_timeout``).  A failure stops every rank and, while ``max_restarts`` allow, starts the next
 attempt; anything else ends the run.  Before a timeout or a hang stops the ranks, every rank's
-stacks are captured: the error and the view say where each rank was.  Under ``--pdb`` a failing
+stacks and collective records are captured: the error and the view say where each rank was,
+and which rank held the others up (``culprit``: behind, exited, mismatched).  The same happens
+when the first failure is a collective timeout (or a peer noticing one): if another rank is
+behind, that rank is the root cause and the timeouts are collateral.  Under ``--pdb`` a failing
 rank holds its frames in a post-mortem session (``debugger``): the other ranks are stopped at
 once, the held one when its session ends, and it stays the root cause.
 """

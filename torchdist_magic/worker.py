@@ -293,12 +293,14 @@ def _preflight() -> None:
 def _report_collectives() -> None:
     """Send where this failing rank is in each process group (``collectives``) before it exits:
     its record goes with it, and the driver compares it with its peers' (a collective timeout
-    here may be a peer's doing)."""
+    here may be a peer's doing).  Only the Flight Recorder's: the stack, here, is the handler's."""
     from torchdist_magic import collectives, runtime
 
     if "torch.distributed" in sys.modules:
         with contextlib.suppress(Exception):  # the failure itself is what must get out
-            runtime._emit(collectives.record(runtime.rank()))
+            record = collectives.record(runtime.rank())
+            if record.source == "flight recorder":
+                runtime._emit(record)
 
 
 def _unpicklable(value: Any, exc: Exception) -> events.Failure:
