@@ -219,7 +219,7 @@ def test_a_hang_names_the_rank_behind(local_distributor):
     assert err.suspects == (2,)
     assert str(err).startswith("Rank 2 is behind: its last collective was #3 all_reduce; ranks 0, 1, 3 wait in "
                                "#4 all_reduce (default group). No rank sent progress"), str(err)
-    assert f"  rank 2: load_next_batch (" in str(err)
+    assert "  rank 2: load_next_batch (" in str(err)
     assert re.search(r"\n  ranks 0, 1, 3: all_reduce \(torch/distributed/distributed_c10d\.py", str(err)), str(err)
     snap = run.state.snapshot()
     assert snap.verdict.suspects == (2,) and run.state.collectives[0].source == "flight recorder"

@@ -3,7 +3,7 @@ a rank's report with a fake NVML, and the check end to end on real ranks (gloo).
 
 import pytest
 
-from helpers import assert_no_survivors, rank_failure_of
+from helpers import assert_no_survivors
 from torchdist_magic import rank
 from torchdist_magic.events import GpuHealth, Preflight
 from torchdist_magic.preflight import compare, report
