@@ -95,6 +95,11 @@ def test_preflight_end_to_end_on_real_ranks(local_distributor):
     from torchdist_magic.view.text import summary
 
     assert "\n  pre-flight: 3 ranks, Python " in summary(run.state)
+    from torchdist_magic.view import html as H
+    from torchdist_magic.view import model as M
+
+    assert M.run_facts(run.state).preflight == list(result.lines)
+    assert H.failure_html(M.run_facts(run.state)).count('class="torchdist-preflight"') == len(result.lines)
     assert_no_survivors(run)
 
 

@@ -16,7 +16,6 @@ import sys
 import time
 from typing import List, Optional, TextIO
 
-from ..preflight import compare
 from ..state import RunSnapshot, RunState
 from .model import (LogCursor, State, format_duration, metrics_text, rank_log, rank_logs, rank_progress_text,
                     system_text,
@@ -99,8 +98,7 @@ def summary(state: State) -> str:
     else:
         rows += [_rank_line(rs) for rs in snap.ranks]
         rows += [f"  straggler: rank {s.rank} ({s.why})" for s in snap.stragglers]
-    if snap.preflight:
-        rows += [f"  {line}" for line in compare(list(snap.preflight.values())).lines]
+    rows += [f"  {line}" for line in facts.preflight]
     if facts.culprit:
         rows.append(f"  culprit: {facts.culprit}")
     rows += [f"  {line} (restarted)" for line in facts.earlier]
