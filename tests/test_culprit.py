@@ -173,6 +173,19 @@ def test_a_hang_leads_with_the_verdict_and_groups_the_other_ranks():
     assert HangTimeout(8, {}, 2).suspects == ()
 
 
+def test_at_many_ranks_a_hang_shows_a_few_suspects_stacks_and_groups_the_rest():
+    records = {r: fr(r, 9 if r < 1000 else 8, 8) for r in range(1024)}
+    found = verdict(records, range(1024))
+    assert found.suspects == tuple(range(1000, 1024))
+    err = HangTimeout(8, _stacks(1024, lambda r: 9 if r >= 1000 else 5), 1024, verdict=found)
+    text = str(err)
+    assert text.startswith("Ranks 1000-1023 are behind: their last collective was #8 all_reduce; ranks 0-999 wait "
+                           "in #9 all_reduce (default group).")
+    assert "\n  ranks 0-999: f (/a/t.py, line 5)\n  ranks 1008-1023: f (/a/t.py, line 9)\n" in text
+    assert len(text.splitlines()) < 20
+    assert sum(line.startswith("--- rank ") for line in err._render_traceback_()) == 8
+
+
 def test_a_rank_failure_leads_with_the_verdict():
     found = verdict({0: fr(0, 4, 4), 1: fr(1, 3, 3)}, range(2))
     behind = Failure(rank=1, host="h", message=found.sentence, traceback='  File "/a/t.py", line 9, in load')

@@ -14,6 +14,8 @@ from .events import Failure, Stacks
 
 #: lines of a failing rank's last output that its ``RankFailure`` text shows
 LAST_WORDS = 10
+#: suspects (``culprit``) whose stacks a hang or a timeout shows in full; the rest are grouped
+SHOWN_SUSPECTS = 8
 
 
 class RankFailure(RuntimeError):
@@ -144,7 +146,7 @@ class _WithStacks(_PlainRender):
 
     def _render_traceback_(self) -> List[str]:
         lines = super()._render_traceback_()
-        shown = [r for r in self.suspects if r in self.stacks] if self.verdict else sorted(self.stacks)
+        shown = [r for r in self.suspects if r in self.stacks][:SHOWN_SUSPECTS] if self.verdict else sorted(self.stacks)
         for rank in shown:
             lines += ["", f"--- rank {rank}, main thread (most recent call last) ---",
                       *stack_text(self.stacks[rank]).splitlines()]
@@ -156,8 +158,9 @@ class _WithStacks(_PlainRender):
         if not self.verdict:
             return where_ranks_were(self.stacks, num_processes)
         ranks = range(num_processes) if num_processes else sorted(self.stacks)
-        others = [r for r in ranks if r not in self.suspects]
-        return (where_ranks_were({r: self.stacks[r] for r in self.suspects if r in self.stacks}) +
+        shown = self.suspects[:SHOWN_SUSPECTS]
+        others = [r for r in ranks if r not in shown]
+        return (where_ranks_were({r: self.stacks[r] for r in shown if r in self.stacks}) +
                 grouped_where(self.stacks, others) +
                 ["Where each rank was in its collectives:"] + [f"  {line}" for line in self.verdict.summary])
 
