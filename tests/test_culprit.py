@@ -239,6 +239,19 @@ def test_a_hang_names_the_rank_behind(local_distributor):
     assert_no_survivors(run)
 
 
+def test_the_user_asks_which_rank_holds_the_others_up_while_the_run_goes_on(local_distributor):
+    from helpers import wait_until
+
+    run = local_distributor(3).submit(one_rank_behind, 1)
+    wait_until(lambda: all("three done" in run.logs(r) for r in range(3)), 120, "every rank past three all_reduces")
+    found = wait_until(lambda: run.culprit() or None, 30, "the ranks' records to say who is behind")
+    assert found.suspects == (1,) and found.sentence.startswith("rank 1 is behind: its last collective was #3")
+    assert not run.done() and run.state.snapshot().verdict == found and set(run.stacks) == {0, 1, 2}
+    run.cancel()
+    run.wait(60)
+    assert_no_survivors(run)
+
+
 def mismatched(odd):
     import torch
     import torch.distributed as dist

@@ -163,8 +163,11 @@ class Run:
         self._value: Any = None
         self._error: Optional[BaseException] = None
         self._cancel = threading.Event()
-        #: the current attempt's channel (None: a warm run's, on its pool's channel)
+        #: the current attempt's channel (None: a warm run's, on its pool's channel) and its
+        #: started ranks (None between attempts); one capture of stacks and records at a time
         self._channel: Optional[ChannelServer] = None
+        self._backend_run: Optional[BackendRun] = None
+        self._capturing = threading.Lock()
         self._cancelled_by = "cancel()"
         self._done = threading.Event()
         #: the ranks' debugger sessions, which ``follow`` serves (``debugger``)
@@ -284,6 +287,17 @@ class Run:
         """Each rank's pre-flight report (``events.Preflight``), by rank; empty without one."""
         return dict(self.state.snapshot().preflight)
 
+    def culprit(self) -> "culprit.Verdict":
+        """Ask every running rank where it is, now, while the run goes on (a run that seems
+        stuck): their stacks (``stacks``) and collective records, compared (``culprit``).  The
+        verdict names the ranks behind, exited or mismatched (``suspects``; none when the ranks
+        are in step); it is also the state's, which the view shows."""
+        backend_run = self._backend_run
+        if backend_run is None or self._done.is_set():
+            return self.state.snapshot().verdict or culprit.Verdict()
+        self._capture_stacks(backend_run)
+        return self.state.snapshot().verdict or culprit.Verdict()
+
     @property
     def exception(self) -> Optional[BaseException]:
         return self._error
@@ -374,9 +388,10 @@ class Run:
                                 data=self.data, routes=routes,
                                 to_rank=lambda rank, record: bool(channel and channel.send(rank, record)),
                                 receive_values=channel.receive_values if channel is not None else lambda paths: None)
-            backend_run = self.backend.start(ctx)
+            backend_run = self._backend_run = self.backend.start(ctx)
             return self._watch(backend_run, deadline)
         finally:
+            self._backend_run = None
             if backend_run is not None:
                 backend_run.close()
             if channel is not None:
@@ -464,6 +479,10 @@ class Run:
         """Every running rank's stacks (all threads) and collective record, as far as they come
         within ``STACKS_COLLECT_WAIT``; the stacks are also the state's ``stacks``, and what the
         records say its ``verdict`` (the view shows both)."""
+        with self._capturing:
+            return self._capture(backend_run)
+
+    def _capture(self, backend_run: BackendRun) -> Dict[int, Stacks]:
         self.state.begin_collectives()
         running = self.state.begin_stacks()
         backend_run.dump_stacks()
