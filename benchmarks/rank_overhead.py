@@ -1,7 +1,9 @@
 """What torchdist_magic costs a rank: the same DDP training script, steps of about 2 ms (a small
 model, gloo, CPU) that call ``progress``, ``report`` and ``print`` every step, run by
 torchdist_magic (local processes, the driver in this process, as a notebook's kernel would be)
-and by plain ``torchrun`` (``python -m torch.distributed.run``), in interleaved rounds.
+and by plain ``torchrun`` (``python -m torch.distributed.run``), in interleaved rounds; and by
+torchdist_magic with torch's Flight Recorder off (``TORCH_FR_BUFFER_SIZE=0``), which a run
+otherwise turns on for every rank (``collectives``): the recorder's own cost.
 
     python benchmarks/rank_overhead.py [--ranks 2] [--steps 2000] [--rounds 5]
                                        [--json benchmarks/results/rank_overhead.json]
@@ -25,6 +27,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -75,12 +78,16 @@ def with_torchrun(script: str, ranks: int, steps: int, out: str) -> float:
         return json.load(fh)["steps_per_s"]
 
 
-def with_torchdist(script: str, ranks: int, steps: int, out: str) -> float:
+def with_torchdist(script: str, ranks: int, steps: int, out: str, env: Optional[dict] = None) -> float:
     from torchdist_magic import Distributor
 
-    Distributor(ranks, local_mode=True, show=None).run(script, str(steps), str(WARMUP), out)
+    Distributor(ranks, local_mode=True, show=None, env=env or {}).run(script, str(steps), str(WARMUP), out)
     with open(out) as fh:
         return json.load(fh)["steps_per_s"]
+
+
+def without_recorder(script: str, ranks: int, steps: int, out: str) -> float:
+    return with_torchdist(script, ranks, steps, out, env={"TORCH_FR_BUFFER_SIZE": "0"})
 
 
 def _discarding_driver(addresses) -> None:
@@ -126,6 +133,49 @@ def reporting_cost(calls: int = 20_000) -> dict:
     return {"calls": calls, "no_run_us": alone, "reporting_us": reporting}
 
 
+def _recorder_rank(rank: int, port: int, recorder: bool, calls: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      TORCH_FR_BUFFER_SIZE="256" if recorder else "0")
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    tensor = torch.ones(16)
+    for _ in range(200):
+        dist.all_reduce(tensor)
+    started = time.thread_time()
+    for _ in range(calls):
+        dist.all_reduce(tensor)
+    if rank == 0:
+        out.put(1e6 * (time.thread_time() - started) / calls)
+    dist.destroy_process_group()
+
+
+def recorder_cost(calls: int = 5000, rounds: int = 3) -> dict:
+    """CPU microseconds of the calling thread per ``all_reduce`` of 16 floats (2 ranks, gloo),
+    with torch's Flight Recorder on (256 entries, as a run sets it) and off: what recording a
+    collective costs, apart from the collective's own wait.  Load-independent, unlike steps/s."""
+    import multiprocessing
+    import socket
+
+    context = multiprocessing.get_context("spawn")
+    found = {"on": [], "off": []}
+    for i in range(rounds):
+        for recorder in ((True, False) if i % 2 == 0 else (False, True)):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            out = context.Queue()
+            procs = [context.Process(target=_recorder_rank, args=(r, port, recorder, calls, out)) for r in range(2)]
+            for p in procs:
+                p.start()
+            found["on" if recorder else "off"].append(out.get(timeout=600))
+            for p in procs:
+                p.join(60)
+    return {"calls": calls, "rounds": rounds, "on_us": statistics.median(found["on"]),
+            "off_us": statistics.median(found["off"]), "runs": found}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
@@ -136,7 +186,7 @@ def main() -> None:
 
     import torch
 
-    runners = {"torchrun": with_torchrun, "torchdist_magic": with_torchdist}
+    runners = {"torchrun": with_torchrun, "torchdist_magic": with_torchdist, "no recorder": without_recorder}
     runs = {name: [] for name in runners}
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "train.py")
@@ -151,8 +201,10 @@ def main() -> None:
                 print(f"round {i + 1}/{args.rounds} {name:<16} {runs[name][-1]:8.1f} steps/s "
                       f"({time.monotonic() - started:.1f} s with start-up)", flush=True)
     cost = reporting_cost()
+    recording = recorder_cost()
     medians = {name: statistics.median(values) for name, values in runs.items()}
     ratio = medians["torchdist_magic"] / medians["torchrun"]
+    recorder = medians["torchdist_magic"] / medians["no recorder"]
     load = os.getloadavg()
     print(f"\n{'launcher':<16} {'steps/s (median)':>16} {'min':>8} {'max':>8}")
     for name, values in runs.items():
@@ -160,12 +212,16 @@ def main() -> None:
     print(f"torchdist_magic / torchrun: {ratio:.3f}x ({args.ranks} ranks, {args.steps} steps of which "
           f"{WARMUP} warm-up, {args.rounds} interleaved rounds; load average {load[0]:.1f} on "
           f"{machine()['cores']} cores)")
+    print(f"Flight Recorder on / off (torchdist_magic, TORCH_FR_BUFFER_SIZE=0 for off): {recorder:.3f}x")
+    print(f"Flight Recorder per all_reduce, CPU of the calling thread: {recording['on_us']:.1f} us on, "
+          f"{recording['off_us']:.1f} us off (2 ranks, gloo, 16 floats)")
     print(f"progress + report (3 values) per step, CPU of the rank: {cost['reporting_us']:.1f} us reporting to "
           f"a driver, {cost['no_run_us']:.1f} us outside a run")
     write_json(args.json, {"benchmark": "a rank's overhead: torchdist_magic vs torchrun, same DDP script",
                            "machine": machine(torch=torch.__version__), "ranks": args.ranks, "steps": args.steps,
                            "warmup": WARMUP, "rounds": args.rounds, "runs": runs, "medians": medians,
-                           "ratio": ratio, "load_average": load, "reporting_cost": cost})
+                           "ratio": ratio, "recorder_ratio": recorder, "load_average": load,
+                           "reporting_cost": cost, "recorder_cost": recording})
 
 
 if __name__ == "__main__":

@@ -242,7 +242,11 @@ def test_hang_shows_where_each_rank_waits(dist):
     err = info.value
     assert isinstance(err, HangTimeout)
     text = str(err)
-    assert text.startswith("no rank sent progress, metrics or output for 3 s (hang_timeout); every rank was stopped")
+    # the ranks' collective records name the rank behind before anything else (``culprit``)
+    assert text.startswith("Rank 1 is behind: its last collective was #1 barrier; rank 0 waits in #2 all_reduce "
+                           "(default group). No rank sent progress, metrics or output for 3 s (hang_timeout); "
+                           "every rank was stopped"), text
+    assert err.suspects == (1,)
     assert re.search(r"rank 0: all_reduce \(torch/distributed/distributed_c10d\.py, line \d+\)", text), text
     assert f"rank 1: stuck_in_sleep ({__file__}, line {STUCK_LINE})" in text, text
     assert "hang_in_all_reduce" in err.stacks[0].where()  # the user's own frame, under the library's

@@ -31,6 +31,13 @@ SAMPLES = [
     events.JobDone(rank=1, job_id="j1", code=1, time=5.0, has_value=False,
                    failure=Failure(rank=1, exc_type="ValueError", message="bad", traceback="T")),
     events.OutputEnd(rank=1, job_id="j1", stream="stderr"),
+    events.DumpCollectives(rank=-1),
+    events.Collectives(rank=2, source="flight recorder", time=6.0, groups=[
+        events.GroupCollectives(group="default group", entered=4, finished=3, op="all_reduce", sizes=[[10], [2, 3]])]),
+    events.Collectives(rank=1, source="stack", in_collective="broadcast", note=""),
+    events.Preflight(rank=0, host="h", python="3.11.9", torch="2.13.0", cuda="12.8", nccl="2.27.3", driver="570.1",
+                     gpus=[events.GpuHealth(index=0, name="H100", ecc_errors=1, throttled="hw_slowdown",
+                                            free_bytes=8e9)], bus_gbps=12.5, link_gbps=20.0, seconds=0.7),
 ]
 
 

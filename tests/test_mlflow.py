@@ -180,6 +180,19 @@ def on(request):
     return Backend("spark", False, assert_nothing_left)
 
 
+def rank1_behind():
+    """Rank 1 sits outside any collective while rank 0 and 2 wait in the second all_reduce."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.all_reduce(torch.ones(2))
+    print("one done", flush=True)  # the hang watchdog's quiet counts from here
+    if rank() == 1:
+        time.sleep(600)
+    dist.all_reduce(torch.ones(2))
+
+
 # -- good, failed, restarted: local processes and classic Spark --------------------------------------
 def test_a_good_run_is_one_mlflow_run_with_options_metrics_system_metrics_and_logs(on, experiment, tmp_path):
     run = on.make(2, mlflow=True, timeout=300, env={"SECRET_TOKEN": "s3cret"}).submit(
@@ -499,3 +512,16 @@ def test_an_unreachable_tracking_server_is_refused_before_anything_starts(ip, ca
     text = "".join(capsys.readouterr())
     assert f"UsageError: could not start an MLflow run at {uri}: " in text and "Traceback" not in text
     assert last_run() is before
+
+
+def test_a_hung_run_names_the_rank_that_held_the_others_up(experiment):
+    from torchdist_magic import Distributor, HangTimeout
+
+    run = Distributor(3, local_mode=True, show=None, mlflow=True, hang_timeout=10).submit(rank1_behind)
+    with pytest.raises(HangTimeout):
+        run.result(timeout=240)
+    (mlrun,) = runs_of(experiment)
+    assert mlrun.data.tags["torchdist.suspects"] == "1"
+    assert mlrun.data.tags["torchdist.culprit"] == ("rank 1 is behind: its last collective was #1 all_reduce; "
+                                                    "ranks 0, 2 wait in #2 all_reduce (default group)")
+    assert_no_survivors(run)

@@ -53,13 +53,15 @@ class TorchdistMagics(Magics):
 
     pdb = Bool(False, help="hold a failing rank for a (Pdb rank r) post-mortem session in the cell, "
                            "as %pdb on does (--pdb)").tag(config=True)
+    preflight = Bool(False, help="check every rank's versions, GPUs and bandwidth before each run when "
+                                 "neither --preflight nor --no-preflight is given").tag(config=True)
 
     def configured_defaults(self) -> LaunchOptions:
         """What ``%%torchdist`` with no flags uses: the ``%config`` defaults."""
         try:
             return LaunchOptions(num_processes=self.default_np, backend=self.default_backend,
                                  timeout=self.default_timeout, pdb=self.pdb,
-                                 mlflow=self.mlflow)
+                                 mlflow=self.mlflow, preflight=self.preflight)
         except OptionError as exc:
             raise UsageError(f"%config TorchdistMagics: {exc}") from None
 

@@ -75,6 +75,11 @@ class BackendRun(abc.ABC):
         """Ask every running rank for its threads' stacks; each answers with an
         ``events.Stacks`` record through ``LaunchContext.emit`` (a backend that cannot, none)."""
 
+    def dump_collectives(self) -> None:
+        """Ask every running rank's worker for its collective record over a channel the backend
+        holds itself (a warm pool's); each answers with an ``events.Collectives`` record through
+        ``LaunchContext.emit``.  A run with a channel of its own is asked on it by the driver."""
+
     @abc.abstractmethod
     def result(self, rank: int) -> Optional[bytes]:
         """The pickled value of ``rank`` (after it exited with 0), or ``None`` if it has none."""

@@ -350,7 +350,7 @@ class WarmJobRun(BackendRun):
         self.returns_value = spec.returns_value
         self.env = dict(job_environment(spec), TORCHDIST_CHECKPOINT_DIR=spec.checkpoint_dir,
                         TORCHDIST_KEEP_CHECKPOINTS=str(spec.keep_checkpoints),
-                        TORCHDIST_RETURN_VALUE="1")
+                        TORCHDIST_RETURN_VALUE="1", TORCHDIST_PREFLIGHT="1" if spec.preflight else "0")
         self.sent = False
         self.ended = False
         self._lock = threading.Lock()
@@ -417,6 +417,11 @@ class WarmJobRun(BackendRun):
         run = self.pool._backend_run
         if run is not None:
             run.dump_stacks()
+
+    def dump_collectives(self) -> None:
+        channel = self.pool._channel
+        if channel is not None:
+            channel.broadcast(events.DumpCollectives(rank=-1), role="worker")
 
     def result(self, rank: int) -> Optional[bytes]:
         with self._lock:

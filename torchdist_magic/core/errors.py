@@ -7,12 +7,15 @@ the traceback in the rank's own terms) and renders itself in a notebook through
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
+from .culprit import Verdict, rank_list
 from .events import Failure, Stacks
 
 #: lines of a failing rank's last output that its ``RankFailure`` text shows
 LAST_WORDS = 10
+#: suspects (``culprit``) whose stacks a hang or a timeout shows in full; the rest are grouped
+SHOWN_SUSPECTS = 8
 
 
 class RankFailure(RuntimeError):
@@ -22,13 +25,17 @@ class RankFailure(RuntimeError):
     ``traceback`` (the rank's own traceback text), ``failures`` (every failed rank of the last
     attempt, root cause first) and ``earlier`` (the root cause of each earlier attempt of a run
     that restarted, oldest first; ``None`` for an attempt whose cause is unknown).
+    ``verdict`` (a ``culprit.Verdict``, ``None`` when the ranks' collective records were not
+    compared) and ``suspects`` (its sorted ranks): where a collective timed out because a rank
+    was behind, that rank is the root cause (``rank``) and the verdict leads the message.
     """
 
     def __init__(self, failure: Failure, others: Optional[List[Failure]] = None,
-                 earlier: Optional[List[Optional[Failure]]] = None):
+                 earlier: Optional[List[Optional[Failure]]] = None, verdict: Optional[Verdict] = None):
         self.failure = failure
         self.failures = [failure] + list(others or [])
         self.earlier = list(earlier or [])
+        self.verdict = verdict
         super().__init__(failure.summary())
 
     rank = property(lambda self: self.failure.rank)
@@ -43,22 +50,31 @@ class RankFailure(RuntimeError):
         """The root cause of every attempt, the last one's (``failure``) last."""
         return self.earlier + [self.failure]
 
+    @property
+    def suspects(self) -> Tuple[int, ...]:
+        """The ranks the collective records point at (sorted); empty when they point at none."""
+        return self.verdict.suspects if self.verdict else ()
+
     def __reduce__(self):
-        return (RankFailure, (self.failure, self.failures[1:], self.earlier))
+        return (RankFailure, (self.failure, self.failures[1:], self.earlier, self.verdict))
 
     def details(self) -> str:
-        """The text a user reads: root cause with its traceback, then the other ranks."""
+        """The text a user reads: the verdict when there is one, the root cause with its
+        traceback (a rank behind: its stack), then the other ranks."""
         f = self.failure
-        lines = [f"RankFailure: {f.summary()}"]
+        lines = [f"RankFailure: {self.verdict.sentence}" if self.verdict else f"RankFailure: {f.summary()}"]
         body = f.traceback.rstrip()
         if body:
-            lines += ["", f"--- traceback of rank {f.rank} ---", body]
+            what = "stack" if self.verdict and not f.exc_type else "traceback"
+            lines += ["", f"--- {what} of rank {f.rank} ---", body]
         said = last_words(f)
         if said:
             lines += ["", f"--- last output of rank {f.rank} ---", *said]
         if len(self.failures) > 1:
             lines += ["", "Other ranks stopped after the root cause:"]
             lines += [f"  {o.summary()}" for o in self.failures[1:]]
+        if self.verdict:
+            lines += ["", "Where each rank was in its collectives:", *(f"  {line}" for line in self.verdict.summary)]
         if self.earlier:
             lines += ["", f"Every attempt failed ({len(self.attempts)} in all; each failure restarted the job):"]
             lines += [f"  attempt {n}: {cause.summary() if cause else 'failed'}"
@@ -104,20 +120,49 @@ def stack_text(record: Stacks) -> str:
                      for f in reversed(thread.job_frames()))
 
 
+def grouped_where(stacks: Dict[int, Stacks], ranks) -> List[str]:
+    """One line per distinct innermost place (``Stacks.where``) of ``ranks``: ranks in the same
+    place on one line, however many they are."""
+    by_place: Dict[str, List[int]] = {}
+    for r in ranks:
+        by_place.setdefault(stacks[r].where() if r in stacks else "no stack came back", []).append(r)
+    return [f"  {rank_list(rs)}: {place}" for place, rs in sorted(by_place.items(), key=lambda kv: kv[1][0])]
+
+
 class _WithStacks(_PlainRender):
-    """An error that shows where every rank was: each rank's main-thread stack below the message.
-    ``stacks``: rank -> ``events.Stacks`` (every thread), as captured before the ranks were stopped;
-    ``headline``: the message's first sentence."""
+    """An error that shows where every rank was: each rank's main-thread stack below the message;
+    with a verdict (``culprit``), the suspects' stacks only, the other ranks grouped by where
+    they were.  ``stacks``: rank -> ``events.Stacks`` (every thread), as captured before the
+    ranks were stopped; ``headline``: the message's first sentence; ``verdict``: what the ranks'
+    collective records say (``None``: not compared), ``suspects`` its ranks."""
 
     stacks: Dict[int, Stacks]
     headline: str
+    verdict: Optional[Verdict] = None
+
+    @property
+    def suspects(self) -> Tuple[int, ...]:
+        return self.verdict.suspects if self.verdict else ()
 
     def _render_traceback_(self) -> List[str]:
         lines = super()._render_traceback_()
-        for rank, record in sorted(self.stacks.items()):
+        shown = [r for r in self.suspects if r in self.stacks][:SHOWN_SUSPECTS] if self.verdict else sorted(self.stacks)
+        for rank in shown:
             lines += ["", f"--- rank {rank}, main thread (most recent call last) ---",
-                      *stack_text(record).splitlines()]
+                      *stack_text(self.stacks[rank]).splitlines()]
         return lines
+
+    def _where(self, num_processes: int) -> List[str]:
+        """Where each rank was: one line per rank, or with a verdict the suspects' lines, then
+        the others grouped, then their collective states."""
+        if not self.verdict:
+            return where_ranks_were(self.stacks, num_processes)
+        ranks = range(num_processes) if num_processes else sorted(self.stacks)
+        shown = self.suspects[:SHOWN_SUSPECTS]
+        others = [r for r in ranks if r not in shown]
+        return (where_ranks_were({r: self.stacks[r] for r in shown if r in self.stacks}) +
+                grouped_where(self.stacks, others) +
+                ["Where each rank was in its collectives:"] + [f"  {line}" for line in self.verdict.summary])
 
 
 class JobTimeout(_WithStacks, TimeoutError):
@@ -125,21 +170,23 @@ class JobTimeout(_WithStacks, TimeoutError):
     stacks at that moment (empty when none were captured)."""
 
     def __init__(self, seconds: float, state_summary: str = "", stacks: Optional[Dict[int, Stacks]] = None,
-                 num_processes: int = 0):
+                 num_processes: int = 0, verdict: Optional[Verdict] = None):
         self.seconds = seconds
         self.state_summary = state_summary
         self.stacks = dict(stacks or {})
         self.num_processes = num_processes
+        self.verdict = verdict
         self.headline = text = f"distributed run timed out after {seconds:g} s; every rank was stopped"
+        if verdict:
+            self.headline = text = f"{_capitalized(verdict.sentence)}. {_capitalized(self.headline)}"
         if state_summary:
             text += f"\n{state_summary}"
         if self.stacks:
-            text += "\nWhere each rank was (innermost frame first):\n" + "\n".join(
-                where_ranks_were(self.stacks, num_processes))
+            text += "\nWhere each rank was (innermost frame first):\n" + "\n".join(self._where(num_processes))
         super().__init__(text)
 
     def __reduce__(self):
-        return (type(self), (self.seconds, self.state_summary, self.stacks, self.num_processes))
+        return (type(self), (self.seconds, self.state_summary, self.stacks, self.num_processes, self.verdict))
 
 
 class HangTimeout(_WithStacks, TimeoutError):
@@ -147,20 +194,28 @@ class HangTimeout(_WithStacks, TimeoutError):
     stacks were captured (``stacks``), then every rank was stopped.  The message names each
     rank's innermost frames."""
 
-    def __init__(self, seconds: float, stacks: Dict[int, Stacks], num_processes: int, hint: str = ""):
+    def __init__(self, seconds: float, stacks: Dict[int, Stacks], num_processes: int, hint: str = "",
+                 verdict: Optional[Verdict] = None):
         self.seconds = seconds
         self.stacks = dict(stacks)
         self.num_processes = num_processes
         self.hint = hint  # what probably hung it (a collective in a cell on some ranks)
+        self.verdict = verdict
         self.headline = (f"no rank sent progress, metrics or output for {seconds:g} s (hang_timeout); "
                          "every rank was stopped")
+        if verdict:
+            self.headline = f"{_capitalized(verdict.sentence)}. {_capitalized(self.headline)}"
         if hint:
-            self.headline += f". {hint[:1].upper()}{hint[1:]}"
+            self.headline += f". {_capitalized(hint)}"
         super().__init__(f"{self.headline}. Where each rank was (innermost frame first):\n"
-                         + "\n".join(where_ranks_were(self.stacks, num_processes)))
+                         + "\n".join(self._where(num_processes)))
 
     def __reduce__(self):
-        return (type(self), (self.seconds, self.stacks, self.num_processes, self.hint))
+        return (type(self), (self.seconds, self.stacks, self.num_processes, self.hint, self.verdict))
+
+
+def _capitalized(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 class ResultTimeout(_PlainRender, TimeoutError):

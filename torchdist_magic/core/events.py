@@ -10,7 +10,9 @@ Who may send what (the channel enforces it, ``SENDERS``):
 
 - a **worker** (the rank's own process): ``Started``, ``Progress``, ``Metrics``, ``Dropped``,
   ``DebugOutput`` (its debugger's output and prompts), ``SystemMetrics`` (what only the
-  rank's process knows: torch's peak GPU memory), and in a warm pool ``JobValue`` and
+  rank's process knows: torch's peak GPU memory), ``Collectives`` (where it is in each process
+  group: when the driver asked, and when its job failed), ``Preflight`` (its versions, GPUs and
+  bandwidth, before its job: ``--preflight``), and in a warm pool ``JobValue`` and
   ``JobDone`` after each job;
 - a **launcher** (what starts and watches a worker: the local backend in the driver, or a
   Spark task on an executor): ``Log`` (the worker's output), ``Exit`` (what the process
@@ -19,7 +21,8 @@ Who may send what (the channel enforces it, ``SENDERS``):
   job output has all been read), and anything a worker may send;
 - the **driver** to ranks: ``Stop`` (stop the rank, with a grace period before the kill),
   ``DumpStacks`` (capture every thread's Python stack), ``RunJob`` (the next job of a warm
-  pool's ranks, in pieces) and, to a worker, ``DebugInput`` (a line for its debugger).
+  pool's ranks, in pieces) and, to a worker, ``DebugInput`` (a line for its debugger) and
+  ``DumpCollectives`` (send the rank's collective record).
 
 A rank's ``Exit`` is what its launcher saw the process do, never what the worker claims.
 """
@@ -38,7 +41,7 @@ from traceback import format_exception as _format_exception
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Type, Union
 
 #: bumped whenever a record changes shape; the channel refuses a peer with another version
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 class MalformedEvent(ValueError):
@@ -260,6 +263,82 @@ class DumpStacks(Event):
 
 
 @dataclass
+class DumpCollectives(Event):
+    """Driver to a rank's worker: send back where the rank is in each process group
+    (``Collectives``)."""
+
+    type: ClassVar[str] = "dump_collectives"
+
+
+@dataclass
+class GroupCollectives:
+    """Where a rank is in one process group (``group``: its name, ``default group`` for the
+    default one): the sequence number of the last collective it entered (``entered``) and of the
+    last one it finished (``finished``), 0 for none, and what the last entered one was: its op
+    (``all_reduce``) and its input tensors' sizes."""
+
+    group: str
+    entered: int = 0
+    finished: int = 0
+    op: str = ""
+    sizes: List[List[int]] = field(default_factory=list)
+
+
+@dataclass
+class Collectives(Event):
+    """A rank's collective record (``collectives``), sent when the driver asks
+    (``DumpCollectives``) and when the rank's job fails with a process group up.  ``source``:
+    ``"flight recorder"`` (torch's, per process group in ``groups``), or ``"stack"`` where torch
+    keeps none: then ``groups`` is empty and ``in_collective`` names the collective the rank's
+    main thread is in ("" for none), from its stack.  ``note`` says why a rank has no record
+    (no process group)."""
+
+    type: ClassVar[str] = "collectives"
+    source: str = ""
+    groups: List[GroupCollectives] = field(default_factory=list)
+    in_collective: str = ""
+    time: float = 0.0
+    note: str = ""
+
+    def group(self, name: str) -> Optional[GroupCollectives]:
+        return next((g for g in self.groups if g.group == name), None)
+
+
+@dataclass
+class GpuHealth:
+    """One GPU of a rank at its pre-flight check (NVML): its index, name, uncorrected ECC errors
+    (volatile), the throttle reasons that slow it (``"hw_slowdown, sw_thermal"``; "" for none)
+    and its free memory in bytes."""
+
+    index: int
+    name: str = ""
+    ecc_errors: int = 0
+    throttled: str = ""
+    free_bytes: float = 0.0
+
+
+@dataclass
+class Preflight(Event):
+    """A rank's pre-flight report (``--preflight``), sent before its job runs: the versions it
+    runs with ("" where there is none: ``cuda``, ``nccl`` and ``driver`` on a CPU rank), its GPUs'
+    health, and what it measured: ``bus_gbps``, the bus bandwidth of an ``all_reduce`` of every
+    rank (GB/s), ``link_gbps``, the bandwidth of what it received from the rank before it in a
+    ring (GB/s), and ``seconds``, how long the check took on it."""
+
+    type: ClassVar[str] = "preflight"
+    host: str = ""
+    python: str = ""
+    torch: str = ""
+    cuda: str = ""
+    nccl: str = ""
+    driver: str = ""
+    gpus: List[GpuHealth] = field(default_factory=list)
+    bus_gbps: float = 0.0
+    link_gbps: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass
 class Frame:
     """One frame of a stack: where a thread was."""
 
@@ -426,8 +505,8 @@ class DebugInput(Event):
     end: bool = False
 
 
-RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks, SystemMetrics)
-DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers, DebugInput)
+RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks, SystemMetrics, Collectives, Preflight)
+DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers, DebugInput, DumpCollectives)
 #: records that a backend takes for itself, never a RunState
 LAUNCHER_TO_DRIVER = (Joined,)
 #: records that a warm pool takes for itself (``pool``), never a RunState
@@ -440,7 +519,8 @@ RECORDS: Dict[str, Type[Event]] = {
 
 #: which records each role of connection may send to the driver
 SENDERS: Dict[str, frozenset] = {
-    "worker": frozenset({Started, Progress, Metrics, Dropped, JobValue, JobDone, DebugOutput, SystemMetrics}),
+    "worker": frozenset({Started, Progress, Metrics, Dropped, JobValue, JobDone, DebugOutput, SystemMetrics,
+                         Collectives, Preflight}),
     "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER + DEBUG_TO_DRIVER),
 }
 

@@ -16,6 +16,8 @@ SECRET_ENV = "TORCHDIST_SECRET"
 HOST_RANKS_ENV = "TORCHDIST_HOST_RANKS"
 USE_GPU_ENV = "TORCHDIST_USE_GPU"
 SYSTEM_METRICS_ENV = "TORCHDIST_SYSTEM_METRICS"
+#: whether the rank runs the pre-flight check with its peers before its job (``core.preflight``)
+PREFLIGHT_ENV = "TORCHDIST_PREFLIGHT"
 #: whether this rank's value goes back to the driver (rank 0's, or every rank's with all_ranks)
 RETURN_VALUE_ENV = "TORCHDIST_RETURN_VALUE"
 RESTART_COUNT_ENV = "TORCHDIST_RESTART_COUNT"

@@ -228,6 +228,18 @@ class LaunchOptions:
         ),
     )
 
+    preflight: bool = field(
+        default=False,
+        metadata=_flag(
+            "--preflight",
+            "before the job runs, every rank reports its Python, torch, CUDA, NCCL and GPU driver "
+            "versions and its GPUs' health, and takes part in a short bandwidth probe: versions "
+            "that differ between ranks refuse the run (naming the ranks, hosts and versions), a "
+            "host far below the others' bandwidth is named; the figures are in run.preflight",
+            negative=("--no-preflight", "skip the pre-flight check (when %config TorchdistMagics.preflight = True)"),
+        ),
+    )
+
     def __post_init__(self) -> None:
         _check_count("num_processes", self.num_processes, 1)
         _check_bool("use_gpu", self.use_gpu)
@@ -261,6 +273,7 @@ class LaunchOptions:
             _check_bool("tls", self.tls, "True, False or None (the backend's default)")
         _check_bool("system_metrics", self.system_metrics)
         _check_bool("mlflow", self.mlflow)
+        _check_bool("preflight", self.preflight)
         if self.warm and self.pdb:
             raise OptionValueError("pdb", "{name} holds a failing rank for a debugger, which a warm pool's "
                                    "ranks cannot do yet: run it without --warm/warm=True")

@@ -10,7 +10,10 @@ own channel, port and Spark stage) and ends when every rank succeeded, or one fa
 was cancelled, passed its ``timeout``, or hung (no output, progress or metrics from any rank for
 ``hang_timeout``).  A failure stops every rank and, while ``max_restarts`` allow, starts the next
 attempt; anything else ends the run.  Before a timeout or a hang stops the ranks, every rank's
-stacks are captured: the error and the view say where each rank was.  Under ``--pdb`` a failing
+stacks and collective records are captured: the error and the view say where each rank was,
+and which rank held the others up (``culprit``: behind, exited, mismatched).  The same happens
+when the first failure is a collective timeout (or a peer noticing one): if another rank is
+behind, that rank is the root cause and the timeouts are collateral.  Under ``--pdb`` a failing
 rank holds its frames in a post-mortem session (``debugger``): the other ranks are stopped at
 once, the held one when its session ends, and it stays the root cause.
 """
@@ -32,11 +35,13 @@ from typing import Any, Dict, List, Optional, Protocol
 from ..backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
 from ..wire.channel import ChannelServer, new_secret
 from .console import NO_STDIN_PDB, Console, rank_env
-from ..core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
-from ..core.events import DebugOutput, Log, Stacks
+from ..core import culprit
+from ..core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled, stack_text
+from ..core.events import DebugOutput, DumpCollectives, Failure, Log, Preflight, Stacks
 from ..core.job import Job, function_job, script_job
 from ..core.values import value_directory
 from ..core.options import LaunchOptions
+from ..core.preflight import PreflightResult, compare
 from ..core import values as value_blobs
 from ..core.names import VALUES_FETCH_ENV
 from ..core.rankenv import RunSpec
@@ -158,6 +163,11 @@ class Run:
         self._value: Any = None
         self._error: Optional[BaseException] = None
         self._cancel = threading.Event()
+        #: the current attempt's channel (None: a warm run's, on its pool's channel) and its
+        #: started ranks (None between attempts); one capture of stacks and records at a time
+        self._channel: Optional[ChannelServer] = None
+        self._backend_run: Optional[BackendRun] = None
+        self._capturing = threading.Lock()
         self._cancelled_by = "cancel()"
         self._done = threading.Event()
         #: the ranks' debugger sessions, which ``follow`` serves (``debugger``)
@@ -264,6 +274,29 @@ class Run:
         return dict(self.state.snapshot().stacks)
 
     @property
+    def preflight(self) -> Optional[PreflightResult]:
+        """What the ranks' pre-flight reports say (``--preflight``: ``refusal``, ``warnings``,
+        ``lines`` with the figures by host), or ``None`` when no report came."""
+        reports = self.state.snapshot().preflight
+        return compare(list(reports.values())) if reports else None
+
+    @property
+    def preflight_reports(self) -> Dict[int, Preflight]:
+        """Each rank's pre-flight report (``events.Preflight``), by rank; empty without one."""
+        return dict(self.state.snapshot().preflight)
+
+    def culprit(self) -> "culprit.Verdict":
+        """Ask every running rank where it is, now, while the run goes on (a run that seems
+        stuck): their stacks (``stacks``) and collective records, compared (``culprit``).  The
+        verdict names the ranks behind, exited or mismatched (``suspects``; none when the ranks
+        are in step); it is also the state's, which the view shows."""
+        backend_run = self._backend_run
+        if backend_run is None or self._done.is_set():
+            return self.state.snapshot().verdict or culprit.Verdict()
+        self._capture_stacks(backend_run)
+        return self.state.snapshot().verdict or culprit.Verdict()
+
+    @property
     def exception(self) -> Optional[BaseException]:
         return self._error
 
@@ -333,6 +366,7 @@ class Run:
                 channel = ChannelServer(deliver, self.run_id, host=self.backend.channel_host(),
                                         secret=secret, launcher_secret=launcher_secret, identity=identity,
                                         files=self._served, on_refusal=self.state.refused)
+                self._channel = channel
                 host, port = channel.address[:2]
                 self.channel_address = f"{host}:{port}"
                 self.channel_certificate = certificate
@@ -353,9 +387,10 @@ class Run:
                                 to_rank=lambda rank, record: bool(channel and channel.send(rank, record)),
                                 receive_values=channel.receive_values if channel is not None else lambda paths: None,
                                 refused=self.state.refused)
-            backend_run = self.backend.start(ctx)
+            backend_run = self._backend_run = self.backend.start(ctx)
             return self._watch(backend_run, deadline)
         finally:
+            self._backend_run = None
             if backend_run is not None:
                 backend_run.close()
             if channel is not None:
@@ -385,11 +420,20 @@ class Run:
                     and time.monotonic() - first_failure < ROOT_CAUSE_WAIT:
                 failures = []  # a peer noticed a failure whose own report is still on its way
             if failures:
+                verdict, stacks = None, {}
+                if culprit.is_collective_timeout(failures[0]) or is_collateral(failures[0]):
+                    # a peer's doing, perhaps: before they are stopped, where is every rank?
+                    stacks = self._capture_stacks(backend_run)
+                    verdict = self.state.verdict
                 backend_run.stop(STOP_GRACE)
                 failures = self.state.failures()  # the root cause may have arrived meanwhile
+                if verdict and failures[0].rank not in verdict.suspects \
+                        and (culprit.is_collective_timeout(failures[0]) or is_collateral(failures[0])):
+                    failures = [self._suspect_failure(verdict, stacks, failures[0].time)] + failures
                 if self.state.attempt <= self.options.max_restarts and not self._cancel.is_set():
                     return True
-                self._error = RankFailure(failures[0], failures[1:], [a.failure for a in self.state.attempts])
+                self._error = RankFailure(failures[0], failures[1:], [a.failure for a in self.state.attempts],
+                                          verdict=verdict or None)
                 self.state.finish("failed", failures[0])
                 return False
             if self.state.all_exited_ok():
@@ -409,7 +453,8 @@ class Run:
             if hang is not None and min(self.state.idle(), debug.idle()) >= hang:
                 stacks = self._capture_stacks(backend_run)
                 backend_run.stop(STOP_GRACE)
-                self._error = HangTimeout(hang, stacks, self.options.num_processes, hint=self._hang_hint())
+                self._error = HangTimeout(hang, stacks, self.options.num_processes, hint=self._hang_hint(),
+                                          verdict=self.state.verdict or None)
                 self.state.finish("hung", message=self._error.headline)
                 return False
             time.sleep(SUPERVISE_POLL)
@@ -426,15 +471,40 @@ class Run:
 
     def _timed_out(self, stacks: Dict[int, Stacks]) -> None:
         self._error = JobTimeout(self.options.timeout, self._progress_summary(), stacks,
-                                 self.options.num_processes)
+                                 self.options.num_processes, verdict=self.state.verdict if stacks else None)
         self.state.finish("timed out", message=self._error.headline)
 
     def _capture_stacks(self, backend_run: BackendRun) -> Dict[int, Stacks]:
-        """Every running rank's stacks (all threads), as far as they come within
-        ``STACKS_COLLECT_WAIT``; they are also the state's ``stacks`` (the view shows them)."""
+        """Every running rank's stacks (all threads) and collective record, as far as they come
+        within ``STACKS_COLLECT_WAIT``; the stacks are also the state's ``stacks``, and what the
+        records say its ``verdict`` (the view shows both)."""
+        with self._capturing:
+            return self._capture(backend_run)
+
+    def _capture(self, backend_run: BackendRun) -> Dict[int, Stacks]:
+        self.state.begin_collectives()
         running = self.state.begin_stacks()
         backend_run.dump_stacks()
-        return self.state.wait_stacks(running, STACKS_COLLECT_WAIT)
+        if self._channel is not None:
+            self._channel.broadcast(DumpCollectives(rank=-1), role="worker")
+        else:
+            backend_run.dump_collectives()
+        end = time.monotonic() + STACKS_COLLECT_WAIT
+        stacks = self.state.wait_stacks(running, STACKS_COLLECT_WAIT)
+        # a rank without a process group never answers: its peers' records say enough then
+        records = self.state.wait_collectives(running, max(0.0, end - time.monotonic()))
+        ranks = self.options.ranks or range(self.options.num_processes)
+        self.state.set_verdict(culprit.verdict(records, ranks, self.state.exits()))
+        return stacks
+
+    def _suspect_failure(self, verdict: "culprit.Verdict", stacks: Dict[int, Stacks], when: float) -> Failure:
+        """The root cause where a collective timed out because of ``verdict``'s first suspect:
+        that rank, the verdict as its message, its stack as its traceback."""
+        rank = verdict.suspects[0]
+        host = next((rs.host for rs in self.state.snapshot().ranks if rs.rank == rank), "")
+        return Failure(rank=rank, host=host, message=verdict.sentence,
+                       traceback=stack_text(stacks[rank]) if rank in stacks and stacks[rank].text else "",
+                       time=when)
 
     def _hang_hint(self) -> str:
         if not self.options.ranks:

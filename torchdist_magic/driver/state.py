@@ -2,7 +2,7 @@
 that every view (text, widget, panel) reads.
 
 ``apply`` takes the records a rank or its launcher sends (``Started``, ``Log``, ``Progress``,
-``Metrics``, ``Dropped``, ``Exit``, ``Stacks``), each through the handler ``HANDLERS`` names for
+``Metrics``, ``Dropped``, ``Exit``, ``Stacks``, ``Collectives``, ``Preflight``), each through the handler ``HANDLERS`` names for
 its type.  A run that restarts (``max_restarts``) has attempts: ``restart`` records how the
 current one ended and starts the next with fresh rank states; records of an earlier attempt
 that arrive late are ignored.
@@ -15,7 +15,8 @@ line) is replaced by the next line of its stream, as on a terminal, so redraws d
 Readers.  ``RunState`` alone takes its lock: a view reads copies through its methods
 (``snapshot`` of the run and every rank, with the ranks changed since a ``version``;
 ``read_log`` / ``recent_log``; ``metric_history``), and the supervisor collects stacks with
-``begin_stacks`` and ``wait_stacks``.
+``begin_stacks`` and ``wait_stacks``, collective records with ``begin_collectives`` and
+``wait_collectives``, and keeps what they say with ``set_verdict``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, Iterable, Iterator, List, Optional, Tuple, Union
 
 from ..core import events
+from ..core.culprit import Verdict
 from ..core.events import Failure
 from .stragglers import Pace, Straggler
 
@@ -399,6 +401,11 @@ class RunSnapshot:
     ranks: Tuple[RankSnapshot, ...]
     stacks: Dict[int, events.Stacks]
     changed: FrozenSet[int]
+    #: what the ranks' collective records say (``culprit.Verdict``) when a hang, a timeout or a
+    #: collective timeout had them compared; None before
+    verdict: Optional[Verdict] = None
+    #: each rank's pre-flight report (``--preflight``), by rank; empty without one
+    preflight: Dict[int, events.Preflight] = field(default_factory=dict)
     stragglers: Tuple[Straggler, ...] = ()
     #: per rank, seconds since its last record (None: not heard from in this attempt)
     quiet: Tuple[Optional[float], ...] = ()
@@ -449,6 +456,13 @@ class RunState:
         self.attempts: List[Attempt] = []            # the attempts before the current one
         #: every rank's stacks, when a hang or a timeout asked for them (the current attempt's)
         self.stacks: Dict[int, events.Stacks] = {}
+        #: each rank's latest collective record (``collectives``) of the current attempt
+        self.collectives: Dict[int, events.Collectives] = {}
+        #: what they said when they were compared (``set_verdict``), else None
+        self.verdict: Optional[Verdict] = None
+        self._fresh_collectives: set = set()   # ranks whose record came since ``begin_collectives``
+        #: each rank's pre-flight report (``--preflight``) of the current attempt
+        self.preflight: Dict[int, events.Preflight] = {}
         #: ``time.monotonic()`` of the newest sign of life (output, progress, metrics) of any rank
         self.last_activity = time.monotonic()
         if spill_dir is None:
@@ -620,6 +634,14 @@ class RunState:
         self.stacks[rs.rank] = e
         self._stacks_came.notify_all()
 
+    def _on_collectives(self, rs: RankState, e: events.Collectives) -> None:
+        self.collectives[rs.rank] = e
+        self._fresh_collectives.add(rs.rank)
+        self._stacks_came.notify_all()
+
+    def _on_preflight(self, rs: RankState, e: events.Preflight) -> None:
+        self.preflight[rs.rank] = e
+
     def _on_unhandled(self, rs: RankState, e: events.Event) -> None:
         """Said once per record type, in the log of the rank that sent it first."""
         rs.logs.append(LogLine("stderr", f"torchdist: ignored a record of type {e.type or '?'} "
@@ -629,7 +651,8 @@ class RunState:
     HANDLERS = {
         events.Started: _on_started, events.Log: _on_log, events.Progress: _on_progress,
         events.Metrics: _on_metrics, events.Dropped: _on_dropped, events.Exit: _on_exit,
-        events.Stacks: _on_stacks, events.SystemMetrics: _on_system,
+        events.Stacks: _on_stacks, events.SystemMetrics: _on_system, events.Collectives: _on_collectives,
+        events.Preflight: _on_preflight,
     }
 
     def restart(self) -> None:
@@ -644,6 +667,9 @@ class RunState:
             self.attempt_started = now
             self.state = "restarting"
             self.stacks = {}
+            self.collectives = {}
+            self.verdict = None
+            self.preflight = {}
             self.last_activity = time.monotonic()
             for r, store in enumerate(self._logs):
                 store.seal()
@@ -690,6 +716,31 @@ class RunState:
         with self._stacks_came:
             self._stacks_came.wait_for(lambda: all(r in self.stacks for r in ranks), timeout)
             return dict(self.stacks)
+
+    def begin_collectives(self) -> None:
+        """The driver is about to ask the ranks for their collective records: ``wait_collectives``
+        waits for records that come after this (those sent before, by ranks that failed, stay)."""
+        with self._lock:
+            self._fresh_collectives = set()
+
+    def wait_collectives(self, ranks: Iterable[int], timeout: float) -> Dict[int, events.Collectives]:
+        """Wait until every rank of ``ranks`` sent a collective record since ``begin_collectives``,
+        or ``timeout`` seconds; a copy of every rank's latest record."""
+        ranks = list(ranks)
+        with self._stacks_came:
+            self._stacks_came.wait_for(lambda: all(r in self._fresh_collectives for r in ranks), timeout)
+            return dict(self.collectives)
+
+    def exits(self) -> Dict[int, str]:
+        """How each rank that has exited left (``"exited with code 1"``), by rank."""
+        with self._lock:
+            return {rs.rank: f"exited with code {rs.exit_code}" for rs in self.ranks if rs.exit_code is not None}
+
+    def set_verdict(self, verdict: Verdict) -> None:
+        """Keep what the ranks' collective records said (the view and the summary show it)."""
+        with self._lock:
+            self.verdict = verdict
+            self._changed_all()
 
     # -- reading -------------------------------------------------------------------------
     @property
@@ -752,6 +803,7 @@ class RunState:
                 max_attempts=self.max_attempts, attempts=tuple(self.attempts), ranks=ranks,
                 stacks=dict(self.stacks), changed=changed, quiet=quiet, tracking=self.tracking,
                 refusals=tuple(Refusal(r.kind, r.count, r.rank, r.detail) for r in self.refusals.values()),
+                verdict=self.verdict, preflight=dict(self.preflight),
                 stragglers=tuple(self._pace.stragglers([rs.host for rs in self.ranks], check=self.ended is None)))
 
     def read_log(self, rank: int, start: int = 0, limit: Optional[int] = None, newest: bool = False) -> LogRead:

@@ -16,7 +16,9 @@ run when there is one.  It holds:
 * each rank's complete log (a ``ranks`` run: each chosen rank's) as the artifact
   ``logs/rank_<r>.txt`` and the root cause's traceback as ``failure.txt``, written at the end;
 * status FINISHED, FAILED (tags ``torchdist.failed_rank``, ``torchdist.exception``,
-  ``torchdist.message``) or KILLED (cancelled, timed out, hung), and ``torchdist.state``.
+  ``torchdist.message``) or KILLED (cancelled, timed out, hung), and ``torchdist.state``;
+  where the ranks' collective records named the rank that held the others up (``culprit``),
+  ``torchdist.culprit`` (the verdict's sentence) and ``torchdist.suspects`` (``2`` or ``0,3``).
 
 Never in the ranks' way.  ``RunState`` hands every record it takes to ``MlflowLogger.take`` in
 the channel's thread, which keeps the metric points in a bounded buffer and returns; the
@@ -287,6 +289,9 @@ class MlflowLogger:
                          "torchdist.root_cause": _clip(failure.summary())})
             if failure.host:
                 tags["torchdist.failed_host"] = failure.host
+        if snap.verdict:  # which rank held the others up (``culprit``)
+            tags.update({"torchdist.culprit": _clip(snap.verdict.sentence),
+                         "torchdist.suspects": ",".join(map(str, snap.verdict.suspects))})
         for ended in snap.attempts:  # a run that restarted: what ended each earlier attempt
             if ended.failure is not None:
                 tags[f"torchdist.attempt_{ended.number}.root_cause"] = _clip(ended.failure.summary())

@@ -37,7 +37,7 @@ from torchdist_magic.core import events, procs
 from torchdist_magic.core.rankenv import ENV_BEFORE
 from torchdist_magic.core.timing import ATEXIT_WAIT, PARENT_WATCH_INTERVAL, STOP_GRACE, SYSTEM_METRICS_INTERVAL
 from ..core.names import RESULT_FILE, VALUE_FILE_ENV, ERROR_FILE, STACKS_FILE, STACKS_SIGNAL, STACKS_HEADER
-from ..core.names import CLEANUP_ENV, RETURN_VALUE_ENV, SECRET_ENV, SYSTEM_METRICS_ENV, USE_GPU_ENV
+from ..core.names import CLEANUP_ENV, PREFLIGHT_ENV, RETURN_VALUE_ENV, SECRET_ENV, SYSTEM_METRICS_ENV, USE_GPU_ENV
 
 
 
@@ -254,6 +254,8 @@ def execute(job, namespace: Optional[dict] = None) -> Tuple[int, Any, Optional[e
         if job.cwd and os.path.isdir(job.cwd):
             os.chdir(job.cwd)
         with _stoppable():
+            if os.environ.get(PREFLIGHT_ENV) == "1":
+                _preflight()
             value = _run_cell(job, namespace) if job.kind == "cell" else RUNNERS[job.kind](job)
     except SystemExit as exc:
         code = exc.code
@@ -272,9 +274,33 @@ def execute(job, namespace: Optional[dict] = None) -> Tuple[int, Any, Optional[e
             return 1, None, _failure(exc, "BdbQuit", f"the debugger on rank {os.environ.get('RANK', '0')} "
                                      "was quit, which stops the run")
         failure = _failure(exc, type(exc).__qualname__, str(exc))
+        _report_collectives()
         rank_debugger.post_mortem(exc, failure.time)  # with --pdb: held here until the user is done
         return 1, None, failure
     return 0, value, None
+
+
+def _preflight() -> None:
+    """The pre-flight check with every other rank (``preflight``), before the job; raises
+    ``PreflightRefused`` when the ranks' reports refuse the run."""
+    from torchdist_magic.core import preflight
+    from torchdist_magic.rank import runtime
+
+    health = preflight.open_health() if os.environ.get(USE_GPU_ENV) == "1" else None
+    preflight.run(runtime._emit, health, preflight.driver_version(health))
+
+
+def _report_collectives() -> None:
+    """Send where this failing rank is in each process group (``collectives``) before it exits:
+    its record goes with it, and the driver compares it with its peers' (a collective timeout
+    here may be a peer's doing).  Only the Flight Recorder's: the stack, here, is the handler's."""
+    from torchdist_magic.rank import collectives, runtime
+
+    if "torch.distributed" in sys.modules:
+        with contextlib.suppress(Exception):  # the failure itself is what must get out
+            record = collectives.record(runtime.rank())
+            if record.source == "flight recorder":
+                runtime._emit(record)
 
 
 def _unpicklable(value: Any, exc: Exception) -> events.Failure:
@@ -511,13 +537,17 @@ def main(argv=None) -> int:
     import cloudpickle
 
     from torchdist_magic.wire import channel
-    from torchdist_magic.rank import debugger as rank_debugger, runtime
+    from torchdist_magic.rank import collectives, debugger as rank_debugger, runtime
+
+    collectives.enable_flight_recorder()  # before the job's first process group
 
     with open(job_file, "rb") as fh:
         job = cloudpickle.load(fh)
     inbox = JobInbox() if job.kind == "serve" else None
 
     def on_message(record: events.Event) -> None:
+        if isinstance(record, events.DumpCollectives):
+            collectives.send_record(client.send, runtime.rank())
         if inbox is not None:
             inbox.on_message(record)
         if debug is not None:  # no session can be open before it is

@@ -215,10 +215,15 @@ def large_rows_html(state, ov: Overview, page: Optional[List[int]] = None, page_
 
 
 def failure_html(facts: RunFacts) -> str:
-    """The root cause of each earlier attempt (a run that restarted), then the outcome line (root
-    cause, or why the run stopped); empty while there is neither."""
-    out = [f'<div class="torchdist-attempt-failure" style="color:{STATE_TEXT["restarting"]};font-size:12px;'
-           f'margin-top:2px">{_esc(line)} &rarr; restarted</div>' for line in facts.earlier]
+    """The culprit line (which rank held the others up) on top, the root cause of each earlier
+    attempt (a run that restarted), the pre-flight check's figures and warnings, then the
+    outcome line (root cause, or why the run stopped); empty while there is none of them."""
+    out = [f'<div class="torchdist-culprit" style="color:{ERROR};font-size:12.5px;margin-top:4px;'
+           f'font-weight:600">{_esc(facts.culprit[:1].upper() + facts.culprit[1:])}</div>'] if facts.culprit else []
+    out += [f'<div class="torchdist-attempt-failure" style="color:{STATE_TEXT["restarting"]};font-size:12px;'
+            f'margin-top:2px">{_esc(line)} &rarr; restarted</div>' for line in facts.earlier]
+    out += [f'<div class="torchdist-preflight" style="color:{MUTED};font-size:12px;margin-top:2px;'
+            f'white-space:pre-wrap">{_esc(line)}</div>' for line in facts.preflight]
     if facts.outcome:
         colour = STATE_TEXT.get(facts.state, ERROR)
         out.append(f'<div class="torchdist-failure" style="color:{colour};font-size:12.5px;margin-top:4px;'

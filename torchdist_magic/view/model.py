@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Deque, Dict, Iterable, List, Optional, Tuple, Union
 
 from ..core.names import ROWS_BAR
+from ..core.preflight import compare
 from ..driver.state import LogLine, RankSnapshot, RankState, RunSnapshot, RunState
 
 LOG_LINES = 300       # lines of a log pane; the complete logs stay on the run's ``logs(rank)``
@@ -158,6 +159,11 @@ class RunFacts:
     tracking_url: str = ""         # the page of the run's MLflow run, when its server has a UI
     tracking_text: str = ""        # "MLflow run <id>: <page, or where it is>"; "" when not tracked
     refused_text: str = ""         # what the run's channel refused, "" when nothing
+    #: which rank held the others up, from their collective records ("rank 2 is behind: ...");
+    #: "" when they were not compared or point at no rank (``culprit``)
+    culprit: str = ""
+    #: the pre-flight check's figures and warnings (``--preflight``), one line each; [] without one
+    preflight: List[str] = field(default_factory=list)
 
     @property
     def attempt_text(self) -> str:
@@ -180,7 +186,16 @@ def run_facts(state: State) -> RunFacts:
                     max_attempts=snap.max_attempts, earlier=earlier,
                     tracking_url=snap.tracking.url if snap.tracking is not None else "",
                     tracking_text=snap.tracking.text() if snap.tracking is not None else "",
-                    refused_text=refused_text(snap))
+                    refused_text=refused_text(snap),
+                    culprit=snap.verdict.sentence if snap.verdict else "",
+                    preflight=_preflight_lines(snap))
+
+
+def _preflight_lines(snap: RunSnapshot) -> List[str]:
+    if not snap.preflight:
+        return []
+    result = compare(list(snap.preflight.values()))
+    return [*result.lines, *result.warnings]
 
 
 def refused_text(snap) -> str:

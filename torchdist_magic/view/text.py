@@ -96,6 +96,9 @@ def summary(state: State) -> str:
     else:
         rows += [_rank_line(rs) for rs in snap.ranks]
         rows += [f"  straggler: rank {s.rank} ({s.why})" for s in snap.stragglers]
+    rows += [f"  {line}" for line in facts.preflight]
+    if facts.culprit:
+        rows.append(f"  culprit: {facts.culprit}")
     rows += [f"  {line} (restarted)" for line in facts.earlier]
     if facts.refused_text:
         rows.append(f"  {facts.refused_text}")

@@ -1,0 +1,110 @@
+"""A rank's collective record: where it is in each process group (``events.Collectives``).
+
+torch's Flight Recorder keeps the last collectives of every process group of the rank, with
+their sequence numbers, ops, sizes and whether they finished; the run turns it on for every rank
+(``enable_flight_recorder``: a bounded ring of ``FLIGHT_RECORDER_ENTRIES`` entries, unless the
+user set ``TORCH_FR_BUFFER_SIZE``) and reads it when the driver asks (``DumpCollectives``) and
+when a rank's job fails with a process group up.  It is read from a thread of its own while the
+main thread waits in a collective (the wait releases the GIL).  Where torch keeps no record (a
+torch without it, ``TORCH_FR_BUFFER_SIZE=0``), the rank's main-thread stack says which collective
+it is in, without sequence numbers.  The driver compares the records (``culprit``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from types import FrameType
+from typing import Any, Dict, List, Optional
+
+from ..core import events
+
+#: what turns torch's Flight Recorder on, and how many collectives it keeps per rank
+FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
+FLIGHT_RECORDER_ENTRIES = 256
+#: the name of the default process group in a record (the Flight Recorder's is ``default_pg``)
+DEFAULT_GROUP = "default group"
+#: the functions of ``torch.distributed`` that a stack names as the collective a rank is in
+COLLECTIVE_FUNCTIONS = frozenset({
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+    "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object",
+    "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list",
+    "monitored_barrier", "send", "recv", "batch_isend_irecv", "_all_gather_base",
+    "_reduce_scatter_base", "new_group", "init_process_group"})
+_C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
+
+
+def enable_flight_recorder(environ: Optional[Dict[str, str]] = None) -> None:
+    """Turn torch's Flight Recorder on for this process (before its first process group),
+    unless the user chose its size (``TORCH_FR_BUFFER_SIZE``; 0 turns it off)."""
+    (os.environ if environ is None else environ).setdefault(FLIGHT_RECORDER_ENV, str(FLIGHT_RECORDER_ENTRIES))
+
+
+def groups_from_trace(trace: Dict[str, Any]) -> List[events.GroupCollectives]:
+    """Each process group's state in a Flight Recorder dump (``_dump_fr_trace_json``): the last
+    collective entered and the last finished (``retired``), by sequence number; point-to-point
+    operations are left out (they have sequence numbers of their own)."""
+    groups: Dict[str, events.GroupCollectives] = {}
+    for entry in trace.get("entries") or []:
+        if entry.get("is_p2p"):
+            continue
+        seq = int(entry.get("collective_seq_id") or 0)
+        names = entry.get("process_group") or ["", ""]
+        desc = names[1] if len(names) > 1 else ""
+        name = DEFAULT_GROUP if desc == "default_pg" or not (desc or names[0]) else (desc or names[0])
+        group = groups.setdefault(name, events.GroupCollectives(group=name))
+        if seq >= group.entered:
+            group.entered = seq
+            group.op = str(entry.get("profiling_name") or "").rpartition(":")[2]
+            group.sizes = [list(map(int, s)) for s in entry.get("input_sizes") or []]
+        if entry.get("retired") and seq > group.finished:
+            group.finished = seq
+    return sorted(groups.values(), key=lambda g: (g.group != DEFAULT_GROUP, g.group))
+
+
+def collective_in_stack(frame: Optional[FrameType]) -> str:
+    """The outermost ``torch.distributed`` collective that ``frame``'s stack is in ("" for none)."""
+    found = ""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in COLLECTIVE_FUNCTIONS and code.co_filename.endswith(_C10D_FILE):
+            found = code.co_name
+        frame = frame.f_back
+    return found
+
+
+def record(rank: int) -> events.Collectives:
+    """This rank's collective record now: from the Flight Recorder when it keeps one, else from
+    the main thread's stack."""
+    now = time.time()
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return events.Collectives(rank=rank, time=now, note="no process group")
+    trace = _flight_recorder_trace()
+    if trace is not None and trace.get("entries"):
+        return events.Collectives(rank=rank, source="flight recorder", groups=groups_from_trace(trace), time=now)
+    main = sys._current_frames().get(threading.main_thread().ident)
+    return events.Collectives(rank=rank, source="stack", in_collective=collective_in_stack(main), time=now,
+                              note="" if trace is not None else "torch keeps no Flight Recorder here")
+
+
+def _flight_recorder_trace() -> Optional[Dict[str, Any]]:
+    if os.environ.get(FLIGHT_RECORDER_ENV, "0") in ("", "0"):
+        return None
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+    except ImportError:  # a torch without the Flight Recorder
+        return None
+    try:
+        return json.loads(_dump_fr_trace_json(True, False))
+    except Exception:  # a dump that failed says nothing of the rank: its stack still does
+        return None
+
+
+def send_record(send, rank: int) -> None:
+    """Send ``record(rank)`` with ``send`` (the worker's channel client's) from a thread of its
+    own: the caller (the channel's reading thread) must not wait for torch."""
+    threading.Thread(target=lambda: send(record(rank)), name="torchdist-collectives", daemon=True).start()
