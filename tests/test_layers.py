@@ -93,6 +93,14 @@ def test_every_import_points_down():
     assert not upward, "\n".join(upward)
 
 
+def test_procs_imports_nothing_of_the_package():
+    """A Spark task's guard runs ``core.procs``' source on its own, where the package may not be
+    importable (``backends.spark_task.guard_source``)."""
+    path = PACKAGE / "core" / "procs.py"
+    assert set(imported("core.procs", path)) == set()
+    assert "from ." not in path.read_text()
+
+
 def test_the_rank_and_the_launcher_never_import_each_other_nor_the_driver_the_rank():
     assert "rank" not in MAY_IMPORT["launch"] and "launch" not in MAY_IMPORT["rank"]
     assert not {"rank"} & (MAY_IMPORT["driver"] | MAY_IMPORT["backends"] | MAY_IMPORT["view"])

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import signal
 
+#: the mark every process a rank starts carries: spelled in ``procs``, which a Spark task's guard
+#: runs on its own, without this package
+from .procs import MARK_VARIABLE
+
 # -- environment variables a rank's launcher sets (``rankenv.rank_environment``) ---------------
 RUN_ID_ENV = "TORCHDIST_RUN_ID"
 #: ``host:port`` of the run's channel, its certificate (TLS) and the workers' secret
@@ -36,9 +40,6 @@ ENV_BEFORE = "TORCHDIST_ENV_BEFORE"
 CLEANUP_ENV = "TORCHDIST_CLEANUP"
 #: where a rank writes its value when its launcher says (else ``RESULT_FILE`` in its result dir)
 VALUE_FILE_ENV = "TORCHDIST_VALUE_FILE"
-#: the environment variable that marks every process a rank starts (its launcher sets it to
-#: ``<run id>:<attempt>:<rank>``; children inherit it, also those in a session of their own)
-MARK_VARIABLE = "TORCHDIST_RANK_MARK"
 #: the rank's debugger: the session's id, ``--pdb``, and how long a held rank waits for input
 DEBUG_ENV = "TORCHDIST_DEBUG"
 PDB_ENV = "TORCHDIST_PDB"

@@ -19,8 +19,11 @@ import os
 import signal
 import time
 from typing import List, Optional
-from .names import MARK_VARIABLE
 
+#: the environment variable that marks every process a rank starts (its launcher sets it to
+#: ``<run id>:<attempt>:<rank>``; children inherit it, also those in a session of their own).
+#: Spelled here, not in ``names`` (which gives it on), since this module runs on its own.
+MARK_VARIABLE = "TORCHDIST_RANK_MARK"
 
 log = logging.getLogger("torchdist_magic")
 
