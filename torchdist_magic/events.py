@@ -8,7 +8,7 @@ decoded: a field of the wrong type, a missing field or an unknown type raises
 
 Who may send what (the channel enforces it, ``SENDERS``):
 
-- a **worker** (the rank's own process): ``Started``, ``Progress``, ``Metrics``, ``Dropped``,
+- a **worker** (the rank's own process): ``Started``, ``Progress``, ``Metrics``, ``StepSplit``, ``Dropped``,
   ``DebugOutput`` (its debugger's output and prompts), ``SystemMetrics`` (what only the
   rank's process knows: torch's peak GPU memory), and in a warm pool ``JobValue`` and
   ``JobDone`` after each job;
@@ -38,7 +38,7 @@ from traceback import format_exception as _format_exception
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Type, Union
 
 #: bumped whenever a record changes shape; the channel refuses a peer with another version
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 class MalformedEvent(ValueError):
@@ -219,6 +219,26 @@ class SystemMetrics(Event):
 
     type: ClassVar[str] = "system"
     values: Dict[str, float] = field(default_factory=dict)
+    time: float = 0.0
+
+
+@dataclass
+class StepSplit(Event):
+    """Where a rank's recent steps went (``stepsplit``): the fractions of their ``seconds``
+    (``steps`` steps of its innermost ``progress()`` loop) spent waiting for ``data``, in
+    ``compute`` and waiting in collectives (``comm``), which add up to 1; and its totals since
+    the job began: seconds of steps (``step_s``), of data waits (``data_s``), of collective
+    waits (``comm_s``)."""
+
+    type: ClassVar[str] = "step_split"
+    data: float = 0.0
+    compute: float = 0.0
+    comm: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
+    step_s: float = 0.0
+    data_s: float = 0.0
+    comm_s: float = 0.0
     time: float = 0.0
 
 
@@ -426,7 +446,7 @@ class DebugInput(Event):
     end: bool = False
 
 
-RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks, SystemMetrics)
+RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks, SystemMetrics, StepSplit)
 DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers, DebugInput)
 #: records that a backend takes for itself, never a RunState
 LAUNCHER_TO_DRIVER = (Joined,)
@@ -440,7 +460,7 @@ RECORDS: Dict[str, Type[Event]] = {
 
 #: which records each role of connection may send to the driver
 SENDERS: Dict[str, frozenset] = {
-    "worker": frozenset({Started, Progress, Metrics, Dropped, JobValue, JobDone, DebugOutput}),
+    "worker": frozenset({Started, Progress, Metrics, StepSplit, Dropped, JobValue, JobDone, DebugOutput}),
     "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER + DEBUG_TO_DRIVER),
 }
 

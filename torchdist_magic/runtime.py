@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from . import events
+from . import events, stepsplit
 
 #: names a cell gets from the run, in place of any notebook value of the same name
 CELL_PROVIDED = ("rank", "local_rank", "world_size", "device", "progress", "report", "is_main",
@@ -33,6 +33,7 @@ CELL_PROVIDED = ("rank", "local_rank", "world_size", "device", "progress", "repo
 
 _sink_lock = threading.Lock()
 _sink = None  # set by the worker: an object with .send(dict)
+_split: Optional[stepsplit.StepSplit] = None  # the rank's step split, while it has a sink
 _report_step = itertools.count(1)
 _bar_ids = itertools.count()
 PROGRESS_INTERVAL = 0.1
@@ -49,9 +50,10 @@ class RankStopped(KeyboardInterrupt):
 def _install_sink(sink) -> None:
     """Called by the worker to route events (``events`` records) to the driver (``None`` to
     detach).  With a sink, tqdm bars report to it too."""
-    global _sink
+    global _sink, _split
     with _sink_lock:
         _sink = sink
+        _split = None if sink is None else stepsplit.StepSplit(_emit, rank)
     _new_job()
     if sink is not None:
         _report_tqdm()
@@ -63,6 +65,8 @@ def _new_job() -> None:
     global _report_step
     with _sink_lock:
         _report_step = itertools.count(1)
+        if _split is not None:
+            _split.reset()
 
 
 def _emit(event: events.Event) -> None:
@@ -201,11 +205,31 @@ class progress:
     def __iter__(self) -> Iterator:
         self._start = self._last = time.time()  # each pass over the iterable times its own
         self._send("running")
+        split = _split
+        if split is None:
+            try:
+                for item in self.iterable:
+                    yield item
+                    self.update()
+            finally:
+                self.close()
+            return
+        # in a run, the wait for each next item is the step's data wait (``stepsplit``)
+        items = iter(self.iterable)
+        depth = split.enter()
+        clock = time.perf_counter
         try:
-            for item in self.iterable:
+            while True:
+                asked = clock()
+                try:
+                    item = next(items)
+                except StopIteration:
+                    break
+                split.step(depth, clock() - asked)
                 yield item
                 self.update()
         finally:
+            split.leave()
             self.close()
 
 
@@ -552,8 +576,12 @@ def _patch_rich(cls) -> None:
     cls._torchdist_reports = True
 
 
-#: the modules whose progress bars report as the rank's progress, and how each is patched
+#: the modules whose progress bars report as the rank's progress, or whose waits the step split
+#: times, and how each is patched
 _PROGRESS_MODULES: Dict[str, Callable[[Any], None]] = {
     "tqdm.std": lambda module: _patch_tqdm(module.tqdm),
     "rich.progress": lambda module: _patch_rich(module.Progress),
+    # the step split's waits in collectives (``stepsplit``)
+    "torch.distributed.distributed_c10d": lambda module: stepsplit.patch_collectives(module, lambda: _split),
+    "torch.nn.parallel.distributed": stepsplit.patch_ddp,
 }

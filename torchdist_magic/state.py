@@ -2,7 +2,7 @@
 that every view (text, widget, panel) reads.
 
 ``apply`` takes the records a rank or its launcher sends (``Started``, ``Log``, ``Progress``,
-``Metrics``, ``Dropped``, ``Exit``, ``Stacks``), each through the handler ``HANDLERS`` names for
+``Metrics``, ``StepSplit``, ``Dropped``, ``Exit``, ``Stacks``), each through the handler ``HANDLERS`` names for
 its type.  A run that restarts (``max_restarts``) has attempts: ``restart`` records how the
 current one ended and starts the next with fresh rank states; records of an earlier attempt
 that arrive late are ignored.
@@ -310,6 +310,12 @@ class RankState(_Bars):
     step_time: Optional[float] = None
     #: the samples of ``system`` so far: ``(time, *SYSTEM_HISTORY_KEYS)``, None where a sample lacked it
     system_samples: List[Tuple[Optional[float], ...]] = field(default_factory=list)
+    #: the shares of its recent steps (``stepsplit``): ``{"data": f, "compute": f, "comm": f}``,
+    #: None before its first ``progress()`` loop had run a while
+    step_split: Optional[Dict[str, float]] = None
+    #: its seconds of steps, of data waits and of collective waits since the job began
+    #: (``{"step_s", "data_s", "comm_s"}``), ``{}`` before any
+    step_totals: Dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -331,6 +337,7 @@ class RankSnapshot(_Bars):
     log_lines: int                 # lines in its log (every attempt's) at that moment
     system: Dict[str, float] = field(default_factory=dict)   # the latest system sample
     step_time: Optional[float] = None                          # seconds per step, smoothed
+    step_split: Optional[Dict[str, float]] = None              # data/compute/comm shares (``stepsplit``)
 
 
 @dataclass(frozen=True)
@@ -545,6 +552,12 @@ class RunState:
             if len(rs.system_samples) > self.max_system_points:
                 del rs.system_samples[-2::-2]  # halve the resolution; keep the first and newest
 
+    def _on_step_split(self, rs: RankState, e: events.StepSplit) -> None:
+        self._alive()
+        rs.step_split = {"data": e.data, "compute": e.compute, "comm": e.comm}
+        rs.step_totals = {"step_s": e.step_s, "data_s": e.data_s, "comm_s": e.comm_s}
+        self._pace.step_split(rs.rank, rs.step_split)
+
     def _on_metrics(self, rs: RankState, e: events.Metrics) -> None:
         self._alive()
         self._metric_point(rs, e.step, e.values)
@@ -600,7 +613,7 @@ class RunState:
     HANDLERS = {
         events.Started: _on_started, events.Log: _on_log, events.Progress: _on_progress,
         events.Metrics: _on_metrics, events.Dropped: _on_dropped, events.Exit: _on_exit,
-        events.Stacks: _on_stacks, events.SystemMetrics: _on_system,
+        events.Stacks: _on_stacks, events.SystemMetrics: _on_system, events.StepSplit: _on_step_split,
     }
 
     def restart(self) -> None:
@@ -711,7 +724,8 @@ class RunState:
                 rank=rs.rank, host=rs.host, pid=rs.pid, state=rs.state, exit_code=rs.exit_code,
                 started=rs.started, ended=rs.ended, progress={k: dict(b) for k, b in rs.progress.items()},
                 metrics=dict(rs.metrics), dropped=rs.dropped, failure=rs.failure, log_lines=len(rs.logs),
-                system=dict(rs.system), step_time=rs.step_time)
+                system=dict(rs.system), step_time=rs.step_time,
+                step_split=None if rs.step_split is None else dict(rs.step_split))
                 for rs in self.ranks)
             changed = frozenset(r for r, v in enumerate(self._rank_versions) if since is None or v > since)
             now = self._pace.clock()
