@@ -261,6 +261,13 @@ class Run:
         return list(self.state.attempts)
 
     @property
+    def goodput(self) -> Dict[str, float]:
+        """Where the run's wall time went so far, in seconds (``goodput``): ``startup_s``,
+        ``training_s``, ``lost_to_restarts_s``, ``lost_to_hangs_s``, ``data_stall_s``, ``wall_s``,
+        ``rank_seconds``, and with ``use_gpu`` ``gpu_hours``."""
+        return self.state.goodput()
+
+    @property
     def stacks(self) -> Dict[int, Stacks]:
         """Every rank's stacks (all threads) as captured at a hang or a timeout; else empty."""
         return dict(self.state.snapshot().stacks)

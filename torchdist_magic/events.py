@@ -8,7 +8,8 @@ decoded: a field of the wrong type, a missing field or an unknown type raises
 
 Who may send what (the channel enforces it, ``SENDERS``):
 
-- a **worker** (the rank's own process): ``Started``, ``Progress``, ``Metrics``, ``StepSplit``, ``Dropped``,
+- a **worker** (the rank's own process): ``Started``, ``Progress``, ``Metrics``, ``StepSplit``,
+  ``Checkpoint``, ``Dropped``,
   ``DebugOutput`` (its debugger's output and prompts), ``SystemMetrics`` (what only the
   rank's process knows: torch's peak GPU memory), and in a warm pool ``JobValue`` and
   ``JobDone`` after each job;
@@ -243,6 +244,16 @@ class StepSplit(Event):
 
 
 @dataclass
+class Checkpoint(Event):
+    """The rank wrote a complete checkpoint (``runtime.save_checkpoint``): its ``step``, at
+    ``time``.  Work done before it survives a restart (``goodput``)."""
+
+    type: ClassVar[str] = "checkpoint"
+    step: int = 0
+    time: float = 0.0
+
+
+@dataclass
 class Dropped(Event):
     """The worker could not queue ``count`` events (its channel was full)."""
 
@@ -446,7 +457,7 @@ class DebugInput(Event):
     end: bool = False
 
 
-RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks, SystemMetrics, StepSplit)
+RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks, SystemMetrics, StepSplit, Checkpoint)
 DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers, DebugInput)
 #: records that a backend takes for itself, never a RunState
 LAUNCHER_TO_DRIVER = (Joined,)
@@ -460,7 +471,8 @@ RECORDS: Dict[str, Type[Event]] = {
 
 #: which records each role of connection may send to the driver
 SENDERS: Dict[str, frozenset] = {
-    "worker": frozenset({Started, Progress, Metrics, StepSplit, Dropped, JobValue, JobDone, DebugOutput}),
+    "worker": frozenset({Started, Progress, Metrics, StepSplit, Checkpoint, Dropped, JobValue, JobDone,
+                         DebugOutput}),
     "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER + DEBUG_TO_DRIVER),
 }
 

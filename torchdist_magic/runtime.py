@@ -313,6 +313,7 @@ def save_checkpoint(obj: Any, step: Optional[int] = None, *, rank: int = 0,
         _remove(tmp)
         raise
     _sync_directory(directory)
+    _emit(events.Checkpoint(rank=global_rank, step=step, time=time.time()))
     _prune(directory, _env_int("TORCHDIST_KEEP_CHECKPOINTS", 3), attempt)
     return path
 

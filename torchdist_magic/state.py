@@ -32,6 +32,7 @@ from typing import Callable, Dict, FrozenSet, Iterable, Iterator, List, Optional
 
 from . import events
 from .events import Failure
+from .goodput import AttemptTimes, goodput
 from .stragglers import Pace, Straggler
 
 #: a rank's history of one metric keeps at most this many points (past that, every other one)
@@ -366,6 +367,9 @@ class Attempt:
     ended: float
     failure: Optional[Failure]     # the root cause
     failures: List[Failure] = field(default_factory=list)   # every failed rank, root cause first
+    first_work: Optional[float] = None   # its first progress step, report or step split (``goodput``)
+    checkpoint: Optional[float] = None   # when its newest checkpoint arrived
+    data_stall_s: float = 0.0            # the longest any of its ranks waited for data
 
 
 @dataclass(frozen=True)
@@ -397,6 +401,8 @@ class RunSnapshot:
     quiet: Tuple[Optional[float], ...] = ()
     #: where the run is tracked (``tracking.TrackingLink``), or None
     tracking: Optional[object] = None
+    #: where its wall time went so far (``RunState.goodput``)
+    goodput: Dict[str, float] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -469,6 +475,11 @@ class RunState:
         self._listeners: List[Callable[[events.Event], None]] = []
         #: where the run is tracked (``tracking.TrackingLink``: its MLflow run), or None
         self.tracking = None
+        #: the current attempt's first work and newest checkpoint (``time.time()``), for goodput
+        self.first_work: Optional[float] = None
+        self.last_checkpoint: Optional[float] = None
+        #: seconds lost to a hang: from the last sign of life to the run's end (a run that hung)
+        self.hang_lost_s = 0.0
 
     def listen(self, listener: Callable[[events.Event], None]) -> None:
         """Call ``listener(record)`` with every record the state takes from now on (those of
@@ -524,6 +535,8 @@ class RunState:
         if e.state == "cleared":  # a bar that leaves no trace (tqdm's leave=False)
             rs.progress.pop(e.bar, None)
             return
+        if e.n > 0:
+            self._worked()
         rs.progress[e.bar] = {"desc": e.desc, "n": e.n, "total": e.total, "elapsed": e.elapsed,
                               "state": e.state, "postfix": e.postfix}
         if rs.state == "starting":
@@ -552,14 +565,24 @@ class RunState:
             if len(rs.system_samples) > self.max_system_points:
                 del rs.system_samples[-2::-2]  # halve the resolution; keep the first and newest
 
+    def _worked(self) -> None:
+        if self.first_work is None:
+            self.first_work = time.time()
+
     def _on_step_split(self, rs: RankState, e: events.StepSplit) -> None:
         self._alive()
+        self._worked()
         rs.step_split = {"data": e.data, "compute": e.compute, "comm": e.comm}
         rs.step_totals = {"step_s": e.step_s, "data_s": e.data_s, "comm_s": e.comm_s}
         self._pace.step_split(rs.rank, rs.step_split)
 
+    def _on_checkpoint(self, rs: RankState, e: events.Checkpoint) -> None:
+        self._alive()
+        self.last_checkpoint = time.time()  # the driver's clock, as the attempts' times
+
     def _on_metrics(self, rs: RankState, e: events.Metrics) -> None:
         self._alive()
+        self._worked()
         self._metric_point(rs, e.step, e.values)
         for point in e.more:  # the points of one flush, in order
             self._metric_point(rs, point.step, point.values)
@@ -614,6 +637,7 @@ class RunState:
         events.Started: _on_started, events.Log: _on_log, events.Progress: _on_progress,
         events.Metrics: _on_metrics, events.Dropped: _on_dropped, events.Exit: _on_exit,
         events.Stacks: _on_stacks, events.SystemMetrics: _on_system, events.StepSplit: _on_step_split,
+        events.Checkpoint: _on_checkpoint,
     }
 
     def restart(self) -> None:
@@ -623,7 +647,10 @@ class RunState:
             failures = self.failures()
             now = time.time()
             self.attempts.append(Attempt(self.attempt, self.attempt_started, now,
-                                         failures[0] if failures else None, failures))
+                                         failures[0] if failures else None, failures,
+                                         first_work=self.first_work, checkpoint=self.last_checkpoint,
+                                         data_stall_s=self._data_stall()))
+            self.first_work = self.last_checkpoint = None
             self.attempt += 1
             self.attempt_started = now
             self.state = "restarting"
@@ -644,6 +671,8 @@ class RunState:
             self.failure = failure
             self.message = message
             self.ended = time.time()
+            if state == "hung":
+                self.hang_lost_s = time.monotonic() - self.last_activity
             for rs in self.ranks:
                 if rs.state in ("starting", "running"):
                     rs.state = "cancelled" if state in ("cancelled", "timed out", "hung", "failed") else rs.state
@@ -694,6 +723,22 @@ class RunState:
             found = [rs.failure for rs in self.ranks if rs.failure is not None]
         return root_cause_first(found)
 
+    def _data_stall(self) -> float:
+        return max((rs.step_totals.get("data_s", 0.0) for rs in self.ranks), default=0.0)
+
+    def goodput(self) -> Dict[str, float]:
+        """Where the run's wall time went so far (``goodput``): ``startup_s``, ``training_s``,
+        ``lost_to_restarts_s``, ``lost_to_hangs_s``, ``data_stall_s``, ``wall_s``,
+        ``rank_seconds``, and with GPUs ``gpu_hours``."""
+        with self._lock:
+            end = self.ended or time.time()
+            attempts = [AttemptTimes(a.started, a.ended, a.first_work, a.checkpoint, a.data_stall_s)
+                        for a in self.attempts]
+            attempts.append(AttemptTimes(self.attempt_started, end, self.first_work, self.last_checkpoint,
+                                         self._data_stall()))
+            return goodput(self.started, end, attempts, ranks=self.num_processes - len(self.idle_ranks),
+                           use_gpu=self.use_gpu, hang_lost_s=self.hang_lost_s)
+
     def stragglers(self) -> List[Straggler]:
         """Ranks of the current attempt that step well below the others' pace or fall behind
         them, for several seconds (``stragglers`` names the thresholds): ``(rank, host, why)``
@@ -736,6 +781,7 @@ class RunState:
                 ended=self.ended, failure=self.failure, message=self.message, attempt=self.attempt,
                 max_attempts=self.max_attempts, attempts=tuple(self.attempts), ranks=ranks,
                 stacks=dict(self.stacks), changed=changed, quiet=quiet, tracking=self.tracking,
+                goodput=self.goodput(),
                 stragglers=tuple(self._pace.stragglers([rs.host for rs in self.ranks], check=self.ended is None)))
 
     def read_log(self, rank: int, start: int = 0, limit: Optional[int] = None, newest: bool = False) -> LogRead:

@@ -99,17 +99,14 @@ class StepSplit:
 
     def leave(self) -> None:
         """The loop that began last ends: its time is counted; when it was the outermost, what is
-        not sent yet is sent (at most every ``POLL_EVERY``: a short loop run over and over
-        sends a record for the time of many)."""
+        not sent yet is sent (a loop's bar sends two records anyway: this adds one)."""
         if self._depth <= 0:
             return
-        now = _clock()
-        self._count(now)
+        self._count(_clock())
         self._depth -= 1
         if self._depth == 0:
             self._since = None
-            if now - self._sent >= POLL_EVERY:
-                self._flush()
+            self._flush()
 
     def step(self, depth: int, waited: float) -> None:
         """The loop at ``depth`` got its next item after waiting ``waited`` seconds for it: a

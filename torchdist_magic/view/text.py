@@ -16,6 +16,7 @@ import sys
 import time
 from typing import List, Optional, TextIO
 
+from ..goodput import describe as describe_goodput
 from ..state import RunSnapshot, RunState
 from .model import (LogCursor, State, format_duration, metrics_text, rank_log, rank_logs, rank_progress_text,
                     system_text,
@@ -101,6 +102,8 @@ def summary(state: State) -> str:
     rows += [f"  {line} (restarted)" for line in facts.earlier]
     if facts.outcome:
         rows.append(f"  {facts.outcome}")
+    if snap.finished and snap.goodput:
+        rows.append(f"  goodput: {describe_goodput(snap.goodput)}")
     stacks = rank_stacks(snap)
     if stacks:
         rows.append("  where each rank was (innermost frame first):")
