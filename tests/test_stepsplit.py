@@ -219,3 +219,19 @@ def test_real_ranks_name_the_rank_that_holds_the_others_up_and_why(monkeypatch, 
     listed = run.state.stragglers()
     assert [s.rank for s in listed] == [1] and listed[0].why.startswith(why), listed
     assert_no_survivors(run)
+
+
+def test_the_views_show_each_ranks_split_and_the_extremes_across_ranks():
+    from torchdist_magic.view.model import system_text
+    from torchdist_magic.view.overview import overview
+    from torchdist_magic.view.text import summary
+
+    state, clock = split_state()
+    send_splits(state, clock, 1.0, [(0.03, 0.07, 0.9), (0.62, 0.35, 0.03), (0.02, 0.08, 0.9)])
+    snap = state.snapshot()
+    assert system_text(snap.ranks[1]) == "data 62% compute 35% comm 3%"
+    assert "data 62% compute 35% comm 3%" in summary(state)  # the small view's row of rank 1
+    shown = {item.key: item.text for item in overview(snap).system}
+    assert shown["data"] == "waiting for data: min 2% (rank 2), median 3%, max 62% (rank 1), 3 ranks"
+    assert shown["comm"] == "waiting in communication: min 3% (rank 1), median 90%, max 90% (rank 2), 3 ranks"
+    assert shown["compute"].startswith("computing: min 7% (rank 0)")
