@@ -131,14 +131,14 @@ class _Discard:
         pass
 
 
-def split_cost(steps: int = 20_000, ddp_steps: int = 400, rounds: int = 7) -> dict:
+def split_cost(steps: int = 20_000, ddp_steps: int = 100, ddp_pairs: int = 30, rounds: int = 7) -> dict:
     """What the step split (``stepsplit``) costs a rank, in CPU microseconds (load-independent,
     unlike steps/s): per step of a ``progress()`` loop (timing the wait for each item, a record
     a second), per read of DDP's timers (one every ``POLL_EVERY`` s at most), per collective
     timed; and per DDP step, CPU microseconds of the benchmark's model with DDP's timers on every
     iteration (sample rate 1, as the split sets it) against DDP's default (every 100th), on a
     one-rank gloo group in this process with one thread (a machine's other load then moves the
-    figures least), in interleaved rounds."""
+    figures least): the median difference of ``ddp_pairs`` pairs of rounds."""
     import torch
     import torch.distributed as dist
 
@@ -181,9 +181,10 @@ def split_cost(steps: int = 20_000, ddp_steps: int = 400, rounds: int = 7) -> di
 
         ddp_step_us(100)  # warm-up
         timed, default = [], []
-        for i in range(rounds):
+        for i in range(ddp_pairs):  # pairs, each order in turn: the median of their differences
             for rate in ((1, 100) if i % 2 == 0 else (100, 1)):
                 (timed if rate == 1 else default).append(ddp_step_us(rate))
+        timers_us = statistics.median(t - d for t, d in zip(timed, default))
         reads = 2000
         started = time.process_time()
         for _ in range(reads):
@@ -212,12 +213,13 @@ def split_cost(steps: int = 20_000, ddp_steps: int = 400, rounds: int = 7) -> di
     step_ms = statistics.median(default) / 1000
     return {"progress_step_plain_us": plain, "progress_step_split_us": split,
             "ddp_step_default_us": statistics.median(default), "ddp_step_timers_us": statistics.median(timed),
+            "ddp_timers_us": timers_us,
             "ddp_timer_read_us": read_us, "reads_per_s": 1 / stepsplit.POLL_EVERY,
             "collective_direct_us": direct, "collective_timed_us": wrapped,
-            # per step of this model: the loop's share and the reads' (a share of each second); the
-            # timers' own is shown apart (within the noise of the rounds here: it may come out negative)
-            "cost_percent_of_step": 100 * ((split - plain) / 1000 / step_ms + read_us / 1e6 / stepsplit.POLL_EVERY),
-            "timers_percent_of_step": 100 * (statistics.median(timed) / statistics.median(default) - 1)}
+            # per step of this model: the loop's, the timers' (a negative difference: below what a
+            # busy machine lets this measure, counted as none) and the reads' (a share of each second)
+            "cost_percent_of_step": 100 * ((split - plain + max(timers_us, 0.0)) / 1000 / step_ms
+                                           + read_us / 1e6 / stepsplit.POLL_EVERY)}
 
 
 def main() -> None:
@@ -258,11 +260,10 @@ def main() -> None:
     print(f"progress + report (3 values) per step, CPU of the rank: {cost['reporting_us']:.1f} us reporting to "
           f"a driver, {cost['no_run_us']:.1f} us outside a run")
     print(f"step split: {split['progress_step_split_us'] - split['progress_step_plain_us']:.2f} us of CPU per "
-          f"progress() step; DDP step {split['ddp_step_timers_us']:.0f} us with its timers on every iteration, "
-          f"{split['ddp_step_default_us']:.0f} us without; a read of them {split['ddp_timer_read_us']:.0f} us "
+          f"progress() step; DDP's timers on every iteration {split['ddp_timers_us']:+.1f} us per step of "
+          f"{split['ddp_step_default_us']:.0f} us; a read of them {split['ddp_timer_read_us']:.0f} us "
           f"(at most {split['reads_per_s']:.0f}/s); a timed collective {split['collective_timed_us']:.1f} us, "
-          f"{split['collective_direct_us']:.1f} us untimed; the loop and the reads {split['cost_percent_of_step']:.2f}% "
-          f"of a step, DDP's timers {split['timers_percent_of_step']:+.1f}%")
+          f"{split['collective_direct_us']:.1f} us untimed; in all {split['cost_percent_of_step']:.2f}% of a step")
     write_json(args.json, {"benchmark": "a rank's overhead: torchdist_magic vs torchrun, same DDP script",
                            "machine": machine(torch=torch.__version__), "ranks": args.ranks, "steps": args.steps,
                            "warmup": WARMUP, "rounds": args.rounds, "runs": runs, "medians": medians,

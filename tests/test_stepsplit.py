@@ -235,3 +235,20 @@ def test_the_views_show_each_ranks_split_and_the_extremes_across_ranks():
     assert shown["data"] == "waiting for data: min 2% (rank 2), median 3%, max 62% (rank 1), 3 ranks"
     assert shown["comm"] == "waiting in communication: min 3% (rank 1), median 90%, max 90% (rank 2), 3 ranks"
     assert shown["compute"].startswith("computing: min 7% (rank 0)")
+
+
+@pytest.mark.spark
+def test_on_spark_the_rank_waiting_for_data_is_named_and_the_run_has_its_goodput(spark_local2, monkeypatch):
+    from helpers import assert_nothing_left
+    from torchdist_magic import Distributor
+
+    monkeypatch.setattr(P, "SLOW_FOR", 1.5)
+    run = Distributor(2, local_mode=False, show=None).submit(ddp_train, "data", 80)
+    assert run.result(timeout=300) == 0
+    splits = [rs.step_split for rs in run.state.ranks]
+    assert splits[1]["data"] > 0.5 and splits[0]["comm"] > 0.5, splits
+    listed = run.state.stragglers()
+    assert [s.rank for s in listed] == [1] and listed[0].why.startswith("waiting for data: "), listed
+    parts = run.goodput
+    assert parts["data_stall_s"] == run.state.ranks[1].step_totals["data_s"] > 80 * 4 * 0.015
+    assert_nothing_left(run)

@@ -244,7 +244,8 @@ class WidgetView:
                 lines = [look.rank for look in self._overview.look][:LINE_RANKS]
                 _set(self.plots, bands_html(metric_bands(state, lines)))
             else:
-                _set(self.plots, plots_html({**metric_series(state), **system_series(state)}))
+                system = system_series(state)
+                _set(self.plots, plots_html({**metric_series(state), **system}, over_time=system))
             self.plot_every = max(PLOT_EVERY, (self.cpu_clock() - drawn) / VIEW_CPU_SHARE)
         if facts.finished:
             self.stop_button.layout.display = "none"
