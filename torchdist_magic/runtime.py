@@ -162,7 +162,8 @@ class progress:
     Without an iterable it is a bar that code moves itself, like tqdm's: shown at once,
     ``update(n)`` counts n more steps, ``close()`` ends it (done once it reached ``total``,
     else stopped).  Updates are rate-limited at the source (every ``PROGRESS_INTERVAL`` seconds
-    and at the end), so wrapping a tight loop costs next to nothing.
+    and at the end), so wrapping a tight loop costs next to nothing.  In a run, the time it
+    waits for each next item is the step's data wait (``stepsplit``: ``step_split``).
     """
 
     def __init__(self, iterable: Optional[Iterable] = None, total: Optional[int] = None,

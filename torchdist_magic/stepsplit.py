@@ -229,12 +229,3 @@ def patch_collectives(module, split: Callable[[], Optional[StepSplit]]) -> None:
         setattr(module, name, timed)
         if package is not None and getattr(package, name, None) is original:
             setattr(package, name, timed)
-
-
-def describe(split: Optional[dict]) -> str:
-    """``data 62% · compute 35% · comm 3%`` of a rank's ``step_split`` ("" without one)."""
-    if not split:
-        return ""
-    return " · ".join(f"{name} {split[name] * 100:.0f}%" for name in ("data", "compute", "comm"))
-
-
