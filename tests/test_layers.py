@@ -13,9 +13,9 @@ PACKAGE = pathlib.Path(torchdist_magic.__file__).parent
 #: bottom first; a module may import its own layer and those below it
 LAYERS = [
     ("contract", {"events", "timing", "options", "procs", "tls", "sysmetrics", "gpu_metrics"}),
-    ("rank side", {"errors", "runtime", "stepsplit", "rank_shell", "job", "rankenv", "data", "values", "rank_debugger"}),
+    ("rank side", {"errors", "runtime", "stepsplit", "rankprofile", "rank_shell", "job", "rankenv", "data", "values", "rank_debugger"}),
     ("worker and transport", {"worker", "channel", "hostcopy", "valueupload"}),
-    ("launch and state", {"launcher", "state", "stragglers", "goodput"}),
+    ("launch and state", {"launcher", "state", "stragglers", "goodput", "profiles"}),
     # backends/, bottom first: the interface, what runs in an executor, the driver's side of a
     # Spark stage, the executors' interpreter, the backends themselves, the factory
     ("backend interface", {"backends.base"}),

@@ -230,8 +230,8 @@ def waits_for_data(steps):
     return rank()
 
 
-def test_each_ranks_step_split_and_the_runs_goodput_are_logged(on, experiment):
-    run = on.make(2, mlflow=True).submit(waits_for_data, 60)
+def test_each_ranks_step_split_the_runs_goodput_and_its_profile_are_logged(on, experiment):
+    run = on.make(2, mlflow=True, profile=3).submit(waits_for_data, 200)  # the profiled steps are not the last
     assert run.result(timeout=180) == 0
     (mlrun,) = runs_of(experiment)
     run_id = mlrun.info.run_id
@@ -244,7 +244,11 @@ def test_each_ranks_step_split_and_the_runs_goodput_are_logged(on, experiment):
     for key in ("startup_s", "training_s", "lost_to_restarts_s", "lost_to_hangs_s", "data_stall_s",
                 "rank_seconds"):
         assert history(run_id, f"goodput/{key}") == [(0, pytest.approx(goodput[key]))], key
+    assert [a.path for a in mlflow.MlflowClient().list_artifacts(run_id, "profile")] == ["profile/trace.json"]
+    assert '"rank 1"' in artifact(run_id, "profile/trace.json")
     on.nothing_left(run)
+    del run
+    _forget_runs()
 
 
 def test_a_failed_run_is_failed_with_its_root_cause_as_tags(on, experiment, tmp_path):

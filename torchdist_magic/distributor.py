@@ -33,10 +33,11 @@ from .backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backe
 from .channel import ChannelServer, new_secret
 from .debugger import NO_STDIN_PDB, Console, rank_env
 from .errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
-from .events import DebugOutput, Log, Stacks
+from .events import DebugOutput, Log, ProfileDone, ProfilePiece, Stacks
 from .job import Job, function_job, script_job
 from .launcher import value_directory
 from .options import LaunchOptions
+from .profiles import Profile, ProfileCollector
 from . import values as value_blobs
 from .values import VALUES_FETCH_ENV
 from .rankenv import RunSpec
@@ -88,6 +89,9 @@ def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data:
         if data is not None:
             raise ValueError("a warm run cannot train on a DataFrame: the pool's ranks were started "
                              "before the data was given; run it without --warm/warm=True")
+        if options.profile:
+            raise ValueError("a warm run cannot be profiled (--profile): the pool's ranks were started "
+                             "without a profiler; run it without --warm/warm=True")
         from .pool import warm_backend
 
         backend = warm_backend(options)  # checks the placement when it starts a pool
@@ -261,6 +265,13 @@ class Run:
         return list(self.state.attempts)
 
     @property
+    def profile(self) -> Optional[Profile]:
+        """With ``profile=STEPS`` (``--profile``): the profile of every rank's steps so far, its
+        ``trace_path`` (one Chrome trace of every rank, in the run's directory, once every rank's
+        profile came) and its ``summary`` by rank; None without, or before any rank's came."""
+        return self.state.profile()
+
+    @property
     def goodput(self) -> Dict[str, float]:
         """Where the run's wall time went so far, in seconds (``goodput``): ``startup_s``,
         ``training_s``, ``lost_to_restarts_s``, ``lost_to_hangs_s``, ``data_stall_s``, ``wall_s``,
@@ -354,6 +365,12 @@ class Run:
                                    data_files=data_files, channel_cert=certificate)
             spec = dataclasses.replace(spec, env={**self._debug_env, **spec.env}, **self._fetch)
             routes[DebugOutput] = self.debugger.on_output
+            if self.options.profile:  # each attempt profiles its steps afresh
+                profiles = ProfileCollector(functools.partial(
+                    _subdirectory, self.directory, os.path.join("profile", f"attempt-{self.state.attempt}")),
+                    self.options.ranks or range(self.options.num_processes))
+                routes[ProfilePiece] = routes[ProfileDone] = profiles.take
+                self.state.profiles = profiles
             if channel is not None:
                 self.debugger.attach(functools.partial(_to_worker, channel))
             ctx = LaunchContext(self.plan, spec, self._job_bytes, emit,

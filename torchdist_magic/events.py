@@ -9,7 +9,7 @@ decoded: a field of the wrong type, a missing field or an unknown type raises
 Who may send what (the channel enforces it, ``SENDERS``):
 
 - a **worker** (the rank's own process): ``Started``, ``Progress``, ``Metrics``, ``StepSplit``,
-  ``Checkpoint``, ``Dropped``,
+  ``Checkpoint``, ``ProfilePiece``, ``ProfileDone``, ``Dropped``,
   ``DebugOutput`` (its debugger's output and prompts), ``SystemMetrics`` (what only the
   rank's process knows: torch's peak GPU memory), and in a warm pool ``JobValue`` and
   ``JobDone`` after each job;
@@ -244,6 +244,43 @@ class StepSplit(Event):
 
 
 @dataclass
+class ProfilePiece(Event):
+    """One piece of a rank's profile trace (``--profile``: torch.profiler's Chrome trace JSON
+    text), in order, before its ``ProfileDone``."""
+
+    type: ClassVar[str] = "profile_piece"
+    data: str = ""
+
+
+@dataclass
+class ProfileOp:
+    """One operator of a rank's profile: its name, its own CPU seconds, its calls."""
+
+    name: str = ""
+    self_cpu_s: float = 0.0
+    calls: int = 0
+
+
+@dataclass
+class ProfileDone(Event):
+    """A rank's profile is complete: ``steps`` steps profiled; its trace came in ``ProfilePiece``
+    records unless it was too large to send, then ``kept_at`` says where it stays
+    (``host:path``); its ``top`` operators by own CPU time; its process's ``peak_memory_bytes``
+    (with CUDA, the GPU's peak allocated bytes in ``peak_gpu_memory_bytes``); ``error`` when
+    profiling failed."""
+
+    type: ClassVar[str] = "profile_done"
+    steps: int = 0
+    size: int = 0
+    kept_at: str = ""
+    top: List[ProfileOp] = field(default_factory=list)
+    peak_memory_bytes: float = 0.0
+    peak_gpu_memory_bytes: Optional[float] = None
+    error: str = ""
+    time: float = 0.0
+
+
+@dataclass
 class Checkpoint(Event):
     """The rank wrote a complete checkpoint (``runtime.save_checkpoint``): its ``step``, at
     ``time``.  Work done before it survives a restart (``goodput``)."""
@@ -465,15 +502,18 @@ LAUNCHER_TO_DRIVER = (Joined,)
 POOL_TO_DRIVER = (JobValue, JobDone, OutputEnd)
 #: records that the run's debugger console takes for itself (``debugger``), never a RunState
 DEBUG_TO_DRIVER = (DebugOutput,)
+#: records that the run's profile takes for itself (``profiles``), never a RunState
+PROFILE_TO_DRIVER = (ProfilePiece, ProfileDone)
 RECORDS: Dict[str, Type[Event]] = {
     cls.type: cls for cls in RANK_TO_DRIVER + DRIVER_TO_RANK + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER
-    + DEBUG_TO_DRIVER}
+    + DEBUG_TO_DRIVER + PROFILE_TO_DRIVER}
 
 #: which records each role of connection may send to the driver
 SENDERS: Dict[str, frozenset] = {
-    "worker": frozenset({Started, Progress, Metrics, StepSplit, Checkpoint, Dropped, JobValue, JobDone,
-                         DebugOutput}),
-    "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER + DEBUG_TO_DRIVER),
+    "worker": frozenset({Started, Progress, Metrics, StepSplit, Checkpoint, ProfilePiece, ProfileDone, Dropped,
+                         JobValue, JobDone, DebugOutput}),
+    "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER + DEBUG_TO_DRIVER
+                          + PROFILE_TO_DRIVER),
 }
 
 
@@ -723,7 +763,9 @@ def failure_to_json(failure: Failure) -> dict:
 _THREAD_LINE = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME_LINE = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _LIBRARY_PARTS = ("site-packages", "dist-packages", "<frozen ")
-_RUNNER_FILES = ("torchdist_magic/worker.py", "<frozen runpy>")
+#: the files of the process around the job, and of what wraps its calls (the step split's
+#: timing of collectives): never where a rank "was"
+_RUNNER_FILES = ("torchdist_magic/worker.py", "<frozen runpy>", "torchdist_magic/stepsplit.py")
 
 
 def parse_stacks(text: str) -> List[ThreadStack]:

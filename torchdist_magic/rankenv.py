@@ -54,6 +54,8 @@ class RunSpec:
     ranks: Tuple[int, ...] = ()
     #: each rank's launcher samples its CPU, memory and GPUs (``sysmetrics``)
     system_metrics: bool = True
+    #: steps of each rank's innermost progress() loop to profile (``rankprofile``); 0: none
+    profile: int = 0
     #: the name of the notebook values' file that each machine fetches once from the driver's
     #: channel before its ranks start (``hostcopy``), and its size in bytes; "" when the job
     #: holds them or names a file on the driver's machine
@@ -73,7 +75,8 @@ class RunSpec:
                    channel_cert=channel_cert, attempt=attempt, max_restarts=options.max_restarts,
                    checkpoint_dir=options.checkpoint_dir or checkpoint_dir,
                    keep_checkpoints=options.keep_checkpoints, data_files=tuple(data_files),
-                   ranks=tuple(options.ranks or ()), system_metrics=options.system_metrics)
+                   ranks=tuple(options.ranks or ()), system_metrics=options.system_metrics,
+                   profile=options.profile)
 
     def returns_value(self, rank: int) -> bool:
         """Whether ``rank``'s value comes back to the driver: rank 0's (with ``ranks``, the
@@ -232,6 +235,7 @@ def _run_variables(spec: RunSpec, place: Placement) -> Dict[str, str]:
         "TORCHDIST_SECRET": spec.secret, "TORCHDIST_CHANNEL_CERT": spec.channel_cert,
         "TORCHDIST_USE_GPU": "1" if spec.use_gpu else "0",
         "TORCHDIST_SYSTEM_METRICS": "1" if spec.system_metrics else "0",
+        "TORCHDIST_PROFILE_STEPS": str(spec.profile),
         "TORCHDIST_RETURN_VALUE": "1" if spec.returns_value(place.rank) else "0",
         # torchrun's names too, so that code written for torchelastic sees the attempt
         "TORCHDIST_RESTART_COUNT": str(spec.attempt), "TORCHELASTIC_RESTART_COUNT": str(spec.attempt),

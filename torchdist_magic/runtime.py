@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from . import events, stepsplit
+from . import events, rankprofile, stepsplit
 
 #: names a cell gets from the run, in place of any notebook value of the same name
 CELL_PROVIDED = ("rank", "local_rank", "world_size", "device", "progress", "report", "is_main",
@@ -53,7 +53,8 @@ def _install_sink(sink) -> None:
     global _sink, _split
     with _sink_lock:
         _sink = sink
-        _split = None if sink is None else stepsplit.StepSplit(_emit, rank)
+        _split = None if sink is None else stepsplit.StepSplit(
+            _emit, rank, profiler=lambda: rankprofile.from_env(_emit, rank))
     _new_job()
     if sink is not None:
         _report_tqdm()

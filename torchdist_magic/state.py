@@ -480,6 +480,8 @@ class RunState:
         self.last_checkpoint: Optional[float] = None
         #: seconds lost to a hang: from the last sign of life to the run's end (a run that hung)
         self.hang_lost_s = 0.0
+        #: the current attempt's profiles (``profiles.ProfileCollector``, ``--profile``), or None
+        self.profiles = None
 
     def listen(self, listener: Callable[[events.Event], None]) -> None:
         """Call ``listener(record)`` with every record the state takes from now on (those of
@@ -722,6 +724,16 @@ class RunState:
         with self._lock:
             found = [rs.failure for rs in self.ranks if rs.failure is not None]
         return root_cause_first(found)
+
+    def profile(self):
+        """The current attempt's profile (``profiles.Profile``: ``--profile``), with each rank's
+        step split; None without one, or before any rank's profile came."""
+        profiles = self.profiles
+        if profiles is None:
+            return None
+        with self._lock:
+            splits = {rs.rank: None if rs.step_split is None else dict(rs.step_split) for rs in self.ranks}
+        return profiles.profile(splits)
 
     def _data_stall(self) -> float:
         return max((rs.step_totals.get("data_s", 0.0) for rs in self.ranks), default=0.0)

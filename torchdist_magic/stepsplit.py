@@ -68,13 +68,19 @@ class StepSplit:
     """One rank's split (see the module's docstring); ``send`` gets each ``events.StepSplit``.
     Called from the job's threads: a lost update under a race costs a step's share, no more."""
 
-    def __init__(self, send: Callable[[events.Event], None], rank: Callable[[], int]):
+    def __init__(self, send: Callable[[events.Event], None], rank: Callable[[], int],
+                 profiler: Optional[Callable[[], Any]] = None):
+        """``profiler`` makes each job's profiler (``rankprofile.StepProfiler``, or None): its
+        ``step`` is called as each step of the innermost loop begins, its ``finish`` when the
+        outermost loop ends."""
         self._send = send
         self._rank = rank
+        self._make_profiler = profiler
         self.reset()
 
     def reset(self) -> None:
         """A new job: nothing measured yet."""
+        self.profiler = self._make_profiler() if self._make_profiler is not None else None
         self._depth = 0              # progress() loops iterating now
         self._innermost = 0          # the deepest loop seen since the outermost one began
         self._since: Optional[float] = None   # when the current run of loops began (or was last counted)
@@ -107,6 +113,8 @@ class StepSplit:
         if self._depth == 0:
             self._since = None
             self._flush()
+            if self.profiler is not None:
+                self.profiler.finish()
 
     def step(self, depth: int, waited: float) -> None:
         """The loop at ``depth`` got its next item after waiting ``waited`` seconds for it: a
@@ -119,6 +127,8 @@ class StepSplit:
                 self._count(began)
                 self._flush()
             self._interval.steps += 1
+            if self.profiler is not None:
+                self.profiler.step()
             if last is not None and began > last and now - self._polled >= POLL_EVERY:
                 self._polled = now
                 self._poll_ddp(self._interval, began - last)

@@ -16,6 +16,7 @@ run when there is one.  It holds:
   ``attempt`` (1, 2, ... by restart count);
 * each rank's complete log (a ``ranks`` run: each chosen rank's) as the artifact
   ``logs/rank_<r>.txt`` and the root cause's traceback as ``failure.txt``, written at the end;
+* with ``--profile``, the merged trace of every rank (``profile/trace.json``);
 * where its wall time went (``goodput``) as ``goodput/<part>`` (``goodput/training_s``, ...),
   written at the end;
 * status FINISHED, FAILED (tags ``torchdist.failed_rank``, ``torchdist.exception``,
@@ -343,6 +344,9 @@ class MlflowLogger:
                 with open(os.path.join(directory, "failure.txt"), "w", encoding="utf-8", errors="replace") as fh:
                     fh.write(f"{snap.failure.summary()}\n\n{snap.failure.traceback}")
             self._client.log_artifacts(self.run_id, directory)
+        profile = self.state.profile()
+        if profile is not None and profile.trace_path:
+            self._client.log_artifact(self.run_id, profile.trace_path, "profile")
 
     def warning(self) -> str:
         """What went unlogged, in one paragraph; ``""`` when everything was written."""

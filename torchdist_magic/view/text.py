@@ -104,6 +104,9 @@ def summary(state: State) -> str:
         rows.append(f"  {facts.outcome}")
     if snap.finished and snap.goodput:
         rows.append(f"  goodput: {describe_goodput(snap.goodput)}")
+    profile = state.profile() if isinstance(state, RunState) else None
+    if profile is not None:
+        rows += [f"  {line}" for line in profile.lines()]
     stacks = rank_stacks(snap)
     if stacks:
         rows.append("  where each rank was (innermost frame first):")
