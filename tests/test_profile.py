@@ -175,3 +175,57 @@ def test_spark_ranks_send_their_traces_to_the_notebook(spark_local2):
     assert_nothing_left(run)
     del run, profile
     _forget_runs()
+
+
+def steps_until_told(marks, steps):
+    """A loop of ``steps`` steps of 20 ms that says when it is under way."""
+    import time
+
+    from torchdist_magic import progress, rank
+
+    for i in progress(range(steps), desc="step"):
+        if i == 5:
+            open(os.path.join(marks, f"stepping-{rank()}"), "w").close()
+        time.sleep(0.02)
+    return rank()
+
+
+def test_the_profile_button_profiles_a_running_job_and_the_view_shows_it(tmp_path):
+    from helpers import wait_until
+    from torchdist_magic.view import widget as W
+
+    run = Distributor(2, local_mode=True, show=None).submit(steps_until_told, str(tmp_path), 400)
+    view = W.WidgetView(run, display=False)
+    assert "torchdist-profile" in view.profile_button._dom_classes and view.profile_button.layout.display == ""
+    wait_until(lambda: all((tmp_path / f"stepping-{r}").exists() for r in (0, 1)), 120, "both ranks stepping")
+    view.profile_button.click()
+    assert view.profile_button.disabled and view.profile_button.description == "Profiling…"
+    assert run.result(timeout=180) == 0
+    profile = run.profile
+    assert profile.waiting == [] and all(profile.summary[r].steps == W.PROFILE_STEPS for r in (0, 1))
+    view.update()
+    view.close()
+    assert profile.trace_path in view.profile_note.value and "rank 1: 5 steps" in view.profile_note.value
+    assert view.profile_button.layout.display == "none"  # the run is over
+    with pytest.raises(RuntimeError, match=r"run \S+ is over: there are no steps to profile"):
+        run.start_profile(3)
+    with pytest.raises(ValueError, match="start_profile: steps must be a whole number of at least 1, got 0"):
+        run.start_profile(0)
+    assert_no_survivors(run)
+    import ipywidgets
+
+    ipywidgets.Widget.close_all()  # the registry of live widgets holds the view, and the view its run
+    del run, profile, view
+    _forget_runs()
+
+
+def test_a_profile_button_pressed_after_the_run_ended_says_so(tmp_path):
+    from torchdist_magic.view import widget as W
+
+    run = Distributor(1, local_mode=True, show=None).submit(os.getpid)
+    run.result(timeout=120)
+    view = W.WidgetView(run, display=False)
+    view._on_profile()
+    assert f"run {run.run_id} is over: there are no steps to profile" in view.profile_note.value
+    view.close()
+    assert_no_survivors(run)

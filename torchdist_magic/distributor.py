@@ -27,13 +27,13 @@ import threading
 import time
 import uuid
 import warnings
-from typing import Any, Dict, List, Optional, Protocol
+from typing import Any, Callable, Dict, List, Optional, Protocol
 
 from .backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
 from .channel import ChannelServer, new_secret
 from .debugger import NO_STDIN_PDB, Console, rank_env
 from .errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
-from .events import DebugOutput, Log, ProfileDone, ProfilePiece, Stacks
+from .events import DebugOutput, Log, ProfileDone, ProfilePiece, Stacks, StartProfile
 from .job import Job, function_job, script_job
 from .launcher import value_directory
 from .options import LaunchOptions
@@ -166,6 +166,12 @@ class Run:
         self._done = threading.Event()
         #: the ranks' debugger sessions, which ``follow`` serves (``debugger``)
         self.debugger = Console()
+        #: the current attempt's routes of records (a profile's go to its collector), and what
+        #: sends a record to a rank's worker (None until the channel listens)
+        self._profile_routes: dict = {}
+        self._to_rank: Optional[Callable[[int, Any], bool]] = None
+        self._profile_lock = threading.Lock()
+        self._profile_requests = 0
         # a warm pool's channel is its own: its ranks' sessions could not be served (not yet)
         self._debug_env = rank_env(options, debug_input and not options.warm)
         self._thread = threading.Thread(target=self._supervise, name=f"torchdist-run-{self.run_id}",
@@ -271,6 +277,32 @@ class Run:
         profile came) and its ``summary`` by rank; None without, or before any rank's came."""
         return self.state.profile()
 
+    def start_profile(self, steps: int) -> None:
+        """Profile every rank's next ``steps`` steps (of its innermost ``progress()`` loop) now,
+        as ``profile=STEPS`` does from the first (the view's Profile button); ``profile`` then
+        has it.  A rank whose profile is under way goes on with that one."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"start_profile: steps must be a whole number of at least 1, got {steps!r}")
+        if self.options.warm:
+            raise ValueError("a warm run cannot be profiled: the pool's ranks were started without a "
+                             "profiler; run it without --warm/warm=True")
+        with self._profile_lock:
+            if self.done() or self._to_rank is None:
+                raise RuntimeError(f"run {self.run_id} is {'over' if self.done() else 'not running yet'}: "
+                                   "there are no steps to profile")
+            self._profile_requests += 1
+            self._collect_profile(f"-{self._profile_requests}")
+            for rank in self.options.ranks or range(self.options.num_processes):
+                self._to_rank(rank, StartProfile(rank=rank, steps=steps))
+
+    def _collect_profile(self, suffix: str) -> None:
+        """Take the ranks' profile records from now on into a new ``ProfileCollector``."""
+        profiles = ProfileCollector(functools.partial(
+            _subdirectory, self.directory, os.path.join("profile", f"attempt-{self.state.attempt}{suffix}")),
+            self.options.ranks or range(self.options.num_processes))
+        self._profile_routes[ProfilePiece] = self._profile_routes[ProfileDone] = profiles.take
+        self.state.profiles = profiles
+
     @property
     def goodput(self) -> Dict[str, float]:
         """Where the run's wall time went so far, in seconds (``goodput``): ``startup_s``,
@@ -365,12 +397,11 @@ class Run:
                                    data_files=data_files, channel_cert=certificate)
             spec = dataclasses.replace(spec, env={**self._debug_env, **spec.env}, **self._fetch)
             routes[DebugOutput] = self.debugger.on_output
+            self._profile_routes = routes
             if self.options.profile:  # each attempt profiles its steps afresh
-                profiles = ProfileCollector(functools.partial(
-                    _subdirectory, self.directory, os.path.join("profile", f"attempt-{self.state.attempt}")),
-                    self.options.ranks or range(self.options.num_processes))
-                routes[ProfilePiece] = routes[ProfileDone] = profiles.take
-                self.state.profiles = profiles
+                self._collect_profile("")
+            if channel is not None:
+                self._to_rank = functools.partial(_to_worker, channel)
             if channel is not None:
                 self.debugger.attach(functools.partial(_to_worker, channel))
             ctx = LaunchContext(self.plan, spec, self._job_bytes, emit,

@@ -20,7 +20,8 @@ Who may send what (the channel enforces it, ``SENDERS``):
   job output has all been read), and anything a worker may send;
 - the **driver** to ranks: ``Stop`` (stop the rank, with a grace period before the kill),
   ``DumpStacks`` (capture every thread's Python stack), ``RunJob`` (the next job of a warm
-  pool's ranks, in pieces) and, to a worker, ``DebugInput`` (a line for its debugger).
+  pool's ranks, in pieces) and, to a worker, ``DebugInput`` (a line for its debugger) and
+  ``StartProfile`` (profile the next steps).
 
 A rank's ``Exit`` is what its launcher saw the process do, never what the worker claims.
 """
@@ -394,6 +395,15 @@ class Stacks(Event):
 
 
 @dataclass
+class StartProfile(Event):
+    """Driver to a worker: profile the next ``steps`` steps now (``Run.start_profile``, the
+    view's Profile button), as ``--profile`` does from the first."""
+
+    type: ClassVar[str] = "start_profile"
+    steps: int = 0
+
+
+@dataclass
 class RunJob(Event):
     """Driver to the workers of a warm pool: one piece of the next job (``Job``, cloudpickled,
     base64 in ``data``), in order; the last piece (``last``) also carries what the job sets in
@@ -495,7 +505,7 @@ class DebugInput(Event):
 
 
 RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks, SystemMetrics, StepSplit, Checkpoint)
-DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers, DebugInput)
+DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers, DebugInput, StartProfile)
 #: records that a backend takes for itself, never a RunState
 LAUNCHER_TO_DRIVER = (Joined,)
 #: records that a warm pool takes for itself (``pool``), never a RunState

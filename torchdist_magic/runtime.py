@@ -70,6 +70,14 @@ def _new_job() -> None:
             _split.reset()
 
 
+def _start_profile(steps: int) -> None:
+    """Called by the worker when the driver asks (``events.StartProfile``): profile the next
+    ``steps`` steps of this rank's innermost ``progress()`` loop."""
+    split = _split
+    if split is not None:
+        split.profile_now(rankprofile.StepProfiler(steps, _emit, rank))
+
+
 def _emit(event: events.Event) -> None:
     sink = _sink
     if sink is not None:

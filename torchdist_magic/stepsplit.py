@@ -92,6 +92,14 @@ class StepSplit:
         self._totals = [0.0, 0.0, 0.0]    # seconds of steps, data, comm
         self._seen: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
+    def profile_now(self, profiler: Any) -> bool:
+        """Profile from the next step with ``profiler`` (a ``rankprofile.StepProfiler``), unless
+        a profile is under way; whether it will."""
+        if self.profiler is not None and not self.profiler.done:
+            return False
+        self.profiler = profiler
+        return True
+
     # -- progress() loops -----------------------------------------------------------------------
     def enter(self) -> int:
         """A ``progress()`` loop begins iterating; its depth (1: outermost), for ``step``."""

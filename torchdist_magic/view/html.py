@@ -247,6 +247,15 @@ def stacks_html(stacks: List[RankStacks], open_rank: Optional[int] = None) -> st
     return "".join(out)
 
 
+def profile_html(profile) -> str:
+    """A run's profile (``profiles.Profile``): where its merged trace is, then a line per rank."""
+    head, *ranks = profile.lines()
+    items = "".join(f'<div style="font-family:{MONO};font-size:11px;white-space:pre-wrap">{_esc(line)}</div>'
+                    for line in ranks)
+    return (f'<div class="torchdist-profile" style="margin:4px 0;color:{TEXT}"><div style="font-weight:600">'
+            f'{_esc(head)}</div>{items}</div>')
+
+
 def _tick(value: float) -> str:
     return f"{value:.4g}"
 
