@@ -229,3 +229,18 @@ def test_a_profile_button_pressed_after_the_run_ended_says_so(tmp_path):
     assert f"run {run.run_id} is over: there are no steps to profile" in view.profile_note.value
     view.close()
     assert_no_survivors(run)
+
+
+@pytest.mark.spark
+def test_spark_ranks_profile_a_running_job_when_asked(spark_local2, tmp_path):
+    from helpers import assert_nothing_left, wait_until
+
+    run = Distributor(2, local_mode=False, show=None).submit(steps_until_told, str(tmp_path), 400)
+    wait_until(lambda: all((tmp_path / f"stepping-{r}").exists() for r in (0, 1)), 180, "both ranks stepping")
+    run.start_profile(3)
+    assert run.result(timeout=300) == 0
+    profile = run.profile
+    assert profile.waiting == [] and all(profile.summary[r].steps == 3 for r in (0, 1)) and profile.trace_path
+    assert_nothing_left(run)
+    del run, profile
+    _forget_runs()

@@ -382,8 +382,9 @@ def _sync_directory(directory: str) -> None:
 
 def _report_tqdm() -> None:
     """Make every tqdm bar and rich progress task of this process report as this rank's
-    progress: now for what is imported already, else when it is imported (importing them here
-    would cost every rank their import time)."""
+    progress, and torch's collectives and DDP time their waits for the step split
+    (``_PROGRESS_MODULES``): now for what is imported already, else when it is imported
+    (importing them here would cost every rank their import time)."""
     waiting = []
     for name, patch in _PROGRESS_MODULES.items():
         module = sys.modules.get(name)
