@@ -244,3 +244,19 @@ def test_spark_ranks_profile_a_running_job_when_asked(spark_local2, tmp_path):
     assert_nothing_left(run)
     del run, profile
     _forget_runs()
+
+
+@pytest.mark.spark
+def test_spark_connect_ranks_split_their_steps_and_send_their_profiles(spark_connect):
+    from helpers import assert_nothing_left
+
+    run = Distributor(2, local_mode=False, show=None, profile=3).submit(ddp_train, "data", 120)
+    assert run.result(timeout=300) == 0
+    splits = [rs.step_split for rs in run.state.ranks]
+    assert splits[1]["data"] > 0.5 and splits[0]["comm"] > 0.5, splits
+    profile = run.profile
+    assert profile.trace_path and all(profile.summary[r].steps == 3 for r in (0, 1))
+    assert run.goodput["data_stall_s"] > 0
+    assert_nothing_left(run)
+    del run, profile
+    _forget_runs()
