@@ -12,7 +12,8 @@ Under torchrun the script's ``progress`` and ``report`` do nothing (there is no 
 to) and its output goes to a pipe this process reads, as a launcher's does; under
 torchdist_magic they send to the run's channel, and the output goes through its launcher to the
 run's logs.  Rank 0 times the steps after a warm-up and writes its steps/s to a file.  The
-figure is the ratio of the medians, torchdist_magic / torchrun (1.0: no overhead).  The ranks,
+figure is the ratio of the medians, torchdist_magic / torchrun (1.0: no overhead).  Then what the
+step split costs (``split_cost``): its share of the same model's step.  The ranks,
 the driver (or torchrun's agent) and whatever else runs on the machine share its cores.
 """
 
@@ -176,6 +177,102 @@ def recorder_cost(calls: int = 5000, rounds: int = 3) -> dict:
             "off_us": statistics.median(found["off"]), "runs": found}
 
 
+class _Discard:
+    def send(self, record) -> None:
+        pass
+
+
+def split_cost(steps: int = 20_000, ddp_steps: int = 100, ddp_pairs: int = 30, rounds: int = 7) -> dict:
+    """What the step split (``stepsplit``) costs a rank, in CPU microseconds (load-independent,
+    unlike steps/s): per step of a ``progress()`` loop (timing the wait for each item, a record
+    a second), per read of DDP's timers (one every ``POLL_EVERY`` s at most), per collective
+    timed; and per DDP step, CPU microseconds of the benchmark's model with DDP's timers on every
+    iteration (sample rate 1, as the split sets it) against DDP's default (every 100th), on a
+    one-rank gloo group in this process with one thread (a machine's other load then moves the
+    figures least): the median difference of ``ddp_pairs`` pairs of rounds."""
+    import torch
+    import torch.distributed as dist
+
+    from torchdist_magic.rank import runtime, stepsplit
+
+    def loop_us(split_on: bool) -> float:
+        runtime._install_sink(_Discard())
+        if not split_on:
+            runtime._split = None
+        started = time.process_time()
+        for _ in runtime.progress(range(steps)):
+            pass
+        used = time.process_time() - started
+        runtime._install_sink(None)
+        return 1e6 * used / steps
+
+    plain = statistics.median(loop_us(False) for _ in range(rounds))
+    split = statistics.median(loop_us(True) for _ in range(rounds))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    store = dist.HashStore()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
+            torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x, y = torch.randn(64, 256), torch.randn(64, 256)
+
+        def ddp_step_us(rate: int) -> float:
+            model._set_ddp_runtime_logging_sample_rate(rate)
+            started = time.process_time()
+            for _ in range(ddp_steps):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            return 1e6 * (time.process_time() - started) / ddp_steps
+
+        ddp_step_us(100)  # warm-up
+        timed, default = [], []
+        for i in range(ddp_pairs):  # pairs, each order in turn: the median of their differences
+            for rate in ((1, 100) if i % 2 == 0 else (100, 1)):
+                (timed if rate == 1 else default).append(ddp_step_us(rate))
+        timers_us = statistics.median(t - d for t, d in zip(timed, default))
+        reads = 2000
+        started = time.process_time()
+        for _ in range(reads):
+            model._get_ddp_logging_data()
+        read_us = 1e6 * (time.process_time() - started) / reads
+
+        tensor = torch.ones(4)
+        calls = 5000
+        meter = stepsplit.StepSplit(lambda record: None, lambda: 0)
+        meter.enter()
+
+        def collective_us(through_split: bool) -> float:
+            started = time.process_time()
+            for _ in range(calls):
+                if through_split:
+                    meter.collective(dist.all_reduce, tensor)
+                else:
+                    dist.all_reduce(tensor)
+            return 1e6 * (time.process_time() - started) / calls
+
+        direct = statistics.median(collective_us(False) for _ in range(rounds))
+        wrapped = statistics.median(collective_us(True) for _ in range(rounds))
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+    step_ms = statistics.median(default) / 1000
+    return {"progress_step_plain_us": plain, "progress_step_split_us": split,
+            "ddp_step_default_us": statistics.median(default), "ddp_step_timers_us": statistics.median(timed),
+            "ddp_timers_us": timers_us,
+            "ddp_timer_read_us": read_us, "reads_per_s": 1 / stepsplit.POLL_EVERY,
+            "collective_direct_us": direct, "collective_timed_us": wrapped,
+            # per step of this model: the loop's, the timers' (a negative difference: below what a
+            # busy machine lets this measure, counted as none) and the reads' (a share of each second)
+            "cost_percent_of_step": 100 * ((split - plain + max(timers_us, 0.0)) / 1000 / step_ms
+                                           + read_us / 1e6 / stepsplit.POLL_EVERY)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
@@ -202,6 +299,7 @@ def main() -> None:
                       f"({time.monotonic() - started:.1f} s with start-up)", flush=True)
     cost = reporting_cost()
     recording = recorder_cost()
+    split = split_cost()
     medians = {name: statistics.median(values) for name, values in runs.items()}
     ratio = medians["torchdist_magic"] / medians["torchrun"]
     recorder = medians["torchdist_magic"] / medians["no recorder"]
@@ -217,11 +315,16 @@ def main() -> None:
           f"{recording['off_us']:.1f} us off (2 ranks, gloo, 16 floats)")
     print(f"progress + report (3 values) per step, CPU of the rank: {cost['reporting_us']:.1f} us reporting to "
           f"a driver, {cost['no_run_us']:.1f} us outside a run")
+    print(f"step split: {split['progress_step_split_us'] - split['progress_step_plain_us']:.2f} us of CPU per "
+          f"progress() step; DDP's timers on every iteration {split['ddp_timers_us']:+.1f} us per step of "
+          f"{split['ddp_step_default_us']:.0f} us; a read of them {split['ddp_timer_read_us']:.0f} us "
+          f"(at most {split['reads_per_s']:.0f}/s); a timed collective {split['collective_timed_us']:.1f} us, "
+          f"{split['collective_direct_us']:.1f} us untimed; in all {split['cost_percent_of_step']:.2f}% of a step")
     write_json(args.json, {"benchmark": "a rank's overhead: torchdist_magic vs torchrun, same DDP script",
                            "machine": machine(torch=torch.__version__), "ranks": args.ranks, "steps": args.steps,
                            "warmup": WARMUP, "rounds": args.rounds, "runs": runs, "medians": medians,
                            "ratio": ratio, "recorder_ratio": recorder, "load_average": load,
-                           "reporting_cost": cost, "recorder_cost": recording})
+                           "reporting_cost": cost, "recorder_cost": recording, "step_split_cost": split})
 
 
 if __name__ == "__main__":

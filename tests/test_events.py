@@ -51,7 +51,7 @@ def test_every_record_round_trips_through_json(record):
 def test_every_record_type_is_in_the_contract_and_handled():
     assert set(events.RECORDS.values()) == (set(events.RANK_TO_DRIVER) | set(events.DRIVER_TO_RANK)
                                             | set(events.LAUNCHER_TO_DRIVER) | set(events.POOL_TO_DRIVER)
-                                            | set(events.DEBUG_TO_DRIVER))
+                                            | set(events.DEBUG_TO_DRIVER) | set(events.PROFILE_TO_DRIVER))
     assert set(RunState.HANDLERS) == set(events.RANK_TO_DRIVER)
     assert events.SENDERS["worker"] < events.SENDERS["launcher"]
     assert events.Exit not in events.SENDERS["worker"] and events.Log not in events.SENDERS["worker"]

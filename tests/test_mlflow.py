@@ -228,6 +228,42 @@ def test_a_good_run_is_one_mlflow_run_with_options_metrics_system_metrics_and_lo
     on.nothing_left(run)
 
 
+def waits_for_data(steps):
+    """Rank 1 waits 20 ms for each item of its loop."""
+    from torchdist_magic import progress
+
+    def items():
+        for i in range(steps):
+            if rank() == 1:
+                time.sleep(0.02)
+            yield i
+
+    for _ in progress(items(), total=steps, desc="step"):
+        pass
+    return rank()
+
+
+def test_each_ranks_step_split_the_runs_goodput_and_its_profile_are_logged(on, experiment):
+    run = on.make(2, mlflow=True, profile=3).submit(waits_for_data, 200)  # the profiled steps are not the last
+    assert run.result(timeout=180) == 0
+    (mlrun,) = runs_of(experiment)
+    run_id = mlrun.info.run_id
+    for r in (0, 1):
+        for part in ("data", "compute", "comm"):
+            assert history(run_id, f"system/rank_{r}/step_{part}_share"), (r, part)
+    (last_step, data), = history(run_id, "system/rank_1/step_data_share")[-1:]
+    assert data == run.state.ranks[1].step_split["data"] and data > 0.5
+    goodput = run.goodput
+    for key in ("startup_s", "training_s", "lost_to_restarts_s", "lost_to_hangs_s", "data_stall_s",
+                "rank_seconds"):
+        assert history(run_id, f"goodput/{key}") == [(0, pytest.approx(goodput[key]))], key
+    assert [a.path for a in mlflow.MlflowClient().list_artifacts(run_id, "profile")] == ["profile/trace.json"]
+    assert '"rank 1"' in artifact(run_id, "profile/trace.json")
+    on.nothing_left(run)
+    del run
+    _forget_runs()
+
+
 def test_a_failed_run_is_failed_with_its_root_cause_as_tags(on, experiment, tmp_path):
     run = on.make(2, mlflow=True).submit(fail_on_rank1, str(tmp_path))
     wait_until(lambda: (tmp_path / "up-0").exists() and (tmp_path / "up-1").exists(), 60, "both ranks up")

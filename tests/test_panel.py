@@ -67,7 +67,7 @@ def test_control_kinds_follow_the_field_metadata(panel):
                      "all_ranks": widgets.Checkbox, "warm": widgets.Checkbox, "ranks": widgets.Text,
                      "pool_idle_timeout": widgets.Text, "pdb": widgets.Checkbox,
                      "debug_idle_timeout": widgets.Text, "tls": widgets.Dropdown,
-                     "system_metrics": widgets.Checkbox,
+                     "system_metrics": widgets.Checkbox, "profile": widgets.IntText,
                      "mlflow": widgets.Checkbox, "preflight": widgets.Checkbox}
     backend = next(f for f in option_fields() if f.name == "backend")
     assert panel.controls["backend"].options == tuple(backend.metadata["choices"])

@@ -145,6 +145,23 @@ def test_plot_data_one_line_per_rank_thinned_to_a_bound():
     assert html.count("<svg") == 2 and 'data-metric="acc"' in html and "rank 1" in html
 
 
+def test_system_plots_are_against_seconds_since_the_start_and_every_chart_of_a_row_is_as_wide():
+    state = FakeRun(1).state
+    for i in range(4):
+        metrics(state, 0, i + 1, loss=1.0, acc=0.5, lr=0.1, grad=2.0)
+    series = {"cpu %": {0: [(0.03664, 50.0), (4.2, 80.0), (12.5, 70.0)]}}
+    html = H.plots_html({**M.metric_series(state), **series}, over_time=series)
+    cpu = html[html.index('data-metric="cpu %"'):]
+    labels = re.findall(r">([^<>]+)</text>", cpu[:cpu.index("</svg>")])
+    assert "time since the start" in labels and "step" not in labels
+    assert "0 s" in labels and "12 s" in labels and "0.03664" not in cpu
+    loss = html[html.index('data-metric="loss"'):]
+    assert ">step</text>" in loss[:loss.index("</svg>")]
+    # a grid's cells: a chart alone on the last row is as wide as the others (no flex-grow)
+    assert "grid-template-columns:repeat(auto-fill,minmax(260px,1fr))" in html and "flex:1 1" not in html
+    assert H.plot_svg("cpu %", series["cpu %"], over_time=True).count("at 12 s</title>") == 1
+
+
 def test_non_finite_values_are_shown_but_not_plotted():
     state = FakeRun(1).state
     metrics(state, 0, 1, loss=0.5)

@@ -8,7 +8,8 @@ decoded: a field of the wrong type, a missing field or an unknown type raises
 
 Who may send what (the channel enforces it, ``SENDERS``):
 
-- a **worker** (the rank's own process): ``Started``, ``Progress``, ``Metrics``, ``Dropped``,
+- a **worker** (the rank's own process): ``Started``, ``Progress``, ``Metrics``, ``StepSplit``,
+  ``Checkpoint``, ``ProfilePiece``, ``ProfileDone``, ``Dropped``,
   ``DebugOutput`` (its debugger's output and prompts), ``SystemMetrics`` (what only the
   rank's process knows: torch's peak GPU memory), ``Collectives`` (where it is in each process
   group: when the driver asked, and when its job failed), ``Preflight`` (its versions, GPUs and
@@ -22,7 +23,7 @@ Who may send what (the channel enforces it, ``SENDERS``):
 - the **driver** to ranks: ``Stop`` (stop the rank, with a grace period before the kill),
   ``DumpStacks`` (capture every thread's Python stack), ``RunJob`` (the next job of a warm
   pool's ranks, in pieces) and, to a worker, ``DebugInput`` (a line for its debugger) and
-  ``DumpCollectives`` (send the rank's collective record).
+  ``DumpCollectives`` (send the rank's collective record), ``StartProfile`` (profile the next steps).
 
 A rank's ``Exit`` is what its launcher saw the process do, never what the worker claims.
 """
@@ -226,6 +227,73 @@ class SystemMetrics(Event):
 
 
 @dataclass
+class StepSplit(Event):
+    """Where a rank's recent steps went (``stepsplit``): the fractions of their ``seconds``
+    (``steps`` steps of its innermost ``progress()`` loop) spent waiting for ``data``, in
+    ``compute`` and waiting in collectives (``comm``), which add up to 1; and its totals since
+    the job began: seconds of steps (``step_s``), of data waits (``data_s``), of collective
+    waits (``comm_s``)."""
+
+    type: ClassVar[str] = "step_split"
+    data: float = 0.0
+    compute: float = 0.0
+    comm: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
+    step_s: float = 0.0
+    data_s: float = 0.0
+    comm_s: float = 0.0
+    time: float = 0.0
+
+
+@dataclass
+class ProfilePiece(Event):
+    """One piece of a rank's profile trace (``--profile``: torch.profiler's Chrome trace JSON
+    text), in order, before its ``ProfileDone``."""
+
+    type: ClassVar[str] = "profile_piece"
+    data: str = ""
+
+
+@dataclass
+class ProfileOp:
+    """One operator of a rank's profile: its name, its own CPU seconds, its calls."""
+
+    name: str = ""
+    self_cpu_s: float = 0.0
+    calls: int = 0
+
+
+@dataclass
+class ProfileDone(Event):
+    """A rank's profile is complete: ``steps`` steps profiled; its trace came in ``ProfilePiece``
+    records unless it was too large to send, then ``kept_at`` says where it stays
+    (``host:path``); its ``top`` operators by own CPU time; its process's ``peak_memory_bytes``
+    (with CUDA, the GPU's peak allocated bytes in ``peak_gpu_memory_bytes``); ``error`` when
+    profiling failed."""
+
+    type: ClassVar[str] = "profile_done"
+    steps: int = 0
+    size: int = 0
+    kept_at: str = ""
+    top: List[ProfileOp] = field(default_factory=list)
+    peak_memory_bytes: float = 0.0
+    peak_gpu_memory_bytes: Optional[float] = None
+    error: str = ""
+    time: float = 0.0
+
+
+@dataclass
+class Checkpoint(Event):
+    """The rank wrote a complete checkpoint (``runtime.save_checkpoint``): its ``step``, at
+    ``time``.  Work done before it survives a restart (``goodput``)."""
+
+    type: ClassVar[str] = "checkpoint"
+    step: int = 0
+    time: float = 0.0
+
+
+@dataclass
 class Dropped(Event):
     """The worker could not queue ``count`` events (its channel was full)."""
 
@@ -405,6 +473,15 @@ class Stacks(Event):
 
 
 @dataclass
+class StartProfile(Event):
+    """Driver to a worker: profile the next ``steps`` steps now (``Run.start_profile``, the
+    view's Profile button), as ``--profile`` does from the first."""
+
+    type: ClassVar[str] = "start_profile"
+    steps: int = 0
+
+
+@dataclass
 class RunJob(Event):
     """Driver to the workers of a warm pool: one piece of the next job (``Job``, cloudpickled,
     base64 in ``data``), in order; the last piece (``last``) also carries what the job sets in
@@ -505,23 +582,27 @@ class DebugInput(Event):
     end: bool = False
 
 
-RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks, SystemMetrics, Collectives, Preflight)
-DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers, DebugInput, DumpCollectives)
+RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks, SystemMetrics, Collectives, Preflight,
+                  StepSplit, Checkpoint)
+DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers, DebugInput, DumpCollectives, StartProfile)
 #: records that a backend takes for itself, never a RunState
 LAUNCHER_TO_DRIVER = (Joined,)
 #: records that a warm pool takes for itself (``pool``), never a RunState
 POOL_TO_DRIVER = (JobValue, JobDone, OutputEnd)
 #: records that the run's debugger console takes for itself (``debugger``), never a RunState
 DEBUG_TO_DRIVER = (DebugOutput,)
+#: records that the run's profile takes for itself (``profiles``), never a RunState
+PROFILE_TO_DRIVER = (ProfilePiece, ProfileDone)
 RECORDS: Dict[str, Type[Event]] = {
     cls.type: cls for cls in RANK_TO_DRIVER + DRIVER_TO_RANK + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER
-    + DEBUG_TO_DRIVER}
+    + DEBUG_TO_DRIVER + PROFILE_TO_DRIVER}
 
 #: which records each role of connection may send to the driver
 SENDERS: Dict[str, frozenset] = {
-    "worker": frozenset({Started, Progress, Metrics, Dropped, JobValue, JobDone, DebugOutput, SystemMetrics,
-                         Collectives, Preflight}),
-    "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER + DEBUG_TO_DRIVER),
+    "worker": frozenset({Started, Progress, Metrics, StepSplit, Checkpoint, ProfilePiece, ProfileDone, Dropped,
+                         JobValue, JobDone, DebugOutput, SystemMetrics, Collectives, Preflight}),
+    "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER + DEBUG_TO_DRIVER
+                          + PROFILE_TO_DRIVER),
 }
 
 
@@ -771,7 +852,9 @@ def failure_to_json(failure: Failure) -> dict:
 _THREAD_LINE = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME_LINE = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _LIBRARY_PARTS = ("site-packages", "dist-packages", "<frozen ")
-_RUNNER_FILES = ("torchdist_magic/rank/worker.py", "<frozen runpy>")
+#: the files of the process around the job, and of what wraps its calls (the step split's
+#: timing of collectives): never where a rank "was"
+_RUNNER_FILES = ("torchdist_magic/rank/worker.py", "<frozen runpy>", "torchdist_magic/rank/stepsplit.py")
 
 
 def parse_stacks(text: str) -> List[ThreadStack]:

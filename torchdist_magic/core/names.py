@@ -8,7 +8,7 @@ import signal
 
 #: the mark every process a rank starts carries: spelled in ``procs``, which a Spark task's guard
 #: runs on its own, without this package
-from .procs import MARK_VARIABLE
+from .procs import MARK_VARIABLE as MARK_VARIABLE
 
 # -- environment variables a rank's launcher sets (``rankenv.rank_environment``) ---------------
 RUN_ID_ENV = "TORCHDIST_RUN_ID"
@@ -20,6 +20,8 @@ SECRET_ENV = "TORCHDIST_SECRET"
 HOST_RANKS_ENV = "TORCHDIST_HOST_RANKS"
 USE_GPU_ENV = "TORCHDIST_USE_GPU"
 SYSTEM_METRICS_ENV = "TORCHDIST_SYSTEM_METRICS"
+#: how many steps of its innermost progress() loop the rank profiles (``--profile``; 0: none)
+PROFILE_STEPS_ENV = "TORCHDIST_PROFILE_STEPS"
 #: whether the rank runs the pre-flight check with its peers before its job (``core.preflight``)
 PREFLIGHT_ENV = "TORCHDIST_PREFLIGHT"
 #: whether this rank's value goes back to the driver (rank 0's, or every rank's with all_ranks)

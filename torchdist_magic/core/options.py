@@ -216,6 +216,18 @@ class LaunchOptions:
         ),
     )
 
+    profile: int = field(
+        default=0,
+        metadata=_flag(
+            "--profile",
+            "run torch.profiler on every rank for its next STEPS steps (of its innermost progress() "
+            "loop) and merge every rank's trace into one Chrome trace / Perfetto timeline, one "
+            "process per rank (run.profile: its trace_path and per rank the top operators, the "
+            "step split and the peak memory). 0: no profile",
+            metavar="STEPS", type=int,
+        ),
+    )
+
     mlflow: bool = field(
         default=False,
         metadata=_flag(
@@ -272,6 +284,7 @@ class LaunchOptions:
         if self.tls is not None:
             _check_bool("tls", self.tls, "True, False or None (the backend's default)")
         _check_bool("system_metrics", self.system_metrics)
+        _check_count("profile", self.profile, 0)
         _check_bool("mlflow", self.mlflow)
         _check_bool("preflight", self.preflight)
         if self.warm and self.pdb:

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .options import LaunchOptions
 from .names import ENV_BEFORE
-from .names import CHANNEL_CERT_ENV, CHANNEL_ENV, CHECKPOINT_DIR_ENV, DATA_FILE_ENV, HOST_RANKS_ENV, KEEP_CHECKPOINTS_ENV, MAX_RESTARTS_ENV, PREFLIGHT_ENV, RESTART_COUNT_ENV, RETURN_VALUE_ENV, RUN_ID_ENV, SECRET_ENV, SYSTEM_METRICS_ENV, USE_GPU_ENV
+from .names import CHANNEL_CERT_ENV, CHANNEL_ENV, CHECKPOINT_DIR_ENV, DATA_FILE_ENV, HOST_RANKS_ENV, KEEP_CHECKPOINTS_ENV, MAX_RESTARTS_ENV, PREFLIGHT_ENV, PROFILE_STEPS_ENV, RESTART_COUNT_ENV, RETURN_VALUE_ENV, RUN_ID_ENV, SECRET_ENV, SYSTEM_METRICS_ENV, USE_GPU_ENV
 
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,6 +51,8 @@ class RunSpec:
     ranks: Tuple[int, ...] = ()
     #: each rank's launcher samples its CPU, memory and GPUs (``sysmetrics``)
     system_metrics: bool = True
+    #: steps of each rank's innermost progress() loop to profile (``rankprofile``); 0: none
+    profile: int = 0
     #: the name of the notebook values' file that each machine fetches once from the driver's
     #: channel before its ranks start (``hostcopy``), and its size in bytes; "" when the job
     #: holds them or names a file on the driver's machine
@@ -73,7 +75,7 @@ class RunSpec:
                    checkpoint_dir=options.checkpoint_dir or checkpoint_dir,
                    keep_checkpoints=options.keep_checkpoints, data_files=tuple(data_files),
                    ranks=tuple(options.ranks or ()), system_metrics=options.system_metrics,
-                   preflight=options.preflight)
+                   preflight=options.preflight, profile=options.profile)
 
     def returns_value(self, rank: int) -> bool:
         """Whether ``rank``'s value comes back to the driver: rank 0's (with ``ranks``, the
@@ -232,6 +234,7 @@ def _run_variables(spec: RunSpec, place: Placement) -> Dict[str, str]:
         SECRET_ENV: spec.secret, CHANNEL_CERT_ENV: spec.channel_cert,
         USE_GPU_ENV: "1" if spec.use_gpu else "0",
         SYSTEM_METRICS_ENV: "1" if spec.system_metrics else "0",
+        PROFILE_STEPS_ENV: str(spec.profile),
         PREFLIGHT_ENV: "1" if spec.preflight else "0",
         RETURN_VALUE_ENV: "1" if spec.returns_value(place.rank) else "0",
         # torchrun's names too, so that code written for torchelastic sees the attempt

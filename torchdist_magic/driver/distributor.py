@@ -30,14 +30,14 @@ import threading
 import time
 import uuid
 import warnings
-from typing import Any, Dict, List, Optional, Protocol
+from typing import Any, Callable, Dict, List, Optional, Protocol
 
 from ..backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
 from ..wire.channel import ChannelServer, new_secret
 from .console import NO_STDIN_PDB, Console, rank_env
 from ..core import culprit
 from ..core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled, stack_text
-from ..core.events import DebugOutput, DumpCollectives, Failure, Log, Preflight, Stacks
+from ..core.events import DebugOutput, DumpCollectives, Failure, Log, Preflight, ProfileDone, ProfilePiece, Stacks, StartProfile
 from ..core.job import Job, function_job, script_job
 from ..core.values import value_directory
 from ..core.options import LaunchOptions
@@ -45,6 +45,7 @@ from ..core.preflight import PreflightResult, compare
 from ..core import values as value_blobs
 from ..core.names import VALUES_FETCH_ENV
 from ..core.rankenv import RunSpec
+from .profiles import Profile, ProfileCollector
 from .state import Attempt, RunDirectory, RunState, is_collateral
 from ..core.timing import ROOT_CAUSE_WAIT, STACKS_COLLECT_WAIT, STOP_GRACE, SUPERVISE_POLL
 from .tracking import MlflowLogger
@@ -93,6 +94,9 @@ def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data:
         if data is not None:
             raise ValueError("a warm run cannot train on a DataFrame: the pool's ranks were started "
                              "before the data was given; run it without --warm/warm=True")
+        if options.profile:
+            raise ValueError("a warm run cannot be profiled (--profile): the pool's ranks were started "
+                             "without a profiler; run it without --warm/warm=True")
         from ..backends.pool import warm_backend
 
         backend = warm_backend(options)  # checks the placement when it starts a pool
@@ -172,6 +176,12 @@ class Run:
         self._done = threading.Event()
         #: the ranks' debugger sessions, which ``follow`` serves (``debugger``)
         self.debugger = Console()
+        #: the current attempt's routes of records (a profile's go to its collector), and what
+        #: sends a record to a rank's worker (None until the channel listens)
+        self._profile_routes: dict = {}
+        self._to_rank: Optional[Callable[[int, Any], bool]] = None
+        self._profile_lock = threading.Lock()
+        self._profile_requests = 0
         # a warm pool's channel is its own: its ranks' sessions could not be served (not yet)
         self._debug_env = rank_env(options, debug_input and not options.warm)
         self._thread = threading.Thread(target=self._supervise, name=f"torchdist-run-{self.run_id}",
@@ -267,6 +277,46 @@ class Run:
     def attempts(self) -> List[Attempt]:
         """The attempts before the current one, each with the root cause that ended it."""
         return list(self.state.attempts)
+
+    @property
+    def profile(self) -> Optional[Profile]:
+        """With ``profile=STEPS`` (``--profile``): the profile of every rank's steps so far, its
+        ``trace_path`` (one Chrome trace of every rank, in the run's directory, once every rank's
+        profile came) and its ``summary`` by rank; None without, or before any rank's came."""
+        return self.state.profile()
+
+    def start_profile(self, steps: int) -> None:
+        """Profile every rank's next ``steps`` steps (of its innermost ``progress()`` loop) now,
+        as ``profile=STEPS`` does from the first (the view's Profile button); ``profile`` then
+        has it.  A rank whose profile is under way goes on with that one."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"start_profile: steps must be a whole number of at least 1, got {steps!r}")
+        if self.options.warm:
+            raise ValueError("a warm run cannot be profiled: the pool's ranks were started without a "
+                             "profiler; run it without --warm/warm=True")
+        with self._profile_lock:
+            if self.done() or self._to_rank is None:
+                raise RuntimeError(f"run {self.run_id} is {'over' if self.done() else 'not running yet'}: "
+                                   "there are no steps to profile")
+            self._profile_requests += 1
+            self._collect_profile(f"-{self._profile_requests}")
+            for rank in self.options.ranks or range(self.options.num_processes):
+                self._to_rank(rank, StartProfile(rank=rank, steps=steps))
+
+    def _collect_profile(self, suffix: str) -> None:
+        """Take the ranks' profile records from now on into a new ``ProfileCollector``."""
+        profiles = ProfileCollector(functools.partial(
+            _subdirectory, self.directory, os.path.join("profile", f"attempt-{self.state.attempt}{suffix}")),
+            self.options.ranks or range(self.options.num_processes))
+        self._profile_routes[ProfilePiece] = self._profile_routes[ProfileDone] = profiles.take
+        self.state.profiles = profiles
+
+    @property
+    def goodput(self) -> Dict[str, float]:
+        """Where the run's wall time went so far, in seconds (``goodput``): ``startup_s``,
+        ``training_s``, ``lost_to_restarts_s``, ``lost_to_hangs_s``, ``data_stall_s``, ``wall_s``,
+        ``rank_seconds``, and with ``use_gpu`` ``gpu_hours``."""
+        return self.state.goodput()
 
     @property
     def stacks(self) -> Dict[int, Stacks]:
@@ -379,6 +429,11 @@ class Run:
                                    data_files=data_files, channel_cert=certificate)
             spec = dataclasses.replace(spec, env={**self._debug_env, **spec.env}, **self._fetch)
             routes[DebugOutput] = self.debugger.on_output
+            self._profile_routes = routes
+            if self.options.profile:  # each attempt profiles its steps afresh
+                self._collect_profile("")
+            if channel is not None:
+                self._to_rank = functools.partial(_to_worker, channel)
             if channel is not None:
                 self.debugger.attach(functools.partial(_to_worker, channel))
             ctx = LaunchContext(self.plan, spec, self._job_bytes, emit,

@@ -2,7 +2,7 @@
 that every view (text, widget, panel) reads.
 
 ``apply`` takes the records a rank or its launcher sends (``Started``, ``Log``, ``Progress``,
-``Metrics``, ``Dropped``, ``Exit``, ``Stacks``, ``Collectives``, ``Preflight``), each through the handler ``HANDLERS`` names for
+``Metrics``, ``StepSplit``, ``Dropped``, ``Exit``, ``Stacks``, ``Collectives``, ``Preflight``), each through the handler ``HANDLERS`` names for
 its type.  A run that restarts (``max_restarts``) has attempts: ``restart`` records how the
 current one ended and starts the next with fresh rank states; records of an earlier attempt
 that arrive late are ignored.
@@ -34,6 +34,7 @@ from typing import Callable, Dict, FrozenSet, Iterable, Iterator, List, Optional
 from ..core import events
 from ..core.culprit import Verdict
 from ..core.events import Failure
+from .goodput import AttemptTimes, goodput
 from .stragglers import Pace, Straggler
 
 #: a rank's history of one metric keeps at most this many points (past that, every other one)
@@ -312,6 +313,12 @@ class RankState(_Bars):
     step_time: Optional[float] = None
     #: the samples of ``system`` so far: ``(time, *SYSTEM_HISTORY_KEYS)``, None where a sample lacked it
     system_samples: List[Tuple[Optional[float], ...]] = field(default_factory=list)
+    #: the shares of its recent steps (``stepsplit``): ``{"data": f, "compute": f, "comm": f}``,
+    #: None before its first ``progress()`` loop had run a while
+    step_split: Optional[Dict[str, float]] = None
+    #: its seconds of steps, of data waits and of collective waits since the job began
+    #: (``{"step_s", "data_s", "comm_s"}``), ``{}`` before any
+    step_totals: Dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -333,6 +340,7 @@ class RankSnapshot(_Bars):
     log_lines: int                 # lines in its log (every attempt's) at that moment
     system: Dict[str, float] = field(default_factory=dict)   # the latest system sample
     step_time: Optional[float] = None                          # seconds per step, smoothed
+    step_split: Optional[Dict[str, float]] = None              # data/compute/comm shares (``stepsplit``)
 
 
 @dataclass(frozen=True)
@@ -361,6 +369,9 @@ class Attempt:
     ended: float
     failure: Optional[Failure]     # the root cause
     failures: List[Failure] = field(default_factory=list)   # every failed rank, root cause first
+    first_work: Optional[float] = None   # its first progress step, report or step split (``goodput``)
+    checkpoint: Optional[float] = None   # when its newest checkpoint arrived
+    data_stall_s: float = 0.0            # the longest any of its ranks waited for data
 
 
 @dataclass
@@ -413,6 +424,8 @@ class RunSnapshot:
     tracking: Optional[object] = None
     #: what the run's channel refused (``RunState.refusals``)
     refusals: Tuple[Refusal, ...] = ()
+    #: where its wall time went so far (``RunState.goodput``)
+    goodput: Dict[str, float] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -505,6 +518,13 @@ class RunState:
             else:
                 known.count += 1
             self.version += 1
+        #: the current attempt's first work and newest checkpoint (``time.time()``), for goodput
+        self.first_work: Optional[float] = None
+        self.last_checkpoint: Optional[float] = None
+        #: seconds lost to a hang: from the last sign of life to the run's end (a run that hung)
+        self.hang_lost_s = 0.0
+        #: the current attempt's profiles (``profiles.ProfileCollector``, ``--profile``), or None
+        self.profiles = None
 
     def listen(self, listener: Callable[[events.Event], None]) -> None:
         """Call ``listener(record)`` with every record the state takes from now on (those of
@@ -560,6 +580,8 @@ class RunState:
         if e.state == "cleared":  # a bar that leaves no trace (tqdm's leave=False)
             rs.progress.pop(e.bar, None)
             return
+        if e.n > 0:
+            self._worked()
         rs.progress[e.bar] = {"desc": e.desc, "n": e.n, "total": e.total, "elapsed": e.elapsed,
                               "state": e.state, "postfix": e.postfix}
         if rs.state == "starting":
@@ -588,8 +610,24 @@ class RunState:
             if len(rs.system_samples) > self.max_system_points:
                 del rs.system_samples[-2::-2]  # halve the resolution; keep the first and newest
 
+    def _worked(self) -> None:
+        if self.first_work is None:
+            self.first_work = time.time()
+
+    def _on_step_split(self, rs: RankState, e: events.StepSplit) -> None:
+        self._alive()
+        self._worked()
+        rs.step_split = {"data": e.data, "compute": e.compute, "comm": e.comm}
+        rs.step_totals = {"step_s": e.step_s, "data_s": e.data_s, "comm_s": e.comm_s}
+        self._pace.step_split(rs.rank, rs.step_split)
+
+    def _on_checkpoint(self, rs: RankState, e: events.Checkpoint) -> None:
+        self._alive()
+        self.last_checkpoint = time.time()  # the driver's clock, as the attempts' times
+
     def _on_metrics(self, rs: RankState, e: events.Metrics) -> None:
         self._alive()
+        self._worked()
         self._metric_point(rs, e.step, e.values)
         for point in e.more:  # the points of one flush, in order
             self._metric_point(rs, point.step, point.values)
@@ -653,6 +691,8 @@ class RunState:
         events.Metrics: _on_metrics, events.Dropped: _on_dropped, events.Exit: _on_exit,
         events.Stacks: _on_stacks, events.SystemMetrics: _on_system, events.Collectives: _on_collectives,
         events.Preflight: _on_preflight,
+        events.Stacks: _on_stacks, events.SystemMetrics: _on_system, events.StepSplit: _on_step_split,
+        events.Checkpoint: _on_checkpoint,
     }
 
     def restart(self) -> None:
@@ -662,7 +702,10 @@ class RunState:
             failures = self.failures()
             now = time.time()
             self.attempts.append(Attempt(self.attempt, self.attempt_started, now,
-                                         failures[0] if failures else None, failures))
+                                         failures[0] if failures else None, failures,
+                                         first_work=self.first_work, checkpoint=self.last_checkpoint,
+                                         data_stall_s=self._data_stall()))
+            self.first_work = self.last_checkpoint = None
             self.attempt += 1
             self.attempt_started = now
             self.state = "restarting"
@@ -686,6 +729,8 @@ class RunState:
             self.failure = failure
             self.message = message
             self.ended = time.time()
+            if state == "hung":
+                self.hang_lost_s = time.monotonic() - self.last_activity
             for rs in self.ranks:
                 if rs.state in ("starting", "running"):
                     rs.state = "cancelled" if state in ("cancelled", "timed out", "hung", "failed") else rs.state
@@ -761,6 +806,32 @@ class RunState:
             found = [rs.failure for rs in self.ranks if rs.failure is not None]
         return root_cause_first(found)
 
+    def profile(self):
+        """The current attempt's profile (``profiles.Profile``: ``--profile``), with each rank's
+        step split; None without one, or before any rank's profile came."""
+        profiles = self.profiles
+        if profiles is None:
+            return None
+        with self._lock:
+            splits = {rs.rank: None if rs.step_split is None else dict(rs.step_split) for rs in self.ranks}
+        return profiles.profile(splits)
+
+    def _data_stall(self) -> float:
+        return max((rs.step_totals.get("data_s", 0.0) for rs in self.ranks), default=0.0)
+
+    def goodput(self) -> Dict[str, float]:
+        """Where the run's wall time went so far (``goodput``): ``startup_s``, ``training_s``,
+        ``lost_to_restarts_s``, ``lost_to_hangs_s``, ``data_stall_s``, ``wall_s``,
+        ``rank_seconds``, and with GPUs ``gpu_hours``."""
+        with self._lock:
+            end = self.ended or time.time()
+            attempts = [AttemptTimes(a.started, a.ended, a.first_work, a.checkpoint, a.data_stall_s)
+                        for a in self.attempts]
+            attempts.append(AttemptTimes(self.attempt_started, end, self.first_work, self.last_checkpoint,
+                                         self._data_stall()))
+            return goodput(self.started, end, attempts, ranks=self.num_processes - len(self.idle_ranks),
+                           use_gpu=self.use_gpu, hang_lost_s=self.hang_lost_s)
+
     def stragglers(self) -> List[Straggler]:
         """Ranks of the current attempt that step well below the others' pace or fall behind
         them, for several seconds (``stragglers`` names the thresholds): ``(rank, host, why)``
@@ -791,7 +862,8 @@ class RunState:
                 rank=rs.rank, host=rs.host, pid=rs.pid, state=rs.state, exit_code=rs.exit_code,
                 started=rs.started, ended=rs.ended, progress={k: dict(b) for k, b in rs.progress.items()},
                 metrics=dict(rs.metrics), dropped=rs.dropped, failure=rs.failure, log_lines=len(rs.logs),
-                system=dict(rs.system), step_time=rs.step_time)
+                system=dict(rs.system), step_time=rs.step_time,
+                step_split=None if rs.step_split is None else dict(rs.step_split))
                 for rs in self.ranks)
             changed = frozenset(r for r, v in enumerate(self._rank_versions) if since is None or v > since)
             now = self._pace.clock()
@@ -804,6 +876,7 @@ class RunState:
                 stacks=dict(self.stacks), changed=changed, quiet=quiet, tracking=self.tracking,
                 refusals=tuple(Refusal(r.kind, r.count, r.rank, r.detail) for r in self.refusals.values()),
                 verdict=self.verdict, preflight=dict(self.preflight),
+                goodput=self.goodput(),
                 stragglers=tuple(self._pace.stragglers([rs.host for rs in self.ranks], check=self.ended is None)))
 
     def read_log(self, rank: int, start: int = 0, limit: Optional[int] = None, newest: bool = False) -> LogRead:

@@ -10,6 +10,14 @@ running bar (``step_time``): a rank whose step time is above ``SLOW_STEP_RATIO``
 median of the ranks on the same bar is slow too.  System samples (``SystemMetrics``) come from a
 rank's launcher, not the rank: they are no sign of the rank's life.
 
+Step splits.  ``RunState`` gives each rank's step split too (``step_split``: the shares of its
+recent steps spent waiting for data, computing and waiting in collectives, ``stepsplit``), which
+says why where the pace cannot: in a synchronous job every rank steps at the slowest one's pace.
+A rank whose data share is ``SPLIT_MARGIN`` above the others' median (and ``SPLIT_RATIO`` times
+it) is *waiting for data*; one whose communication share is that far below the others' median
+(and its compute share above theirs) is *slow compute*: the others wait for it.  The ranks that
+only wait are not listed.  These compare from ``MIN_SPLIT_PEERS`` ranks on.
+
 Bars are told apart by their description: an inner loop's bar is a new bar every epoch (a new
 id), and ranks in different epochs still compare on it; its count goes on across epochs (each
 new bar of the same description starts where the last one ended).
@@ -52,6 +60,13 @@ MAX_BARS = 4
 #: a rank is slow when its step time (``RunState``'s ``step_time``) is above this many times
 #: the median step time of the ranks on the same bar
 SLOW_STEP_RATIO = 2.0
+#: a rank's share of its step (data waits; communication, below) must differ from the others'
+#: median by this much (a fraction of the step) ...
+SPLIT_MARGIN = 0.2
+#: ... and by this factor, for it to say why the rank is slow
+SPLIT_RATIO = 2.0
+#: fewest ranks with a step split for it to be compared (one rank against the other)
+MIN_SPLIT_PEERS = 2
 
 
 class Straggler(NamedTuple):
@@ -75,6 +90,10 @@ def _rate_text(rate: float) -> str:
     return f"{rate:.2f} it/s" if rate < 10 else f"{rate:.0f} it/s"
 
 
+def _percent(share: float) -> str:
+    return f"{share * 100:.0f} %"
+
+
 def _seconds_text(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
 
@@ -95,10 +114,16 @@ class Pace:
         self._checked = float("-inf")
         #: per rank, its smoothed seconds per step and the bar they are of (None: no running bar)
         self._step_times: List[Optional[Tuple[float, str]]] = [None] * num_processes
+        #: per rank, its step split (``RunState``'s ``step_split``), None before any
+        self._splits: List[Optional[Dict[str, float]]] = [None] * num_processes
 
     def step_time(self, rank: int, seconds: Optional[float], bar: str) -> None:
         """``rank``'s current step time on ``bar`` (None: it has no running bar)."""
         self._step_times[rank] = None if seconds is None else (seconds, bar)
+
+    def step_split(self, rank: int, split: Optional[Dict[str, float]]) -> None:
+        """``rank``'s current step split (``{"data": f, "compute": f, "comm": f}``; None: none)."""
+        self._splits[rank] = split
 
     def saw(self, rank: int, event: events.Event) -> None:
         now = self.clock()
@@ -183,6 +208,7 @@ class Pace:
                         # the rank's own measure: said when the driver's measures say nothing
                         note(r, (-1, seconds), f"{_seconds_text(seconds)}/step against a median of "
                                                  f"{_seconds_text(median)}/step ({name})")
+        self._check_splits(note, compared)
         for r in compared:
             if r in odd:
                 self._fine_since[r] = None
@@ -198,6 +224,26 @@ class Pace:
                     if now - self._fine_since[r] >= SLOW_FOR:
                         del self.listed[r]
                         self._fine_since[r] = None
+
+    def _check_splits(self, note: Callable[[int, Tuple[int, float], str], None], compared: set) -> None:
+        """Name why a rank holds the others up, from the step splits (see the module's docstring)."""
+        splits = {r: s for r, s in enumerate(self._splits) if s is not None}
+        if len(splits) < MIN_SPLIT_PEERS:
+            return
+        compared.update(splits)
+        for r, split in splits.items():
+            others = [s for o, s in splits.items() if o != r]
+            data = statistics.median(s["data"] for s in others)
+            comm = statistics.median(s["comm"] for s in others)
+            compute = statistics.median(s["compute"] for s in others)
+            if split["data"] - data >= SPLIT_MARGIN and split["data"] >= SPLIT_RATIO * data:
+                note(r, (2, split["data"]), f"waiting for data: {_percent(split['data'])} of its step "
+                                            f"(others {_percent(data)})")
+            elif comm - split["comm"] >= SPLIT_MARGIN and comm >= SPLIT_RATIO * split["comm"] \
+                    and split["compute"] > compute:
+                note(r, (2, split["compute"]), f"slow compute: {_percent(split['compute'])} of its step "
+                                               f"computing (others {_percent(compute)}), while the others "
+                                               f"wait in communication ({_percent(comm)} of their step)")
 
     def stragglers(self, hosts: Sequence[str], check: bool = True) -> List[Straggler]:
         """The listed ranks, by rank (``check``: compared again first, when due)."""

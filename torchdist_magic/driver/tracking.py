@@ -11,10 +11,14 @@ run when there is one.  It holds:
   that differs from its default; of ``env`` only the names, its values may be secrets), ``job``;
 * rank 0's ``report()`` metrics (on some ranks of a warm pool, ``ranks``, the lowest chosen
   rank's) under their own names (characters MLflow refuses become ``_``) and steps, every
-  rank's system samples as ``system/rank_<r>/<name>`` (``events.SystemMetrics``), and
+  rank's system samples as ``system/rank_<r>/<name>`` (``events.SystemMetrics``), its step
+  split as ``system/rank_<r>/step_data_share`` (``_compute_share``, ``_comm_share``), and
   ``attempt`` (1, 2, ... by restart count);
 * each rank's complete log (a ``ranks`` run: each chosen rank's) as the artifact
   ``logs/rank_<r>.txt`` and the root cause's traceback as ``failure.txt``, written at the end;
+* with ``--profile``, the merged trace of every rank (``profile/trace.json``);
+* where its wall time went (``goodput``) as ``goodput/<part>`` (``goodput/training_s``, ...),
+  written at the end;
 * status FINISHED, FAILED (tags ``torchdist.failed_rank``, ``torchdist.exception``,
   ``torchdist.message``) or KILLED (cancelled, timed out, hung), and ``torchdist.state``;
   where the ranks' collective records named the rank that held the others up (``culprit``),
@@ -187,6 +191,7 @@ class MlflowLogger:
         self._pending: List[Tuple[str, Any, float, int]] = []   # (name, value, time, step) as they came
         self._names: Dict[str, str] = {}                        # a name as reported -> as MLflow takes it
         self._system_steps: Dict[int, int] = {}
+        self._split_steps: Dict[int, int] = {}
         #: whose ``report()`` metrics are the job's: rank 0's, or on some ranks of a warm pool
         #: (``ranks``) the lowest chosen one's, as the job's value is
         self.metrics_rank = min(options.ranks) if options.ranks else 0
@@ -216,6 +221,12 @@ class MlflowLogger:
             self._system_steps[record.rank] = step + 1
             prefix = f"system/rank_{record.rank}/"
             rows = [(prefix + name, value, record.time, step) for name, value in record.values.items()]
+        elif isinstance(record, events.StepSplit):
+            step = self._split_steps.get(record.rank, 0)
+            self._split_steps[record.rank] = step + 1
+            prefix = f"system/rank_{record.rank}/step_"
+            rows = [(f"{prefix}{name}_share", getattr(record, name), record.time, step)
+                    for name in ("data", "compute", "comm")]
         else:
             return
         with self._lock:
@@ -299,9 +310,12 @@ class MlflowLogger:
         if lost:
             tags["torchdist.dropped_metric_points"] = str(lost)
         try:
-            from mlflow.entities import RunTag
+            from mlflow.entities import Metric, RunTag
 
-            self._client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
+            at = _ms(snap.ended or time.time())
+            self._client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()],
+                                   metrics=[Metric(f"goodput/{k}", v, at, 0) for k, v in snap.goodput.items()],
+                                   synchronous=True)
         except Exception as exc:
             self._error(f"tags: {type(exc).__name__}: {exc}")
         try:
@@ -335,6 +349,9 @@ class MlflowLogger:
                 with open(os.path.join(directory, "failure.txt"), "w", encoding="utf-8", errors="replace") as fh:
                     fh.write(f"{snap.failure.summary()}\n\n{snap.failure.traceback}")
             self._client.log_artifacts(self.run_id, directory)
+        profile = self.state.profile()
+        if profile is not None and profile.trace_path:
+            self._client.log_artifact(self.run_id, profile.trace_path, "profile")
 
     def warning(self) -> str:
         """What went unlogged, in one paragraph; ``""`` when everything was written."""

@@ -27,10 +27,12 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 from ..core import events
 from ..core.names import CHECKPOINT_DIR_ENV, HOST_RANKS_ENV, KEEP_CHECKPOINTS_ENV, RESTART_COUNT_ENV, RUN_ID_ENV, USE_GPU_ENV
+from . import profile as rankprofile, stepsplit
 
 
 _sink_lock = threading.Lock()
 _sink = None  # set by the worker: an object with .send(dict)
+_split: Optional[stepsplit.StepSplit] = None  # the rank's step split, while it has a sink
 _report_step = itertools.count(1)
 _bar_ids = itertools.count()
 PROGRESS_INTERVAL = 0.1
@@ -47,9 +49,11 @@ class RankStopped(KeyboardInterrupt):
 def _install_sink(sink) -> None:
     """Called by the worker to route events (``events`` records) to the driver (``None`` to
     detach).  With a sink, tqdm bars report to it too."""
-    global _sink
+    global _sink, _split
     with _sink_lock:
         _sink = sink
+        _split = None if sink is None else stepsplit.StepSplit(
+            _emit, rank, profiler=lambda: rankprofile.from_env(_emit, rank))
     _new_job()
     if sink is not None:
         _report_tqdm()
@@ -61,6 +65,16 @@ def _new_job() -> None:
     global _report_step
     with _sink_lock:
         _report_step = itertools.count(1)
+        if _split is not None:
+            _split.reset()
+
+
+def _start_profile(steps: int) -> None:
+    """Called by the worker when the driver asks (``events.StartProfile``): profile the next
+    ``steps`` steps of this rank's innermost ``progress()`` loop."""
+    split = _split
+    if split is not None:
+        split.profile_now(rankprofile.StepProfiler(steps, _emit, rank))
 
 
 def _emit(event: events.Event) -> None:
@@ -156,7 +170,8 @@ class progress:
     Without an iterable it is a bar that code moves itself, like tqdm's: shown at once,
     ``update(n)`` counts n more steps, ``close()`` ends it (done once it reached ``total``,
     else stopped).  Updates are rate-limited at the source (every ``PROGRESS_INTERVAL`` seconds
-    and at the end), so wrapping a tight loop costs next to nothing.
+    and at the end), so wrapping a tight loop costs next to nothing.  In a run, the time it
+    waits for each next item is the step's data wait (``stepsplit``: ``step_split``).
     """
 
     def __init__(self, iterable: Optional[Iterable] = None, total: Optional[int] = None,
@@ -199,11 +214,31 @@ class progress:
     def __iter__(self) -> Iterator:
         self._start = self._last = time.time()  # each pass over the iterable times its own
         self._send("running")
+        split = _split
+        if split is None:
+            try:
+                for item in self.iterable:
+                    yield item
+                    self.update()
+            finally:
+                self.close()
+            return
+        # in a run, the wait for each next item is the step's data wait (``stepsplit``)
+        items = iter(self.iterable)
+        depth = split.enter()
+        clock = time.perf_counter
         try:
-            for item in self.iterable:
+            while True:
+                asked = clock()
+                try:
+                    item = next(items)
+                except StopIteration:
+                    break
+                split.step(depth, clock() - asked)
                 yield item
                 self.update()
         finally:
+            split.leave()
             self.close()
 
 
@@ -287,6 +322,7 @@ def save_checkpoint(obj: Any, step: Optional[int] = None, *, rank: int = 0,
         _remove(tmp)
         raise
     _sync_directory(directory)
+    _emit(events.Checkpoint(rank=global_rank, step=step, time=time.time()))
     _prune(directory, _env_int(KEEP_CHECKPOINTS_ENV, 3), attempt)
     return path
 
@@ -345,8 +381,9 @@ def _sync_directory(directory: str) -> None:
 
 def _report_tqdm() -> None:
     """Make every tqdm bar and rich progress task of this process report as this rank's
-    progress: now for what is imported already, else when it is imported (importing them here
-    would cost every rank their import time)."""
+    progress, and torch's collectives and DDP time their waits for the step split
+    (``_PROGRESS_MODULES``): now for what is imported already, else when it is imported
+    (importing them here would cost every rank their import time)."""
     waiting = []
     for name, patch in _PROGRESS_MODULES.items():
         module = sys.modules.get(name)
@@ -550,8 +587,12 @@ def _patch_rich(cls) -> None:
     cls._torchdist_reports = True
 
 
-#: the modules whose progress bars report as the rank's progress, and how each is patched
+#: the modules whose progress bars report as the rank's progress, or whose waits the step split
+#: times, and how each is patched
 _PROGRESS_MODULES: Dict[str, Callable[[Any], None]] = {
     "tqdm.std": lambda module: _patch_tqdm(module.tqdm),
     "rich.progress": lambda module: _patch_rich(module.Progress),
+    # the step split's waits in collectives (``stepsplit``)
+    "torch.distributed.distributed_c10d": lambda module: stepsplit.patch_collectives(module, lambda: _split),
+    "torch.nn.parallel.distributed": stepsplit.patch_ddp,
 }

@@ -548,6 +548,9 @@ def main(argv=None) -> int:
     def on_message(record: events.Event) -> None:
         if isinstance(record, events.DumpCollectives):
             collectives.send_record(client.send, runtime.rank())
+        if isinstance(record, events.StartProfile):
+            runtime._start_profile(record.steps)
+            return
         if inbox is not None:
             inbox.on_message(record)
         if debug is not None:  # no session can be open before it is

@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 import math
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from ..driver.state import LogLine, RunState
 from .model import BarView, RankLog, RankRow, RankStacks, RunFacts, Series, format_duration, metric_series, rank_log, rank_logs, rank_row, rank_rows, rank_stacks, root_cause_rank, run_facts, snapshot, system_series
@@ -252,6 +252,15 @@ def stacks_html(stacks: List[RankStacks], open_rank: Optional[int] = None) -> st
     return "".join(out)
 
 
+def profile_html(profile) -> str:
+    """A run's profile (``profiles.Profile``): where its merged trace is, then a line per rank."""
+    head, *ranks = profile.lines()
+    items = "".join(f'<div style="font-family:{MONO};font-size:11px;white-space:pre-wrap">{_esc(line)}</div>'
+                    for line in ranks)
+    return (f'<div class="torchdist-profile" style="margin:4px 0;color:{TEXT}"><div style="font-weight:600">'
+            f'{_esc(head)}</div>{items}</div>')
+
+
 def _tick(value: float) -> str:
     return f"{value:.4g}"
 
@@ -273,9 +282,16 @@ def nice_ticks(low: float, high: float, count: int = 3) -> List[float]:
     return ticks
 
 
-def plot_svg(metric: str, series: Series, width: int = 320, height: int = 160, band: Optional[Band] = None) -> str:
-    """One metric against step as inline SVG: one polyline per rank of ``series``, over the
-    median and min-max band of ``band`` (many ranks).  It scales down with its pane."""
+def _seconds_tick(value: float, span: float) -> str:
+    """``12 s``, ``3.5 s``: a time axis's tick, to a precision its ``span`` shows."""
+    return f"{value:.0f} s" if span >= 10 else f"{value:.1f} s"
+
+
+def plot_svg(metric: str, series: Series, width: int = 320, height: int = 160, band: Optional[Band] = None,
+             over_time: bool = False) -> str:
+    """One metric against step as inline SVG (``over_time``: against seconds since the run
+    started, as system samples are): one polyline per rank of ``series``, over the median and
+    min-max band of ``band`` (many ranks).  It scales down with its pane."""
     left, right, top, bottom = 52, 10, 22, 20
     xs = [x for pts in series.values() for x, _ in pts]
     ys = [y for pts in series.values() for _, y in pts]
@@ -297,9 +313,16 @@ def plot_svg(metric: str, series: Series, width: int = 320, height: int = 160, b
         return top + (1 - (y - y0) / (y1 - y0)) * ph
 
     label = f'style="fill:{MUTED}"'
+
+    def x_text(x: float) -> str:
+        if over_time:
+            return _seconds_tick(x, x1 - x0)
+        return str(int(x)) if float(x).is_integer() else _tick(x)
+
+    # a cell of its grid (``_charts_html``) sets its width: every chart of a row is as wide
     out = [f'<svg class="torchdist-plot" data-metric="{_esc(metric)}" width="{width}" height="{height}"'
            f' viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg"'
-           f' style="font-family:var(--jp-ui-font-family, sans-serif);font-size:10px;flex:1 1 260px;'
+           f' style="font-family:var(--jp-ui-font-family, sans-serif);font-size:10px;'
            f'max-width:{width + 100}px;min-width:0;width:100%;height:auto;color:{TEXT}">',
            f'<text x="{left}" y="13" style="font-size:12px;font-weight:600;fill:{TEXT}">{_esc(metric)}</text>']
     for value in nice_ticks(y0, y1):
@@ -313,8 +336,9 @@ def plot_svg(metric: str, series: Series, width: int = 320, height: int = 160, b
         if anchor == "end" and len(set(xs)) == 1:
             break
         out.append(f'<text x="{px(x):.1f}" y="{height - 6}" text-anchor="{anchor}"'
-                   f' {label}>{int(x) if float(x).is_integer() else _tick(x)}</text>')
-    out.append(f'<text x="{left + pw / 2:.1f}" y="{height - 6}" text-anchor="middle" {label}>step</text>')
+                   f' {label}>{x_text(x)}</text>')
+    out.append(f'<text x="{left + pw / 2:.1f}" y="{height - 6}" text-anchor="middle" {label}>'
+               f'{"time since the start" if over_time else "step"}</text>')
     if band is not None:
         edge = [f"{px(x):.1f},{py(y):.1f}" for x, y in zip(band.steps, band.high)]
         edge += [f"{px(x):.1f},{py(y):.1f}" for x, y in zip(reversed(band.steps), reversed(band.low))]
@@ -331,7 +355,8 @@ def plot_svg(metric: str, series: Series, width: int = 320, height: int = 160, b
                        f' stroke="{colour}" stroke-width="1.6" stroke-linejoin="round"/>')
         lx, ly = pts[-1]
         out.append(f'<circle cx="{px(lx):.1f}" cy="{py(ly):.1f}" r="2.5" fill="{colour}">'
-                   f'<title>rank {rank}: {_esc(metric)}={_tick(ly)} at step {lx}</title></circle>')
+                   f'<title>rank {rank}: {_esc(metric)}={_tick(ly)} at '
+                   f'{x_text(lx) if over_time else f"step {lx}"}</title></circle>')
     out.append("</svg>")
     return "".join(out)
 
@@ -349,16 +374,20 @@ def _legend_html(ranks: List[int], more: str = "") -> str:
 
 
 def _charts_html(charts: str, legend: str) -> str:
+    # a grid, not a wrapping flex row: a chart alone on the last row is as wide as the others
     return (f'<div class="torchdist-plots" style="color:{TEXT}">{legend}'
-            f'<div style="display:flex;flex-wrap:wrap;gap:6px 16px;min-width:0">{charts}</div></div>')
+            f'<div style="display:grid;grid-template-columns:repeat(auto-fill,minmax(260px,1fr));'
+            f'gap:6px 16px;min-width:0">{charts}</div></div>')
 
 
-def plots_html(series: Dict[str, Series]) -> str:
-    """A legend of ranks, then one chart per metric (``model.metric_series``); empty when
-    nothing was reported."""
+def plots_html(series: Dict[str, Series], over_time: Iterable[str] = ()) -> str:
+    """A legend of ranks, then one chart per metric (``model.metric_series``), and per plot
+    named in ``over_time`` against seconds since the run started (``model.system_series``);
+    empty when nothing was reported."""
     if not series:
         return ""
-    charts = "".join(plot_svg(metric, by_rank) for metric, by_rank in series.items())
+    over_time = set(over_time)
+    charts = "".join(plot_svg(metric, by_rank, over_time=metric in over_time) for metric, by_rank in series.items())
     return _charts_html(charts, _legend_html(sorted({rank for by_rank in series.values() for rank in by_rank})))
 
 
@@ -499,7 +528,8 @@ def summary_html(state: RunState, log_hint: Optional[str] = None, open_rank: Opt
             logs += problems_html(problems, len(problems), log_hint, facts.finished)
     else:
         body = rows_html(rank_rows(snap), straggler_notes(snap))
-        plots = plots_html({**metric_series(state), **system_series(state)})
+        system = system_series(state)
+        plots = plots_html({**metric_series(state), **system}, over_time=system)
         logs = rank_logs_html(rank_logs(state, log_lines), log_hint, open_rank, facts.finished)
     return (f'<div class="torchdist-summary" style="border:1px solid {BORDER};border-radius:6px;'
             f'padding:8px 12px;max-width:1100px;min-width:0;overflow-wrap:anywhere">{header_html(facts)}'

@@ -142,7 +142,7 @@ class SystemSummary:
     """One system number across the ranks that have it (the latest sample of each): min,
     median and max, the extremes named by rank."""
 
-    key: str                       # cpu_percent, rss_bytes, gpu_memory_used_bytes, step_time
+    key: str                       # cpu_percent, rss_bytes, gpu_memory_used_bytes, step_time, data, compute, comm
     label: str                     # "rss"
     ranks: int
     low: float
@@ -159,19 +159,32 @@ class SystemSummary:
                 f"max {show(self.high)} (rank {self.high_rank}), {self.ranks} rank{'s' if self.ranks != 1 else ''}")
 
 
+def _share(value: float) -> str:
+    return f"{value * 100:.0f}%"
+
+
 _SYSTEM_FORMATS = {"cpu_percent": lambda v: f"{v:.0f}%", "rss_bytes": format_bytes,
                    "gpu_memory_used_bytes": format_bytes, "gpu_util_percent": lambda v: f"{v:.0f}%",
-                   "step_time": format_step_time}
+                   "step_time": format_step_time, "data": _share, "compute": _share, "comm": _share}
 _SYSTEM_LABELS = {"cpu_percent": "cpu", "rss_bytes": "rss", "gpu_memory_used_bytes": "gpu memory",
-                  "gpu_util_percent": "gpu util", "step_time": "step time"}
+                  "gpu_util_percent": "gpu util", "step_time": "step time",
+                  # the step split's shares (``stepsplit``)
+                  "data": "waiting for data", "compute": "computing", "comm": "waiting in communication"}
+
+
+def _system_value(rs: RankSnapshot, key: str) -> Optional[float]:
+    if key == "step_time":
+        return rs.step_time
+    if key in ("data", "compute", "comm"):
+        return rs.step_split.get(key) if rs.step_split else None
+    return rs.system.get(key)
 
 
 def system_summaries(ranks: Sequence[RankSnapshot]) -> List[SystemSummary]:
     """Each system number (``_SYSTEM_LABELS``) across the ranks: O(ranks) per number."""
     out = []
     for key, label in _SYSTEM_LABELS.items():
-        values = sorted((rs.step_time if key == "step_time" else rs.system.get(key), rs.rank) for rs in ranks
-                        if (rs.step_time if key == "step_time" else rs.system.get(key)) is not None)
+        values = sorted((value, rs.rank) for rs in ranks for value in [_system_value(rs, key)] if value is not None)
         if values:
             out.append(SystemSummary(key, label, len(values), values[0][0], values[0][1],
                                      statistics.median(v for v, _ in values), values[-1][0], values[-1][1]))

@@ -16,6 +16,7 @@ import sys
 import time
 from typing import List, Optional, TextIO
 
+from ..driver.goodput import describe as describe_goodput
 from ..driver.state import RunSnapshot, RunState
 from .model import LogCursor, State, format_duration, metrics_text, rank_log, rank_logs, rank_progress_text, system_text, rank_stacks, run_facts, snapshot
 from .overview import LOOK_RANKS, is_large, overview
@@ -104,6 +105,11 @@ def summary(state: State) -> str:
         rows.append(f"  {facts.refused_text}")
     if facts.outcome:
         rows.append(f"  {facts.outcome}")
+    if snap.finished and snap.goodput:
+        rows.append(f"  goodput: {describe_goodput(snap.goodput)}")
+    profile = state.profile() if isinstance(state, RunState) else None
+    if profile is not None:
+        rows += [f"  {line}" for line in profile.lines()]
     stacks = rank_stacks(snap)
     if stacks:
         rows.append("  where each rank was (innermost frame first):")

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import ipywidgets as widgets
 
 from ..driver.state import RunState
-from .html import BORDER, MUTED, bands_html, failure_html, header_html, large_rows_html, merged_log_html, plots_html, problems_html, rank_log_html, rows_html, stacks_html, straggler_notes, summary_html
+from .html import BORDER, MUTED, bands_html, failure_html, header_html, large_rows_html, merged_log_html, plots_html, problems_html, profile_html, rank_log_html, rows_html, stacks_html, straggler_notes, summary_html
 from .kernel_poll import KernelPoll
 from .model import MergedLog, metric_series, system_series, rank_log, rank_rows, rank_stacks, root_cause_rank, run_facts
 from .overview import LINE_RANKS, PAGE_RANKS, Overview, is_large, metric_bands, overview
@@ -42,6 +42,7 @@ VIEW_CPU_SHARE = 0.1  # of a core, at most, for the refreshes, and as much for t
 ALL_RANKS = -1        # log selector value for "all ranks"
 PROBLEMS = -2         # log selector value for every rank's errors and warnings
 WORTH_A_LOOK = ""     # host page value: no host's page, the ranks worth a look only
+PROFILE_STEPS = 5     # steps of every rank that the Profile button profiles
 
 
 class WidgetView:
@@ -86,6 +87,16 @@ class WidgetView:
                                                                 flex="0 0 auto", display="" if stop else "none"))
         self.stop_button.add_class("torchdist-stop")
         self.stop_button.on_click(self._on_stop)
+        # beside Stop, for a run of its own (a warm pool's ranks have no profiler)
+        profiles = stop and hasattr(run, "start_profile") and not getattr(getattr(run, "options", None), "warm", True)
+        self.profile_button = widgets.Button(
+            description="Profile", icon="tachometer", tooltip=f"profile every rank's next {PROFILE_STEPS} steps "
+            "(torch.profiler), merged into one trace", layout=widgets.Layout(
+                width="auto", min_width="76px", height="28px", flex="0 0 auto", display="" if profiles else "none"))
+        self.profile_button.add_class("torchdist-profile")
+        self.profile_button.on_click(self._on_profile)
+        self.profile_note = widgets.HTML(layout=widgets.Layout(min_width="0"))
+        self.profile_note.add_class("torchdist-profile-view")
         self.rows = widgets.HTML(layout=widgets.Layout(min_width="0"))
         self.rows.add_class("torchdist-rows-view")
         self.failure = widgets.HTML(layout=widgets.Layout(min_width="0"))
@@ -117,11 +128,11 @@ class WidgetView:
         self.logs.add_class("torchdist-logs-view")
         wrap = widgets.Layout(flex_flow="row wrap", align_items="center", min_width="0")
         self.widget = widgets.VBox(
-            [widgets.HBox([self.header, self.stop_button],
+            [widgets.HBox([self.header, self.profile_button, self.stop_button],
                           layout=widgets.Layout(flex_flow="row wrap", align_items="center",
                                                 justify_content="space-between", min_width="0")),
              widgets.HBox([self.rank_box, self.host_page, self.rank_note], layout=wrap),
-             self.rows, self.failure, self.stacks, self.plots,
+             self.rows, self.profile_note, self.failure, self.stacks, self.plots,
              widgets.VBox([self.log_select, self.logs], layout=widgets.Layout(margin="6px 0 0 0", min_width="0"))],
             layout=widgets.Layout(border=f"1px solid {BORDER}", padding="6px 12px 8px 12px",
                                   max_width="1100px", min_width="0", width="auto"))
@@ -144,6 +155,15 @@ class WidgetView:
         self.stop_button.disabled = True
         self.stop_button.description = "Stopping…"
         self.run.cancel(by="the Stop button")
+
+    def _on_profile(self, _button=None) -> None:
+        self.profile_button.disabled = True
+        try:
+            self.run.start_profile(PROFILE_STEPS)
+        except (RuntimeError, ValueError) as exc:  # the run ended meanwhile: said where the button was
+            _set(self.profile_note, f'<div style="color:{MUTED}">{html.escape(str(exc))}</div>')
+            return
+        self.profile_button.description = "Profiling…"
 
     def _on_log_select(self, _change=None) -> None:
         with self._lock:
@@ -229,6 +249,11 @@ class WidgetView:
                 _set(self.rows, rows_html(rank_rows(snap), straggler_notes(snap)))
             _set(self.failure, failure_html(facts))
             _set(self.stacks, stacks_html(rank_stacks(snap)))
+            profile = state.profile() if isinstance(state, RunState) else None
+            if profile is not None:
+                _set(self.profile_note, profile_html(profile))
+                if not profile.waiting:
+                    self.profile_button.disabled, self.profile_button.description = False, "Profile"
             self._merged.drain(state, snap.changed)
             cause = root_cause_rank(snap)
             if cause is not None and not self._log_chosen and self.log_select.value != cause:
@@ -243,10 +268,12 @@ class WidgetView:
                 lines = [look.rank for look in self._overview.look][:LINE_RANKS]
                 _set(self.plots, bands_html(metric_bands(state, lines)))
             else:
-                _set(self.plots, plots_html({**metric_series(state), **system_series(state)}))
+                system = system_series(state)
+                _set(self.plots, plots_html({**metric_series(state), **system}, over_time=system))
             self.plot_every = max(PLOT_EVERY, (self.cpu_clock() - drawn) / VIEW_CPU_SHARE)
         if facts.finished:
             self.stop_button.layout.display = "none"
+            self.profile_button.layout.display = "none"
 
     def _update_pickers(self, ov: Overview) -> None:
         """The host pages and the log choices of a large run, sent only when they change."""
