@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 from report import end_processes, machine, write_json  # noqa: E402  (this script's folder is on sys.path)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from torchdist_magic.core import events
+from torchdist_magic.core import events  # noqa: E402
 from torchdist_magic.wire import tls  # noqa: E402
 from torchdist_magic.wire.channel import ChannelClient, ChannelServer  # noqa: E402
 

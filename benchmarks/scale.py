@@ -58,7 +58,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 from report import end_processes, machine, write_json  # noqa: E402  (this script's folder is on sys.path)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from torchdist_magic.wire import channel, tls
+from torchdist_magic.wire import channel, tls  # noqa: E402
 from torchdist_magic.core import events  # noqa: E402
 from torchdist_magic.driver.state import RunState  # noqa: E402
 from torchdist_magic.core.timing import SUPERVISE_POLL  # noqa: E402

@@ -168,7 +168,7 @@ def measure(name: str, runner, sizes, repeat: int, rows: list, directions=("back
             row["driver_peak_per_value"] = (_peak_bytes() - before) / (mib * 2**20)
             if fetches:
                 row["fetch_mib_per_s"] = statistics.median(fetches)
-            del tensor
+            tensor = None  # its memory goes before the next size
             rows.append(row)
             if row["seconds"] is None:
                 print(f"{name:28s} {direction:4s} {mib:5d} MiB  failed: {row['error'][:200]}", flush=True)

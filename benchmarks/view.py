@@ -38,7 +38,9 @@ def sent_by(view, act) -> int:
     for name in PARTS:
         part = getattr(view, name)
         trait = "options" if name in ("log_select", "host_page") else "value"
-        handler = (lambda change: sizes.append(len(str(change["new"]).encode())))
+        def handler(change):
+            sizes.append(len(str(change["new"]).encode()))
+
         part.observe(handler, trait)
         handlers.append((part, handler, trait))
     act()

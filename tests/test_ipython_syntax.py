@@ -96,7 +96,7 @@ def shell():
 
 
 def test_shell_output_is_the_processes_own_output(shell, capfd):
-    word = "fd"
+    word = "fd"  # noqa: F841  (the shell line reads it: $word)
     shell.system("echo {word} out; echo $word err >&2; exit 3")
     assert capfd.readouterr() == ("fd out\n", "fd err\n")
     assert sys._getframe().f_globals["_exit_code"] == 3
