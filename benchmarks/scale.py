@@ -100,7 +100,7 @@ def generate(address, certificate, run_id, ranks, rate, seconds, flush_every, go
     def connect(key):
         rank, role = key
         secret = LAUNCHER_SECRET if role == "launcher" else WORKER_SECRET
-        return channel.open_connection(where, secret, run_id, rank, role, context)
+        return channel.open_connection(where, channel.rank_key(secret, role, rank), run_id, rank, role, context)
 
     keys = [(r, role) for r in ranks for role in ("worker", "launcher")]
     started = time.monotonic()

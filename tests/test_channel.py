@@ -14,7 +14,7 @@ import pytest
 
 from helpers import Collector, wait_until
 from torchdist_magic import channel, events, tls
-from torchdist_magic.channel import ChannelClient, ChannelServer, client_from_env, new_secret
+from torchdist_magic.channel import ChannelClient, ChannelServer, client_from_env, new_secret, rank_key
 from torchdist_magic.state import RunState
 
 
@@ -45,12 +45,17 @@ def address(srv):
     return f"{srv.address[0]}:{srv.address[1]}"
 
 
+def key(srv, role, rank=0):
+    """What ``role`` of ``rank`` authenticates with on ``srv`` (``rank_key``)."""
+    return rank_key(srv._secrets[role], role, rank)
+
+
 def worker(srv, rank=0, **kwargs):
-    return ChannelClient(address(srv), srv._secrets["worker"], "run-1", rank, certificate=srv.cert, **kwargs)
+    return ChannelClient(address(srv), key(srv, "worker", rank), "run-1", rank, certificate=srv.cert, **kwargs)
 
 
 def launcher(srv, rank=0, **kwargs):
-    return ChannelClient(address(srv), srv._secrets["launcher"], "run-1", rank, role="launcher",
+    return ChannelClient(address(srv), key(srv, "launcher", rank), "run-1", rank, role="launcher",
                          certificate=srv.cert, **kwargs)
 
 
@@ -102,7 +107,7 @@ def test_on_event_errors_are_counted_and_the_channel_goes_on():
             raise RuntimeError("handler bug")
 
     srv = ChannelServer(on_event, "run-1", secret="s", launcher_secret="l")
-    client = ChannelClient(address(srv), "s", "run-1", 0)
+    client = ChannelClient(address(srv), key(srv, "worker"), "run-1", 0)
     for n in range(10):  # records of their own each (metric points of one flush share one)
         client.send(events.Progress(rank=0, bar=f"bar{n}", n=n))
     client.close()
@@ -295,10 +300,10 @@ def test_send_takes_only_records(server):
     # over TLS too: the certificate says who the driver is, the secrets who may speak
     (lambda srv: ChannelClient(address(srv), "not-the-secret", "run-1", 0, certificate=srv.cert),
      "wrong secret for role worker"),
-    (lambda srv: ChannelClient(address(srv), srv._secrets["worker"], "another-run", 0, certificate=srv.cert),
+    (lambda srv: ChannelClient(address(srv), key(srv, "worker"), "another-run", 0, certificate=srv.cert),
      "wrong run"),
-    # a worker knows only the worker secret: it cannot pose as its launcher
-    (lambda srv: ChannelClient(address(srv), srv._secrets["worker"], "run-1", 0, role="launcher",
+    # a worker knows only its own key: it cannot pose as its launcher
+    (lambda srv: ChannelClient(address(srv), key(srv, "worker"), "run-1", 0, role="launcher",
                                certificate=srv.cert),
      "wrong secret for role launcher"),
 ], ids=["bad-secret", "wrong-run", "worker-posing-as-launcher"])
@@ -316,7 +321,7 @@ def test_a_peer_of_another_protocol_version_is_told_both_versions(server):
     other = events.PROTOCOL_VERSION + 1
     code = (f"from torchdist_magic import channel, events\n"
             f"events.PROTOCOL_VERSION = {other}\n"
-            f"c = channel.ChannelClient({address(server)!r}, {server._secrets['worker']!r}, 'run-1', 0, "
+            f"c = channel.ChannelClient({address(server)!r}, {key(server, 'worker')!r}, 'run-1', 0, "
             f"certificate={server.cert!r})\n"
             f"c.send(events.Metrics(rank=0))\n"
             f"c.close()\n")
@@ -391,7 +396,7 @@ def test_client_from_env(server, monkeypatch):
     monkeypatch.delenv("TORCHDIST_CHANNEL", raising=False)
     assert client_from_env() is None
     monkeypatch.setenv("TORCHDIST_CHANNEL", address(server))
-    monkeypatch.setenv("TORCHDIST_SECRET", server._secrets["worker"])
+    monkeypatch.setenv("TORCHDIST_SECRET", key(server, "worker", 4))
     monkeypatch.setenv("TORCHDIST_RUN_ID", "run-1")
     monkeypatch.setenv("RANK", "4")
     monkeypatch.setenv("TORCHDIST_CHANNEL_CERT", server.cert)
@@ -537,7 +542,7 @@ def test_the_bytes_on_the_wire_are_ciphertext_with_tls_only(server):
     """The same records through a relay: readable on the wire without TLS, not with it."""
     relay = Relay(server.address)
     got = Collector()
-    client = ChannelClient(relay.address, server._secrets["launcher"], "run-1", 0, role="launcher",
+    client = ChannelClient(relay.address, key(server, "launcher"), "run-1", 0, role="launcher",
                            certificate=server.cert, on_message=got)
     client.send(events.Log(rank=0, line="rank says: the-distinctive-loss-4711"))
     wait_until(lambda: server.got.records)
@@ -558,11 +563,12 @@ def test_the_bytes_on_the_wire_are_ciphertext_with_tls_only(server):
 
 CONNECT_ALL = """
 import resource, sys
-from torchdist_magic.channel import ChannelClient
+from torchdist_magic.channel import ChannelClient, rank_key
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, {count} + 256)), hard))
 address, secret, role, cert = sys.argv[1:5]
-clients = [ChannelClient(address, secret, "run-1", rank, role=role, certificate=cert) for rank in range({count})]
+clients = [ChannelClient(address, rank_key(secret, role, rank), "run-1", rank, role=role, certificate=cert)
+           for rank in range({count})]
 sys.stdin.read()  # until the test has seen them all
 for client in clients:
     client.close()

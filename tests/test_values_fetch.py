@@ -24,7 +24,7 @@ from helpers import Collector, assert_nothing_left, pipe_bytes
 from torchdist_magic import Distributor, RankFailure, hostcopy, values
 from torchdist_magic.channel import ChannelServer, new_secret
 from torchdist_magic.distributor import VALUES_FETCH_ENV
-from torchdist_magic.rankenv import RunSpec
+from torchdist_magic.rankenv import RunSpec, rank_key
 from torchdist_magic.tls import new_identity
 
 MIB = 2**20
@@ -114,7 +114,7 @@ def test_a_stranger_gets_nothing_of_the_values(served):
     with pytest.raises(hostcopy.ValuesNotFetched, match=(
             r"^rank 0 could not fetch the notebook values \(1\.0 MiB\) from the driver at 127\.0\.0\.1:\d+ "
             rf"onto {socket.gethostname()}: the driver refused: authentication failed: wrong secret "
-            r"for role launcher$")):
+            r"for role launcher of rank 0$")):
         fetch(stranger, 0)
     assert channel.stats["files_sent"] == 0 and channel.stats["rejected"] == 1
     assert not os.path.exists(copy_of(spec))
@@ -408,7 +408,8 @@ def test_many_machines_fetch_at_once_while_the_channel_delivers_records(served, 
     records = Collector()
     channel = ChannelServer(records, "run-1", secret=spec.secret, launcher_secret=spec.launcher_secret,
                             files={name: str(path) for name in names})
-    client = ChannelClient(f"127.0.0.1:{channel.port}", spec.launcher_secret, "run-1", 0, role="launcher")
+    client = ChannelClient(f"127.0.0.1:{channel.port}", rank_key(spec.launcher_secret, "launcher", 0), "run-1", 0,
+                           role="launcher")
     try:
         specs = [RunSpec(**{**through(spec, channel.port).__dict__, "values_fetch": name}) for name in names]
         with ThreadPoolExecutor(len(specs)) as pool:

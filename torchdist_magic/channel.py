@@ -98,7 +98,8 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
-from . import events, tls
+from . import events, fdlimit, tls
+from .rankenv import rank_key
 from .timing import CHANNEL_CLOSE_WAIT, CHANNEL_THREAD_WAIT, CLIENT_CLOSE_WAIT, FETCH_STALL, HANDSHAKE_DEADLINE
 
 #: largest frame after authentication (a batch of records)
@@ -149,6 +150,11 @@ FETCHES_AT_ONCE = 8
 _FILE_CHUNK = 1 << 20
 #: a full disk, as ``os.write`` says it (``EFBIG``: a file size limit)
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+#: ``accept`` out of descriptors (this process's, the system's) or of socket memory
+_OUT_OF_FILES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+#: how long the channel stops accepting when it is out of descriptors and has no connection
+#: in its handshake to give one up
+ACCEPT_PAUSE = 0.1
 
 
 class FrameError(Exception):
@@ -176,6 +182,14 @@ def _macs_equal(given: object, expected: bytes) -> bool:
     # compared as bytes: compare_digest refuses a str with non-ASCII characters (TypeError),
     # and whatever a stranger sends must be just a wrong MAC
     return isinstance(given, str) and hmac.compare_digest(given.encode("utf-8", "replace"), expected)
+
+
+def _half_the_files() -> int:
+    """Half of this process's soft limit on open files (``MAX_PENDING`` where there is none)."""
+    current = fdlimit.limits()
+    if current is None or current[0] < 0:  # RLIM_INFINITY
+        return MAX_PENDING
+    return max(16, current[0] // 2)
 
 
 def _frame(obj: dict) -> bytes:
@@ -231,7 +245,7 @@ class _Conn:
     """One accepted connection, as the server thread sees it."""
 
     __slots__ = ("sock", "deadline", "nonce", "inbuf", "outbox", "mask", "role", "rank", "open",
-                 "tls", "tls_in", "tls_out", "wire", "secure")
+                 "tls", "tls_in", "tls_out", "wire", "secure", "heard")
 
     def __init__(self, sock: socket.socket, deadline: float, context: Optional[ssl.SSLContext]):
         self.sock = sock
@@ -243,6 +257,7 @@ class _Conn:
         self.role: Optional[str] = None    # set once authenticated
         self.rank = -1
         self.open = True
+        self.heard = False                 # a frame came after the handshake
         # with TLS: ciphertext arrives in tls_in, leaves from tls_out into wire (what the socket
         # has not taken yet); secure once the TLS handshake is done
         self.tls: Optional[ssl.SSLObject] = None
@@ -280,7 +295,8 @@ class ChannelServer:
         self.encrypted = self._tls is not None
         self.stats: Dict[str, int] = dict.fromkeys(
             ("accepted", "authenticated", "rejected", "evicted", "frames", "delivered",
-             "malformed", "forbidden", "callback_errors", "files_sent", "values_received"), 0)
+             "malformed", "forbidden", "callback_errors", "files_sent", "values_received",
+             "accept_failed", "out_of_files", "claims_refused"), 0)
         self._files = _FileTransfers(dict(files or {}), self.stats)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener: Optional[socket.socket] = socket.create_server((host, 0), family=family, backlog=512)
@@ -295,10 +311,18 @@ class ChannelServer:
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         # only the server thread touches these two
         self._pending: "collections.OrderedDict[_Conn, None]" = collections.OrderedDict()  # oldest first
+        # connections in their handshake hold at most half of this process's descriptors, so
+        # that a flood of strangers leaves the kernel's own files and the ranks' connections room
+        self._pending_cap = _half_the_files()
+        self._accept_resume: Optional[float] = None  # while out of descriptors: when to accept again
         self._authed: set = set()
         # shared with send(); the outboxes too
         self._lock = threading.Lock()
-        self._routes: Dict[Tuple[str, int], _Conn] = {}   # the newest connection of each role and rank
+        self._routes: Dict[Tuple[str, int], _Conn] = {}   # the connection of each role and rank
+        # the connection that owns each role and rank (server thread only): the first to
+        # authenticate as it; it lets go only if it ends before it sent a single frame (its client
+        # gave up on a slow reply and tries again)
+        self._claims: Dict[Tuple[str, int], _Conn] = {}
         self._dirty: set = set()                          # connections with new output
         self._close_deadline: Optional[float] = None
         self._thread = threading.Thread(target=self._serve, name="torchdist-channel", daemon=True)
@@ -375,6 +399,7 @@ class ChannelServer:
                         if mask & selectors.EVENT_READ and key.data.open:
                             self._read(key.data)
                 self._expire()
+                self._resume_accepting()
                 self._flush_dirty()
         finally:
             for conn in list(self._pending) + list(self._authed):
@@ -395,12 +420,16 @@ class ChannelServer:
 
     def _stop_accepting(self) -> None:
         if self._listener is not None:
-            self._selector.unregister(self._listener)
+            if self._accept_resume is None:  # else out of the selector already
+                self._selector.unregister(self._listener)
+            self._accept_resume = None
             self._listener.close()
             self._listener = None
 
     def _timeout(self) -> Optional[float]:
         deadlines = [] if self._close_deadline is None else [self._close_deadline]
+        if self._accept_resume is not None:
+            deadlines.append(self._accept_resume)
         if self._pending:
             deadlines.append(next(iter(self._pending)).deadline)
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
@@ -417,11 +446,13 @@ class ChannelServer:
         for _ in range(_ACCEPT_PER_ROUND):
             try:
                 sock, _ = self._listener.accept()
-            except OSError:  # none left (BlockingIOError), or the peer already gave up
+            except OSError as exc:  # none left (BlockingIOError), or the peer already gave up
+                if exc.errno in _OUT_OF_FILES:
+                    self._out_of_files(exc)
                 return
             self.stats["accepted"] += 1
             sock.setblocking(False)
-            if len(self._pending) >= MAX_PENDING:
+            if len(self._pending) >= min(MAX_PENDING, self._pending_cap):
                 oldest, _ = self._pending.popitem(last=False)
                 self.stats["evicted"] += 1
                 self._drop(oldest)
@@ -431,6 +462,33 @@ class ChannelServer:
             with self._lock:  # with TLS, it goes once the client's TLS handshake is done
                 conn.outbox += _frame({"nonce": conn.nonce})
             self._write(conn)
+
+    def _out_of_files(self, exc: OSError) -> None:
+        """``accept`` failed for want of a descriptor: the connection stays in the listener's
+        backlog, which stays readable, so accepting again at once would spin.  The oldest
+        connection still in its handshake gives its descriptor up for it (strangers that say
+        nothing cannot hold the run's ranks out); with none, the channel stops accepting for
+        ``ACCEPT_PAUSE``.  Said once per channel, in the log."""
+        self.stats["accept_failed"] += 1
+        if not self.stats["out_of_files"]:
+            _log.warning("run %s: this process is out of open files (%s): the event channel drops "
+                         "the oldest connection still in its handshake, or stops accepting for "
+                         "%g s at a time; raise the limit (ulimit -n) if ranks cannot connect",
+                         self._run_id, exc.strerror, ACCEPT_PAUSE)
+        self.stats["out_of_files"] += 1
+        if self._pending:
+            oldest, _ = self._pending.popitem(last=False)
+            self.stats["evicted"] += 1
+            self._drop(oldest)
+        elif self._listener is not None and self._accept_resume is None:
+            self._selector.unregister(self._listener)
+            self._accept_resume = time.monotonic() + ACCEPT_PAUSE
+
+    def _resume_accepting(self) -> None:
+        if self._accept_resume is not None and time.monotonic() >= self._accept_resume:
+            self._accept_resume = None
+            if self._listener is not None:
+                self._selector.register(self._listener, selectors.EVENT_READ)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -574,19 +632,45 @@ class ChannelServer:
         reason = self._check_hello(conn, hello)
         if reason is not None:
             return self._reject(conn, reason)
-        del self._pending[conn]
         if "fetch" in hello or "upload" in hello:
+            del self._pending[conn]
             return self._hand_off(conn, hello)
+        claim = (hello["role"], hello["rank"])
+        if claim in self._claims:
+            return self._second_claim(conn, *claim)
+        del self._pending[conn]
         self._authed.add(conn)
-        conn.role, conn.rank = hello["role"], hello["rank"]
+        conn.role, conn.rank = claim
+        self._claims[claim] = conn
         self.stats["authenticated"] += 1
         with self._lock:
-            self._routes[(conn.role, conn.rank)] = conn
-            proof = _mac(self._secrets[conn.role], hello["nonce"]).decode()
+            self._routes[claim] = conn
+            proof = _mac(self._key(conn.role, conn.rank), hello["nonce"]).decode()
             conn.outbox += _frame({"ok": True, "mac": proof})
         self._write(conn)
         if conn.open and buf:
             self._frames(conn)
+
+    def _key(self, role: str, rank: int) -> str:
+        return rank_key(self._secrets[role], role, rank)
+
+    def _second_claim(self, conn: _Conn, role: str, rank: int) -> None:
+        """Refuse an authenticated connection as a role and rank that another connection owns,
+        and say so in that rank's log, where the run's view shows it."""
+        self.stats["claims_refused"] += 1
+        try:
+            host, port = conn.sock.getpeername()[:2]
+            peer = f"{host}:{port}"
+        except OSError:
+            peer = "a peer that has gone"
+        line = (f"torchdist: refused a second connection as rank {rank}'s {role} (from {peer}): "
+                f"another one already speaks for it; only the first is heard")
+        _log.warning("run %s: %s", self._run_id, line)
+        self._reject(conn, f"rank {rank}'s {role} is already connected to this run")
+        try:
+            self._on_event(events.Log(rank=rank, stream="stderr", line=line))
+        except Exception:  # noqa: BLE001  the driver's handler must not stop the channel
+            self.stats["callback_errors"] += 1
 
     def _check_hello(self, conn: _Conn, hello: dict) -> Optional[str]:
         """Why ``hello`` does not open this run's channel, or ``None`` when it does."""
@@ -598,13 +682,13 @@ class ChannelServer:
         role = hello.get("role")
         if not isinstance(role, str) or role not in self._secrets:
             return f"unknown role {role!r:.20}"
-        if not _macs_equal(hello.get("mac"), _mac(self._secrets[role], conn.nonce)):
-            return f"authentication failed: wrong secret for role {role}"
-        if hello.get("run_id") != self._run_id:
-            return f"wrong run: this channel serves run {self._run_id}"
         rank, nonce = hello.get("rank"), hello.get("nonce")
         if type(rank) is not int or rank < 0 or not isinstance(nonce, str):
             return "a hello needs a rank and a nonce"
+        if not _macs_equal(hello.get("mac"), _mac(self._key(role, rank), conn.nonce)):
+            return f"authentication failed: wrong secret for role {role} of rank {rank}"
+        if hello.get("run_id") != self._run_id:
+            return f"wrong run: this channel serves run {self._run_id}"
         fetch = hello.get("fetch")
         if fetch is not None and not self._files.serves(fetch):
             return f"this channel serves no file named {fetch!r:.100}"
@@ -622,7 +706,7 @@ class ChannelServer:
         """An authenticated fetch or upload: its reply queued, it leaves this thread for one of
         the file transfers'."""
         self.stats["authenticated"] += 1
-        conn.outbox += _frame({"ok": True, "mac": _mac(self._secrets[hello["role"]], hello["nonce"]).decode()})
+        conn.outbox += _frame({"ok": True, "mac": _mac(self._key(hello["role"], hello["rank"]), hello["nonce"]).decode()})
         conn.open = False  # the server's loops let go of it
         self._selector.unregister(conn.sock)
         if "fetch" in hello:
@@ -647,6 +731,7 @@ class ChannelServer:
 
     def _deliver(self, conn: _Conn, body: bytes) -> None:
         self.stats["frames"] += 1
+        conn.heard = True
         frame = _parse(body)
         items = frame.get("events") if frame is not None else None
         if not isinstance(items, list):
@@ -674,6 +759,8 @@ class ChannelServer:
         conn.open = False
         self._pending.pop(conn, None)
         self._authed.discard(conn)
+        if not conn.heard and self._claims.get((conn.role, conn.rank)) is conn:
+            del self._claims[(conn.role, conn.rank)]
         with self._lock:
             if self._routes.get((conn.role, conn.rank)) is conn:
                 del self._routes[(conn.role, conn.rank)]

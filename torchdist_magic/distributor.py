@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, Protocol
 
 from .backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
 from .channel import ChannelServer, new_secret
+from .fdlimit import make_room
 from .debugger import NO_STDIN_PDB, Console, rank_env
 from .errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
 from .events import DebugOutput, Log, Stacks
@@ -98,6 +99,7 @@ def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data:
         check_cold_run(options, backend)  # a warm pool may hold the Spark task slots
     try:
         plan = backend.check(options)
+        make_room(options.num_processes, local=backend.ranks_share_machine())
         prepared = None
         if data is not None:
             from .data import prepare_data

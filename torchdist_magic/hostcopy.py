@@ -44,7 +44,7 @@ from typing import Callable
 
 from . import tls
 from .channel import MAX_HELLO, FrameError, NotTheDriver, read_frame, Refused, open_connection
-from .rankenv import RunSpec
+from .rankenv import RunSpec, rank_key
 from .timing import FETCH_QUEUE_WAIT, FETCH_STALL
 from .values import blob_size
 
@@ -116,7 +116,8 @@ def file_connection(run: RunSpec, rank: int, failed: Callable[[str], Exception],
     host, _, port = run.channel_address.rpartition(":")
     context = tls.client_context(run.channel_cert) if run.channel_cert else None
     try:
-        return open_connection((host.strip("[]"), int(port)), run.launcher_secret, run.run_id, rank,
+        return open_connection((host.strip("[]"), int(port)), rank_key(run.launcher_secret, "launcher", rank),
+                               run.run_id, rank,
                                "launcher", context, **hello)
     except Refused as exc:
         raise failed(f"the driver refused: {exc}") from None

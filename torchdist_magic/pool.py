@@ -42,6 +42,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 from . import events
 from .backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
 from .channel import ChannelServer, new_secret
+from .fdlimit import make_room
 from .options import LaunchOptions
 from .procs import rss_bytes
 from .rankenv import RunSpec, job_environment
@@ -127,6 +128,7 @@ class Pool:
         from .job import serve_job
 
         run_id = self.run_id
+        make_room(self.options.num_processes, local=self.backend.ranks_share_machine())
         secret, launcher_secret = new_secret(), new_secret()
         identity = None
         if self.plan.tls:  # a key for the pool's life, as its secrets; it never leaves this process

@@ -13,6 +13,8 @@ and ``TORCHDIST_KEEP_CHECKPOINTS``).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 from dataclasses import dataclass, replace
@@ -26,6 +28,13 @@ _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the pool and sets these back (``worker.serve``), so that a later run without it does not see
 #: it.  The worker removes the variable itself before any job runs.
 ENV_BEFORE = "TORCHDIST_ENV_BEFORE"
+
+
+def rank_key(secret: str, role: str, rank: int) -> str:
+    """What ``role`` (``"worker"``, ``"launcher"``) of ``rank`` authenticates with on the run's
+    channel, derived from the run's secret of that role: a rank's worker is given only its own
+    key, so it cannot speak as another rank (``channel``)."""
+    return hmac.new(secret.encode(), f"torchdist {role} {rank}".encode(), hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -229,7 +238,9 @@ def _run_variables(spec: RunSpec, place: Placement) -> Dict[str, str]:
         "MASTER_ADDR": place.master_addr, "MASTER_PORT": str(place.master_port),
         "TORCHDIST_HOST_RANKS": ",".join(map(str, place.host_ranks or (place.rank,))),
         "TORCHDIST_RUN_ID": spec.run_id, "TORCHDIST_CHANNEL": spec.channel_address,
-        "TORCHDIST_SECRET": spec.secret, "TORCHDIST_CHANNEL_CERT": spec.channel_cert,
+        # its own key only (a warm job's variables are named from rank 0's placement: names only)
+        "TORCHDIST_SECRET": rank_key(spec.secret, "worker", place.rank) if spec.secret else "",
+        "TORCHDIST_CHANNEL_CERT": spec.channel_cert,
         "TORCHDIST_USE_GPU": "1" if spec.use_gpu else "0",
         "TORCHDIST_SYSTEM_METRICS": "1" if spec.system_metrics else "0",
         "TORCHDIST_RETURN_VALUE": "1" if spec.returns_value(place.rank) else "0",

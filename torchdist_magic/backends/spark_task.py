@@ -53,7 +53,7 @@ from .. import events, hostcopy, procs, valueupload
 from ..channel import ChannelClient
 from ..gpu_metrics import open_gpu_source
 from ..launcher import RankProcess, read_result, reserve_port, stop_all, write_job_file
-from ..rankenv import RunSpec, place_spark_tasks, rank_environment
+from ..rankenv import RunSpec, place_spark_tasks, rank_environment, rank_key
 from ..timing import STOP_GRACE
 from ..values import host_copy_path
 from ..worker import RESULT_FILE, VALUE_FILE_ENV
@@ -224,7 +224,8 @@ def run_barrier_task(spec: BarrierTaskSpec, partition) -> List[TaskOutcome]:
     context = BarrierTaskContext.get()
     rank = context.partitionId()
     driver = DriverMessages()
-    channel = ChannelClient(spec.run.channel_address, spec.run.launcher_secret, spec.run.run_id, rank,
+    channel = ChannelClient(spec.run.channel_address, rank_key(spec.run.launcher_secret, "launcher", rank),
+                            spec.run.run_id, rank,
                             role="launcher", on_message=driver.on_message, certificate=spec.run.channel_cert)
     exits: List[events.Exit] = []
     tail: "collections.deque[str]" = collections.deque(maxlen=LOG_TAIL)

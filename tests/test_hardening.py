@@ -1,0 +1,248 @@
+"""Hardening (issue 30): the driver within its file limit, each rank only itself, nothing trusted
+by name.  Each test takes the shape of a finding of the review: silent connections under a low
+limit, an impostor rank's hello, a second claim on a rank, a planted file or directory."""
+
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from helpers import Collector, wait_until
+from torchdist_magic import channel, events, fdlimit
+from torchdist_magic.channel import ChannelClient, ChannelServer, new_secret
+
+# -- file limits ----------------------------------------------------------------------------------
+
+#: a driver process under a low limit on open files, whose own files already take most of it (as
+#: a notebook's would): it serves a channel, says where, and reports its channel's counts and
+#: the channel thread's CPU time once told to (a line on stdin)
+LOW_LIMIT_DRIVER = textwrap.dedent("""
+    import json, os, resource, sys, time
+    from torchdist_magic import channel, fdlimit
+    limit, free = int(sys.argv[1]), int(sys.argv[2])
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+    got = []
+    server = channel.ChannelServer(got.append, "run-1", secret="s" * 64, launcher_secret="l" * 64)
+    ballast = []
+    while fdlimit.open_now() < limit - free:  # what the rest of the kernel holds
+        ballast.append(open(os.devnull))
+    print(json.dumps({"port": server.port}), flush=True)
+    for line in sys.stdin:
+        if line.startswith("free"):  # the kernel closes some of its files
+            for fh in ballast[:int(line.split()[1])]:
+                fh.close()
+            del ballast[:int(line.split()[1])]
+            print("{}", flush=True)
+            continue
+        tid = server._thread.native_id
+        with open(f"/proc/self/task/{tid}/stat") as fh:
+            ticks = sum(map(int, fh.read().rsplit(")", 1)[1].split()[11:13]))
+        print(json.dumps({"stats": server.stats, "cpu": ticks / os.sysconf("SC_CLK_TCK"),
+                          "ranks": sorted({record.rank for record in got})}), flush=True)
+        break
+    server.close()
+""")
+
+
+class LowLimitDriver:
+    def __init__(self, limit, free):
+        self.process = subprocess.Popen([sys.executable, "-c", LOW_LIMIT_DRIVER, str(limit), str(free)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.port = json.loads(self.process.stdout.readline())["port"]
+        self.started = time.monotonic()
+
+    def free(self, count):
+        self.process.stdin.write(f"free {count}\n")
+        self.process.stdin.flush()
+        self.process.stdout.readline()
+
+    def report(self):
+        self.process.stdin.write("report\n")
+        self.process.stdin.flush()
+        report = json.loads(self.process.stdout.readline())
+        report["elapsed"] = time.monotonic() - self.started
+        assert self.process.wait(timeout=60) == 0
+        return report
+
+    def client(self, rank, role="worker"):
+        secret = ("s" if role == "worker" else "l") * 64
+        return ChannelClient(f"127.0.0.1:{self.port}", channel.rank_key(secret, role, rank), "run-1", rank,
+                             role=role)
+
+
+def test_silent_connections_under_a_low_file_limit_leave_the_ranks_room_and_the_channel_idle():
+    # the kernel holds all but 12 of its 128 descriptors; 80 connections that say nothing arrive
+    # first: each accept() that finds no descriptor gives up the oldest of them for the newcomer
+    # (before, it swallowed EMFILE and went round again at once: 50-100 % of a core)
+    driver = LowLimitDriver(limit=128, free=12)
+    silent = [socket.create_connection(("127.0.0.1", driver.port), timeout=30) for _ in range(80)]
+    try:
+        clients = [driver.client(rank) for rank in range(2)]
+        for rank, client in enumerate(clients):
+            client.send(events.Started(rank=rank, pid=os.getpid()))
+        for client in clients:
+            client.close()
+        report = driver.report()
+    finally:
+        for sock in silent:
+            sock.close()
+    assert report["ranks"] == [0, 1]  # both ranks got in and were heard
+    stats = report["stats"]
+    assert stats["out_of_files"] >= 1 and stats["evicted"] >= 1
+    # every failed accept() gave up a descriptor or paused accepting: no more than the
+    # connections that came, and one per pause
+    assert stats["accept_failed"] <= stats["accepted"] + report["elapsed"] / channel.ACCEPT_PAUSE + 1
+    print(f"channel thread: {report['cpu']:.2f} s of CPU in {report['elapsed']:.1f} s")
+
+
+def test_with_no_descriptor_to_give_up_the_channel_pauses_accepting_and_resumes():
+    driver = LowLimitDriver(limit=96, free=0)
+    waiting = socket.create_connection(("127.0.0.1", driver.port), timeout=30)  # stays in the backlog
+    try:
+        time.sleep(1.0)  # what a spinning thread would fill with failed accept() calls
+        driver.free(24)
+        client = driver.client(0)
+        client.send(events.Started(rank=0, pid=os.getpid()))
+        client.close()
+        report = driver.report()
+    finally:
+        waiting.close()
+    assert report["ranks"] == [0]
+    assert 1 <= report["stats"]["accept_failed"] <= report["elapsed"] / channel.ACCEPT_PAUSE + 2
+    print(f"channel thread: {report['cpu']:.2f} s of CPU in {report['elapsed']:.1f} s")
+
+
+FDLIMIT_CHILD = textwrap.dedent("""
+    import json, resource, sys
+    from torchdist_magic import fdlimit
+    soft, hard, ranks = map(int, sys.argv[1:4])
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        fdlimit.make_room(ranks, local=True)
+    except ValueError as exc:
+        print(json.dumps({"error": str(exc)}))
+    else:
+        print(json.dumps({"soft": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                          "need": fdlimit.descriptors_needed(ranks, True)}))
+""")
+
+
+def _fdlimit_child(soft, hard, ranks):
+    out = subprocess.run([sys.executable, "-c", FDLIMIT_CHILD, str(soft), str(hard), str(ranks)],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    return json.loads(out)
+
+
+def test_the_soft_file_limit_is_raised_toward_the_hard_one_for_a_large_run():
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 8192:
+        pytest.skip(f"the hard limit on open files ({hard}) is below what 1024 local ranks need")
+    got = _fdlimit_child(1024, 8192 if hard == resource.RLIM_INFINITY else min(hard, 8192), 1024)
+    assert got["soft"] >= 1024 * fdlimit.PER_LOCAL_RANK + fdlimit.HEADROOM
+    assert got["soft"] >= got["need"] - 8  # counted again after: about the same files are open
+    small = _fdlimit_child(1024, 8192 if hard == resource.RLIM_INFINITY else min(hard, 8192), 4)
+    assert small["soft"] == 1024  # never raised for a run that fits
+
+
+def test_a_run_the_hard_file_limit_cannot_hold_is_refused_before_anything_starts():
+    got = _fdlimit_child(512, 512, 1024)
+    assert got["error"].startswith("a run of 1024 ranks needs about ")
+    assert "its hard limit is 512: raise it before starting Jupyter (`ulimit -n 8192`" in got["error"]
+
+
+def test_distributor_refuses_a_run_beyond_the_hard_file_limit():
+    script = textwrap.dedent("""
+        import resource
+        from torchdist_magic import Distributor
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+        try:
+            Distributor(200, local_mode=True, show=None).run(lambda: 1)
+        except ValueError as exc:
+            print(exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120).stdout
+    assert out.startswith("a run of 200 ranks needs about "), out
+    assert "open files in this process (4 per rank, " in out and "its hard limit is 300" in out
+
+
+# -- each rank only itself ------------------------------------------------------------------------
+
+@pytest.fixture
+def run_channel():
+    """A run's channel whose records go to a real ``RunState`` of 4 ranks (what the view reads)."""
+    from torchdist_magic.state import RunState
+
+    state = RunState("run-1", 4)
+    srv = ChannelServer(state.apply, "run-1", secret=new_secret(), launcher_secret=new_secret())
+    srv.state = state
+    yield srv
+    srv.close()
+
+
+def _key(srv, role, rank):
+    return channel.rank_key(srv._secrets[role], role, rank)
+
+
+def _connect(srv, role, rank, key_rank=None):
+    """A raw authenticated connection as ``role`` of ``rank``, with the key of ``key_rank``."""
+    return channel.open_connection(srv.address, _key(srv, role, rank if key_rank is None else key_rank),
+                                   "run-1", rank, role)
+
+
+def test_a_worker_cannot_say_hello_as_another_rank(run_channel):
+    # rank 3's worker holds rank 3's key only; before, every worker held the run's one secret
+    with pytest.raises(channel.Refused, match="^authentication failed: wrong secret for role worker of rank 0$"):
+        _connect(run_channel, "worker", 0, key_rank=3)
+    assert run_channel.stats["authenticated"] == 0
+
+
+def test_a_launcher_cannot_upload_another_ranks_value(run_channel, tmp_path):
+    (tmp_path / "values").mkdir()
+    run_channel.receive_values({0: str(tmp_path / "values" / "rank-0.value")})
+    with pytest.raises(channel.Refused, match="^authentication failed: wrong secret for role launcher of rank 0$"):
+        channel.open_connection(run_channel.address, _key(run_channel, "launcher", 1), "run-1", 0, "launcher",
+                                upload=10)
+    assert not os.listdir(tmp_path / "values")
+
+
+def test_a_worker_sends_records_only_as_its_own_rank(run_channel):
+    client = ChannelClient(f"127.0.0.1:{run_channel.port}", _key(run_channel, "worker", 2), "run-1", 2)
+    client.send(events.Started(rank=0, pid=1234))  # it claims rank 0 in the record
+    client.close()
+    wait_until(lambda: run_channel.stats["delivered"] == 1)
+    assert run_channel.state.ranks[2].pid == 1234 and run_channel.state.ranks[0].pid != 1234
+
+
+def test_a_second_claim_on_a_rank_is_refused_and_shown_in_that_ranks_log(run_channel, capfd):
+    first = ChannelClient(f"127.0.0.1:{run_channel.port}", _key(run_channel, "worker", 0), "run-1", 0,
+                          on_message=Collector())
+    first.send(events.Started(rank=0, pid=1))
+    wait_until(lambda: run_channel.stats["delivered"] == 1)
+    # the same rank and role again (its key leaked, or a launcher that knows the run's secret):
+    # before, the newest connection took over the rank's debugger input and warm jobs
+    second = ChannelClient(f"127.0.0.1:{run_channel.port}", _key(run_channel, "worker", 0), "run-1", 0)
+    second.send(events.Started(rank=0, pid=2))
+    second.close()
+    err = capfd.readouterr().err
+    assert err.count("torchdist_magic:") == 1 and "rank 0's worker is already connected to this run" in err, err
+    wait_until(lambda: "refused a second connection as rank 0's worker (from 127.0.0.1:" in run_channel.state.logs(0))
+    assert "another one already speaks for it; only the first is heard" in run_channel.state.logs(0)
+    assert run_channel.state.ranks[0].pid == 1 and run_channel.stats["claims_refused"] == 1
+    # the driver's records still reach the first
+    assert run_channel.send(0, events.DebugInput(rank=0, session="s", line="p x"), role="worker")
+    wait_until(lambda: first._on_message.records)
+    first.close()
+
+
+def test_a_claim_whose_connection_ended_before_a_single_frame_is_free_again(run_channel):
+    # a rank whose client gave up on a slow reply tries again: that must not lock it out
+    _connect(run_channel, "worker", 1).close()
+    wait_until(lambda: ("worker", 1) not in run_channel._routes)
+    _connect(run_channel, "worker", 1).close()
+    assert run_channel.stats["claims_refused"] == 0 and run_channel.stats["authenticated"] == 2
