@@ -3,12 +3,15 @@
 Wire format.  Every frame is a 4-byte big-endian length and a UTF-8 JSON object; nothing read
 from a socket is ever unpickled.  A connection starts with a challenge: the server sends
 ``{"nonce": ...}``; the client answers ``{"mac": HMAC-SHA256(secret, nonce), "nonce": ...,
-"run_id", "rank", "role", "protocol"}``, with the secret of its role.  A worker knows only the
-run's ``secret``; the launcher of a rank (the local backend, a Spark task) also knows
-``launcher_secret``, so a worker cannot pose as its launcher and report its own exit.  The server
-replies ``{"ok": true, "mac": HMAC-SHA256(secret, client's nonce)}``, so that a rank obeys only
-the driver and not whatever took over its port, or ``{"ok": false, "error": reason}`` and
-closes.  After that every frame, in either direction, is ``{"events": [record, ...]}`` in the
+"run_id", "rank", "role", "protocol"}``, where ``secret`` is the key of that role and rank
+(``rank_key``: derived from the run's secret of the role).  A worker is given only its own rank's
+key of the run's ``secret``, so it cannot speak as another rank, nor as a launcher, which holds a
+key of ``launcher_secret`` (a Spark task derives its rank's from it), so a worker cannot report
+its own exit.  The server replies ``{"ok": true, "mac": HMAC-SHA256(secret, client's nonce)}``,
+so that a rank obeys only the driver and not whatever took over its port, or ``{"ok": false,
+"error": reason}`` and closes.  The first connection to authenticate as a role and rank owns
+it for the channel's life: a second one is refused, and the rank's log says so (one that ends
+before it sent a single frame lets go: its client tried again after a slow reply).  After that every frame, in either direction, is ``{"events": [record, ...]}`` in the
 encoding of ``events``.
 
 Strangers.  The driver's port is open to anything on the cluster's network, so a connection that
@@ -16,7 +19,10 @@ has not authenticated may cost only a bounded amount.  One thread serves every c
 selector; no thread per connection); a hello may be at most ``MAX_HELLO`` bytes and must arrive
 within ``HANDSHAKE_DEADLINE``; at most ``MAX_PENDING`` connections wait for their handshake, and
 a new one evicts the oldest: connections that take a slot and say nothing cannot lock the ranks
-out, and a rank whose handshake was cut off tries again.  Nothing a stranger sends is printed or
+out, and a rank whose handshake was cut off tries again.  They hold at most half of the process's
+descriptors; when ``accept`` finds none left (``EMFILE``), the oldest of them gives its own up,
+or, with none waiting, the channel stops accepting for ``ACCEPT_PAUSE`` rather than spin on a
+listener that stays readable (``fdlimit`` raises the limit before a run).  Nothing a stranger sends is printed or
 raised; it is counted in ``ChannelServer.stats``.
 
 Ranks.  An authenticated peer may send frames of up to ``MAX_FRAME`` bytes.  Every record goes
