@@ -4,6 +4,7 @@ limit, an impostor rank's hello, a second claim on a rank, a planted file or dir
 
 import json
 import os
+import re
 import resource
 import socket
 import subprocess
@@ -246,3 +247,69 @@ def test_a_claim_whose_connection_ended_before_a_single_frame_is_free_again(run_
     wait_until(lambda: ("worker", 1) not in run_channel._routes)
     _connect(run_channel, "worker", 1).close()
     assert run_channel.stats["claims_refused"] == 0 and run_channel.stats["authenticated"] == 2
+
+
+# -- nothing trusted by name ----------------------------------------------------------------------
+
+def _spec(tmp_path, launcher_secret="l" * 64):
+    from torchdist_magic.backends.spark_task import BarrierTaskSpec
+    from torchdist_magic.rankenv import RunSpec
+
+    run = RunSpec("run-7", 2, False, False, {}, None, secret="s" * 64, launcher_secret=launcher_secret)
+    return BarrierTaskSpec(run=run, job_bytes=b"", value_dir=str(tmp_path / "values"))
+
+
+def test_a_task_writes_its_value_only_into_the_drivers_own_marked_directory(tmp_path):
+    from torchdist_magic.backends.spark_task import value_dir_mark, value_dir_token
+
+    spec = _spec(tmp_path)
+    folder = tmp_path / "values"
+    folder.mkdir(mode=0o700)
+    mark = folder / value_dir_mark("run-7")
+    # the review's shape: a directory of the right name with the mark's name in it, made by
+    # someone who does not know the run's secret, received the trained model
+    mark.write_text("")
+    assert spec.value_file(0) == ""
+    mark.write_bytes(value_dir_token(_spec(tmp_path, launcher_secret="x" * 64).run))  # another run's
+    assert spec.value_file(0) == ""
+    mark.write_bytes(value_dir_token(spec.run))
+    assert spec.value_file(0) == str(folder / "rank-0.value")
+    folder.chmod(0o777)  # the right mark in a directory others may write: not trusted either
+    assert spec.value_file(0) == ""
+    folder.chmod(0o700)
+    mark.unlink()
+    os.symlink(tmp_path / "elsewhere", mark)
+    assert spec.value_file(0) == ""
+
+
+def test_a_directory_of_another_user_is_not_private(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a directory to another user")
+    from torchdist_magic import privdir
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 4242, 4242)
+    with pytest.raises(privdir.UnsafePath, match=r"\(owned by uid 4242, not 0\)"):
+        privdir.private_directory(str(theirs))
+
+
+def test_map_value_reads_and_removes_only_files_of_the_runs_value_directory(tmp_path):
+    from torchdist_magic import privdir
+    from torchdist_magic.launcher import map_value
+
+    folder, elsewhere = tmp_path / "values", tmp_path / "precious"
+    folder.mkdir()
+    elsewhere.write_bytes(b"the user's file")
+    for named in (str(elsewhere), str(folder / ".." / "precious")):  # what a task's outcome may name
+        with pytest.raises(privdir.UnsafePath, match=(
+                rf"^a rank's value was to be read from {re.escape(named)}, outside the run's value directory "
+                rf"{re.escape(str(folder))}; it is neither read nor removed$")):
+            map_value(named, str(folder))
+    os.symlink(elsewhere, folder / "rank-0.value")
+    with pytest.raises(privdir.UnsafePath, match="is a symbolic link"):
+        map_value(str(folder / "rank-0.value"), str(folder))
+    assert elsewhere.read_bytes() == b"the user's file"
+    (folder / "rank-1.value").write_bytes(b"value")
+    assert bytes(map_value(str(folder / "rank-1.value"), str(folder))) == b"value"
+    assert not (folder / "rank-1.value").exists()

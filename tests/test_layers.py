@@ -12,7 +12,8 @@ PACKAGE = pathlib.Path(torchdist_magic.__file__).parent
 
 #: bottom first; a module may import its own layer and those below it
 LAYERS = [
-    ("contract", {"events", "timing", "options", "procs", "tls", "sysmetrics", "gpu_metrics", "fdlimit"}),
+    ("contract", {"events", "timing", "options", "procs", "tls", "sysmetrics", "gpu_metrics", "fdlimit",
+                  "privdir"}),
     ("rank side", {"errors", "runtime", "rank_shell", "job", "rankenv", "data", "values", "rank_debugger"}),
     ("worker and transport", {"worker", "channel", "hostcopy", "valueupload"}),
     ("launch and state", {"launcher", "state", "stragglers"}),

@@ -39,6 +39,7 @@ from typing import Callable, Dict, Optional
 
 from . import events, timing, values
 from .gpu_metrics import GpuSource, visible_devices
+from .privdir import UnsafePath, inside, open_private
 from .procs import MARK_VARIABLE, end_marked_processes
 from .sysmetrics import RankSampler, explain_cuda_oom, is_cuda_oom
 from .timing import OUTPUT_GATHER, PIPE_DRAIN_WAIT, REAP_WAIT, STACKS_SETTLE, STACKS_WAIT, STOP_GRACE
@@ -113,16 +114,20 @@ def value_directory(prefix: str, nbytes: int = 0) -> str:
     return tempfile.mkdtemp(prefix=prefix)
 
 
-def map_value(path: str) -> Optional[mmap.mmap]:
-    """The value blob at ``path`` mapped into memory, copy-on-write, and the file's name removed:
-    in shared memory the value's pages are then the ones the rank wrote, never copied; the
-    mapping (and with it the memory) goes when the last tensor or array of the value goes.
-    ``None`` when there is no such file."""
+def map_value(path: str, directory: str) -> Optional[mmap.mmap]:
+    """The value blob at ``path``, a file of the run's value ``directory``, mapped into memory,
+    copy-on-write, and the file's name removed: in shared memory the value's pages are then the
+    ones the rank wrote, never copied; the mapping (and with it the memory) goes when the last
+    tensor or array of the value goes.  ``None`` when there is no such file;
+    ``privdir.UnsafePath`` for a path elsewhere (a task names it) or a link."""
+    if not inside(path, directory):
+        raise UnsafePath(f"a rank's value was to be read from {path}, outside the run's value directory "
+                         f"{directory}; it is neither read nor removed")
     try:
-        fh = open(path, "rb")
+        fd = open_private(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
-    with fh:
+    with open(fd, "rb") as fh:
         blob = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
     os.unlink(path)
     return blob

@@ -41,6 +41,8 @@ import socket
 import struct
 from typing import Any, List, Optional, Tuple, Union
 
+from .privdir import user_path
+
 MAGIC = b"torchdist-value-1\n"
 ALIGN = 64
 _LEN = struct.Struct("<Q")
@@ -318,14 +320,15 @@ class Buffers:
 
 def host_copy_path(name: str, nbytes: int) -> str:
     """Where a machine keeps its fetched copy (of ``nbytes``) of the values named ``name``: in
+    this user's private directory (``privdir.user_path``: no other user may plant a copy there) in
     shared memory (``SHARED_MEMORY``) where the machine has it and the copy takes at most half of
     its size (a container's is often 64 MiB), else in the temporary directory.  The same on
     every task of a machine: it goes by the size of its shared memory, not by what is free."""
     if fits_shared_memory(nbytes):
-        return os.path.join(SHARED_MEMORY, name)
+        return os.path.join(user_path(SHARED_MEMORY), name)
     import tempfile
 
-    return os.path.join(tempfile.gettempdir(), name)
+    return os.path.join(user_path(tempfile.gettempdir()), name)
 
 
 def fits_shared_memory(nbytes: int) -> bool:

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
+import hmac
 import os
 import shutil
 import socket
@@ -52,6 +54,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 from .. import events, hostcopy, procs, valueupload
 from ..channel import ChannelClient
 from ..gpu_metrics import open_gpu_source
+from ..privdir import check_private, open_private
 from ..launcher import RankProcess, read_result, reserve_port, stop_all, write_job_file
 from ..rankenv import RunSpec, place_spark_tasks, rank_environment, rank_key
 from ..timing import STOP_GRACE
@@ -154,16 +157,34 @@ class BarrierTaskSpec:
 
     def value_file(self, rank: int) -> str:
         """Where ``rank`` writes its value for the driver to map; ``""`` when this task cannot
-        see the driver's value directory (or ``values_sent``)."""
-        if (self.value_dir and not self.values_sent
-                and os.path.exists(os.path.join(self.value_dir, value_dir_mark(self.run.run_id)))):
-            return self.value_path(rank)
-        return ""
+        see the driver's value directory (or ``values_sent``).  The directory must be this
+        user's own (``privdir.check_private``) and hold the run's mark with the content only the
+        driver and the run's tasks can make (``value_dir_token``): a directory of that name that
+        another user made receives nothing."""
+        if not self.value_dir or self.values_sent:
+            return ""
+        try:
+            check_private(self.value_dir)
+            fd = open_private(os.path.join(self.value_dir, value_dir_mark(self.run.run_id)), os.O_RDONLY)
+        except OSError:  # not there (another machine), not ours, or a link: UnsafePath too
+            return ""
+        try:
+            mark = os.read(fd, 256)
+        finally:
+            os.close(fd)
+        return self.value_path(rank) if hmac.compare_digest(mark, value_dir_token(self.run)) else ""
 
 
 def value_dir_mark(run_id: str) -> str:
     """The file that marks the driver's value directory of run ``run_id``."""
     return f".torchdist-run-{run_id}"
+
+
+def value_dir_token(run: RunSpec) -> bytes:
+    """What the mark of the driver's value directory of ``run`` holds: derived from the run's
+    launcher secret, which the driver and the run's tasks know, and a rank's worker does not."""
+    return hmac.new(run.launcher_secret.encode(), f"torchdist value directory {run.run_id}".encode(),
+                    hashlib.sha256).hexdigest().encode()
 
 
 class RunStopped(Exception):
