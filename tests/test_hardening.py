@@ -9,6 +9,7 @@ import resource
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -313,3 +314,66 @@ def test_map_value_reads_and_removes_only_files_of_the_runs_value_directory(tmp_
     (folder / "rank-1.value").write_bytes(b"value")
     assert bytes(map_value(str(folder / "rank-1.value"), str(folder))) == b"value"
     assert not (folder / "rank-1.value").exists()
+
+
+def test_a_stop_after_the_rank_ended_does_not_signal_whoever_has_its_group_id_now(tmp_path):
+    from torchdist_magic.launcher import RankProcess, stop_all
+
+    rank = RankProcess(0, "no-job", str(tmp_path / "rank-0"), dict(os.environ), Collector(), python="/bin/true",
+                       system_metrics=False)
+    assert rank.exited.wait(30)
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a process group of its own
+    try:
+        rank.pgid = stranger.pid  # the rank's group id, taken again by an unrelated process
+        stop_all([rank], 0.1)  # before, its SIGKILL went to the group id whatever held it
+        assert stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+# -- secrets out of reprs, the TLS key never on disk ----------------------------------------------
+
+def test_a_run_specs_repr_shows_neither_secret(tmp_path):
+    from torchdist_magic.backends.spark_task import BarrierTaskSpec
+    from torchdist_magic.options import LaunchOptions
+    from torchdist_magic.rankenv import RunSpec
+
+    spec = RunSpec.resolve(LaunchOptions(num_processes=2), "run-1", "127.0.0.1:9", "s3cret-worker", "s3cret-launcher")
+    for text in (repr(spec), repr(BarrierTaskSpec(run=spec, job_bytes=b""))):
+        assert "s3cret" not in text and "run-1" in text
+
+
+def test_the_channels_tls_key_is_never_written_in_the_clear(monkeypatch, tmp_path):
+    from torchdist_magic import tls
+
+    identity = tls.new_identity()
+
+    def no_temporary_file(*args, **kwargs):
+        raise AssertionError("the TLS key went to a temporary file")
+
+    if hasattr(os, "memfd_create"):  # in memory only
+        monkeypatch.setattr(tls.tempfile, "mkstemp", no_temporary_file)
+        assert tls.ChannelIdentity(identity.certificate, identity.private_key).server_context()
+        monkeypatch.undo()
+    # where the system has no memfd: the file holds the key encrypted, with a password kept in memory
+    monkeypatch.delattr(os, "memfd_create", raising=False)
+    made = []
+    real = tempfile.mkstemp
+
+    def seen(*args, **kwargs):
+        fd, path = real(*args, dir=str(tmp_path), **{k: v for k, v in kwargs.items() if k != "dir"})
+        os.link(path, path + ".seen")
+        made.append(path + ".seen")
+        return fd, path
+
+    monkeypatch.setattr(tls.tempfile, "mkstemp", seen)
+    srv = ChannelServer(Collector(), "run-1", secret="s", launcher_secret="l", identity=identity)
+    client = ChannelClient(f"127.0.0.1:{srv.port}", channel.rank_key("s", "worker", 0), "run-1", 0,
+                           certificate=identity.certificate)
+    client.send(events.Started(rank=0, pid=1))
+    client.close()
+    wait_until(lambda: srv.stats["delivered"] == 1)
+    srv.close()
+    written = open(made[0], "rb").read()
+    assert b"ENCRYPTED PRIVATE KEY" in written and identity.private_key not in written

@@ -17,7 +17,7 @@ import hashlib
 import hmac
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from .options import LaunchOptions
@@ -48,8 +48,10 @@ class RunSpec:
     env: Dict[str, str]
     timeout: Optional[float]
     channel_address: str = ""     # host:port of the driver's event channel
-    secret: str = ""              # what a worker authenticates with
-    launcher_secret: str = ""     # what a launcher on another machine (a Spark task) uses
+    # the run's secrets, of which a worker's and a launcher's keys are derived (``rank_key``);
+    # out of the repr, which a log or a traceback may show
+    secret: str = field(default="", repr=False)
+    launcher_secret: str = field(default="", repr=False)
     #: the PEM certificate of the channel's TLS, which every rank and launcher pins ("": the
     #: channel is not encrypted); public, unlike the key, which stays on the driver
     channel_cert: str = ""
