@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from helpers import Collector, wait_until
-from torchdist_magic import channel, events, tls
+from torchdist_magic import channel, events, framemac, tls
 from torchdist_magic.channel import ChannelClient, ChannelServer, client_from_env, new_secret, rank_key
 from torchdist_magic.state import RunState
 
@@ -195,7 +195,7 @@ class StalledDriver:
         hello = channel.read_frame(conn, channel.MAX_HELLO)
         assert hello["mac"] == channel._mac(self.secret, "n0").decode()
         conn.sendall(channel._frame({"ok": True, "mac": channel._mac(self.secret, hello["nonce"]).decode()}))
-        return conn
+        return DriverRecords(conn, framemac.session_key(self.secret, "n0", hello["nonce"]))
 
     def cut_off(self):
         """What a driver flooded by strangers does to a handshake: evict it half-way."""
@@ -205,6 +205,15 @@ class StalledDriver:
 
     def close(self):
         self.listener.close()
+
+
+class DriverRecords(framemac.MacSocket):
+    """The driver's end of a connection without TLS after its handshake (records both ways)."""
+
+    def __init__(self, sock, key):
+        super().__init__(sock, key)
+        self._sealer = framemac.Sealer(key, framemac.FROM_DRIVER)
+        self._opener = framemac.Opener(key, framemac.FROM_CLIENT)
 
 
 def test_a_full_queue_drops_and_reports_how_many():

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 import pytest
@@ -377,3 +378,102 @@ def test_the_channels_tls_key_is_never_written_in_the_clear(monkeypatch, tmp_pat
     srv.close()
     written = open(made[0], "rb").read()
     assert b"ENCRYPTED PRIVATE KEY" in written and identity.private_key not in written
+
+
+# -- without TLS, every record authenticated ------------------------------------------------------
+
+class InjectingRelay:
+    """What sits on the path between a rank and the driver of a channel without TLS: it passes
+    every byte along, and writes bytes of its own into either direction (``inject``), between
+    the sender's writes."""
+
+    def __init__(self, target):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        self.target = target
+        self.lock = threading.Lock()
+        self.ends = {}
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        near, _ = self.listener.accept()
+        far = socket.create_connection(self.target)
+        self.ends = {"up": far, "down": near}
+        self.ready.set()
+        pumps = [threading.Thread(target=self._pump, args=(near, far)), threading.Thread(target=self._pump, args=(far, near))]
+        for pump in pumps:
+            pump.start()
+        for pump in pumps:
+            pump.join()
+        near.close()
+        far.close()
+
+    def _pump(self, source, sink):
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                with self.lock:
+                    sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            try:
+                sink.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def inject(self, direction, data):
+        self.ready.wait(10)
+        with self.lock:
+            self.ends[direction].sendall(data)
+
+    def close(self):
+        self.thread.join(30)
+        self.listener.close()
+
+
+def forged_record(frame):
+    """A record as the channel's look, carrying ``frame``, with a tag made up by who wrote it."""
+    return len(frame).to_bytes(4, "big") + frame + b"\0" * 32
+
+
+def test_a_record_injected_on_a_plain_connection_is_not_delivered(run_channel):
+    relay = InjectingRelay(run_channel.address)
+    client = ChannelClient(relay.address, _key(run_channel, "launcher", 0), "run-1", 0, role="launcher")
+    client.send(events.Started(rank=0, pid=7))
+    wait_until(lambda: run_channel.stats["delivered"] == 1)
+    # before, only the start of a connection was authenticated: this Exit (or a warm rank's
+    # JobValue, which the driver unpickles) was taken as the rank's
+    relay.inject("up", forged_record(channel._frame({"events": [events.encode(events.Exit(rank=0, code=0))]})))
+    wait_until(lambda: run_channel.stats["forged"] == 1)
+    client.close()
+    relay.close()
+    assert run_channel.state.ranks[0].exit_code is None and run_channel.stats["delivered"] == 1
+    assert ("torchdist: the event channel of rank 0's launcher carried a record that failed its authentication "
+            "(record 1 failed its authentication); someone on the network may have written into it. The "
+            "connection was closed, and nothing of that record was used") in run_channel.state.logs(0)
+
+
+def test_a_record_injected_toward_a_rank_is_not_run(run_channel, capfd):
+    relay = InjectingRelay(run_channel.address)
+    got = Collector()
+    client = ChannelClient(relay.address, _key(run_channel, "worker", 0), "run-1", 0, on_message=got)
+    assert client.reaches_driver(30)
+    assert run_channel.send(0, events.DebugInput(rank=0, session="s", line="p 1"), role="worker")
+    got.wait_for(1)
+    # a debugger line (or a warm pool's next job) that the driver did not send
+    relay.inject("down", forged_record(channel._frame(
+        {"events": [events.encode(events.DebugInput(rank=0, session="s", line="import os; os.system('id')"))]})))
+    wait_until(lambda: client.lost, what="the rank to stop listening")
+    client.close()
+    relay.close()
+    assert [r.line for r in got.records] == ["p 1"]
+    err = capfd.readouterr().err
+    assert err.count("torchdist_magic:") == 1 and (
+        "torchdist_magic: a record to rank 0 on the event channel failed its authentication (record 1 failed "
+        "its authentication): someone on the network may have written into it; nothing of it was used, and "
+        "the rank's events are dropped from now on") in err, err

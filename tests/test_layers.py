@@ -15,7 +15,7 @@ LAYERS = [
     ("contract", {"events", "timing", "options", "procs", "tls", "sysmetrics", "gpu_metrics", "fdlimit",
                   "privdir"}),
     ("rank side", {"errors", "runtime", "rank_shell", "job", "rankenv", "data", "values", "rank_debugger"}),
-    ("worker and transport", {"worker", "channel", "hostcopy", "valueupload"}),
+    ("worker and transport", {"worker", "channel", "framemac", "hostcopy", "valueupload"}),
     ("launch and state", {"launcher", "state", "stragglers"}),
     # backends/, bottom first: the interface, what runs in an executor, the driver's side of a
     # Spark stage, the executors' interpreter, the backends themselves, the factory

@@ -59,6 +59,14 @@ client's sender and reader threads share one TLS object (OpenSSL's are not safe 
 threads at once): one lock around it, and the socket's write side taken before that lock is let
 go, so that records leave in the order they were made while the reader never waits for a send.
 
+Without TLS.  The handshake goes as above; everything after its reply, both ways, travels in
+authenticated records (``framemac``: an HMAC per record under a key of the connection's, from
+the rank's key and both nonces, with a sequence number per direction), frames and file bytes
+alike.  A record whose tag is wrong ends its connection and nothing of it is used: whoever is on
+the network may read a run's records, but cannot change one or add one of theirs (a ``JobValue``
+the driver would unpickle, a ``RunJob`` or a debugger line a rank would run).  ``stats``'s
+``forged`` counts them; the rank's log, or the rank's stderr, says so.
+
 Files.  A channel may serve files (``ChannelServer``'s ``files``: the notebook values out to the
 ranks, which each machine of a cluster fetches once, ``hostcopy``).  A fetch is a connection
 whose hello names the file (``"fetch"``); it authenticates as any other, then leaves the server's
@@ -104,7 +112,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
-from . import events, fdlimit, tls
+from . import events, fdlimit, framemac, tls
 from .rankenv import rank_key
 from .timing import CHANNEL_CLOSE_WAIT, CHANNEL_THREAD_WAIT, CLIENT_CLOSE_WAIT, FETCH_STALL, HANDSHAKE_DEADLINE
 
@@ -251,7 +259,7 @@ class _Conn:
     """One accepted connection, as the server thread sees it."""
 
     __slots__ = ("sock", "deadline", "nonce", "inbuf", "outbox", "mask", "role", "rank", "open",
-                 "tls", "tls_in", "tls_out", "wire", "secure", "heard")
+                 "tls", "tls_in", "tls_out", "wire", "secure", "heard", "sealer", "opener")
 
     def __init__(self, sock: socket.socket, deadline: float, context: Optional[ssl.SSLContext]):
         self.sock = sock
@@ -269,6 +277,9 @@ class _Conn:
         self.tls: Optional[ssl.SSLObject] = None
         self.wire = bytearray()
         self.secure = False
+        # without TLS, once authenticated: what it sends and receives as authenticated records
+        self.sealer: Optional[framemac.Sealer] = None
+        self.opener: Optional[framemac.Opener] = None
         if context is not None:
             self.tls_in, self.tls_out = ssl.MemoryBIO(), ssl.MemoryBIO()
             self.tls = context.wrap_bio(self.tls_in, self.tls_out, server_side=True)
@@ -302,7 +313,7 @@ class ChannelServer:
         self.stats: Dict[str, int] = dict.fromkeys(
             ("accepted", "authenticated", "rejected", "evicted", "frames", "delivered",
              "malformed", "forbidden", "callback_errors", "files_sent", "values_received",
-             "accept_failed", "out_of_files", "claims_refused"), 0)
+             "accept_failed", "out_of_files", "claims_refused", "forged"), 0)
         self._files = _FileTransfers(dict(files or {}), self.stats)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener: Optional[socket.socket] = socket.create_server((host, 0), family=family, backlog=512)
@@ -520,6 +531,12 @@ class ChannelServer:
                 except ssl.SSLError:
                     failed = True
                 out = conn.wire
+            elif conn.sealer is not None:
+                while conn.outbox and len(conn.wire) < _RECV_CHUNK:  # a chunk at a time, as with TLS
+                    chunk = conn.outbox[:_RECV_CHUNK]
+                    conn.wire += conn.sealer.seal(chunk)
+                    del conn.outbox[:len(chunk)]
+                out = conn.wire
             else:
                 out = conn.outbox
             if out and not failed:
@@ -531,7 +548,7 @@ class ChannelServer:
                     sent, failed = 0, True
                 del out[:sent]
             # with TLS, plaintext waits for the handshake before it is anything to write
-            more = bool(out) or (conn.secure and bool(conn.outbox))
+            more = bool(out) or ((conn.secure or conn.sealer is not None) and bool(conn.outbox))
             mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if more else 0)
         if failed:
             self._drop(conn)
@@ -565,6 +582,11 @@ class ChannelServer:
         if conn.tls is not None:
             conn.tls_in.write(data)
             return self._unseal(conn)
+        if conn.opener is not None:
+            try:
+                data = conn.opener.open(data)
+            except framemac.ForgedRecord as exc:
+                return self._forged(conn, exc)
         conn.inbuf += data
         self._parse(conn)
 
@@ -653,9 +675,40 @@ class ChannelServer:
             self._routes[claim] = conn
             proof = _mac(self._key(conn.role, conn.rank), hello["nonce"]).decode()
             conn.outbox += _frame({"ok": True, "mac": proof})
+            if conn.tls is None:  # the reply goes as it is, all after it in records
+                self._start_records(conn, hello)
         self._write(conn)
         if conn.open and buf:
+            if conn.opener is not None:
+                try:
+                    rest = conn.opener.open(bytes(buf))
+                except framemac.ForgedRecord as exc:
+                    return self._forged(conn, exc)
+                buf[:] = rest
             self._frames(conn)
+
+    def _start_records(self, conn: _Conn, hello: dict) -> None:
+        """From here on, ``conn`` (not TLS) speaks in authenticated records (``framemac``)."""
+        key = framemac.session_key(self._key(hello["role"], hello["rank"]), conn.nonce, hello["nonce"])
+        conn.wire += conn.outbox
+        conn.outbox.clear()
+        conn.sealer = framemac.Sealer(key, framemac.FROM_DRIVER)
+        conn.opener = framemac.Opener(key, framemac.FROM_CLIENT)
+
+    def _forged(self, conn: _Conn, exc: Exception) -> None:
+        """A record that failed its authentication: someone on the path wrote into the
+        connection.  It ends; the rank's log says so."""
+        self.stats["forged"] += 1
+        line = (f"torchdist: the event channel of rank {conn.rank}'s {conn.role} carried a record that failed its "
+                f"authentication ({exc}); someone on the network may have written into it. The connection "
+                "was closed, and nothing of that record was used")
+        _log.warning("run %s: %s", self._run_id, line)
+        rank = conn.rank
+        self._drop(conn)
+        try:
+            self._on_event(events.Log(rank=rank, stream="stderr", line=line))
+        except Exception:  # noqa: BLE001  the driver's handler must not stop the channel
+            self.stats["callback_errors"] += 1
 
     def _key(self, role: str, rank: int) -> str:
         return rank_key(self._secrets[role], role, rank)
@@ -713,6 +766,9 @@ class ChannelServer:
         the file transfers'."""
         self.stats["authenticated"] += 1
         conn.outbox += _frame({"ok": True, "mac": _mac(self._key(hello["role"], hello["rank"]), hello["nonce"]).decode()})
+        if conn.tls is None:  # the file's bytes and the answers in records, after the reply
+            self._start_records(conn, hello)
+            conn.inbuf.clear()  # nothing comes before the reply but what a stranger wrote
         conn.open = False  # the server's loops let go of it
         self._selector.unregister(conn.sock)
         if "fetch" in hello:
@@ -844,7 +900,14 @@ class _FileTransfers:
             sock.settimeout(FETCH_STALL)
             if conn.tls is not None:  # what the TLS handshake left to send comes first
                 sock.sendall(bytes(conn.wire) + conn.tls_out.read())
+            elif conn.wire:  # the handshake's reply, before the records
+                sock.sendall(bytes(conn.wire))
             transfer(conn, *args)
+        except framemac.ForgedRecord as exc:  # the file is not taken: the rank says what it saw
+            with self._lock:
+                self._stats["forged"] += 1
+            _log.warning("rank %d's file transfer carried a record that failed its authentication (%s); "
+                         "someone on the network may have written into it. It was dropped", conn.rank, exc)
         except (OSError, ssl.SSLError):  # the peer went, stalled, or close(): it says what it saw
             pass
         finally:
@@ -861,7 +924,7 @@ class _FileTransfers:
         with fh:
             size = os.fstat(fh.fileno()).st_size
             self._sendall(conn, bytes(conn.outbox) + _frame({"size": size}))
-            if conn.tls is None:
+            if conn.tls is None and conn.sealer is None:
                 sent = conn.sock.sendfile(fh, 0, size)
             else:
                 sent = self._send_sealed(conn, fh, size)
@@ -885,7 +948,7 @@ class _FileTransfers:
         try:
             self._sendall(conn, bytes(conn.outbox) + _frame({"ready": True}))
             buffer = memoryview(bytearray(max(min(size, _FILE_CHUNK), 1)))
-            wire = memoryview(bytearray(_FILE_CHUNK)) if conn.tls is not None else buffer
+            wire = memoryview(bytearray(_FILE_CHUNK)) if conn.tls is not None or conn.opener is not None else buffer
             got, failure = 0, ""
             while got < size:
                 n = self._recv_into(conn, buffer[:min(len(buffer), size - got)], wire)
@@ -922,7 +985,17 @@ class _FileTransfers:
     def _recv_into(conn: _Conn, buffer: memoryview, wire: memoryview) -> int:
         """Plaintext of the connection into ``buffer``; 0 at its end.  With TLS, the
         ciphertext comes through ``wire``, reused as ``buffer`` is (a fresh 1 MiB per read
-        would cost its pages' faults each time)."""
+        would cost its pages' faults each time); so do the records of a connection without TLS."""
+        if conn.opener is not None:
+            while not conn.inbuf:
+                n = conn.sock.recv_into(wire)
+                if not n:
+                    return 0
+                conn.inbuf += conn.opener.open(wire[:n])
+            n = min(len(buffer), len(conn.inbuf))
+            buffer[:n] = conn.inbuf[:n]
+            del conn.inbuf[:n]
+            return n
         if conn.tls is None:
             return conn.sock.recv_into(buffer)
         while True:
@@ -938,7 +1011,9 @@ class _FileTransfers:
 
     @staticmethod
     def _sendall(conn: _Conn, data: bytes) -> None:
-        if conn.tls is None:
+        if conn.sealer is not None:
+            conn.sock.sendall(conn.sealer.seal(data))
+        elif conn.tls is None:
             conn.sock.sendall(data)
         else:
             conn.tls.write(data)
@@ -952,8 +1027,7 @@ class _FileTransfers:
             n = fh.readinto(buffer)
             if not n:
                 break
-            conn.tls.write(buffer[:n])
-            conn.sock.sendall(conn.tls_out.read())
+            _FileTransfers._sendall(conn, buffer[:n])
             sent += n
         return sent
 
@@ -1081,7 +1155,7 @@ class ChannelClient:
         self._lost = False                     # no driver to send to: drop everything
         self._closed = False
         self._flush_now = threading.Event()    # a record not to wait for, or close(): send what is queued
-        self._sock: Optional[Union[socket.socket, TlsSocket]] = None
+        self._sock: Optional[Union[framemac.MacSocket, TlsSocket]] = None
         self._reader: Optional[threading.Thread] = None
         self._settled = threading.Event()      # the first connection was made, or given up
         self._sender = threading.Thread(target=self._run, name=f"torchdist-channel-rank{rank}", daemon=True)
@@ -1185,7 +1259,7 @@ class ChannelClient:
             self._write(batch)
         self._finish()
 
-    def _connect(self) -> Optional[Union[socket.socket, TlsSocket]]:
+    def _connect(self) -> Optional[Union[framemac.MacSocket, TlsSocket]]:
         where = f"{self._address[0]}:{self._address[1]}"
         try:
             return open_connection(self._address, self._secret, self._run_id, self._rank, self._role, self._tls)
@@ -1229,10 +1303,15 @@ class ChannelClient:
 
     # -- reader thread --------------------------------------------------------------------
 
-    def _read(self, sock: Union[socket.socket, TlsSocket]) -> None:
+    def _read(self, sock: Union[framemac.MacSocket, TlsSocket]) -> None:
         while True:
             try:
                 frame = read_frame(sock, MAX_FRAME)
+            except framemac.ForgedRecord as exc:
+                self._give_up(f"a record to rank {self._rank} on the event channel failed its authentication "
+                              f"({exc}): someone on the network may have written into it; nothing of it was "
+                              "used, and the rank's events are dropped from now on")
+                return
             except (OSError, EOFError, FrameError):  # the driver, or close(), ended the connection
                 return
             items = frame.get("events")
@@ -1249,7 +1328,7 @@ class ChannelClient:
 
 def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: int, role: str,
                     context: Optional[ssl.SSLContext] = None, fetch: str = "",
-                    upload: Optional[int] = None) -> Union[socket.socket, TlsSocket]:
+                    upload: Optional[int] = None) -> Union[framemac.MacSocket, TlsSocket]:
     """An authenticated connection to the driver at ``address`` as ``role`` of ``rank`` (TLS
     with ``context``; ``fetch``: to fetch the file of that name; ``upload``: to send the rank's
     value of that many bytes; see the module's "Files"): each
@@ -1275,7 +1354,7 @@ def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: in
 
 def _handshake(address: Tuple[str, int], secret: str, run_id: str, rank: int, role: str,
                context: Optional[ssl.SSLContext], deadline: float, fetch: str = "",
-               upload: Optional[int] = None) -> Union[socket.socket, TlsSocket]:
+               upload: Optional[int] = None) -> Union[framemac.MacSocket, TlsSocket]:
     def left() -> float:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -1310,6 +1389,8 @@ def _handshake(address: Tuple[str, int], secret: str, run_id: str, rank: int, ro
             raise Refused(f"{reply.get('error', 'no reason given')!s:.500}")
         if not _macs_equal(reply.get("mac"), _mac(secret, own_nonce)):
             raise Refused("it could not prove that it knows this run's secret")
+        if context is None:  # no TLS: every byte from here on in authenticated records
+            sock = framemac.MacSocket(sock, framemac.session_key(secret, nonce, own_nonce))
         sock.settimeout(None)
         return sock
     except BaseException:

@@ -119,8 +119,12 @@ class SparkStageBackend(Backend):
                     "Spark configuration")
             # a warning, not the package's log (which goes nowhere unless the application says)
             warnings.warn(f"{self.cluster} has TLS encryption enabled ({SSL_CONF}=true), but with "
-                          f"tls=False/--no-tls and {IGNORE_SSL_CONF}=true this run's event channel (every "
-                          "rank's logs, metrics and rank 0's value) is not encrypted", UserWarning, stacklevel=2)
+                          f"tls=False/--no-tls and {IGNORE_SSL_CONF}=true this run's event channel is not "
+                          "encrypted: anyone who can watch the cluster's network reads every rank's logs and "
+                          "metrics, the notebook values sent to the ranks and rank 0's value (the trained "
+                          "model), and can tell a rank from the driver by its traffic. Every record is still "
+                          "authenticated: nobody without the run's secrets can change one, or make a rank or "
+                          "the driver take one of theirs", UserWarning, stacklevel=2)
         return False
 
     def conf_true(self, key: str) -> bool:
