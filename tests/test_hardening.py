@@ -477,3 +477,38 @@ def test_a_record_injected_toward_a_rank_is_not_run(run_channel, capfd):
         "torchdist_magic: a record to rank 0 on the event channel failed its authentication (record 1 failed "
         "its authentication): someone on the network may have written into it; nothing of it was used, and "
         "the rank's events are dropped from now on") in err, err
+
+
+# -- per-run caps ----------------------------------------------------------------------------------
+
+def test_a_hello_for_a_rank_the_run_does_not_have_is_refused():
+    srv = ChannelServer(Collector(), "run-1", secret="s", launcher_secret="l", ranks=4)
+    try:
+        with pytest.raises(channel.Refused, match="^rank 4 is not a rank of this run, which has 4$"):
+            channel.open_connection(srv.address, channel.rank_key("l", "launcher", 4), "run-1", 4, "launcher")
+        channel.open_connection(srv.address, channel.rank_key("l", "launcher", 3), "run-1", 3, "launcher").close()
+    finally:
+        srv.close()
+
+
+def test_distinct_metric_names_and_open_bars_are_capped_per_run_with_a_line_each():
+    from torchdist_magic import state as run_state
+
+    state = run_state.RunState("run-1", 2)
+    for i in range(run_state.MAX_METRIC_NAMES + 10):  # a name per step, on both ranks
+        state.apply(events.Metrics(rank=i % 2, step=i, values={f"loss_{i}": 1.0, "loss": 2.0}))
+    for i in range(run_state.MAX_BARS + 5):
+        state.apply(events.Progress(rank=0, bar=f"bar{i}", n=1, total=10))
+    names = set(state.ranks[0].metrics) | set(state.ranks[1].metrics)
+    assert len(names) == run_state.MAX_METRIC_NAMES and "loss" in names
+    assert len(state.ranks[0].progress) == run_state.MAX_BARS
+    for rank in (0, 1):
+        assert state.logs(rank).count("distinct metric names already") == 1
+    assert (f"torchdist: this run has {run_state.MAX_METRIC_NAMES} distinct metric names already; rank 1's "
+            f"'loss_{run_state.MAX_METRIC_NAMES - 1}' and any newer names are not kept (report() a name per "
+            "quantity, with the step as step=)") in state.logs(1)
+    assert (f"torchdist: rank 0 has {run_state.MAX_BARS} progress bars open already; 'bar{run_state.MAX_BARS}' "
+            "and any newer ones are not shown (close bars when they are done, or make them with "
+            "leave=False)") in state.logs(0)
+    state.apply(events.Progress(rank=0, bar="bar0", n=2, total=10))  # an open bar still moves
+    assert state.ranks[0].progress["bar0"]["n"] == 2

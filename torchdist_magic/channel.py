@@ -298,14 +298,18 @@ class ChannelServer:
     ``identity`` (a ``tls.ChannelIdentity``) every connection is TLS; a TLS handshake that fails
     is a failed handshake (``rejected``).  ``files`` (``{name: path}``) are the files an
     authenticated peer may fetch (see the module's "Files"); ``files_sent`` counts those sent
-    whole, ``values_received`` the ranks' values taken whole (``receive_values``).
+    whole, ``values_received`` the ranks' values taken whole (``receive_values``).  ``ranks``: the
+    run's number of ranks, of which a hello must name one; with one connection per role and rank
+    (the first, ``claims_refused`` counts the others), a run has at most two per rank.
     """
 
     def __init__(self, on_event: Callable[[events.Event], None], run_id: str, *,
                  host: str = "127.0.0.1", secret: str, launcher_secret: str,
-                 identity: Optional[tls.ChannelIdentity] = None, files: Optional[Dict[str, str]] = None):
+                 identity: Optional[tls.ChannelIdentity] = None, files: Optional[Dict[str, str]] = None,
+                 ranks: Optional[int] = None):
         self._on_event = on_event
         self._run_id = run_id
+        self._ranks = ranks
         self._secrets = {"worker": secret, "launcher": launcher_secret}
         self._tls = identity.server_context() if identity is not None else None
         #: whether every connection speaks TLS (``identity`` was given)
@@ -744,6 +748,8 @@ class ChannelServer:
         rank, nonce = hello.get("rank"), hello.get("nonce")
         if type(rank) is not int or rank < 0 or not isinstance(nonce, str):
             return "a hello needs a rank and a nonce"
+        if self._ranks is not None and rank >= self._ranks:
+            return f"rank {rank} is not a rank of this run, which has {self._ranks}"
         if not _macs_equal(hello.get("mac"), _mac(self._key(role, rank), conn.nonce)):
             return f"authentication failed: wrong secret for role {role} of rank {rank}"
         if hello.get("run_id") != self._run_id:

@@ -336,7 +336,7 @@ class Run:
                     certificate = identity.certificate
                 channel = ChannelServer(deliver, self.run_id, host=self.backend.channel_host(),
                                         secret=secret, launcher_secret=launcher_secret, identity=identity,
-                                        files=self._served)
+                                        files=self._served, ranks=self.options.num_processes)
                 host, port = channel.address[:2]
                 self.channel_address = f"{host}:{port}"
                 self.channel_certificate = certificate

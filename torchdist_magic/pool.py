@@ -136,7 +136,8 @@ class Pool:
 
             identity = new_identity()
         self._channel = ChannelServer(self._deliver, run_id, host=self.backend.channel_host(),
-                                      secret=secret, launcher_secret=launcher_secret, identity=identity)
+                                      secret=secret, launcher_secret=launcher_secret, identity=identity,
+                                      ranks=self.options.num_processes)
         host, port = self._channel.address[:2]
         spec = RunSpec.resolve(self.options, run_id, f"{host}:{port}", secret, launcher_secret,
                                channel_cert=identity.certificate if identity is not None else "")
