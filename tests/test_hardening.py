@@ -402,7 +402,8 @@ class InjectingRelay:
         far = socket.create_connection(self.target)
         self.ends = {"up": far, "down": near}
         self.ready.set()
-        pumps = [threading.Thread(target=self._pump, args=(near, far)), threading.Thread(target=self._pump, args=(far, near))]
+        pumps = [threading.Thread(target=self._pump, args=(near, far)),
+                 threading.Thread(target=self._pump, args=(far, near))]
         for pump in pumps:
             pump.start()
         for pump in pumps:

@@ -11,8 +11,9 @@ its own exit.  The server replies ``{"ok": true, "mac": HMAC-SHA256(secret, clie
 so that a rank obeys only the driver and not whatever took over its port, or ``{"ok": false,
 "error": reason}`` and closes.  The first connection to authenticate as a role and rank owns
 it for the channel's life: a second one is refused, and the rank's log says so (one that ends
-before it sent a single frame lets go: its client tried again after a slow reply).  After that every frame, in either direction, is ``{"events": [record, ...]}`` in the
-encoding of ``events``.
+before it sent a single frame lets go: its client tried again after a slow reply).  After that
+every frame, in either direction, is ``{"events": [record, ...]}`` in the encoding of ``events``
+(without TLS, inside authenticated records: "Without TLS" below).
 
 Strangers.  The driver's port is open to anything on the cluster's network, so a connection that
 has not authenticated may cost only a bounded amount.  One thread serves every connection (a
@@ -771,7 +772,8 @@ class ChannelServer:
         """An authenticated fetch or upload: its reply queued, it leaves this thread for one of
         the file transfers'."""
         self.stats["authenticated"] += 1
-        conn.outbox += _frame({"ok": True, "mac": _mac(self._key(hello["role"], hello["rank"]), hello["nonce"]).decode()})
+        proof = _mac(self._key(hello["role"], hello["rank"]), hello["nonce"]).decode()
+        conn.outbox += _frame({"ok": True, "mac": proof})
         if conn.tls is None:  # the file's bytes and the answers in records, after the reply
             self._start_records(conn, hello)
             conn.inbuf.clear()  # nothing comes before the reply but what a stranger wrote
