@@ -295,7 +295,9 @@ class ChannelServer:
     ``stats`` counts what happened: ``accepted``, ``authenticated``, ``rejected`` (failed
     handshakes), ``evicted`` (unauthenticated connections closed to make room), ``frames`` and
     ``delivered`` (after authentication), ``malformed`` (undecodable frames or records),
-    ``forbidden`` (records the connection's role may not send), ``callback_errors``.  With
+    ``forbidden`` (records the connection's role may not send), ``callback_errors``,
+    ``forged`` (records without TLS whose MAC was wrong: their connection ended),
+    ``accept_failed`` and ``out_of_files`` (``accept`` found no descriptor left).  With
     ``identity`` (a ``tls.ChannelIdentity``) every connection is TLS; a TLS handshake that fails
     is a failed handshake (``rejected``).  ``files`` (``{name: path}``) are the files an
     authenticated peer may fetch (see the module's "Files"); ``files_sent`` counts those sent
