@@ -23,8 +23,8 @@ a new one evicts the oldest: connections that take a slot and say nothing cannot
 out, and a rank whose handshake was cut off tries again.  They hold at most half of the process's
 descriptors; when ``accept`` finds none left (``EMFILE``), the oldest of them gives its own up,
 or, with none waiting, the channel stops accepting for ``ACCEPT_PAUSE`` rather than spin on a
-listener that stays readable (``fdlimit`` raises the limit before a run).  Nothing a stranger sends is printed or
-raised; it is counted in ``ChannelServer.stats``.
+listener that stays readable (``fdlimit`` raises the limit before a run).  Nothing a stranger
+sends is printed or raised; it is counted in ``ChannelServer.stats``.
 
 Ranks.  An authenticated peer may send frames of up to ``MAX_FRAME`` bytes.  Every record goes
 through ``events.decode``; a malformed one, or one its role may not send (``events.SENDERS``), is
