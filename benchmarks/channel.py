@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from torchdist_magic.core import events  # noqa: E402
 from torchdist_magic.wire import tls  # noqa: E402
-from torchdist_magic.wire.channel import ChannelClient, ChannelServer  # noqa: E402
+from torchdist_magic.wire.channel import ChannelClient, ChannelServer, rank_key  # noqa: E402
 
 SECRET, LAUNCHER_SECRET, RUN_ID = "benchmark-secret", "benchmark-launcher-secret", "bench"
 LATENCY_INTERVAL = 0.005
@@ -47,7 +47,8 @@ LATENCY_RECORDS = 400
 
 def _client(address: str, certificate: str, rank: int, go, kind: str, count: int) -> None:
     """One rank's process: connect, wait for ``go``, send, flush."""
-    client = ChannelClient(address, LAUNCHER_SECRET, RUN_ID, rank, role="launcher", certificate=certificate)
+    client = ChannelClient(address, rank_key(LAUNCHER_SECRET, "launcher", rank), RUN_ID, rank, role="launcher",
+                           certificate=certificate)
     go.wait()
     if kind == "throughput":
         line = "step {:>7} loss 0.{:06d} lr 3.0e-4 grad-norm 1.2345 tokens/s 123456 " + "x" * 20
@@ -122,7 +123,8 @@ def handshakes(identity, connections: int) -> dict:
     address = f"{server.address[0]}:{server.address[1]}"
     certificate = identity.certificate if identity is not None else ""
     start = time.monotonic()
-    clients = [ChannelClient(address, SECRET, RUN_ID, r, certificate=certificate) for r in range(connections)]
+    clients = [ChannelClient(address, rank_key(SECRET, "worker", r), RUN_ID, r, certificate=certificate)
+               for r in range(connections)]
     try:
         deadline = start + 120
         while server.stats["authenticated"] < connections and time.monotonic() < deadline:

@@ -123,7 +123,7 @@ def reporting_cost(calls: int = 20_000) -> dict:
 
     try:
         alone = per_step()
-        client = channel.ChannelClient(f"{host}:{port}", "s", "overhead", 0)
+        client = channel.ChannelClient(f"{host}:{port}", channel.rank_key("s", "worker", 0), "overhead", 0)
         runtime._install_sink(client)
         reporting = per_step()
         client.close()

@@ -59,7 +59,7 @@ from report import end_processes, machine, write_json  # noqa: E402  (this scrip
 sys.path.insert(0, os.path.dirname(HERE))
 
 from torchdist_magic.wire import channel, tls  # noqa: E402
-from torchdist_magic.core import events  # noqa: E402
+from torchdist_magic.core import events, fdlimit  # noqa: E402
 from torchdist_magic.driver.state import RunState  # noqa: E402
 from torchdist_magic.core.timing import SUPERVISE_POLL  # noqa: E402
 
@@ -101,7 +101,7 @@ def generate(address, certificate, run_id, ranks, rate, seconds, flush_every, go
     def connect(key):
         rank, role = key
         secret = LAUNCHER_SECRET if role == "launcher" else WORKER_SECRET
-        return channel.open_connection(where, secret, run_id, rank, role, context)
+        return channel.open_connection(where, channel.rank_key(secret, role, rank), run_id, rank, role, context)
 
     keys = [(r, role) for r in ranks for role in ("worker", "launcher")]
     started = time.monotonic()
@@ -369,8 +369,11 @@ def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: b
     identity = tls.new_identity() if use_tls else None
     state = RunState(run_id, ranks, backend="simulated")
     meter = Meter(state)
+    nofile_before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    fdlimit.make_room(ranks, local=False)  # as a run does before its channel listens
+    nofile_run = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     server = channel.ChannelServer(meter, run_id, secret=WORKER_SECRET, launcher_secret=LAUNCHER_SECRET,
-                                   identity=identity)
+                                   identity=identity, ranks=ranks)
     view, sink = make_view(view_kind, state)
     address = f"{server.address[0]}:{server.address[1]}"
     certificate = identity.certificate if identity is not None else ""
@@ -430,6 +433,7 @@ def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: b
     view_bytes = sum(frames) if view_kind == "widget" else (sink.bytes if sink else 0)
     return {
         "ranks": ranks, "rate": rate, "seconds": seconds, "view": view_kind, "tls": use_tls,
+        "nofile_soft_before": nofile_before, "nofile_soft_run": nofile_run,
         "generators": len(procs), "connections": 2 * ranks, "authenticated": authenticated,
         "evicted": server.stats["evicted"], "connect_s": connect_s, "gen_connect_s_max": max(connects),
         "sent": expected, "received": received, "lost": expected - received, "out_of_order": meter.out_of_order,
@@ -464,7 +468,12 @@ def main() -> None:
                         help="the channel over TLS, as on Spark (default), or plain, as locally")
     parser.add_argument("--generators", type=int, default=3, help="load-generator processes")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "scale.json"))
+    parser.add_argument("--nofile", type=int, default=0,
+                        help="start under this soft limit on open files (a desktop Jupyter's is 1024); "
+                             "the run raises it toward the hard one as a run does (fdlimit)")
     args = parser.parse_args()
+    if args.nofile:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
     r = simulate(args.ranks, args.rate, args.seconds, args.view, args.tls, args.generators)
     print(f"\n{'ranks':>5} {'rate':>5} {'view':>6} {'tls':>3} {'sent':>9} {'lost':>5} {'ooo':>4} "
@@ -480,7 +489,8 @@ def main() -> None:
     print(f"offered {r['offered_rate']:.1f} records/s per rank (asked {args.rate:g}); generators fell up to "
           f"{r['gen_behind_s']:.2f} s behind; {r['authenticated']}/{r['connections']} connections, "
           f"{r['evicted']} handshakes evicted.  {m['cores']} cores shared by the driver and "
-          f"{r['generators']} generator processes (and whatever else runs here)")
+          f"{r['generators']} generator processes (and whatever else runs here); open files: soft limit "
+          f"{r['nofile_soft_before']} before the run, {r['nofile_soft_run']} during it")
     write_json(args.json, {"benchmark": "the driver at scale, simulated ranks", "machine": m, **r})
 
 

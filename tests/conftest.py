@@ -60,18 +60,26 @@ def _no_temp_leftovers(tmp_path, monkeypatch):
     import tempfile
 
     from torchdist_magic.core.values import SHARED_MEMORY
+    from torchdist_magic.core.privdir import user_path
 
     def in_shared_memory():  # this process's runs' only: another test session may share it
         mine = f"-values-{os.getpid()}-"
-        return {n for n in os.listdir(SHARED_MEMORY) if n.startswith("torchdist-") and mine in n} \
-            if os.path.isdir(SHARED_MEMORY) else set()
+        found = set()
+        for folder in (SHARED_MEMORY, user_path(SHARED_MEMORY)):  # a machine's copies are in the latter
+            if os.path.isdir(folder):
+                found |= {os.path.join(folder, n) for n in os.listdir(folder)
+                          if n.startswith("torchdist-") and mine in n}
+        return found
 
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     before = in_shared_memory()
     yield
-    left = sorted(p.name for p in scratch.iterdir())
+    # this user's private directory may stay (privdir), empty
+    private = scratch / os.path.basename(user_path(str(scratch)))
+    left = sorted([p.name for p in scratch.iterdir() if p != private]
+                  + ([f"{private.name}/{p.name}" for p in private.iterdir()] if private.is_dir() else []))
     assert not left, f"temp files left behind: {left}"
     left = sorted(in_shared_memory() - before)
     assert not left, f"left behind in {SHARED_MEMORY}: {left}"

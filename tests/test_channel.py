@@ -13,9 +13,9 @@ import threading
 import pytest
 
 from helpers import Collector, wait_until
-from torchdist_magic.wire import channel, tls
+from torchdist_magic.wire import channel, framemac, tls
 from torchdist_magic.core import events
-from torchdist_magic.wire.channel import ChannelClient, ChannelServer, client_from_env, new_secret
+from torchdist_magic.wire.channel import ChannelClient, ChannelServer, client_from_env, new_secret, rank_key
 from torchdist_magic.driver.state import RunState
 
 
@@ -46,12 +46,17 @@ def address(srv):
     return f"{srv.address[0]}:{srv.address[1]}"
 
 
+def key(srv, role, rank=0):
+    """What ``role`` of ``rank`` authenticates with on ``srv`` (``rank_key``)."""
+    return rank_key(srv._secrets[role], role, rank)
+
+
 def worker(srv, rank=0, **kwargs):
-    return ChannelClient(address(srv), srv._secrets["worker"], "run-1", rank, certificate=srv.cert, **kwargs)
+    return ChannelClient(address(srv), key(srv, "worker", rank), "run-1", rank, certificate=srv.cert, **kwargs)
 
 
 def launcher(srv, rank=0, **kwargs):
-    return ChannelClient(address(srv), srv._secrets["launcher"], "run-1", rank, role="launcher",
+    return ChannelClient(address(srv), key(srv, "launcher", rank), "run-1", rank, role="launcher",
                          certificate=srv.cert, **kwargs)
 
 
@@ -103,7 +108,7 @@ def test_on_event_errors_are_counted_and_the_channel_goes_on():
             raise RuntimeError("handler bug")
 
     srv = ChannelServer(on_event, "run-1", secret="s", launcher_secret="l")
-    client = ChannelClient(address(srv), "s", "run-1", 0)
+    client = ChannelClient(address(srv), key(srv, "worker"), "run-1", 0)
     for n in range(10):  # records of their own each (metric points of one flush share one)
         client.send(events.Progress(rank=0, bar=f"bar{n}", n=n))
     client.close()
@@ -191,7 +196,7 @@ class StalledDriver:
         hello = channel.read_frame(conn, channel.MAX_HELLO)
         assert hello["mac"] == channel._mac(self.secret, "n0").decode()
         conn.sendall(channel._frame({"ok": True, "mac": channel._mac(self.secret, hello["nonce"]).decode()}))
-        return conn
+        return DriverRecords(conn, framemac.session_key(self.secret, "n0", hello["nonce"]))
 
     def cut_off(self):
         """What a driver flooded by strangers does to a handshake: evict it half-way."""
@@ -201,6 +206,15 @@ class StalledDriver:
 
     def close(self):
         self.listener.close()
+
+
+class DriverRecords(framemac.MacSocket):
+    """The driver's end of a connection without TLS after its handshake (records both ways)."""
+
+    def __init__(self, sock, key):
+        super().__init__(sock, key)
+        self._sealer = framemac.Sealer(key, framemac.FROM_DRIVER)
+        self._opener = framemac.Opener(key, framemac.FROM_CLIENT)
 
 
 def test_a_full_queue_drops_and_reports_how_many():
@@ -296,10 +310,10 @@ def test_send_takes_only_records(server):
     # over TLS too: the certificate says who the driver is, the secrets who may speak
     (lambda srv: ChannelClient(address(srv), "not-the-secret", "run-1", 0, certificate=srv.cert),
      "wrong secret for role worker"),
-    (lambda srv: ChannelClient(address(srv), srv._secrets["worker"], "another-run", 0, certificate=srv.cert),
+    (lambda srv: ChannelClient(address(srv), key(srv, "worker"), "another-run", 0, certificate=srv.cert),
      "wrong run"),
-    # a worker knows only the worker secret: it cannot pose as its launcher
-    (lambda srv: ChannelClient(address(srv), srv._secrets["worker"], "run-1", 0, role="launcher",
+    # a worker knows only its own key: it cannot pose as its launcher
+    (lambda srv: ChannelClient(address(srv), key(srv, "worker"), "run-1", 0, role="launcher",
                                certificate=srv.cert),
      "wrong secret for role launcher"),
 ], ids=["bad-secret", "wrong-run", "worker-posing-as-launcher"])
@@ -317,7 +331,7 @@ def test_a_peer_of_another_protocol_version_is_told_both_versions(server):
     other = events.PROTOCOL_VERSION + 1
     code = (f"from torchdist_magic import channel, events\n"
             f"events.PROTOCOL_VERSION = {other}\n"
-            f"c = channel.ChannelClient({address(server)!r}, {server._secrets['worker']!r}, 'run-1', 0, "
+            f"c = channel.ChannelClient({address(server)!r}, {key(server, 'worker')!r}, 'run-1', 0, "
             f"certificate={server.cert!r})\n"
             f"c.send(events.Metrics(rank=0))\n"
             f"c.close()\n")
@@ -392,7 +406,7 @@ def test_client_from_env(server, monkeypatch):
     monkeypatch.delenv("TORCHDIST_CHANNEL", raising=False)
     assert client_from_env() is None
     monkeypatch.setenv("TORCHDIST_CHANNEL", address(server))
-    monkeypatch.setenv("TORCHDIST_SECRET", server._secrets["worker"])
+    monkeypatch.setenv("TORCHDIST_SECRET", key(server, "worker", 4))
     monkeypatch.setenv("TORCHDIST_RUN_ID", "run-1")
     monkeypatch.setenv("RANK", "4")
     monkeypatch.setenv("TORCHDIST_CHANNEL_CERT", server.cert)
@@ -538,7 +552,7 @@ def test_the_bytes_on_the_wire_are_ciphertext_with_tls_only(server):
     """The same records through a relay: readable on the wire without TLS, not with it."""
     relay = Relay(server.address)
     got = Collector()
-    client = ChannelClient(relay.address, server._secrets["launcher"], "run-1", 0, role="launcher",
+    client = ChannelClient(relay.address, key(server, "launcher"), "run-1", 0, role="launcher",
                            certificate=server.cert, on_message=got)
     client.send(events.Log(rank=0, line="rank says: the-distinctive-loss-4711"))
     wait_until(lambda: server.got.records)
@@ -559,11 +573,12 @@ def test_the_bytes_on_the_wire_are_ciphertext_with_tls_only(server):
 
 CONNECT_ALL = """
 import resource, sys
-from torchdist_magic.wire.channel import ChannelClient
+from torchdist_magic.wire.channel import ChannelClient, rank_key
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, {count} + 256)), hard))
 address, secret, role, cert = sys.argv[1:5]
-clients = [ChannelClient(address, secret, "run-1", rank, role=role, certificate=cert) for rank in range({count})]
+clients = [ChannelClient(address, rank_key(secret, role, rank), "run-1", rank, role=role, certificate=cert)
+           for rank in range({count})]
 sys.stdin.read()  # until the test has seen them all
 for client in clients:
     client.close()

@@ -17,9 +17,9 @@ import time
 import pytest
 
 from helpers import Collector, assert_no_survivors, wait_until
-from torchdist_magic.wire import channel, tls
+from torchdist_magic.wire import channel, framemac, tls
 from torchdist_magic.core import events
-from torchdist_magic.wire.channel import MAX_FRAME, MAX_HELLO, ChannelClient, ChannelServer
+from torchdist_magic.wire.channel import MAX_FRAME, MAX_HELLO, ChannelClient, ChannelServer, rank_key
 
 LEN = struct.Struct(">I")
 WORKER_SECRET, LAUNCHER_SECRET = "worker-secret", "launcher-secret"
@@ -173,7 +173,8 @@ def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_reco
     workers = [threading.Thread(target=flood, args=(tasks[i::flood_threads],)) for i in range(flood_threads)]
     workers.append(threading.Thread(target=hold_idle))
     try:
-        rank0 = ChannelClient(addr_text, WORKER_SECRET, "run-1", 0, certificate=server.cert)  # before the flood
+        rank0 = ChannelClient(addr_text, rank_key(WORKER_SECRET, "worker", 0), "run-1", 0,
+                              certificate=server.cert)  # before the flood
         wait_until(lambda: server.stats["authenticated"] == 1)
         started = time.monotonic()
         for t in [trainer, *workers]:
@@ -182,7 +183,8 @@ def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_reco
 
         # a rank that connects in the middle of the flood gets through too
         wait_until(lambda: server.stats["accepted"] > len(tasks) // 3, timeout=30)
-        rank1 = ChannelClient(addr_text, LAUNCHER_SECRET, "run-1", 1, role="launcher", certificate=server.cert)
+        rank1 = ChannelClient(addr_text, rank_key(LAUNCHER_SECRET, "launcher", 1), "run-1", 1, role="launcher",
+                              certificate=server.cert)
         for i in range(1000):
             rank1.send(events.Log(rank=1, line=f"line {i}"))
 
@@ -225,7 +227,7 @@ def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_reco
 
 def authenticate(server, role: str, rank: int) -> socket.socket:
     """A connection that did the handshake itself, so that it can write anything after it."""
-    secret = {"worker": WORKER_SECRET, "launcher": LAUNCHER_SECRET}[role]
+    secret = rank_key({"worker": WORKER_SECRET, "launcher": LAUNCHER_SECRET}[role], role, rank)
     sock = socket.create_connection(server.address, timeout=10)
     if server.cert:
         sock = tls.client_context(server.cert).wrap_socket(sock)
@@ -235,7 +237,8 @@ def authenticate(server, role: str, rank: int) -> socket.socket:
                                  "protocol": events.PROTOCOL_VERSION}))
     reply = channel.read_frame(sock, MAX_HELLO)
     assert reply["ok"] is True and reply["mac"] == channel._mac(secret, "mine").decode()
-    return sock
+    # without TLS, what it writes goes in authenticated records (what it makes of them is the test's)
+    return sock if server.cert else framemac.MacSocket(sock, framemac.session_key(secret, nonce, "mine"))
 
 
 ODD_VALUES = [None, True, False, -1, 0, 10 ** 400, 2 ** 63, 1e308, -0.0, "", "ü\ud800", "nan",
@@ -328,7 +331,7 @@ def test_after_authentication_bad_records_are_counted_and_good_ones_delivered(ca
     sock.close()
 
     # the channel still serves a well-behaved rank
-    client = ChannelClient(f"{server.address[0]}:{server.address[1]}", WORKER_SECRET, "run-1", 4,
+    client = ChannelClient(f"{server.address[0]}:{server.address[1]}", rank_key(WORKER_SECRET, "worker", 4), "run-1", 4,
                            certificate=server.cert)
     client.send(events.Started(rank=4, pid=4))
     client.close()

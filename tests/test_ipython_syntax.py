@@ -290,7 +290,7 @@ def test_every_form_runs_on_every_rank(ip, request, tmp_path, where):
     installed = [r for r, log in enumerate(logs) if f"Successfully installed {package.replace('_', '-')}-0.1" in log]
     assert len(installed) == 1, logs  # once for the host, by one rank
     assert f"pip ran once for this host, on rank {installed[0]}" in logs[1 - installed[0]]
-    assert not glob.glob(str(rank_tmp / "torchdist-pip-*"))
+    assert not glob.glob(str(rank_tmp / "torchdist-*" / "torchdist-pip-*"))  # in the user's private directory
     assert_no_survivors(run)
 
 

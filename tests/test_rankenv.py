@@ -3,7 +3,7 @@
 import pytest
 
 from torchdist_magic.core.options import LaunchOptions
-from torchdist_magic.core.rankenv import RunSpec, place_ranks, place_spark_tasks, rank_environment
+from torchdist_magic.core.rankenv import RunSpec, place_ranks, place_spark_tasks, rank_environment, rank_key
 
 
 def test_placement_on_two_hosts_is_torchruns():
@@ -33,7 +33,9 @@ def test_environment_of_a_rank():
         "NODE_RANK": "1", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1234",
         "CUDA_VISIBLE_DEVICES": "3,5", "TORCHDIST_USE_GPU": "1", "TORCHDIST_RETURN_VALUE": "0", "X": "1",
         "PATH": "/bin"}
-    assert env["TORCHDIST_SECRET"] == "s3cret" and "launcher-s3cret" not in env.values()
+    # rank 3's own key, neither secret of the run
+    assert env["TORCHDIST_SECRET"] == rank_key("s3cret", "worker", 3)
+    assert not {"s3cret", "launcher-s3cret", rank_key("s3cret", "worker", 0)} & set(env.values())
     assert int(env["OMP_NUM_THREADS"]) >= 1
 
 

@@ -116,7 +116,12 @@ def test_spark_ssl_enabled_refuses_an_unencrypted_channel_unless_ignore_ssl(spar
         with pytest.warns(UserWarning, match=r"^this Spark cluster has TLS encryption enabled "
                                              r"\(spark.ssl.enabled=true\), but with tls=False/--no-tls and "
                                              r"pytorch.spark.distributor.ignoreSsl=true this run's event "
-                                             r"channel .* is not encrypted$") as caught:
+                                             r"channel is not encrypted: anyone who can watch the cluster's "
+                                             r"network reads every rank's logs and metrics, the notebook values "
+                                             r"sent to the ranks and rank 0's value \(the trained model\), and can "
+                                             r"tell a rank from the driver by its traffic\. Every record is still "
+                                             r"authenticated: nobody without the run's secrets can change one, "
+                                             r"or make a rank or the driver take one of theirs$") as caught:
             run, hello, told = run_and_probe(Distributor(1, local_mode=False, show=None, tls=False), tmp_path)
         # once (pyspark 3.5 may add warnings of its own)
         assert len([w for w in caught if "TLS encryption enabled" in str(w.message)]) == 1

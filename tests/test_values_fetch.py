@@ -23,10 +23,10 @@ import torch
 from helpers import Collector, assert_nothing_left, pipe_bytes
 from torchdist_magic import Distributor, RankFailure
 from torchdist_magic.launch import hostcopy
-from torchdist_magic.core import values
+from torchdist_magic.core import privdir, values
 from torchdist_magic.wire.channel import ChannelServer, new_secret
 from torchdist_magic.core.names import VALUES_FETCH_ENV
-from torchdist_magic.core.rankenv import RunSpec
+from torchdist_magic.core.rankenv import RunSpec, rank_key
 from torchdist_magic.wire.tls import new_identity
 
 MIB = 2**20
@@ -34,7 +34,9 @@ FETCHED = r"\[torchdist\] notebook values: {size} fetched from the driver in [\d
 
 
 def spark_copies(run_id):
-    return [n for n in os.listdir(values.SHARED_MEMORY) if n.startswith(f"torchdist-{run_id}-")]
+    mine = privdir.user_path(values.SHARED_MEMORY)  # where every copy of this user's is
+    names = os.listdir(mine) if os.path.isdir(mine) else []
+    return [n for n in names if n.startswith(f"torchdist-{run_id}-")]
 
 
 # -- the fetch, against a real channel ------------------------------------------------------
@@ -55,9 +57,10 @@ def test_the_copy_goes_to_shared_memory_where_it_takes_at_most_half_of_it():
 
     from torchdist_magic.core.values import value_directory
 
-    assert values.host_copy_path("v", 1 << 50) == os.path.join(tempfile.gettempdir(), "v")
+    mine = f"torchdist-{os.geteuid()}"  # this user's private directory (privdir)
+    assert values.host_copy_path("v", 1 << 50) == os.path.join(tempfile.gettempdir(), mine, "v")
     if os.access(values.SHARED_MEMORY, os.W_OK):
-        assert values.host_copy_path("v", 1 << 20) == os.path.join(values.SHARED_MEMORY, "v")
+        assert values.host_copy_path("v", 1 << 20) == os.path.join(values.SHARED_MEMORY, mine, "v")
     folder = value_directory("torchdist-test-values-", 1 << 50)
     os.rmdir(folder)
     assert os.path.dirname(folder) == tempfile.gettempdir()
@@ -97,6 +100,53 @@ def served(tmp_path):
                 pass
 
 
+def test_a_planted_copy_is_not_mapped_but_fetched_again(served):
+    # before, a file at the copy's predictable name in /dev/shm was "mapped" without asking the
+    # driver; now the copy is in this user's private directory, and a file there that is not a
+    # whole copy (by its size and its blob header) is replaced by a fetch
+    channel, spec, array = served(1)
+    copy = copy_of(spec)
+    privdir.private_directory(os.path.dirname(copy))
+    with open(copy, "wb") as fh:
+        fh.write(b"\0" * spec.values_fetch_size)  # the right size, not the values
+    assert re.fullmatch(FETCHED.format(size="1.0 MiB"), fetch(spec))
+    assert channel.stats["files_sent"] == 1
+    back = values.Buffers([], host_copy=spec.values_fetch).load()
+    assert (np.frombuffer(back[0], dtype=np.int64) == array).all()
+
+
+def test_a_symlink_planted_at_the_lock_is_not_followed(served, tmp_path):
+    _, spec, _ = served(1)
+    copy = copy_of(spec)
+    privdir.private_directory(os.path.dirname(copy))
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.symlink(victim, copy + ".lock")
+    try:
+        with pytest.raises(privdir.UnsafePath, match=(
+                rf"^{re.escape(copy)}\.lock is a symbolic link where torchdist_magic keeps a file of its own; "
+                r"it will not follow it\. Remove it$")):
+            fetch(spec)
+    finally:
+        os.unlink(copy + ".lock")
+    assert victim.read_text() == "precious"  # before, the task truncated what the link named
+
+
+def test_a_copy_directory_open_to_other_users_is_refused(served, tmp_path):
+    _, spec, _ = served(1)
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    planted.chmod(0o777)  # what another user who made it first would leave
+    with pytest.raises(privdir.UnsafePath, match=(
+            rf"^{re.escape(str(planted))} is not this user's private directory \(mode 0777, open to other "
+            r"users\): another user of this machine may have made it; torchdist_magic will not use it\. "
+            r"Remove it, or point TMPDIR elsewhere$")):
+        hostcopy.join(str(planted / "copy"))
+    with pytest.raises(privdir.UnsafePath):
+        hostcopy.fetch(spec, str(planted / "copy"), 0, lambda: False)
+    assert os.listdir(planted) == []
+
+
 @pytest.mark.parametrize("tls", [False, True], ids=["sendfile", "tls"])
 def test_a_machine_fetches_the_values_once_and_its_other_ranks_map_them(served, tls):
     channel, spec, array = served(8, tls=tls)
@@ -116,7 +166,7 @@ def test_a_stranger_gets_nothing_of_the_values(served):
     with pytest.raises(hostcopy.ValuesNotFetched, match=(
             r"^rank 0 could not fetch the notebook values \(1\.0 MiB\) from the driver at 127\.0\.0\.1:\d+ "
             rf"onto {socket.gethostname()}: the driver refused: authentication failed: wrong secret "
-            r"for role launcher$")):
+            r"for role launcher of rank 0$")):
         fetch(stranger, 0)
     assert channel.stats["files_sent"] == 0 and channel.stats["rejected"] == 1
     assert not os.path.exists(copy_of(spec))
@@ -188,9 +238,11 @@ def driver_port(spec):
 def test_a_connection_cut_midway_fails_the_fetch_and_leaves_no_partial_copy(served):
     _, spec, _ = served(16)
     port = relay(("127.0.0.1", driver_port(spec)), 3 * MIB)
+    # without TLS the bytes come in authenticated records of 1 MiB: of the 3 MiB on the wire, the
+    # third record is cut short, so only the first two are taken
     with pytest.raises(hostcopy.ValuesNotFetched, match=(
             rf"^rank 0 could not fetch the notebook values \(16\.0 MiB\) from the driver at 127\.0\.0\.1:{port} "
-            rf"onto {socket.gethostname()}: the connection was cut after 3\.0 MiB of 16\.0 MiB$")):
+            rf"onto {socket.gethostname()}: the connection was cut after 2\.0 MiB of 16\.0 MiB$")):
         fetch(through(spec, port), 0)
     copy = copy_of(spec)
     assert not os.path.exists(copy) and not os.path.exists(copy + ".tmp")
@@ -294,7 +346,7 @@ def test_no_room_for_the_copy_fails_the_fetch(served):
                          capture_output=True, text=True, timeout=60, env=dict(os.environ))
     assert re.fullmatch(
         rf"rank 0 could not fetch the notebook values \(4\.0 MiB\) from the driver at {spec.channel_address} "
-        rf"onto {socket.gethostname()}: no room for it in {values.SHARED_MEMORY} after [\d.]+ MiB "
+        rf"onto {socket.gethostname()}: no room for it in {privdir.user_path(values.SHARED_MEMORY)} after [\d.]+ MiB "
         r"\(\[Errno 27\] File too large\)", out.stdout.strip()), out.stdout + out.stderr
     assert not os.path.exists(copy_of(spec) + ".tmp")
 
@@ -410,7 +462,8 @@ def test_many_machines_fetch_at_once_while_the_channel_delivers_records(served, 
     records = Collector()
     channel = ChannelServer(records, "run-1", secret=spec.secret, launcher_secret=spec.launcher_secret,
                             files={name: str(path) for name in names})
-    client = ChannelClient(f"127.0.0.1:{channel.port}", spec.launcher_secret, "run-1", 0, role="launcher")
+    client = ChannelClient(f"127.0.0.1:{channel.port}", rank_key(spec.launcher_secret, "launcher", 0), "run-1", 0,
+                           role="launcher")
     try:
         specs = [RunSpec(**{**through(spec, channel.port).__dict__, "values_fetch": name}) for name in names]
         with ThreadPoolExecutor(len(specs)) as pool:

@@ -25,7 +25,7 @@ from torchdist_magic import Distributor, RankFailure
 from torchdist_magic.core import values
 from torchdist_magic.launch import valueupload
 from torchdist_magic.wire.channel import ChannelServer, Refused, new_secret, open_connection
-from torchdist_magic.core.rankenv import RunSpec
+from torchdist_magic.core.rankenv import RunSpec, rank_key
 from torchdist_magic.wire.tls import new_identity
 from torchdist_magic.core.names import VALUES_FETCH_ENV
 
@@ -102,17 +102,19 @@ def test_a_rank_whose_value_the_driver_does_not_take_is_refused(uploads):
 
 
 def test_only_a_launcher_uploads(uploads):
-    """A rank's worker has the run's other secret: it cannot write the driver's files."""
+    """A rank's worker has its own key of the run's other secret: it cannot write the driver's files."""
     _, spec, _, _, driver_dir = uploads(1)
     with pytest.raises(Refused, match="^only a rank's launcher uploads, and only its own rank's value$"):
-        open_connection(("127.0.0.1", driver_port(spec)), spec.secret, "run-1", 0, "worker", upload=10)
+        open_connection(("127.0.0.1", driver_port(spec)), rank_key(spec.secret, "worker", 0), "run-1", 0, "worker",
+                        upload=10)
     assert not os.listdir(driver_dir)
 
 
 def test_an_upload_without_its_size_is_refused(uploads):
     _, spec, _, _, driver_dir = uploads(1)
     with pytest.raises(Refused, match="^an upload needs the value's size$"):
-        open_connection(("127.0.0.1", driver_port(spec)), spec.launcher_secret, "run-1", 0, "launcher", upload=-1)
+        open_connection(("127.0.0.1", driver_port(spec)), rank_key(spec.launcher_secret, "launcher", 0), "run-1", 0,
+                        "launcher", upload=-1)
     assert not os.listdir(driver_dir)
 
 
@@ -120,7 +122,7 @@ def test_a_stranger_uploads_nothing(uploads):
     channel, spec, path, _, driver_dir = uploads(1)
     stranger = RunSpec(**{**spec.__dict__, "launcher_secret": new_secret()})
     with pytest.raises(valueupload.ValueNotSent, match=(
-            r": the driver refused: authentication failed: wrong secret for role launcher$")):
+            r": the driver refused: authentication failed: wrong secret for role launcher of rank 0$")):
         valueupload.send(stranger, path, 0)
     assert channel.stats["rejected"] == 1 and not os.listdir(driver_dir)
 

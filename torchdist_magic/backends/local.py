@@ -101,9 +101,10 @@ class LocalRun(BackendRun):
         return os.path.join(self.value_dir, f"rank-{rank}.value")
 
     def result(self, rank: int):
-        shared = map_value(self._value_file(rank))
+        shared = map_value(self._value_file(rank), self.value_dir)
+        folder = os.path.join(self.workdir, f"rank-{rank}")
         return shared if shared is not None else map_value(  # shared memory was full
-            os.path.join(self.workdir, f"rank-{rank}", RESULT_FILE))
+            os.path.join(folder, RESULT_FILE), folder)
 
     def ranks_alive(self) -> bool:
         return bool(self.procs) and all(_running(p) for p in self.procs)

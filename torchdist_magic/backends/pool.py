@@ -42,6 +42,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 from ..core import events
 from . import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
 from ..wire.channel import ChannelServer, new_secret
+from ..core.fdlimit import make_room
 from ..core.options import LaunchOptions
 from ..core.procs import rss_bytes
 from ..core.rankenv import RunSpec, job_environment
@@ -126,6 +127,7 @@ class Pool:
         from ..core.values import pickle_for_ranks
 
         run_id = self.run_id
+        make_room(self.options.num_processes, local=self.backend.ranks_share_machine())
         secret, launcher_secret = new_secret(), new_secret()
         identity = None
         if self.plan.tls:  # a key for the pool's life, as its secrets; it never leaves this process
@@ -134,7 +136,7 @@ class Pool:
             identity = new_identity()
         self._channel = ChannelServer(self._deliver, run_id, host=self.backend.channel_host(),
                                       secret=secret, launcher_secret=launcher_secret, identity=identity,
-                                      on_refusal=self._on_refusal)
+                                      ranks=self.options.num_processes, on_refusal=self._on_refusal)
         host, port = self._channel.address[:2]
         spec = RunSpec.resolve(self.options, run_id, f"{host}:{port}", secret, launcher_secret,
                                channel_cert=identity.certificate if identity is not None else "")

@@ -35,11 +35,12 @@ from typing import Callable, Collection, Dict, List, Optional, Set, Tuple
 from ..core import events
 from ..core.options import LaunchOptions
 from ..core.values import map_value, value_directory
+from ..core.privdir import open_private
 from ..core.rankenv import RunSpec
 from ..core.names import VALUES_FETCH_ENV
 from ..core.timing import SPARK_CANCEL_RETRY, SPARK_CANCEL_WAIT, SPARK_RENDEZVOUS_WAIT, SPARK_STAGE_END_WAIT, STOP_GRACE
 from .base import Backend, BackendRun, LaunchContext, LaunchPlan
-from .spark_task import FAILURE_MARK, SCHEMA, BarrierTaskSpec, value_dir_mark
+from .spark_task import FAILURE_MARK, SCHEMA, BarrierTaskSpec, value_dir_mark, value_dir_token
 
 GPU_AMOUNT_CONF = "spark.task.resource.gpu.amount"
 #: the cluster asks for encryption in transit
@@ -118,8 +119,12 @@ class SparkStageBackend(Backend):
                     "Spark configuration")
             # a warning, not the package's log (which goes nowhere unless the application says)
             warnings.warn(f"{self.cluster} has TLS encryption enabled ({SSL_CONF}=true), but with "
-                          f"tls=False/--no-tls and {IGNORE_SSL_CONF}=true this run's event channel (every "
-                          "rank's logs, metrics and rank 0's value) is not encrypted", UserWarning, stacklevel=2)
+                          f"tls=False/--no-tls and {IGNORE_SSL_CONF}=true this run's event channel is not "
+                          "encrypted: anyone who can watch the cluster's network reads every rank's logs and "
+                          "metrics, the notebook values sent to the ranks and rank 0's value (the trained "
+                          "model), and can tell a rank from the driver by its traffic. Every record is still "
+                          "authenticated: nobody without the run's secrets can change one, or make a rank or "
+                          "the driver take one of theirs", UserWarning, stacklevel=2)
         return False
 
     def conf_true(self, key: str) -> bool:
@@ -134,7 +139,12 @@ class SparkStageBackend(Backend):
     def start(self, ctx: LaunchContext) -> "BarrierStageRun":
         data = ctx.data
         value_dir = value_directory(f"torchdist-{ctx.spec.run_id}-values-")
-        open(os.path.join(value_dir, value_dir_mark(ctx.spec.run_id)), "w").close()
+        mark = open_private(os.path.join(value_dir, value_dir_mark(ctx.spec.run_id)),
+                            os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            os.write(mark, value_dir_token(ctx.spec))
+        finally:
+            os.close(mark)
         spec = BarrierTaskSpec(run=ctx.spec, job_bytes=ctx.job_bytes,
                                data_schema=data.schema if data is not None else None, value_dir=value_dir,
                                values_sent=os.environ.get(VALUES_FETCH_ENV) == "1")
@@ -345,13 +355,13 @@ class BarrierStageRun(BackendRun):
         if rank in self._values:
             return self._values[rank]
         if rank in self._value_files:
-            return map_value(self._value_files[rank])
+            return map_value(self._value_files[rank], self._spec.value_dir)
         if self._error is not None:
             # the stage failed after the rank had finished (its ``Exit`` came over the channel):
             # a value its rank wrote, or its task sent, into the driver's directory is whole there
             path = self._spec.value_path(rank)
             if os.path.exists(path):
-                return map_value(path)
+                return map_value(path, self._spec.value_dir)
             _, reason = spark_failure(self._error)
             raise RuntimeError(f"rank {rank} finished, but Spark could not return its value: "
                                f"{reason.exc_type}: {reason.message}")

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
+import hmac
 import os
 import shutil
 import socket
@@ -54,7 +56,8 @@ from ..launch import hostcopy, valueupload
 from ..wire.channel import ChannelClient
 from ..launch.gpu_metrics import open_gpu_source
 from ..launch.launcher import RankProcess, read_result, reserve_port, stop_all, write_job_file
-from ..core.rankenv import RunSpec, place_spark_tasks, rank_environment
+from ..core.privdir import check_private, open_private
+from ..core.rankenv import RunSpec, place_spark_tasks, rank_environment, rank_key
 from ..core.timing import STOP_GRACE
 from ..core.values import host_copy_path
 from ..core.names import RESULT_FILE, VALUE_FILE_ENV
@@ -156,16 +159,34 @@ class BarrierTaskSpec:
 
     def value_file(self, rank: int) -> str:
         """Where ``rank`` writes its value for the driver to map; ``""`` when this task cannot
-        see the driver's value directory (or ``values_sent``)."""
-        if (self.value_dir and not self.values_sent
-                and os.path.exists(os.path.join(self.value_dir, value_dir_mark(self.run.run_id)))):
-            return self.value_path(rank)
-        return ""
+        see the driver's value directory (or ``values_sent``).  The directory must be this
+        user's own (``privdir.check_private``) and hold the run's mark with the content only the
+        driver and the run's tasks can make (``value_dir_token``): a directory of that name that
+        another user made receives nothing."""
+        if not self.value_dir or self.values_sent:
+            return ""
+        try:
+            check_private(self.value_dir)
+            fd = open_private(os.path.join(self.value_dir, value_dir_mark(self.run.run_id)), os.O_RDONLY)
+        except OSError:  # not there (another machine), not ours, or a link: UnsafePath too
+            return ""
+        try:
+            mark = os.read(fd, 256)
+        finally:
+            os.close(fd)
+        return self.value_path(rank) if hmac.compare_digest(mark, value_dir_token(self.run)) else ""
 
 
 def value_dir_mark(run_id: str) -> str:
     """The file that marks the driver's value directory of run ``run_id``."""
     return f".torchdist-run-{run_id}"
+
+
+def value_dir_token(run: RunSpec) -> bytes:
+    """What the mark of the driver's value directory of ``run`` holds: derived from the run's
+    launcher secret, which the driver and the run's tasks know, and a rank's worker does not."""
+    return hmac.new(run.launcher_secret.encode(), f"torchdist value directory {run.run_id}".encode(),
+                    hashlib.sha256).hexdigest().encode()
 
 
 class RunStopped(Exception):
@@ -226,7 +247,8 @@ def run_barrier_task(spec: BarrierTaskSpec, partition) -> List[TaskOutcome]:
     context = BarrierTaskContext.get()
     rank = context.partitionId()
     driver = DriverMessages()
-    channel = ChannelClient(spec.run.channel_address, spec.run.launcher_secret, spec.run.run_id, rank,
+    channel = ChannelClient(spec.run.channel_address, rank_key(spec.run.launcher_secret, "launcher", rank),
+                            spec.run.run_id, rank,
                             role="launcher", on_message=driver.on_message, certificate=spec.run.channel_cert)
     exits: List[events.Exit] = []
     tail: "collections.deque[str]" = collections.deque(maxlen=LOG_TAIL)

@@ -199,8 +199,11 @@ class LaunchOptions:
             "encrypt the event channel between the ranks and this notebook (logs, metrics, rank 0's "
             "value) with TLS, under a key and certificate made for the run. Default: on for Spark, "
             "off for local processes (loopback); always on when the cluster sets spark.ssl.enabled",
-            negative=("--no-tls", "leave the event channel unencrypted (refused on a cluster with "
-                                  "spark.ssl.enabled unless pytorch.spark.distributor.ignoreSsl=true)"),
+            negative=("--no-tls", "leave the event channel unencrypted: anyone on the network between "
+                                  "the ranks and this notebook reads their logs, metrics, the notebook values "
+                                  "and rank 0's value (every record stays authenticated: nobody can change or "
+                                  "inject one). Refused on a cluster with spark.ssl.enabled unless "
+                                  "pytorch.spark.distributor.ignoreSsl=true"),
         ),
     )
 

@@ -13,9 +13,11 @@ and ``TORCHDIST_KEEP_CHECKPOINTS``).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from .options import LaunchOptions
@@ -23,6 +25,13 @@ from .names import ENV_BEFORE
 from .names import CHANNEL_CERT_ENV, CHANNEL_ENV, CHECKPOINT_DIR_ENV, DATA_FILE_ENV, HOST_RANKS_ENV, KEEP_CHECKPOINTS_ENV, MAX_RESTARTS_ENV, PREFLIGHT_ENV, PROFILE_STEPS_ENV, RESTART_COUNT_ENV, RETURN_VALUE_ENV, RUN_ID_ENV, SECRET_ENV, SYSTEM_METRICS_ENV, USE_GPU_ENV
 
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def rank_key(secret: str, role: str, rank: int) -> str:
+    """What ``role`` (``"worker"``, ``"launcher"``) of ``rank`` authenticates with on the run's
+    channel, derived from the run's secret of that role: a rank's worker is given only its own
+    key, so it cannot speak as another rank (``channel``)."""
+    return hmac.new(secret.encode(), f"torchdist {role} {rank}".encode(), hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -36,8 +45,10 @@ class RunSpec:
     env: Dict[str, str]
     timeout: Optional[float]
     channel_address: str = ""     # host:port of the driver's event channel
-    secret: str = ""              # what a worker authenticates with
-    launcher_secret: str = ""     # what a launcher on another machine (a Spark task) uses
+    # the run's secrets, of which a worker's and a launcher's keys are derived (``rank_key``);
+    # out of the repr, which a log or a traceback may show
+    secret: str = field(default="", repr=False)
+    launcher_secret: str = field(default="", repr=False)
     #: the PEM certificate of the channel's TLS, which every rank and launcher pins ("": the
     #: channel is not encrypted); public, unlike the key, which stays on the driver
     channel_cert: str = ""
@@ -231,7 +242,9 @@ def _run_variables(spec: RunSpec, place: Placement) -> Dict[str, str]:
         "MASTER_ADDR": place.master_addr, "MASTER_PORT": str(place.master_port),
         HOST_RANKS_ENV: ",".join(map(str, place.host_ranks or (place.rank,))),
         RUN_ID_ENV: spec.run_id, CHANNEL_ENV: spec.channel_address,
-        SECRET_ENV: spec.secret, CHANNEL_CERT_ENV: spec.channel_cert,
+        # its own key only (a warm job's variables are named from rank 0's placement: names only)
+        SECRET_ENV: rank_key(spec.secret, "worker", place.rank) if spec.secret else "",
+        CHANNEL_CERT_ENV: spec.channel_cert,
         USE_GPU_ENV: "1" if spec.use_gpu else "0",
         SYSTEM_METRICS_ENV: "1" if spec.system_metrics else "0",
         PROFILE_STEPS_ENV: str(spec.profile),

@@ -46,6 +46,7 @@ import tempfile
 import types
 from typing import Any, Iterator, List, Optional, Tuple, Union
 
+from .privdir import UnsafePath, inside, open_private, user_path
 
 MAGIC = b"torchdist-value-1\n"
 ALIGN = 64
@@ -373,14 +374,15 @@ class Buffers:
 
 def host_copy_path(name: str, nbytes: int) -> str:
     """Where a machine keeps its fetched copy (of ``nbytes``) of the values named ``name``: in
+    this user's private directory (``privdir.user_path``: no other user may plant a copy there) in
     shared memory (``SHARED_MEMORY``) where the machine has it and the copy takes at most half of
     its size (a container's is often 64 MiB), else in the temporary directory.  The same on
     every task of a machine: it goes by the size of its shared memory, not by what is free."""
     if fits_shared_memory(nbytes):
-        return os.path.join(SHARED_MEMORY, name)
+        return os.path.join(user_path(SHARED_MEMORY), name)
     import tempfile
 
-    return os.path.join(tempfile.gettempdir(), name)
+    return os.path.join(user_path(tempfile.gettempdir()), name)
 
 
 def fits_shared_memory(nbytes: int) -> bool:
@@ -451,17 +453,20 @@ def value_directory(prefix: str, nbytes: int = 0) -> str:
 
 
 
-def map_value(path: str) -> Optional[mmap.mmap]:
-    """The value blob at ``path`` mapped into memory, copy-on-write, and the file's name removed:
-    in shared memory the value's pages are then the ones the rank wrote, never copied; the
-    mapping (and with it the memory) goes when the last tensor or array of the value goes.
-    ``None`` when there is no such file."""
+def map_value(path: str, directory: str) -> Optional[mmap.mmap]:
+    """The value blob at ``path``, a file of the run's value ``directory``, mapped into memory,
+    copy-on-write, and the file's name removed: in shared memory the value's pages are then the
+    ones the rank wrote, never copied; the mapping (and with it the memory) goes when the last
+    tensor or array of the value goes.  ``None`` when there is no such file;
+    ``privdir.UnsafePath`` for a path elsewhere (a task names it) or a link."""
+    if not inside(path, directory):
+        raise UnsafePath(f"a rank's value was to be read from {path}, outside the run's value directory "
+                         f"{directory}; it is neither read nor removed")
     try:
-        fh = open(path, "rb")
+        fd = open_private(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
-    with fh:
+    with open(fd, "rb") as fh:
         blob = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
     os.unlink(path)
     return blob
-

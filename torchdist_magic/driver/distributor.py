@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol
 
 from ..backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
 from ..wire.channel import ChannelServer, new_secret
+from ..core.fdlimit import make_room
 from .console import NO_STDIN_PDB, Console, rank_env
 from ..core import culprit
 from ..core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled, stack_text
@@ -107,6 +108,7 @@ def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data:
         check_cold_run(options, backend)  # a warm pool may hold the Spark task slots
     try:
         plan = backend.check(options)
+        make_room(options.num_processes, local=backend.ranks_share_machine())
         prepared = None
         if data is not None:
             from .dataframes import prepare_data
@@ -415,7 +417,8 @@ class Run:
                     certificate = identity.certificate
                 channel = ChannelServer(deliver, self.run_id, host=self.backend.channel_host(),
                                         secret=secret, launcher_secret=launcher_secret, identity=identity,
-                                        files=self._served, on_refusal=self.state.refused)
+                                        files=self._served, ranks=self.options.num_processes,
+                                        on_refusal=self.state.refused)
                 self._channel = channel
                 host, port = channel.address[:2]
                 self.channel_address = f"{host}:{port}"

@@ -61,6 +61,11 @@ RUN_LOG_MEMORY_LINES = 400_000
 RUN_LOG_MEMORY_CHARS = 64 * 1024 * 1024
 MIN_LOG_LINES = 256
 MIN_LOG_CHARS = 64 * 1024
+#: distinct metric names a run keeps, all ranks together (a name per step would grow the driver
+#: without bound); a newer name is not kept, and the rank's log says so once
+MAX_METRIC_NAMES = 1024
+#: progress bars one rank may have open at once; a newer one is not shown (said once)
+MAX_BARS = 256
 #: a spilled line's file offset is remembered for every this many lines (to read a range)
 SPILL_INDEX_EVERY = 1024
 #: what a rank raises when a *peer* died: never the root cause while another failure is known
@@ -501,6 +506,8 @@ class RunState:
         self._rank_versions = [0] * num_processes   # the version of each rank's latest change
         self._stacks_came = threading.Condition(self._lock)
         self._unhandled: set = set()                # record types without a handler, named once
+        self._metric_names: set = set()             # every rank's, up to MAX_METRIC_NAMES
+        self._over_cap: set = set()                 # (rank, what) of caps a rank's log has named
         self._pace = Pace(num_processes, clock)      # stragglers, from what arrives when
         self._listeners: List[Callable[[events.Event], None]] = []
         #: where the run is tracked (``tracking.TrackingLink``: its MLflow run), or None
@@ -580,6 +587,10 @@ class RunState:
         if e.state == "cleared":  # a bar that leaves no trace (tqdm's leave=False)
             rs.progress.pop(e.bar, None)
             return
+        if e.bar not in rs.progress and len(rs.progress) >= MAX_BARS:
+            return self._over(rs, "bars", f"torchdist: rank {rs.rank} has {MAX_BARS} progress bars open already; "
+                                          f"{e.bar!r:.60} and any newer ones are not shown (close bars when "
+                                          "they are done, or make them with leave=False)")
         if e.n > 0:
             self._worked()
         rs.progress[e.bar] = {"desc": e.desc, "n": e.n, "total": e.total, "elapsed": e.elapsed,
@@ -634,6 +645,13 @@ class RunState:
 
     def _metric_point(self, rs: RankState, step: int, values: Dict[str, Union[float, str]]) -> None:
         for name, value in values.items():
+            if name not in self._metric_names:
+                if len(self._metric_names) >= MAX_METRIC_NAMES:
+                    self._over(rs, "metrics", f"torchdist: this run has {MAX_METRIC_NAMES} distinct metric names "
+                                              f"already; rank {rs.rank}'s {name!r:.60} and any newer names are not "
+                                              "kept (report() a name per quantity, with the step as step=)")
+                    continue
+                self._metric_names.add(name)
             if isinstance(value, str):  # a non-finite value: shown, not plotted
                 continue
             rs.metrics[name] = value
@@ -643,6 +661,12 @@ class RunState:
             points.append((step, value))
             if len(points) > self.max_points:
                 del points[-2::-2]  # halve the resolution; keep the first and newest points
+
+    def _over(self, rs: RankState, what: str, line: str) -> None:
+        """A cap of the run's reached by ``rs``: said once per rank and cap, in its log."""
+        if (rs.rank, what) not in self._over_cap:
+            self._over_cap.add((rs.rank, what))
+            rs.logs.add("stderr", line)
 
     def _on_dropped(self, rs: RankState, e: events.Dropped) -> None:
         rs.dropped += max(e.count, 0)

@@ -39,12 +39,14 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 import time
 from typing import Callable
 
 from ..wire import tls
+from ..core.privdir import open_private, private_directory
 from ..wire.channel import MAX_HELLO, FrameError, NotTheDriver, read_frame, Refused, open_connection
-from ..core.rankenv import RunSpec
+from ..core.rankenv import RunSpec, rank_key
 from ..core.timing import FETCH_QUEUE_WAIT, FETCH_STALL
 from ..core.values import blob_size
 
@@ -62,9 +64,10 @@ class ValuesNotFetched(RuntimeError):
 def join(copy: str) -> int:
     """A file descriptor holding a shared lock on the machine's users of the copy at ``copy``
     (see the module's docstring); the caller hands it to whatever outlives it."""
+    private_directory(os.path.dirname(copy))
     path = copy + ".users"
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = open_private(path, os.O_RDWR | os.O_CREAT)
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a last user removes the copy
         try:
             same = os.stat(path).st_ino == os.fstat(fd).st_ino
@@ -79,8 +82,10 @@ def fetch(run: RunSpec, copy: str, rank: int, stopped: Callable[[], bool]) -> st
     """Make sure this machine has the copy of ``run.values_fetch`` at ``copy``, fetching it
     from the driver if no other task of the machine did; the line for the rank's log.  ``""``
     when the run was stopped while this task waited.  ``ValuesNotFetched`` when the fetch
-    failed."""
-    lock = os.open(copy + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    failed; ``privdir.UnsafePath`` when the copy's directory is not this user's own, or a link
+    stands where one of its files goes."""
+    private_directory(os.path.dirname(copy))
+    lock = open_private(copy + ".lock", os.O_RDWR | os.O_CREAT)
     try:
         while True:
             try:
@@ -91,7 +96,7 @@ def fetch(run: RunSpec, copy: str, rank: int, stopped: Callable[[], bool]) -> st
                     return ""
                 time.sleep(LOCK_POLL)
         size = mib_text(run.values_fetch_size)
-        if os.path.exists(copy):
+        if _whole_copy(copy, run.values_fetch_size):
             fetcher = os.pread(lock, 32, 0).decode("ascii", "replace") or "?"
             return f"[torchdist] notebook values: {size} mapped (fetched by rank {fetcher} on this host)"
         started = time.monotonic()
@@ -116,7 +121,8 @@ def file_connection(run: RunSpec, rank: int, failed: Callable[[str], Exception],
     host, _, port = run.channel_address.rpartition(":")
     context = tls.client_context(run.channel_cert) if run.channel_cert else None
     try:
-        return open_connection((host.strip("[]"), int(port)), run.launcher_secret, run.run_id, rank,
+        return open_connection((host.strip("[]"), int(port)), rank_key(run.launcher_secret, "launcher", rank),
+                               run.run_id, rank,
                                "launcher", context, **hello)
     except Refused as exc:
         raise failed(f"the driver refused: {exc}") from None
@@ -124,6 +130,24 @@ def file_connection(run: RunSpec, rank: int, failed: Callable[[str], Exception],
         raise failed(f"the server there is not this run's driver: {exc}") from None
     except (OSError, EOFError, FrameError) as exc:
         raise failed(f"cannot reach the driver's event channel ({exc or type(exc).__name__})") from None
+
+
+def _whole_copy(copy: str, size: int) -> bool:
+    """Whether ``copy`` is a file of this user's of ``size`` bytes whose blob header says as much
+    (a fetcher's whole copy); anything else there (a file of an earlier run of the same name) is
+    removed, to be fetched again."""
+    try:
+        info = os.lstat(copy)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and info.st_size == size:
+        try:
+            if blob_size(copy) == size:
+                return True
+        except (OSError, ValueError):
+            pass
+    os.unlink(copy)
+    return False
 
 
 def _fetch_into(run: RunSpec, rank: int, copy: str) -> None:
@@ -151,7 +175,7 @@ def _fetch_into(run: RunSpec, rank: int, copy: str) -> None:
         try:
             if os.path.lexists(tmp):  # what a fetcher killed before left
                 os.unlink(tmp)
-            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            out = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         except OSError as exc:
             raise failed(f"cannot write {tmp} ({exc})") from None
         try:

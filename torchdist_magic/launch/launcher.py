@@ -37,7 +37,7 @@ from typing import Callable, Dict, Optional
 
 from ..core import events, timing, values
 from .gpu_metrics import GpuSource, visible_devices
-from ..core.procs import MARK_VARIABLE, end_marked_processes
+from ..core.procs import MARK_VARIABLE, end_marked_processes, group_members, marked_processes
 from .sysmetrics import RankSampler, explain_cuda_oom, is_cuda_oom
 from ..core.timing import OUTPUT_GATHER, PIPE_DRAIN_WAIT, REAP_WAIT, STACKS_SETTLE, STACKS_WAIT, STOP_GRACE
 from ..core.names import ERROR_FILE, RESULT_FILE, STACKS_FILE, STACKS_HEADER, STACKS_SIGNAL
@@ -279,6 +279,20 @@ class RankProcess:
     def signal_group(self, sig: int, why: str) -> bool:
         """Send ``sig`` to the rank's process group; whether it reached any process."""
         name = signal.Signals(sig).name
+        if self._ended.is_set() or self.proc.returncode is not None:
+            # the worker, the group's leader, is reaped: once the rest of its group is gone, the
+            # group's id is free for any process of the machine (a stop may come long after, while
+            # --pdb holds another rank), so only members that carry the rank's mark are signalled
+            members = set(group_members(self.pgid)) & set(marked_processes(self.mark))
+            for pid in members:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            if members:
+                log.info("rank %d: sent %s to what is left of its process group %d (%s), %s", self.rank,
+                         name, self.pgid, ", ".join(map(str, sorted(members))), why)
+            return bool(members)
         try:
             os.killpg(self.pgid, sig)
         except ProcessLookupError:  # none of the group is left

@@ -25,7 +25,7 @@ import os
 import socket
 import time
 
-from ..wire.channel import MAX_HELLO, FrameError, read_frame, TlsSocket
+from ..wire.channel import MAX_HELLO, FrameError, read_frame
 from .hostcopy import file_connection, mib_text
 from ..core.rankenv import RunSpec
 from ..core.timing import FETCH_QUEUE_WAIT, FETCH_STALL
@@ -76,9 +76,9 @@ def send(run: RunSpec, path: str, rank: int) -> str:
 
 
 def _send_file(sock, fh, size: int) -> None:
-    """``size`` bytes of ``fh`` to ``sock``: ``sendfile`` on plain TCP, else through one
-    reused buffer."""
-    if not isinstance(sock, TlsSocket):
+    """``size`` bytes of ``fh`` to ``sock``: ``sendfile`` on a bare socket, else (TLS, or the
+    authenticated records of a connection without it) through one reused buffer."""
+    if isinstance(sock, socket.socket):
         sock.sendfile(fh, 0, size)
         return
     buffer = memoryview(bytearray(max(min(size, CHUNK), 1)))

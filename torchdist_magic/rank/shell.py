@@ -45,6 +45,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..core.names import RUN_ID_ENV
 from ..core.syntax import (EXPANDER, TIME_TAKES_NO_ARGUMENTS, TimeitOptions, parse_timeit, unsupported)
 from . import runtime
+from ..core.privdir import open_private, user_directory
 
 #: ``%timeit`` without ``-n`` raises the loop count tenfold until one measurement takes this long
 TIMEIT_AUTORANGE_SECONDS = 0.2
@@ -374,13 +375,15 @@ class RankShell:
         """``%pip ARGS``: ``python -m pip ARGS`` with this rank's interpreter, once per host.
 
         The ranks of a host that reach the same ``%pip`` (same run, cell line, text and count)
-        meet at a lock file: the first runs pip and writes its exit code there, the others wait
-        for it, then read it.  The last rank of the host removes the file."""
+        meet at a lock file, in this user's private directory (``privdir``: a name another user
+        could guess is never opened): the first runs pip and writes its exit code there, the
+        others wait for it, then read it.  The last rank of the host removes the file."""
         site = (frame.f_code.co_filename, frame.f_lineno, line)
         self._pip_calls[site] = count = self._pip_calls.get(site, 0) + 1
         key = "\0".join(map(str, (os.environ.get(RUN_ID_ENV, ""), *site, count)))
-        path = os.path.join(tempfile.gettempdir(), f"torchdist-pip-{hashlib.sha256(key.encode()).hexdigest()[:24]}")
-        with open(path, "a+", encoding="utf-8") as fh:
+        path = os.path.join(user_directory(tempfile.gettempdir()),
+                            f"torchdist-pip-{hashlib.sha256(key.encode()).hexdigest()[:24]}")
+        with open(open_private(path, os.O_RDWR | os.O_CREAT | os.O_APPEND), "a+", encoding="utf-8") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             fh.seek(0)
             head, _, passed = fh.read().partition("\n")

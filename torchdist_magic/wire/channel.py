@@ -3,21 +3,28 @@
 Wire format.  Every frame is a 4-byte big-endian length and a UTF-8 JSON object; nothing read
 from a socket is ever unpickled.  A connection starts with a challenge: the server sends
 ``{"nonce": ...}``; the client answers ``{"mac": HMAC-SHA256(secret, nonce), "nonce": ...,
-"run_id", "rank", "role", "protocol"}``, with the secret of its role.  A worker knows only the
-run's ``secret``; the launcher of a rank (the local backend, a Spark task) also knows
-``launcher_secret``, so a worker cannot pose as its launcher and report its own exit.  The server
-replies ``{"ok": true, "mac": HMAC-SHA256(secret, client's nonce)}``, so that a rank obeys only
-the driver and not whatever took over its port, or ``{"ok": false, "error": reason}`` and
-closes.  After that every frame, in either direction, is ``{"events": [record, ...]}`` in the
-encoding of ``events``.
+"run_id", "rank", "role", "protocol"}``, where ``secret`` is the key of that role and rank
+(``rank_key``: derived from the run's secret of the role).  A worker is given only its own rank's
+key of the run's ``secret``, so it cannot speak as another rank, nor as a launcher, which holds a
+key of ``launcher_secret`` (a Spark task derives its rank's from it), so a worker cannot report
+its own exit.  The server replies ``{"ok": true, "mac": HMAC-SHA256(secret, client's nonce)}``,
+so that a rank obeys only the driver and not whatever took over its port, or ``{"ok": false,
+"error": reason}`` and closes.  The first connection to authenticate as a role and rank owns
+it for the channel's life: a second one is refused, and the rank's log says so (one that ends
+before it sent a single frame lets go: its client tried again after a slow reply).  After that
+every frame, in either direction, is ``{"events": [record, ...]}`` in the encoding of ``events``
+(without TLS, inside authenticated records: "Without TLS" below).
 
 Strangers.  The driver's port is open to anything on the cluster's network, so a connection that
 has not authenticated may cost only a bounded amount.  One thread serves every connection (a
 selector; no thread per connection); a hello may be at most ``MAX_HELLO`` bytes and must arrive
 within ``HANDSHAKE_DEADLINE``; at most ``MAX_PENDING`` connections wait for their handshake, and
 a new one evicts the oldest: connections that take a slot and say nothing cannot lock the ranks
-out, and a rank whose handshake was cut off tries again.  Nothing a stranger sends is printed or
-raised; it is counted in ``ChannelServer.stats``.
+out, and a rank whose handshake was cut off tries again.  They hold at most half of the process's
+descriptors; when ``accept`` finds none left (``EMFILE``), the oldest of them gives its own up,
+or, with none waiting, the channel stops accepting for ``ACCEPT_PAUSE`` rather than spin on a
+listener that stays readable (``fdlimit`` raises the limit before a run).  Nothing a stranger
+sends is printed or raised; it is counted in ``ChannelServer.stats``.
 
 Ranks.  An authenticated peer may send frames of up to ``MAX_FRAME`` bytes.  Every record goes
 through ``events.decode``; a malformed one, or one its role may not send (``events.SENDERS``), is
@@ -52,6 +59,14 @@ ciphertext waiting for a slow rank stays small and ``MAX_OUTBOX`` still bounds t
 client's sender and reader threads share one TLS object (OpenSSL's are not safe to use from two
 threads at once): one lock around it, and the socket's write side taken before that lock is let
 go, so that records leave in the order they were made while the reader never waits for a send.
+
+Without TLS.  The handshake goes as above; everything after its reply, both ways, travels in
+authenticated records (``framemac``: an HMAC per record under a key of the connection's, from
+the rank's key and both nonces, with a sequence number per direction), frames and file bytes
+alike.  A record whose tag is wrong ends its connection and nothing of it is used: whoever is on
+the network may read a run's records, but cannot change one or add one of theirs (a ``JobValue``
+the driver would unpickle, a ``RunJob`` or a debugger line a rank would run).  ``stats``'s
+``forged`` counts them; the rank's log, or the rank's stderr, says so.
 
 Files.  A channel may serve files (``ChannelServer``'s ``files``: the notebook values out to the
 ranks, which each machine of a cluster fetches once, ``hostcopy``).  A fetch is a connection
@@ -98,8 +113,9 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
-from ..core import events
-from . import tls
+from ..core import events, fdlimit
+from ..core.rankenv import rank_key
+from . import framemac, tls
 from ..core.timing import CHANNEL_CLOSE_WAIT, CHANNEL_THREAD_WAIT, CLIENT_CLOSE_WAIT, FETCH_STALL, HANDSHAKE_DEADLINE
 from ..core.names import CHANNEL_CERT_ENV, CHANNEL_ENV, RUN_ID_ENV, SECRET_ENV
 
@@ -151,6 +167,11 @@ FETCHES_AT_ONCE = 8
 _FILE_CHUNK = 1 << 20
 #: a full disk, as ``os.write`` says it (``EFBIG``: a file size limit)
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+#: ``accept`` out of descriptors (this process's, the system's) or of socket memory
+_OUT_OF_FILES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+#: how long the channel stops accepting when it is out of descriptors and has no connection
+#: in its handshake to give one up
+ACCEPT_PAUSE = 0.1
 
 
 class FrameError(Exception):
@@ -178,6 +199,14 @@ def _macs_equal(given: object, expected: bytes) -> bool:
     # compared as bytes: compare_digest refuses a str with non-ASCII characters (TypeError),
     # and whatever a stranger sends must be just a wrong MAC
     return isinstance(given, str) and hmac.compare_digest(given.encode("utf-8", "replace"), expected)
+
+
+def _half_the_files() -> int:
+    """Half of this process's soft limit on open files (``MAX_PENDING`` where there is none)."""
+    current = fdlimit.limits()
+    if current is None or current[0] < 0:  # RLIM_INFINITY
+        return MAX_PENDING
+    return max(16, current[0] // 2)
 
 
 def _frame(obj: dict) -> bytes:
@@ -233,7 +262,7 @@ class _Conn:
     """One accepted connection, as the server thread sees it."""
 
     __slots__ = ("sock", "deadline", "nonce", "inbuf", "outbox", "mask", "role", "rank", "open",
-                 "tls", "tls_in", "tls_out", "wire", "secure")
+                 "tls", "tls_in", "tls_out", "wire", "secure", "heard", "sealer", "opener")
 
     def __init__(self, sock: socket.socket, deadline: float, context: Optional[ssl.SSLContext]):
         self.sock = sock
@@ -245,11 +274,15 @@ class _Conn:
         self.role: Optional[str] = None    # set once authenticated
         self.rank = -1
         self.open = True
+        self.heard = False                 # a frame came after the handshake
         # with TLS: ciphertext arrives in tls_in, leaves from tls_out into wire (what the socket
         # has not taken yet); secure once the TLS handshake is done
         self.tls: Optional[ssl.SSLObject] = None
         self.wire = bytearray()
         self.secure = False
+        # without TLS, once authenticated: what it sends and receives as authenticated records
+        self.sealer: Optional[framemac.Sealer] = None
+        self.opener: Optional[framemac.Opener] = None
         if context is not None:
             self.tls_in, self.tls_out = ssl.MemoryBIO(), ssl.MemoryBIO()
             self.tls = context.wrap_bio(self.tls_in, self.tls_out, server_side=True)
@@ -264,31 +297,37 @@ class ChannelServer:
     ``stats`` counts what happened: ``accepted``, ``authenticated``, ``rejected`` (failed
     handshakes), ``evicted`` (unauthenticated connections closed to make room), ``frames`` and
     ``delivered`` (after authentication), ``malformed`` (undecodable frames or records),
-    ``forbidden`` (records the connection's role may not send), ``callback_errors``.  Nothing is
+    ``forbidden`` (records the connection's role may not send), ``callback_errors``,
+    ``forged`` (records without TLS whose MAC was wrong: their connection ended),
+    ``accept_failed`` and ``out_of_files`` (``accept`` found no descriptor left).  Nothing is
     refused in silence: the first refusal of each kind is logged (the ``torchdist_magic`` logger,
     a warning), and every one goes to ``on_refusal(kind, rank, detail)`` (the run's state counts
     them where the view and ``run.state.refusals`` show them).  With
     ``identity`` (a ``tls.ChannelIdentity``) every connection is TLS; a TLS handshake that fails
     is a failed handshake (``rejected``).  ``files`` (``{name: path}``) are the files an
     authenticated peer may fetch (see the module's "Files"); ``files_sent`` counts those sent
-    whole, ``values_received`` the ranks' values taken whole (``receive_values``).
+    whole, ``values_received`` the ranks' values taken whole (``receive_values``).  ``ranks``: the
+    run's number of ranks, of which a hello must name one; with one connection per role and rank
+    (the first, ``claims_refused`` counts the others), a run has at most two per rank.
     """
 
     def __init__(self, on_event: Callable[[events.Event], None], run_id: str, *,
                  host: str = "127.0.0.1", secret: str, launcher_secret: str,
                  identity: Optional[tls.ChannelIdentity] = None, files: Optional[Dict[str, str]] = None,
-                 on_refusal: Optional[Callable[[str, int, str], None]] = None):
+                 ranks: Optional[int] = None, on_refusal: Optional[Callable[[str, int, str], None]] = None):
         self._on_event = on_event
         self._on_refusal = on_refusal
         self._refusals_logged: set = set()
         self._run_id = run_id
+        self._ranks = ranks
         self._secrets = {"worker": secret, "launcher": launcher_secret}
         self._tls = identity.server_context() if identity is not None else None
         #: whether every connection speaks TLS (``identity`` was given)
         self.encrypted = self._tls is not None
         self.stats: Dict[str, int] = dict.fromkeys(
             ("accepted", "authenticated", "rejected", "evicted", "frames", "delivered",
-             "malformed", "forbidden", "callback_errors", "files_sent", "values_received"), 0)
+             "malformed", "forbidden", "callback_errors", "files_sent", "values_received",
+             "accept_failed", "out_of_files", "claims_refused", "forged"), 0)
         self._files = _FileTransfers(dict(files or {}), self.stats)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener: Optional[socket.socket] = socket.create_server((host, 0), family=family, backlog=512)
@@ -303,10 +342,18 @@ class ChannelServer:
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         # only the server thread touches these two
         self._pending: "collections.OrderedDict[_Conn, None]" = collections.OrderedDict()  # oldest first
+        # connections in their handshake hold at most half of this process's descriptors, so
+        # that a flood of strangers leaves the kernel's own files and the ranks' connections room
+        self._pending_cap = _half_the_files()
+        self._accept_resume: Optional[float] = None  # while out of descriptors: when to accept again
         self._authed: set = set()
         # shared with send(); the outboxes too
         self._lock = threading.Lock()
-        self._routes: Dict[Tuple[str, int], _Conn] = {}   # the newest connection of each role and rank
+        self._routes: Dict[Tuple[str, int], _Conn] = {}   # the connection of each role and rank
+        # the connection that owns each role and rank (server thread only): the first to
+        # authenticate as it; it lets go only if it ends before it sent a single frame (its client
+        # gave up on a slow reply and tries again)
+        self._claims: Dict[Tuple[str, int], _Conn] = {}
         self._dirty: set = set()                          # connections with new output
         self._close_deadline: Optional[float] = None
         self._thread = threading.Thread(target=self._serve, name="torchdist-channel", daemon=True)
@@ -383,6 +430,7 @@ class ChannelServer:
                         if mask & selectors.EVENT_READ and key.data.open:
                             self._read(key.data)
                 self._expire()
+                self._resume_accepting()
                 self._flush_dirty()
         finally:
             for conn in list(self._pending) + list(self._authed):
@@ -403,12 +451,16 @@ class ChannelServer:
 
     def _stop_accepting(self) -> None:
         if self._listener is not None:
-            self._selector.unregister(self._listener)
+            if self._accept_resume is None:  # else out of the selector already
+                self._selector.unregister(self._listener)
+            self._accept_resume = None
             self._listener.close()
             self._listener = None
 
     def _timeout(self) -> Optional[float]:
         deadlines = [] if self._close_deadline is None else [self._close_deadline]
+        if self._accept_resume is not None:
+            deadlines.append(self._accept_resume)
         if self._pending:
             deadlines.append(next(iter(self._pending)).deadline)
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
@@ -425,11 +477,13 @@ class ChannelServer:
         for _ in range(_ACCEPT_PER_ROUND):
             try:
                 sock, _ = self._listener.accept()
-            except OSError:  # none left (BlockingIOError), or the peer already gave up
+            except OSError as exc:  # none left (BlockingIOError), or the peer already gave up
+                if exc.errno in _OUT_OF_FILES:
+                    self._out_of_files(exc)
                 return
             self.stats["accepted"] += 1
             sock.setblocking(False)
-            if len(self._pending) >= MAX_PENDING:
+            if len(self._pending) >= min(MAX_PENDING, self._pending_cap):
                 oldest, _ = self._pending.popitem(last=False)
                 self.stats["evicted"] += 1
                 self._drop(oldest)
@@ -439,6 +493,33 @@ class ChannelServer:
             with self._lock:  # with TLS, it goes once the client's TLS handshake is done
                 conn.outbox += _frame({"nonce": conn.nonce})
             self._write(conn)
+
+    def _out_of_files(self, exc: OSError) -> None:
+        """``accept`` failed for want of a descriptor: the connection stays in the listener's
+        backlog, which stays readable, so accepting again at once would spin.  The oldest
+        connection still in its handshake gives its descriptor up for it (strangers that say
+        nothing cannot hold the run's ranks out); with none, the channel stops accepting for
+        ``ACCEPT_PAUSE``.  Said once per channel, in the log."""
+        self.stats["accept_failed"] += 1
+        if not self.stats["out_of_files"]:
+            _log.warning("run %s: this process is out of open files (%s): the event channel drops "
+                         "the oldest connection still in its handshake, or stops accepting for "
+                         "%g s at a time; raise the limit (ulimit -n) if ranks cannot connect",
+                         self._run_id, exc.strerror, ACCEPT_PAUSE)
+        self.stats["out_of_files"] += 1
+        if self._pending:
+            oldest, _ = self._pending.popitem(last=False)
+            self.stats["evicted"] += 1
+            self._drop(oldest)
+        elif self._listener is not None and self._accept_resume is None:
+            self._selector.unregister(self._listener)
+            self._accept_resume = time.monotonic() + ACCEPT_PAUSE
+
+    def _resume_accepting(self) -> None:
+        if self._accept_resume is not None and time.monotonic() >= self._accept_resume:
+            self._accept_resume = None
+            if self._listener is not None:
+                self._selector.register(self._listener, selectors.EVENT_READ)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -464,6 +545,12 @@ class ChannelServer:
                 except ssl.SSLError:
                     failed = True
                 out = conn.wire
+            elif conn.sealer is not None:
+                while conn.outbox and len(conn.wire) < _RECV_CHUNK:  # a chunk at a time, as with TLS
+                    chunk = conn.outbox[:_RECV_CHUNK]
+                    conn.wire += conn.sealer.seal(chunk)
+                    del conn.outbox[:len(chunk)]
+                out = conn.wire
             else:
                 out = conn.outbox
             if out and not failed:
@@ -475,7 +562,7 @@ class ChannelServer:
                     sent, failed = 0, True
                 del out[:sent]
             # with TLS, plaintext waits for the handshake before it is anything to write
-            more = bool(out) or (conn.secure and bool(conn.outbox))
+            more = bool(out) or ((conn.secure or conn.sealer is not None) and bool(conn.outbox))
             mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if more else 0)
         if failed:
             self._drop(conn)
@@ -509,6 +596,11 @@ class ChannelServer:
         if conn.tls is not None:
             conn.tls_in.write(data)
             return self._unseal(conn)
+        if conn.opener is not None:
+            try:
+                data = conn.opener.open(data)
+            except framemac.ForgedRecord as exc:
+                return self._forged(conn, exc)
         conn.inbuf += data
         self._parse(conn)
 
@@ -582,19 +674,76 @@ class ChannelServer:
         reason = self._check_hello(conn, hello)
         if reason is not None:
             return self._reject(conn, reason)
-        del self._pending[conn]
         if "fetch" in hello or "upload" in hello:
+            del self._pending[conn]
             return self._hand_off(conn, hello)
+        claim = (hello["role"], hello["rank"])
+        if claim in self._claims:
+            return self._second_claim(conn, *claim)
+        del self._pending[conn]
         self._authed.add(conn)
-        conn.role, conn.rank = hello["role"], hello["rank"]
+        conn.role, conn.rank = claim
+        self._claims[claim] = conn
         self.stats["authenticated"] += 1
         with self._lock:
-            self._routes[(conn.role, conn.rank)] = conn
-            proof = _mac(self._secrets[conn.role], hello["nonce"]).decode()
+            self._routes[claim] = conn
+            proof = _mac(self._key(conn.role, conn.rank), hello["nonce"]).decode()
             conn.outbox += _frame({"ok": True, "mac": proof})
+            if conn.tls is None:  # the reply goes as it is, all after it in records
+                self._start_records(conn, hello)
         self._write(conn)
         if conn.open and buf:
+            if conn.opener is not None:
+                try:
+                    rest = conn.opener.open(bytes(buf))
+                except framemac.ForgedRecord as exc:
+                    return self._forged(conn, exc)
+                buf[:] = rest
             self._frames(conn)
+
+    def _start_records(self, conn: _Conn, hello: dict) -> None:
+        """From here on, ``conn`` (not TLS) speaks in authenticated records (``framemac``)."""
+        key = framemac.session_key(self._key(hello["role"], hello["rank"]), conn.nonce, hello["nonce"])
+        conn.wire += conn.outbox
+        conn.outbox.clear()
+        conn.sealer = framemac.Sealer(key, framemac.FROM_DRIVER)
+        conn.opener = framemac.Opener(key, framemac.FROM_CLIENT)
+
+    def _forged(self, conn: _Conn, exc: Exception) -> None:
+        """A record that failed its authentication: someone on the path wrote into the
+        connection.  It ends; the rank's log says so."""
+        self.stats["forged"] += 1
+        line = (f"torchdist: the event channel of rank {conn.rank}'s {conn.role} carried a record that failed its "
+                f"authentication ({exc}); someone on the network may have written into it. The connection "
+                "was closed, and nothing of that record was used")
+        _log.warning("run %s: %s", self._run_id, line)
+        rank = conn.rank
+        self._drop(conn)
+        try:
+            self._on_event(events.Log(rank=rank, stream="stderr", line=line))
+        except Exception:  # noqa: BLE001  the driver's handler must not stop the channel
+            self.stats["callback_errors"] += 1
+
+    def _key(self, role: str, rank: int) -> str:
+        return rank_key(self._secrets[role], role, rank)
+
+    def _second_claim(self, conn: _Conn, role: str, rank: int) -> None:
+        """Refuse an authenticated connection as a role and rank that another connection owns,
+        and say so in that rank's log, where the run's view shows it."""
+        self.stats["claims_refused"] += 1
+        try:
+            host, port = conn.sock.getpeername()[:2]
+            peer = f"{host}:{port}"
+        except OSError:
+            peer = "a peer that has gone"
+        line = (f"torchdist: refused a second connection as rank {rank}'s {role} (from {peer}): "
+                f"another one already speaks for it; only the first is heard")
+        _log.warning("run %s: %s", self._run_id, line)
+        self._reject(conn, f"rank {rank}'s {role} is already connected to this run")
+        try:
+            self._on_event(events.Log(rank=rank, stream="stderr", line=line))
+        except Exception:  # noqa: BLE001  the driver's handler must not stop the channel
+            self.stats["callback_errors"] += 1
 
     def _check_hello(self, conn: _Conn, hello: dict) -> Optional[str]:
         """Why ``hello`` does not open this run's channel, or ``None`` when it does."""
@@ -606,13 +755,15 @@ class ChannelServer:
         role = hello.get("role")
         if not isinstance(role, str) or role not in self._secrets:
             return f"unknown role {role!r:.20}"
-        if not _macs_equal(hello.get("mac"), _mac(self._secrets[role], conn.nonce)):
-            return f"authentication failed: wrong secret for role {role}"
-        if hello.get("run_id") != self._run_id:
-            return f"wrong run: this channel serves run {self._run_id}"
         rank, nonce = hello.get("rank"), hello.get("nonce")
         if type(rank) is not int or rank < 0 or not isinstance(nonce, str):
             return "a hello needs a rank and a nonce"
+        if self._ranks is not None and rank >= self._ranks:
+            return f"rank {rank} is not a rank of this run, which has {self._ranks}"
+        if not _macs_equal(hello.get("mac"), _mac(self._key(role, rank), conn.nonce)):
+            return f"authentication failed: wrong secret for role {role} of rank {rank}"
+        if hello.get("run_id") != self._run_id:
+            return f"wrong run: this channel serves run {self._run_id}"
         fetch = hello.get("fetch")
         if fetch is not None and not self._files.serves(fetch):
             return f"this channel serves no file named {fetch!r:.100}"
@@ -630,7 +781,11 @@ class ChannelServer:
         """An authenticated fetch or upload: its reply queued, it leaves this thread for one of
         the file transfers'."""
         self.stats["authenticated"] += 1
-        conn.outbox += _frame({"ok": True, "mac": _mac(self._secrets[hello["role"]], hello["nonce"]).decode()})
+        proof = _mac(self._key(hello["role"], hello["rank"]), hello["nonce"]).decode()
+        conn.outbox += _frame({"ok": True, "mac": proof})
+        if conn.tls is None:  # the file's bytes and the answers in records, after the reply
+            self._start_records(conn, hello)
+            conn.inbuf.clear()  # nothing comes before the reply but what a stranger wrote
         conn.open = False  # the server's loops let go of it
         self._selector.unregister(conn.sock)
         if "fetch" in hello:
@@ -656,6 +811,7 @@ class ChannelServer:
 
     def _deliver(self, conn: _Conn, body: bytes) -> None:
         self.stats["frames"] += 1
+        conn.heard = True
         frame = _parse(body)
         items = frame.get("events") if frame is not None else None
         if not isinstance(items, list):
@@ -700,6 +856,8 @@ class ChannelServer:
         conn.open = False
         self._pending.pop(conn, None)
         self._authed.discard(conn)
+        if not conn.heard and self._claims.get((conn.role, conn.rank)) is conn:
+            del self._claims[(conn.role, conn.rank)]
         with self._lock:
             if self._routes.get((conn.role, conn.rank)) is conn:
                 del self._routes[(conn.role, conn.rank)]
@@ -777,7 +935,14 @@ class _FileTransfers:
             sock.settimeout(FETCH_STALL)
             if conn.tls is not None:  # what the TLS handshake left to send comes first
                 sock.sendall(bytes(conn.wire) + conn.tls_out.read())
+            elif conn.wire:  # the handshake's reply, before the records
+                sock.sendall(bytes(conn.wire))
             transfer(conn, *args)
+        except framemac.ForgedRecord as exc:  # the file is not taken: the rank says what it saw
+            with self._lock:
+                self._stats["forged"] += 1
+            _log.warning("rank %d's file transfer carried a record that failed its authentication (%s); "
+                         "someone on the network may have written into it. It was dropped", conn.rank, exc)
         except (OSError, ssl.SSLError):  # the peer went, stalled, or close(): it says what it saw
             pass
         finally:
@@ -794,7 +959,7 @@ class _FileTransfers:
         with fh:
             size = os.fstat(fh.fileno()).st_size
             self._sendall(conn, bytes(conn.outbox) + _frame({"size": size}))
-            if conn.tls is None:
+            if conn.tls is None and conn.sealer is None:
                 sent = conn.sock.sendfile(fh, 0, size)
             else:
                 sent = self._send_sealed(conn, fh, size)
@@ -818,7 +983,7 @@ class _FileTransfers:
         try:
             self._sendall(conn, bytes(conn.outbox) + _frame({"ready": True}))
             buffer = memoryview(bytearray(max(min(size, _FILE_CHUNK), 1)))
-            wire = memoryview(bytearray(_FILE_CHUNK)) if conn.tls is not None else buffer
+            wire = memoryview(bytearray(_FILE_CHUNK)) if conn.tls is not None or conn.opener is not None else buffer
             got, failure = 0, ""
             while got < size:
                 n = self._recv_into(conn, buffer[:min(len(buffer), size - got)], wire)
@@ -855,7 +1020,17 @@ class _FileTransfers:
     def _recv_into(conn: _Conn, buffer: memoryview, wire: memoryview) -> int:
         """Plaintext of the connection into ``buffer``; 0 at its end.  With TLS, the
         ciphertext comes through ``wire``, reused as ``buffer`` is (a fresh 1 MiB per read
-        would cost its pages' faults each time)."""
+        would cost its pages' faults each time); so do the records of a connection without TLS."""
+        if conn.opener is not None:
+            while not conn.inbuf:
+                n = conn.sock.recv_into(wire)
+                if not n:
+                    return 0
+                conn.inbuf += conn.opener.open(wire[:n])
+            n = min(len(buffer), len(conn.inbuf))
+            buffer[:n] = conn.inbuf[:n]
+            del conn.inbuf[:n]
+            return n
         if conn.tls is None:
             return conn.sock.recv_into(buffer)
         while True:
@@ -871,7 +1046,9 @@ class _FileTransfers:
 
     @staticmethod
     def _sendall(conn: _Conn, data: bytes) -> None:
-        if conn.tls is None:
+        if conn.sealer is not None:
+            conn.sock.sendall(conn.sealer.seal(data))
+        elif conn.tls is None:
             conn.sock.sendall(data)
         else:
             conn.tls.write(data)
@@ -885,8 +1062,7 @@ class _FileTransfers:
             n = fh.readinto(buffer)
             if not n:
                 break
-            conn.tls.write(buffer[:n])
-            conn.sock.sendall(conn.tls_out.read())
+            _FileTransfers._sendall(conn, buffer[:n])
             sent += n
         return sent
 
@@ -1014,7 +1190,7 @@ class ChannelClient:
         self._lost = False                     # no driver to send to: drop everything
         self._closed = False
         self._flush_now = threading.Event()    # a record not to wait for, or close(): send what is queued
-        self._sock: Optional[Union[socket.socket, TlsSocket]] = None
+        self._sock: Optional[Union[framemac.MacSocket, TlsSocket]] = None
         self._reader: Optional[threading.Thread] = None
         self._settled = threading.Event()      # the first connection was made, or given up
         self._sender = threading.Thread(target=self._run, name=f"torchdist-channel-rank{rank}", daemon=True)
@@ -1118,7 +1294,7 @@ class ChannelClient:
             self._write(batch)
         self._finish()
 
-    def _connect(self) -> Optional[Union[socket.socket, TlsSocket]]:
+    def _connect(self) -> Optional[Union[framemac.MacSocket, TlsSocket]]:
         where = f"{self._address[0]}:{self._address[1]}"
         try:
             return open_connection(self._address, self._secret, self._run_id, self._rank, self._role, self._tls)
@@ -1162,10 +1338,15 @@ class ChannelClient:
 
     # -- reader thread --------------------------------------------------------------------
 
-    def _read(self, sock: Union[socket.socket, TlsSocket]) -> None:
+    def _read(self, sock: Union[framemac.MacSocket, TlsSocket]) -> None:
         while True:
             try:
                 frame = read_frame(sock, MAX_FRAME)
+            except framemac.ForgedRecord as exc:
+                self._give_up(f"a record to rank {self._rank} on the event channel failed its authentication "
+                              f"({exc}): someone on the network may have written into it; nothing of it was "
+                              "used, and the rank's events are dropped from now on")
+                return
             except (OSError, EOFError, FrameError):  # the driver, or close(), ended the connection
                 return
             items = frame.get("events")
@@ -1182,7 +1363,7 @@ class ChannelClient:
 
 def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: int, role: str,
                     context: Optional[ssl.SSLContext] = None, fetch: str = "",
-                    upload: Optional[int] = None) -> Union[socket.socket, TlsSocket]:
+                    upload: Optional[int] = None) -> Union[framemac.MacSocket, TlsSocket]:
     """An authenticated connection to the driver at ``address`` as ``role`` of ``rank`` (TLS
     with ``context``; ``fetch``: to fetch the file of that name; ``upload``: to send the rank's
     value of that many bytes; see the module's "Files"): each
@@ -1208,7 +1389,7 @@ def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: in
 
 def _handshake(address: Tuple[str, int], secret: str, run_id: str, rank: int, role: str,
                context: Optional[ssl.SSLContext], deadline: float, fetch: str = "",
-               upload: Optional[int] = None) -> Union[socket.socket, TlsSocket]:
+               upload: Optional[int] = None) -> Union[framemac.MacSocket, TlsSocket]:
     def left() -> float:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -1243,6 +1424,8 @@ def _handshake(address: Tuple[str, int], secret: str, run_id: str, rank: int, ro
             raise Refused(f"{reply.get('error', 'no reason given')!s:.500}")
         if not _macs_equal(reply.get("mac"), _mac(secret, own_nonce)):
             raise Refused("it could not prove that it knows this run's secret")
+        if context is None:  # no TLS: every byte from here on in authenticated records
+            sock = framemac.MacSocket(sock, framemac.session_key(secret, nonce, own_nonce))
         sock.settimeout(None)
         return sock
     except BaseException:

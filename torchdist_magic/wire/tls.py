@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import secrets
 import ssl
 import tempfile
 from dataclasses import dataclass, field
@@ -40,13 +41,28 @@ class ChannelIdentity:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_3
         context.num_tickets = 0  # no session resumption: a rank connects once per run
-        # the ssl module loads keys from files only: a file only this user can read, removed as
-        # soon as it is loaded
+        # the ssl module loads keys from files only: an anonymous file in memory (memfd) where
+        # the system has one; elsewhere a temporary file holding the key encrypted with a password
+        # that never leaves this process, removed as soon as it is loaded
+        if hasattr(os, "memfd_create"):
+            fd = os.memfd_create("torchdist-channel-key", getattr(os, "MFD_CLOEXEC", 0))
+            try:
+                os.write(fd, self.private_key + self.certificate.encode("ascii"))
+                context.load_cert_chain(f"/proc/self/fd/{fd}")
+            finally:
+                os.close(fd)
+            return context
+        from cryptography.hazmat.primitives import serialization
+
+        password = secrets.token_bytes(32)
+        key = serialization.load_pem_private_key(self.private_key, None).private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(password))
         fd, path = tempfile.mkstemp(prefix="torchdist-channel-", suffix=".pem")
         try:
             with os.fdopen(fd, "wb") as fh:
-                fh.write(self.private_key + self.certificate.encode("ascii"))
-            context.load_cert_chain(path)
+                fh.write(key + self.certificate.encode("ascii"))
+            context.load_cert_chain(path, password=password)
         finally:
             os.unlink(path)
         return context
