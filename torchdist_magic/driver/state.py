@@ -515,6 +515,13 @@ class RunState:
         #: what the run's channel refused, by kind (``malformed``, ``forbidden``,
         #: ``callback_errors``): how many, and the first one's rank and what it was
         self.refusals: Dict[str, Refusal] = {}
+        #: the current attempt's first work and newest checkpoint (``time.time()``), for goodput
+        self.first_work: Optional[float] = None
+        self.last_checkpoint: Optional[float] = None
+        #: seconds lost to a hang: from the last sign of life to the run's end (a run that hung)
+        self.hang_lost_s = 0.0
+        #: the current attempt's profiles (``profiles.ProfileCollector``, ``--profile``), or None
+        self.profiles = None
 
     def refused(self, kind: str, rank: int, detail: str) -> None:
         """The channel refused a record of ``rank`` (``ChannelServer``'s ``on_refusal``)."""
@@ -525,13 +532,6 @@ class RunState:
             else:
                 known.count += 1
             self.version += 1
-        #: the current attempt's first work and newest checkpoint (``time.time()``), for goodput
-        self.first_work: Optional[float] = None
-        self.last_checkpoint: Optional[float] = None
-        #: seconds lost to a hang: from the last sign of life to the run's end (a run that hung)
-        self.hang_lost_s = 0.0
-        #: the current attempt's profiles (``profiles.ProfileCollector``, ``--profile``), or None
-        self.profiles = None
 
     def listen(self, listener: Callable[[events.Event], None]) -> None:
         """Call ``listener(record)`` with every record the state takes from now on (those of
