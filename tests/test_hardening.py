@@ -515,3 +515,32 @@ def test_distinct_metric_names_and_open_bars_are_capped_per_run_with_a_line_each
             "leave=False)") in state.logs(0)
     state.apply(events.Progress(rank=0, bar="bar0", n=2, total=10))  # an open bar still moves
     assert state.ranks[0].progress["bar0"]["n"] == 2
+
+
+def test_the_output_a_run_keeps_is_capped_per_rank_with_a_line_and_a_count(monkeypatch):
+    from torchdist_magic.driver import state as run_state
+
+    monkeypatch.setattr(run_state, "MAX_RUN_LOG_CHARS", 2 * 1000)
+    monkeypatch.setattr(run_state, "MIN_RANK_LOG_CHARS", 100)
+    state = run_state.RunState("run-1", 2)
+    assert state.max_rank_log_chars == 1000              # each rank's share of the run's
+    for i in range(30):                                   # 30 lines of 50 characters on rank 0
+        state.apply(events.Log(rank=0, line=f"{i:02d}" + "x" * 48))
+    for i in range(100):                                  # a bar redrawn in place is not counted
+        state.apply(events.Log(rank=1, line=f"bar {i}%" + " " * 40, cr=True))
+    state.apply(events.Log(rank=1, line="done"))
+    kept = [line for line in state.logs(0).splitlines() if line.endswith("x" * 48)]
+    assert [line[:2] for line in kept] == [f"{i:02d}" for i in range(20)]
+    assert state.ranks[0].log_dropped == 10 and state.ranks[1].log_dropped == 0
+    assert state.logs(0).count("printed over its share") == 1
+    assert ("torchdist: rank 0 printed over its share of what a run keeps of its output (0 MiB of 0 GiB, "
+            "MAX_RUN_LOG_CHARS); its later lines are not kept (counted in run.state.ranks[0].log_dropped)"
+            ) in state.logs(0)
+    assert state.logs(1).rstrip().endswith("done")
+
+
+def test_a_thousand_ranks_each_keep_a_share_of_the_runs_output():
+    from torchdist_magic.driver import state as run_state
+
+    assert run_state.RunState("run-1", 1024).max_rank_log_chars == max(
+        run_state.MIN_RANK_LOG_CHARS, run_state.MAX_RUN_LOG_CHARS // 1024)

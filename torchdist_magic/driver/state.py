@@ -66,6 +66,11 @@ MIN_LOG_CHARS = 64 * 1024
 MAX_METRIC_NAMES = 1024
 #: progress bars one rank may have open at once; a newer one is not shown (said once)
 MAX_BARS = 256
+#: characters of output a run keeps (in memory and spilled to its directory), all ranks together;
+#: each rank may keep its share, and at least ``MIN_RANK_LOG_CHARS``: past it, its newer lines
+#: are counted (``RankState.log_dropped``), not kept, and its log says so once
+MAX_RUN_LOG_CHARS = 16 * 1024 ** 3
+MIN_RANK_LOG_CHARS = 64 * 1024 ** 2
 #: a spilled line's file offset is remembered for every this many lines (to read a range)
 SPILL_INDEX_EVERY = 1024
 #: what a rank raises when a *peer* died: never the root cause while another failure is known
@@ -311,6 +316,9 @@ class RankState(_Bars):
     history: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
     logs: LogStore = None            # every attempt's lines (one store per rank, kept across attempts)
     dropped: int = 0
+    #: characters of output kept, and lines not kept past the rank's share of ``MAX_RUN_LOG_CHARS``
+    log_chars: int = 0
+    log_dropped: int = 0
     failure: Optional[Failure] = None
     #: the latest system sample (``sysmetrics``; ``time``: when it was taken), ``{}`` before any
     system: Dict[str, float] = field(default_factory=dict)
@@ -487,6 +495,8 @@ class RunState:
             own = RunDirectory(f"torchdist-logs-{run_id}-")
             spill_dir = own.path
         share = max(num_processes, 1)
+        #: characters of output each rank may keep (its share of ``MAX_RUN_LOG_CHARS``)
+        self.max_rank_log_chars = max(MIN_RANK_LOG_CHARS, MAX_RUN_LOG_CHARS // share)
         lines = min(LOG_MEMORY_LINES, max(MIN_LOG_LINES, RUN_LOG_MEMORY_LINES // share))
         chars = min(LOG_MEMORY_CHARS, max(MIN_LOG_CHARS, RUN_LOG_MEMORY_CHARS // share))
         self._logs = [LogStore(spill_dir, f"rank-{r}", max_lines=lines, max_chars=chars)
@@ -578,9 +588,23 @@ class RunState:
 
     def _on_log(self, rs: RankState, e: events.Log) -> None:
         self._alive()
-        rs.logs.add(e.stream, e.line, e.cr)
+        self._keep_line(rs, e.stream, e.line, e.cr)
         for more in e.more:  # the lines of one flush, in order
-            rs.logs.add(more.stream, more.line, more.cr)
+            self._keep_line(rs, more.stream, more.line, more.cr)
+
+    def _keep_line(self, rs: RankState, stream: str, text: str, cr: bool) -> None:
+        """Keep one line of ``rs``'s output within its share of ``MAX_RUN_LOG_CHARS``; a line that
+        ends with ``\\r`` (a bar redrawn) replaces the stream's last one, so it is not counted."""
+        if cr:
+            return rs.logs.add(stream, text, cr)
+        if rs.log_chars + len(text) > self.max_rank_log_chars:
+            rs.log_dropped += 1
+            return self._over(rs, "log", f"torchdist: rank {rs.rank} printed over its share of what a run keeps of "
+                                         f"its output ({self.max_rank_log_chars / 2 ** 20:.0f} MiB of "
+                                         f"{MAX_RUN_LOG_CHARS / 2 ** 30:.0f} GiB, MAX_RUN_LOG_CHARS); its later "
+                                         f"lines are not kept (counted in run.state.ranks[{rs.rank}].log_dropped)")
+        rs.log_chars += len(text)
+        rs.logs.add(stream, text, cr)
 
     def _on_progress(self, rs: RankState, e: events.Progress) -> None:
         self._alive()
