@@ -12,11 +12,12 @@ import pytest
 
 from helpers import Collector, wait_until
 from torchdist_magic.core import events
+from torchdist_magic.core.rankenv import rank_key
 from torchdist_magic.driver.state import RunState
 from torchdist_magic.rank.worker import torch_memory
 from torchdist_magic.view import html, text
 from torchdist_magic.view.model import run_facts
-from torchdist_magic.wire import channel as wire_channel
+from torchdist_magic.wire import channel as wire_channel, framemac
 from torchdist_magic.wire.channel import ChannelClient, ChannelServer, new_secret
 
 
@@ -39,7 +40,7 @@ def channel():
 
 def worker(srv, rank):
     host, port = srv.address
-    return ChannelClient(f"{host}:{port}", srv._secrets["worker"], "run-r", rank)
+    return ChannelClient(f"{host}:{port}", rank_key(srv._secrets["worker"], "worker", rank), "run-r", rank)
 
 
 def test_a_worker_may_send_its_own_system_metrics():
@@ -105,15 +106,17 @@ def test_frames_and_records_that_do_not_decode_are_malformed(channel):
     """What a peer that passed the handshake writes after it, byte for byte."""
     sock = socket.create_connection(channel.address, timeout=10)
     try:
-        secret = channel._secrets["worker"]
+        secret = rank_key(channel._secrets["worker"], "worker", 2)
         nonce = wire_channel.read_frame(sock, wire_channel.MAX_HELLO)["nonce"]
         sock.sendall(wire_channel._frame({"mac": wire_channel._mac(secret, nonce).decode(), "nonce": "mine",
                                           "run_id": "run-r", "rank": 2, "role": "worker",
                                           "protocol": events.PROTOCOL_VERSION}))
         assert wire_channel.read_frame(sock, wire_channel.MAX_HELLO)["ok"] is True
+        # without TLS what follows the handshake goes in authenticated records, as a peer's would
+        sealed = framemac.MacSocket(sock, framemac.session_key(secret, nonce, "mine"))
         body = json.dumps({"events": [{"type": "nope"}]}).encode()
         for raw in (b'{"events": 5}', body):
-            sock.sendall(wire_channel._LEN.pack(len(raw)) + raw)
+            sealed.sendall(wire_channel._LEN.pack(len(raw)) + raw)
         wait_until(lambda: len(channel.refused.seen) == 2, 10, "both refusals")
     finally:
         sock.close()
