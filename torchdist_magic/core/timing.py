@@ -36,6 +36,8 @@ STACKS_WAIT = 3.0
 STACKS_SETTLE = 0.1
 #: how long the driver waits for every rank's ``Stacks`` answer (the launchers' wait, and the way back)
 STACKS_COLLECT_WAIT = STACKS_WAIT + 1.0
+#: how long the driver waits for every rank's collective record, asked after their stacks came
+COLLECTIVES_WAIT = 2.0
 
 #: a channel connection must complete its handshake within this deadline (a rank's client tries
 #: again, a few times, when it did not: ``channel.CONNECT_ATTEMPTS``)

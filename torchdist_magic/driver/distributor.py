@@ -48,7 +48,7 @@ from ..core.names import VALUES_FETCH_ENV
 from ..core.rankenv import RunSpec
 from .profiles import Profile, ProfileCollector
 from .state import Attempt, RunDirectory, RunState, is_collateral
-from ..core.timing import ROOT_CAUSE_WAIT, STACKS_COLLECT_WAIT, STOP_GRACE, SUPERVISE_POLL
+from ..core.timing import COLLECTIVES_WAIT, ROOT_CAUSE_WAIT, STACKS_COLLECT_WAIT, STOP_GRACE, SUPERVISE_POLL
 from .tracking import MlflowLogger
 
 _last_run: Optional["Run"] = None
@@ -543,14 +543,15 @@ class Run:
         self.state.begin_collectives()
         running = self.state.begin_stacks()
         backend_run.dump_stacks()
+        stacks = self.state.wait_stacks(running, STACKS_COLLECT_WAIT)
+        # the records are asked for once the stacks came, not while faulthandler walks a rank's
+        # threads (a rank asked for both at once was seen to end with SIGSEGV, once)
         if self._channel is not None:
             self._channel.broadcast(DumpCollectives(rank=-1), role="worker")
         else:
             backend_run.dump_collectives()
-        end = time.monotonic() + STACKS_COLLECT_WAIT
-        stacks = self.state.wait_stacks(running, STACKS_COLLECT_WAIT)
         # a rank without a process group never answers: its peers' records say enough then
-        records = self.state.wait_collectives(running, max(0.0, end - time.monotonic()))
+        records = self.state.wait_collectives(running, COLLECTIVES_WAIT)
         ranks = self.options.ranks or range(self.options.num_processes)
         self.state.set_verdict(culprit.verdict(records, ranks, self.state.exits()))
         return stacks
