@@ -156,3 +156,20 @@ def pipe_bytes(source: socket.socket, sink: socket.socket, limit=None) -> None:
             passed += len(data)
     except OSError:
         pass
+
+
+def rank_1_waits_for_data(steps):
+    """A job whose rank 1 waits 20 ms for each item of its ``progress()`` loop; its rank."""
+    import time
+
+    from torchdist_magic import progress, rank
+
+    def items():
+        for i in range(steps):
+            if rank() == 1:
+                time.sleep(0.02)
+            yield i
+
+    for _ in progress(items(), total=steps, desc="step"):
+        pass
+    return rank()

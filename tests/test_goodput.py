@@ -5,7 +5,7 @@ that hangs."""
 
 import pytest
 
-from helpers import assert_no_survivors
+from helpers import assert_no_survivors, rank_1_waits_for_data
 from torchdist_magic import Distributor, HangTimeout
 from torchdist_magic.core import events
 from torchdist_magic.driver.goodput import PARTS, AttemptTimes, describe, goodput
@@ -56,25 +56,8 @@ def test_the_state_takes_each_attempts_first_work_checkpoint_and_data_stall():
 
 # -- real runs -------------------------------------------------------------------------------------
 
-def slow_items(steps):
-    """Rank 1 waits 20 ms for each item."""
-    import time
-
-    from torchdist_magic import progress, rank
-
-    def items():
-        for i in range(steps):
-            if rank() == 1:
-                time.sleep(0.02)
-            yield i
-
-    for _ in progress(items(), total=steps, desc="step"):
-        pass
-    return rank()
-
-
 def test_a_run_that_waits_for_data_has_its_stall_in_its_goodput():
-    run = Distributor(2, local_mode=True, show=None).submit(slow_items, 100)
+    run = Distributor(2, local_mode=True, show=None).submit(rank_1_waits_for_data, 100)
     assert run.result(timeout=120) == 0
     parts = run.goodput
     assert parts["data_stall_s"] >= 100 * 0.02  # rank 1's waits, at least

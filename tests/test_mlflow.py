@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from helpers import alive, assert_no_survivors, cell, free_port, pids_of_run, touch, wait_until
+from helpers import alive, assert_no_survivors, cell, free_port, pids_of_run, rank_1_waits_for_data, touch, wait_until
 from torchdist_magic import RankFailure, RunCancelled, rank, report, restart_count
 
 mlflow = pytest.importorskip("mlflow")
@@ -228,23 +228,8 @@ def test_a_good_run_is_one_mlflow_run_with_options_metrics_system_metrics_and_lo
     on.nothing_left(run)
 
 
-def waits_for_data(steps):
-    """Rank 1 waits 20 ms for each item of its loop."""
-    from torchdist_magic import progress
-
-    def items():
-        for i in range(steps):
-            if rank() == 1:
-                time.sleep(0.02)
-            yield i
-
-    for _ in progress(items(), total=steps, desc="step"):
-        pass
-    return rank()
-
-
 def test_each_ranks_step_split_the_runs_goodput_and_its_profile_are_logged(on, experiment):
-    run = on.make(2, mlflow=True, profile=3).submit(waits_for_data, 200)  # the profiled steps are not the last
+    run = on.make(2, mlflow=True, profile=3).submit(rank_1_waits_for_data, 200)  # the profiled steps are not the last
     assert run.result(timeout=180) == 0
     (mlrun,) = runs_of(experiment)
     run_id = mlrun.info.run_id

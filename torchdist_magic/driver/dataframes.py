@@ -12,14 +12,8 @@ barrier=True)`` and each task streams the Arrow batches of its partition into a 
 workdir as they arrive (``write_batches``) before it starts its rank.  Either way the rank
 finds the path of its file in ``TORCHDIST_DATA_FILE`` (set by ``rankenv.rank_environment``).
 
-Rank side (``shard``): the file is memory-mapped, never read whole into memory; batches are
-sliced (or, shuffled, gathered) from it.  Every rank yields the same number of batches per
-epoch, as DDP needs (a rank that took fewer steps would leave its peers waiting in an
-all-reduce forever): the ranks tell each other their row counts once, through a key-value
-store on ``MASTER_ADDR:MASTER_PORT`` (the one ``init_process_group`` shares, so it works before
-and after the job sets up its process group, and in jobs without one), then, as
-``DistributedSampler`` does, each rank pads its rows by repeating its own rows up to the largest
-rank's count, or with ``drop_last=True`` cuts them to the smallest rank's count.
+The rank's side, how each rank reads its file and why every rank yields as many batches, is
+``rank.shard``'s.
 """
 
 from __future__ import annotations
