@@ -329,7 +329,7 @@ def test_refused_clients_say_why_once_and_deliver_nothing(server, capfd, make, r
 
 def test_a_peer_of_another_protocol_version_is_told_both_versions(server):
     other = events.PROTOCOL_VERSION + 1
-    code = (f"from torchdist_magic import channel, events\n"
+    code = (f"from torchdist_magic.core import events\nfrom torchdist_magic.wire import channel\n"
             f"events.PROTOCOL_VERSION = {other}\n"
             f"c = channel.ChannelClient({address(server)!r}, {key(server, 'worker')!r}, 'run-1', 0, "
             f"certificate={server.cert!r})\n"

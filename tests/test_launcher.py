@@ -205,7 +205,7 @@ def test_ending_one_rank_s_processes_never_touches_another_rank_s():
 
 def test_the_process_that_ends_a_mark_is_never_ended_by_it():
     mark = f"{uuid.uuid4().hex}:0:0"
-    code = ("from torchdist_magic import procs; import sys; "
+    code = ("from torchdist_magic.core import procs; import sys; "
             "print(procs.end_marked_processes(sys.argv[1], grace=0.0))")
     done = subprocess.run([sys.executable, "-c", code, mark], capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, **{procs.MARK_VARIABLE: mark}))
