@@ -31,7 +31,7 @@ from report import machine, write_json  # noqa: E402  (this script's folder is o
 ONE_TRY = """
 import json, os, sys, threading, time
 import torch
-from torchdist_magic import values
+from torchdist_magic.core import values
 mib, writers, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 PIECE = 64 << 20
 

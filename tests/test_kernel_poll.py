@@ -24,7 +24,7 @@ pytest.importorskip("ipykernel")
 #: seconds), waited for in the kernel's main thread with a widget view updated every 0.1 s
 SETUP = '''
 import threading, time
-from torchdist_magic import events
+from torchdist_magic.core import events
 from torchdist_magic.driver.state import RunState
 from torchdist_magic.view import make_view
 

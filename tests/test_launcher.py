@@ -170,7 +170,7 @@ def test_a_daemon_that_ignores_sigterm_is_killed_and_both_signals_are_logged(loc
 def test_the_log_is_silent_unless_the_application_turns_it_on():
     code = textwrap.dedent("""
         import logging
-        from torchdist_magic import launcher
+        from torchdist_magic.launch import launcher
         logging.getLogger("torchdist_magic").warning("could not send SIGKILL")
         print("handlers", [type(h).__name__ for h in logging.getLogger("torchdist_magic").handlers])
     """)

@@ -326,7 +326,8 @@ def test_a_rank_whose_machine_has_no_copy_says_so():
 
 FETCH_WITH_FILE_LIMIT = """
 import json, resource, sys
-from torchdist_magic import hostcopy, values
+from torchdist_magic.core import values
+from torchdist_magic.launch import hostcopy
 from torchdist_magic.core.rankenv import RunSpec
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
 try:
