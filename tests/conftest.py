@@ -25,8 +25,19 @@ def package_versions():
     return versions
 
 
-def pytest_report_header(config):
+def versions_line() -> str:
     return "torchdist_magic runs with " + ", ".join(f"{k} {v}" for k, v in package_versions().items())
+
+
+def pytest_report_header(config):
+    return versions_line()
+
+
+def pytest_sessionstart(session):
+    """With ``-q`` (README's test command) pytest prints no header: the versions are said anyway."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and session.config.get_verbosity() < 0:
+        reporter.write_line(versions_line())
 
 
 @pytest.fixture(scope="module")

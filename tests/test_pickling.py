@@ -81,8 +81,9 @@ def test_a_function_job_carries_the_source_of_its_module(tmp_path, monkeypatch):
 def test_the_run_names_the_versions_it_pickles_and_launches_with():
     import cloudpickle
 
-    from conftest import PACKAGES_UNDER_TEST, package_versions
+    from conftest import PACKAGES_UNDER_TEST, package_versions, versions_line
 
     versions = package_versions()
     assert set(PACKAGES_UNDER_TEST) <= set(versions)
     assert versions["cloudpickle"] == cloudpickle.__version__
+    assert f"cloudpickle {cloudpickle.__version__}, torch " in versions_line()
