@@ -4,6 +4,7 @@ lock; caches keyed by a session never take a new session for a dead one."""
 
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 
@@ -33,34 +34,113 @@ class ConstantRun(BackendRun):
         pass
 
 
+@dataclass(frozen=True)
+class InlinePlan(LaunchPlan):
+    """What this backend's ``check`` resolves beyond the base plan."""
+
+    where: str = ""
+
+
 class InlineBackend(Backend):
     """A backend written against ``backends.base`` alone."""
 
     name = "inline"
+    made = []  # every instance the registry made
 
     def __init__(self):
-        super().__init__()
         self.started_with = None
+        InlineBackend.made.append(self)
 
     def describe(self):
         return "inline"
 
     def check(self, options):
-        return LaunchPlan(options.num_processes, python="/resolved/by/check")
+        return InlinePlan(options.num_processes, where="/resolved/by/check")
 
     def start(self, ctx):
         self.started_with = ctx.plan
         return ConstantRun(ctx)
 
 
-def test_a_third_backend_needs_only_the_base_class(monkeypatch):
-    import torchdist_magic.driver.distributor as distributor
+@pytest.fixture
+def inline_backend():
+    from torchdist_magic import register_backend, unregister_backend
 
-    backend = InlineBackend()
-    monkeypatch.setattr(distributor, "make_backend", lambda options: backend)
-    assert Distributor(3, local_mode=True, show=None, all_ranks=True).run(print) == [0, 10, 20]
-    assert backend.started_with == LaunchPlan(3, python="/resolved/by/check")  # check's plan, in start
-    assert backend.session is None and backend.slots() is None
+    InlineBackend.made.clear()
+    register_backend("inline", InlineBackend)
+    yield
+    unregister_backend("inline")
+
+
+def test_a_third_backend_needs_only_the_base_class(inline_backend):
+    assert Distributor(3, backend="inline", show=None, all_ranks=True).run(print) == [0, 10, 20]
+    backend, = InlineBackend.made
+    assert backend.started_with == InlinePlan(3, where="/resolved/by/check")  # check's plan, in start
+    assert backend.slots() is None and backend.slot_owner() is None
+
+
+def test_a_registered_backend_is_a_name_like_the_built_in_ones(inline_backend):
+    from torchdist_magic import LaunchOptions
+    from torchdist_magic.core.registry import backend_names
+
+    assert backend_names()[:3] == ("auto", "local", "spark") and "inline" in backend_names()
+    assert LaunchOptions(backend="inline").backend == "inline"
+
+
+def test_a_backend_that_trains_on_no_dataframe_refuses_one(inline_backend):
+    import pandas as pd
+
+    with pytest.raises(ValueError, match="^backend 'inline' does not train on a DataFrame: run it on local "
+                                         r"processes \(a pandas DataFrame\) or on Spark \(a Spark DataFrame\)$"):
+        Distributor(2, backend="inline", show=None).train_on_dataframe(print, pd.DataFrame({"x": [1.0, 2.0]}))
+    assert InlineBackend.made[0].started_with is None  # refused before anything started
+
+
+@pytest.mark.parametrize("name,factory,error,text", [
+    ("Bad Name", InlineBackend, ValueError, "a backend's name is lower-case letters, digits, '-' and '_', "
+                                            "starting with a letter, got 'Bad Name'"),
+    ("local", InlineBackend, ValueError, "backend 'local' is built in and cannot be registered again"),
+    ("auto", InlineBackend, ValueError, "backend 'auto' is built in and cannot be registered again"),
+    ("inline2", "not callable", TypeError, "backend 'inline2': its factory must be callable (a Backend "
+                                           "subclass, or a function returning a Backend), got str"),
+])
+def test_a_registration_is_refused_with_why(name, factory, error, text):
+    from torchdist_magic import register_backend
+
+    with pytest.raises(error) as info:
+        register_backend(name, factory)
+    assert str(info.value) == text
+
+
+def test_a_factory_that_makes_no_backend_is_refused_before_anything_starts():
+    from torchdist_magic import register_backend, unregister_backend
+
+    register_backend("not-a-backend", lambda: object())
+    try:
+        with pytest.raises(TypeError, match="^backend 'not-a-backend': its factory returned a object, not a "
+                                            r"torchdist_magic Backend \(backends.base.Backend\)$"):
+            Distributor(1, backend="not-a-backend", show=None).run(print)
+    finally:
+        unregister_backend("not-a-backend")
+
+
+def test_an_installed_backend_comes_from_its_entry_point(tmp_path, monkeypatch):
+    """A package declares a backend in the entry point group: it is a name at once, and its
+    factory is imported only when a run uses it."""
+    import sys
+
+    from torchdist_magic.core.registry import backend_factory, backend_names
+
+    package = tmp_path / "site"
+    (package / "tdm_fake_backend").mkdir(parents=True)
+    (package / "tdm_fake_backend" / "__init__.py").write_text("def factory():\n    return 'made'\n")
+    info = package / "tdm_fake_backend-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tdm-fake-backend\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[torchdist_magic.backends]\nfakecluster = tdm_fake_backend:factory\n")
+    monkeypatch.syspath_prepend(str(package))
+    assert "fakecluster" in backend_names() and "tdm_fake_backend" not in sys.modules
+    assert backend_factory("fakecluster")() == "made"
 
 
 class LockProbeRun(BackendRun):
@@ -95,6 +175,12 @@ class LockProbeRun(BackendRun):
 
 class DeadPoolBackend(Backend):
     name = "dead-pool"
+
+    def __init__(self, owner=None):
+        self.owner = owner  # what its slots belong to (a SparkSession)
+
+    def slot_owner(self):
+        return self.owner
 
     def describe(self):
         return "dead pool"

@@ -178,7 +178,8 @@ def test_bad_num_processes(n, error, text):
     ({"timeout": 0}, "timeout must be a positive number of seconds, got 0"),
     ({"timeout": "10"}, "timeout must be a number of seconds, got '10'"),
     ({"env": ["NOEQUALS"]}, "env entry 'NOEQUALS' is not of the form KEY=VALUE"),
-    ({"backend": "yarn"}, "backend must be one of auto, local, spark, got 'yarn'"),
+    ({"backend": "yarn"}, "backend must be one of auto, local, spark, got 'yarn' (a package adds one with an "
+                          "entry point in the group 'torchdist_magic.backends', or register_backend())"),
     ({"use_gpu": "yes"}, "use_gpu must be True or False, got 'yes'"),
     ({"all_ranks": 1}, "all_ranks must be True or False, got 1"),
     ({"nprocs": 2}, "unknown option(s): nprocs; known: backend, timeout, hang_timeout, max_restarts, "

@@ -375,7 +375,7 @@ def test_a_spark_pool_holds_its_slots_and_gives_them_back_when_torn_down(spark_l
     cold = Distributor(1, local_mode=False, show=None)
     warm.run(kept_and_group)
     info, = pools()
-    assert info.spark_job_tag and info.memory_bytes is None
+    assert info.where.startswith("Spark job tag torchdist-") and info.memory_bytes is None
     # local[2] has two slots and the pool holds both: a cold run would wait for them forever
     with pytest.raises(ValueError, match=rf"1 ranks need 1 free Spark task slots, but warm {info.id} holds 2 "
                                          r"of this cluster's 2; stop it first"):

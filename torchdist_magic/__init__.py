@@ -10,6 +10,7 @@ from __future__ import annotations
 from .rank.shard import shard
 from .core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
 from .core.options import LaunchOptions
+from .core.registry import register_backend, unregister_backend
 from .rank.runtime import RankStopped, device, host_ranks, is_main, load_checkpoint, local_rank, local_world_size, progress, rank, report, restart_count, save_checkpoint, world_size
 
 __version__ = "0.1.0"
@@ -19,7 +20,7 @@ __all__ = [
     "Run", "last_run", "progress", "report", "rank", "world_size", "local_rank", "local_world_size", "host_ranks", "is_main", "device",
     "restart_count", "save_checkpoint", "load_checkpoint", "RankStopped", "shard",
     "load_ipython_extension", "unload_ipython_extension", "pools", "shutdown_pools",
-    "MlflowUnavailable", "TrackingError",
+    "MlflowUnavailable", "TrackingError", "register_backend", "unregister_backend",
 ]
 
 _LAZY = {"Distributor": "api", "Run": "driver.distributor", "last_run": "driver.distributor",

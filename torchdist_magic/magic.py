@@ -13,9 +13,10 @@ from typing import Any, Optional
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
-from traitlets import Bool, CaselessStrEnum, Float, Int, Unicode
+from traitlets import Bool, CaselessStrEnum, Float, Int, TraitError, Unicode, validate
 
-from .core.options import BACKENDS, FlagError, LaunchOptions, OptionError, flag_specs, options_from_flags, parse_flags
+from .core.registry import backend_names, unknown_backend
+from .core.options import FlagError, LaunchOptions, OptionError, flag_specs, options_from_flags, parse_flags
 
 RUN_VARIABLE = "_torchdist_run"
 PANEL_VARIABLE = "_torchdist_panel"
@@ -34,9 +35,15 @@ class TorchdistMagics(Magics):
     ``%config TorchdistMagics.default_np = 4``."""
 
     default_np = Int(1, help="number of ranks when --np is not given").tag(config=True)
-    default_backend = CaselessStrEnum(list(BACKENDS), default_value="auto",
-                                      help="backend when neither --local, --spark nor --backend is given"
-                                      ).tag(config=True)
+    default_backend = Unicode("auto", help="backend when neither --local, --spark nor --backend is given: "
+                              "auto, local, spark, or a registered one").tag(config=True)
+    @validate("default_backend")
+    def _known_backend(self, proposal):
+        name = str(proposal["value"]).lower()  # as the traitlet's enum took it, in any case
+        if name not in backend_names():
+            raise TraitError(unknown_backend(name))
+        return name
+
     default_timeout = Float(None, allow_none=True,
                             help="timeout in seconds when --timeout is not given (None: no limit)"
                             ).tag(config=True)

@@ -4,16 +4,38 @@ A run goes ``backend.check(options)`` -> ``LaunchPlan`` (everything the backend 
 anything starts: refused placements raise here), then ``backend.start(LaunchContext(...))`` with
 that plan -> a ``BackendRun`` (stop, stacks, results, close).  What a backend needs comes in
 through the context (the plan, the run's spec and job, the DataFrame of a data run); what it
-offers is on the base class (its session, its slots), so nobody sets attributes on a backend
-from outside or asks it with ``getattr``.  A new backend (Kubernetes, Ray) needs this module and
-its own.
+offers is on the base class (its slots, whether its ranks share this machine, the DataFrames it
+trains on), so nobody sets attributes on a backend from outside or asks it with ``getattr``.
+
+What a backend supplies, and what it gets:
+
+- **where ranks start**: ``start`` starts one launcher per rank.  The launcher is the same
+  everywhere (``launch.launcher.RankProcess`` under ``launch.remote``'s task): it starts the
+  rank's worker, forwards its output, samples its system metrics, reports its ``Exit`` from
+  what the operating system says, answers ``DumpStacks`` with ``Stacks`` and obeys ``Stop``.
+  The local backend runs launchers as threads of the driver; any other backend starts
+  ``python -m torchdist_magic.launch.remote SPEC RANK`` (``launch.remote.launcher_command``)
+  however its machines start programs (a Spark task calls the same code in the executor).
+- **how a launcher reaches the driver**: over the run's event channel, at
+  ``RunSpec.channel_address`` (``channel_host`` is the address the driver listens on, reachable
+  from the ranks), as role ``launcher`` with the key ``rankenv.rank_key(launcher_secret,
+  "launcher", rank)``; the ranks meet there (``rendezvous.DriverRendezvous``: each launcher
+  sends ``Joined``, the driver answers ``Peers``), and a rank's value comes back through the
+  channel into the driver's value directory (``LaunchContext.receive_values``) unless the
+  launcher writes it there itself (``launch.remote.RemoteSpec.value_file``).
+- **what it gets back**: every record of the run through ``LaunchContext.emit``; ``Exit`` once
+  per rank (a launcher that ended without one is reported by the backend, from its exit code).
+
+``backends.launchers`` is all of that for a backend that starts launchers by a command line: a
+new backend (ssh, Slurm, Kubernetes) subclasses it, says how to run a command on its machines,
+and is registered by name (``core.registry``).
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Dict, Optional, Set
+from typing import Any, Callable, Collection, Dict, Optional, Sequence, Set
 
 from ..core import events
 from ..core.options import LaunchOptions
@@ -25,9 +47,6 @@ class LaunchPlan:
     """What ``Backend.check`` resolved for ``Backend.start``."""
 
     num_processes: int
-    #: the interpreter the ranks run on where the backend chooses one (classic Spark's
-    #: executors); ``None``: the backend's own default
-    python: Optional[str] = None
     #: whether the run's event channel is TLS-encrypted (``Backend.channel_tls``)
     tls: bool = False
 
@@ -41,7 +60,7 @@ class LaunchContext:
     job_bytes: bytes
     emit: Callable[[events.Event], None]       # feed a record into the run's RunState
     to_ranks: Callable[[events.Event], int]    # send a record to every rank's launcher
-    #: the run's DataFrame (a ``data.PreparedData``) when it trains on one, else ``None``
+    #: the run's DataFrame as this backend's ``prepare_data`` made it, else ``None``
     data: Any = None
     #: where records the backend takes for itself (``events.LAUNCHER_TO_DRIVER``) go, by type;
     #: the backend fills it in ``start``
@@ -92,10 +111,14 @@ class BackendRun(abc.ABC):
         """Whether every rank's process is still there (a warm pool asks before each job)."""
         return True
 
+    def where(self) -> str:
+        """Where the ranks are, for a warm pool's description (a Spark stage: its job tag);
+        ``""`` where their pids say it."""
+        return ""
+
 
 class Backend(abc.ABC):
-    """Where a run's ranks go.  ``session`` is the SparkSession a Spark backend runs on (classic
-    or Connect), ``None`` elsewhere."""
+    """Where a run's ranks go."""
 
     name = "backend"
     #: whether a run on this backend needs an event channel of its own (a warm pool has one)
@@ -103,9 +126,6 @@ class Backend(abc.ABC):
     #: whether a launcher of this backend's ranks (a Spark task) fetches the job's large values
     #: from the driver's channel, once per machine, where the job names them (``hostcopy``)
     fetches_values = False
-
-    def __init__(self, session: Any = None):
-        self.session = session
 
     @abc.abstractmethod
     def describe(self) -> str:
@@ -118,6 +138,19 @@ class Backend(abc.ABC):
     def slots(self) -> Optional[int]:
         """How many ranks can run at once, or ``None`` when nothing limits it up front."""
         return None
+
+    def slot_owner(self) -> Any:
+        """What this backend's slots belong to, shared by every run on it (a Spark backend: its
+        SparkSession), so that a warm pool holding some is seen by the next cold run, and ends
+        with it; ``None`` where runs share no slots."""
+        return None
+
+    def prepare_data(self, data: Any, num_processes: int, columns: Optional[Sequence[str]]) -> Any:
+        """``data``, a DataFrame to train on, checked and made into what ``start`` gives the
+        ranks (``LaunchContext.data``), before anything starts; ``TypeError``/``ValueError``
+        naming what is wrong.  A backend that trains on none refuses every DataFrame."""
+        raise ValueError(f"backend {self.name!r} does not train on a DataFrame: run it on local "
+                         "processes (a pandas DataFrame) or on Spark (a Spark DataFrame)")
 
     def ranks_share_machine(self) -> bool:
         """Whether every rank surely runs on this machine, and so reads a file the driver

@@ -17,6 +17,7 @@ from ..core.rankenv import place_ranks, rank_environment
 from ..core.timing import CLOSE_GRACE
 from ..core.names import RESULT_FILE, VALUE_FILE_ENV
 from .base import Backend, BackendRun, LaunchContext, LaunchPlan
+from .frames import PreparedData, prepare_pandas
 from ..core.names import CLEANUP_ENV
 
 
@@ -34,6 +35,9 @@ class LocalProcessBackend(Backend):
 
     def ranks_share_machine(self) -> bool:
         return True
+
+    def prepare_data(self, data, num_processes: int, columns) -> PreparedData:
+        return prepare_pandas(data, num_processes, columns)
 
     def check(self, options: LaunchOptions) -> LaunchPlan:
         if options.use_gpu:

@@ -73,11 +73,11 @@ class PoolInfo:
     idle_seconds: float
     idle_timeout: float
     memory_bytes: Optional[int]  # resident memory of its ranks (local pools), else None
-    spark_job_tag: str = ""
+    where: str = ""             # where its ranks are when their pids do not say (a Spark job tag)
     run_id: str = ""            # what its ranks carry as TORCHDIST_RUN_ID
 
     def describe(self) -> str:
-        where = f"Spark job tag {self.spark_job_tag}" if self.spark_job_tag else \
+        where = self.where or \
             f"pids {', '.join(map(str, self.pids)) or '-'}"
         memory = f", {self.memory_bytes / 2**20:.0f} MiB" if self.memory_bytes else ""
         return (f"{self.id}: np={self.num_processes}{' gpu' if self.use_gpu else ''} on {self.backend}, "
@@ -86,10 +86,11 @@ class PoolInfo:
 
 
 def _placement(options: LaunchOptions, backend: Backend) -> Tuple:
-    # the session by weak reference, not ``id()``: a new session at a dead one's address is
-    # another placement (a dead reference equals only itself)
-    session = weakref.ref(backend.session) if backend.session is not None else None
-    return (type(backend).__name__, session, options.num_processes, options.use_gpu)
+    # what the slots belong to (a SparkSession) by weak reference, not ``id()``: a new session at
+    # a dead one's address is another placement (a dead reference equals only itself)
+    owner = backend.slot_owner()
+    owner = weakref.ref(owner) if owner is not None else None
+    return (type(backend).__name__, owner, options.num_processes, options.use_gpu)
 
 
 class Pool:
@@ -117,7 +118,7 @@ class Pool:
         self._routes: Dict[type, Callable] = {}
         self._timer: Optional[threading.Timer] = None
         self._stopped = threading.Event()   # set once a stop has released everything
-        self.job_tag = ""
+        self.where = ""
         #: what the pool's ranks carry as ``TORCHDIST_RUN_ID``
         self.run_id = f"{self.id}-{uuid.uuid4().hex[:8]}"
 
@@ -144,7 +145,7 @@ class Pool:
                             lambda record: self._channel.broadcast(record, role="launcher"),
                             routes=self._routes)
         self._backend_run = self.backend.start(ctx)
-        self.job_tag = getattr(self._backend_run, "job_tag", "")
+        self.where = self._backend_run.where()
 
     def ranks_alive(self) -> bool:
         run = self._backend_run
@@ -212,7 +213,7 @@ class Pool:
                 hosts=sorted({s.host for s in ranks}), runs=self.runs, idle_seconds=idle,
                 idle_timeout=self.options.pool_idle_timeout,
                 memory_bytes=sum(rss_bytes(s.pid) for s in ranks) if local and ranks else None,
-                spark_job_tag=self.job_tag, run_id=self.run_id)
+                where=self.where, run_id=self.run_id)
 
     def _idle_check(self) -> None:
         with self._lock:
@@ -447,7 +448,6 @@ class WarmBackend(Backend):
     needs_channel = False
 
     def __init__(self, pool: Pool, fresh: bool, note: str = "", ranks: Tuple[int, ...] = ()):
-        super().__init__(pool.backend.session)
         self.pool = pool
         self.fresh = fresh
         self.note = note
@@ -469,6 +469,9 @@ class WarmBackend(Backend):
 
     def slots(self) -> Optional[int]:
         return self.pool.backend.slots()
+
+    def slot_owner(self):
+        return self.pool.backend.slot_owner()
 
     def check(self, options: LaunchOptions) -> LaunchPlan:
         """The pool's plan: its placement was checked when it started.  A run that needs an
@@ -545,11 +548,11 @@ def _no_pool_for_ranks(options: LaunchOptions, other: Optional[Pool], broken: st
 def check_cold_run(options: LaunchOptions, backend: Backend) -> None:
     """A cold Spark run while a warm pool on the same session holds task slots: a
     ``ValueError`` when too few slots are left (its barrier stage would wait for them forever)."""
-    session = backend.session
-    if session is None:
+    owner = backend.slot_owner()
+    if owner is None:
         return
     with _lock:
-        holding = [p for p in _pools if not p.ending and p.backend.session is session]
+        holding = [p for p in _pools if not p.ending and p.backend.slot_owner() is owner]
     if not holding:
         return
     held = sum(p.options.num_processes for p in holding)

@@ -40,6 +40,7 @@ from ..core.rankenv import RunSpec
 from ..core.names import VALUES_FETCH_ENV
 from ..core.timing import SPARK_CANCEL_RETRY, SPARK_CANCEL_WAIT, SPARK_RENDEZVOUS_WAIT, SPARK_STAGE_END_WAIT, STOP_GRACE
 from .base import Backend, BackendRun, LaunchContext, LaunchPlan
+from .frames import PreparedData, prepare_spark
 from .spark_task import FAILURE_MARK, SCHEMA, BarrierTaskSpec, value_dir_mark, value_dir_token
 
 GPU_AMOUNT_CONF = "spark.task.resource.gpu.amount"
@@ -55,6 +56,14 @@ def is_spark_connect(spark) -> bool:
     return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
+@dataclass(frozen=True)
+class SparkPlan(LaunchPlan):
+    """A Spark run's plan: also the interpreter the executors run the ranks on."""
+
+    #: ``None``: the cluster's own (``spark_python``)
+    python: Optional[str] = None
+
+
 class SparkStageBackend(Backend):
     """Runs the ranks as one barrier stage on ``session``; the classic and the Connect backend
     differ in how they count slots, check the interpreter and run the stage."""
@@ -63,6 +72,15 @@ class SparkStageBackend(Backend):
     #: how the refusals name the cluster, e.g. "this Spark cluster"
     cluster = "this Spark cluster"
     fetches_values = True
+
+    def __init__(self, session):
+        self.session = session
+
+    def slot_owner(self):
+        return self.session
+
+    def prepare_data(self, data, num_processes: int, columns) -> PreparedData:
+        return prepare_spark(data, num_processes, self.session, columns)
 
     @abc.abstractmethod
     def slots(self) -> int:
@@ -89,7 +107,7 @@ class SparkStageBackend(Backend):
         """The interpreter the tasks run on (``None``: the cluster's own); ``ValueError`` when
         the executors cannot run the ranks."""
 
-    def check(self, options: LaunchOptions) -> LaunchPlan:
+    def check(self, options: LaunchOptions) -> SparkPlan:
         if options.use_gpu and not self.conf(GPU_AMOUNT_CONF):
             raise ValueError(f"use_gpu/--gpu needs GPUs assigned to Spark tasks, but {self.gpu_refusal()}")
         n = options.num_processes
@@ -100,7 +118,7 @@ class SparkStageBackend(Backend):
                 f"tasks together), but {self.cluster} has {slots}{self.slot_detail()}; use {slots} "
                 "or fewer ranks, or add executors")
         tls = self.channel_tls(options)
-        return LaunchPlan(n, python=self.check_python(n), tls=tls)
+        return SparkPlan(n, python=self.check_python(n), tls=tls)
 
     def channel_tls(self, options: LaunchOptions) -> bool:
         """On unless ``tls=False``: the ranks reach the driver over the cluster's network.  A
@@ -366,6 +384,9 @@ class BarrierStageRun(BackendRun):
             raise RuntimeError(f"rank {rank} finished, but Spark could not return its value: "
                                f"{reason.exc_type}: {reason.message}")
         return None
+
+    def where(self) -> str:
+        return f"Spark job tag {self.job_tag}"
 
     def ranks_alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping

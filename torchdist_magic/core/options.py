@@ -21,9 +21,9 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, List, Mapping, Optional, Tuple
 
+from .registry import backend_names, unknown_backend
 from .timing import DEBUG_IDLE_LIMIT
 
-BACKENDS = ("auto", "local", "spark")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -84,8 +84,9 @@ class LaunchOptions:
         metadata=_flag(
             "--backend",
             "where ranks run: 'local' processes, a 'spark' barrier stage on the active "
-            "SparkSession, or 'auto' (Spark when a SparkSession is active, local processes otherwise)",
-            choices=BACKENDS,
+            "SparkSession, 'auto' (Spark when a SparkSession is active, local processes otherwise), "
+            "or a backend a package registered (entry point group torchdist_magic.backends)",
+            metavar="NAME",
         ),
     )
     timeout: Optional[float] = field(
@@ -258,8 +259,9 @@ class LaunchOptions:
     def __post_init__(self) -> None:
         _check_count("num_processes", self.num_processes, 1)
         _check_bool("use_gpu", self.use_gpu)
-        if self.backend not in BACKENDS:
-            raise OptionValueError("backend", f"{{name}} must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend not in backend_names():
+            told = unknown_backend(self.backend)[len("backend"):]
+            raise OptionValueError("backend", "{name}" + told.replace("{", "{{").replace("}", "}}"))
         _check_seconds("timeout", self.timeout)
         _check_seconds("hang_timeout", self.hang_timeout)
         _check_count("max_restarts", self.max_restarts, 0)

@@ -111,9 +111,7 @@ def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data:
         make_room(options.num_processes, local=backend.ranks_share_machine())
         prepared = None
         if data is not None:
-            from .dataframes import prepare_data
-
-            prepared = prepare_data(data, backend.name, options.num_processes, backend.session, columns)
+            prepared = backend.prepare_data(data, options.num_processes, columns)
         elif columns is not None:
             raise ValueError("columns name columns of the data to train on, and no data was given")
         run = Run(job, options, backend, plan, prepared, debug_input=debug_input)
@@ -147,7 +145,7 @@ class Run:
         self.options = options
         self.backend = backend
         self.plan = plan  # what ``backend.check(options)`` resolved
-        self.data = data  # a ``data.PreparedData``, or None
+        self.data = data  # a ``backends.frames.PreparedData``, or None
         self.run_id = f"{next(_run_counter)}-{uuid.uuid4().hex[:8]}"
         #: host:port of the current attempt's event channel, once it listens
         self.channel_address: Optional[str] = None
@@ -424,7 +422,7 @@ class Run:
                 self.channel_address = f"{host}:{port}"
                 self.channel_certificate = certificate
             data_files = ()
-            if self.data is not None and self.data.table is not None:  # split on this machine
+            if self.data is not None:  # a DataFrame split on this machine (a Spark one: none)
                 data_files = self.data.write_rank_files(f"torchdist-run-{self.run_id}-data-",
                                                         self.options.num_processes)
             spec = RunSpec.resolve(self.options, self.run_id, self.channel_address or "", secret, launcher_secret,

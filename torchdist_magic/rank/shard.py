@@ -1,5 +1,5 @@
 """``shard``: this rank's rows of the run's DataFrame, in batches (the driver's side is
-``driver.dataframes``).
+``backends.frames``).
 
 The rank's file (``TORCHDIST_DATA_FILE``) is memory-mapped, never read whole into memory; batches
 are sliced (or, shuffled, gathered) from it.  Every rank yields the same number of batches per

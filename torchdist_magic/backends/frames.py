@@ -1,7 +1,9 @@
-"""Training on a DataFrame, the driver's side: every rank reads its own share of the rows, in
-batches (the rank's side is ``rank.shard``, the Spark task's ``launch.partitions``).
+"""The DataFrame a run trains on, checked before anything starts and made into what the backend
+gives its ranks (the rank's side is ``rank.shard``, the Spark task's ``launch.partitions``).
 
-Driver side (``prepare_data``, called before anything starts): the DataFrame is checked (a
+A backend that trains on a DataFrame says so in ``Backend.prepare_data``, called on the driver
+before anything starts: the local backend takes a pandas DataFrame (``prepare_pandas``), the
+Spark backends a Spark DataFrame of their session (``prepare_spark``).  The DataFrame is checked (a
 pandas DataFrame on local processes, a Spark DataFrame of the run's own SparkSession on Spark;
 columns that exist and can become tensors; at least one row per rank) and turned into what the
 backend needs.  A pandas DataFrame's rows are dealt out to the ranks by a seeded permutation
@@ -44,7 +46,9 @@ class PreparedData:
     def write_rank_files(self, prefix: str, num_processes: int) -> List[str]:
         """One Arrow IPC file per rank in a new temporary directory named ``prefix...``, rank r's
         rows those of ``rank_rows`` (written once: restarts reuse them; ``remove_files`` removes
-        them)."""
+        them).  None for a Spark DataFrame, whose rows never pass through the driver."""
+        if self.table is None:
+            return []
         if not self.files:
             import tempfile
 
@@ -96,27 +100,41 @@ def is_spark_frame(data: Any) -> bool:
         cls.__name__ == "DataFrame" for cls in type(data).__mro__)
 
 
-def prepare_data(data: Any, backend: str, num_processes: int, session: Any = None,
-                 columns: Optional[Sequence[str]] = None) -> PreparedData:
-    """Check ``data`` for a run of ``num_processes`` ranks on ``backend`` (``"local"`` or
-    ``"spark"``, whose SparkSession is ``session``) before anything starts; ``columns`` (all
-    when ``None``) are the ones that travel.  Raises ``TypeError``/``ValueError`` naming what is
-    wrong."""
-    if is_spark_frame(data):
-        if backend != "spark":
-            raise ValueError(
-                "a Spark DataFrame trains on the Spark backend (--spark, local_mode=False), where "
-                "each rank reads its share inside the executors; on local processes pass a pandas "
-                "DataFrame (df.toPandas() brings a small one to this machine)")
-        return _prepare_spark(data, num_processes, session, columns)
-    if is_pandas_frame(data):
-        if backend != "local":
-            raise ValueError(
-                "a pandas DataFrame trains on local processes (--local, local_mode=True); for a "
+#: what a Spark DataFrame given to a backend that takes a pandas one is told, and the reverse
+WANTS_SPARK = ("a Spark DataFrame trains on the Spark backend (--spark, local_mode=False), where "
+               "each rank reads its share inside the executors; on local processes pass a pandas "
+               "DataFrame (df.toPandas() brings a small one to this machine)")
+WANTS_PANDAS = ("a pandas DataFrame trains on local processes (--local, local_mode=True); for a "
                 "Spark run make it a Spark DataFrame first: spark.createDataFrame(pandas_df)")
-        return _prepare_pandas(data, num_processes, columns)
-    raise TypeError(f"the data to train on must be a Spark DataFrame (or a pandas DataFrame on local "
-                    f"processes), got {type(data).__module__}.{type(data).__qualname__}")
+
+
+def prepare_pandas(data: Any, num_processes: int, columns: Optional[Sequence[str]] = None) -> PreparedData:
+    """Check ``data``, a pandas DataFrame, for a run of ``num_processes`` local ranks;
+    ``columns`` (all when ``None``) are the ones that travel.  ``TypeError``/``ValueError`` name
+    what is wrong."""
+    _one_of_ours(data, "pandas")
+    return _prepare_pandas(data, num_processes, columns)
+
+
+def prepare_spark(data: Any, num_processes: int, session: Any,
+                  columns: Optional[Sequence[str]] = None) -> PreparedData:
+    """Check ``data``, a Spark DataFrame of ``session``, for a barrier stage of
+    ``num_processes`` tasks; as ``prepare_pandas`` otherwise."""
+    _one_of_ours(data, "spark")
+    return _prepare_spark(data, num_processes, session, columns)
+
+
+def _one_of_ours(data: Any, wanted: str) -> None:
+    """``data`` is a DataFrame of the kind ``wanted`` (``"pandas"`` or ``"spark"``)."""
+    if is_spark_frame(data):
+        kind = "spark"
+    elif is_pandas_frame(data):
+        kind = "pandas"
+    else:
+        raise TypeError(f"the data to train on must be a Spark DataFrame (or a pandas DataFrame on local "
+                        f"processes), got {type(data).__module__}.{type(data).__qualname__}")
+    if kind != wanted:
+        raise ValueError(WANTS_SPARK if kind == "spark" else WANTS_PANDAS)
 
 
 def _chosen_columns(available: List[str], columns: Optional[Sequence[str]]) -> List[str]:
@@ -209,6 +227,3 @@ def _prepare_pandas(frame, num_processes: int, columns) -> PreparedData:
         raise ValueError(f"the DataFrame cannot be turned into Arrow columns: {exc}") from None
     _not_tensors([(f.name, str(f.type)) for f in table.schema if not _arrow_tensor_type(f.type)])
     return PreparedData(rows=len(frame), columns=chosen, table=table)
-
-
-# -- task side (a Spark task, before its rank starts) ----------------------------------------------
