@@ -132,9 +132,22 @@ def _no_unfinished_runs(_no_temp_leftovers):
             assert_no_survivors(run)
 
 
+@pytest.fixture
+def shell_backend():
+    """The backend ``shell`` (``tests/shell_backend.py``), registered while the test runs."""
+    from shell_backend import ShellBackend
+    from torchdist_magic import register_backend, unregister_backend
+
+    ShellBackend.commands.clear()
+    register_backend("shell", ShellBackend)
+    yield ShellBackend
+    unregister_backend("shell")
+
+
 #: backends the contract suite runs against
 CONTRACT_BACKENDS = [
     pytest.param("local", id="local"),
+    pytest.param("shell", id="command-line"),  # tests/shell_backend.py: a backend outside the package
     pytest.param("local2", id="spark-local2", marks=pytest.mark.spark),
     pytest.param("cluster", id="spark-cluster", marks=pytest.mark.spark),
     pytest.param("connect", id="spark-connect", marks=pytest.mark.spark),
@@ -149,6 +162,9 @@ def dist(request):
     kind = request.param
     if kind == "local":
         return lambda n=2, **o: Distributor(n, local_mode=True, show=None, **o)
+    if kind == "shell":
+        request.getfixturevalue("shell_backend")
+        return lambda n=2, **o: Distributor(n, backend="shell", show=None, **o)
     session = request.getfixturevalue(f"spark_{kind}")
     assert session is not None
     return lambda n=2, **o: Distributor(n, local_mode=False, show=None, **o)

@@ -104,9 +104,9 @@ def test_shard_without_data_is_a_clear_error(monkeypatch):
 
 
 def test_shard_arguments_are_checked(monkeypatch, tmp_path):
-    from torchdist_magic.driver.dataframes import prepare_data
+    from torchdist_magic.backends.frames import prepare_pandas
 
-    data = prepare_data(frame(4), "local", 1)
+    data = prepare_pandas(frame(4), 1)
     path = data.write_rank_files("torchdist-test-", 1)[0]
     monkeypatch.setenv("TORCHDIST_DATA_FILE", path)
     with pytest.raises(ValueError, match="no column 'nope'; its columns: id, x"):

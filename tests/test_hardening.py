@@ -264,7 +264,7 @@ def _spec(tmp_path, launcher_secret="l" * 64):
 
 
 def test_a_task_writes_its_value_only_into_the_drivers_own_marked_directory(tmp_path):
-    from torchdist_magic.backends.spark_task import value_dir_mark, value_dir_token
+    from torchdist_magic.launch.remote import value_dir_mark, value_dir_token
 
     spec = _spec(tmp_path)
     folder = tmp_path / "values"

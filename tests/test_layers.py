@@ -95,7 +95,7 @@ def test_every_import_points_down():
 
 def test_procs_imports_nothing_of_the_package():
     """A Spark task's guard runs ``core.procs``' source on its own, where the package may not be
-    importable (``backends.spark_task.guard_source``)."""
+    importable (``launch.remote.guard_source``)."""
     path = PACKAGE / "core" / "procs.py"
     assert set(imported("core.procs", path)) == set()
     assert "from ." not in path.read_text()

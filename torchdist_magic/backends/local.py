@@ -1,4 +1,8 @@
-"""Local backend: N worker processes on this machine (the embedded default: no Spark)."""
+"""Local backend: N worker processes on this machine (the embedded default: no Spark).
+
+Its launchers are threads of the driver (``launch.launcher.start_rank``, the launcher every
+backend's ranks run under): they need no channel of their own, and each rank writes its value
+into the driver's value directory, where the driver maps it."""
 
 from __future__ import annotations
 
@@ -8,17 +12,16 @@ import socket
 import tempfile
 from typing import Collection, List, Optional, Set
 
-from ..launch.gpu_metrics import GpuSource, open_gpu_source
-from ..core.values import map_value, value_directory
-from ..launch.launcher import RankProcess, reserve_port, stop_all, write_job_file
+from ..core.names import RESULT_FILE
 from ..core.options import LaunchOptions
 from ..core.procs import process_exited
-from ..core.rankenv import place_ranks, rank_environment
+from ..core.rankenv import place_ranks
 from ..core.timing import CLOSE_GRACE
-from ..core.names import RESULT_FILE, VALUE_FILE_ENV
+from ..core.values import map_value, value_directory
+from ..launch.gpu_metrics import GpuSource
+from ..launch.launcher import RankProcess, open_gpus, reserve_port, start_rank, stop_all, write_job_file
 from .base import Backend, BackendRun, LaunchContext, LaunchPlan
 from .frames import PreparedData, prepare_pandas
-from ..core.names import CLEANUP_ENV
 
 
 def visible_gpu_count() -> int:
@@ -77,16 +80,13 @@ class LocalRun(BackendRun):
         self._port = reserve_port("127.0.0.1")
         n = ctx.spec.num_processes
         host = socket.gethostname()
-        if ctx.spec.system_metrics and ctx.spec.use_gpu:
-            self._gpu_source = open_gpu_source()
+        self._gpu_source = open_gpus(ctx.spec)
         for place in place_ranks([host] * n, "127.0.0.1", self._port.getsockname()[1]):
-            env = rank_environment(os.environ, ctx.spec, place)
-            # if this driver dies, the orphaned ranks remove these
-            env[CLEANUP_ENV] = os.pathsep.join([self.workdir, self.value_dir])
-            env[VALUE_FILE_ENV] = self._value_file(place.rank)
-            self.procs.append(RankProcess(place.rank, job_file,
-                                          os.path.join(self.workdir, f"rank-{place.rank}"), env, ctx.emit,
-                                          system_metrics=ctx.spec.system_metrics, gpu_source=self._gpu_source))
+            # the launcher is a thread of the driver: if the driver dies, the orphaned ranks
+            # remove the run's files themselves
+            self.procs.append(start_rank(ctx.spec, place, job_file, os.path.join(self.workdir, f"rank-{place.rank}"),
+                                         ctx.emit, value_file=self._value_file(place.rank),
+                                         cleanup=[self.workdir, self.value_dir], gpu_source=self._gpu_source))
 
     def stop(self, grace: float) -> None:
         stop_all(self.procs, grace)

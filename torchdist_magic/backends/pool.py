@@ -37,16 +37,18 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ..core import events
 from . import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
-from ..wire.channel import ChannelServer, new_secret
+from .warm import WarmBackend, WarmJobRun
+from ..wire.channel import ChannelServer
+from .channels import open_channel
 from ..core.fdlimit import make_room
 from ..core.options import LaunchOptions
 from ..core.procs import rss_bytes
-from ..core.rankenv import RunSpec, job_environment
-from ..core.timing import OUTPUT_END_WAIT, STOP_GRACE, STOP_WAIT, WARM_SEND_WAIT, WARM_SETTLE
+from ..core.rankenv import RunSpec
+from ..core.timing import STOP_GRACE, STOP_WAIT, WARM_SEND_WAIT
 
 #: characters of a job per ``RunJob`` piece (base64): well under the channel's frame limit
 JOB_PIECE = 1024 * 1024
@@ -129,18 +131,12 @@ class Pool:
 
         run_id = self.run_id
         make_room(self.options.num_processes, local=self.backend.ranks_share_machine())
-        secret, launcher_secret = new_secret(), new_secret()
-        identity = None
-        if self.plan.tls:  # a key for the pool's life, as its secrets; it never leaves this process
-            from ..wire.tls import new_identity
-
-            identity = new_identity()
-        self._channel = ChannelServer(self._deliver, run_id, host=self.backend.channel_host(),
-                                      secret=secret, launcher_secret=launcher_secret, identity=identity,
-                                      ranks=self.options.num_processes, on_refusal=self._on_refusal)
-        host, port = self._channel.address[:2]
-        spec = RunSpec.resolve(self.options, run_id, f"{host}:{port}", secret, launcher_secret,
-                               channel_cert=identity.certificate if identity is not None else "")
+        # secrets and a TLS key for the pool's life, which never leave this process
+        opened = open_channel(self._deliver, run_id, self.backend, self.plan, self.options.num_processes,
+                              self._on_refusal)
+        self._channel = opened.server
+        spec = RunSpec.resolve(self.options, run_id, opened.address, opened.secret, opened.launcher_secret,
+                               channel_cert=opened.certificate)
         ctx = LaunchContext(self.plan, spec, pickle_for_ranks(serve_job()), self._on_record,
                             lambda record: self._channel.broadcast(record, role="launcher"),
                             routes=self._routes)
@@ -335,162 +331,6 @@ class Pool:
             emit = job.emit if job is not None else self._last_emit
             if emit is not None:
                 emit(record)
-
-
-class WarmJobRun(BackendRun):
-    """One warm run on a pool: what the run's supervisor drives like a cold backend run."""
-
-    def __init__(self, pool: Pool, ctx: LaunchContext, run_id: str):
-        self.pool = pool
-        self.emit = ctx.emit
-        self.refused = ctx.refused
-        self.job_id = f"{run_id}-{ctx.spec.attempt}"
-        self.job_bytes = ctx.job_bytes
-        spec = ctx.spec
-        #: the ranks that run the job (``--ranks``; every rank of the pool by default): the
-        #: others stay idle in their serving loop, and the run's state shows them so
-        self.ranks = list(spec.ranks) or list(range(pool.options.num_processes))
-        self.returns_value = spec.returns_value
-        self.env = dict(job_environment(spec), TORCHDIST_CHECKPOINT_DIR=spec.checkpoint_dir,
-                        TORCHDIST_KEEP_CHECKPOINTS=str(spec.keep_checkpoints),
-                        TORCHDIST_RETURN_VALUE="1", TORCHDIST_PREFLIGHT="1" if spec.preflight else "0")
-        self.sent = False
-        self.ended = False
-        self._lock = threading.Lock()
-        self._values: Dict[int, List[str]] = {}
-        self._done: Dict[int, events.JobDone] = {}
-        self._output_ended: Dict[int, Set[str]] = {}
-        self._exited: Set[int] = set()
-
-    def on_record(self, record: events.Event) -> None:
-        with self._lock:
-            if isinstance(record, events.JobValue):
-                self._values.setdefault(record.rank, []).append(record.data)
-                return
-            if isinstance(record, events.OutputEnd):
-                self._output_ended.setdefault(record.rank, set()).add(record.stream)
-            elif isinstance(record, events.JobDone):
-                self._done[record.rank] = record
-                timer = threading.Timer(OUTPUT_END_WAIT, self._exit, (record.rank, True))
-                timer.daemon = True
-                timer.start()
-        self._exit(record.rank, False)
-
-    def _exit(self, rank: int, late: bool) -> None:
-        """The rank's ``Exit`` for this run, once its job is done and its output all read
-        (or ``OUTPUT_END_WAIT`` after it was done: a job that closed its stdout, say)."""
-        with self._lock:
-            done = self._done.get(rank)
-            if done is None or rank in self._exited:
-                return
-            if not late and self._output_ended.get(rank, set()) != {"stdout", "stderr"}:
-                return
-            self._exited.add(rank)
-        host = self.pool._started[rank].host if rank in self.pool._started else ""
-        failure = done.failure.for_rank(rank, exit_code=done.code) if done.failure is not None else None
-        self.emit(events.Exit(rank=rank, code=done.code, time=done.time, host=host, failure=failure))
-
-    def rank_exited(self, record: events.Exit) -> None:
-        with self._lock:
-            if record.rank in self._exited:
-                return
-            self._exited.add(record.rank)
-        self.emit(record)
-
-    def stop(self, grace: float) -> None:
-        """Leave the pool up when every rank finished the job (one raised); else end it."""
-        with self._lock:
-            some_done = bool(self._done)
-        end = time.monotonic() + (WARM_SETTLE if some_done else 0.0)
-        while time.monotonic() < end and len(self._done) < len(self.ranks) and not self.pool._dead:
-            time.sleep(0.02)
-        if len(self._done) == len(self.ranks) and not self.pool._dead:
-            return
-        still = [r for r in self.ranks if r not in self._done]
-        why = (f"rank{'s' if len(still) > 1 else ''} {', '.join(map(str, still))} "
-               f"{'were' if len(still) > 1 else 'was'} still in the job")
-        if self.pool._dead:
-            why = "a rank's process ended"
-        message = (f"[torchdist] warm {self.pool.id} stopped ({why}); the next warm run starts a "
-                   "fresh pool")
-        self.emit(events.Log(rank=0, stream="stderr", line=message))
-        self.pool.stop(why, grace)
-
-    def dump_stacks(self) -> None:
-        run = self.pool._backend_run
-        if run is not None:
-            run.dump_stacks()
-
-    def dump_collectives(self) -> None:
-        channel = self.pool._channel
-        if channel is not None:
-            channel.broadcast(events.DumpCollectives(rank=-1), role="worker")
-
-    def result(self, rank: int) -> Optional[bytes]:
-        with self._lock:
-            done = self._done.get(rank)
-            if done is None or not done.has_value:
-                return None
-            return base64.b64decode("".join(self._values.get(rank, [])))
-
-    def ranks_alive(self) -> bool:
-        return self.pool.ranks_alive()
-
-    def close(self) -> None:
-        self.ended = True
-        self.pool._job_closed(self)
-
-
-class WarmBackend(Backend):
-    """The backend of a warm run: its pool, started by this run (``fresh``) or reused."""
-
-    name = "warm"
-    needs_channel = False
-
-    def __init__(self, pool: Pool, fresh: bool, note: str = "", ranks: Tuple[int, ...] = ()):
-        self.pool = pool
-        self.fresh = fresh
-        self.note = note
-        self.ranks = ranks  # a run on some of its ranks (``--ranks``)
-
-    def describe(self) -> str:
-        how = "started for this run" if self.fresh else f"reused, run {self.pool.runs + 1}"
-        if self.ranks:
-            how += f"; on rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))} only"
-        if self.note:
-            how += f"; {self.note}"
-        return f"warm {self.pool.id} ({how}) of {self.pool.backend.describe()}"
-
-    def channel_host(self) -> str:
-        return self.pool.backend.channel_host()
-
-    def ranks_share_machine(self) -> bool:
-        return self.pool.backend.ranks_share_machine()
-
-    def slots(self) -> Optional[int]:
-        return self.pool.backend.slots()
-
-    def slot_owner(self):
-        return self.pool.backend.slot_owner()
-
-    def check(self, options: LaunchOptions) -> LaunchPlan:
-        """The pool's plan: its placement was checked when it started.  A run that needs an
-        encrypted channel (``channel_tls``) is refused on a pool whose channel is not."""
-        if not self.pool.plan.tls and options.tls is not False and self.pool.backend.channel_tls(options):
-            raise ValueError(f"warm {self.pool.id}'s event channel is not encrypted (it started without "
-                             "TLS), and this run's must be; stop it first (%torchdist_pool stop, or "
-                             "torchdist_magic.shutdown_pools()), or run without --warm/warm=True")
-        return self.pool.plan
-
-    def start(self, ctx: LaunchContext) -> WarmJobRun:
-        try:
-            return self.pool._run(ctx, ctx.spec.run_id)
-        except BaseException:
-            self.pool.stop("it could not start")
-            raise
-
-    def release(self) -> None:
-        self.pool._release()
 
 
 def warm_backend(options: LaunchOptions) -> WarmBackend:

@@ -34,14 +34,15 @@ from typing import Callable, Collection, Dict, List, Optional, Set, Tuple
 
 from ..core import events
 from ..core.options import LaunchOptions
-from ..core.values import map_value, value_directory
-from ..core.privdir import open_private
+from ..core.values import map_value
 from ..core.rankenv import RunSpec
 from ..core.names import VALUES_FETCH_ENV
 from ..core.timing import SPARK_CANCEL_RETRY, SPARK_CANCEL_WAIT, SPARK_RENDEZVOUS_WAIT, SPARK_STAGE_END_WAIT, STOP_GRACE
 from .base import Backend, BackendRun, LaunchContext, LaunchPlan
 from .frames import PreparedData, prepare_spark
-from .spark_task import FAILURE_MARK, SCHEMA, BarrierTaskSpec, value_dir_mark, value_dir_token
+from ..launch.remote import marked_value_directory
+from .rendezvous import DriverRendezvous
+from .spark_task import FAILURE_MARK, SCHEMA, BarrierTaskSpec
 
 GPU_AMOUNT_CONF = "spark.task.resource.gpu.amount"
 #: the cluster asks for encryption in transit
@@ -156,13 +157,7 @@ class SparkStageBackend(Backend):
 
     def start(self, ctx: LaunchContext) -> "BarrierStageRun":
         data = ctx.data
-        value_dir = value_directory(f"torchdist-{ctx.spec.run_id}-values-")
-        mark = open_private(os.path.join(value_dir, value_dir_mark(ctx.spec.run_id)),
-                            os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        try:
-            os.write(mark, value_dir_token(ctx.spec))
-        finally:
-            os.close(mark)
+        value_dir = marked_value_directory(ctx.spec)
         spec = BarrierTaskSpec(run=ctx.spec, job_bytes=ctx.job_bytes,
                                data_schema=data.schema if data is not None else None, value_dir=value_dir,
                                values_sent=os.environ.get(VALUES_FETCH_ENV) == "1")
@@ -179,52 +174,6 @@ class SparkStageBackend(Backend):
     @abc.abstractmethod
     def stage_run(self, spec: BarrierTaskSpec, ctx: LaunchContext, frame) -> "BarrierStageRun":
         """The run of this flavour's stage (not launched yet); ``frame``: a data run's DataFrame."""
-
-
-class DriverRendezvous:
-    """The driver's side of the tasks' rendezvous (see ``rendezvous``): collects every task's
-    ``Joined`` and, once all ranks have joined, sends them all the ``Peers``; when not all join
-    within ``SPARK_RENDEZVOUS_WAIT`` of the first one, tells them to use Spark's barrier."""
-
-    def __init__(self, ctx: LaunchContext, num_processes: int):
-        self._ctx = ctx
-        self._n = num_processes
-        self._lock = threading.Lock()
-        self._joined: Dict[int, events.Joined] = {}
-        self._placed = False  # Peers were sent (or the barrier chosen)
-        self._timer: Optional[threading.Timer] = None
-        ctx.routes[events.Joined] = self._on_joined
-
-    def _on_joined(self, record: events.Joined) -> None:
-        with self._lock:
-            if self._placed or not 0 <= record.rank < self._n:
-                return
-            self._joined[record.rank] = record
-            if len(self._joined) < self._n:
-                if self._timer is None:
-                    self._timer = threading.Timer(SPARK_RENDEZVOUS_WAIT, self._use_barrier)
-                    self._timer.daemon = True
-                    self._timer.start()
-                return
-            self._placed = True
-            peers = [self._joined[r] for r in range(self._n)]
-        self._ctx.to_ranks(events.Peers(rank=-1, peers=peers))
-
-    def _use_barrier(self) -> None:
-        with self._lock:
-            if self._placed:
-                return
-            self._placed = True
-        self._ctx.to_ranks(events.Peers(rank=-1, use_barrier=True))
-
-    @property
-    def placed(self) -> bool:
-        """The tasks were sent their ``Peers`` (or told to use the barrier)."""
-        return self._placed
-
-    def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
 
 
 _MARKED_EXIT = re.compile(re.escape(FAILURE_MARK) + r"(\{.*\})")
@@ -276,7 +225,7 @@ class BarrierStageRun(BackendRun):
         return threading.Thread(target=target, name=name, daemon=True)
 
     def launch(self) -> None:
-        self._rendezvous = DriverRendezvous(self._ctx, self._spec.run.num_processes)
+        self._rendezvous = DriverRendezvous(self._ctx, self._spec.run.num_processes, fallback=SPARK_RENDEZVOUS_WAIT)
         self._thread.start()
 
     @abc.abstractmethod

@@ -33,7 +33,8 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Protocol
 
 from ..backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
-from ..wire.channel import ChannelServer, new_secret
+from ..backends.channels import open_channel
+from ..wire.channel import ChannelServer
 from ..core.fdlimit import make_room
 from .console import NO_STDIN_PDB, Console, rank_env
 from ..core import culprit
@@ -406,20 +407,12 @@ class Run:
         try:
             secret = launcher_secret = certificate = ""
             if self.backend.needs_channel:  # a warm pool has its channel already
-                secret, launcher_secret = new_secret(), new_secret()
-                identity = None
-                if self.plan.tls:  # a key per attempt, as the secrets; it never leaves this process
-                    from ..wire.tls import new_identity
-
-                    identity = new_identity()
-                    certificate = identity.certificate
-                channel = ChannelServer(deliver, self.run_id, host=self.backend.channel_host(),
-                                        secret=secret, launcher_secret=launcher_secret, identity=identity,
-                                        files=self._served, ranks=self.options.num_processes,
-                                        on_refusal=self.state.refused)
-                self._channel = channel
-                host, port = channel.address[:2]
-                self.channel_address = f"{host}:{port}"
+                # secrets and a TLS key per attempt, which never leave this process
+                opened = open_channel(deliver, self.run_id, self.backend, self.plan, self.options.num_processes,
+                                      self.state.refused, files=self._served)
+                channel = self._channel = opened.server
+                secret, launcher_secret, certificate = opened.secret, opened.launcher_secret, opened.certificate
+                self.channel_address = opened.address
                 self.channel_certificate = certificate
             data_files = ()
             if self.data is not None:  # a DataFrame split on this machine (a Spark one: none)

@@ -1,7 +1,8 @@
 """Start one rank's worker process, forward its output line by line, report its exit.
 
-Shared by the local backend (on the driver) and the Spark backend (inside each barrier task),
-so a rank's logs, exit code and failure look the same wherever it ran.  The worker runs in a
+Every backend starts its ranks here (``start_rank``): the local backend from threads of the
+driver, every other through ``remote``'s launcher (a Spark task, a command line), so a rank's
+logs, exit code and failure look the same wherever it ran.  The worker runs in a
 process group of its own so that stopping it reaches its children (DataLoader workers, ...).
 The launcher is what reports a rank's ``Exit``: what the process did, read from the operating
 system and the worker's ``error.json``, never what a message claims.  Asked for the rank's stacks
@@ -33,15 +34,16 @@ import sys
 import threading
 import time
 import uuid
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Sequence
 
 from ..core import events, timing, values
-from .gpu_metrics import GpuSource, visible_devices
+from .gpu_metrics import GpuSource, open_gpu_source, visible_devices
 from ..core.procs import MARK_VARIABLE, end_marked_processes, group_members, marked_processes
 from .sysmetrics import RankSampler, explain_cuda_oom, is_cuda_oom
 from ..core.timing import OUTPUT_GATHER, PIPE_DRAIN_WAIT, REAP_WAIT, STACKS_SETTLE, STACKS_WAIT, STOP_GRACE
 from ..core.names import ERROR_FILE, RESULT_FILE, STACKS_FILE, STACKS_HEADER, STACKS_SIGNAL
-from ..core.names import RUN_ID_ENV
+from ..core.names import CLEANUP_ENV, RUN_ID_ENV, VALUE_FILE_ENV
+from ..core.rankenv import Placement, RunSpec, rank_environment
 
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 _OUTPUT_END = events.OUTPUT_END_MARK.encode()
@@ -73,6 +75,26 @@ def write_job_file(path: str, job_bytes: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as fh:
         fh.write(job_bytes)
+
+
+def start_rank(run: RunSpec, place: Placement, job_file: str, result_dir: str,
+               emit: Callable[[events.Event], None], *, data_file: str = "", value_file: str = "",
+               cleanup: Sequence[str] = (), gpu_source: Optional[GpuSource] = None) -> "RankProcess":
+    """Start the worker of ``place.rank`` for ``run``, the way every backend does: its
+    environment (``rankenv.rank_environment``), the files it removes itself if its launcher
+    dies (``cleanup``), where it writes its value (``value_file``: a file the driver maps; else
+    its ``result_dir``), its system metrics (with the GPUs of ``gpu_source``, ``open_gpus``)."""
+    env = rank_environment(os.environ, run, place, data_file=data_file)
+    env[CLEANUP_ENV] = os.pathsep.join(cleanup)
+    if value_file:
+        env[VALUE_FILE_ENV] = value_file
+    return RankProcess(place.rank, job_file, result_dir, env, emit, system_metrics=run.system_metrics,
+                       gpu_source=gpu_source)
+
+
+def open_gpus(run: RunSpec) -> Optional[GpuSource]:
+    """NVML, for the ranks' GPU metrics: a run with GPUs and system metrics, where NVML is there."""
+    return open_gpu_source() if run.system_metrics and run.use_gpu else None
 
 
 def read_failure(result_dir: str) -> Optional[events.Failure]:
