@@ -9,9 +9,61 @@ import platform
 
 
 def machine(**versions: str) -> dict:
-    """Platform, Python, usable cores, and the versions given (``torch=torch.__version__``)."""
+    """Platform, CPU model, Python, usable cores, the load average now, and the versions given
+    (``torch=torch.__version__``)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"platform": platform.platform(), "python": platform.python_version(), "cores": cores, **versions}
+    return {"platform": platform.platform(), "cpu": cpu_model(), "python": platform.python_version(),
+            "cores": cores, "load": load(), **versions}
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the system reports it ("" where it does not)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def load() -> float:
+    """The 1-minute load average (runnable processes, averaged), or -1 where there is none."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return -1.0
+
+
+def describe_machine(m: dict) -> str:
+    """One line naming ``m`` (``machine()``) for a table's caption."""
+    return f"{m['cpu'] or m['platform']}, {m['cores']} usable cores, Python {m['python']}"
+
+
+class BusyCore:
+    """A process that spins on one core (the first of this process's) while the block runs: a
+    benchmark run beside it shows how much headroom its own figures have."""
+
+    def __enter__(self):
+        import multiprocessing
+
+        self._stop = multiprocessing.Event()
+        self._proc = multiprocessing.Process(target=_spin, args=(self._stop,), daemon=True)
+        self._proc.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        end_processes([self._proc], 5.0)
+
+
+def _spin(stop) -> None:
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    while not stop.is_set():
+        for _ in range(100_000):
+            pass
 
 
 def write_json(path: str, result: dict) -> None:

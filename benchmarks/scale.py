@@ -42,6 +42,7 @@ took and how far behind their schedule they fell (then the driver was offered le
 from __future__ import annotations
 
 import argparse
+import contextlib
 import array
 import io
 import json
@@ -55,7 +56,7 @@ import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-from report import end_processes, machine, write_json  # noqa: E402  (this script's folder is on sys.path)
+from report import BusyCore, describe_machine, end_processes, load, machine, write_json  # noqa: E402  (this script's folder is on sys.path)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from torchdist_magic.wire import channel, tls  # noqa: E402
@@ -467,6 +468,10 @@ def main() -> None:
     parser.add_argument("--tls", action=argparse.BooleanOptionalAction, default=True,
                         help="the channel over TLS, as on Spark (default), or plain, as locally")
     parser.add_argument("--generators", type=int, default=3, help="load-generator processes")
+    parser.add_argument("--repeat", type=int, default=1, help="runs in a row (a goal holds when it holds three)")
+    parser.add_argument("--busy", choices=("both", "off", "on"), default="both",
+                        help="each run quiet (off), beside a busy loop on one core (on), or one of each "
+                             "(both, the default): the second shows the driver's headroom")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "scale.json"))
     parser.add_argument("--nofile", type=int, default=0,
                         help="start under this soft limit on open files (a desktop Jupyter's is 1024); "
@@ -475,23 +480,34 @@ def main() -> None:
     if args.nofile:
         resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
-    r = simulate(args.ranks, args.rate, args.seconds, args.view, args.tls, args.generators)
-    print(f"\n{'ranks':>5} {'rate':>5} {'view':>6} {'tls':>3} {'sent':>9} {'lost':>5} {'ooo':>4} "
-          f"{'p50 ms':>8} {'p99 ms':>8} {'catch-up':>8} {'cpu %':>6} {'gen %':>6} {'rss MB':>13} "
-          f"{'frame KB':>8} {'render ms':>13} {'conn s':>6} {'us/rec':>6}")
-    print(f"{r['ranks']:>5} {r['rate']:>5g} {r['view']:>6} {'on' if r['tls'] else 'off':>3} {r['sent']:>9,} "
-          f"{r['lost']:>5} {r['out_of_order']:>4} {r['p50_ms']:>8.0f} {r['p99_ms']:>8.0f} {r['catch_up_s']:>7.1f}s "
-          f"{r['driver_cpu_pct']:>6.0f} {r['gen_cpu_pct']:>6.0f} {r['rss_mb_start']:>6.0f}->{r['rss_mb_end']:<6.0f} "
-          f"{r['frame_bytes_max'] / 1e3:>8.1f} {r['render_ms_max']:>6.0f}/{r['render_cpu_ms_max']:<3.0f}cpu "
-          f"{r['connect_s']:>6.1f} "
-          f"{r['driver_us_per_record']:>6.1f}")
     m = machine()
-    print(f"offered {r['offered_rate']:.1f} records/s per rank (asked {args.rate:g}); generators fell up to "
-          f"{r['gen_behind_s']:.2f} s behind; {r['authenticated']}/{r['connections']} connections, "
+    runs = []
+    for _ in range(args.repeat):
+        for busy in ((False, True) if args.busy == "both" else (args.busy == "on",)):
+            load_before = load()
+            with (BusyCore() if busy else contextlib.nullcontext()):
+                r = simulate(args.ranks, args.rate, args.seconds, args.view, args.tls, args.generators)
+            runs.append({**r, "busy_core": busy, "load_before": load_before, "load_after": load()})
+    print(f"\n{describe_machine(m)}; load average {m['load']:g} at the start")
+    print(f"\n{'busy':>4} {'load':>9} {'ranks':>5} {'rate':>5} {'view':>6} {'tls':>3} {'sent':>9} {'lost':>5} "
+          f"{'ooo':>4} {'p50 ms':>8} {'p99 ms':>8} {'catch-up':>8} {'cpu %':>6} {'gen %':>6} {'rss MB':>13} "
+          f"{'frame KB':>8} {'render ms':>13} {'conn s':>6} {'us/rec':>6}")
+    for r in runs:
+        print(f"{'yes' if r['busy_core'] else 'no':>4} {r['load_before']:>4.1f}>{r['load_after']:<4.1f} "
+              f"{r['ranks']:>5} {r['rate']:>5g} {r['view']:>6} {'on' if r['tls'] else 'off':>3} {r['sent']:>9,} "
+              f"{r['lost']:>5} {r['out_of_order']:>4} {r['p50_ms']:>8.0f} {r['p99_ms']:>8.0f} {r['catch_up_s']:>7.1f}s "
+              f"{r['driver_cpu_pct']:>6.0f} {r['gen_cpu_pct']:>6.0f} {r['rss_mb_start']:>6.0f}->{r['rss_mb_end']:<6.0f} "
+              f"{r['frame_bytes_max'] / 1e3:>8.1f} {r['render_ms_max']:>6.0f}/{r['render_cpu_ms_max']:<3.0f}cpu "
+              f"{r['connect_s']:>6.1f} "
+              f"{r['driver_us_per_record']:>6.1f}")
+    r = runs[-1]
+    print(f"load: the 1-minute load average before>after each run; busy: a loop spinning on one core beside "
+          f"it.  Last run: offered {r['offered_rate']:.1f} records/s per rank (asked {args.rate:g}); generators "
+          f"fell up to {r['gen_behind_s']:.2f} s behind; {r['authenticated']}/{r['connections']} connections, "
           f"{r['evicted']} handshakes evicted.  {m['cores']} cores shared by the driver and "
           f"{r['generators']} generator processes (and whatever else runs here); open files: soft limit "
           f"{r['nofile_soft_before']} before the run, {r['nofile_soft_run']} during it")
-    write_json(args.json, {"benchmark": "the driver at scale, simulated ranks", "machine": m, **r})
+    write_json(args.json, {"benchmark": "the driver at scale, simulated ranks", "machine": m, "runs": runs})
 
 
 if __name__ == "__main__":
