@@ -396,12 +396,13 @@ def test_pdb_says_so_when_the_executors_cannot_reach_the_notebook(spark_local2, 
     from helpers import assert_nothing_left
     from torchdist_magic import LaunchOptions, RankFailure
     import torchdist_magic.driver.distributor as distributor
+    from torchdist_magic.driver.follow import follow
 
     monkeypatch.setattr(distributor, "make_backend", lambda options: Unreachable(spark_local2))
     run = distributor.submit(fail_on_rank_1, (), {}, LaunchOptions(num_processes=2, backend="spark", pdb=True),
                              debug_input=True)
     with pytest.raises(RankFailure) as info:
-        distributor.follow(run)
+        follow(run)
     assert (info.value.rank, info.value.message) == (1, "bad shard on rank 1")
     assert "torchdist: --pdb: rank 1" in run.logs(1)
     assert "cannot reach the notebook's event channel, so its failure is not held for a debugger" in run.logs(1)

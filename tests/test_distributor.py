@@ -472,7 +472,8 @@ def test_text_view_shows_outer_and_inner_bars():
 
 def test_a_run_cancelled_before_it_starts_starts_nothing():
     from torchdist_magic.backends.local import LocalProcessBackend
-    from torchdist_magic.driver.distributor import Run, build_job
+    from torchdist_magic.core.job import build_job
+    from torchdist_magic.driver.distributor import Run
     from torchdist_magic.core.errors import RunCancelled
 
     opts = LaunchOptions(num_processes=2)

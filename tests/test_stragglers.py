@@ -9,7 +9,8 @@ from helpers import assert_no_survivors
 from view_helpers import Clock, bar, exit_, running
 from torchdist_magic import progress, rank
 from torchdist_magic.driver import stragglers as P
-from torchdist_magic.driver.distributor import follow, submit
+from torchdist_magic.driver.distributor import submit
+from torchdist_magic.driver.follow import follow
 from torchdist_magic.core.options import LaunchOptions
 from torchdist_magic.driver.state import RunState
 

@@ -436,7 +436,7 @@ def test_a_failed_fetch_fails_the_rank_naming_its_host_size_and_cause(spark_clus
     start): the rank's failure says so, and nothing is left on either side."""
     monkeypatch.setenv(VALUES_FETCH_ENV, "1")
     run = Distributor(2, local_mode=False, show=None).submit(sum_and_last, torch.ones(MIB))
-    (path,) = run._served.values()
+    (path,) = run._sent.served.values()
     os.unlink(path)
     with pytest.raises(RankFailure) as info:
         run.result(timeout=120)

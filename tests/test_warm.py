@@ -424,7 +424,8 @@ def test_a_warm_run_with_a_dataframe_or_columns_without_data_is_refused(local_di
 
 
 def test_a_pool_stopped_before_its_first_run_started_fails_that_run_clearly(local_distributor):
-    from torchdist_magic.driver.distributor import Run, build_job
+    from torchdist_magic.core.job import build_job
+    from torchdist_magic.driver.distributor import Run
     from torchdist_magic.backends.pool import warm_backend
 
     options = local_distributor(2, warm=True).options

@@ -13,7 +13,8 @@ import pytest
 from helpers import assert_no_survivors
 from view_helpers import Clock, FakeRun, bar, exit_, log, metrics, no_cpu, running
 from torchdist_magic import progress, rank, report
-from torchdist_magic.driver.distributor import follow, submit
+from torchdist_magic.driver.distributor import submit
+from torchdist_magic.driver.follow import follow
 from torchdist_magic.core.options import LaunchOptions
 from torchdist_magic.view import make_view
 from torchdist_magic.view import widget as W

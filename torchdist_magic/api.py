@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .driver.console import stdin_available
-from .driver.distributor import Run, follow, submit
+from .driver.distributor import Run, submit
+from .driver.follow import follow
 from .core.options import LaunchOptions
 
 SHOW_CHOICES = ("text", "auto", "widget", None)

@@ -148,7 +148,8 @@ class TorchdistMagics(Magics):
              data: Any = None, columns: Optional[list] = None) -> Any:
         """Start, show (unless ``quiet``), return rank 0's value; bad input is a ``UsageError``."""
         from .driver.console import stdin_available
-        from .driver.distributor import follow, submit
+        from .driver.distributor import submit
+        from .driver.follow import follow
         from .driver.tracking import MlflowUnavailable, TrackingError
 
         try:

@@ -200,3 +200,18 @@ def cell_job(cell: CellCode, name: str) -> Job:
 def serve_job() -> Job:
     """What a warm pool's ranks start with: serve the jobs the driver sends (``worker.serve``)."""
     return Job(kind="serve", name="warm pool")
+
+
+def build_job(target: Any, args: tuple, kwargs: dict) -> Job:
+    """A ``Job`` from a ``Job``, a function or a script path; bad input raises before anything
+    starts."""
+    if isinstance(target, Job):
+        if args or kwargs:
+            raise TypeError("a Job takes no arguments; they belong in the job")
+        return target
+    if isinstance(target, (str, os.PathLike)):
+        if kwargs:
+            raise TypeError("keyword arguments cannot be passed to a script; give them as "
+                            f"command-line strings (got {', '.join(kwargs)})")
+        return script_job(os.fspath(target), args)
+    return function_job(target, args, kwargs)

@@ -2,7 +2,7 @@
 
 A rank's ``breakpoint()``, or its failure under ``--pdb``, opens a session: the rank's pdb sends
 its output and prompts as ``events.DebugOutput`` records, which ``Console.on_output`` (the
-channel's thread) gathers.  The thread that follows the run (``distributor.follow``: the cell's
+channel's thread) gathers.  The thread that follows the run (``follow.follow``: the cell's
 own, in a notebook) calls ``Console.serve`` between its view updates: it prints the session's
 output in the cell and reads the user's line with ``input()``, which a kernel turns into an
 ``input_request`` as it does for ``%debug``; the line goes back as an ``events.DebugInput``.

@@ -24,13 +24,12 @@ import dataclasses
 import functools
 import itertools
 import os
-import shutil
 import sys
 import threading
 import time
 import uuid
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Protocol
+from typing import Any, Callable, Dict, List, Optional
 
 from ..backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
 from ..backends.channels import open_channel
@@ -38,18 +37,18 @@ from ..wire.channel import ChannelServer
 from ..core.fdlimit import make_room
 from .console import NO_STDIN_PDB, Console, rank_env
 from ..core import culprit
-from ..core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled, stack_text
-from ..core.events import DebugOutput, DumpCollectives, Failure, Log, Preflight, ProfileDone, ProfilePiece, Stacks, StartProfile
-from ..core.job import Job, function_job, script_job
-from ..core.values import value_directory
+from ..core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
+from ..core.events import DebugOutput, DumpCollectives, Log, Preflight, ProfileDone, ProfilePiece, Stacks, StartProfile
+from ..core.job import Job, build_job
 from ..core.options import LaunchOptions
 from ..core.preflight import PreflightResult, compare
 from ..core import values as value_blobs
-from ..core.names import VALUES_FETCH_ENV
 from ..core.rankenv import RunSpec
+from . import hangs
 from .profiles import Profile, ProfileCollector
+from .sent import SentValues
 from .state import Attempt, RunDirectory, RunState, is_collateral
-from ..core.timing import COLLECTIVES_WAIT, ROOT_CAUSE_WAIT, STACKS_COLLECT_WAIT, STOP_GRACE, SUPERVISE_POLL
+from ..core.timing import ROOT_CAUSE_WAIT, STOP_GRACE, SUPERVISE_POLL
 from .tracking import MlflowLogger
 
 _last_run: Optional["Run"] = None
@@ -59,21 +58,6 @@ _run_counter = itertools.count(1)
 def last_run() -> Optional["Run"]:
     """The handle of the most recent run started in this process (``None`` before the first)."""
     return _last_run
-
-
-def build_job(target: Any, args: tuple, kwargs: dict) -> Job:
-    """A ``Job`` from a ``Job``, a function or a script path; bad input raises before anything
-    starts."""
-    if isinstance(target, Job):
-        if args or kwargs:
-            raise TypeError("a Job takes no arguments; they belong in the job")
-        return target
-    if isinstance(target, (str, os.PathLike)):
-        if kwargs:
-            raise TypeError("keyword arguments cannot be passed to a script; give them as "
-                            f"command-line strings (got {', '.join(kwargs)})")
-        return script_job(os.fspath(target), args)
-    return function_job(target, args, kwargs)
 
 
 def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data: Any = None,
@@ -158,13 +142,9 @@ class Run:
                               options.use_gpu, job.name, max_attempts=options.max_restarts + 1,
                               spill_dir=functools.partial(_subdirectory, self.directory, "logs"),
                               idle=set(range(options.num_processes)) - set(options.ranks or ()) if options.ranks else ())
-        #: where this run's large values out to the ranks are (``_job_bytes`` names the file)
-        self._sent_dir = ""
-        #: ``{name: path}`` of that file where each machine fetches it from the channel, and
-        #: what the ranks' ``RunSpec`` says of it then
-        self._served: Dict[str, str] = {}
-        self._fetch: Dict[str, Any] = {}
-        self._job_bytes = self._pickle_job(job)
+        #: this run's large values out to the ranks (``_job_bytes`` names their file)
+        self._sent = SentValues(self.run_id, backend)
+        self._job_bytes = self._sent.pickle(job)
         self._value: Any = None
         self._error: Optional[BaseException] = None
         self._cancel = threading.Event()
@@ -195,40 +175,8 @@ class Run:
             try:
                 self.tracking = MlflowLogger(self.state, options, job.name)
             except BaseException:  # no MLflow run, no run: nothing of it stays behind
-                self._remove_sent()
+                self._sent.remove()
                 raise
-
-    def _pickle_job(self, job: Job) -> bytes:
-        """The job as its ranks read it.  Its large values (a cell's notebook tensors and
-        arrays, a function's arguments) go into one file in shared memory (written once per run,
-        from the values' own memory) that the job names: where every rank shares this machine,
-        each rank maps it; on a Spark cluster each machine fetches it once from the run's channel
-        and its ranks map that copy (``hostcopy``).  Elsewhere (a warm pool on a cluster) they
-        travel inside the job."""
-        sent = job.sent_buffers()
-        if sent is None or sent.nbytes < value_blobs.APART_BYTES:
-            return value_blobs.pickle_for_ranks(job)
-        shared = self.backend.ranks_share_machine()
-        fetch = self.backend.fetches_values and (not shared or os.environ.get(VALUES_FETCH_ENV) == "1")
-        if not shared and not fetch:
-            return value_blobs.pickle_for_ranks(job)
-        self._sent_dir = value_directory(f"torchdist-{self.run_id}-values-", sent.nbytes)
-        try:
-            in_file = sent.in_file(self._sent_dir)
-            if fetch:  # the name of each machine's copy: this process's, as the file's own
-                name = f"torchdist-{self.run_id}-values-{os.getpid()}-copy"
-                self._served = {name: in_file.path}
-                self._fetch = {"values_fetch": name, "values_fetch_size": os.path.getsize(in_file.path)}
-                in_file = in_file.fetched(name)
-            return value_blobs.pickle_for_ranks(job.with_sent_buffers(in_file))
-        except BaseException:
-            self._remove_sent()
-            raise
-
-    def _remove_sent(self) -> None:
-        if self._sent_dir:
-            shutil.rmtree(self._sent_dir, ignore_errors=True)
-            self._sent_dir = ""
 
     # -- public API ----------------------------------------------------------------------
     def result(self, timeout: Optional[float] = None) -> Any:
@@ -376,7 +324,7 @@ class Run:
         finally:
             if self.data is not None:
                 self.data.remove_files()  # the ranks' copies of a pandas DataFrame
-            self._remove_sent()
+            self._sent.remove()
             self.backend.release()
             try:
                 if self.tracking is not None:  # ended before result() returns: a reader finds it complete
@@ -409,7 +357,7 @@ class Run:
             if self.backend.needs_channel:  # a warm pool has its channel already
                 # secrets and a TLS key per attempt, which never leave this process
                 opened = open_channel(deliver, self.run_id, self.backend, self.plan, self.options.num_processes,
-                                      self.state.refused, files=self._served)
+                                      self.state.refused, files=self._sent.served)
                 channel = self._channel = opened.server
                 secret, launcher_secret, certificate = opened.secret, opened.launcher_secret, opened.certificate
                 self.channel_address = opened.address
@@ -421,7 +369,7 @@ class Run:
             spec = RunSpec.resolve(self.options, self.run_id, self.channel_address or "", secret, launcher_secret,
                                    attempt=self.state.attempt - 1, checkpoint_dir=checkpoints,
                                    data_files=data_files, channel_cert=certificate)
-            spec = dataclasses.replace(spec, env={**self._debug_env, **spec.env}, **self._fetch)
+            spec = dataclasses.replace(spec, env={**self._debug_env, **spec.env}, **self._sent.fetch)
             routes[DebugOutput] = self.debugger.on_output
             self._profile_routes = routes
             if self.options.profile:  # each attempt profiles its steps afresh
@@ -478,7 +426,7 @@ class Run:
                 failures = self.state.failures()  # the root cause may have arrived meanwhile
                 if verdict and failures[0].rank not in verdict.suspects \
                         and (culprit.is_collective_timeout(failures[0]) or is_collateral(failures[0])):
-                    failures = [self._suspect_failure(verdict, stacks, failures[0].time)] + failures
+                    failures = [hangs.suspect_failure(self.state, verdict, stacks, failures[0].time)] + failures
                 if self.state.attempt <= self.options.max_restarts and not self._cancel.is_set():
                     return True
                 self._error = RankFailure(failures[0], failures[1:], [a.failure for a in self.state.attempts],
@@ -502,7 +450,7 @@ class Run:
             if hang is not None and min(self.state.idle(), debug.idle()) >= hang:
                 stacks = self._capture_stacks(backend_run)
                 backend_run.stop(STOP_GRACE)
-                self._error = HangTimeout(hang, stacks, self.options.num_processes, hint=self._hang_hint(),
+                self._error = HangTimeout(hang, stacks, self.options.num_processes, hint=hangs.hang_hint(self.options.ranks),
                                           verdict=self.state.verdict or None)
                 self.state.finish("hung", message=self._error.headline)
                 return False
@@ -519,7 +467,7 @@ class Run:
         return reached
 
     def _timed_out(self, stacks: Dict[int, Stacks]) -> None:
-        self._error = JobTimeout(self.options.timeout, self._progress_summary(), stacks,
+        self._error = JobTimeout(self.options.timeout, hangs.progress_summary(self.state), stacks,
                                  self.options.num_processes, verdict=self.state.verdict if stacks else None)
         self.state.finish("timed out", message=self._error.headline)
 
@@ -531,38 +479,10 @@ class Run:
             return self._capture(backend_run)
 
     def _capture(self, backend_run: BackendRun) -> Dict[int, Stacks]:
-        self.state.begin_collectives()
-        running = self.state.begin_stacks()
-        backend_run.dump_stacks()
-        stacks = self.state.wait_stacks(running, STACKS_COLLECT_WAIT)
-        # the records are asked for once the stacks came, not while faulthandler walks a rank's
-        # threads (a rank asked for both at once was seen to end with SIGSEGV, once)
-        if self._channel is not None:
-            self._channel.broadcast(DumpCollectives(rank=-1), role="worker")
-        else:
-            backend_run.dump_collectives()
-        # a rank without a process group never answers: its peers' records say enough then
-        records = self.state.wait_collectives(running, COLLECTIVES_WAIT)
-        ranks = self.options.ranks or range(self.options.num_processes)
-        self.state.set_verdict(culprit.verdict(records, ranks, self.state.exits()))
-        return stacks
-
-    def _suspect_failure(self, verdict: "culprit.Verdict", stacks: Dict[int, Stacks], when: float) -> Failure:
-        """The root cause where a collective timed out because of ``verdict``'s first suspect:
-        that rank, the verdict as its message, its stack as its traceback."""
-        rank = verdict.suspects[0]
-        host = next((rs.host for rs in self.state.snapshot().ranks if rs.rank == rank), "")
-        return Failure(rank=rank, host=host, message=verdict.sentence,
-                       traceback=stack_text(stacks[rank]) if rank in stacks and stacks[rank].text else "",
-                       time=when)
-
-    def _hang_hint(self) -> str:
-        if not self.options.ranks:
-            return ""
-        chosen = ", ".join(map(str, self.options.ranks))
-        return (f"this cell ran on rank{'s' if len(self.options.ranks) > 1 else ''} {chosen} of the pool only "
-                "(--ranks): a collective (all_reduce, barrier, broadcast, DDP) waits for every rank of the "
-                "process group, and the other ranks were idle; run such a cell without --ranks")
+        collectives = ((lambda: self._channel.broadcast(DumpCollectives(rank=-1), role="worker"))
+                       if self._channel is not None else backend_run.dump_collectives)
+        return hangs.capture(self.state, backend_run.dump_stacks, collectives,
+                             self.options.ranks or range(self.options.num_processes))
 
     def _collect(self, backend_run: BackendRun) -> Any:
         """Rank 0's value; a list by rank with ``all_ranks``.  On some ranks of a warm pool
@@ -577,45 +497,6 @@ class Run:
             return values[ranks[0]]
         return values if self.options.ranks else list(values.values())
 
-    def _progress_summary(self) -> str:
-        parts = []
-        for rs in self.state.snapshot().ranks:
-            bar = rs.current_progress()
-            where = f" at {bar['desc'] or 'step'} {bar['n']}/{bar['total'] or '?'}" if bar else ""
-            parts.append(f"rank {rs.rank}: {rs.state}{where}")
-        return "; ".join(parts)
-
 
 def _to_worker(channel: ChannelServer, rank: int, record) -> bool:
     return channel.send(rank, record, role="worker")
-
-
-class Observer(Protocol):
-    """What ``follow`` notifies while it waits: a view."""
-
-    def update(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-def follow(run: Run, observer: Optional[Observer] = None, interval: float = 0.1) -> Any:
-    """Wait for ``run`` in the calling thread, calling ``observer.update()`` every ``interval``
-    seconds and ``observer.close()`` at the end, and serving the ranks' debugger sessions
-    (``debugger.Console.serve``: their output here, the user's lines by ``input()``); Ctrl-C
-    cancels the run and re-raises (at a debugger's prompt, it ends that session instead).
-    Returns rank 0's value or raises the run's error."""
-    try:
-        while not run.wait(interval):
-            if observer is not None:
-                observer.update()
-            run.debugger.serve(run.done)  # a rank's debugger session, in this thread's output
-        run.debugger.serve(run.done)  # what a session printed last
-    except KeyboardInterrupt:
-        run.cancel(by="an interrupt (Ctrl-C, or the kernel's interrupt)")
-        run.wait()
-        if observer is not None:
-            observer.close()
-        raise
-    if observer is not None:
-        observer.close()
-    return run.result()
