@@ -83,8 +83,13 @@ def test_a_registered_backend_is_a_name_like_the_built_in_ones(inline_backend):
     from torchdist_magic import LaunchOptions
     from torchdist_magic.core.registry import backend_names
 
+    from torchdist_magic.core.options import option_fields
+    from torchdist_magic.panel import control_for
+
     assert backend_names()[:3] == ("auto", "local", "spark") and "inline" in backend_names()
     assert LaunchOptions(backend="inline").backend == "inline"
+    field = next(f for f in option_fields() if f.name == "backend")
+    assert "inline" in control_for(field, "auto").options  # the launch panel offers it
 
 
 def test_a_backend_that_trains_on_no_dataframe_refuses_one(inline_backend):

@@ -199,7 +199,7 @@ def test_failing_rank_shows_cell_line(ip, capsys):
     ("%%torchdist --np 0\n1", "UsageError: --np must be at least 1, got 0"),
     ("%%torchdist --np x\n1", "UsageError: argument --np: invalid int value: 'x'"),
     ("%%torchdist --bogus\n1", "UsageError: unrecognized arguments: --bogus"),
-    ("%%torchdist --backend yarn\n1", "UsageError: argument --backend: invalid choice: 'yarn'"),
+    ("%%torchdist --backend yarn\n1", "UsageError: --backend must be one of auto, local, spark, got 'yarn'"),
     ("%%torchdist --timeout -1\n1", "UsageError: --timeout must be a positive number of seconds, got -1"),
     ("%%torchdist --env NOVALUE\n1", "UsageError: --env entry 'NOVALUE' is not of the form KEY=VALUE"),
     ("%%torchdist --env 1A=x\n1", "UsageError: --env: '1A' is not a valid environment variable name"),

@@ -61,8 +61,9 @@ def control_for(field: dataclasses.Field, value: Any) -> widgets.Widget:
     """The control of one ``LaunchOptions`` field, showing ``value``."""
     meta = field.metadata
     layout = widgets.Layout(width="220px", flex="0 1 220px", min_width="0")
-    if "choices" in meta:
-        control = widgets.Dropdown(options=list(meta["choices"]), value=value, layout=layout)
+    if "choices" in meta or "names" in meta:  # names: the choices known when the panel is made
+        choices = meta["names"]() if "names" in meta else meta["choices"]
+        control = widgets.Dropdown(options=list(choices), value=value, layout=layout)
     elif _is_bool(field):
         control = widgets.Checkbox(value=bool(value), indent=False, layout=widgets.Layout(width="auto"))
     elif "negative" in meta:

@@ -86,7 +86,7 @@ class LaunchOptions:
             "where ranks run: 'local' processes, a 'spark' barrier stage on the active "
             "SparkSession, 'auto' (Spark when a SparkSession is active, local processes otherwise), "
             "or a backend a package registered (entry point group torchdist_magic.backends)",
-            metavar="NAME",
+            metavar="NAME", names=backend_names,
         ),
     )
     timeout: Optional[float] = field(
