@@ -357,7 +357,7 @@ def test_classic_spark_whose_executors_cannot_reach_the_notebook_still_returns_r
         spark_local2, monkeypatch):
     """No task reaches the notebook (a firewall between the executors and the driver): the
     tasks meet through Spark's barrier, and rank 0's value comes back through the stage."""
-    import torchdist_magic.driver.distributor as distributor
+    import torchdist_magic.backends.channels as channels
     from torchdist_magic.wire.channel import ChannelServer
 
     class BehindAFirewall(ChannelServer):
@@ -367,7 +367,7 @@ def test_classic_spark_whose_executors_cannot_reach_the_notebook_still_returns_r
             super().__init__(*args, **kwargs)
             self.address = ("127.0.0.1", 9)
 
-    monkeypatch.setattr(distributor, "ChannelServer", BehindAFirewall)
+    monkeypatch.setattr(channels, "ChannelServer", BehindAFirewall)
     run = spark_dist(2).submit(placement_and_all_reduce)
     value = run.result(timeout=180)
     assert value["env"]["RANK"] == "0" and value["sum"] == 3.0  # both ranks joined one process group
@@ -385,14 +385,14 @@ def mib_for_rank_0(mib):
 @pytest.mark.spark
 def test_a_value_over_the_drivers_result_limit_from_a_task_off_the_channel_says_spark_could_not_return_it(
         spark_local2, spark_sessions, monkeypatch):
-    import torchdist_magic.backends.spark_stage as spark_stage
-    import torchdist_magic.driver.distributor as distributor
+    import torchdist_magic.backends.channels as channels
+    import torchdist_magic.launch.remote as remote
     from torchdist_magic.wire.channel import ChannelServer, new_secret
 
     # as above, and the channel refuses the tasks' launchers (another launcher secret than the
     # one they are given): they meet through Spark's barrier, and the value goes through Spark
-    monkeypatch.setattr(spark_stage, "value_dir_mark", lambda run_id: "not-what-the-tasks-look-for")
-    monkeypatch.setattr(distributor, "ChannelServer",
+    monkeypatch.setattr(remote, "value_dir_mark", lambda run_id: "not-what-the-tasks-look-for")
+    monkeypatch.setattr(channels, "ChannelServer",
                         lambda *args, **kwargs: ChannelServer(*args, **{**kwargs, "launcher_secret": new_secret()}))
     spark_sessions.stop()
     spark_sessions.get("local[2]", **{"spark.driver.maxResultSize": "1m"})
@@ -410,12 +410,12 @@ def test_a_value_over_the_drivers_result_limit_from_a_task_off_the_channel_says_
 @pytest.mark.spark
 def test_a_value_over_the_drivers_result_limit_comes_back_over_the_channel(spark_local2, spark_sessions,
                                                                           monkeypatch):
-    import torchdist_magic.backends.spark_stage as spark_stage
+    import torchdist_magic.launch.remote as remote
 
     # the tasks do not find the driver's value directory (as on a cluster): each sends its
     # rank's value over the run's channel, not through Spark, whose driver here takes at most
     # 1 MiB of task results (spark.driver.maxResultSize)
-    monkeypatch.setattr(spark_stage, "value_dir_mark", lambda run_id: "not-what-the-tasks-look-for")
+    monkeypatch.setattr(remote, "value_dir_mark", lambda run_id: "not-what-the-tasks-look-for")
     spark_sessions.stop()
     spark_sessions.get("local[2]", **{"spark.driver.maxResultSize": "1m"})
     try:
