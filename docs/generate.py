@@ -36,6 +36,12 @@ API_SECTIONS = (
 )
 
 
+#: the driver's own methods of a run's state, which feed it and which a user never calls: left off
+#: its entry (mkdocstrings filters; a name that is gone filters nothing)
+DRIVER_ONLY = {"RunState": ("refused", "listen", "apply", "restart", "begin_stacks", "wait_stacks",
+                            "begin_collectives", "wait_collectives", "set_verdict", "finish")}
+
+
 def _cell(text: str) -> str:
     """Text for one cell of a Markdown table."""
     return " ".join(str(text).split()).replace("|", "\\|")
@@ -169,8 +175,10 @@ def api_reference() -> str:
             out += [f"::: {_where(name)}",
                     "    options:",
                     f"      heading: \"{'torchdist_magic.' + name if name != 'RunState' else 'RunState'}\"",
-                    f"      toc_label: \"{name}\"",
-                    ""]
+                    f"      toc_label: \"{name}\""]
+            if name in DRIVER_ONLY:
+                out.append("      filters: [\"!^_\", \"!^(" + "|".join(DRIVER_ONLY[name]) + ")$\"]")
+            out.append("")
     return "\n".join(out)
 
 
