@@ -59,11 +59,11 @@ def test_readme_links_point_at_files_of_the_repository():
 def test_flags_reference_has_every_flag_and_setting(generate):
     """The page replaces the pasted ``%%torchdist?`` the README used to carry: every flag of the
     magic's parser and every ``%config`` trait is on it, with the help the magic shows."""
-    from torchdist_magic.core.options import flag_parser, option_fields
+    from torchdist_magic.core.options import flag_specs, option_fields
     from torchdist_magic.magic import TorchdistMagics
 
     page = generate.flags_reference()
-    flags = [s for action in flag_parser()._actions for s in action.option_strings]
+    flags = [flag for args, _ in flag_specs() for flag in args if flag.startswith("-")]
     assert len(flags) >= len(option_fields())
     assert [f for f in flags if f"`{f}" not in page] == []
     assert [f.name for f in option_fields() if f"| `{f.name}` |" not in page] == []
