@@ -62,8 +62,9 @@ def _client(address: str, certificate: str, rank: int, go, kind: str, count: int
 
 
 class Sink:
-    """The server's ``on_event``: counts what the clients sent (each metric point: a client
-    sends the points of one flush in one ``Metrics`` record), and each point's age on arrival."""
+    """The server's ``on_event``: counts what the clients sent (each metric point and each log
+    line: a client sends the points, and the lines, of one flush in one record), and each point's
+    age on arrival."""
 
     def __init__(self, expected: int):
         self.expected = expected
@@ -78,6 +79,8 @@ class Sink:
             points = record.points()
             self.latencies += [now - point.time for point in points]
             self.count += len(points)
+        elif isinstance(record, events.Log):  # the lines of one flush travel as one record
+            self.count += len(record.lines())
         else:
             self.count += 1
         if self.count >= self.expected and not self.done.is_set():

@@ -1,23 +1,25 @@
-"""Execute the notebooks and write copies with their outputs to ``docs/notebooks/``.
+"""Execute the notebooks and store them with their outputs, in place.
 
     python notebooks/execute.py                      # every notebook in notebooks/
     python notebooks/execute.py 01-quickstart 11     # some: names, with or without .ipynb, or prefixes
-    python notebooks/execute.py --output-dir DIR     # copies elsewhere (binder/check.sh)
+    python notebooks/execute.py --output-dir DIR     # write them elsewhere (binder/check.sh)
 
-Each source notebook runs top to bottom with nbclient in a kernel of this interpreter (as nbval
-runs them: ``--nbval-current-env``), in ``notebooks/`` as its working directory.  Cells tagged
+Each notebook runs top to bottom with nbclient in a kernel of this interpreter (as nbval runs
+them: ``--nbval-current-env``), in ``notebooks/`` as its working directory.  Cells tagged
 ``raises-exception`` may raise (their traceback is kept as output); any other cell that raises
-stops that notebook, and nothing is written for it.  The copy keeps what a reader wants to see
-without a kernel: the run view's static summary (HTML with bars, plots and each rank's last
-lines, and its text form), printed output, tracebacks and hang stacks.  What GitHub cannot
-render is dropped: widget views and the saved widget state (every run view replaces itself with
-its static summary when its run ends, so no information is lost), and the per-cell timing
-metadata.  Relative links in the markdown are rewritten for the copy's place (a link to another
-notebook goes to its copy).  Running it again overwrites the copies (idempotent: same sources,
-same cells; only the outputs of the new run differ).
+stops that notebook, and nothing is written for it.  What is stored is what a reader wants to
+see without a kernel, on GitHub and in the docs site (which renders these outputs and executes
+nothing): the run view's static summary (HTML with bars, plots and each rank's last lines, and
+its text form), printed output, tracebacks and hang stacks.  What GitHub cannot render is
+dropped: widget views and the saved widget state (every run view replaces itself with its
+static summary when its run ends, so no information is lost), and the per-cell timing
+metadata.  Running it again rewrites the outputs (same cells; only the outputs of the new run
+differ).
 
-The source notebooks stay without outputs; ``tests/test_notebooks.py`` checks that every one of
-them has a copy here with the same code cells.  Exits 1 if any notebook failed.
+There is one copy of each notebook: the one here, with its outputs.  nbval runs it with
+``--nbval-lax``, so the stored outputs are read by people, not compared; ``tests/test_notebooks.py``
+checks that every notebook here was run and is readable without a kernel.  Exits 1 if any
+notebook failed.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-OUT_DIR = os.path.join(ROOT, "docs", "notebooks")
-#: a copy larger than this gets a warning: GitHub renders big notebooks slowly or not at all
+OUT_DIR = HERE
+#: a notebook larger than this gets a warning: GitHub renders big notebooks slowly or not at all
 SIZE_WARNING = 1_000_000
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 #: stderr lines of a Spark session's start that say nothing about the notebook (the JVM's and
@@ -41,8 +43,6 @@ SPARK_CHATTER = re.compile(r"^(WARNING: Using incubator modules: .*"
                            r"|Setting default log level to .*"
                            r"|To adjust logging level use sc\.setLogLevel\(newLevel\)\..*"
                            r"|\d\d/\d\d/\d\d \d\d:\d\d:\d\d WARN (Utils|NativeCodeLoader): .*)$")
-#: a markdown link or image target: ](target) or ](target#anchor)
-LINK = re.compile(r"(\]\()([^)\s#]+)(#[^)\s]*)?\)")
 
 
 def sources() -> list:
@@ -103,39 +103,6 @@ def readable(nb) -> None:
         cell.outputs = kept
 
 
-def relinked(markdown: str) -> str:
-    """Markdown of a source notebook with its relative links pointing where they should from
-    ``docs/notebooks/``: another notebook to its copy with outputs (a sibling there), anything
-    else (an image under docs/, the README) to the same file as before."""
-    names = set(sources())
-
-    def target(match):
-        path = match.group(2)
-        if re.match(r"^[a-z][a-z0-9+.-]*:", path) or path.startswith("/"):
-            return match.group(0)
-        resolved = os.path.normpath(os.path.join(HERE, path))
-        if os.path.dirname(resolved) == HERE and os.path.basename(resolved) in names:
-            new = os.path.basename(resolved)
-        else:
-            new = os.path.relpath(resolved, OUT_DIR).replace(os.sep, "/")
-        return f"{match.group(1)}{new}{match.group(3) or ''})"
-
-    return LINK.sub(target, markdown)
-
-
-def mark_as_copy(nb, name: str) -> None:
-    """Links fixed for the copy's place, and a line under the title saying what it is."""
-    for cell in nb.cells:
-        if cell.cell_type == "markdown":
-            cell.source = relinked(cell.source)
-    first = nb.cells[0] if nb.cells else None
-    if first is not None and first.cell_type == "markdown":
-        title, sep, rest = first.source.partition("\n")
-        note = (f"*This copy shows the outputs of one run, written by `notebooks/execute.py`; the notebook "
-                f"itself is [notebooks/{name}](../../notebooks/{name}).*")
-        first.source = f"{title}\n\n{note}\n{rest}" if sep else f"{title}\n\n{note}"
-
-
 def execute(name: str, timeout: int, kernel_manager_class, out_dir: str = OUT_DIR) -> tuple:
     import nbformat
     from nbclient import NotebookClient
@@ -147,7 +114,6 @@ def execute(name: str, timeout: int, kernel_manager_class, out_dir: str = OUT_DI
     )
     client.execute()
     readable(nb)
-    mark_as_copy(nb, name)
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
     text = nbformat.writes(nb)
@@ -161,7 +127,7 @@ def main(argv=None) -> int:
     parser.add_argument("names", nargs="*", help="notebooks to run (default: all of notebooks/*.ipynb)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds one cell may run (default: 600)")
     parser.add_argument("--output-dir", default=OUT_DIR, metavar="DIR",
-                        help="where the copies go (default: docs/notebooks/; binder/check.sh uses a temporary one)")
+                        help="where the executed notebooks go (default: notebooks/ itself; binder/check.sh uses a temporary one)")
     args = parser.parse_args(argv)
 
     from nbclient.exceptions import CellExecutionError, DeadKernelError

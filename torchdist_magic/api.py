@@ -68,14 +68,18 @@ class Distributor:
 
     @property
     def num_processes(self) -> int:
+        """How many ranks a run starts (``--np``)."""
         return self.options.num_processes
 
     @property
     def local_mode(self) -> bool:
+        """True when the ranks run as local processes (``backend="local"``), as TorchDistributor's
+        ``local_mode``; False for Spark and for ``"auto"`` (``local_mode=None``)."""
         return self.options.backend == "local"
 
     @property
     def use_gpu(self) -> bool:
+        """True when each rank gets one GPU and the nccl process group (``--gpu``)."""
         return self.options.use_gpu
 
     def submit(self, train_object: Any, *args: Any, **kwargs: Any) -> Run:
