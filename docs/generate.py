@@ -28,6 +28,8 @@ API_SECTIONS = (
      ("rank", "world_size", "local_rank", "local_world_size", "host_ranks", "is_main", "device",
       "progress", "report", "restart_count", "save_checkpoint", "load_checkpoint", "shard", "RankStopped")),
     ("Warm pools", "The live pools of `--warm` runs.", ("pools", "shutdown_pools")),
+    ("Backends", "Where ranks start, by name: a package adds one (see [Writing a backend](../design/backends.md)).",
+     ("register_backend", "unregister_backend")),
     ("Errors", "What a run raises in the notebook.",
      ("RankFailure", "JobTimeout", "HangTimeout", "ResultTimeout", "RunCancelled", "MlflowUnavailable",
       "TrackingError")),
@@ -220,9 +222,55 @@ def events_reference() -> str:
     return "\n".join(out)
 
 
+#: the package's folders in the order of its layers, top first, and where each one runs
+LAYERS = (
+    ("", "the driver (the notebook's kernel): the surface a user touches"),
+    ("view", "the driver: the run's view"),
+    ("driver", "the driver: runs, their supervision and state"),
+    ("backends", "the driver: where ranks start"),
+    ("launch", "the launcher beside each rank"),
+    ("rank", "the rank's worker"),
+    ("wire", "all three: the run's channel"),
+    ("core", "all three: the agreements"),
+)
+
+
+def module_map() -> str:
+    """Every module of the package, one line each: its folder, its size and what its docstring's
+    first sentence says it is (read from the source, nothing imported)."""
+    import ast
+    import os
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "torchdist_magic")
+    out = [
+        "# Module map",
+        "",
+        "Generated from the package's source when this site was built: every module, with what the "
+        "first sentence of its docstring says it is. The folders go from the top layer down "
+        "([Processes and packages](processes.md) says why); imports only point down.",
+        "",
+    ]
+    for folder, where in LAYERS:
+        directory = os.path.join(root, folder)
+        out += [f"## `torchdist_magic/{folder + '/' if folder else ''}`", "", f"Runs in {where}.", "",
+                "| module | lines | what it is |", "|---|---|---|"]
+        for name in sorted(os.listdir(directory)):
+            if not name.endswith(".py"):
+                continue
+            with open(os.path.join(directory, name), encoding="utf-8") as fh:
+                source = fh.read()
+            doc = ast.get_docstring(ast.parse(source)) or ""
+            first = doc.strip().split("\n\n")[0]
+            module = name[:-3] if name != "__init__.py" else "(package)"
+            out.append(f"| `{module}` | {len(source.splitlines())} | {_cell(first)} |")
+        out.append("")
+    return "\n".join(out)
+
+
 #: generated page -> the function that writes it
 PAGES = {
     "reference/flags.md": flags_reference,
     "reference/api.md": api_reference,
     "design/events.md": events_reference,
+    "design/modules.md": module_map,
 }
