@@ -476,6 +476,9 @@ class LaunchPanel:
         if run is not self.run:
             return
         self.stop_button.disabled = True
+        # Launch is enabled again before the outcome shows: whoever sees the outcome (a person, a
+        # browser test) may launch at once; the widget's changes reach the page in this order
+        self.validate()
         error = run.exception
         if error is None:
             self.value = run.result()
@@ -493,7 +496,6 @@ class LaunchPanel:
             self.result.value = (f'<pre class="torchdist-error" style="margin:6px 0 0 0;color:{colour};'
                                  f'font-family:{MONO};font-size:12px;white-space:pre-wrap">'
                                  f'{html.escape(text)}</pre>')
-        self.validate()
 
     def show(self) -> None:
         """Display the panel in the notebook."""
