@@ -1,11 +1,12 @@
 """Fixtures every test file shares.  Spark's fixtures are a plugin of their own
-(``spark_fixtures``); process helpers are plain functions in ``helpers``."""
+(``spark_fixtures``), and so is the gate that fails a run on an unexpected skip (``skip_gate``);
+process helpers are plain functions in ``helpers``."""
 
 import os
 
 import pytest
 
-pytest_plugins = ["spark_fixtures"]
+pytest_plugins = ["spark_fixtures", "skip_gate"]
 
 #: the packages whose releases change how a job is pickled, launched or shown: their versions head
 #: every test run, so that a failure after a fresh set-up names the release that changed

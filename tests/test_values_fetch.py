@@ -374,6 +374,7 @@ def one_fetch(run, size):
 
 
 @pytest.mark.spark
+@pytest.mark.big_values
 def test_a_512_mib_notebook_tensor_reaches_two_executors_fetched_once(spark_cluster, monkeypatch):
     """Two executors (JVMs of their own) on this machine: one fetch, both ranks map it."""
     from torchdist_magic.driver.capture import capture_cell
