@@ -4,10 +4,13 @@
     python notebooks/execute.py 01-quickstart 11     # some: names, with or without .ipynb, or prefixes
     python notebooks/execute.py --output-dir DIR     # copies elsewhere (binder/check.sh)
 
-Each source notebook runs top to bottom with nbclient in a kernel of this interpreter (as nbval
-runs them: ``--nbval-current-env``), in ``notebooks/`` as its working directory.  Cells tagged
-``raises-exception`` may raise (their traceback is kept as output); any other cell that raises
-stops that notebook, and nothing is written for it.  The copy keeps what a reader wants to see
+Each source notebook runs top to bottom with nbclient in a kernel of this interpreter, in
+``notebooks/`` as its working directory (``tests/test_notebooks.py`` runs them the same way, with
+``run_checked``).  A cell tagged ``raises-exception`` must raise the error named by its metadata
+``"raises"`` (``"RankFailure"``, ``"UsageError"``: the one its text promises; its traceback is kept
+as output); a tagged cell that raises nothing or another error, and any other cell that raises or
+shows a ``UsageError`` (IPython prints a user's mistake on stderr, with no traceback), fail the
+notebook, and nothing is written for it.  The copy keeps what a reader wants to see
 without a kernel: the run view's static summary (HTML with bars, plots and each rank's last
 lines, and its text form), printed output, tracebacks and hang stacks.  What GitHub cannot
 render is dropped: widget views and the saved widget state (every run view replaces itself with
@@ -136,16 +139,69 @@ def mark_as_copy(nb, name: str) -> None:
         first.source = f"{title}\n\n{note}\n{rest}" if sep else f"{title}\n\n{note}"
 
 
-def execute(name: str, timeout: int, kernel_manager_class, out_dir: str = OUT_DIR) -> tuple:
-    import nbformat
+#: the tag of a cell that raises on purpose, and the key of its metadata naming what it raises
+RAISES_TAG = "raises-exception"
+RAISES_KEY = "raises"
+
+
+class NotebookFailed(Exception):
+    """A notebook whose cells did not do what they say: ``problems``, one line each."""
+
+    def __init__(self, name: str, problems: list):
+        self.problems = problems
+        super().__init__(f"{name}: " + "; ".join(problems))
+
+
+def _usage_errors(cell) -> list:
+    """The ``UsageError: ...`` lines a cell showed on stderr."""
+    return [line for out in cell.get("outputs", [])
+            if out.get("output_type") == "stream" and out.get("name") == "stderr"
+            for line in out.get("text", "").splitlines() if line.startswith("UsageError:")]
+
+
+def cell_problems(index: int, cell, reply: dict) -> list:
+    """What is wrong with code cell ``index`` (of the notebook's cells) after it ran, given the
+    content of its execute reply: an error it was not tagged to raise, a ``UsageError`` on stderr,
+    or, tagged ``raises-exception``, not raising the error its ``"raises"`` metadata names."""
+    first_line = cell.source.splitlines()[0] if cell.source else ""
+    where = f"cell {index} ({first_line!r})"
+    raised = reply.get("ename") if reply.get("status") == "error" else None
+    if RAISES_TAG not in cell.metadata.get("tags", []):
+        if raised is not None:
+            return [f"{where} raised {raised}: {reply.get('evalue', '')}"]
+        return [f"{where} showed {line}" for line in _usage_errors(cell)]
+    promised = cell.metadata.get(RAISES_KEY)
+    if not promised:
+        return [f"{where} is tagged {RAISES_TAG} but names no error in its metadata {RAISES_KEY!r}"]
+    if raised is None:
+        return [f"{where} should raise {promised} but raised nothing"]
+    if raised != promised:
+        return [f"{where} should raise {promised} but raised {raised}: {reply.get('evalue', '')}"]
+    return []
+
+
+def run_checked(nb, kernel_manager_class, timeout: int, path: str = HERE, name: str = "notebook"):
+    """Run ``nb`` top to bottom in ``path``, checking each code cell as it ends
+    (``cell_problems``): the first cell with a problem stops the run with ``NotebookFailed``."""
     from nbclient import NotebookClient
 
+    def check(cell, cell_index, execute_reply):
+        # called before nbclient's own check, which would let a tagged cell pass whatever it did
+        problems = cell_problems(cell_index, cell, execute_reply["content"])
+        if problems:
+            raise NotebookFailed(name, problems)
+
+    NotebookClient(nb, kernel_manager_class=kernel_manager_class, timeout=timeout, allow_errors=False,
+                   record_timing=False, resources={"metadata": {"path": path}},
+                   on_cell_executed=check).execute()
+    return nb
+
+
+def execute(name: str, timeout: int, kernel_manager_class, out_dir: str = OUT_DIR) -> tuple:
+    import nbformat
+
     nb = nbformat.read(os.path.join(HERE, name), as_version=4)
-    client = NotebookClient(
-        nb, kernel_manager_class=kernel_manager_class, timeout=timeout, allow_errors=False,
-        record_timing=False, resources={"metadata": {"path": HERE}},
-    )
-    client.execute()
+    run_checked(nb, kernel_manager_class, timeout, name=name)
     readable(nb)
     mark_as_copy(nb, name)
     os.makedirs(out_dir, exist_ok=True)
@@ -174,7 +230,7 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         try:
             path, size = execute(name, args.timeout, manager, args.output_dir)
-        except (CellExecutionError, DeadKernelError, TimeoutError) as exc:
+        except (NotebookFailed, CellExecutionError, DeadKernelError, TimeoutError) as exc:
             print(f"FAILED after {time.monotonic() - t0:.0f} s", flush=True)
             print(str(exc)[-3000:], file=sys.stderr)
             failed.append(name)
