@@ -59,8 +59,8 @@ def test_the_copy_goes_to_shared_memory_where_it_takes_at_most_half_of_it():
 
     mine = f"torchdist-{os.geteuid()}"  # this user's private directory (privdir)
     assert values.host_copy_path("v", 1 << 50) == os.path.join(tempfile.gettempdir(), mine, "v")
-    if os.access(values.SHARED_MEMORY, os.W_OK):
-        assert values.host_copy_path("v", 1 << 20) == os.path.join(values.SHARED_MEMORY, mine, "v")
+    assert os.access(values.SHARED_MEMORY, os.W_OK), f"{values.SHARED_MEMORY} is not writable here"
+    assert values.host_copy_path("v", 1 << 20) == os.path.join(values.SHARED_MEMORY, mine, "v")
     folder = value_directory("torchdist-test-values-", 1 << 50)
     os.rmdir(folder)
     assert os.path.dirname(folder) == tempfile.gettempdir()
