@@ -97,6 +97,23 @@ def _no_temp_leftovers(tmp_path, monkeypatch):
     assert not left, f"left behind in {SHARED_MEMORY}: {left}"
 
 
+@pytest.fixture
+def run_clock(monkeypatch):
+    """The ``helpers.SteppedClock`` that runs started in this test measure their ``timeout`` and
+    their ranks' quiet (``hang_timeout``) with."""
+    import torchdist_magic.driver.console as console
+    import torchdist_magic.driver.distributor as distributor
+    from helpers import SteppedClock
+    from torchdist_magic.driver.state import RunState
+
+    clock = SteppedClock()
+    monkeypatch.setattr(distributor, "time", clock)
+    monkeypatch.setattr(console, "time", clock)  # the debugger's sessions' quiet, the watchdog's other half
+    idle = RunState.idle
+    monkeypatch.setattr(RunState, "idle", lambda state: idle(state) + clock.offset)
+    return clock
+
+
 #: how long a run cancelled after its test may take to end (a Spark stage's cancel included)
 CANCELLED_RUN_WAIT = 120.0
 
