@@ -116,6 +116,11 @@ def test_a_sigkill_near_the_limit_is_probably_out_of_memory():
                                  "RSS 11.8 GiB of 12.0 GiB (its cgroup's limit)")
 
 
+def test_a_sigkill_near_the_machines_memory_without_a_cgroup_limit_says_so():
+    why = _sampled(rss_bytes=23.8 * GIB).explain_kill(-signal.SIGKILL)  # the limit is the machine's 24 GiB
+    assert why == "probably out of memory: RSS 23.8 GiB of 24.0 GiB (the machine's memory)"
+
+
 def test_a_sigkill_when_the_machine_was_full_is_probably_out_of_memory():
     why = _sampled(rss_bytes=2 * GIB, host_memory_available_bytes=0.5 * GIB).explain_kill(-signal.SIGKILL)
     assert why == "probably out of memory: the machine had 0.5 GiB of 24.0 GiB available (RSS 2 GiB)"
