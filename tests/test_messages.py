@@ -8,6 +8,8 @@ import socket
 import threading
 import time
 
+import pytest
+
 from helpers import assert_no_survivors, wait_until
 from test_channel import StalledDriver
 from torchdist_magic.core import events
@@ -243,3 +245,23 @@ def test_a_channel_whose_thread_is_held_past_its_close_is_left_behind_and_said(m
     server._thread.join(30)
     assert [r.getMessage() for r in caplog.records] == [
         "run run-1: the event channel's thread was still delivering a record 0.4 s after close; left behind"]
+
+
+# -- Spark ---------------------------------------------------------------------------------------------
+@pytest.mark.spark
+def test_a_chosen_interpreter_the_executors_cannot_start_is_refused_saying_so(spark_local2, monkeypatch, tmp_path):
+    from torchdist_magic import Distributor
+    from torchdist_magic.backends import spark_python
+    from torchdist_magic.driver.distributor import last_run
+
+    missing = str(tmp_path / "no-python")
+    monkeypatch.setenv("PYSPARK_PYTHON", missing)
+    monkeypatch.setattr(spark_python, "_chosen", {})
+    before = last_run()
+    with pytest.raises(spark_python.InterpreterMismatch) as info:
+        Distributor(2, local_mode=False, show=None).submit(time.time)
+    text = str(info.value)
+    assert f"with the interpreter you chose ({missing})" in text, text
+    assert "\n  executors: Python did not start: " in text and missing in text, text
+    assert last_run() is before
+
