@@ -4,6 +4,7 @@ warm pool, the magic), and its text checked."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -265,3 +266,28 @@ def test_a_chosen_interpreter_the_executors_cannot_start_is_refused_saying_so(sp
     assert "\n  executors: Python did not start: " in text and missing in text, text
     assert last_run() is before
 
+
+
+# -- a rank's value, sent to the driver ------------------------------------------------------------------
+def test_a_driver_that_ends_the_upload_before_the_value_began_fails_the_sending(tmp_path):
+    from torchdist_magic.core import values
+    from torchdist_magic.core.rankenv import RunSpec, rank_key
+    from torchdist_magic.launch import valueupload
+    from torchdist_magic.wire.channel import new_secret
+
+    launcher_secret = new_secret()
+    driver = StalledDriver(rank_key(launcher_secret, "launcher", 0))
+    spec = RunSpec("r", 1, False, False, {}, None, channel_address=driver.address, secret=new_secret(),
+                   launcher_secret=launcher_secret)
+    path = str(tmp_path / "result.pkl")
+    values.dump({"a": 1}, path)
+    size = f"{os.path.getsize(path) / 2**20:.1f} MiB"
+    ended = threading.Thread(target=lambda: driver.handshake()._sock.close())  # accepted, then gone
+    ended.start()
+    with pytest.raises(valueupload.ValueNotSent) as info:
+        valueupload.send(spec, path, 0)
+    ended.join()
+    driver.close()
+    assert str(info.value) == (f"rank 0 could not send its value ({size}) from {socket.gethostname()} to the "
+                               f"driver at {driver.address}: the connection ended before the value began "
+                               "(connection closed)"), str(info.value)
