@@ -4,20 +4,22 @@
     python notebooks/execute.py 01-quickstart 11     # some: names, with or without .ipynb, or prefixes
     python notebooks/execute.py --output-dir DIR     # write them elsewhere (binder/check.sh)
 
-Each notebook runs top to bottom with nbclient in a kernel of this interpreter (as nbval runs
-them: ``--nbval-current-env``), in ``notebooks/`` as its working directory.  Cells tagged
-``raises-exception`` may raise (their traceback is kept as output); any other cell that raises
-stops that notebook, and nothing is written for it.  What is stored is what a reader wants to
-see without a kernel, on GitHub and in the docs site (which renders these outputs and executes
-nothing): the run view's static summary (HTML with bars, plots and each rank's last lines, and
-its text form), printed output, tracebacks and hang stacks.  What GitHub cannot render is
-dropped: widget views and the saved widget state (every run view replaces itself with its
-static summary when its run ends, so no information is lost), and the per-cell timing
-metadata.  Running it again rewrites the outputs (same cells; only the outputs of the new run
-differ).
+Each notebook runs top to bottom with nbclient in a kernel of this interpreter, in
+``notebooks/`` as its working directory (``tests/test_notebooks.py`` runs them the same way, with
+``run_checked``).  A cell tagged ``raises-exception`` must raise the error named by its metadata
+``"raises"`` (``"RankFailure"``, ``"UsageError"``: the one its text promises; its traceback is kept
+as output); a tagged cell that raises nothing or another error, and any other cell that raises or
+shows a ``UsageError`` (IPython prints a user's mistake on stderr, with no traceback), fail the
+notebook, and nothing is written for it.  What is stored is what a reader wants to see without a
+kernel, on GitHub and in the docs site (which renders these outputs and executes nothing): the run
+view's static summary (HTML with bars, plots and each rank's last lines, and its text form),
+printed output, tracebacks and hang stacks.  What GitHub cannot render is dropped: widget views
+and the saved widget state (every run view replaces itself with its static summary when its run
+ends, so no information is lost), and the per-cell timing metadata.  Running it again rewrites
+the outputs (same cells; only the outputs of the new run differ).
 
-There is one copy of each notebook: the one here, with its outputs.  nbval runs it with
-``--nbval-lax``, so the stored outputs are read by people, not compared; ``tests/test_notebooks.py``
+There is one copy of each notebook: the one here, with its outputs.  The tests run it and check
+what its cells do, never the stored outputs (which are read by people); ``tests/test_notebooks.py``
 checks that every notebook here was run and is readable without a kernel.  Exits 1 if any
 notebook failed.
 """
@@ -103,16 +105,69 @@ def readable(nb) -> None:
         cell.outputs = kept
 
 
-def execute(name: str, timeout: int, kernel_manager_class, out_dir: str = OUT_DIR) -> tuple:
-    import nbformat
+#: the tag of a cell that raises on purpose, and the key of its metadata naming what it raises
+RAISES_TAG = "raises-exception"
+RAISES_KEY = "raises"
+
+
+class NotebookFailed(Exception):
+    """A notebook whose cells did not do what they say: ``problems``, one line each."""
+
+    def __init__(self, name: str, problems: list):
+        self.problems = problems
+        super().__init__(f"{name}: " + "; ".join(problems))
+
+
+def _usage_errors(cell) -> list:
+    """The ``UsageError: ...`` lines a cell showed on stderr."""
+    return [line for out in cell.get("outputs", [])
+            if out.get("output_type") == "stream" and out.get("name") == "stderr"
+            for line in out.get("text", "").splitlines() if line.startswith("UsageError:")]
+
+
+def cell_problems(index: int, cell, reply: dict) -> list:
+    """What is wrong with code cell ``index`` (of the notebook's cells) after it ran, given the
+    content of its execute reply: an error it was not tagged to raise, a ``UsageError`` on stderr,
+    or, tagged ``raises-exception``, not raising the error its ``"raises"`` metadata names."""
+    first_line = cell.source.splitlines()[0] if cell.source else ""
+    where = f"cell {index} ({first_line!r})"
+    raised = reply.get("ename") if reply.get("status") == "error" else None
+    if RAISES_TAG not in cell.metadata.get("tags", []):
+        if raised is not None:
+            return [f"{where} raised {raised}: {reply.get('evalue', '')}"]
+        return [f"{where} showed {line}" for line in _usage_errors(cell)]
+    promised = cell.metadata.get(RAISES_KEY)
+    if not promised:
+        return [f"{where} is tagged {RAISES_TAG} but names no error in its metadata {RAISES_KEY!r}"]
+    if raised is None:
+        return [f"{where} should raise {promised} but raised nothing"]
+    if raised != promised:
+        return [f"{where} should raise {promised} but raised {raised}: {reply.get('evalue', '')}"]
+    return []
+
+
+def run_checked(nb, kernel_manager_class, timeout: int, path: str = HERE, name: str = "notebook"):
+    """Run ``nb`` top to bottom in ``path``, checking each code cell as it ends
+    (``cell_problems``): the first cell with a problem stops the run with ``NotebookFailed``."""
     from nbclient import NotebookClient
 
+    def check(cell, cell_index, execute_reply):
+        # called before nbclient's own check, which would let a tagged cell pass whatever it did
+        problems = cell_problems(cell_index, cell, execute_reply["content"])
+        if problems:
+            raise NotebookFailed(name, problems)
+
+    NotebookClient(nb, kernel_manager_class=kernel_manager_class, timeout=timeout, allow_errors=False,
+                   record_timing=False, resources={"metadata": {"path": path}},
+                   on_cell_executed=check).execute()
+    return nb
+
+
+def execute(name: str, timeout: int, kernel_manager_class, out_dir: str = OUT_DIR) -> tuple:
+    import nbformat
+
     nb = nbformat.read(os.path.join(HERE, name), as_version=4)
-    client = NotebookClient(
-        nb, kernel_manager_class=kernel_manager_class, timeout=timeout, allow_errors=False,
-        record_timing=False, resources={"metadata": {"path": HERE}},
-    )
-    client.execute()
+    run_checked(nb, kernel_manager_class, timeout, name=name)
     readable(nb)
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
@@ -140,7 +195,7 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         try:
             path, size = execute(name, args.timeout, manager, args.output_dir)
-        except (CellExecutionError, DeadKernelError, TimeoutError) as exc:
+        except (NotebookFailed, CellExecutionError, DeadKernelError, TimeoutError) as exc:
             print(f"FAILED after {time.monotonic() - t0:.0f} s", flush=True)
             print(str(exc)[-3000:], file=sys.stderr)
             failed.append(name)

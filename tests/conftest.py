@@ -1,11 +1,12 @@
 """Fixtures every test file shares.  Spark's fixtures are a plugin of their own
-(``spark_fixtures``); process helpers are plain functions in ``helpers``."""
+(``spark_fixtures``), and so is the gate that fails a run on an unexpected skip (``skip_gate``);
+process helpers are plain functions in ``helpers``."""
 
 import os
 
 import pytest
 
-pytest_plugins = ["spark_fixtures"]
+pytest_plugins = ["spark_fixtures", "skip_gate"]
 
 #: the packages whose releases change how a job is pickled, launched or shown: their versions head
 #: every test run, so that a failure after a fresh set-up names the release that changed
@@ -94,6 +95,23 @@ def _no_temp_leftovers(tmp_path, monkeypatch):
     assert not left, f"temp files left behind: {left}"
     left = sorted(in_shared_memory() - before)
     assert not left, f"left behind in {SHARED_MEMORY}: {left}"
+
+
+@pytest.fixture
+def run_clock(monkeypatch):
+    """The ``helpers.SteppedClock`` that runs started in this test measure their ``timeout`` and
+    their ranks' quiet (``hang_timeout``) with."""
+    import torchdist_magic.driver.console as console
+    import torchdist_magic.driver.distributor as distributor
+    from helpers import SteppedClock
+    from torchdist_magic.driver.state import RunState
+
+    clock = SteppedClock()
+    monkeypatch.setattr(distributor, "time", clock)
+    monkeypatch.setattr(console, "time", clock)  # the debugger's sessions' quiet, the watchdog's other half
+    idle = RunState.idle
+    monkeypatch.setattr(RunState, "idle", lambda state: idle(state) + clock.offset)
+    return clock
 
 
 #: how long a run cancelled after its test may take to end (a Spark stage's cancel included)

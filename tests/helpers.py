@@ -173,3 +173,25 @@ def rank_1_waits_for_data(steps):
     for _ in progress(items(), total=steps, desc="step"):
         pass
     return rank()
+
+
+class SteppedClock:
+    """``time`` as the distributor sees it, and the offset added to a run state's quiet
+    (``RunState.idle``), until ``expire()`` moves both a day on: a run's ``timeout`` and
+    ``hang_timeout`` then pass when the test says so, once its ranks are where the test wants
+    them, however long they took to start (conftest's ``run_clock``)."""
+
+    def __init__(self):
+        self.offset = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset
+
+    def expire(self) -> None:
+        self.offset = 86400.0
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+    def __getattr__(self, name):
+        return getattr(time, name)

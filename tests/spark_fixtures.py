@@ -1,4 +1,5 @@
-"""Spark fixtures: ``spark_local2`` (master ``local[2]``), ``spark_cluster``
+"""Spark fixtures: ``spark_local2`` (master ``local[2]``), ``spark_local2_small_results`` (the
+same with 1 MiB of ``spark.driver.maxResultSize``), ``spark_cluster``
 (``local-cluster[2,1,1024]``: two executor JVMs with one core each), ``spark_fake_gpus``
 (TorchDistributor's own GPU fixture: ``local-cluster[2,2,1024]`` whose workers each find GPUs
 0, 1, 2 with a discovery script, one per executor and task), ``spark_standalone`` (a
@@ -6,10 +7,10 @@ real standalone cluster started from the pyspark wheel: a master and two one-cor
 to 127.0.0.2 and 127.0.0.3, which stand for two hosts) and ``spark_connect`` (a Spark Connect
 session on a Connect server started from the wheel, master ``local[2]``).
 
-A process can hold one SparkContext at a time, so both fixtures share one session-scoped
-``spark_sessions`` that stops the running session before it starts one on another master;
-``pytest_collection_modifyitems`` orders the Spark tests by master so that each session starts
-once.  A pytest plugin, loaded by ``conftest.py``'s ``pytest_plugins``.
+A process can hold one SparkContext at a time, so the fixtures share one session-scoped
+``spark_sessions`` that stops the running session before it starts one on another master or
+with other settings (one session per master and settings); ``pytest_collection_modifyitems``
+orders the Spark tests by fixture so that each session starts once.  A pytest plugin, loaded by ``conftest.py``'s ``pytest_plugins``.
 """
 
 from __future__ import annotations
@@ -27,31 +28,37 @@ from helpers import free_port, wait_until
 
 #: fixture -> master URL (the standalone cluster's is known once it runs), in test order; the
 #: Connect session comes last (it needs no classic SparkContext in this process)
-MASTERS = {"spark_local2": "local[2]", "spark_cluster": "local-cluster[2,1,1024]",
+MASTERS = {"spark_local2": "local[2]", "spark_local2_small_results": "local[2]",
+           "spark_cluster": "local-cluster[2,1,1024]",
            "spark_fake_gpus": "local-cluster[2,2,1024]", "spark_standalone": None, "spark_connect": None}
 CONNECT_WAIT = 180.0
 CONNECT_READY = b"Spark Connect server started"
 EXECUTOR_WAIT = 120.0
 STANDALONE_HOSTS = ("127.0.0.2", "127.0.0.3")
+#: a driver that takes at most 1 MiB of task results: a value of a few MiB that comes back
+#: proves it did not pass through Spark
+SMALL_RESULTS = {"spark.driver.maxResultSize": "1m"}
 
 
 class SparkSessions:
-    """At most one live SparkSession, on the master the current test asks for."""
+    """At most one live SparkSession, on the master and with the settings the current test asks for."""
 
     def __init__(self, base_dir: str):
         self.base_dir = base_dir
         self.master = None
+        self.conf = {}
         self.session = None
 
     def get(self, master: str, **conf: str):
-        if self.session is not None and self.master == master and self.session.sparkContext._jsc:
+        if (self.session is not None and self.master == master and self.conf == conf
+                and self.session.sparkContext._jsc):
             return self.session  # (a test that stopped the session leaves _jsc None)
         self.stop()
         from pyspark.sql import SparkSession
 
         other = SparkSession.getActiveSession()
-        if other is not None and other.sparkContext.master != master:
-            other.stop()  # left by another test: getOrCreate would hand it back, on its master
+        if other is not None:
+            other.stop()  # left by another test: getOrCreate would hand it back, ignoring ``conf``
         work = os.path.join(self.base_dir, master.replace("[", "-").replace("]", "").replace(",", "-"))
         os.makedirs(work, exist_ok=True)
         builder = (SparkSession.builder.master(master).appName("torchdist_magic tests")
@@ -64,8 +71,10 @@ class SparkSessions:
             builder = builder.config(key, value)
         session = builder.getOrCreate()
         assert session.sparkContext.master == master, session.sparkContext.master
+        took = {key: session.sparkContext.getConf().get(key) for key in conf}
+        assert took == conf, f"the session has {took}, not the settings asked for"
         session.sparkContext.setLogLevel("ERROR")
-        self.session, self.master = session, master
+        self.session, self.master, self.conf = session, master, dict(conf)
         if not master.startswith("local["):  # so that the first test does not wait for executors
             _wait_for_executors(session.sparkContext, 2)
         return session
@@ -78,6 +87,7 @@ class SparkSessions:
         local_cluster = self.master.startswith("local-cluster")
         self.session.stop()
         self.session = self.master = None
+        self.conf = {}
         if local_cluster:
             # a local cluster's workers keep executor logs under $SPARK_HOME/work/<app id>
             import pyspark
@@ -289,6 +299,12 @@ def spark_connect(spark_sessions, connect_server):
 def spark_local2(spark_sessions):
     """The active SparkSession on ``local[2]``."""
     return spark_sessions.get(MASTERS["spark_local2"])
+
+
+@pytest.fixture
+def spark_local2_small_results(spark_sessions):
+    """The active SparkSession on ``local[2]`` whose driver takes at most 1 MiB of task results."""
+    return spark_sessions.get(MASTERS["spark_local2_small_results"], **SMALL_RESULTS)
 
 
 @pytest.fixture

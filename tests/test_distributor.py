@@ -96,22 +96,31 @@ def test_cr_lines_are_replaced_by_the_next_line_of_their_stream(local_distributo
         run.logs(5)
 
 
-def bar_then_other_stream():
+def bar_then_other_stream(marks):
+    """Each write once the test saw the one before it arrive (``marks``/``<n>``): the two pipes'
+    order is the test's, not the scheduler's."""
+    import os
     import time
+
+    def written(n):
+        while not os.path.exists(os.path.join(marks, str(n))):
+            time.sleep(0.02)
 
     sys.stderr.write("\r 50%|#####     |")  # tqdm writes "\r" + the bar, and the newline apart
     sys.stderr.flush()
-    time.sleep(0.2)
-    sys.stderr.write("\r100%|##########|")
+    sys.stderr.write("\r100%|##########|")  # its "\r" shows the 50% bar
     sys.stderr.flush()
-    time.sleep(0.2)
+    written(1)
     print("between", flush=True)  # the other stream, before the bar's newline
-    time.sleep(0.2)
+    written(2)
     sys.stderr.write("\n")
 
 
-def test_a_carriage_return_at_a_line_start_leaves_no_line(local_distributor):
-    run = local_distributor(1).submit(bar_then_other_stream)
+def test_a_carriage_return_at_a_line_start_leaves_no_line(local_distributor, tmp_path):
+    run = local_distributor(1).submit(bar_then_other_stream, str(tmp_path))
+    for n, text in enumerate(("50%", "between"), start=1):
+        wait_until(lambda: any(text in line.text for line in run.state.ranks[0].logs), 60, repr(text))
+        (tmp_path / str(n)).touch()
     run.result(timeout=60)
     lines = [(l.stream, l.text, l.cr) for l in run.state.ranks[0].logs]
     # the bar's final state, in its own place; no empty or stale redraw left between

@@ -159,8 +159,9 @@ def test_stop_and_the_log_selector_answer_while_a_cell_blocks(kernel):
                 break
     assert sent, "the view's widgets never opened"
     kinds = [kind for kind, _ in seen]
-    assert "comm_msg" in kinds, "the log selector did not answer"
-    assert kinds.index("comm_msg") < kinds.index("error")  # during the cell, not after it
+    assert ("comm_msg", "rank 1 log shown") in seen, "the log selector did not show rank 1's log"
+    # during the cell, not after it
+    assert seen.index(("comm_msg", "rank 1 log shown")) < kinds.index("error")
     (error,) = [content for kind, content in seen if kind == "error"]
     assert (error["ename"], error["evalue"]) == ("RuntimeError", "cancelled by the Stop button")
     # what the notebook keeps: the summary, every rank's last lines in it

@@ -128,11 +128,16 @@ def test_out_variable_and_semicolon(ip):
         {"rank": rank}
     """)
     assert result.result is None and ip.user_ns["weights"] == {"rank": 0}
+    before = ip.user_ns["_torchdist_run"]
     result = cell(ip, """
         %%torchdist --np 1
+        print("the cell ran")
         41 + 1;
     """)
     assert result.error_in_exec is None and result.result is None
+    run = ip.user_ns["_torchdist_run"]
+    # the cell ran, and its last expression, ended by ";", is no value (as in IPython)
+    assert run is not before and run.logs(0) == "the cell ran\n" and run.result() is None
 
 
 def test_all_ranks(ip):

@@ -30,36 +30,6 @@ def _forget_runs():
     distributor._last_run = None
 
 
-class SteppedClock:
-    """``time`` as the distributor sees it, until ``expire()`` moves it a day on: a run's
-    ``timeout`` then passes when the test says so, once its ranks are where the test wants them."""
-
-    def __init__(self):
-        self.offset = 0.0
-
-    def monotonic(self) -> float:
-        return time.monotonic() + self.offset
-
-    def expire(self) -> None:
-        self.offset = 86400.0
-
-    def advance(self, seconds: float) -> None:
-        self.offset += seconds
-
-    def __getattr__(self, name):
-        return getattr(time, name)
-
-
-@pytest.fixture
-def run_clock(monkeypatch):
-    """The ``SteppedClock`` that runs started in this test measure their ``timeout`` with."""
-    import torchdist_magic.driver.distributor as distributor
-
-    clock = SteppedClock()
-    monkeypatch.setattr(distributor, "time", clock)
-    return clock
-
-
 # -- restarts --------------------------------------------------------------------------------------
 def fail_on_rank1():
     if rank() == 1:
@@ -523,17 +493,20 @@ def say_up_then_sleep(marks):
     time.sleep(600)
 
 
-def test_a_hang_is_not_restarted_while_restarts_remain(local_distributor, tmp_path):
+def test_a_hang_is_not_restarted_while_restarts_remain(local_distributor, tmp_path, run_clock):
     from torchdist_magic import HangTimeout
 
-    run = local_distributor(2, hang_timeout=3, max_restarts=2).submit(say_up_then_sleep, str(tmp_path))
+    run = local_distributor(2, hang_timeout=600, max_restarts=2).submit(say_up_then_sleep, str(tmp_path))
     try:
+        # quiet from when both ranks are up, however long they took to start
+        wait_until(lambda: all((tmp_path / f"rank{r}-up").exists() for r in (0, 1)), 120, "both ranks up")
+        run_clock.expire()
         with pytest.raises(HangTimeout) as info:
             run.result(timeout=120)
     finally:
         run.cancel()
         run.wait(60)
-    assert info.value.headline == ("no rank sent progress, metrics or output for 3 s (hang_timeout); "
+    assert info.value.headline == ("no rank sent progress, metrics or output for 600 s (hang_timeout); "
                                    "every rank was stopped")
     assert run.attempt == 1 and run.attempts == [] and run.state.state == "hung"
     assert "up" in run.logs(0) and "up" in run.logs(1)  # the ranks ran, then went quiet

@@ -384,7 +384,7 @@ def mib_for_rank_0(mib):
 
 @pytest.mark.spark
 def test_a_value_over_the_drivers_result_limit_from_a_task_off_the_channel_says_spark_could_not_return_it(
-        spark_local2, spark_sessions, monkeypatch):
+        spark_local2_small_results, monkeypatch):
     import torchdist_magic.backends.channels as channels
     import torchdist_magic.launch.remote as remote
     from torchdist_magic.wire.channel import ChannelServer, new_secret
@@ -394,21 +394,16 @@ def test_a_value_over_the_drivers_result_limit_from_a_task_off_the_channel_says_
     monkeypatch.setattr(remote, "value_dir_mark", lambda run_id: "not-what-the-tasks-look-for")
     monkeypatch.setattr(channels, "ChannelServer",
                         lambda *args, **kwargs: ChannelServer(*args, **{**kwargs, "launcher_secret": new_secret()}))
-    spark_sessions.stop()
-    spark_sessions.get("local[2]", **{"spark.driver.maxResultSize": "1m"})
-    try:
-        run = spark_dist(2).submit(mib_for_rank_0, 2)
-        with pytest.raises(RankFailure) as info:  # the driver heard of the ranks through Spark alone
-            run.result(timeout=180)
-        assert info.value.exc_type == "SparkException"
-        assert "is bigger than spark.driver.maxResultSize" in info.value.message
-        assert_nothing_left(run)
-    finally:
-        spark_sessions.stop()  # the next test gets a session without the limit
+    run = spark_dist(2).submit(mib_for_rank_0, 2)
+    with pytest.raises(RankFailure) as info:  # the driver heard of the ranks through Spark alone
+        run.result(timeout=180)
+    assert info.value.exc_type == "SparkException"
+    assert "is bigger than spark.driver.maxResultSize" in info.value.message
+    assert_nothing_left(run)
 
 
 @pytest.mark.spark
-def test_a_value_over_the_drivers_result_limit_comes_back_over_the_channel(spark_local2, spark_sessions,
+def test_a_value_over_the_drivers_result_limit_comes_back_over_the_channel(spark_local2_small_results,
                                                                           monkeypatch):
     import torchdist_magic.launch.remote as remote
 
@@ -416,15 +411,10 @@ def test_a_value_over_the_drivers_result_limit_comes_back_over_the_channel(spark
     # rank's value over the run's channel, not through Spark, whose driver here takes at most
     # 1 MiB of task results (spark.driver.maxResultSize)
     monkeypatch.setattr(remote, "value_dir_mark", lambda run_id: "not-what-the-tasks-look-for")
-    spark_sessions.stop()
-    spark_sessions.get("local[2]", **{"spark.driver.maxResultSize": "1m"})
-    try:
-        run = spark_dist(2).submit(mib_for_rank_0, 2)
-        assert run.result(timeout=180) == bytes(2 * 2**20)
-        assert "MiB sent to the driver in" in run.logs(0)
-        assert_nothing_left(run)
-    finally:
-        spark_sessions.stop()  # the next test gets a session without the limit
+    run = spark_dist(2).submit(mib_for_rank_0, 2)
+    assert run.result(timeout=180) == bytes(2 * 2**20)
+    assert "MiB sent to the driver in" in run.logs(0)
+    assert_nothing_left(run)
 
 
 def long_lines_then_mib(mib):
@@ -434,18 +424,13 @@ def long_lines_then_mib(mib):
 
 
 @pytest.mark.spark
-def test_ranks_that_print_long_lines_return_their_value_under_a_small_result_limit(spark_local2, spark_sessions):
+def test_ranks_that_print_long_lines_return_their_value_under_a_small_result_limit(spark_local2_small_results):
     # the channel carried every line: the tasks' results (2 x 20 lines of 64 KiB, before, over
     # the 1 MiB of spark.driver.maxResultSize) do not repeat them, and the stage does not fail
-    spark_sessions.stop()
-    spark_sessions.get("local[2]", **{"spark.driver.maxResultSize": "1m"})
-    try:
-        run = spark_dist(2).submit(long_lines_then_mib, 2)
-        assert run.result(timeout=180) == bytes(2 * 2**20)
-        assert run.logs(1).count("x" * 65536) == 30
-        assert_nothing_left(run)
-    finally:
-        spark_sessions.stop()  # the next test gets a session without the limit
+    run = spark_dist(2).submit(long_lines_then_mib, 2)
+    assert run.result(timeout=180) == bytes(2 * 2**20)
+    assert run.logs(1).count("x" * 65536) == 30
+    assert_nothing_left(run)
 
 
 def failing_after(task, remove_value):

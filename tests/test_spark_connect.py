@@ -36,9 +36,13 @@ def test_a_50_mib_value_comes_back_in_chunks(spark_connect):
 
 
 def test_more_ranks_than_slots_is_refused_in_seconds(spark_connect):
+    from torchdist_magic.driver.distributor import last_run
+
+    before = last_run()
     with pytest.raises(ValueError, match="3 ranks need 3 Spark task slots at once .* the Spark Connect "
                                          "server's cluster has 2; use 2 or fewer ranks"):
         Distributor(3, local_mode=False, show=None).submit(one)
+    assert last_run() is before  # refused before any run started
 
 
 class Unreachable(SparkConnectBackend):

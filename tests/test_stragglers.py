@@ -108,7 +108,13 @@ def test_a_restart_forgets_the_pace_of_the_attempt_before():
     assert state.stragglers() == []
 
 
-def _one_rank_sleeps(seconds):
+def _one_rank_sleeps(seconds, marks):
+    """Every rank steps from when all four are up (a rank that started late is not behind)."""
+    import os
+
+    open(os.path.join(marks, f"up-{rank()}"), "w").close()
+    while len(os.listdir(marks)) < 4:
+        time.sleep(0.01)
     start = time.monotonic()
     for _ in progress(range(100_000), desc="step"):
         time.sleep(0.2 if rank() == 2 else 0.01)
@@ -117,11 +123,11 @@ def _one_rank_sleeps(seconds):
     return rank()
 
 
-def test_a_real_run_lists_the_rank_that_sleeps_in_its_loop(monkeypatch):
+def test_a_real_run_lists_the_rank_that_sleeps_in_its_loop(monkeypatch, tmp_path):
     # the rules as they are, on a shorter time scale: the run lasts seconds, not minutes
     monkeypatch.setattr(P, "RATE_WINDOW", 1.5)
     monkeypatch.setattr(P, "SLOW_FOR", 1.5)
-    run = submit(_one_rank_sleeps, (6.0,), {}, LaunchOptions(num_processes=4, backend="local"))
+    run = submit(_one_rank_sleeps, (6.0, str(tmp_path)), {}, LaunchOptions(num_processes=4, backend="local"))
     assert follow(run) == 0
     listed = run.state.stragglers()
     assert [s.rank for s in listed] == [2], listed

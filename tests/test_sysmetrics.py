@@ -116,6 +116,11 @@ def test_a_sigkill_near_the_limit_is_probably_out_of_memory():
                                  "RSS 11.8 GiB of 12.0 GiB (its cgroup's limit)")
 
 
+def test_a_sigkill_near_the_machines_memory_without_a_cgroup_limit_says_so():
+    why = _sampled(rss_bytes=23.8 * GIB).explain_kill(-signal.SIGKILL)  # the limit is the machine's 24 GiB
+    assert why == "probably out of memory: RSS 23.8 GiB of 24.0 GiB (the machine's memory)"
+
+
 def test_a_sigkill_when_the_machine_was_full_is_probably_out_of_memory():
     why = _sampled(rss_bytes=2 * GIB, host_memory_available_bytes=0.5 * GIB).explain_kill(-signal.SIGKILL)
     assert why == "probably out of memory: the machine had 0.5 GiB of 24.0 GiB available (RSS 2 GiB)"
@@ -196,27 +201,33 @@ def memory_cgroup():
     os.rmdir(path)
 
 
-def allocate_until_killed(cgroup):
-    """Join ``cgroup`` (as a rank in a memory-limited container is), give the launcher's sampler
-    time to see it there, then allocate touched memory in steps until the kernel ends us."""
+def allocate_until_killed(cgroup, go):
+    """Join ``cgroup`` (as a rank in a memory-limited container is), wait until the test saw the
+    launcher's sampler see it there (``go``), then allocate touched memory in steps until the
+    kernel ends us."""
     import os
     import time
 
     with open(os.path.join(cgroup, "cgroup.procs"), "w") as fh:
         fh.write(str(os.getpid()))
-    time.sleep(1.0)  # several samples at the test's interval: the launcher knows the cgroup
+    while not os.path.exists(go):
+        time.sleep(0.02)
     held = []
     while True:
         held.append(b"x" * (8 << 20))
         time.sleep(0.01)
 
 
-def test_a_rank_the_oom_killer_ends_is_reported_as_out_of_memory(local_distributor, memory_cgroup, monkeypatch):
+def test_a_rank_the_oom_killer_ends_is_reported_as_out_of_memory(local_distributor, memory_cgroup, monkeypatch,
+                                                                  tmp_path):
     """Honest and real: the kernel's own OOM killer, in a memory cgroup of 256 MiB that the rank
-    joins (the test makes it; no limit of this package's).  The launcher samples every 0.1 s so
-    that it has seen the rank in its cgroup before the rank starts allocating."""
+    joins (the test makes it; no limit of this package's).  The rank starts allocating once a
+    sample of the launcher's has the cgroup's limit."""
     monkeypatch.setattr(timing, "SYSTEM_METRICS_INTERVAL", 0.1)
-    run = local_distributor(1).submit(allocate_until_killed, memory_cgroup)
+    run = local_distributor(1).submit(allocate_until_killed, memory_cgroup, str(tmp_path / "go"))
+    wait_until(lambda: run.state.snapshot().ranks[0].system.get("memory_limit_bytes") == 256 << 20, 60,
+               "a sample of the rank in its cgroup")
+    touch(str(tmp_path / "go"))
     with pytest.raises(RankFailure) as info:
         run.result(timeout=120)
     failure = info.value.failure
@@ -263,7 +274,11 @@ def test_a_local_run_has_each_rank_s_system_metrics_while_live_and_after(local_d
         system = live.ranks[r].system
         assert {"time", "cpu_percent", "rss_bytes", "host_memory_available_bytes",
                 "host_memory_total_bytes"} <= set(system)
-        assert run.state.ranks[r].system == system or run.state.ranks[r].system["time"] >= system["time"]
+    # sampling goes on while the rank lives: a later sample of each rank, with every field
+    wait_until(lambda: all(run.state.ranks[r].system["time"] > live.ranks[r].system["time"] for r in (0, 1)),
+               60, "a second sample of every rank")
+    for r in (0, 1):
+        assert set(live.ranks[r].system) <= set(run.state.ranks[r].system)
     touch(str(tmp_path / "go"))
     assert run.result(timeout=60) == 0
     for r in (0, 1):

@@ -258,6 +258,7 @@ def mib_of_sevens(mib):
 
 
 @pytest.mark.spark
+@pytest.mark.big_values
 @pytest.mark.parametrize("session", ["spark_local2", "spark_connect"])
 def test_a_512_mib_value_comes_back_from_spark_without_passing_through_it(session, request):
     """On the driver's machine the rank writes its value where the driver maps it: nothing goes
@@ -280,6 +281,7 @@ def test_a_small_value_through_sparks_own_result_path_still_loads():
 
 
 @pytest.mark.spark
+@pytest.mark.big_values
 @pytest.mark.parametrize("session", ["spark_local2", "spark_connect"])
 def test_a_512_mib_notebook_tensor_reaches_spark_tasks_through_the_file(session, request):
     request.getfixturevalue(session)

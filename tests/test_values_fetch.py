@@ -59,8 +59,8 @@ def test_the_copy_goes_to_shared_memory_where_it_takes_at_most_half_of_it():
 
     mine = f"torchdist-{os.geteuid()}"  # this user's private directory (privdir)
     assert values.host_copy_path("v", 1 << 50) == os.path.join(tempfile.gettempdir(), mine, "v")
-    if os.access(values.SHARED_MEMORY, os.W_OK):
-        assert values.host_copy_path("v", 1 << 20) == os.path.join(values.SHARED_MEMORY, mine, "v")
+    assert os.access(values.SHARED_MEMORY, os.W_OK), f"{values.SHARED_MEMORY} is not writable here"
+    assert values.host_copy_path("v", 1 << 20) == os.path.join(values.SHARED_MEMORY, mine, "v")
     folder = value_directory("torchdist-test-values-", 1 << 50)
     os.rmdir(folder)
     assert os.path.dirname(folder) == tempfile.gettempdir()
@@ -374,6 +374,7 @@ def one_fetch(run, size):
 
 
 @pytest.mark.spark
+@pytest.mark.big_values
 def test_a_512_mib_notebook_tensor_reaches_two_executors_fetched_once(spark_cluster, monkeypatch):
     """Two executors (JVMs of their own) on this machine: one fetch, both ranks map it."""
     from torchdist_magic.driver.capture import capture_cell

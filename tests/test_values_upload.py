@@ -310,6 +310,7 @@ def seven_for_rank_0(size):
 
 
 @pytest.mark.spark
+@pytest.mark.big_values
 def test_a_value_over_4_gib_comes_back_over_the_channel(spark_local2, monkeypatch):
     size = 4 * 2**30 + 2**29
     monkeypatch.setenv(VALUES_FETCH_ENV, "1")

@@ -487,30 +487,62 @@ def test_result_with_a_timeout_raises_its_own_timeout_error_and_the_run_goes_on(
 REPO = os.path.dirname(VIEW_DIR.rstrip(os.sep).rsplit(os.sep, 1)[0])
 
 
-def _repo_text(skip):
-    """Every Python file, notebook and Markdown page of the repository but ``skip``, joined."""
-    texts = []
-    for sub in ("torchdist_magic", "tests", "notebooks", "benchmarks", "docs", "README.md"):
+def _code_cells(path):
+    """The Python of a notebook's code cells: a cell magic's body without its ``%%`` line, IPython
+    syntax made Python; cells that are not Python even so are left out."""
+    import json
+
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    with open(path, encoding="utf-8") as fh:
+        cells = [c for c in json.load(fh)["cells"] if c["cell_type"] == "code"]
+    for c in cells:
+        source = "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+        if source.startswith("%%"):
+            source = source.partition("\n")[2]
+        yield TransformerManager().transform_cell(source)
+
+
+def _attribute_uses():
+    """Where each attribute name is used (``x.name``) in the code of the repository's Python
+    files and notebooks: ``{name: [(path, line), ...]}``; comments, docstrings and prose do not
+    count."""
+    uses = {}
+    for sub in ("torchdist_magic", "tests", "notebooks", "benchmarks"):
         top = os.path.join(REPO, sub)
-        paths = [top] if os.path.isfile(top) else [os.path.join(d, f) for d, _, fs in os.walk(top) for f in fs]
-        for path in paths:
-            if path.endswith((".py", ".ipynb", ".md")) and os.path.abspath(path) != os.path.abspath(skip):
+        for path in sorted(os.path.join(d, f) for d, _, fs in os.walk(top) for f in fs):
+            if path.endswith(".py"):
                 with open(path, encoding="utf-8") as fh:
-                    texts.append(fh.read())
-    return "\n".join(texts)
+                    sources = [fh.read()]
+            elif path.endswith(".ipynb"):
+                sources = list(_code_cells(path))
+            else:
+                continue
+            for source in sources:
+                try:
+                    tree = ast.parse(source)
+                except SyntaxError:
+                    continue
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.Attribute):
+                        uses.setdefault(node.attr, []).append((os.path.abspath(path), node.lineno))
+    return uses
 
 
 def test_every_public_method_of_the_run_state_module_is_used():
+    """Each is used in code: an attribute of that name outside its own body (a mention in a
+    comment, a docstring or the docs is no use)."""
     path = os.path.join(REPO, "torchdist_magic", "driver", "state.py")
     with open(path) as fh:
         source = fh.read()
-    elsewhere = _repo_text(path)
     tree = ast.parse(source)
+    uses = _attribute_uses()
     unused = []
     for cls in [n for n in tree.body if isinstance(n, ast.ClassDef)]:
         for fn in [n for n in cls.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]:
-            uses = len(re.findall(rf"\.{fn.name}\b", elsewhere)) + len(re.findall(rf"\.{fn.name}\b", source))
-            if not uses:
+            own_body = range(fn.lineno, fn.end_lineno + 1)
+            if not [(p, line) for p, line in uses.get(fn.name, [])
+                    if not (p == os.path.abspath(path) and line in own_body)]:
                 unused.append(f"{cls.name}.{fn.name}")
     assert unused == []
 

@@ -223,14 +223,18 @@ def _run_dirs():
 
 
 def test_an_idle_pool_stops_after_its_idle_timeout(local_distributor):
+    from torchdist_magic.backends.pool import _pools
+
     d = local_distributor(2, warm=True, pool_idle_timeout=1.0)
     d.run(kept_and_group)
     info, = pools()
+    pool = _pools[0]
     assert _run_dirs()
     # the timer's stop runs on its own thread: the pool stays listed (idle, then stopping) until
     # its ranks and its run directory are gone
     wait_until(lambda: pools() == [], 20, "the idle pool to stop")
     assert _stopped(info) and _run_dirs() == []
+    assert pool.stop_reason == "it had run nothing for 1 s (pool_idle_timeout)"
 
 
 def test_a_second_stop_returns_once_the_first_is_done(local_distributor):

@@ -1379,9 +1379,11 @@ def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: in
         try:
             return _handshake(address, secret, run_id, rank, role, context,
                               min(attempt + HANDSHAKE_DEADLINE, give_up), fetch, upload)
-        except (EOFError, ConnectionResetError, BrokenPipeError, TimeoutError, socket.timeout):  # 3.9: not the same
+        except (EOFError, ConnectionResetError, BrokenPipeError, TimeoutError, socket.timeout) as exc:  # 3.9: not the same
             wait = pause * random.uniform(0.5, 1.5)
             if time.monotonic() + wait >= give_up:
+                if isinstance(exc, (TimeoutError, socket.timeout)):  # a read's own says only "timed out"
+                    raise TimeoutError(f"no handshake within {HANDSHAKE_DEADLINE:g} s") from exc
                 raise
             time.sleep(wait)
             pause = min(2 * pause, _RETRY_PAUSE_MAX)

@@ -1,0 +1,293 @@
+"""Messages a user or a maintainer sees that no other test triggered: each is made to happen here,
+with the real parts (a rank's channel client against a driver that stalls, cuts or misbehaves, a
+warm pool, the magic), and its text checked."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from helpers import assert_no_survivors, wait_until
+from test_channel import StalledDriver
+from torchdist_magic.core import events
+from torchdist_magic.wire import channel, tls
+from torchdist_magic.wire.channel import ChannelClient
+
+
+# -- a rank's event channel ---------------------------------------------------------------------------
+def test_events_not_sent_within_the_close_wait_are_dropped_and_said(capfd):
+    driver = StalledDriver("s")  # accepts, never sends its challenge: the sender waits in the handshake
+    client = ChannelClient(driver.address, "s", "r", 3)
+    client.send(events.Started(rank=3, pid=3))
+    client.close(timeout=0.5)
+    driver.close()
+    err = capfd.readouterr().err
+    assert err == ("torchdist_magic: the events of rank 3 were not all sent within 0.5 s; the rest are "
+                   "dropped\n"), err
+
+
+def test_a_channel_the_driver_cuts_after_the_handshake_is_lost_and_said_once(capfd):
+    driver = StalledDriver("s")
+    client = ChannelClient(driver.address, "s", "r", 4)
+    client.send(events.Started(rank=4, pid=4))
+    conn = driver.handshake()
+    conn._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    conn._sock.close()  # a reset, as when the driver's process is killed
+    driver.close()
+
+    def lost():
+        client.send(events.Log(rank=4, line="x"))
+        return client._lost
+
+    wait_until(lost, 30, "the client to find its channel lost", interval=0.1)
+    client.close()
+    err = capfd.readouterr().err
+    assert err.count("torchdist_magic:") == 1, err
+    assert err.startswith("torchdist_magic: the event channel of rank 4 to the driver was lost ("), err
+    assert err.endswith("); its events are dropped from now on\n"), err
+
+
+def test_a_record_the_rank_cannot_handle_is_said_and_the_next_still_handled(capfd):
+    driver = StalledDriver("s")
+    handled = []
+
+    def on_message(record):
+        if not handled:
+            handled.append("failed")
+            raise RuntimeError("no debugger here")
+        handled.append(record.type)
+
+    client = ChannelClient(driver.address, "s", "r", 0, role="launcher", on_message=on_message)
+    conn = driver.handshake()
+    for _ in range(2):
+        conn.sendall(channel._frame({"events": [events.encode(events.Stop(rank=0))]}))
+    wait_until(lambda: len(handled) == 2, 30, "both records handled")
+    client.close()
+    conn.close()
+    driver.close()
+    assert handled == ["failed", "stop"]
+    err = capfd.readouterr().err
+    assert err == ("torchdist_magic: rank 0 could not handle 'stop' from the driver: "
+                   "RuntimeError('no debugger here')\n"), err
+
+
+def test_a_driver_that_never_answers_is_given_up_naming_the_handshake_deadline(capfd, monkeypatch):
+    monkeypatch.setattr(channel, "HANDSHAKE_DEADLINE", 0.2)
+    silent = socket.create_server(("127.0.0.1", 0))  # its backlog takes the connection; nobody answers
+    address = "127.0.0.1:%d" % silent.getsockname()[1]
+    client = ChannelClient(address, "s", "r", 2)
+    assert not client.reaches_driver(30)
+    client.close()
+    silent.close()
+    err = capfd.readouterr().err
+    assert err == (f"torchdist_magic: cannot reach the driver's event channel at {address} (no handshake "
+                   "within 0.2 s); events of rank 2 are dropped\n"), err
+
+
+def test_a_driver_that_closes_during_the_tls_handshake_is_given_up_saying_so(capfd, monkeypatch):
+    monkeypatch.setattr(channel, "HANDSHAKE_DEADLINE", 0.5)
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = "127.0.0.1:%d" % listener.getsockname()[1]
+    done = threading.Event()
+
+    def close_each():
+        listener.settimeout(0.1)
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            conn.settimeout(5)
+            try:
+                conn.recv(65536)  # the client's hello read: the close is an end, not a reset
+            except OSError:
+                pass
+            conn.close()
+
+    closer = threading.Thread(target=close_each)
+    closer.start()
+    try:
+        client = ChannelClient(address, "s", "r", 1, certificate=tls.new_identity().certificate)
+        assert not client.reaches_driver(30)
+        client.close()
+    finally:
+        done.set()
+        closer.join()
+        listener.close()
+    err = capfd.readouterr().err
+    assert err == (f"torchdist_magic: cannot reach the driver's event channel at {address} (connection "
+                   "closed during the TLS handshake); events of rank 1 are dropped\n"), err
+
+
+# -- warm pools ---------------------------------------------------------------------------------------
+def say_then_sleep():
+    print("sleeping", flush=True)
+    time.sleep(600)
+
+
+def test_a_warm_run_stopped_mid_job_ends_its_pool_and_says_the_next_starts_a_fresh_one(local_distributor):
+    from torchdist_magic.backends.pool import pools
+
+    run = local_distributor(2, warm=True).submit(say_then_sleep)
+    wait_until(lambda: all("sleeping" in run.logs(r) for r in (0, 1)), 60, "both ranks in the job")
+    (info,) = pools()
+    run.cancel()
+    run.wait(60)
+    assert (f"[torchdist] warm {info.id} stopped (ranks 0, 1 were still in the job); the next warm run "
+            "starts a fresh pool") in run.logs(0)
+    wait_until(lambda: pools() == [], 30, "the pool to stop")
+    assert_no_survivors(run)
+
+
+def test_pool_stop_says_which_pools_it_stopped_or_that_none_ran(ip, capsys, local_distributor):
+    from torchdist_magic.backends.pool import pools
+
+    ip.run_line_magic("torchdist_pool", "stop")
+    assert capsys.readouterr().out == "no warm pool was running\n"
+    local_distributor(2, warm=True).run(time.time)
+    (info,) = pools()
+    ip.run_line_magic("torchdist_pool", "stop")
+    assert capsys.readouterr().out == f"stopped {info.id}\n"
+    assert pools() == []
+
+
+# -- capture -------------------------------------------------------------------------------------------
+def test_notebook_values_that_fail_only_together_are_said_as_a_whole():
+    from torchdist_magic.driver.capture import _unpicklable_message
+
+    # each value alone pickles: the error names no one of them
+    assert _unpicklable_message({"a": 1, "b": [2]}, RecursionError("maximum recursion depth exceeded")) == (
+        "the cell's notebook values cannot be sent to the ranks: maximum recursion depth exceeded")
+
+
+# -- a rank's process and its launcher ------------------------------------------------------------------
+def say_how_it_was_stopped(marks):
+    import os
+
+    from torchdist_magic import RankStopped
+
+    try:
+        print("up", flush=True)
+        time.sleep(600)
+    except RankStopped as exc:  # what a job that cleans up on a stop is told
+        print(f"stopped: {exc}", flush=True)
+        open(os.path.join(marks, "said"), "w").close()
+        raise
+
+
+def test_a_rank_stopped_by_its_run_is_told_so(local_distributor, tmp_path):
+    run = local_distributor(1).submit(say_how_it_was_stopped, str(tmp_path))
+    wait_until(lambda: "up" in run.logs(0), 60, "the rank to be up")
+    run.cancel()
+    run.wait(60)
+    assert (tmp_path / "said").exists()
+    assert "stopped: the run stopped this rank (SIGTERM)" in run.logs(0)
+    assert_no_survivors(run)
+
+
+def test_a_failed_system_sample_is_logged_and_the_run_goes_on(local_distributor, monkeypatch, caplog):
+    from torchdist_magic.launch import sysmetrics
+
+    def broken(self):
+        raise RuntimeError("no /proc here")
+
+    monkeypatch.setattr(sysmetrics.RankSampler, "sample", broken)
+    with caplog.at_level("ERROR", logger="torchdist_magic.launch.launcher"):
+        run = local_distributor(1).submit(time.time)
+        run.result(timeout=60)
+    failed = [r for r in caplog.records if r.getMessage() == "rank 0: sampling its system metrics failed"]
+    assert failed and failed[0].exc_info[1].args == ("no /proc here",)
+    assert_no_survivors(run)
+
+
+def test_a_failure_to_end_what_a_rank_left_is_logged_and_its_exit_still_reported(local_distributor, monkeypatch,
+                                                                              caplog):
+    from torchdist_magic.launch import launcher
+
+    def broken(*args, **kwargs):
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(launcher, "end_marked_processes", broken)
+    with caplog.at_level("ERROR", logger="torchdist_magic.launch.launcher"):
+        run = local_distributor(1).submit(time.time)
+        assert run.result(timeout=60) > 0
+    (failed,) = [r for r in caplog.records if "left running" in r.getMessage()]
+    assert failed.getMessage() == "rank 0: ending the processes it left running failed"
+    assert str(failed.exc_info[1]) == "no /proc here"
+    assert_no_survivors(run)
+
+
+# -- the driver's event channel ---------------------------------------------------------------------------
+def test_a_channel_whose_thread_is_held_past_its_close_is_left_behind_and_said(monkeypatch, caplog):
+    from test_channel import worker
+    from torchdist_magic.wire.channel import ChannelServer, new_secret
+
+    monkeypatch.setattr(channel, "CHANNEL_CLOSE_WAIT", 0.2)
+    monkeypatch.setattr(channel, "CHANNEL_THREAD_WAIT", 0.2)
+    release, delivering = threading.Event(), threading.Event()
+
+    def on_event(record):  # a view that holds the channel's thread (it must not, and is not waited for)
+        delivering.set()
+        release.wait(60)
+
+    server = ChannelServer(on_event, "run-1", secret=new_secret(), launcher_secret=new_secret())
+    server.cert = None
+    client = worker(server)
+    client.send(events.Started(rank=0, pid=1))
+    client.close()
+    assert delivering.wait(30)
+    with caplog.at_level("WARNING", logger="torchdist_magic.wire.channel"):
+        server.close()
+    release.set()
+    server._thread.join(30)
+    assert [r.getMessage() for r in caplog.records] == [
+        "run run-1: the event channel's thread was still delivering a record 0.4 s after close; left behind"]
+
+
+# -- Spark ---------------------------------------------------------------------------------------------
+@pytest.mark.spark
+def test_a_chosen_interpreter_the_executors_cannot_start_is_refused_saying_so(spark_local2, monkeypatch, tmp_path):
+    from torchdist_magic import Distributor
+    from torchdist_magic.backends import spark_python
+    from torchdist_magic.driver.distributor import last_run
+
+    missing = str(tmp_path / "no-python")
+    monkeypatch.setenv("PYSPARK_PYTHON", missing)
+    monkeypatch.setattr(spark_python, "_chosen", {})
+    before = last_run()
+    with pytest.raises(spark_python.InterpreterMismatch) as info:
+        Distributor(2, local_mode=False, show=None).submit(time.time)
+    text = str(info.value)
+    assert f"with the interpreter you chose ({missing})" in text, text
+    assert "\n  executors: Python did not start: " in text and missing in text, text
+    assert last_run() is before
+
+
+
+# -- a rank's value, sent to the driver ------------------------------------------------------------------
+def test_a_driver_that_ends_the_upload_before_the_value_began_fails_the_sending(tmp_path):
+    from torchdist_magic.core import values
+    from torchdist_magic.core.rankenv import RunSpec, rank_key
+    from torchdist_magic.launch import valueupload
+    from torchdist_magic.wire.channel import new_secret
+
+    launcher_secret = new_secret()
+    driver = StalledDriver(rank_key(launcher_secret, "launcher", 0))
+    spec = RunSpec("r", 1, False, False, {}, None, channel_address=driver.address, secret=new_secret(),
+                   launcher_secret=launcher_secret)
+    path = str(tmp_path / "result.pkl")
+    values.dump({"a": 1}, path)
+    size = f"{os.path.getsize(path) / 2**20:.1f} MiB"
+    ended = threading.Thread(target=lambda: driver.handshake()._sock.close())  # accepted, then gone
+    ended.start()
+    with pytest.raises(valueupload.ValueNotSent) as info:
+        valueupload.send(spec, path, 0)
+    ended.join()
+    driver.close()
+    assert str(info.value) == (f"rank 0 could not send its value ({size}) from {socket.gethostname()} to the "
+                               f"driver at {driver.address}: the connection ended before the value began "
+                               "(connection closed)"), str(info.value)
