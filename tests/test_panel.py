@@ -68,7 +68,7 @@ def test_control_kinds_follow_the_field_metadata(panel):
                      "pool_idle_timeout": widgets.Text, "pdb": widgets.Checkbox,
                      "debug_idle_timeout": widgets.Text, "tls": widgets.Dropdown,
                      "system_metrics": widgets.Checkbox, "profile": widgets.IntText,
-                     "mlflow": widgets.Checkbox, "preflight": widgets.Checkbox}
+                     "mlflow": widgets.Checkbox, "preflight": widgets.Checkbox, "detach": widgets.Checkbox}
     backend = next(f for f in option_fields() if f.name == "backend")
     assert panel.controls["backend"].options == tuple(backend.metadata["choices"])
     assert panel.options() == LaunchOptions()

@@ -1,0 +1,285 @@
+"""A detached run's supervising process (``--detach``): it owns the run (its channel, state,
+restarts, watchdog, timeout, MLflow) outside the notebook's kernel, so the run goes on when the
+kernel dies, restarts or shuts down.
+
+The kernel (``start_detached``) writes into the run's private record directory (``history``)
+what the supervising process needs (the job as the ranks read it, the options, a token), starts
+``python -m torchdist_magic.driver.supervisor DIRECTORY`` in a session of its own, and returns
+once the run has started (or raises what refused it).  The supervising process then writes:
+
+- ``journal.jsonl``: every record the run's state took, one ``events`` JSON record a line, from
+  which any kernel rebuilds the run's state (``attach``); at most ``JOURNAL_MAX_BYTES``, past
+  which records are not journaled and ``journal-full`` says so;
+- ``value.blob``: rank 0's value (``core.values``' format), when the run succeeded;
+- ``done``: once the journal, the value and the record are complete.
+
+Its control socket (a Unix socket in this user's private directory of the temporary directory,
+named in the record) takes one ``events.StopRun`` a connection, from a process of this user
+(its peer's uid is checked) that knows the run's token; anything else is refused.  SIGTERM,
+SIGINT or SIGHUP to the supervising process stop the run too.  When it ends, however it ends,
+its ranks end with it (a local rank watches its launcher, which is this process).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import queue
+import secrets
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any, Optional
+
+from ..core import events
+from ..core import values as value_blobs
+from ..core.options import LaunchOptions
+from ..core.privdir import open_private, user_directory
+from .history import RunRecord, options_json, read_record, record_directory, write_private
+
+JOB_FILE = "job.bin"
+OPTIONS_FILE = "options.json"
+TOKEN_FILE = "token"
+JOURNAL_FILE = "journal.jsonl"
+JOURNAL_FULL_FILE = "journal-full"
+VALUE_FILE = "value.blob"
+READY_FILE = "ready"
+REFUSED_FILE = "refused"
+DONE_FILE = "done"
+LOG_FILE = "supervisor.log"
+#: a journal holds at most this much; the rest of the run is in its record (state, logs' tails)
+JOURNAL_MAX_BYTES = 1 << 30
+#: how long ``start_detached`` waits for the supervising process to start the run
+START_WAIT = 120.0
+#: a control request's largest size
+REQUEST_MAX_BYTES = 4096
+
+NOT_LOCAL = ("--detach runs on local processes only for now: a run on Spark is started by a session of "
+             "this kernel's, which a process of its own cannot share; run it without --detach/detach=True, "
+             "or on local processes (--local)")
+NO_DATA = ("--detach cannot train on a DataFrame (--data): its ranks would read the data from this "
+           "kernel; run it without --detach/detach=True")
+
+
+def control_path(run_id: str) -> str:
+    """Where run ``run_id``'s control socket listens: in this user's private directory of the
+    temporary directory (a Unix socket's path must stay short)."""
+    return os.path.join(user_directory(tempfile.gettempdir()), f"ctl-{run_id}.sock")
+
+
+def check_detachable(options: LaunchOptions, backend_kind: str, data: Any = None) -> None:
+    """``ValueError`` saying why a run with ``options`` cannot be detached here, before anything
+    starts; ``backend_kind`` is ``local`` or ``spark`` (what ``auto`` resolves to)."""
+    if data is not None:
+        raise ValueError(NO_DATA)
+    if backend_kind != "local":
+        raise ValueError(NOT_LOCAL)
+
+
+def start_detached(job: Any, options: LaunchOptions) -> str:
+    """Start ``job`` as a detached run and return its id once its supervising process has
+    started it; ``ValueError`` with what refused it otherwise."""
+    run_id = f"{time.strftime('%m%d%H%M')}-{uuid.uuid4().hex[:8]}"
+    directory = record_directory(run_id)
+    fd = open_private(os.path.join(directory, JOB_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(value_blobs.pickle_for_ranks(job))
+    write_private(os.path.join(directory, OPTIONS_FILE), json.dumps(options_json(options.replace(detach=False))))
+    write_private(os.path.join(directory, TOKEN_FILE), secrets.token_hex(32))
+    record = RunRecord(run_id=run_id, state="running", started=time.time(), job_name=job.name,
+                       options=options_json(options), backend="local processes",
+                       num_processes=options.num_processes, detached=True, host=os.uname().nodename,
+                       control=control_path(run_id), directory=directory)
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH", "")]))
+    log = open_private(os.path.join(directory, LOG_FILE), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        # a session of its own: a kernel's end (its process group signalled) does not reach it
+        process = subprocess.Popen([sys.executable, "-m", "torchdist_magic.driver.supervisor", directory],
+                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                                   start_new_session=True, close_fds=True)
+    finally:
+        os.close(log)
+    record.pid = process.pid
+    record.save()
+    # reaped here while this process lives (no zombie left); when it dies, init adopts it
+    threading.Thread(target=process.wait, name=f"torchdist-supervisor-{run_id}", daemon=True).start()
+    deadline = time.monotonic() + START_WAIT
+    while not os.path.exists(os.path.join(directory, READY_FILE)):
+        refused = os.path.join(directory, REFUSED_FILE)
+        if os.path.exists(refused):
+            with open(refused, encoding="utf-8") as fh:
+                raise ValueError(fh.read())
+        if process.poll() is not None or time.monotonic() > deadline:
+            if process.poll() is None:
+                process.kill()
+            raise RuntimeError(f"the supervising process of detached run {run_id} did not start it "
+                               f"(exit code {process.poll()}); its output is in "
+                               f"{os.path.join(directory, LOG_FILE)}:\n{_tail(directory)}")
+        time.sleep(0.01)
+    return run_id
+
+
+def _tail(directory: str, chars: int = 2000) -> str:
+    try:
+        with open(os.path.join(directory, LOG_FILE), encoding="utf-8", errors="replace") as fh:
+            return fh.read()[-chars:]
+    except OSError:
+        return ""
+
+
+class Journal:
+    """Records of the run's state into ``journal.jsonl``, written by a thread of its own: ``put``
+    (the state's listener) returns at once."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._queue: "queue.SimpleQueue[Optional[events.Event]]" = queue.SimpleQueue()
+        fd = open_private(os.path.join(directory, JOURNAL_FILE), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        self._file = os.fdopen(fd, "w", encoding="utf-8")
+        self._size = 0
+        self._full = False
+        self._thread = threading.Thread(target=self._write, name="torchdist-journal", daemon=True)
+        self._thread.start()
+
+    def put(self, record: events.Event) -> None:
+        self._queue.put(record)
+
+    def _write(self) -> None:
+        while True:
+            record = self._queue.get()
+            lines = []
+            while record is not None:
+                lines.append(events.dumps(record) + "\n")
+                try:
+                    record = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            text = "".join(lines)
+            if not self._full and self._size + len(text) <= JOURNAL_MAX_BYTES:
+                self._file.write(text)
+                self._file.flush()
+                self._size += len(text)
+            elif not self._full:
+                self._full = True
+                write_private(os.path.join(self.directory, JOURNAL_FULL_FILE),
+                              f"the journal reached {JOURNAL_MAX_BYTES} bytes; later records are in the "
+                              "run's record only (its state, the tails of its logs)")
+            if record is None:
+                self._file.close()
+                return
+
+    def close(self) -> None:
+        """Write what is queued and close the file."""
+        self._queue.put(None)
+        self._thread.join()
+
+
+class ControlServer:
+    """The control socket: one ``StopRun`` a connection, from this user with the run's token."""
+
+    def __init__(self, path: str, token: str, stop):
+        self.path = path
+        self._token = token
+        self._stop = stop
+        if os.path.lexists(path):
+            os.unlink(path)
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._socket.bind(path)
+        os.chmod(path, 0o600)
+        self._socket.listen(8)
+        self._thread = threading.Thread(target=self._serve, name="torchdist-control", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._socket.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                conn.settimeout(5.0)
+                try:
+                    conn.sendall(b"ok\n" if self._handle(conn) else b"refused\n")
+                except OSError:
+                    pass
+
+    def _handle(self, conn: socket.socket) -> bool:
+        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+        if uid != os.geteuid():
+            return False
+        data = b""
+        while not data.endswith(b"\n") and len(data) < REQUEST_MAX_BYTES:
+            chunk = conn.recv(REQUEST_MAX_BYTES)
+            if not chunk:
+                break
+            data += chunk
+        try:
+            record = events.loads(data)
+        except events.MalformedEvent:
+            return False
+        if type(record) not in events.SENDERS["kernel"] or not hmac.compare_digest(record.token, self._token):
+            return False
+        self._stop(record.by or "%torchdist stop")
+        return True
+
+    def close(self) -> None:
+        self._socket.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def supervise(directory: str) -> int:
+    """The supervising process's work: start the run, serve its control socket, keep its
+    journal, value and record until it ends.  The exit code: 0 once the run ended, whatever its
+    outcome; 2 when it was refused before it started (``refused`` says why)."""
+    import cloudpickle
+
+    from .distributor import submit
+
+    run_id = os.path.basename(directory.rstrip(os.sep))
+    record = read_record(run_id)
+    with open(os.path.join(directory, OPTIONS_FILE), encoding="utf-8") as fh:
+        options = LaunchOptions(**json.load(fh))
+    with open(os.path.join(directory, TOKEN_FILE), encoding="utf-8") as fh:
+        token = fh.read().strip()
+    with open(os.path.join(directory, JOB_FILE), "rb") as fh:
+        job = cloudpickle.load(fh)
+    journal = Journal(directory)
+    try:
+        run = submit(job, (), {}, options, run_id=run_id, listener=journal.put)
+    except (TypeError, ValueError) as exc:
+        journal.close()
+        write_private(os.path.join(directory, REFUSED_FILE), str(exc))
+        return 2
+    control = ControlServer(record.control, token, lambda by: run.cancel(by=by))
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: run.cancel(by=f"{signal.Signals(signum).name} to its supervising process"))
+    write_private(os.path.join(directory, READY_FILE), str(os.getpid()))
+    try:
+        while not run.wait(0.5):
+            pass
+        has_value = False
+        if run.exception is None:
+            value_blobs.dump(run.result(), os.path.join(directory, VALUE_FILE))
+            has_value = True
+        journal.close()
+        run.record.end(has_value=has_value)
+    finally:
+        control.close()
+        write_private(os.path.join(directory, DONE_FILE), run.state.state)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(supervise(sys.argv[1]))
