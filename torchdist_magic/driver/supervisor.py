@@ -68,10 +68,19 @@ NO_DATA = ("--detach cannot train on a DataFrame (--data): its ranks would read 
            "kernel; run it without --detach/detach=True")
 
 
+#: the longest path a Unix socket may have (108 bytes on Linux, with its terminating NUL)
+SOCKET_PATH_MAX = 107
+
+
 def control_path(run_id: str) -> str:
     """Where run ``run_id``'s control socket listens: in this user's private directory of the
-    temporary directory (a Unix socket's path must stay short)."""
-    return os.path.join(user_directory(tempfile.gettempdir()), f"ctl-{run_id}.sock")
+    temporary directory, or of ``/tmp`` where that path would be too long for a Unix socket."""
+    for parent in (tempfile.gettempdir(), "/tmp"):
+        path = os.path.join(user_directory(parent), f"ctl-{run_id}.sock")
+        if len(os.fsencode(path)) <= SOCKET_PATH_MAX:
+            return path
+    raise ValueError(f"no place for run {run_id}'s control socket: {path} is longer than a Unix socket's path "
+                     f"may be ({SOCKET_PATH_MAX} bytes)")
 
 
 def check_detachable(options: LaunchOptions, backend_kind: str, data: Any = None) -> None:
@@ -256,15 +265,28 @@ def supervise(directory: str) -> int:
     with open(os.path.join(directory, JOB_FILE), "rb") as fh:
         job = cloudpickle.load(fh)
     journal = Journal(directory)
+    cancel = threading.Event()  # a stop asked for before the run's handle exists
+    run = None
+
+    def stop(by: str) -> None:
+        cancel.set()
+        if run is not None:
+            run.cancel(by=by)
+
+    control = ControlServer(record.control, token, stop)
     try:
         run = submit(job, (), {}, options, run_id=run_id, listener=journal.put)
     except (TypeError, ValueError) as exc:
+        control.close()
         journal.close()
+        record.state, record.failure, record.ended = "failed", str(exc), time.time()
+        record.save()
         write_private(os.path.join(directory, REFUSED_FILE), str(exc))
         return 2
-    control = ControlServer(record.control, token, lambda by: run.cancel(by=by))
+    if cancel.is_set():
+        run.cancel(by="%torchdist stop")
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, frame: run.cancel(by=f"{signal.Signals(signum).name} to its supervising process"))
+        signal.signal(sig, lambda signum, frame: stop(f"{signal.Signals(signum).name} to its supervising process"))
     write_private(os.path.join(directory, READY_FILE), str(os.getpid()))
     try:
         while not run.wait(0.5):

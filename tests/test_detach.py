@@ -1,0 +1,230 @@
+"""Detached runs (driver/supervisor.py, driver/attach.py): a run under a supervising process of
+its own, its handle from any process (``attach``), ``stop`` by id, its record; real processes,
+real sockets.  The kernel tests (a kernel killed with SIGKILL) are in test_detach_kernel.py."""
+
+import os
+import signal
+import socket
+
+import pytest
+
+import torchdist_magic
+from torchdist_magic import Distributor, RankFailure, RunCancelled
+from torchdist_magic.core import events
+from torchdist_magic.driver import attach as attaching
+from torchdist_magic.driver import history, supervisor
+
+from helpers import alive, pids_of_run, touch, wait_until
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv(history.HOME_ENV, str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def assert_nothing_survives(handle):
+    """Neither the supervising process nor any rank of the detached run is alive."""
+    wait_until(lambda: not alive(handle.record.pid) and not pids_of_run(handle.run_id), 30,
+               f"run {handle.run_id}'s supervising process and ranks to end")
+
+
+def prints_then_returns(marker):
+    import os
+    import time
+
+    from torchdist_magic import rank
+
+    print(f"rank {rank()} started", flush=True)
+    while not os.path.exists(marker):
+        time.sleep(0.05)
+    print(f"rank {rank()} went on", flush=True)
+    return {"rank": rank(), "value": 42}
+
+
+def sleeps():
+    import time
+
+    print("sleeping", flush=True)
+    time.sleep(600)
+
+
+def raises_on_rank_1():
+    from torchdist_magic import rank
+
+    if rank() == 1:
+        raise KeyError("no such shard")
+    return 1
+
+
+def detached(np=2, **options):
+    return Distributor(num_processes=np, show=None, detach=True, **options)
+
+
+def test_a_detached_run_returns_at_once_and_any_handle_gets_its_value_and_lines(home, tmp_path):
+    marker = str(tmp_path / "go")
+    handle = detached().run(prints_then_returns, marker)
+    assert isinstance(handle, attaching.AttachedRun) and not handle.done()
+    assert handle.record.detached and handle.record.pid != os.getpid()
+    wait_until(lambda: "rank 1 started" in handle.logs(1), 60, "rank 1's first line")
+    [record] = torchdist_magic.runs()
+    assert record.run_id == handle.run_id and record.state == "running" and record.detached
+    touch(marker)
+    assert handle.result(60) == {"rank": 0, "value": 42}
+    later = torchdist_magic.attach(handle.run_id)  # after the end: everything is there
+    assert later.result(10) == {"rank": 0, "value": 42}
+    assert later.logs(1) == "rank 1 started\nrank 1 went on\n"
+    record = history.read_record(handle.run_id)
+    assert record.state == "succeeded" and record.has_value and record.pid == handle.record.pid
+    assert record.log(0) == "rank 0 started\nrank 0 went on\n"
+    assert_nothing_survives(handle)
+
+
+def test_stop_by_id_ends_every_rank_and_the_record_says_cancelled(home):
+    handle = detached().submit(sleeps)
+    wait_until(lambda: "sleeping" in handle.logs(1), 60, "rank 1 to sleep")
+    ranks = pids_of_run(handle.run_id)
+    assert len(ranks) >= 2
+    assert torchdist_magic.stop(handle.run_id, by="a test") is True
+    with pytest.raises(RunCancelled, match="stopped by a test"):
+        handle.result(60)
+    record = history.read_record(handle.run_id)
+    assert record.state == "cancelled" and record.failure == "stopped by a test; every rank was stopped"
+    assert torchdist_magic.stop(handle.run_id) is False  # it had ended
+    assert_nothing_survives(handle)
+    assert not [p for p in ranks if alive(p)]
+
+
+def test_a_detached_run_that_fails_leaves_its_failure_in_the_record(home):
+    handle = detached().submit(raises_on_rank_1)
+    with pytest.raises(RankFailure, match="no such shard") as failure:
+        handle.result(60)
+    assert failure.value.rank == 1 and "raises_on_rank_1" in failure.value.traceback
+    record = history.read_record(handle.run_id)
+    assert record.state == "failed" and record.root_cause.rank == 1 and "KeyError" in record.failure
+    assert not record.has_value
+    assert_nothing_survives(handle)
+
+
+def test_a_killed_supervising_process_takes_its_ranks_and_the_handle_says_so(home):
+    handle = detached().submit(sleeps)
+    wait_until(lambda: "sleeping" in handle.logs(1), 60, "rank 1 to sleep")
+    os.kill(handle.record.pid, signal.SIGKILL)
+    with pytest.raises(attaching.RunLost, match=f"the supervising process of detached run {handle.run_id} "
+                                                 r"\(pid \d+\) ended before the run did"):
+        handle.result(60)
+    assert history.read_record(handle.run_id).failure == (
+        f"its supervising process (pid {handle.record.pid}) ended before the run did")
+    assert_nothing_survives(handle)
+
+
+def test_sigterm_to_the_supervising_process_stops_the_run(home):
+    handle = detached(np=1).submit(sleeps)
+    wait_until(lambda: "sleeping" in handle.logs(0), 60, "rank 0 to sleep")
+    os.kill(handle.record.pid, signal.SIGTERM)
+    with pytest.raises(RunCancelled, match="stopped by SIGTERM to its supervising process"):
+        handle.result(60)
+    assert_nothing_survives(handle)
+
+
+def test_the_control_socket_takes_only_a_stop_with_the_runs_token(home):
+    handle = detached(np=1).submit(sleeps)
+    try:
+        wait_until(lambda: "sleeping" in handle.logs(0), 60, "rank 0 to sleep")
+        path = handle.record.control
+        assert os.stat(os.path.dirname(path)).st_mode & 0o077 == 0  # in a private directory
+
+        def ask(payload: bytes) -> bytes:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.connect(path)
+                conn.sendall(payload)
+                return conn.recv(64)
+
+        assert ask(events.dumps(events.StopRun(rank=-1, token="0" * 64, by="a guess")).encode() + b"\n") == b"refused\n"
+        assert ask(b'{"type": "stop", "rank": 0, "grace": 1.0}\n') == b"refused\n"  # not a kernel's record
+        assert ask(b"not json\n") == b"refused\n"
+        with open(os.path.join(handle.directory, supervisor.TOKEN_FILE), "w") as fh:
+            fh.write("f" * 64)
+        with pytest.raises(PermissionError, match="refused the request to stop it"):
+            torchdist_magic.stop(handle.run_id)
+        assert not handle.done()
+    finally:
+        os.kill(handle.record.pid, signal.SIGTERM)
+        handle.wait(60)
+    assert_nothing_survives(handle)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"warm": True}, "detach runs under a process of its own, and a warm pool's ranks belong to this kernel"),
+    ({"pdb": True}, "pdb holds a failing rank for a debugger in the cell, and a detached run has no cell"),
+    ({"backend": "spark"}, "--detach runs on local processes only for now"),
+])
+def test_what_cannot_be_detached_is_refused_before_anything_starts(home, options, message):
+    with pytest.raises(ValueError, match=message):
+        detached(np=1, **{k: v for k, v in options.items() if k != "backend"},
+                 **({"local_mode": False} if "backend" in options else {})).submit(sleeps)
+    assert torchdist_magic.runs() == []
+
+
+def test_a_detached_run_cannot_train_on_a_dataframe(home):
+    pandas = pytest.importorskip("pandas")
+    with pytest.raises(ValueError, match="--detach cannot train on a DataFrame"):
+        detached(np=1).train_on_dataframe(sleeps, pandas.DataFrame({"x": [1.0, 2.0]}))
+
+
+def test_what_the_supervising_process_refuses_is_raised_here(home):
+    # the supervising process checks the placement (this machine has fewer GPUs than ranks)
+    with pytest.raises(ValueError, match="(?i)gpu") as refused:
+        detached(np=64, use_gpu=True).submit(sleeps)
+    [record] = torchdist_magic.runs()
+    assert record.state == "failed" and record.failure == str(refused.value)
+    wait_until(lambda: not alive(record.pid), 30, "the supervising process to exit")
+
+
+def test_attach_refuses_a_run_that_was_not_detached_and_an_unknown_id(home):
+    run = Distributor(num_processes=1, show=None).submit(raises_on_rank_1)
+    run.wait(60)
+    with pytest.raises(ValueError, match=f"run {run.run_id} was not detached: it ran in the kernel"):
+        torchdist_magic.attach(run.run_id)
+    with pytest.raises(KeyError, match="no run 'nope'"):
+        torchdist_magic.attach("nope")
+
+
+def test_a_detached_run_cannot_be_profiled_from_an_attached_kernel(home):
+    handle = detached(np=1).submit(raises_on_rank_1)
+    handle.wait(60)
+    with pytest.raises(ValueError, match="its ranks can be profiled from the start only"):
+        handle.start_profile(5)
+
+
+def test_the_magic_detaches_attaches_and_stops(home, ip, capsys, tmp_path):
+    from IPython.core.error import UsageError
+
+    from helpers import cell
+
+    marker = tmp_path / "go"
+    ip.user_ns["marker"] = str(marker)
+    cell(ip, """
+        %%torchdist --np 2 --local --detach
+        import os, time
+        print("waiting", flush=True)
+        while not os.path.exists(marker):
+            time.sleep(0.05)
+        rank * 10 + 5
+    """)
+    handle = ip.user_ns["_torchdist_run"]
+    out = capsys.readouterr().out
+    assert f"torchdist: detached run {handle.run_id} started (np=2)" in out
+    touch(str(marker))
+    assert ip.run_line_magic("torchdist", f"attach {handle.run_id}") == 5
+    assert "waiting" in handle.logs(1)
+    ip.run_line_magic("torchdist", f"stop {handle.run_id}")
+    assert capsys.readouterr().out.endswith(f"torchdist: run {handle.run_id} had ended already\n")
+    with pytest.raises(UsageError, match="%torchdist attach needs a run id"):
+        ip.run_line_magic("torchdist", "attach")
+    with pytest.raises(UsageError, match="no run 'nope'"):
+        ip.run_line_magic("torchdist", "attach nope")
+    with pytest.raises(UsageError, match="--detach runs on local processes only for now"):
+        cell(ip, "%%torchdist --np 1 --spark --detach\n1").raise_error()
+    assert_nothing_survives(handle)
+
