@@ -158,13 +158,13 @@ class RunRecord:
         took = f"{(self.ended or time.time()) - self.started:8.1f}s"
         what = "detached" if self.detached else ""
         return (f"{self.run_id:<22} {self.state:<10} {started}  {took}  np={self.num_processes:<4} "
-                f"{self.backend:<14.14} {what:<8} {self.job_name:<18.18} {self.failure:.60}").rstrip()
+                f"{self.backend:<24.24} {what:<8} {self.job_name:<18.18} {self.failure:.60}").rstrip()
 
     def __repr__(self) -> str:
         return f"<torchdist RunRecord {self.run_id} {self.state}{' (detached)' if self.detached else ''}>"
 
 
-HEADER = f"{'run id':<22} {'state':<10} {'started':<19}  {'took':>9}  {'np':<7} {'backend':<14} {'':<8} {'job':<18} why"
+HEADER = f"{'run id':<22} {'state':<10} {'started':<19}  {'took':>9}  {'np':<7} {'backend':<24} {'':<8} {'job':<18} why"
 
 
 def write_private(path: str, text: str) -> None:
