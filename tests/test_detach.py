@@ -157,7 +157,7 @@ def test_the_control_socket_takes_only_a_stop_with_the_runs_token(home):
 @pytest.mark.parametrize("options, message", [
     ({"warm": True}, "detach runs under a process of its own, and a warm pool's ranks belong to this kernel"),
     ({"pdb": True}, "pdb holds a failing rank for a debugger in the cell, and a detached run has no cell"),
-    ({"backend": "spark"}, "--detach runs on local processes only for now"),
+    ({"backend": "spark"}, "runs on the active SparkSession \\(classic or Spark Connect\\), and this process has none"),
 ])
 def test_what_cannot_be_detached_is_refused_before_anything_starts(home, options, message):
     with pytest.raises(ValueError, match=message):
@@ -224,7 +224,46 @@ def test_the_magic_detaches_attaches_and_stops(home, ip, capsys, tmp_path):
         ip.run_line_magic("torchdist", "attach")
     with pytest.raises(UsageError, match="no run 'nope'"):
         ip.run_line_magic("torchdist", "attach nope")
-    with pytest.raises(UsageError, match="--detach runs on local processes only for now"):
+    with pytest.raises(UsageError, match="and this process has none"):
         cell(ip, "%%torchdist --np 1 --spark --detach\n1").raise_error()
     assert_nothing_survives(handle)
 
+
+
+# -- Spark: the supervising process opens a session of its own on the same cluster ----------------
+
+def spark_job():
+    from torchdist_magic import rank
+
+    print(f"rank {rank()} on Spark", flush=True)
+    return rank() + 40
+
+
+@pytest.mark.spark
+def test_a_detached_run_on_classic_local2(home, spark_local2):
+    handle = detached(local_mode=False).submit(spark_job)
+    assert handle.result(240) == 40
+    assert handle.logs(1) == "rank 1 on Spark\n"
+    record = history.read_record(handle.run_id)
+    assert record.state == "succeeded" and record.detached and record.backend.startswith("Spark")
+    assert not os.path.exists(os.path.join(handle.directory, supervisor.SPARK_FILE))
+    assert_nothing_survives(handle)
+
+
+@pytest.mark.spark
+def test_a_detached_run_on_spark_connect_uses_the_same_remote(home, spark_connect):
+    target = supervisor.spark_target(spark_connect)
+    assert target["kind"] == "connect" and target["remote"].startswith("sc://") and "session_id" not in target["remote"]
+    handle = detached(local_mode=False).submit(spark_job)
+    assert handle.result(240) == 40
+    assert "rank 0 on Spark" in handle.logs(0)
+    assert history.read_record(handle.run_id).state == "succeeded"
+    assert_nothing_survives(handle)
+
+
+@pytest.mark.spark
+def test_classic_spark_whose_context_belongs_to_the_notebook_is_refused(home, spark_local2, monkeypatch):
+    monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "15.4")
+    with pytest.raises(ValueError, match="this cluster's one SparkContext belongs to the notebook .*Spark Connect"):
+        detached(local_mode=False).submit(spark_job)
+    assert torchdist_magic.runs() == []

@@ -262,7 +262,8 @@ class LaunchOptions:
             "run under a supervising process of its own, outside this kernel: the cell returns at once "
             "with the run's handle, and the run goes on if the kernel dies, restarts or shuts down. "
             "%torchdist attach RUN_ID (from any kernel of this machine) shows it and returns its value, "
-            "%torchdist stop RUN_ID stops it, %torchdist runs lists every run. Local processes only",
+            "%torchdist stop RUN_ID stops it, %torchdist runs lists every run. Local processes, Spark Connect, and classic Spark where a process of its "
+            "own can start a session on the same master",
         ),
     )
 

@@ -54,11 +54,8 @@ def submit_detached(target: Any, args: tuple, kwargs: dict, options: LaunchOptio
     """Start ``target`` (a ``Job``, a function, a script path) as a detached run
     (``options.detach``) and return its handle once it started; what cannot be detached here
     raises ``ValueError`` before anything starts."""
-    kind = options.backend
-    if kind == "auto":
-        kind = "spark" if active_spark_session() is not None else "local"
-    check_detachable(options, kind, data)
-    return AttachedRun(start_detached(build_job(target, tuple(args), dict(kwargs)), options))
+    spark = check_detachable(options, active_spark_session(), data)
+    return AttachedRun(start_detached(build_job(target, tuple(args), dict(kwargs)), options, spark))
 
 
 def attach(run_id: str) -> "AttachedRun":

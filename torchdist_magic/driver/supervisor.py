@@ -61,9 +61,17 @@ START_WAIT = 120.0
 #: a control request's largest size
 REQUEST_MAX_BYTES = 4096
 
-NOT_LOCAL = ("--detach runs on local processes only for now: a run on Spark is started by a session of "
-             "this kernel's, which a process of its own cannot share; run it without --detach/detach=True, "
-             "or on local processes (--local)")
+SPARK_FILE = "spark.json"
+NOTEBOOK_OWNS_SPARK = (
+    "--detach cannot run here on classic Spark: this cluster's one SparkContext belongs to the notebook "
+    "(Databricks' classic clusters), and a supervising process outside the kernel cannot start a session "
+    "of its own on it. Connect to the cluster with Spark Connect (SparkSession.builder.remote(...), "
+    "Databricks Connect), where --detach works, or run without --detach/detach=True")
+#: a classic session's settings that belong to its own driver, not to the cluster: the supervising
+#: process's session takes every other one
+OWN_DRIVER_SETTINGS = ("spark.app.id", "spark.app.name", "spark.app.startTime", "spark.app.submitTime",
+                       "spark.driver.host", "spark.driver.port", "spark.driver.appUIAddress", "spark.executor.id",
+                       "spark.ui.proxyBase", "spark.sql.connect.", "spark.repl.")
 NO_DATA = ("--detach cannot train on a DataFrame (--data): its ranks would read the data from this "
            "kernel; run it without --detach/detach=True")
 
@@ -83,27 +91,73 @@ def control_path(run_id: str) -> str:
                      f"may be ({SOCKET_PATH_MAX} bytes)")
 
 
-def check_detachable(options: LaunchOptions, backend_kind: str, data: Any = None) -> None:
-    """``ValueError`` saying why a run with ``options`` cannot be detached here, before anything
-    starts; ``backend_kind`` is ``local`` or ``spark`` (what ``auto`` resolves to)."""
+def spark_target(session: Any) -> dict:
+    """Where a detached run's supervising process opens a Spark session of its own for the run of
+    this kernel's ``session``: the same Spark Connect remote with the same credentials (its own
+    session id), or the same classic master with the same settings (``OWN_DRIVER_SETTINGS``
+    aside).  ``ValueError`` (``NOTEBOOK_OWNS_SPARK``) where the cluster's one SparkContext belongs
+    to the notebook."""
+    from ..backends.spark_stage import is_spark_connect
+
+    if is_spark_connect(session):
+        url = session.client._builder.url  # sc://host:port/;token=...;session_id=... as parsed
+        params = [p for p in url.params.split(";") if p and not p.startswith("session_id=")]
+        return {"kind": "connect", "remote": f"sc://{url.netloc}/" + "".join(f";{p}" for p in params)}
+    settings = dict(session.sparkContext.getConf().getAll())
+    if os.environ.get("DATABRICKS_RUNTIME_VERSION") or any(k.startswith("spark.databricks.") for k in settings):
+        raise ValueError(NOTEBOOK_OWNS_SPARK)
+    return {"kind": "classic", "master": session.sparkContext.master,
+            "conf": {k: v for k, v in settings.items() if not k.startswith(OWN_DRIVER_SETTINGS)}}
+
+
+def open_spark(target: dict) -> Any:
+    """The supervising process's own session on ``spark_target``'s cluster."""
+    from pyspark.sql import SparkSession
+
+    if target["kind"] == "connect":
+        return SparkSession.builder.remote(target["remote"]).getOrCreate()
+    builder = SparkSession.builder.master(target["master"]).appName("torchdist-detached")
+    for key, value in target["conf"].items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()
+
+
+def check_detachable(options: LaunchOptions, session: Any, data: Any = None) -> Optional[dict]:
+    """Where a run with ``options`` is detached to (``spark_target``; None: local processes), or
+    ``ValueError`` saying why it cannot be, before anything starts.  ``session``: the active
+    Spark session, or None."""
     if data is not None:
         raise ValueError(NO_DATA)
-    if backend_kind != "local":
-        raise ValueError(NOT_LOCAL)
+    kind = options.backend
+    if kind == "auto":
+        kind = "spark" if session is not None else "local"
+    if kind == "local":
+        return None
+    if session is None:
+        from ..backends import NO_SESSION
+
+        raise ValueError(NO_SESSION)
+    return spark_target(session)
 
 
-def start_detached(job: Any, options: LaunchOptions) -> str:
+def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = None) -> str:
     """Start ``job`` as a detached run and return its id once its supervising process has
-    started it; ``ValueError`` with what refused it otherwise."""
+    started it (on ``spark``, a ``spark_target``, when given; else on local processes);
+    ``ValueError`` with what refused it otherwise."""
     run_id = f"{time.strftime('%m%d%H%M')}-{uuid.uuid4().hex[:8]}"
     directory = record_directory(run_id)
     fd = open_private(os.path.join(directory, JOB_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     with os.fdopen(fd, "wb") as fh:
         fh.write(value_blobs.pickle_for_ranks(job))
-    write_private(os.path.join(directory, OPTIONS_FILE), json.dumps(options_json(options.replace(detach=False))))
+    backend = "spark" if spark is not None else "local"
+    write_private(os.path.join(directory, OPTIONS_FILE),
+                  json.dumps(options_json(options.replace(detach=False, backend=backend))))
+    if spark is not None:  # read, then removed, by the supervising process: it may hold a token
+        write_private(os.path.join(directory, SPARK_FILE), json.dumps(spark))
     write_private(os.path.join(directory, TOKEN_FILE), secrets.token_hex(32))
     record = RunRecord(run_id=run_id, state="running", started=time.time(), job_name=job.name,
-                       options=options_json(options), backend="local processes",
+                       options=options_json(options),
+                       backend="local processes" if spark is None else f"Spark ({spark['kind']})",
                        num_processes=options.num_processes, detached=True, host=os.uname().nodename,
                        control=control_path(run_id), directory=directory)
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -264,6 +318,13 @@ def supervise(directory: str) -> int:
         token = fh.read().strip()
     with open(os.path.join(directory, JOB_FILE), "rb") as fh:
         job = cloudpickle.load(fh)
+    session = None
+    spark_file = os.path.join(directory, SPARK_FILE)
+    if os.path.exists(spark_file):
+        with open(spark_file, encoding="utf-8") as fh:
+            target = json.load(fh)
+        os.unlink(spark_file)
+        session = open_spark(target)
     journal = Journal(directory)
     cancel = threading.Event()  # a stop asked for before the run's handle exists
     run = None
@@ -278,6 +339,8 @@ def supervise(directory: str) -> int:
         run = submit(job, (), {}, options, run_id=run_id, listener=journal.put)
     except (TypeError, ValueError) as exc:
         control.close()
+        if session is not None:
+            session.stop()
         journal.close()
         record.state, record.failure, record.ended = "failed", str(exc), time.time()
         record.save()
@@ -300,6 +363,8 @@ def supervise(directory: str) -> int:
     finally:
         control.close()
         write_private(os.path.join(directory, DONE_FILE), run.state.state)
+        if session is not None:
+            session.stop()
     return 0
 
 
