@@ -132,3 +132,21 @@ def test_percent_torchdist_runs_takes_nothing(home, ip):
 
     with pytest.raises(UsageError, match="%torchdist runs takes nothing, got 'now'"):
         ip.run_line_magic("torchdist", "runs now")
+
+
+def prints_ten_lines():
+    for i in range(10):
+        print(f"line {i}")
+
+
+def test_a_record_keeps_the_newest_lines_of_each_rank(home, monkeypatch):
+    monkeypatch.setattr(history, "LOG_KEEP_LINES", 3)
+    run = Distributor(num_processes=1, show=None).submit(prints_ten_lines)
+    run.result(60)
+    assert history.read_record(run.run_id).log(0) == (
+        "[torchdist] the record keeps the last 3 lines of this log\nline 7\nline 8\nline 9\n")
+    monkeypatch.setattr(history, "LOG_KEEP_CHARS", 14)
+    run = Distributor(num_processes=1, show=None).submit(prints_ten_lines)
+    run.result(60)
+    assert history.read_record(run.run_id).log(0) == (
+        "[torchdist] the record keeps the last 14 characters of this log\nline 8\nline 9\n")

@@ -8,7 +8,7 @@ checks any directory a run keeps files in; each run is ``runs/<run_id>/`` in it:
   state, the times, the root cause of a failure, the pid of the process that supervises the run
   (the notebook's kernel, or for a detached run a supervising process of its own);
 - ``logs/rank-<r>.log``: each rank's output when the run ended (the newest ``LOG_KEEP_LINES``
-  lines, at most ``LOG_KEEP_CHARS``);
+  lines, at most ``LOG_KEEP_CHARS``, and for many ranks their share of ``RUN_LOG_KEEP_CHARS``);
 - ``metrics.json``: every rank's metric history (at most ``METRIC_KEEP_POINTS`` points a metric
   and rank) and system history, when the run ended;
 - for a detached run also its journal, its value and its control socket's token (``supervisor``).
@@ -40,9 +40,12 @@ RUNS_ENV = "TORCHDIST_HISTORY_RUNS"
 DAYS_ENV = "TORCHDIST_HISTORY_DAYS"
 DEFAULT_RUNS = 100
 DEFAULT_DAYS = 30.0
-#: a rank's output a record keeps (its newest lines, and of those the newest characters)
+#: a rank's output a record keeps (its newest lines, and of those the newest characters), and a
+#: run's, all ranks together: each rank keeps its share, at least ``MIN_LOG_KEEP_CHARS``
 LOG_KEEP_LINES = 20_000
 LOG_KEEP_CHARS = 1024 * 1024
+RUN_LOG_KEEP_CHARS = 64 * 1024 * 1024
+MIN_LOG_KEEP_CHARS = 16 * 1024
 #: points of one metric of one rank a record keeps (downsampled from the run's history)
 METRIC_KEEP_POINTS = 500
 RECORD_FILE = "record.json"
@@ -319,14 +322,14 @@ class RecordKeeper:
     def _write_logs(self, state: Any) -> None:
         logs = os.path.join(self.record.directory, "logs")
         os.makedirs(logs, mode=0o700, exist_ok=True)
+        keep = min(LOG_KEEP_CHARS, max(MIN_LOG_KEEP_CHARS, RUN_LOG_KEEP_CHARS // max(state.num_processes, 1)))
         for rank in range(state.num_processes):
             read = state.read_log(rank, limit=LOG_KEEP_LINES, newest=True)
             text = "".join(line.text + ("\r" if line.cr else "\n") for line in read.lines)
             if read.start:
                 text = f"[torchdist] the record keeps the last {len(read.lines)} lines of this log\n" + text
-            if len(text) > LOG_KEEP_CHARS:
-                text = f"[torchdist] the record keeps the last {LOG_KEEP_CHARS} characters of this log\n" \
-                       + text[-LOG_KEEP_CHARS:]
+            if len(text) > keep:
+                text = f"[torchdist] the record keeps the last {keep} characters of this log\n" + text[-keep:]
             write_private(os.path.join(logs, f"rank-{rank}.log"), text)
 
     def _write_metrics(self, state: Any) -> None:
