@@ -267,3 +267,32 @@ def test_classic_spark_whose_context_belongs_to_the_notebook_is_refused(home, sp
     with pytest.raises(ValueError, match="this cluster's one SparkContext belongs to the notebook .*Spark Connect"):
         detached(local_mode=False).submit(spark_job)
     assert torchdist_magic.runs() == []
+
+
+@pytest.mark.spark
+def test_stop_ends_a_detached_run_on_classic_local2(home, spark_local2):
+    handle = detached(local_mode=False).submit(sleeps)
+    wait_until(lambda: "sleeping" in handle.logs(1), 240, "rank 1 to sleep")
+    assert torchdist_magic.stop(handle.run_id, by="a test") is True
+    with pytest.raises(RunCancelled, match="stopped by a test"):
+        handle.result(120)
+    assert history.read_record(handle.run_id).state == "cancelled"
+    assert_nothing_survives(handle)
+
+
+def fails_once_then_returns():
+    from torchdist_magic import rank, restart_count
+
+    print(f"attempt {restart_count() + 1}", flush=True)
+    if restart_count() == 0 and rank() == 1:
+        raise RuntimeError("first attempt")
+    return restart_count()
+
+
+def test_a_detached_run_restarts_under_its_supervising_process(home):
+    handle = detached(max_restarts=1).submit(fails_once_then_returns)
+    assert handle.result(120) == 1
+    assert handle.logs(1).startswith("attempt 1\n") and "attempt 2\n" in handle.logs(1)
+    record = history.read_record(handle.run_id)
+    assert record.state == "succeeded" and record.options["max_restarts"] == 1
+    assert_nothing_survives(handle)
