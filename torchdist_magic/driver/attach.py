@@ -33,7 +33,7 @@ from .supervisor import (DONE_FILE, JOURNAL_FILE, JOURNAL_FULL_FILE, TOKEN_FILE,
                          start_detached)
 
 #: how often the journal is read for what came
-FOLLOW_INTERVAL = 0.1
+FOLLOW_INTERVAL = 0.05
 
 
 class RunLost(RuntimeError):
