@@ -293,6 +293,8 @@ def test_a_detached_run_restarts_under_its_supervising_process(home):
     handle = detached(max_restarts=1).submit(fails_once_then_returns)
     assert handle.result(120) == 1
     assert handle.logs(1).startswith("attempt 1\n") and "attempt 2\n" in handle.logs(1)
+    assert handle.state.attempt == 2 and handle.state.attempts[0].failure.message == "first attempt"
+    assert [rs.state for rs in handle.state.ranks] == ["done", "done"]
     record = history.read_record(handle.run_id)
     assert record.state == "succeeded" and record.options["max_restarts"] == 1
     assert_nothing_survives(handle)

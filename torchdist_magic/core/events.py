@@ -594,6 +594,15 @@ class StopRun(Event):
     by: str = ""
 
 
+@dataclass
+class AttemptBegan(Event):
+    """In a detached run's journal (``supervisor``), never on a socket: the records after it are
+    of attempt ``attempt`` (the run restarted).  ``rank`` is unused (-1)."""
+
+    type: ClassVar[str] = "attempt_began"
+    attempt: int = 1
+
+
 RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks, SystemMetrics, Collectives, Preflight,
                   StepSplit, Checkpoint)
 DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers, DebugInput, DumpCollectives, StartProfile)
@@ -607,9 +616,11 @@ DEBUG_TO_DRIVER = (DebugOutput,)
 PROFILE_TO_DRIVER = (ProfilePiece, ProfileDone)
 #: records a kernel sends a detached run's supervising process on its control socket
 KERNEL_TO_SUPERVISOR = (StopRun,)
+#: records a detached run's supervising process writes in its journal for the kernels that attach
+SUPERVISOR_TO_KERNEL = (AttemptBegan,)
 RECORDS: Dict[str, Type[Event]] = {
     cls.type: cls for cls in RANK_TO_DRIVER + DRIVER_TO_RANK + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER
-    + DEBUG_TO_DRIVER + PROFILE_TO_DRIVER + KERNEL_TO_SUPERVISOR}
+    + DEBUG_TO_DRIVER + PROFILE_TO_DRIVER + KERNEL_TO_SUPERVISOR + SUPERVISOR_TO_KERNEL}
 
 #: which records each role of connection may send to the driver
 SENDERS: Dict[str, frozenset] = {

@@ -212,7 +212,11 @@ class AttachedRun:
                 lines = (pending + chunk).split(b"\n")
                 pending = lines.pop()
                 for line in lines:
-                    self.state.apply(events.loads(line))
+                    record = events.loads(line)
+                    if isinstance(record, events.AttemptBegan):
+                        self.state.restart()
+                    else:
+                        self.state.apply(record)
                 if finished:
                     return self._finish()
                 if not alive:

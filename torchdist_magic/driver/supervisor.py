@@ -201,7 +201,9 @@ def _tail(directory: str, chars: int = 2000) -> str:
 
 class Journal:
     """Records of the run's state into ``journal.jsonl``, written by a thread of its own: ``put``
-    (the state's listener) returns at once."""
+    (the state's listener) returns at once.  Before the first record of a later attempt (the run
+    restarted) it writes an ``AttemptBegan``; ``state`` is the run's state, whose attempt the
+    records are of (the listener runs with its lock held)."""
 
     def __init__(self, directory: str):
         self.directory = directory
@@ -210,10 +212,16 @@ class Journal:
         self._file = os.fdopen(fd, "w", encoding="utf-8")
         self._size = 0
         self._full = False
+        self.state: Any = None
+        self._attempt = 1
         self._thread = threading.Thread(target=self._write, name="torchdist-journal", daemon=True)
         self._thread.start()
 
     def put(self, record: events.Event) -> None:
+        attempt = self.state.attempt if self.state is not None else 1
+        if attempt != self._attempt:
+            self._attempt = attempt
+            self._queue.put(events.AttemptBegan(rank=-1, attempt=attempt))
         self._queue.put(record)
 
     def _write(self) -> None:
@@ -337,6 +345,7 @@ def supervise(directory: str) -> int:
     control = ControlServer(record.control, token, stop)
     try:
         run = submit(job, (), {}, options, run_id=run_id, listener=journal.put)
+        journal.state = run.state  # the first attempt's records need no mark
     except (TypeError, ValueError) as exc:
         control.close()
         if session is not None:
