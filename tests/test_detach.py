@@ -298,3 +298,64 @@ def test_a_detached_run_restarts_under_its_supervising_process(home):
     record = history.read_record(handle.run_id)
     assert record.state == "succeeded" and record.options["max_restarts"] == 1
     assert_nothing_survives(handle)
+
+
+def test_a_full_journal_is_said_by_the_kernel_that_attaches(home, monkeypatch, capsys):
+    """The journal's bound, on a journal written here (``Journal`` is the supervising process's)
+    and a run's end as its supervising process leaves it."""
+    from torchdist_magic.core import values
+
+    monkeypatch.setattr(supervisor, "JOURNAL_MAX_BYTES", 200)
+    directory = history.record_directory("full-1")
+    journal = supervisor.Journal(directory)
+    for i in range(10):
+        journal.put(events.Log(rank=0, stream="stdout", line=f"line {i}"))
+    journal.close()
+    assert os.path.exists(os.path.join(directory, supervisor.JOURNAL_FULL_FILE))
+    values.dump(7, os.path.join(directory, supervisor.VALUE_FILE))
+    history.RunRecord(run_id="full-1", state="succeeded", outcome="succeeded", started=1.0, ended=2.0,
+                      detached=True, has_value=True, directory=directory).save()
+    history.write_private(os.path.join(directory, supervisor.DONE_FILE), "succeeded")
+    handle = torchdist_magic.attach("full-1")
+    assert attaching.follow_attached(handle) == 7
+    assert capsys.readouterr().out == ("torchdist: the run's journal was full: this view lacks its later records; "
+                                       "the record has its end and the tails of its logs\n")
+    assert 0 < handle.logs(0).count("\n") < 10
+
+
+def test_a_supervising_process_that_cannot_start_is_said_with_its_output(home, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    with pytest.raises(RuntimeError, match=r"the supervising process of detached run \S+ did not start it "
+                                           r"\(exit code 1\); its output is in .*supervisor\.log"):
+        detached(np=1).submit(sleeps)
+
+
+def test_an_interrupted_attach_stops_following_not_the_run(home, capsys):
+    class Interrupting:
+        def update(self):
+            raise KeyboardInterrupt
+
+        def close(self):
+            pass
+
+    handle = detached(np=1).submit(sleeps)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            attaching.follow_attached(torchdist_magic.attach(handle.run_id), Interrupting())
+        assert capsys.readouterr().out == (
+            f"torchdist: stopped following run {handle.run_id}, which goes on (%torchdist attach {handle.run_id} "
+            f"follows it again, %torchdist stop {handle.run_id} stops it)\n")
+        assert history.read_record(handle.run_id).state == "running"
+    finally:
+        handle.cancel()
+        handle.wait(60)
+    assert_nothing_survives(handle)
+
+
+def test_attach_and_stop_take_one_run_id(home, ip):
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match="%torchdist stop needs one run id \\(%torchdist runs lists them\\), got 'a b'"):
+        ip.run_line_magic("torchdist", "stop a b")

@@ -234,16 +234,21 @@ class Journal:
                     record = self._queue.get_nowait()
                 except queue.Empty:
                     break
-            text = "".join(lines)
-            if not self._full and self._size + len(text) <= JOURNAL_MAX_BYTES:
-                self._file.write(text)
+            kept = []
+            for line in lines:
+                if self._full:
+                    break
+                if self._size + len(line) > JOURNAL_MAX_BYTES:
+                    self._full = True
+                    write_private(os.path.join(self.directory, JOURNAL_FULL_FILE),
+                                  f"the journal reached {JOURNAL_MAX_BYTES} bytes; later records are in the "
+                                  "run's record only (its state, the tails of its logs)")
+                    break
+                kept.append(line)
+                self._size += len(line)
+            if kept:
+                self._file.write("".join(kept))
                 self._file.flush()
-                self._size += len(text)
-            elif not self._full:
-                self._full = True
-                write_private(os.path.join(self.directory, JOURNAL_FULL_FILE),
-                              f"the journal reached {JOURNAL_MAX_BYTES} bytes; later records are in the "
-                              "run's record only (its state, the tails of its logs)")
             if record is None:
                 self._file.close()
                 return
