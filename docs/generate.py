@@ -28,6 +28,8 @@ API_SECTIONS = (
      ("rank", "world_size", "local_rank", "local_world_size", "host_ranks", "is_main", "device",
       "progress", "report", "restart_count", "save_checkpoint", "load_checkpoint", "shard", "RankStopped")),
     ("Warm pools", "The live pools of `--warm` runs.", ("pools", "shutdown_pools")),
+    ("Runs that outlive the kernel", "Every run's record, and a detached run from any kernel "
+     "(see [Runs that outlive the kernel](../guide/detached.md)).", ("runs", "attach", "stop")),
     ("Backends", "Where ranks start, by name: a package adds one (see [Writing a backend](../design/backends.md)).",
      ("register_backend", "unregister_backend")),
     ("Errors", "What a run raises in the notebook.",

@@ -3,10 +3,18 @@
 process helpers are plain functions in ``helpers``."""
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 pytest_plugins = ["spark_fixtures", "skip_gate"]
+
+#: every run the tests start leaves its record in the history of runs (``driver.history``): in a
+#: directory of this test session's own, never the user's, and gone with the session; the
+#: processes and kernels the tests start inherit it
+_HISTORY_HOME = tempfile.mkdtemp(prefix="torchdist-test-home-")
+os.environ["TORCHDIST_HOME"] = _HISTORY_HOME
 
 #: the packages whose releases change how a job is pickled, launched or shown: their versions head
 #: every test run, so that a failure after a fresh set-up names the release that changed
@@ -32,6 +40,10 @@ def versions_line() -> str:
 
 def pytest_report_header(config):
     return versions_line()
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_HISTORY_HOME, ignore_errors=True)
 
 
 def pytest_sessionstart(session):

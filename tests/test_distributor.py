@@ -193,7 +193,7 @@ def test_bad_num_processes(n, error, text):
     ({"all_ranks": 1}, "all_ranks must be True or False, got 1"),
     ({"nprocs": 2}, "unknown option(s): nprocs; known: backend, timeout, hang_timeout, max_restarts, "
                     "checkpoint_dir, keep_checkpoints, env, all_ranks, warm, ranks, pool_idle_timeout, pdb, "
-                    "debug_idle_timeout, tls, system_metrics, profile, mlflow, preflight"),
+                    "debug_idle_timeout, tls, system_metrics, profile, mlflow, preflight, detach"),
     ({"show": "html"}, "show must be one of 'text', 'auto', 'widget', None, got 'html'"),
     ({"local_mode": "yes"}, "local_mode must be True, False or None, got 'yes'"),
     ({"backend": "local", "local_mode": False},

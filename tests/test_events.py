@@ -12,6 +12,8 @@ from torchdist_magic.driver.state import MAX_POINTS, RunState
 
 SAMPLES = [
     Started(rank=1, host="h", pid=42, time=1.5),
+    events.StopRun(rank=-1, token="ab" * 32, by="%torchdist stop"),
+    events.AttemptBegan(rank=-1, attempt=2),
     Log(rank=0, stream="stderr", line="héllo \x1b[0m", cr=True),
     Progress(rank=0, bar="epoch#0", desc="epoch", n=2, total=None, elapsed=0.5, state="done"),
     Metrics(rank=1, step=3, values={"loss": 0.25, "bad": "nan"}, time=2.0),
@@ -51,10 +53,14 @@ def test_every_record_round_trips_through_json(record):
 def test_every_record_type_is_in_the_contract_and_handled():
     assert set(events.RECORDS.values()) == (set(events.RANK_TO_DRIVER) | set(events.DRIVER_TO_RANK)
                                             | set(events.LAUNCHER_TO_DRIVER) | set(events.POOL_TO_DRIVER)
-                                            | set(events.DEBUG_TO_DRIVER) | set(events.PROFILE_TO_DRIVER))
+                                            | set(events.DEBUG_TO_DRIVER) | set(events.PROFILE_TO_DRIVER)
+                                            | set(events.KERNEL_TO_SUPERVISOR) | set(events.SUPERVISOR_TO_KERNEL))
     assert set(RunState.HANDLERS) == set(events.RANK_TO_DRIVER)
     assert events.SENDERS["worker"] < events.SENDERS["launcher"]
     assert events.Exit not in events.SENDERS["worker"] and events.Log not in events.SENDERS["worker"]
+    # a rank can never stop a detached run through its channel, nor a kernel send a rank's record
+    assert events.StopRun not in events.SENDERS["launcher"] and events.SENDERS["kernel"] == {events.StopRun}
+    assert not any(events.AttemptBegan in senders for senders in events.SENDERS.values())  # a journal's only
 
 
 @pytest.mark.parametrize("data, text", [

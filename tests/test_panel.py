@@ -68,7 +68,7 @@ def test_control_kinds_follow_the_field_metadata(panel):
                      "pool_idle_timeout": widgets.Text, "pdb": widgets.Checkbox,
                      "debug_idle_timeout": widgets.Text, "tls": widgets.Dropdown,
                      "system_metrics": widgets.Checkbox, "profile": widgets.IntText,
-                     "mlflow": widgets.Checkbox, "preflight": widgets.Checkbox}
+                     "mlflow": widgets.Checkbox, "preflight": widgets.Checkbox, "detach": widgets.Checkbox}
     assert panel.controls["backend"].options[:3] == ("auto", "local", "spark")  # and those registered
     assert panel.options() == LaunchOptions()
     for field in option_fields():  # the help text is next to the control until there is an error

@@ -20,12 +20,13 @@ __all__ = [
     "Run", "last_run", "progress", "report", "rank", "world_size", "local_rank", "local_world_size", "host_ranks", "is_main", "device",
     "restart_count", "save_checkpoint", "load_checkpoint", "RankStopped", "shard",
     "load_ipython_extension", "unload_ipython_extension", "pools", "shutdown_pools",
-    "MlflowUnavailable", "TrackingError", "register_backend", "unregister_backend",
+    "MlflowUnavailable", "TrackingError", "register_backend", "unregister_backend", "runs", "attach", "stop",
 ]
 
 _LAZY = {"Distributor": "api", "Run": "driver.distributor", "last_run": "driver.distributor",
          "pools": "backends.pool", "shutdown_pools": "backends.pool",
-         "MlflowUnavailable": "driver.tracking", "TrackingError": "driver.tracking"}
+         "MlflowUnavailable": "driver.tracking", "TrackingError": "driver.tracking",
+         "runs": "driver.history", "attach": "driver.attach", "stop": "driver.attach"}
 
 
 def __getattr__(name):

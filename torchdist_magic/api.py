@@ -83,14 +83,26 @@ class Distributor:
         return self.options.use_gpu
 
     def submit(self, train_object: Any, *args: Any, **kwargs: Any) -> Run:
-        """Start the run and return its ``Run`` handle at once."""
+        """Start the run and return its ``Run`` handle at once (with ``detach=True`` a detached
+        run's handle, ``attach.AttachedRun``)."""
+        if self.options.detach:
+            return self._detached(train_object, args, kwargs)
         return submit(train_object, args, kwargs, self.options)
 
     def run(self, train_object: Any, *args: Any, **kwargs: Any) -> Any:
         """Run and wait; rank 0's value.  Ctrl-C stops every rank and re-raises.  A rank's
         debugger (``breakpoint()``, ``pdb=True``) opens here when this thread can read input
-        (a notebook with stdin, a terminal)."""
+        (a notebook with stdin, a terminal).  With ``detach=True`` nothing waits: the run's
+        handle is returned once it started (``torchdist_magic.attach(run_id)`` finds it again
+        from any process of this machine)."""
+        if self.options.detach:
+            return self._detached(train_object, args, kwargs)
         return self._follow(submit(train_object, args, kwargs, self.options, debug_input=stdin_available()))
+
+    def _detached(self, train_object: Any, args: tuple, kwargs: dict, data: Any = None) -> Any:
+        from .driver.attach import submit_detached
+
+        return submit_detached(train_object, args, kwargs, self.options, data=data)
 
     def train_on_dataframe(self, train_function: Any, spark_dataframe: Any, *args: Any, **kwargs: Any) -> Any:
         """Run ``train_function(*args, **kwargs)`` on every rank, each rank reading its own share
@@ -104,6 +116,8 @@ class Distributor:
         DataFrame that cannot be trained on (empty, fewer rows than ranks, columns that cannot
         become tensors, another SparkSession's) raises ``TypeError``/``ValueError`` before
         anything starts."""
+        if self.options.detach:
+            return self._detached(train_function, args, kwargs, data=spark_dataframe)
         return self._follow(submit(train_function, args, kwargs, self.options, data=spark_dataframe,
                                    debug_input=stdin_available()))
 

@@ -19,6 +19,8 @@ from .core.registry import backend_names, unknown_backend
 from .core.options import FlagError, LaunchOptions, OptionError, flag_specs, options_from_flags, parse_flags
 
 RUN_VARIABLE = "_torchdist_run"
+#: ``%torchdist WORD ...``: the history of runs and detached runs, not a script to run
+RUN_COMMANDS = ("runs", "attach", "stop")
 PANEL_VARIABLE = "_torchdist_panel"
 
 
@@ -86,7 +88,13 @@ class TorchdistMagics(Magics):
         cell calls ``init_process_group`` itself.  ``!cmd``, ``x = !cmd``,
         ``%time``, ``%%time`` (as the cell's first line), ``%timeit``, ``%env``, ``%cd`` and
         ``%pip`` (once per host) run on every rank; other magics are refused before launch.
+
+        ``%torchdist runs`` lists the recorded runs, ``%torchdist attach RUN_ID`` follows a
+        detached run (``--detach``) and returns its value, ``%torchdist stop RUN_ID`` stops one.
         """
+        words = line.split()
+        if cell is None and words and words[0] in RUN_COMMANDS:
+            return self._run_command(words[0], words[1:])
         try:
             args = parse_flags(line)
             options = options_from_flags(args, self.configured_defaults())
@@ -113,6 +121,32 @@ class TorchdistMagics(Magics):
             self.shell.user_ns[args.out] = value
             return None
         return value
+
+    def _run_command(self, command: str, words: list) -> Any:
+        """``%torchdist runs``, ``%torchdist attach RUN_ID``, ``%torchdist stop RUN_ID``."""
+        from .driver import attach, history
+
+        if command == "runs":
+            if words:
+                raise UsageError(f"%torchdist runs takes nothing, got {' '.join(words)!r}")
+            print(history.runs_table())
+            return None
+        if len(words) != 1:
+            raise UsageError(f"%torchdist {command} needs one run id (%torchdist runs lists them), "
+                             f"got {' '.join(words)!r}" if words else
+                             f"%torchdist {command} needs a run id (%torchdist runs lists them)")
+        try:
+            if command == "stop":
+                stopped = attach.stop(words[0], by="%torchdist stop")
+                print(f"torchdist: run {words[0]} {'is stopping' if stopped else 'had ended already'}")
+                return None
+            run = attach.attach(words[0])
+        except (KeyError, ValueError) as exc:
+            raise UsageError(exc.args[0]) from None
+        self.shell.user_ns[RUN_VARIABLE] = run
+        from .view import make_view
+
+        return attach.follow_attached(run, make_view(run, self.view, log_hint=f"{RUN_VARIABLE}.logs(rank)"))
 
     def _data(self, args) -> tuple:
         """The DataFrame of ``--data NAME`` and the ``--columns`` list (``None`` when not given)."""
@@ -152,6 +186,24 @@ class TorchdistMagics(Magics):
         from .driver.follow import follow
         from .driver.tracking import MlflowUnavailable, TrackingError
 
+        if options.detach:
+            from .driver.attach import submit_detached
+
+            try:
+                run = submit_detached(target, target_args, {}, options, data=data)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+            self.shell.user_ns[RUN_VARIABLE] = run
+            print(f"torchdist: detached run {run.run_id} started (np={options.num_processes}); it goes on without "
+                  f"this kernel. %torchdist attach {run.run_id} follows it and returns its value, "
+                  f"%torchdist stop {run.run_id} stops it")
+            if not quiet:
+                from .driver.attach import follow_in_thread
+                from .view import kernel_with_widgets, make_view
+
+                if kernel_with_widgets() and self.view != "text":  # a text view would print into later cells
+                    follow_in_thread(run, make_view(run, "widget", log_hint=f"{RUN_VARIABLE}.logs(rank)"))
+            return run
         try:
             run = submit(target, target_args, {}, options, data=data, columns=columns,
                          debug_input=stdin_available())

@@ -422,7 +422,12 @@ class LaunchPanel:
             options = self.options()
             try:
                 target, args, kwargs = self._target()
-                run = submit(target, args, kwargs, options)
+                if options.detach:
+                    from .driver.attach import submit_detached
+
+                    run = submit_detached(target, args, kwargs, options)
+                else:
+                    run = submit(target, args, kwargs, options)
             except (TypeError, ValueError, MlflowUnavailable, TrackingError) as exc:  # a CaptureError is a ValueError
                 self.message.value = (f'<pre class="torchdist-launch-error" style="color:{ERROR};white-space:pre-wrap;'
                                       f'margin:0">{html.escape(_shown(exc))}</pre>')

@@ -20,6 +20,7 @@ Who may send what (the channel enforces it, ``SENDERS``):
   did), ``SystemMetrics`` (the rank's processes and machine, sampled every few seconds),
   ``Stacks`` (every thread's stack, when the driver asked), ``OutputEnd`` (a warm rank's
   job output has all been read), and anything a worker may send;
+- a **kernel** to a detached run's supervising process, on its control socket: ``StopRun``;
 - the **driver** to ranks: ``Stop`` (stop the rank, with a grace period before the kill),
   ``DumpStacks`` (capture every thread's Python stack), ``RunJob`` (the next job of a warm
   pool's ranks, in pieces) and, to a worker, ``DebugInput`` (a line for its debugger) and
@@ -582,6 +583,26 @@ class DebugInput(Event):
     end: bool = False
 
 
+@dataclass
+class StopRun(Event):
+    """A kernel to a detached run's supervising process (its control socket, ``supervisor``):
+    stop the run.  ``token`` is the run's own (in its private record directory); ``by`` says who
+    stopped it (the view's outcome line).  ``rank`` is unused (-1)."""
+
+    type: ClassVar[str] = "stop_run"
+    token: str = ""
+    by: str = ""
+
+
+@dataclass
+class AttemptBegan(Event):
+    """In a detached run's journal (``supervisor``), never on a socket: the records after it are
+    of attempt ``attempt`` (the run restarted).  ``rank`` is unused (-1)."""
+
+    type: ClassVar[str] = "attempt_began"
+    attempt: int = 1
+
+
 RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks, SystemMetrics, Collectives, Preflight,
                   StepSplit, Checkpoint)
 DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers, DebugInput, DumpCollectives, StartProfile)
@@ -593,9 +614,13 @@ POOL_TO_DRIVER = (JobValue, JobDone, OutputEnd)
 DEBUG_TO_DRIVER = (DebugOutput,)
 #: records that the run's profile takes for itself (``profiles``), never a RunState
 PROFILE_TO_DRIVER = (ProfilePiece, ProfileDone)
+#: records a kernel sends a detached run's supervising process on its control socket
+KERNEL_TO_SUPERVISOR = (StopRun,)
+#: records a detached run's supervising process writes in its journal for the kernels that attach
+SUPERVISOR_TO_KERNEL = (AttemptBegan,)
 RECORDS: Dict[str, Type[Event]] = {
     cls.type: cls for cls in RANK_TO_DRIVER + DRIVER_TO_RANK + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER
-    + DEBUG_TO_DRIVER + PROFILE_TO_DRIVER}
+    + DEBUG_TO_DRIVER + PROFILE_TO_DRIVER + KERNEL_TO_SUPERVISOR + SUPERVISOR_TO_KERNEL}
 
 #: which records each role of connection may send to the driver
 SENDERS: Dict[str, frozenset] = {
@@ -603,6 +628,8 @@ SENDERS: Dict[str, frozenset] = {
                          JobValue, JobDone, DebugOutput, SystemMetrics, Collectives, Preflight}),
     "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER + DEBUG_TO_DRIVER
                           + PROFILE_TO_DRIVER),
+    #: a kernel on a detached run's control socket (never on a run's channel)
+    "kernel": frozenset(KERNEL_TO_SUPERVISOR),
 }
 
 

@@ -256,6 +256,18 @@ class LaunchOptions:
         ),
     )
 
+    detach: bool = field(
+        default=False,
+        metadata=_flag(
+            "--detach",
+            "run under a supervising process of its own, outside this kernel: the cell returns at once "
+            "with the run's handle, and the run goes on if the kernel dies, restarts or shuts down. "
+            "%torchdist attach RUN_ID (from any kernel of this machine) shows it and returns its value, "
+            "%torchdist stop RUN_ID stops it, %torchdist runs lists every run. Local processes, Spark Connect, and classic Spark where a process of its "
+            "own can start a session on the same master",
+        ),
+    )
+
     def __post_init__(self) -> None:
         _check_count("num_processes", self.num_processes, 1)
         _check_bool("use_gpu", self.use_gpu)
@@ -295,6 +307,13 @@ class LaunchOptions:
         if self.warm and self.pdb:
             raise OptionValueError("pdb", "{name} holds a failing rank for a debugger, which a warm pool's "
                                    "ranks cannot do yet: run it without --warm/warm=True")
+        _check_bool("detach", self.detach)
+        if self.detach and self.warm:
+            raise OptionValueError("detach", "{name} runs under a process of its own, and a warm pool's ranks "
+                                   "belong to this kernel: use one or the other")
+        if self.detach and self.pdb:
+            raise OptionValueError("pdb", "{name} holds a failing rank for a debugger in the cell, and a "
+                                   "detached run has no cell to debug in: run it without --detach/detach=True")
         if self.warm and self.max_restarts:
             raise OptionValueError("max_restarts", "{name} starts every rank again (a new process group) "
                                    "after a failure, and a warm pool keeps its ranks: use one or the other")

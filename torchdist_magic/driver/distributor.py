@@ -45,6 +45,7 @@ from ..core.preflight import PreflightResult, compare
 from ..core import values as value_blobs
 from ..core.rankenv import RunSpec
 from . import hangs
+from .history import RecordKeeper
 from .profiles import Profile, ProfileCollector
 from .sent import SentValues
 from .state import Attempt, RunDirectory, RunState, is_collateral
@@ -61,7 +62,8 @@ def last_run() -> Optional["Run"]:
 
 
 def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data: Any = None,
-           columns: Optional[List[str]] = None, debug_input: bool = False) -> "Run":
+           columns: Optional[List[str]] = None, debug_input: bool = False, run_id: Optional[str] = None,
+           listener: Optional[Callable[[Any], None]] = None) -> "Run":
     """Start ``target`` (a ``Job``, a function, or a script path) as a run and return its
     handle at once.  Bad input (options, arguments, an unplaceable run, a DataFrame ``data``
     that cannot be trained on) raises ``TypeError``/``ValueError`` before anything starts.
@@ -71,7 +73,11 @@ def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data:
 
     ``debug_input``: the caller will ``follow`` the run where a person answers ``input()``
     (``debugger.stdin_available``), so a rank's debugger may wait for them; otherwise
-    ``breakpoint()`` on a rank is skipped and ``--pdb`` holds no rank (it says so)."""
+    ``breakpoint()`` on a rank is skipped and ``--pdb`` holds no rank (it says so).
+
+    ``run_id``: the run's id (a detached run's, chosen by the kernel that started it); by default
+    a new one.  ``listener``: called with every record the run's state takes, from its start
+    (``RunState.listen``)."""
     if not isinstance(options, LaunchOptions):
         raise TypeError(f"options must be a LaunchOptions, got {type(options).__name__}")
     options = options.replace()  # validated again: a LaunchOptions can be changed after it was made
@@ -99,7 +105,9 @@ def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data:
             prepared = backend.prepare_data(data, options.num_processes, columns)
         elif columns is not None:
             raise ValueError("columns name columns of the data to train on, and no data was given")
-        run = Run(job, options, backend, plan, prepared, debug_input=debug_input)
+        run = Run(job, options, backend, plan, prepared, debug_input=debug_input, run_id=run_id)
+        if listener is not None:
+            run.state.listen(listener)
     except BaseException:
         backend.release()
         raise
@@ -125,13 +133,13 @@ class Run:
     """
 
     def __init__(self, job: Job, options: LaunchOptions, backend: Backend, plan: LaunchPlan,
-                 data: Any = None, debug_input: bool = False):
+                 data: Any = None, debug_input: bool = False, run_id: Optional[str] = None):
         self.job = job
         self.options = options
         self.backend = backend
         self.plan = plan  # what ``backend.check(options)`` resolved
         self.data = data  # a ``backends.frames.PreparedData``, or None
-        self.run_id = f"{next(_run_counter)}-{uuid.uuid4().hex[:8]}"
+        self.run_id = run_id or f"{next(_run_counter)}-{uuid.uuid4().hex[:8]}"
         #: host:port of the current attempt's event channel, once it listens
         self.channel_address: Optional[str] = None
         #: the TLS certificate (PEM) of that channel, which its ranks pin; "" when it is not
@@ -307,6 +315,9 @@ class Run:
     def _start(self) -> None:
         global _last_run
         _last_run = self
+        #: the run's record in the history of runs (``history``)
+        self.record = RecordKeeper(self)
+        self.record.begin()
         self._thread.start()
 
     def _supervise(self) -> None:
@@ -330,6 +341,7 @@ class Run:
                 if self.tracking is not None:  # ended before result() returns: a reader finds it complete
                     self._tracking_warning = self.tracking.close()  # what it could not log, said by result()
             finally:
+                self.record.end()  # before result() returns: the history has the run's end
                 self._done.set()
 
     def _attempt(self, deadline: Optional[float], checkpoints: str) -> bool:

@@ -1,0 +1,254 @@
+"""A detached run seen from any kernel of its machine: ``attach(run_id)`` gives its handle,
+``stop(run_id)`` stops it.
+
+The handle (``AttachedRun``) has the ``Run`` API a notebook uses: ``state`` (a ``RunState``
+that every view reads), ``result(timeout)``, ``logs(rank)``, ``cancel()``, ``done()``,
+``wait(timeout)``.  Its state is rebuilt from the run's journal (``supervisor``): everything so
+far at once, then what comes, by a thread that reads the file as it grows, so the lines printed
+while no kernel was attached are all there.  Records are decoded as ``events`` records (typed,
+validated); the journal is in the user's private record directory, written by the supervising
+process.  The value is read from the same directory when the run has ended.
+
+Detaching is the end of a handle, never of the run: an interrupted ``%torchdist attach`` (or a
+kernel that dies) leaves the run going.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any, List, Optional
+
+from ..core import events
+from ..core import values as value_blobs
+from ..core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
+from ..backends.spark import active_spark_session
+from ..core.options import LaunchOptions
+from ..core.job import build_job
+from .history import RunRecord, process_alive, read_record
+from .state import RunState
+from .supervisor import (DONE_FILE, JOURNAL_FILE, JOURNAL_FULL_FILE, TOKEN_FILE, VALUE_FILE, check_detachable,
+                         start_detached)
+
+#: how often the journal is read for what came
+FOLLOW_INTERVAL = 0.05
+
+
+class RunLost(RuntimeError):
+    """A detached run's supervising process ended before the run did (it was killed): its ranks
+    ended with it."""
+
+
+def _detached_record(run_id: str) -> RunRecord:
+    record = read_record(run_id)
+    if not record.detached:
+        raise ValueError(f"run {run_id} was not detached: it ran in the kernel (pid {record.pid}) that "
+                         "started it, which alone can show it; its record is in torchdist_magic.runs() "
+                         "(state, failure, each rank's log when it ended)")
+    return record
+
+
+def submit_detached(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data: Any = None) -> "AttachedRun":
+    """Start ``target`` (a ``Job``, a function, a script path) as a detached run
+    (``options.detach``) and return its handle once it started; what cannot be detached here
+    raises ``ValueError`` before anything starts."""
+    spark = check_detachable(options, active_spark_session(), data)
+    return AttachedRun(start_detached(build_job(target, tuple(args), dict(kwargs)), options, spark))
+
+
+def attach(run_id: str) -> "AttachedRun":
+    """The handle of detached run ``run_id`` (``KeyError`` when there is no such run,
+    ``ValueError`` when it was not detached)."""
+    return AttachedRun(run_id)
+
+
+def stop(run_id: str, by: str = "stop()") -> bool:
+    """Stop detached run ``run_id`` (every rank); True when its supervising process took the
+    request, False when the run had ended already.  ``by`` says who stopped it."""
+    record = _detached_record(run_id)
+    if record.state != "running":
+        return False
+    with open(os.path.join(record.directory, TOKEN_FILE), encoding="utf-8") as fh:
+        token = fh.read().strip()
+    request = events.dumps(events.StopRun(rank=-1, token=token, by=by)) + "\n"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(10.0)
+        try:
+            conn.connect(record.control)
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False  # it ended meanwhile
+        conn.sendall(request.encode())
+        answer = conn.recv(64)
+    if answer != b"ok\n":
+        raise PermissionError(f"the supervising process of run {run_id} refused the request to stop it "
+                              f"({answer.decode(errors='replace').strip() or 'no answer'})")
+    return True
+
+
+def follow_attached(run: "AttachedRun", observer: Any = None, interval: float = 0.1) -> Any:
+    """Wait for ``run`` here, calling ``observer.update()`` every ``interval`` seconds and
+    ``observer.close()`` at the end; rank 0's value, or the run's error.  Ctrl-C (the kernel's
+    interrupt) stops following, not the run: it says so and re-raises."""
+    try:
+        while not run.wait(interval):
+            if observer is not None:
+                observer.update()
+    except KeyboardInterrupt:
+        run.detach()
+        if observer is not None:
+            observer.close()
+        print(f"torchdist: stopped following run {run.run_id}, which goes on "
+              f"(%torchdist attach {run.run_id} follows it again, %torchdist stop {run.run_id} stops it)")
+        raise
+    if observer is not None:
+        observer.close()
+    for note in run.notes:
+        print(f"torchdist: {note}")
+    return run.result()
+
+
+def follow_in_thread(run: "AttachedRun", observer: Any, interval: float = 0.1) -> threading.Thread:
+    """Update ``observer`` from a thread of its own until ``run`` ends (or is detached), then
+    close it: a detached run's live view while the kernel stays free."""
+
+    def loop() -> None:
+        try:
+            while not run.wait(interval) and not run.detached:
+                observer.update()
+        finally:
+            observer.close()
+
+    thread = threading.Thread(target=loop, name=f"torchdist-view-{run.run_id}", daemon=True)
+    thread.start()
+    return thread
+
+
+class AttachedRun:
+    """A detached run's handle in this kernel (see the module's docstring)."""
+
+    def __init__(self, run_id: str):
+        self.record = _detached_record(run_id)
+        self.run_id = run_id
+        self.options = self.record.options
+        self.directory = self.record.directory
+        self.state = RunState(run_id, self.record.num_processes, self.record.backend or "local processes",
+                              bool(self.options.get("use_gpu")), self.record.job_name)
+        self.state.started = self.record.started
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._value: Any = None
+        self._value_read = False
+        self._stopping = threading.Event()
+        self.notes: List[str] = []  # what the journal could not hold, said once by the view
+        self._thread = threading.Thread(target=self._follow, name=f"torchdist-attach-{run_id}", daemon=True)
+        self._thread.start()
+
+    # -- the Run API -----------------------------------------------------------------------
+    def result(self, timeout: Optional[float] = None) -> Any:
+        """Wait for the run; rank 0's value, or raise its error (``RankFailure``, ``RunCancelled``,
+        ``JobTimeout``, ``HangTimeout``, ``RunLost``); ``ResultTimeout`` when ``timeout`` seconds
+        pass first (the run goes on)."""
+        if not self._done.wait(timeout):
+            raise ResultTimeout(timeout)
+        if self._error is not None:
+            raise self._error
+        if not self._value_read:
+            self._value = value_blobs.loads(value_blobs.read(os.path.join(self.directory, VALUE_FILE)))
+            self._value_read = True
+        return self._value
+
+    def cancel(self, by: str = "cancel()") -> None:
+        """Stop the run (every rank), from this kernel."""
+        stop(self.run_id, by=by)
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self._done.wait(timeout)
+
+    def logs(self, rank: int = 0, attempt: Optional[int] = None) -> str:
+        """Everything ``rank`` printed so far (stdout and stderr, in order)."""
+        return self.state.logs(rank, attempt)
+
+    def detach(self) -> None:
+        """Stop following the run here (the run goes on)."""
+        self._stopping.set()
+
+    @property
+    def detached(self) -> bool:
+        """Whether this handle stopped following the run (``detach``)."""
+        return self._stopping.is_set()
+
+    def start_profile(self, steps: int) -> None:
+        """Refused: only the supervising process reaches the ranks (the view's Profile button)."""
+        raise ValueError(f"run {self.run_id} is detached: its ranks can be profiled from the start only "
+                         "(--profile STEPS when it is started), not from a kernel attached to it")
+
+    def __repr__(self) -> str:
+        return (f"<torchdist detached Run {self.run_id} {self.state.state} np={self.record.num_processes} "
+                f"on {self.state.backend}: %torchdist attach {self.run_id} follows it, "
+                f"%torchdist stop {self.run_id} stops it>")
+
+    # -- following the journal --------------------------------------------------------------
+    def _follow(self) -> None:
+        path = os.path.join(self.directory, JOURNAL_FILE)
+        done = os.path.join(self.directory, DONE_FILE)
+        pending = b""
+        position = 0
+        try:
+            while not self._stopping.is_set():
+                finished = os.path.exists(done)  # before the last read: nothing comes after it
+                alive = finished or process_alive(self.record.pid)
+                try:
+                    with open(path, "rb") as fh:
+                        fh.seek(position)
+                        chunk = fh.read()
+                except FileNotFoundError:
+                    chunk = b""
+                position += len(chunk)
+                lines = (pending + chunk).split(b"\n")
+                pending = lines.pop()
+                for line in lines:
+                    record = events.loads(line)
+                    if isinstance(record, events.AttemptBegan):
+                        self.state.restart()
+                    else:
+                        self.state.apply(record)
+                if finished:
+                    return self._finish()
+                if not alive:
+                    return self._lost()
+                time.sleep(FOLLOW_INTERVAL)
+        except BaseException as exc:  # reported through result(), never lost in this thread
+            self._error = exc
+            self.state.finish("failed", message=f"could not follow the run: {exc}")
+            self._done.set()
+
+    def _finish(self) -> None:
+        if os.path.exists(os.path.join(self.directory, JOURNAL_FULL_FILE)):
+            self.notes.append("the run's journal was full: this view lacks its later records; the record "
+                              "has its end and the tails of its logs")
+        record = self.record = read_record(self.run_id)
+        outcome = record.outcome or record.state
+        self.state.finish(outcome, record.root_cause, record.failure)
+        if outcome == "failed" and record.root_cause is not None:
+            self._error = RankFailure(record.root_cause)
+        elif outcome == "cancelled":
+            self._error = RunCancelled(record.failure or "the run was cancelled; every rank was stopped")
+        elif outcome == "timed out":
+            self._error = JobTimeout(record.options.get("timeout") or 0.0, record.failure)
+        elif outcome == "hung":
+            self._error = HangTimeout(record.options.get("hang_timeout") or 0.0, {}, record.num_processes)
+        elif outcome != "succeeded" or not record.has_value:
+            self._error = RuntimeError(record.failure or f"the run ended {outcome}")
+        self._done.set()
+
+    def _lost(self) -> None:
+        message = (f"the supervising process of detached run {self.run_id} (pid {self.record.pid}) ended "
+                   "before the run did: it was killed, and the run's ranks ended with it")
+        self._error = RunLost(message)
+        self.state.finish("failed", message=message)
+        self._done.set()

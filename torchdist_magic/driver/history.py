@@ -1,0 +1,345 @@
+"""The history of runs: one bounded record per run (detached or not) under a private per-user
+directory, which ``torchdist_magic.runs()`` and ``%torchdist runs`` list.
+
+Where.  ``TORCHDIST_HOME`` (default ``~/.torchdist``), mode 0700 and checked as ``privdir``
+checks any directory a run keeps files in; each run is ``runs/<run_id>/`` in it:
+
+- ``record.json``: the options, what ran (a cell's source, a function's or script's name), the
+  state, the times, the root cause of a failure, the pid of the process that supervises the run
+  (the notebook's kernel, or for a detached run a supervising process of its own);
+- ``logs/rank-<r>.log``: each rank's output when the run ended (the newest ``LOG_KEEP_LINES``
+  lines, at most ``LOG_KEEP_CHARS``, and for many ranks their share of ``RUN_LOG_KEEP_CHARS``);
+- ``metrics.json``: every rank's metric history (at most ``METRIC_KEEP_POINTS`` points a metric
+  and rank) and system history, when the run ended;
+- for a detached run also its journal, its value and its control socket's token (``supervisor``).
+
+Bounds.  When a run starts, the records of finished runs beyond the newest
+``TORCHDIST_HISTORY_RUNS`` (default 100) or older than ``TORCHDIST_HISTORY_DAYS`` (default 30)
+are removed; a record whose run is still going is never removed.
+
+A record that says ``running`` while its supervising process is gone (a kernel that died with a
+run that was not detached) reads as ``failed``, saying so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from ..core.events import Failure, failure_from_json, failure_to_json
+from ..core.privdir import check_private, open_private, private_directory
+
+HOME_ENV = "TORCHDIST_HOME"
+RUNS_ENV = "TORCHDIST_HISTORY_RUNS"
+DAYS_ENV = "TORCHDIST_HISTORY_DAYS"
+DEFAULT_RUNS = 100
+DEFAULT_DAYS = 30.0
+#: a rank's output a record keeps (its newest lines, and of those the newest characters), and a
+#: run's, all ranks together: each rank keeps its share, at least ``MIN_LOG_KEEP_CHARS``
+LOG_KEEP_LINES = 20_000
+LOG_KEEP_CHARS = 1024 * 1024
+RUN_LOG_KEEP_CHARS = 64 * 1024 * 1024
+MIN_LOG_KEEP_CHARS = 16 * 1024
+#: points of one metric of one rank a record keeps (downsampled from the run's history)
+METRIC_KEEP_POINTS = 500
+RECORD_FILE = "record.json"
+#: the states a record reports; a run's other ends (timed out, hung) are ``failed`` with why
+STATES = ("running", "succeeded", "failed", "cancelled")
+
+
+def home() -> str:
+    """This user's torchdist directory (``TORCHDIST_HOME``, default ``~/.torchdist``), made
+    private (0700) where missing; ``UnsafePath`` when it is not this user's own."""
+    path = os.environ.get(HOME_ENV) or os.path.join(os.path.expanduser("~"), ".torchdist")
+    return private_directory(os.path.abspath(path))
+
+
+def runs_directory() -> str:
+    """Where the records are (``home()/runs``), made private where missing."""
+    return private_directory(os.path.join(home(), "runs"))
+
+
+def record_directory(run_id: str) -> str:
+    """The private directory of run ``run_id``'s record, made where missing."""
+    if not run_id or os.sep in run_id or run_id in (".", ".."):
+        raise ValueError(f"not a run id: {run_id!r}")
+    return private_directory(os.path.join(runs_directory(), run_id))
+
+
+def _limit(name: str, default: float, kind: type) -> float:
+    text = os.environ.get(name, "")
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive {'whole ' if kind is int else ''}number, got {text!r}")
+    return value
+
+
+def bounds() -> tuple:
+    """``(runs, days)``: how many finished records are kept, and for how long."""
+    return _limit(RUNS_ENV, DEFAULT_RUNS, int), _limit(DAYS_ENV, DEFAULT_DAYS, float)
+
+
+@dataclass
+class RunRecord:
+    """What the history knows of one run.  ``state`` is one of ``STATES``; ``failure`` says why
+    a run failed or was cancelled (the root cause's summary), ``root_cause`` is that rank's
+    ``Failure`` when a rank failed; ``started``/``ended`` are ``time.time()`` seconds."""
+
+    run_id: str
+    state: str = "running"
+    started: float = 0.0
+    ended: Optional[float] = None
+    failure: str = ""
+    root_cause: Optional[Failure] = None
+    #: the run's own end: ``succeeded``, ``failed``, ``cancelled``, ``timed out`` or ``hung``
+    outcome: str = ""
+    job_name: str = ""
+    source: str = ""
+    options: Dict[str, Any] = field(default_factory=dict)
+    backend: str = ""
+    num_processes: int = 1
+    detached: bool = False
+    #: the process that supervises the run, and where it runs
+    pid: int = 0
+    host: str = ""
+    #: a detached run's control socket (``supervisor``), and whether its value is kept
+    control: str = ""
+    has_value: bool = False
+    directory: str = ""
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.directory, RECORD_FILE)
+
+    def log(self, rank: int) -> str:
+        """Rank ``rank``'s output as kept when the run ended ("" while it runs, or without one)."""
+        try:
+            with open(os.path.join(self.directory, "logs", f"rank-{rank}.log"), encoding="utf-8") as fh:
+                return fh.read()
+        except FileNotFoundError:
+            return ""
+
+    def metrics(self) -> Dict[str, Any]:
+        """The metric and system histories kept when the run ended (``{}`` before)."""
+        try:
+            with open(os.path.join(self.directory, "metrics.json"), encoding="utf-8") as fh:
+                return json.load(fh)
+        except FileNotFoundError:
+            return {}
+
+    def to_json(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["root_cause"] = failure_to_json(self.root_cause) if self.root_cause is not None else None
+        del data["directory"]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict, directory: str) -> "RunRecord":
+        names = {f.name for f in dataclasses.fields(cls)} - {"directory"}
+        known = {k: v for k, v in data.items() if k in names}
+        if known.get("root_cause") is not None:
+            known["root_cause"] = failure_from_json(known["root_cause"])
+        return cls(directory=directory, **known)
+
+    def save(self) -> None:
+        """Write the record (atomically: a reader sees the old one or this one)."""
+        write_private(self.path, json.dumps(self.to_json(), indent=1, allow_nan=False, default=str))
+
+    def row(self) -> str:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        took = f"{(self.ended or time.time()) - self.started:8.1f}s"
+        what = "detached" if self.detached else ""
+        return (f"{self.run_id:<22} {self.state:<10} {started}  {took}  np={self.num_processes:<4} "
+                f"{self.backend:<24.24} {what:<8} {self.job_name:<18.18} {self.failure:.60}").rstrip()
+
+    def __repr__(self) -> str:
+        return f"<torchdist RunRecord {self.run_id} {self.state}{' (detached)' if self.detached else ''}>"
+
+
+HEADER = f"{'run id':<22} {'state':<10} {'started':<19}  {'took':>9}  {'np':<7} {'backend':<24} {'':<8} {'job':<18} why"
+
+
+def write_private(path: str, text: str) -> None:
+    """``text`` into ``path`` (0600, never through a link), replacing it atomically."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    fd = open_private(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(temporary, path)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie is not)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process took the pid: ours is gone
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def read_record(run_id: str) -> RunRecord:
+    """Run ``run_id``'s record; ``KeyError`` naming what is there when there is none."""
+    directory = os.path.join(runs_directory(), run_id)
+    record = _read(directory) if run_id and os.sep not in run_id else None
+    if record is None:
+        known = [r.run_id for r in runs()[:5]]
+        raise KeyError(f"no run {run_id!r} in {runs_directory()}"
+                       + (f"; the newest are {', '.join(known)}" if known else "; no run was recorded yet"))
+    return record
+
+
+def _read(directory: str) -> Optional[RunRecord]:
+    try:
+        check_private(directory)
+        with open(os.path.join(directory, RECORD_FILE), encoding="utf-8") as fh:
+            record = RunRecord.from_json(json.load(fh), directory)
+    except (OSError, ValueError, TypeError):
+        return None  # a record being made, or not one of ours
+    if record.state == "running" and not process_alive(record.pid):
+        record.state = "failed"
+        who = "its supervising process" if record.detached else "the kernel (or process) that ran it"
+        record.failure = record.failure or f"{who} (pid {record.pid}) ended before the run did"
+    return record
+
+
+def runs() -> List[RunRecord]:
+    """Every recorded run of this user, the newest first."""
+    base = runs_directory()
+    found = [_read(os.path.join(base, name)) for name in os.listdir(base)]
+    return sorted((r for r in found if r is not None), key=lambda r: r.started, reverse=True)
+
+
+def runs_table(records: Optional[List[RunRecord]] = None) -> str:
+    """The records as a table (``%torchdist runs``)."""
+    records = runs() if records is None else records
+    if not records:
+        return f"no run recorded in {runs_directory()}"
+    return "\n".join([HEADER] + [r.row() for r in records])
+
+
+def prune(now: Optional[float] = None) -> List[str]:
+    """Remove the finished records beyond ``bounds()``; the ids removed."""
+    keep, days = bounds()
+    now = time.time() if now is None else now
+    removed = []
+    finished = [r for r in runs() if r.state != "running"]
+    for index, record in enumerate(finished):
+        if index >= keep or now - (record.ended or record.started) > days * 86400:
+            shutil.rmtree(record.directory, ignore_errors=True)
+            removed.append(record.run_id)
+    return removed
+
+
+def job_source(job: Any) -> str:
+    """What a record says ran: a cell's source, a script's path, a function's name."""
+    if getattr(job, "cell", None) is not None:
+        return job.cell.source
+    if getattr(job, "script_path", ""):
+        return " ".join([job.script_path] + list(job.script_args))
+    return job.name
+
+
+def options_json(options: Any) -> Dict[str, Any]:
+    """``LaunchOptions`` as JSON values (``ranks`` a list)."""
+    data = dataclasses.asdict(options)
+    if data.get("ranks") is not None:
+        data["ranks"] = list(data["ranks"])
+    return data
+
+
+def outcome_of(state: str) -> str:
+    """A run's end as a record's ``state``: ``timed out`` and ``hung`` are failures."""
+    return state if state in STATES else "failed"
+
+
+class RecordKeeper:
+    """The record of one run, kept by the process that supervises it: ``begin`` when it starts,
+    ``end`` when it has ended.  Writing a record never fails a run: what could not be written is
+    said once, as a warning."""
+
+    def __init__(self, run: Any):
+        self.run = run
+        self.record: Optional[RunRecord] = None
+        self._warned = False
+
+    def begin(self) -> None:
+        run = self.run
+        try:
+            prune()
+            directory = record_directory(run.run_id)
+            self.record = RunRecord(
+                run_id=run.run_id, state="running", started=run.state.started, job_name=run.job.name,
+                source=job_source(run.job), options=options_json(run.options), backend=run.state.backend,
+                num_processes=run.options.num_processes, pid=os.getpid(),
+                host=os.uname().nodename, directory=directory)
+            existing = _read(directory)
+            if existing is not None:  # a detached run's record, made by the kernel that started it
+                self.record.detached, self.record.control = existing.detached, existing.control
+            self.record.save()
+        except (OSError, ValueError) as exc:
+            self._warn(exc)
+
+    def end(self, has_value: bool = False) -> None:
+        """Write the run's end: state, failure, each rank's logs, the metric histories."""
+        if self.record is None:
+            return
+        state = self.run.state
+        record = self.record
+        try:
+            snapshot = state.snapshot()
+            record.outcome = snapshot.state
+            record.state = outcome_of(snapshot.state)
+            record.ended = snapshot.ended or time.time()
+            record.root_cause = snapshot.failure
+            record.failure = snapshot.failure.summary() if snapshot.failure is not None else (
+                snapshot.message if record.state != "succeeded" else "")
+            record.has_value = has_value
+            self._write_logs(state)
+            self._write_metrics(state)
+            record.save()
+        except (OSError, ValueError) as exc:
+            self._warn(exc)
+
+    def _write_logs(self, state: Any) -> None:
+        logs = os.path.join(self.record.directory, "logs")
+        os.makedirs(logs, mode=0o700, exist_ok=True)
+        keep = min(LOG_KEEP_CHARS, max(MIN_LOG_KEEP_CHARS, RUN_LOG_KEEP_CHARS // max(state.num_processes, 1)))
+        for rank in range(state.num_processes):
+            read = state.read_log(rank, limit=LOG_KEEP_LINES, newest=True)
+            text = "".join(line.text + ("\r" if line.cr else "\n") for line in read.lines)
+            if read.start:
+                text = f"[torchdist] the record keeps the last {len(read.lines)} lines of this log\n" + text
+            if len(text) > keep:
+                text = f"[torchdist] the record keeps the last {keep} characters of this log\n" + text[-keep:]
+            write_private(os.path.join(logs, f"rank-{rank}.log"), text)
+
+    def _write_metrics(self, state: Any) -> None:
+        history = state.metric_history(points=METRIC_KEEP_POINTS)
+        system = {rank: state.system_history(rank, points=METRIC_KEEP_POINTS) for rank in range(state.num_processes)}
+        write_private(os.path.join(self.record.directory, "metrics.json"),
+                      json.dumps({"metrics": history, "system": system}, default=str))
+
+    def _warn(self, exc: BaseException) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"run {self.run.run_id} could not be recorded in the history of runs "
+                          f"({type(exc).__name__}: {exc}); the run itself goes on", RuntimeWarning, stacklevel=2)

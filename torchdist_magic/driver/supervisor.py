@@ -1,0 +1,386 @@
+"""A detached run's supervising process (``--detach``): it owns the run (its channel, state,
+restarts, watchdog, timeout, MLflow) outside the notebook's kernel, so the run goes on when the
+kernel dies, restarts or shuts down.
+
+The kernel (``start_detached``) writes into the run's private record directory (``history``)
+what the supervising process needs (the job as the ranks read it, the options, a token), starts
+``python -m torchdist_magic.driver.supervisor DIRECTORY`` in a session of its own, and returns
+once the run has started (or raises what refused it).  The supervising process then writes:
+
+- ``journal.jsonl``: every record the run's state took, one ``events`` JSON record a line, from
+  which any kernel rebuilds the run's state (``attach``); at most ``JOURNAL_MAX_BYTES``, past
+  which records are not journaled and ``journal-full`` says so;
+- ``value.blob``: rank 0's value (``core.values``' format), when the run succeeded;
+- ``done``: once the journal, the value and the record are complete.
+
+Its control socket (a Unix socket in this user's private directory of the temporary directory,
+named in the record) takes one ``events.StopRun`` a connection, from a process of this user
+(its peer's uid is checked) that knows the run's token; anything else is refused.  SIGTERM,
+SIGINT or SIGHUP to the supervising process stop the run too.  When it ends, however it ends,
+its ranks end with it (a local rank watches its launcher, which is this process).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import queue
+import secrets
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any, Optional
+
+from ..core import events
+from ..core import values as value_blobs
+from ..core.options import LaunchOptions
+from ..core.privdir import open_private, user_directory
+from .history import RunRecord, options_json, read_record, record_directory, write_private
+
+JOB_FILE = "job.bin"
+OPTIONS_FILE = "options.json"
+TOKEN_FILE = "token"
+JOURNAL_FILE = "journal.jsonl"
+JOURNAL_FULL_FILE = "journal-full"
+VALUE_FILE = "value.blob"
+READY_FILE = "ready"
+REFUSED_FILE = "refused"
+DONE_FILE = "done"
+LOG_FILE = "supervisor.log"
+#: a journal holds at most this much; the rest of the run is in its record (state, logs' tails)
+JOURNAL_MAX_BYTES = 1 << 30
+#: how long ``start_detached`` waits for the supervising process to start the run
+START_WAIT = 120.0
+#: a control request's largest size
+REQUEST_MAX_BYTES = 4096
+
+SPARK_FILE = "spark.json"
+NOTEBOOK_OWNS_SPARK = (
+    "--detach cannot run here on classic Spark: this cluster's one SparkContext belongs to the notebook "
+    "(Databricks' classic clusters), and a supervising process outside the kernel cannot start a session "
+    "of its own on it. Connect to the cluster with Spark Connect (SparkSession.builder.remote(...), "
+    "Databricks Connect), where --detach works, or run without --detach/detach=True")
+#: a classic session's settings that belong to its own driver, not to the cluster: the supervising
+#: process's session takes every other one
+OWN_DRIVER_SETTINGS = ("spark.app.id", "spark.app.name", "spark.app.startTime", "spark.app.submitTime",
+                       "spark.driver.host", "spark.driver.port", "spark.driver.appUIAddress", "spark.executor.id",
+                       "spark.ui.proxyBase", "spark.sql.connect.", "spark.repl.")
+NO_DATA = ("--detach cannot train on a DataFrame (--data): its ranks would read the data from this "
+           "kernel; run it without --detach/detach=True")
+
+
+#: the longest path a Unix socket may have (108 bytes on Linux, with its terminating NUL)
+SOCKET_PATH_MAX = 107
+
+
+def control_path(run_id: str) -> str:
+    """Where run ``run_id``'s control socket listens: in this user's private directory of the
+    temporary directory, or of ``/tmp`` where that path would be too long for a Unix socket."""
+    for parent in (tempfile.gettempdir(), "/tmp"):
+        path = os.path.join(user_directory(parent), f"ctl-{run_id}.sock")
+        if len(os.fsencode(path)) <= SOCKET_PATH_MAX:
+            return path
+    raise ValueError(f"no place for run {run_id}'s control socket: {path} is longer than a Unix socket's path "
+                     f"may be ({SOCKET_PATH_MAX} bytes)")
+
+
+def spark_target(session: Any) -> dict:
+    """Where a detached run's supervising process opens a Spark session of its own for the run of
+    this kernel's ``session``: the same Spark Connect remote with the same credentials (its own
+    session id), or the same classic master with the same settings (``OWN_DRIVER_SETTINGS``
+    aside).  ``ValueError`` (``NOTEBOOK_OWNS_SPARK``) where the cluster's one SparkContext belongs
+    to the notebook."""
+    from ..backends.spark_stage import is_spark_connect
+
+    if is_spark_connect(session):
+        url = session.client._builder.url  # sc://host:port/;token=...;session_id=... as parsed
+        params = [p for p in url.params.split(";") if p and not p.startswith("session_id=")]
+        return {"kind": "connect", "remote": f"sc://{url.netloc}/" + "".join(f";{p}" for p in params)}
+    settings = dict(session.sparkContext.getConf().getAll())
+    if os.environ.get("DATABRICKS_RUNTIME_VERSION") or any(k.startswith("spark.databricks.") for k in settings):
+        raise ValueError(NOTEBOOK_OWNS_SPARK)
+    return {"kind": "classic", "master": session.sparkContext.master,
+            "conf": {k: v for k, v in settings.items() if not k.startswith(OWN_DRIVER_SETTINGS)}}
+
+
+def open_spark(target: dict) -> Any:
+    """The supervising process's own session on ``spark_target``'s cluster."""
+    from pyspark.sql import SparkSession
+
+    if target["kind"] == "connect":
+        return SparkSession.builder.remote(target["remote"]).getOrCreate()
+    builder = SparkSession.builder.master(target["master"]).appName("torchdist-detached")
+    for key, value in target["conf"].items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()
+
+
+def check_detachable(options: LaunchOptions, session: Any, data: Any = None) -> Optional[dict]:
+    """Where a run with ``options`` is detached to (``spark_target``; None: local processes), or
+    ``ValueError`` saying why it cannot be, before anything starts.  ``session``: the active
+    Spark session, or None."""
+    if data is not None:
+        raise ValueError(NO_DATA)
+    kind = options.backend
+    if kind == "auto":
+        kind = "spark" if session is not None else "local"
+    if kind == "local":
+        return None
+    if session is None:
+        from ..backends.spark import NO_SESSION
+
+        raise ValueError(NO_SESSION)
+    return spark_target(session)
+
+
+def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = None) -> str:
+    """Start ``job`` as a detached run and return its id once its supervising process has
+    started it (on ``spark``, a ``spark_target``, when given; else on local processes);
+    ``ValueError`` with what refused it otherwise."""
+    run_id = f"{time.strftime('%m%d%H%M')}-{uuid.uuid4().hex[:8]}"
+    directory = record_directory(run_id)
+    fd = open_private(os.path.join(directory, JOB_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(value_blobs.pickle_for_ranks(job))
+    backend = "spark" if spark is not None else "local"
+    write_private(os.path.join(directory, OPTIONS_FILE),
+                  json.dumps(options_json(options.replace(detach=False, backend=backend))))
+    if spark is not None:  # read, then removed, by the supervising process: it may hold a token
+        write_private(os.path.join(directory, SPARK_FILE), json.dumps(spark))
+    write_private(os.path.join(directory, TOKEN_FILE), secrets.token_hex(32))
+    record = RunRecord(run_id=run_id, state="running", started=time.time(), job_name=job.name,
+                       options=options_json(options),
+                       backend="local processes" if spark is None else f"Spark ({spark['kind']})",
+                       num_processes=options.num_processes, detached=True, host=os.uname().nodename,
+                       control=control_path(run_id), directory=directory)
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH", "")]))
+    log = open_private(os.path.join(directory, LOG_FILE), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        # a session of its own: a kernel's end (its process group signalled) does not reach it
+        process = subprocess.Popen([sys.executable, "-m", "torchdist_magic.driver.supervisor", directory],
+                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                                   start_new_session=True, close_fds=True)
+    finally:
+        os.close(log)
+    record.pid = process.pid
+    record.save()
+    # reaped here while this process lives (no zombie left); when it dies, init adopts it
+    threading.Thread(target=process.wait, name=f"torchdist-supervisor-{run_id}", daemon=True).start()
+    deadline = time.monotonic() + START_WAIT
+    while not os.path.exists(os.path.join(directory, READY_FILE)):
+        refused = os.path.join(directory, REFUSED_FILE)
+        if os.path.exists(refused):
+            with open(refused, encoding="utf-8") as fh:
+                raise ValueError(fh.read())
+        if process.poll() is not None or time.monotonic() > deadline:
+            if process.poll() is None:
+                process.kill()
+            raise RuntimeError(f"the supervising process of detached run {run_id} did not start it "
+                               f"(exit code {process.poll()}); its output is in "
+                               f"{os.path.join(directory, LOG_FILE)}:\n{_tail(directory)}")
+        time.sleep(0.01)
+    return run_id
+
+
+def _tail(directory: str, chars: int = 2000) -> str:
+    try:
+        with open(os.path.join(directory, LOG_FILE), encoding="utf-8", errors="replace") as fh:
+            return fh.read()[-chars:]
+    except OSError:
+        return ""
+
+
+class Journal:
+    """Records of the run's state into ``journal.jsonl``, written by a thread of its own: ``put``
+    (the state's listener) returns at once.  Before the first record of a later attempt (the run
+    restarted) it writes an ``AttemptBegan``; ``state`` is the run's state, whose attempt the
+    records are of (the listener runs with its lock held)."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._queue: "queue.SimpleQueue[Optional[events.Event]]" = queue.SimpleQueue()
+        fd = open_private(os.path.join(directory, JOURNAL_FILE), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        self._file = os.fdopen(fd, "w", encoding="utf-8")
+        self._size = 0
+        self._full = False
+        self.state: Any = None
+        self._attempt = 1
+        self._thread = threading.Thread(target=self._write, name="torchdist-journal", daemon=True)
+        self._thread.start()
+
+    def put(self, record: events.Event) -> None:
+        attempt = self.state.attempt if self.state is not None else 1
+        if attempt != self._attempt:
+            self._attempt = attempt
+            self._queue.put(events.AttemptBegan(rank=-1, attempt=attempt))
+        self._queue.put(record)
+
+    def _write(self) -> None:
+        while True:
+            record = self._queue.get()
+            lines = []
+            while record is not None:
+                lines.append(events.dumps(record) + "\n")
+                try:
+                    record = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            kept = []
+            for line in lines:
+                if self._full:
+                    break
+                if self._size + len(line) > JOURNAL_MAX_BYTES:
+                    self._full = True
+                    write_private(os.path.join(self.directory, JOURNAL_FULL_FILE),
+                                  f"the journal reached {JOURNAL_MAX_BYTES} bytes; later records are in the "
+                                  "run's record only (its state, the tails of its logs)")
+                    break
+                kept.append(line)
+                self._size += len(line)
+            if kept:
+                self._file.write("".join(kept))
+                self._file.flush()
+            if record is None:
+                self._file.close()
+                return
+
+    def close(self) -> None:
+        """Write what is queued and close the file."""
+        self._queue.put(None)
+        self._thread.join()
+
+
+class ControlServer:
+    """The control socket: one ``StopRun`` a connection, from this user with the run's token."""
+
+    def __init__(self, path: str, token: str, stop):
+        self.path = path
+        self._token = token
+        self._stop = stop
+        if os.path.lexists(path):
+            os.unlink(path)
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._socket.bind(path)
+        os.chmod(path, 0o600)
+        self._socket.listen(8)
+        self._thread = threading.Thread(target=self._serve, name="torchdist-control", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._socket.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                conn.settimeout(5.0)
+                try:
+                    conn.sendall(b"ok\n" if self._handle(conn) else b"refused\n")
+                except OSError:
+                    pass
+
+    def _handle(self, conn: socket.socket) -> bool:
+        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+        if uid != os.geteuid():
+            return False
+        data = b""
+        while not data.endswith(b"\n") and len(data) < REQUEST_MAX_BYTES:
+            chunk = conn.recv(REQUEST_MAX_BYTES)
+            if not chunk:
+                break
+            data += chunk
+        try:
+            record = events.loads(data)
+        except events.MalformedEvent:
+            return False
+        if type(record) not in events.SENDERS["kernel"] or not hmac.compare_digest(record.token, self._token):
+            return False
+        self._stop(record.by or "%torchdist stop")
+        return True
+
+    def close(self) -> None:
+        self._socket.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def supervise(directory: str) -> int:
+    """The supervising process's work: start the run, serve its control socket, keep its
+    journal, value and record until it ends.  The exit code: 0 once the run ended, whatever its
+    outcome; 2 when it was refused before it started (``refused`` says why)."""
+    import cloudpickle
+
+    from .distributor import submit
+
+    run_id = os.path.basename(directory.rstrip(os.sep))
+    record = read_record(run_id)
+    with open(os.path.join(directory, OPTIONS_FILE), encoding="utf-8") as fh:
+        options = LaunchOptions(**json.load(fh))
+    with open(os.path.join(directory, TOKEN_FILE), encoding="utf-8") as fh:
+        token = fh.read().strip()
+    with open(os.path.join(directory, JOB_FILE), "rb") as fh:
+        job = cloudpickle.load(fh)
+    session = None
+    spark_file = os.path.join(directory, SPARK_FILE)
+    if os.path.exists(spark_file):
+        with open(spark_file, encoding="utf-8") as fh:
+            target = json.load(fh)
+        os.unlink(spark_file)
+        session = open_spark(target)
+    journal = Journal(directory)
+    cancel = threading.Event()  # a stop asked for before the run's handle exists
+    run = None
+
+    def stop(by: str) -> None:
+        cancel.set()
+        if run is not None:
+            run.cancel(by=by)
+
+    control = ControlServer(record.control, token, stop)
+    try:
+        run = submit(job, (), {}, options, run_id=run_id, listener=journal.put)
+        journal.state = run.state  # the first attempt's records need no mark
+    except (TypeError, ValueError) as exc:
+        control.close()
+        if session is not None:
+            session.stop()
+        journal.close()
+        record.state, record.failure, record.ended = "failed", str(exc), time.time()
+        record.save()
+        write_private(os.path.join(directory, REFUSED_FILE), str(exc))
+        return 2
+    if cancel.is_set():
+        run.cancel(by="%torchdist stop")
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: stop(f"{signal.Signals(signum).name} to its supervising process"))
+    write_private(os.path.join(directory, READY_FILE), str(os.getpid()))
+    try:
+        while not run.wait(0.5):
+            pass
+        has_value = False
+        if run.exception is None:
+            value_blobs.dump(run.result(), os.path.join(directory, VALUE_FILE))
+            has_value = True
+        journal.close()
+        run.record.end(has_value=has_value)
+    finally:
+        control.close()
+        write_private(os.path.join(directory, DONE_FILE), run.state.state)
+        if session is not None:
+            session.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(supervise(sys.argv[1]))
