@@ -41,7 +41,8 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ..core import events
 from . import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
-from ..wire.channel import ChannelServer, new_secret
+from ..wire.frames import new_secret
+from ..wire.server import ChannelServer
 from ..core.fdlimit import make_room
 from ..core.options import LaunchOptions
 from ..core.procs import rss_bytes

@@ -53,7 +53,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 
 from ..core import events, procs
 from ..launch import hostcopy, valueupload
-from ..wire.channel import ChannelClient
+from ..wire.client import ChannelClient
 from ..launch.gpu_metrics import open_gpu_source
 from ..launch.launcher import RankProcess, read_result, reserve_port, stop_all, write_job_file
 from ..core.privdir import check_private, open_private

@@ -161,7 +161,7 @@ class OutputLine:
 class Log(Event):
     """One line of a rank's output; ``cr`` when it ended with ``\\r`` (a redrawn progress line).
     ``more``: the lines that followed it, in order, sent in the same record (a client puts the
-    lines of one flush into one record: ``channel.merge_logs``)."""
+    lines of one flush into one record: ``wire.batching.merge_logs``)."""
 
     type: ClassVar[str] = "log"
     stream: str = "stdout"

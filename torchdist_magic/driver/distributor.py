@@ -33,7 +33,8 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Protocol
 
 from ..backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
-from ..wire.channel import ChannelServer, new_secret
+from ..wire.frames import new_secret
+from ..wire.server import ChannelServer
 from ..core.fdlimit import make_room
 from .console import NO_STDIN_PDB, Console, rank_env
 from ..core import culprit

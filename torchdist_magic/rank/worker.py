@@ -536,7 +536,7 @@ def main(argv=None) -> int:
 
     import cloudpickle
 
-    from torchdist_magic.wire import channel
+    from torchdist_magic.wire.client import client_from_env
     from torchdist_magic.rank import collectives, debugger as rank_debugger, runtime
 
     collectives.enable_flight_recorder()  # before the job's first process group
@@ -557,7 +557,7 @@ def main(argv=None) -> int:
             debug.on_message(record)
 
     debug = None
-    client = channel.client_from_env(on_message)
+    client = client_from_env(on_message)
     debug = rank_debugger.install(client)
     os.environ.pop(SECRET_ENV, None)
     startup_env = json.loads(os.environ.pop(ENV_BEFORE, "") or "{}")
