@@ -110,8 +110,7 @@ def check_hello(hello: dict, challenge: str, *, run_id: str, ranks: Optional[int
                 role_secrets: Dict[str, str], files: "FileTransfers") -> Optional[str]:
     """Why ``hello`` (answering the nonce ``challenge``) does not open the channel of run
     ``run_id`` of ``ranks`` ranks (``None``: any number), whose roles have ``role_secrets``,
-    serving ``files``;
-    ``None`` when it does."""
+    serving ``files``; ``None`` when it does."""
     protocol = hello.get("protocol")
     if type(protocol) is not int or protocol != events.PROTOCOL_VERSION:
         return (f"event protocol version mismatch: the rank speaks version {protocol!r:.20}, "
