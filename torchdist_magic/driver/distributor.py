@@ -39,7 +39,8 @@ from ..core.fdlimit import make_room
 from .console import NO_STDIN_PDB, Console, rank_env
 from ..core import culprit
 from ..core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled, stack_text
-from ..core.events import DebugOutput, DumpCollectives, Failure, Log, Preflight, ProfileDone, ProfilePiece, Stacks, StartProfile
+from ..core.events import DebugOutput, DumpCollectives, Log, Preflight, ProfileDone, ProfilePiece, Stacks, StartProfile
+from ..core.failure import Failure
 from ..core.job import Job, function_job, script_job
 from ..core.values import value_directory
 from ..core.options import LaunchOptions
@@ -48,7 +49,10 @@ from ..core import values as value_blobs
 from ..core.names import VALUES_FETCH_ENV
 from ..core.rankenv import RunSpec
 from .profiles import Profile, ProfileCollector
-from .state import Attempt, RunDirectory, RunState, is_collateral
+from .rootcause import is_collateral
+from .rundir import RunDirectory
+from .snapshot import Attempt
+from .state import RunState
 from ..core.timing import COLLECTIVES_WAIT, ROOT_CAUSE_WAIT, STACKS_COLLECT_WAIT, STOP_GRACE, SUPERVISE_POLL
 from .tracking import MlflowLogger
 

@@ -229,7 +229,6 @@ class ChannelClient:
                           f"the driver: {exc!r}", file=sys.__stderr__, flush=True)
 
 
-
 def client_from_env(on_message: Optional[Callable[[events.Event], None]] = None) -> Optional[ChannelClient]:
     """A worker's client, from ``TORCHDIST_CHANNEL`` (host:port), ``TORCHDIST_SECRET``,
     ``TORCHDIST_RUN_ID``, ``RANK`` and ``TORCHDIST_CHANNEL_CERT`` (the run's certificate, when its

@@ -65,7 +65,6 @@ def macs_equal(given: object, expected: bytes) -> bool:
     return isinstance(given, str) and hmac.compare_digest(given.encode("utf-8", "replace"), expected)
 
 
-
 def pack_frame(obj: dict) -> bytes:
     data = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8")
     return LENGTH.pack(len(data)) + data
@@ -111,5 +110,3 @@ def read_frame(sock: socket.socket, limit: int) -> dict:
     if obj is None:
         raise FrameError("frame is not a UTF-8 JSON object")
     return obj
-
-

@@ -39,7 +39,7 @@ def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: in
                     upload: Optional[int] = None) -> Union[framemac.MacSocket, TlsSocket]:
     """An authenticated connection to the driver at ``address`` as ``role`` of ``rank`` (TLS
     with ``context``; ``fetch``: to fetch the file of that name; ``upload``: to send the rank's
-    value of that many bytes; see the module's "Files"): each
+    value of that many bytes; see ``transfers``): each
     handshake within ``HANDSHAKE_DEADLINE``; one that the driver cut off (evicted from its
     pending table) or that took too long is tried again after a jittered, growing pause, for at most ``CONNECT_ATTEMPTS`` times ``HANDSHAKE_DEADLINE``.  Raises
     ``Refused``, ``NotTheDriver``, ``FrameError``, ``EOFError`` or ``OSError`` (``TimeoutError``

@@ -61,14 +61,12 @@ _OUT_OF_FILES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 ACCEPT_PAUSE = 0.1
 
 
-
 def _half_the_files() -> int:
     """Half of this process's soft limit on open files (``MAX_PENDING`` where there is none)."""
     current = fdlimit.limits()
     if current is None or current[0] < 0:  # RLIM_INFINITY
         return MAX_PENDING
     return max(16, current[0] // 2)
-
 
 
 class ChannelServer:
@@ -88,7 +86,7 @@ class ChannelServer:
     them where the view and ``run.state.refusals`` show them).  With
     ``identity`` (a ``tls.ChannelIdentity``) every connection is TLS; a TLS handshake that fails
     is a failed handshake (``rejected``).  ``files`` (``{name: path}``) are the files an
-    authenticated peer may fetch (see the module's "Files"); ``files_sent`` counts those sent
+    authenticated peer may fetch (see ``transfers``); ``files_sent`` counts those sent
     whole, ``values_received`` the ranks' values taken whole (``receive_values``).  ``ranks``: the
     run's number of ranks, of which a hello must name one; with one connection per role and rank
     (the first, ``claims_refused`` counts the others), a run has at most two per rank.
@@ -155,7 +153,7 @@ class ChannelServer:
 
     def receive_values(self, paths: Dict[int, str]) -> None:
         """Take each rank's value (``{rank: path}``) over the channel into its path, once (see
-        the module's "Files"), in place of those given before; a rank not named may upload
+        ``transfers``), in place of those given before; a rank not named may upload
         nothing."""
         self._files.receive_values(paths)
 

@@ -4,7 +4,7 @@ ranks' values back (uploads), each on a thread of its own (``FileTransfers``).
 Files.  A channel may serve files (``ChannelServer``'s ``files``: the notebook values out to the
 ranks, which each machine of a cluster fetches once, ``hostcopy``).  A fetch is a connection
 whose hello names the file (``"fetch"``); it authenticates as any other, then leaves the server's
-thread for a thread of its own (``_FileTransfers``: at most ``FETCHES_AT_ONCE`` at a time), which
+thread for a thread of its own (``FileTransfers``: at most ``FETCHES_AT_ONCE`` at a time), which
 sends ``{"size": n}`` and the file's ``n`` bytes raw (``socket.sendfile`` on plain TCP; read
 into one reused buffer and encrypted a chunk at a time with TLS) and closes.  A stranger gets
 the refusal of any failed handshake and nothing of the file.
@@ -246,5 +246,3 @@ class FileTransfers:
             FileTransfers._sendall(conn, buffer[:n])
             sent += n
         return sent
-
-
