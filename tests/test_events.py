@@ -461,3 +461,16 @@ def test_metric_values_are_checked_whatever_path_they_take(values, ok):
 def test_a_dict_of_texts_refuses_a_number():
     with pytest.raises(events.MalformedEvent):
         events.decode({"type": "run_job", "rank": 0, "env": {"A": 1.5}})
+
+
+def test_a_run_state_names_where_it_is_tracked_once_told():
+    """MLflow's logger says where the run is tracked through ``RunState.track``; every view reads
+    it from the state's snapshot."""
+    from torchdist_magic.driver.tracking import TrackingLink
+
+    state = RunState("r", 2)
+    assert state.tracking is None and state.snapshot().tracking is None
+    before = state.version
+    link = TrackingLink("abc", "7", "sqlite:////tmp/m.db")
+    state.track(link)
+    assert state.tracking is link and state.snapshot().tracking is link and state.version > before
