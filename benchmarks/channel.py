@@ -38,7 +38,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from torchdist_magic.core import events  # noqa: E402
 from torchdist_magic.wire import tls  # noqa: E402
-from torchdist_magic.wire.channel import ChannelClient, ChannelServer, rank_key  # noqa: E402
+from torchdist_magic.core.rankenv import rank_key  # noqa: E402
+from torchdist_magic.wire.client import ChannelClient  # noqa: E402
+from torchdist_magic.wire.server import ChannelServer  # noqa: E402
 
 SECRET, LAUNCHER_SECRET, RUN_ID = "benchmark-secret", "benchmark-launcher-secret", "bench"
 LATENCY_INTERVAL = 0.005

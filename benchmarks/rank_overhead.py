@@ -93,8 +93,7 @@ def without_recorder(script: str, ranks: int, steps: int, out: str) -> float:
 
 def _discarding_driver(addresses) -> None:
     """A real ``ChannelServer`` that drops what it gets, in a process of its own."""
-    from torchdist_magic.wire.channel import ChannelServer
-
+    from torchdist_magic.wire.server import ChannelServer
     server = ChannelServer(lambda record: None, "overhead", secret="s", launcher_secret="l")
     addresses.put(server.address)
     time.sleep(600)
@@ -106,7 +105,8 @@ def reporting_cost(calls: int = 20_000) -> dict:
     included: it runs on the rank's interpreter too).  Load-independent, unlike steps/s."""
     import multiprocessing
 
-    from torchdist_magic.wire import channel
+    from torchdist_magic.core.rankenv import rank_key
+    from torchdist_magic.wire.client import ChannelClient
     from torchdist_magic.rank import runtime
 
     context = multiprocessing.get_context("spawn")
@@ -123,7 +123,7 @@ def reporting_cost(calls: int = 20_000) -> dict:
 
     try:
         alone = per_step()
-        client = channel.ChannelClient(f"{host}:{port}", channel.rank_key("s", "worker", 0), "overhead", 0)
+        client = ChannelClient(f"{host}:{port}", rank_key("s", "worker", 0), "overhead", 0)
         runtime._install_sink(client)
         reporting = per_step()
         client.close()

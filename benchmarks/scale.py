@@ -9,8 +9,8 @@ Spark task and its worker have).
 Every simulated rank sends the project's own records at ``--rate`` records/s: per 10 records, 1
 progress update, 5 metrics of 3 values and 4 log lines; progress and metrics on its worker
 connection, the log lines on its launcher connection (a launcher forwards its worker's output).
-The generators send what the client's own code (``channel.encode_batch``) sends, batched once
-every ``channel.FLUSH_EVERY`` seconds as a rank's client does, but written from a template
+The generators send what the client's own code (``batching.encode_batch``) sends, batched once
+every ``batching.FLUSH_EVERY`` seconds as a rank's client does, but written from a template
 (``batch_bytes``): they stand in for a thousand machines on a few cores, so they must cost
 little.  In their first flushes they check their bytes against ``encode_batch``'s, byte for byte.
 
@@ -59,7 +59,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 from report import BusyCore, describe_machine, end_processes, load, machine, write_json  # noqa: E402  (this script's folder is on sys.path)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from torchdist_magic.wire import channel, tls  # noqa: E402
+from torchdist_magic.wire import tls  # noqa: E402
+from torchdist_magic.wire.batching import FLUSH_EVERY, encode_batch  # noqa: E402
+from torchdist_magic.wire.frames import LENGTH  # noqa: E402
+from torchdist_magic.wire.handshake import open_connection  # noqa: E402
+from torchdist_magic.wire.server import ChannelServer  # noqa: E402
+from torchdist_magic.core.rankenv import rank_key  # noqa: E402
 from torchdist_magic.core import events, fdlimit  # noqa: E402
 from torchdist_magic.driver.state import RunState  # noqa: E402
 from torchdist_magic.core.timing import SUPERVISE_POLL  # noqa: E402
@@ -102,7 +107,7 @@ def generate(address, certificate, run_id, ranks, rate, seconds, flush_every, go
     def connect(key):
         rank, role = key
         secret = LAUNCHER_SECRET if role == "launcher" else WORKER_SECRET
-        return channel.open_connection(where, channel.rank_key(secret, role, rank), run_id, rank, role, context)
+        return open_connection(where, rank_key(secret, role, rank), run_id, rank, role, context)
 
     keys = [(r, role) for r in ranks for role in ("worker", "launcher")]
     started = time.monotonic()
@@ -152,7 +157,7 @@ def generate(address, certificate, run_id, ranks, rate, seconds, flush_every, go
             if tick <= 3:  # the same bytes as the client's own encoding, or this benchmark is wrong
                 expected = client_bytes(made, r, now, start, total)
                 if (to_worker, to_launcher) != expected:
-                    raise AssertionError(f"scale.py's frames differ from channel.encode_batch's: "
+                    raise AssertionError(f"scale.py's frames differ from batching.encode_batch's: "
                                          f"{(to_worker, to_launcher)!r:.400} != {expected!r:.400}")
             if to_worker:
                 socks[(r, "worker")].sendall(to_worker)
@@ -197,22 +202,22 @@ def client_records(made, r: int, now: float, start: float, total: int):
 
 
 def client_bytes(made, r: int, now: float, start: float, total: int):
-    """What the client's own code (``channel.encode_batch``) sends for one flush."""
+    """What the client's own code (``batching.encode_batch``) sends for one flush."""
     worker, launcher = client_records(made, r, now, start, total)
-    return (channel.encode_batch(worker, r) if worker else b"",
-            channel.encode_batch(launcher, r) if launcher else b"")
+    return (encode_batch(worker, r) if worker else b"",
+            encode_batch(launcher, r) if launcher else b"")
 
 
 def _frame(parts) -> bytes:
     body = ('{"events":[' + ",".join(parts) + "]}").encode("utf-8")
-    return channel._LEN.pack(len(body)) + body
+    return LENGTH.pack(len(body)) + body
 
 
 def batch_bytes(made, r: int, now: float, start: float, total: int):
     """``client_bytes``, written straight from a template: the generators stand in for a
     thousand machines on two cores, so they must cost little (``generate`` checks the first
     flush against ``client_bytes`` byte for byte).  Holds for this benchmark's records: one
-    bar, one flush's lines far below ``channel.MERGED_LOG_CHARS``, no value JSON would refuse."""
+    bar, one flush's lines far below ``batching.MERGED_LOG_CHARS``, no value JSON would refuse."""
     points, lines, progress, progress_at, metrics_at = [], [], None, -1, -1
     for i, item in enumerate(made):
         if item[0] == "P":  # only a bar's newest state is sent, where it was made
@@ -373,15 +378,15 @@ def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: b
     nofile_before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     fdlimit.make_room(ranks, local=False)  # as a run does before its channel listens
     nofile_run = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    server = channel.ChannelServer(meter, run_id, secret=WORKER_SECRET, launcher_secret=LAUNCHER_SECRET,
-                                   identity=identity, ranks=ranks)
+    server = ChannelServer(meter, run_id, secret=WORKER_SECRET, launcher_secret=LAUNCHER_SECRET,
+                           identity=identity, ranks=ranks)
     view, sink = make_view(view_kind, state)
     address = f"{server.address[0]}:{server.address[1]}"
     certificate = identity.certificate if identity is not None else ""
     context = multiprocessing.get_context("spawn")
     go, results = context.Event(), context.Queue()
     shares = [list(range(ranks))[i::generators] for i in range(generators)]
-    flush_every = getattr(channel, "FLUSH_EVERY", 0.05)
+    flush_every = FLUSH_EVERY
     procs = [context.Process(target=generate, args=(address, certificate, run_id, share, rate, seconds,
                                                     flush_every, go, results), daemon=True)
              for share in shares if share]

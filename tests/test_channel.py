@@ -13,9 +13,14 @@ import threading
 import pytest
 
 from helpers import Collector, wait_until
-from torchdist_magic.wire import channel, framemac, tls
+from torchdist_magic.wire import framemac, handshake, tls
+from torchdist_magic.wire import server as server_module
 from torchdist_magic.core import events
-from torchdist_magic.wire.channel import ChannelClient, ChannelServer, client_from_env, new_secret, rank_key
+from torchdist_magic.wire.batching import MERGED_LOG_CHARS, _coalesce, merge_logs
+from torchdist_magic.wire.client import ChannelClient, client_from_env
+from torchdist_magic.core.rankenv import rank_key
+from torchdist_magic.wire.frames import MAX_FRAME, MAX_HELLO, hello_mac, new_secret, pack_frame, read_frame
+from torchdist_magic.wire.server import ChannelServer
 from torchdist_magic.driver.state import RunState
 
 
@@ -150,7 +155,7 @@ def test_close_delivers_what_clients_already_sent(server):
 def test_progress_updates_of_a_bar_are_coalesced_to_the_newest():
     a1, a2 = events.Progress(rank=0, bar="a", n=1), events.Progress(rank=0, bar="a", n=2)
     b1, log = events.Progress(rank=0, bar="b", n=1), events.Log(rank=0, line="x")
-    assert channel._coalesce([a1, log, b1, a2]) == [log, b1, a2]
+    assert _coalesce([a1, log, b1, a2]) == [log, b1, a2]
 
 
 def test_the_lines_of_a_flush_travel_as_one_record_and_never_cross_a_job_end():
@@ -158,7 +163,7 @@ def test_the_lines_of_a_flush_travel_as_one_record_and_never_cross_a_job_end():
     bar, point = events.Progress(rank=0, bar="x", n=1), events.Metrics(rank=0, step=1, values={"l": 1.0})
     end = events.OutputEnd(rank=0, job_id="j1")
     c, d = events.Log(rank=0, line="c"), events.Log(rank=1, line="d")
-    merged = channel.merge_logs([a, bar, b, point, end, c, d])
+    merged = merge_logs([a, bar, b, point, end, c, d])
     # b moves ahead of the progress and metrics records, into a's record; c stays after the job's end
     assert [type(r).__name__ for r in merged] == ["Log", "Progress", "Metrics", "OutputEnd", "Log", "Log"]
     assert merged[0].lines() == [events.OutputLine("stdout", "a", False), events.OutputLine("stderr", "b", True)]
@@ -168,15 +173,15 @@ def test_the_lines_of_a_flush_travel_as_one_record_and_never_cross_a_job_end():
 
 def test_merged_lines_stay_below_the_size_of_one_record():
     line = "x" * 1000
-    merged = channel.merge_logs([events.Log(rank=0, line=line) for _ in range(200)])
+    merged = merge_logs([events.Log(rank=0, line=line) for _ in range(200)])
     assert sum(len(r.lines()) for r in merged) == 200
     assert len(merged) == 4  # 64 lines of 1000 characters fit 64 KiB
-    assert all(sum(len(o.line) for o in r.lines()) <= channel.MERGED_LOG_CHARS for r in merged)
+    assert all(sum(len(o.line) for o in r.lines()) <= MERGED_LOG_CHARS for r in merged)
 
 
 def test_the_run_state_keeps_every_line_of_a_merged_record():
     state = RunState("r", 1)
-    state.apply(channel.merge_logs([events.Log(rank=0, line=str(i)) for i in range(5)])[0])
+    state.apply(merge_logs([events.Log(rank=0, line=str(i)) for i in range(5)])[0])
     assert state.logs(0).splitlines() == ["0", "1", "2", "3", "4"]
 
 
@@ -192,16 +197,16 @@ class StalledDriver:
     def handshake(self):
         conn, _ = self.listener.accept()
         conn.settimeout(10)
-        conn.sendall(channel._frame({"nonce": "n0"}))
-        hello = channel.read_frame(conn, channel.MAX_HELLO)
-        assert hello["mac"] == channel._mac(self.secret, "n0").decode()
-        conn.sendall(channel._frame({"ok": True, "mac": channel._mac(self.secret, hello["nonce"]).decode()}))
+        conn.sendall(pack_frame({"nonce": "n0"}))
+        hello = read_frame(conn, MAX_HELLO)
+        assert hello["mac"] == hello_mac(self.secret, "n0").decode()
+        conn.sendall(pack_frame({"ok": True, "mac": hello_mac(self.secret, hello["nonce"]).decode()}))
         return DriverRecords(conn, framemac.session_key(self.secret, "n0", hello["nonce"]))
 
     def cut_off(self):
         """What a driver flooded by strangers does to a handshake: evict it half-way."""
         conn, _ = self.listener.accept()
-        conn.sendall(channel._frame({"nonce": "n1"}))
+        conn.sendall(pack_frame({"nonce": "n1"}))
         conn.close()
 
     def close(self):
@@ -228,7 +233,7 @@ def test_a_full_queue_drops_and_reports_how_many():
     received = []
     while True:
         try:
-            frame = channel.read_frame(conn, channel.MAX_FRAME)
+            frame = read_frame(conn, MAX_FRAME)
         except EOFError:
             break
         received += [events.decode(e) for e in frame["events"]]
@@ -245,7 +250,7 @@ def assert_the_record_arrives_on(conn, client, driver, capfd):
     retried handshake, as the client closes; nothing was printed."""
     closing = threading.Thread(target=client.close)
     closing.start()
-    frame = channel.read_frame(conn, channel.MAX_FRAME)
+    frame = read_frame(conn, MAX_FRAME)
     assert [events.decode(e) for e in frame["events"]] == [events.Started(rank=2, pid=2)]
     conn.close()
     closing.join()
@@ -265,7 +270,7 @@ def test_a_handshake_cut_off_is_tried_again(capfd):
 def test_a_handshake_that_takes_too_long_is_tried_again(capfd, monkeypatch):
     # the first attempt waits this long for a challenge that never comes; the second's must come
     # within it too, from this test's thread, which a loaded machine may hold up a while
-    monkeypatch.setattr(channel, "HANDSHAKE_DEADLINE", 3.0)
+    monkeypatch.setattr(handshake, "HANDSHAKE_DEADLINE", 3.0)
     driver = StalledDriver("s")
     client = ChannelClient(driver.address, "s", "r", 2)
     client.send(events.Started(rank=2, pid=2))
@@ -280,10 +285,10 @@ def test_a_driver_that_cannot_prove_the_secret_is_not_obeyed(capfd):
     got = Collector()
     client = ChannelClient(driver.address, "s", "r", 0, role="launcher", on_message=got)
     conn, _ = driver.listener.accept()
-    conn.sendall(channel._frame({"nonce": "n0"}))
-    channel.read_frame(conn, channel.MAX_HELLO)
-    conn.sendall(channel._frame({"ok": True, "mac": "0" * 64}))
-    conn.sendall(channel._frame({"events": [events.encode(events.Stop(rank=0))]}))
+    conn.sendall(pack_frame({"nonce": "n0"}))
+    read_frame(conn, MAX_HELLO)
+    conn.sendall(pack_frame({"ok": True, "mac": "0" * 64}))
+    conn.sendall(pack_frame({"events": [events.encode(events.Stop(rank=0))]}))
     client.close()
     conn.close()
     driver.close()
@@ -331,9 +336,9 @@ def test_refused_clients_say_why_once_and_deliver_nothing(server, capfd, make, r
 
 def test_a_peer_of_another_protocol_version_is_told_both_versions(server):
     other = events.PROTOCOL_VERSION + 1
-    code = (f"from torchdist_magic.core import events\nfrom torchdist_magic.wire import channel\n"
+    code = (f"from torchdist_magic.core import events\nfrom torchdist_magic.wire.client import ChannelClient\n"
             f"events.PROTOCOL_VERSION = {other}\n"
-            f"c = channel.ChannelClient({address(server)!r}, {key(server, 'worker')!r}, 'run-1', 0, "
+            f"c = ChannelClient({address(server)!r}, {key(server, 'worker')!r}, 'run-1', 0, "
             f"certificate={server.cert!r})\n"
             f"c.send(events.Metrics(rank=0))\n"
             f"c.close()\n")
@@ -387,9 +392,9 @@ def _closed_by_peer(sock):
 
 
 def test_a_new_connection_evicts_the_oldest_waiting_one(server, monkeypatch):
-    monkeypatch.setattr(channel, "MAX_PENDING", 64)  # a smaller table: the same rule, fewer sockets
-    idle = [socket.create_connection(server.address, timeout=10) for _ in range(channel.MAX_PENDING)]
-    wait_until(lambda: server.stats["accepted"] == channel.MAX_PENDING)
+    monkeypatch.setattr(server_module, "MAX_PENDING", 64)  # a smaller table: the same rule, fewer sockets
+    idle = [socket.create_connection(server.address, timeout=10) for _ in range(server_module.MAX_PENDING)]
+    wait_until(lambda: server.stats["accepted"] == server_module.MAX_PENDING)
     newest = socket.create_connection(server.address, timeout=10)
     assert _closed_by_peer(idle[0])
     wait_until(lambda: server.stats["evicted"] == 1)
@@ -398,7 +403,7 @@ def test_a_new_connection_evicts_the_oldest_waiting_one(server, monkeypatch):
 
 
 def test_a_silent_connection_is_closed_at_the_handshake_deadline(monkeypatch):
-    monkeypatch.setattr(channel, "HANDSHAKE_DEADLINE", 0.2)
+    monkeypatch.setattr(server_module, "HANDSHAKE_DEADLINE", 0.2)
     srv = ChannelServer(Collector(), "run-1", secret="s", launcher_secret="l")
     with socket.create_connection(srv.address, timeout=10) as sock:
         assert _closed_by_peer(sock)
@@ -421,7 +426,7 @@ def test_client_from_env(server, monkeypatch):
 
 
 def test_frames_are_length_prefixed_json():
-    data = channel._frame({"events": [events.encode(events.Stop(rank=1, grace=2.0))]})
+    data = pack_frame({"events": [events.encode(events.Stop(rank=1, grace=2.0))]})
     (length,) = struct.unpack(">I", data[:4])
     assert json.loads(data[4:4 + length]) == {"events": [{"type": "stop", "rank": 1, "grace": 2.0}]}
 
@@ -481,7 +486,8 @@ def test_a_server_with_another_certificate_for_the_same_key_is_refused(identity,
 
 
 def test_a_plaintext_client_is_refused_by_a_tls_server_within_the_handshake_deadline(identity, monkeypatch, capfd):
-    monkeypatch.setattr(channel, "HANDSHAKE_DEADLINE", 0.2)
+    monkeypatch.setattr(server_module, "HANDSHAKE_DEADLINE", 0.2)
+    monkeypatch.setattr(handshake, "HANDSHAKE_DEADLINE", 0.2)
     srv = tls_server(identity)
     # a TLS server says nothing in plaintext: a silent stranger gets no challenge, only the end
     with socket.create_connection(srv.address, timeout=10) as sock:
@@ -577,7 +583,8 @@ def test_the_bytes_on_the_wire_are_ciphertext_with_tls_only(server):
 
 CONNECT_ALL = """
 import resource, sys
-from torchdist_magic.wire.channel import ChannelClient, rank_key
+from torchdist_magic.wire.client import ChannelClient
+from torchdist_magic.core.rankenv import rank_key
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, {count} + 256)), hard))
 address, secret, role, cert = sys.argv[1:5]

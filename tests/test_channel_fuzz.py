@@ -17,10 +17,12 @@ import time
 import pytest
 
 from helpers import Collector, assert_no_survivors, wait_until
-from torchdist_magic.wire import channel, framemac, tls
+from torchdist_magic.wire import framemac, tls
 from torchdist_magic.core import events
-from torchdist_magic.wire.channel import MAX_FRAME, MAX_HELLO, ChannelClient, ChannelServer, rank_key
-
+from torchdist_magic.wire.client import ChannelClient
+from torchdist_magic.core.rankenv import rank_key
+from torchdist_magic.wire.frames import MAX_FRAME, MAX_HELLO, hello_mac, pack_frame, read_frame
+from torchdist_magic.wire.server import ChannelServer
 LEN = struct.Struct(">I")
 WORKER_SECRET, LAUNCHER_SECRET = "worker-secret", "launcher-secret"
 
@@ -231,12 +233,12 @@ def authenticate(server, role: str, rank: int) -> socket.socket:
     sock = socket.create_connection(server.address, timeout=10)
     if server.cert:
         sock = tls.client_context(server.cert).wrap_socket(sock)
-    nonce = channel.read_frame(sock, MAX_HELLO)["nonce"]
-    sock.sendall(channel._frame({"mac": channel._mac(secret, nonce).decode(), "nonce": "mine",
+    nonce = read_frame(sock, MAX_HELLO)["nonce"]
+    sock.sendall(pack_frame({"mac": hello_mac(secret, nonce).decode(), "nonce": "mine",
                                  "run_id": "run-1", "rank": rank, "role": role,
                                  "protocol": events.PROTOCOL_VERSION}))
-    reply = channel.read_frame(sock, MAX_HELLO)
-    assert reply["ok"] is True and reply["mac"] == channel._mac(secret, "mine").decode()
+    reply = read_frame(sock, MAX_HELLO)
+    assert reply["ok"] is True and reply["mac"] == hello_mac(secret, "mine").decode()
     # without TLS, what it writes goes in authenticated records (what it makes of them is the test's)
     return sock if server.cert else framemac.MacSocket(sock, framemac.session_key(secret, nonce, "mine"))
 

@@ -14,7 +14,8 @@ from helpers import assert_no_survivors, rank_failure_of
 from torchdist_magic import HangTimeout, JobTimeout, RankFailure, rank
 from torchdist_magic.rank.collectives import collective_in_stack, groups_from_trace
 from torchdist_magic.core.culprit import is_collective_timeout, rank_list, verdict
-from torchdist_magic.core.events import Collectives, Failure, GroupCollectives, Stacks
+from torchdist_magic.core.events import Collectives, GroupCollectives, Stacks
+from torchdist_magic.core.failure import Failure
 
 
 def fr(rank, entered, finished, op="all_reduce", sizes=((10,),), group="default group"):

@@ -7,7 +7,10 @@ import os
 import pytest
 
 from torchdist_magic.core import events
-from torchdist_magic.core.events import Dropped, Exit, Failure, Log, MalformedEvent, Metrics, Progress, RunJob, Started, Stop
+from torchdist_magic.core.events import Dropped, Exit, Log, Metrics, Progress, RunJob, Started, Stop
+from torchdist_magic.core.failure import Failure
+from torchdist_magic.core.recordcheck import MalformedEvent
+from torchdist_magic.core.stacks import is_library_file
 from torchdist_magic.driver.state import MAX_POINTS, RunState
 
 SAMPLES = [
@@ -210,10 +213,10 @@ def test_a_log_record_with_more_lines_round_trips():
 
 
 def test_a_run_of_many_ranks_keeps_a_share_of_the_runs_memory_for_each():
-    from torchdist_magic.driver import state as S
+    from torchdist_magic.driver import logstore, state as S
 
     state = RunState("r", 1024)
-    share = S.RUN_LOG_MEMORY_LINES // 1024
+    share = logstore.RUN_LOG_MEMORY_LINES // 1024
     for i in range(2 * share):
         state.apply(Log(rank=7, line=f"line {i}"))
     for step in range(2 * state.max_points):
@@ -341,8 +344,8 @@ def test_where_shows_library_frames_then_the_users_own():
         "all_reduce (torch/distributed/distributed_c10d.py, line 2950) < wrapper (torch/distributed/c10d_logger.py, "
         "line 81) < inner (/usr/lib/python3.11/contextlib.py, line 81) < ... < step (/home/me/train.py, line 12)")
     assert [f.function for f in record.main().job_frames()] == ["all_reduce", "wrapper", "inner", "step"]
-    assert events.is_library_file("/usr/lib/python3.11/threading.py")
-    assert not events.is_library_file("/home/me/train.py") and not events.is_library_file("<torchdist cell In[3]>")
+    assert is_library_file("/usr/lib/python3.11/threading.py")
+    assert not is_library_file("/home/me/train.py") and not is_library_file("<torchdist cell In[3]>")
     assert events.Stacks(rank=1, note="the rank had exited").where() == "the rank had exited"
     assert events.Stacks(rank=1).where() == "no Python stack"
 
@@ -350,7 +353,7 @@ def test_where_shows_library_frames_then_the_users_own():
 # -- logs ----------------------------------------------------------------------------------------
 
 def test_log_store_spills_and_reads_back_every_line_in_order(tmp_path, monkeypatch):
-    from torchdist_magic.driver import state as S
+    from torchdist_magic.driver import logstore as S
 
     monkeypatch.setattr(S, "LOG_MEMORY_LINES", 100)
     monkeypatch.setattr(S, "SPILL_INDEX_EVERY", 16)
@@ -376,7 +379,7 @@ def test_lines_kept_in_memory_give_the_garbage_collector_nothing_to_follow():
     every full collection walked them all (four tenths of the driver's CPU at 1024 ranks)."""
     import gc
 
-    from torchdist_magic.driver.state import LogLine, LogStore
+    from torchdist_magic.driver.logstore import LogLine, LogStore
 
     store = LogStore(lambda: pytest.fail("nothing spills"), "rank-0", max_lines=50_000)
     gc.collect()
@@ -392,7 +395,7 @@ def test_lines_kept_in_memory_give_the_garbage_collector_nothing_to_follow():
 
 
 def test_log_store_keeps_a_redrawn_line_s_latest_state_only():
-    from torchdist_magic.driver.state import LogLine, LogStore
+    from torchdist_magic.driver.logstore import LogLine, LogStore
 
     store = LogStore(lambda: pytest.fail("nothing spills"), "rank-0")
     for pct in (10, 50):
@@ -466,3 +469,16 @@ def test_metric_values_are_checked_whatever_path_they_take(values, ok):
 def test_a_dict_of_texts_refuses_a_number():
     with pytest.raises(events.MalformedEvent):
         events.decode({"type": "run_job", "rank": 0, "env": {"A": 1.5}})
+
+
+def test_a_run_state_names_where_it_is_tracked_once_told():
+    """MLflow's logger says where the run is tracked through ``RunState.track``; every view reads
+    it from the state's snapshot."""
+    from torchdist_magic.driver.tracking import TrackingLink
+
+    state = RunState("r", 2)
+    assert state.tracking is None and state.snapshot().tracking is None
+    before = state.version
+    link = TrackingLink("abc", "7", "sqlite:////tmp/m.db")
+    state.track(link)
+    assert state.tracking is link and state.snapshot().tracking is link and state.version > before

@@ -17,10 +17,12 @@ import time
 import pytest
 
 from helpers import Collector, wait_until
-from torchdist_magic.wire import channel
 from torchdist_magic.core import events, fdlimit
-from torchdist_magic.wire.channel import ChannelClient, ChannelServer, new_secret
-
+from torchdist_magic.core.rankenv import rank_key
+from torchdist_magic.wire.client import ChannelClient
+from torchdist_magic.wire.frames import Refused, new_secret, pack_frame
+from torchdist_magic.wire.handshake import open_connection
+from torchdist_magic.wire.server import ACCEPT_PAUSE, ChannelServer
 # -- file limits ----------------------------------------------------------------------------------
 
 #: a driver process under a low limit on open files, whose own files already take most of it (as
@@ -28,12 +30,12 @@ from torchdist_magic.wire.channel import ChannelClient, ChannelServer, new_secre
 #: the channel thread's CPU time once told to (a line on stdin)
 LOW_LIMIT_DRIVER = textwrap.dedent("""
     import json, os, resource, sys, time
-    from torchdist_magic.wire import channel
     from torchdist_magic.core import fdlimit
+    from torchdist_magic.wire.server import ChannelServer
     limit, free = int(sys.argv[1]), int(sys.argv[2])
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
     got = []
-    server = channel.ChannelServer(got.append, "run-1", secret="s" * 64, launcher_secret="l" * 64)
+    server = ChannelServer(got.append, "run-1", secret="s" * 64, launcher_secret="l" * 64)
     ballast = []
     while fdlimit.open_now() < limit - free:  # what the rest of the kernel holds
         ballast.append(open(os.devnull))
@@ -77,7 +79,7 @@ class LowLimitDriver:
 
     def client(self, rank, role="worker"):
         secret = ("s" if role == "worker" else "l") * 64
-        return ChannelClient(f"127.0.0.1:{self.port}", channel.rank_key(secret, role, rank), "run-1", rank,
+        return ChannelClient(f"127.0.0.1:{self.port}", rank_key(secret, role, rank), "run-1", rank,
                              role=role)
 
 
@@ -102,7 +104,7 @@ def test_silent_connections_under_a_low_file_limit_leave_the_ranks_room_and_the_
     assert stats["out_of_files"] >= 1 and stats["evicted"] >= 1
     # every failed accept() gave up a descriptor or paused accepting: no more than the
     # connections that came, and one per pause
-    assert stats["accept_failed"] <= stats["accepted"] + report["elapsed"] / channel.ACCEPT_PAUSE + 1
+    assert stats["accept_failed"] <= stats["accepted"] + report["elapsed"] / ACCEPT_PAUSE + 1
     print(f"channel thread: {report['cpu']:.2f} s of CPU in {report['elapsed']:.1f} s")
 
 
@@ -119,7 +121,7 @@ def test_with_no_descriptor_to_give_up_the_channel_pauses_accepting_and_resumes(
     finally:
         waiting.close()
     assert report["ranks"] == [0]
-    assert 1 <= report["stats"]["accept_failed"] <= report["elapsed"] / channel.ACCEPT_PAUSE + 2
+    assert 1 <= report["stats"]["accept_failed"] <= report["elapsed"] / ACCEPT_PAUSE + 2
     print(f"channel thread: {report['cpu']:.2f} s of CPU in {report['elapsed']:.1f} s")
 
 
@@ -191,18 +193,18 @@ def run_channel():
 
 
 def _key(srv, role, rank):
-    return channel.rank_key(srv._secrets[role], role, rank)
+    return rank_key(srv._secrets[role], role, rank)
 
 
 def _connect(srv, role, rank, key_rank=None):
     """A raw authenticated connection as ``role`` of ``rank``, with the key of ``key_rank``."""
-    return channel.open_connection(srv.address, _key(srv, role, rank if key_rank is None else key_rank),
+    return open_connection(srv.address, _key(srv, role, rank if key_rank is None else key_rank),
                                    "run-1", rank, role)
 
 
 def test_a_worker_cannot_say_hello_as_another_rank(run_channel):
     # rank 3's worker holds rank 3's key only; before, every worker held the run's one secret
-    with pytest.raises(channel.Refused, match="^authentication failed: wrong secret for role worker of rank 0$"):
+    with pytest.raises(Refused, match="^authentication failed: wrong secret for role worker of rank 0$"):
         _connect(run_channel, "worker", 0, key_rank=3)
     assert run_channel.stats["authenticated"] == 0
 
@@ -210,8 +212,8 @@ def test_a_worker_cannot_say_hello_as_another_rank(run_channel):
 def test_a_launcher_cannot_upload_another_ranks_value(run_channel, tmp_path):
     (tmp_path / "values").mkdir()
     run_channel.receive_values({0: str(tmp_path / "values" / "rank-0.value")})
-    with pytest.raises(channel.Refused, match="^authentication failed: wrong secret for role launcher of rank 0$"):
-        channel.open_connection(run_channel.address, _key(run_channel, "launcher", 1), "run-1", 0, "launcher",
+    with pytest.raises(Refused, match="^authentication failed: wrong secret for role launcher of rank 0$"):
+        open_connection(run_channel.address, _key(run_channel, "launcher", 1), "run-1", 0, "launcher",
                                 upload=10)
     assert not os.listdir(tmp_path / "values")
 
@@ -372,7 +374,7 @@ def test_the_channels_tls_key_is_never_written_in_the_clear(monkeypatch, tmp_pat
 
     monkeypatch.setattr(tls.tempfile, "mkstemp", seen)
     srv = ChannelServer(Collector(), "run-1", secret="s", launcher_secret="l", identity=identity)
-    client = ChannelClient(f"127.0.0.1:{srv.port}", channel.rank_key("s", "worker", 0), "run-1", 0,
+    client = ChannelClient(f"127.0.0.1:{srv.port}", rank_key("s", "worker", 0), "run-1", 0,
                            certificate=identity.certificate)
     client.send(events.Started(rank=0, pid=1))
     client.close()
@@ -451,7 +453,7 @@ def test_a_record_injected_on_a_plain_connection_is_not_delivered(run_channel):
     wait_until(lambda: run_channel.stats["delivered"] == 1)
     # before, only the start of a connection was authenticated: this Exit (or a warm rank's
     # JobValue, which the driver unpickles) was taken as the rank's
-    relay.inject("up", forged_record(channel._frame({"events": [events.encode(events.Exit(rank=0, code=0))]})))
+    relay.inject("up", forged_record(pack_frame({"events": [events.encode(events.Exit(rank=0, code=0))]})))
     wait_until(lambda: run_channel.stats["forged"] == 1)
     client.close()
     relay.close()
@@ -469,7 +471,7 @@ def test_a_record_injected_toward_a_rank_is_not_run(run_channel, capfd):
     assert run_channel.send(0, events.DebugInput(rank=0, session="s", line="p 1"), role="worker")
     got.wait_for(1)
     # a debugger line (or a warm pool's next job) that the driver did not send
-    relay.inject("down", forged_record(channel._frame(
+    relay.inject("down", forged_record(pack_frame(
         {"events": [events.encode(events.DebugInput(rank=0, session="s", line="import os; os.system('id')"))]})))
     wait_until(lambda: client.lost, what="the rank to stop listening")
     client.close()
@@ -487,9 +489,9 @@ def test_a_record_injected_toward_a_rank_is_not_run(run_channel, capfd):
 def test_a_hello_for_a_rank_the_run_does_not_have_is_refused():
     srv = ChannelServer(Collector(), "run-1", secret="s", launcher_secret="l", ranks=4)
     try:
-        with pytest.raises(channel.Refused, match="^rank 4 is not a rank of this run, which has 4$"):
-            channel.open_connection(srv.address, channel.rank_key("l", "launcher", 4), "run-1", 4, "launcher")
-        channel.open_connection(srv.address, channel.rank_key("l", "launcher", 3), "run-1", 3, "launcher").close()
+        with pytest.raises(Refused, match="^rank 4 is not a rank of this run, which has 4$"):
+            open_connection(srv.address, rank_key("l", "launcher", 4), "run-1", 4, "launcher")
+        open_connection(srv.address, rank_key("l", "launcher", 3), "run-1", 3, "launcher").close()
     finally:
         srv.close()
 

@@ -14,8 +14,8 @@ import pytest
 from helpers import assert_no_survivors, wait_until
 from test_channel import StalledDriver
 from torchdist_magic.core import events
-from torchdist_magic.wire import channel, tls
-from torchdist_magic.wire.channel import ChannelClient
+from torchdist_magic.wire import frames, handshake, server as channel_server, tls
+from torchdist_magic.wire.client import ChannelClient
 
 
 # -- a rank's event channel ---------------------------------------------------------------------------
@@ -64,7 +64,7 @@ def test_a_record_the_rank_cannot_handle_is_said_and_the_next_still_handled(capf
     client = ChannelClient(driver.address, "s", "r", 0, role="launcher", on_message=on_message)
     conn = driver.handshake()
     for _ in range(2):
-        conn.sendall(channel._frame({"events": [events.encode(events.Stop(rank=0))]}))
+        conn.sendall(frames.pack_frame({"events": [events.encode(events.Stop(rank=0))]}))
     wait_until(lambda: len(handled) == 2, 30, "both records handled")
     client.close()
     conn.close()
@@ -76,7 +76,7 @@ def test_a_record_the_rank_cannot_handle_is_said_and_the_next_still_handled(capf
 
 
 def test_a_driver_that_never_answers_is_given_up_naming_the_handshake_deadline(capfd, monkeypatch):
-    monkeypatch.setattr(channel, "HANDSHAKE_DEADLINE", 0.2)
+    monkeypatch.setattr(handshake, "HANDSHAKE_DEADLINE", 0.2)
     silent = socket.create_server(("127.0.0.1", 0))  # its backlog takes the connection; nobody answers
     address = "127.0.0.1:%d" % silent.getsockname()[1]
     client = ChannelClient(address, "s", "r", 2)
@@ -89,7 +89,7 @@ def test_a_driver_that_never_answers_is_given_up_naming_the_handshake_deadline(c
 
 
 def test_a_driver_that_closes_during_the_tls_handshake_is_given_up_saying_so(capfd, monkeypatch):
-    monkeypatch.setattr(channel, "HANDSHAKE_DEADLINE", 0.5)
+    monkeypatch.setattr(handshake, "HANDSHAKE_DEADLINE", 0.5)
     listener = socket.create_server(("127.0.0.1", 0))
     address = "127.0.0.1:%d" % listener.getsockname()[1]
     done = threading.Event()
@@ -224,10 +224,11 @@ def test_a_failure_to_end_what_a_rank_left_is_logged_and_its_exit_still_reported
 # -- the driver's event channel ---------------------------------------------------------------------------
 def test_a_channel_whose_thread_is_held_past_its_close_is_left_behind_and_said(monkeypatch, caplog):
     from test_channel import worker
-    from torchdist_magic.wire.channel import ChannelServer, new_secret
+    from torchdist_magic.wire.frames import new_secret
+    from torchdist_magic.wire.server import ChannelServer
 
-    monkeypatch.setattr(channel, "CHANNEL_CLOSE_WAIT", 0.2)
-    monkeypatch.setattr(channel, "CHANNEL_THREAD_WAIT", 0.2)
+    monkeypatch.setattr(channel_server, "CHANNEL_CLOSE_WAIT", 0.2)
+    monkeypatch.setattr(channel_server, "CHANNEL_THREAD_WAIT", 0.2)
     release, delivering = threading.Event(), threading.Event()
 
     def on_event(record):  # a view that holds the channel's thread (it must not, and is not waited for)
@@ -240,7 +241,7 @@ def test_a_channel_whose_thread_is_held_past_its_close_is_left_behind_and_said(m
     client.send(events.Started(rank=0, pid=1))
     client.close()
     assert delivering.wait(30)
-    with caplog.at_level("WARNING", logger="torchdist_magic.wire.channel"):
+    with caplog.at_level("WARNING", logger="torchdist_magic"):
         server.close()
     release.set()
     server._thread.join(30)
@@ -273,7 +274,7 @@ def test_a_driver_that_ends_the_upload_before_the_value_began_fails_the_sending(
     from torchdist_magic.core import values
     from torchdist_magic.core.rankenv import RunSpec, rank_key
     from torchdist_magic.launch import valueupload
-    from torchdist_magic.wire.channel import new_secret
+    from torchdist_magic.wire.frames import new_secret
 
     launcher_secret = new_secret()
     driver = StalledDriver(rank_key(launcher_secret, "launcher", 0))

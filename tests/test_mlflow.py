@@ -436,11 +436,11 @@ def test_the_view_links_to_the_run_on_a_server_with_a_ui():
     assert run_url("sqlite:////tmp/m.db", "7", "abc") == "" and run_url("databricks", "7", "abc") == ""
     state = RunState("r1", 2, "local processes", job_name="cell In[3]")
     assert "MLflow" not in header(state) and "torchdist-mlflow" not in header_html(run_facts(state))
-    state.tracking = TrackingLink("abc", "7", "https://mlflow.example.com/", url)
+    state.track(TrackingLink("abc", "7", "https://mlflow.example.com/", url))
     assert header(state).splitlines()[1] == f"torchdist: MLflow run abc: {url}"
     assert (f'<a class="torchdist-mlflow" href="{url}" target="_blank" rel="noopener" '
             f'title="MLflow run abc: {url}">MLflow run</a>') in header_html(run_facts(state))
-    state.tracking = TrackingLink("abc", "7", "sqlite:////tmp/m.db")
+    state.track(TrackingLink("abc", "7", "sqlite:////tmp/m.db"))
     assert header(state).splitlines()[1] == "torchdist: MLflow run abc: experiment 7 at sqlite:////tmp/m.db"
     assert "<a " not in header_html(run_facts(state))
 

@@ -8,7 +8,7 @@ import pytest
 
 from torchdist_magic import LaunchOptions, is_main, local_rank, progress, rank, report, world_size
 from torchdist_magic.core.errors import RankFailure
-from torchdist_magic.core.events import Failure
+from torchdist_magic.core.failure import Failure
 from torchdist_magic.core.options import FlagError, OptionError, flag_parser, option_fields, options_from_flags, parse_flags
 
 

@@ -17,10 +17,10 @@ from torchdist_magic.driver.state import RunState
 from torchdist_magic.rank.worker import torch_memory
 from torchdist_magic.view import html, text
 from torchdist_magic.view.model import run_facts
-from torchdist_magic.wire import channel as wire_channel, framemac
-from torchdist_magic.wire.channel import ChannelClient, ChannelServer, new_secret
-
-
+from torchdist_magic.wire import framemac
+from torchdist_magic.wire.client import ChannelClient
+from torchdist_magic.wire.frames import LENGTH, MAX_HELLO, hello_mac, new_secret, pack_frame, read_frame
+from torchdist_magic.wire.server import ChannelServer
 class Refusals:
     def __init__(self):
         self.seen = []
@@ -53,7 +53,7 @@ def test_the_workers_torch_memory_read_from_a_fake_cuda_reaches_the_run_state(ch
     values = torch_memory(fake_cuda)
     assert values == {"torch_max_allocated_bytes": 3e9}
     state = RunState("run-r", 2)
-    channel._on_event = state.apply
+    channel._delivery.on_event = state.apply
     client = worker(channel, 1)
     try:
         client.send(events.SystemMetrics(rank=1, values=values, time=12.0))
@@ -91,7 +91,7 @@ def test_a_record_the_state_cannot_take_is_a_refusal_not_a_silence(channel):
     def broken(record):
         raise KeyError("no such bar")
 
-    channel._on_event = broken
+    channel._delivery.on_event = broken
     client = worker(channel, 0)
     try:
         client.send(events.Started(rank=0, pid=1, host="h", time=3.0))
@@ -107,16 +107,16 @@ def test_frames_and_records_that_do_not_decode_are_malformed(channel):
     sock = socket.create_connection(channel.address, timeout=10)
     try:
         secret = rank_key(channel._secrets["worker"], "worker", 2)
-        nonce = wire_channel.read_frame(sock, wire_channel.MAX_HELLO)["nonce"]
-        sock.sendall(wire_channel._frame({"mac": wire_channel._mac(secret, nonce).decode(), "nonce": "mine",
+        nonce = read_frame(sock, MAX_HELLO)["nonce"]
+        sock.sendall(pack_frame({"mac": hello_mac(secret, nonce).decode(), "nonce": "mine",
                                           "run_id": "run-r", "rank": 2, "role": "worker",
                                           "protocol": events.PROTOCOL_VERSION}))
-        assert wire_channel.read_frame(sock, wire_channel.MAX_HELLO)["ok"] is True
+        assert read_frame(sock, MAX_HELLO)["ok"] is True
         # without TLS what follows the handshake goes in authenticated records, as a peer's would
         sealed = framemac.MacSocket(sock, framemac.session_key(secret, nonce, "mine"))
         body = json.dumps({"events": [{"type": "nope"}]}).encode()
         for raw in (b'{"events": 5}', body):
-            sealed.sendall(wire_channel._LEN.pack(len(raw)) + raw)
+            sealed.sendall(LENGTH.pack(len(raw)) + raw)
         wait_until(lambda: len(channel.refused.seen) == 2, 10, "both refusals")
     finally:
         sock.close()

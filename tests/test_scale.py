@@ -1,6 +1,6 @@
 """Many real ranks at once: 64 local processes, each printing, reporting and moving a progress
 bar 100 times a second for 10 s.  No torch: the job is a plain function, which a rank runs
-without a process group (``worker._run_function``), so the test measures the driver's side."""
+without a process group (``runners._run_function``), so the test measures the driver's side."""
 
 import pytest
 

@@ -358,7 +358,7 @@ def test_classic_spark_whose_executors_cannot_reach_the_notebook_still_returns_r
     """No task reaches the notebook (a firewall between the executors and the driver): the
     tasks meet through Spark's barrier, and rank 0's value comes back through the stage."""
     import torchdist_magic.backends.channels as channels
-    from torchdist_magic.wire.channel import ChannelServer
+    from torchdist_magic.wire.server import ChannelServer
 
     class BehindAFirewall(ChannelServer):
         """The run's channel, whose address as the tasks are told it is where nothing listens."""
@@ -387,7 +387,8 @@ def test_a_value_over_the_drivers_result_limit_from_a_task_off_the_channel_says_
         spark_local2_small_results, monkeypatch):
     import torchdist_magic.backends.channels as channels
     import torchdist_magic.launch.remote as remote
-    from torchdist_magic.wire.channel import ChannelServer, new_secret
+    from torchdist_magic.wire.frames import new_secret
+    from torchdist_magic.wire.server import ChannelServer
 
     # as above, and the channel refuses the tasks' launchers (another launcher secret than the
     # one they are given): they meet through Spark's barrier, and the value goes through Spark

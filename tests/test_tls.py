@@ -10,7 +10,8 @@ import pytest
 
 from helpers import assert_no_survivors, assert_nothing_left, one, touch, wait_until
 from torchdist_magic import Distributor, LaunchOptions, shutdown_pools
-from torchdist_magic.wire import channel, tls
+from torchdist_magic.wire import tls
+from torchdist_magic.wire.frames import MAX_HELLO, read_frame
 from torchdist_magic.backends import make_backend
 
 
@@ -35,7 +36,7 @@ def greeting(run):
     if run.channel_certificate:
         sock = tls.client_context(run.channel_certificate).wrap_socket(sock)
     with sock:
-        return channel.read_frame(sock, channel.MAX_HELLO)
+        return read_frame(sock, MAX_HELLO)
 
 
 def run_and_probe(distributor, tmp_path):

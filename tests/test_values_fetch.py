@@ -24,7 +24,8 @@ from helpers import Collector, assert_nothing_left, pipe_bytes
 from torchdist_magic import Distributor, RankFailure
 from torchdist_magic.launch import hostcopy
 from torchdist_magic.core import privdir, values
-from torchdist_magic.wire.channel import ChannelServer, new_secret
+from torchdist_magic.wire.frames import new_secret
+from torchdist_magic.wire.server import ChannelServer
 from torchdist_magic.core.names import VALUES_FETCH_ENV
 from torchdist_magic.core.rankenv import RunSpec, rank_key
 from torchdist_magic.wire.tls import new_identity
@@ -258,10 +259,9 @@ def test_a_connection_reset_midway_fails_the_fetch(served):
 
 
 def test_a_connection_cut_before_the_values_fails_the_fetch(served):
-    from torchdist_magic.wire.channel import _frame
-
+    from torchdist_magic.wire.frames import pack_frame
     _, spec, _ = served(1)
-    handshake = len(_frame({"nonce": "0" * 32})) + len(_frame({"ok": True, "mac": "0" * 64}))
+    handshake = len(pack_frame({"nonce": "0" * 32})) + len(pack_frame({"ok": True, "mac": "0" * 64}))
     port = relay(("127.0.0.1", driver_port(spec)), handshake)
     with pytest.raises(hostcopy.ValuesNotFetched, match=(
             r": the connection ended before the values began \(connection closed\)$")):
@@ -456,8 +456,8 @@ def test_many_machines_fetch_at_once_while_the_channel_delivers_records(served, 
     from concurrent.futures import ThreadPoolExecutor
 
     from torchdist_magic.core import events
-    from torchdist_magic.wire.channel import FETCHES_AT_ONCE, ChannelClient
-
+    from torchdist_magic.wire.client import ChannelClient
+    from torchdist_magic.wire.transfers import FETCHES_AT_ONCE
     _, spec, array = served(4)
     names = [f"{spec.values_fetch}-{i}" for i in range(FETCHES_AT_ONCE + 4)]
     path = next((tmp_path / "sent-0").iterdir())  # the file the fixture serves

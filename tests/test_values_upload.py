@@ -24,7 +24,9 @@ from helpers import Collector, assert_nothing_left, pipe_bytes
 from torchdist_magic import Distributor, RankFailure
 from torchdist_magic.core import values
 from torchdist_magic.launch import valueupload
-from torchdist_magic.wire.channel import ChannelServer, Refused, new_secret, open_connection
+from torchdist_magic.wire.frames import new_secret, Refused
+from torchdist_magic.wire.handshake import open_connection
+from torchdist_magic.wire.server import ChannelServer
 from torchdist_magic.core.rankenv import RunSpec, rank_key
 from torchdist_magic.wire.tls import new_identity
 from torchdist_magic.core.names import VALUES_FETCH_ENV
@@ -177,7 +179,8 @@ def test_a_connection_cut_midway_fails_the_sending_and_leaves_nothing_on_the_dri
 
 DRIVER_WITH_FILE_LIMIT = """
 import json, resource, sys
-from torchdist_magic.wire.channel import ChannelServer, new_secret
+from torchdist_magic.wire.frames import new_secret
+from torchdist_magic.wire.server import ChannelServer
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
 secret, launcher_secret = new_secret(), new_secret()
 channel = ChannelServer(lambda record: None, "run-1", secret=secret, launcher_secret=launcher_secret)

@@ -20,11 +20,12 @@ from helpers import assert_no_survivors
 from view_helpers import FakeRun, bar, exit_, feed, log, metrics, running
 from torchdist_magic import ResultTimeout
 from torchdist_magic.core import events
-from torchdist_magic.driver import state as S
+from torchdist_magic.driver import logstore
 from torchdist_magic.driver.distributor import submit
 from torchdist_magic.core.errors import JobTimeout, RunCancelled
 from torchdist_magic.core.options import LaunchOptions
 from torchdist_magic.view import html as H
+from torchdist_magic.view import plots as P
 from torchdist_magic.view import model as M
 from torchdist_magic.view.text import TextView, summary, summary_with_logs
 
@@ -138,10 +139,10 @@ def test_plot_data_one_line_per_rank_thinned_to_a_bound():
     assert len(loss0) <= 100 and loss0[0] == (1, 1.0) and loss0[-1] == (1000, 0.001)
     assert series["loss"][1] == [(s, 2.0 / s) for s in range(1, 11)]
     assert series["acc"] == {1: [(s, 0.1 * s) for s in range(1, 11)]}
-    svg = H.plot_svg("loss", series["loss"])
+    svg = P.plot_svg("loss", series["loss"])
     assert len(re.findall(r'<polyline class="torchdist-plot-line" data-rank="(\d)"', svg)) == 2
     assert svg.count(H.rank_colour(0)) >= 2 and svg.count(H.rank_colour(1)) >= 2
-    html = H.plots_html(M.metric_series(state))
+    html = P.plots_html(M.metric_series(state))
     assert html.count("<svg") == 2 and 'data-metric="acc"' in html and "rank 1" in html
 
 
@@ -150,7 +151,7 @@ def test_system_plots_are_against_seconds_since_the_start_and_every_chart_of_a_r
     for i in range(4):
         metrics(state, 0, i + 1, loss=1.0, acc=0.5, lr=0.1, grad=2.0)
     series = {"cpu %": {0: [(0.03664, 50.0), (4.2, 80.0), (12.5, 70.0)]}}
-    html = H.plots_html({**M.metric_series(state), **series}, over_time=series)
+    html = P.plots_html({**M.metric_series(state), **series}, over_time=series)
     cpu = html[html.index('data-metric="cpu %"'):]
     labels = re.findall(r">([^<>]+)</text>", cpu[:cpu.index("</svg>")])
     assert "time since the start" in labels and "step" not in labels
@@ -159,7 +160,7 @@ def test_system_plots_are_against_seconds_since_the_start_and_every_chart_of_a_r
     assert ">step</text>" in loss[:loss.index("</svg>")]
     # a grid's cells: a chart alone on the last row is as wide as the others (no flex-grow)
     assert "grid-template-columns:repeat(auto-fill,minmax(260px,1fr))" in html and "flex:1 1" not in html
-    assert H.plot_svg("cpu %", series["cpu %"], over_time=True).count("at 12 s</title>") == 1
+    assert P.plot_svg("cpu %", series["cpu %"], over_time=True).count("at 12 s</title>") == 1
 
 
 def test_non_finite_values_are_shown_but_not_plotted():
@@ -171,9 +172,9 @@ def test_non_finite_values_are_shown_but_not_plotted():
 
 def test_no_plot_without_metrics_and_a_single_point_plots():
     state = FakeRun(1).state
-    assert M.metric_series(state) == {} and H.plots_html({}) == ""
+    assert M.metric_series(state) == {} and P.plots_html({}) == ""
     metrics(state, 0, 1, loss=0.5)
-    svg = H.plots_html(M.metric_series(state))
+    svg = P.plots_html(M.metric_series(state))
     assert "<circle" in svg and "<polyline" not in svg
 
 
@@ -185,10 +186,10 @@ def test_thin_keeps_the_first_and_the_newest_point():
 
 
 def test_nice_ticks_are_round_numbers_inside_the_range():
-    assert H.nice_ticks(-0.1, 2.1) == [0.0, 1.0, 2.0]
-    ticks = H.nice_ticks(0.03, 0.95)
+    assert P.nice_ticks(-0.1, 2.1) == [0.0, 1.0, 2.0]
+    ticks = P.nice_ticks(0.03, 0.95)
     assert [round(t, 6) for t in ticks] == [0.2, 0.4, 0.6, 0.8]
-    assert H.nice_ticks(5.0, 5.0) == [5.0]
+    assert P.nice_ticks(5.0, 5.0) == [5.0]
 
 
 # -- logs ------------------------------------------------------------------------------------------
@@ -601,8 +602,8 @@ def test_stacks_are_awaited_for_the_running_ranks_only():
 
 
 def test_the_text_view_prints_every_line_once_while_another_thread_spills_the_log(monkeypatch):
-    monkeypatch.setattr(S, "LOG_MEMORY_LINES", 40)  # spill to the file every few dozen lines
-    monkeypatch.setattr(S, "SPILL_INDEX_EVERY", 16)
+    monkeypatch.setattr(logstore, "LOG_MEMORY_LINES", 40)  # spill to the file every few dozen lines
+    monkeypatch.setattr(logstore, "SPILL_INDEX_EVERY", 16)
     run = FakeRun(2)
     out = io.StringIO()
     view = TextView(run.state, out, out)

@@ -13,6 +13,7 @@ from test_view_model import _stacks
 from view_helpers import FakeRun, bar, exit_, feed, log, metrics, no_cpu, running, simulated_run
 from torchdist_magic.core import events
 from torchdist_magic.view import html as H
+from torchdist_magic.view.plots import plots_html
 from torchdist_magic.view import overview as O
 from torchdist_magic.view import widget as W
 from torchdist_magic.view.text import TextView, summary, summary_with_logs
@@ -200,7 +201,7 @@ def test_the_legend_wraps_between_entries_and_colours_do_not_repeat():
     run = FakeRun(16)
     for r in range(16):
         metrics(run.state, r, 1, loss=1.0)
-    legend = H.plots_html(H.metric_series(run.state))
+    legend = plots_html(H.metric_series(run.state))
     assert "rank 0</span> <span" in legend  # whitespace between entries: the legend wraps there
     assert len({H.rank_colour(r) for r in range(1024)}) > 300
     assert H.rank_colour(0) != H.rank_colour(10)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
-from ..wire.channel import ChannelServer, new_secret
+from ..wire.frames import new_secret
+from ..wire.server import ChannelServer
 from .base import Backend, LaunchPlan
 
 

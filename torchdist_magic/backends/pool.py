@@ -42,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from ..core import events
 from . import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
 from .warm import WarmBackend, WarmJobRun
-from ..wire.channel import ChannelServer
+from ..wire.server import ChannelServer
 from .channels import open_channel
 from ..core.fdlimit import make_room
 from ..core.options import LaunchOptions

@@ -24,7 +24,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .events import Collectives, Failure, GroupCollectives
+from .events import Collectives, GroupCollectives
+from .failure import Failure
 
 #: what a rank raises when a collective it waits in timed out (gloo's send/recv timeouts, NCCL's
 #: watchdog): collateral whenever another rank is behind

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 from .culprit import Verdict, rank_list
-from .events import Failure, Stacks
+from .events import Stacks
+from .failure import Failure
 
 #: lines of a failing rank's last output that its ``RankFailure`` text shows
 LAST_WORDS = 10

@@ -27,108 +27,27 @@ Who may send what (the channel enforces it, ``SENDERS``):
   ``DumpCollectives`` (send the rank's collective record), ``StartProfile`` (profile the next steps).
 
 A rank's ``Exit`` is what its launcher saw the process do, never what the worker claims.
+
+Start here: this module holds every record type, who may send it and its encoding.  A record's
+parts live beside it: ``failure`` (``Failure``, a rank's failure), ``stacks`` (the threads and
+frames of ``Stacks``) and ``recordcheck`` (how ``decode`` checks a record field by field).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
-import re
-import signal
-import typing
 from dataclasses import dataclass, field
-from time import time as _now
-from traceback import format_exception as _format_exception
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Type, Union
+from typing import Any, ClassVar, Dict, List, Optional, Type, Union
+
+from .failure import Failure
+from .recordcheck import MalformedEvent, build, check, to_json_value
+from .stacks import ThreadStack, is_library_file, parse_stacks
 
 #: bumped whenever a record changes shape; the channel refuses a peer with another version
 PROTOCOL_VERSION = 8
 
 
-class MalformedEvent(ValueError):
-    """A message that is not a well-formed record of this protocol."""
-
-
 # -- records ----------------------------------------------------------------------------------
-
-@dataclass
-class Failure:
-    """One rank's failure: what it raised (or how its process ended) and where.
-
-    Built in one place, as ipyparallel builds its remote errors: ``from_exception`` where the
-    exception is at hand (the worker, a Spark task's own failure), ``from_exit`` where a process
-    ended (a launcher, the run's state), ``for_rank`` for a copy that names the rank it concerns.
-    """
-
-    rank: int = 0
-    host: str = ""
-    exit_code: Optional[int] = None
-    exc_type: str = ""
-    message: str = ""
-    traceback: str = ""
-    time: float = 0.0
-    log_tail: List[str] = field(default_factory=list)
-
-    @classmethod
-    def from_exception(cls, rank: int, exc: BaseException, *, host: str = "",
-                       exit_code: Optional[int] = None, exc_type: Optional[str] = None,
-                       message: Optional[str] = None, traceback_text: Optional[str] = None,
-                       time: Optional[float] = None) -> "Failure":
-        """``rank``'s failure by ``exc``: its type (``exc_type``: the class's qualified name unless
-        given), message (``str(exc)`` unless given) and traceback (``traceback_text``: the whole
-        formatted exception unless given), at ``time`` (now unless given)."""
-        if traceback_text is None:
-            traceback_text = "".join(_format_exception(type(exc), exc, exc.__traceback__))
-        return cls(rank=rank, host=host, exit_code=exit_code,
-                   exc_type=type(exc).__qualname__ if exc_type is None else exc_type,
-                   message=str(exc) if message is None else message, traceback=traceback_text,
-                   time=_now() if time is None else time)
-
-    @classmethod
-    def from_exit(cls, rank: int, code: Optional[int], *, host: str = "", time: float = 0.0,
-                  reported: Optional["Failure"] = None, log_tail: Optional[List[str]] = None) -> "Failure":
-        """``rank``'s failure from how its process ended, ``code`` (negative: killed by that
-        signal, which ``summary`` names; ``None``: no process exit to report), and from what the
-        rank itself reported, ``reported`` (its exception: the worker's ``error.json``, a warm
-        job's ``JobDone``), when it reported anything.
-
-        The exit code is the process's; the reported one only refines a plain exit (a positive
-        code, or none).  ``host`` and ``time`` stand in where the report has none; ``log_tail``
-        (the rank's last lines of output, seen here) where given and not empty replaces the
-        report's."""
-        reported = reported if reported is not None else cls()
-        plain = code is None or code > 0
-        return cls(rank=rank, host=reported.host or host,
-                   exit_code=reported.exit_code if plain and reported.exit_code is not None else code,
-                   exc_type=reported.exc_type, message=reported.message, traceback=reported.traceback,
-                   time=reported.time or time, log_tail=list(log_tail or reported.log_tail))
-
-    def for_rank(self, rank: int, **changes: Any) -> "Failure":
-        """A copy of this failure as ``rank``'s, with ``changes`` (fields by name) made."""
-        return dataclasses.replace(self, rank=rank, **changes)
-
-    @property
-    def signal_name(self) -> Optional[str]:
-        if self.exit_code is not None and self.exit_code < 0:
-            try:
-                return signal.Signals(-self.exit_code).name
-            except ValueError:
-                return f"signal {-self.exit_code}"
-        return None
-
-    def summary(self) -> str:
-        where = f"rank {self.rank}" + (f" on {self.host}" if self.host else "")
-        if self.exc_type:
-            return f"{where} raised {self.exc_type}: {self.message}".rstrip(": ")
-        if self.signal_name:
-            if self.message:  # what the launcher made of the kill (``sysmetrics.explain_kill``)
-                return f"{where} was killed ({self.signal_name}), {self.message}"
-            return f"{where} was killed by {self.signal_name}"
-        if self.exit_code is not None:
-            return f"{where} exited with code {self.exit_code}"
-        return f"{where} failed: {self.message}"
-
 
 @dataclass
 class Event:
@@ -162,7 +81,7 @@ class OutputLine:
 class Log(Event):
     """One line of a rank's output; ``cr`` when it ended with ``\\r`` (a redrawn progress line).
     ``more``: the lines that followed it, in order, sent in the same record (a client puts the
-    lines of one flush into one record: ``channel.merge_logs``)."""
+    lines of one flush into one record: ``wire.batching.merge_logs``)."""
 
     type: ClassVar[str] = "log"
     stream: str = "stdout"
@@ -408,31 +327,6 @@ class Preflight(Event):
 
 
 @dataclass
-class Frame:
-    """One frame of a stack: where a thread was."""
-
-    function: str
-    filename: str
-    line: int
-
-    def describe(self) -> str:
-        return f"{self.function} ({_short_path(self.filename)}, line {self.line})"
-
-
-@dataclass
-class ThreadStack:
-    """One thread's frames, innermost first."""
-
-    ident: int
-    current: bool
-    frames: List[Frame]
-
-    def job_frames(self) -> List[Frame]:
-        """The frames without those of the process around the job (the worker, ``runpy``)."""
-        return [f for f in self.frames if not f.filename.endswith(_RUNNER_FILES)]
-
-
-@dataclass
 class Stacks(Event):
     """Every thread's Python stack of a rank, as ``faulthandler`` wrote it (also while the
     thread was blocked in a C call, such as a collective).  ``main_thread``: the ident of the
@@ -635,212 +529,15 @@ SENDERS: Dict[str, frozenset] = {
 
 # -- encoding ---------------------------------------------------------------------------------
 
-def _to_json_value(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return {f.name: _to_json_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {k: _to_json_value(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_to_json_value(v) for v in value]
-    return value
-
-
 def encode(event: Event) -> dict:
     """The JSON object of a record: its fields and ``"type"``."""
-    data = _to_json_value(event)
+    data = to_json_value(event)
     data["type"] = event.type
     return data
 
 
 def dumps(event: Event) -> str:
     return json.dumps(encode(event), separators=(",", ":"), allow_nan=False)
-
-
-#: the JSON values each plain annotation takes
-_JSON_TYPES: Dict[Any, tuple] = {float: (float, int), int: (int,), str: (str,), bool: (bool,)}
-
-
-def _fail(where: str, expected: str, value: Any) -> MalformedEvent:
-    return MalformedEvent(f"{where}: expected {expected}, got {value!r:.80}")
-
-
-def _checker(annotation: Any) -> Callable[[Any, str], Any]:
-    """A function ``(value, where)`` that returns ``value`` if it has the type ``annotation``
-    describes (recursively; floats as finite floats), else raises ``MalformedEvent`` naming
-    ``where``.  Built once per annotation: decoding then costs no type introspection."""
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin is Union:
-        options = [a for a in args if a is not type(None)]
-        nullable = len(options) < len(args)
-        if len(options) == 1:  # Optional[X]: X's own message says what is wrong
-            inner = _checker(options[0])
-
-            def check_optional(value, where):
-                return None if value is None else inner(value, where)
-            return check_optional
-        checks = [_checker(option) for option in options]
-        # the option a JSON value's own type points at is tried first (a float for
-        # Union[float, str]), so that the common case costs one check
-        likely = {}
-        for option, check in zip(options, checks):
-            for kind in _JSON_TYPES.get(option, (typing.get_origin(option),)):
-                likely.setdefault(kind, check)
-
-        def check_union(value, where):
-            if value is None and nullable:
-                return None
-            first = likely.get(type(value))
-            if first is not None:
-                try:
-                    return first(value, where)
-                except MalformedEvent:
-                    pass
-            for check in checks:
-                try:
-                    return check(value, where)
-                except MalformedEvent:
-                    continue
-            raise MalformedEvent(f"{where}: {value!r} is none of {annotation}")
-        return check_union
-    if annotation is type(None):
-        def check_none(value, where):
-            if value is None:
-                return None
-            raise _fail(where, "NoneType", value)
-        return check_none
-    if annotation is bool:
-        def check_bool(value, where):
-            if isinstance(value, bool):
-                return value
-            raise _fail(where, "bool", value)
-        return check_bool
-    if annotation is int:
-        def check_int(value, where):
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-            raise _fail(where, "int", value)
-        return check_int
-    if annotation is float:
-        def check_float(value, where):
-            if isinstance(value, float) and value - value == 0.0:
-                return value  # the common case: a finite float (inf - inf and nan - nan are nan)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                try:
-                    number = float(value)
-                except OverflowError:  # an integer beyond any float
-                    number = math.inf
-                if math.isfinite(number):
-                    return number
-            raise _fail(where, "float", value)
-        return check_float
-    if annotation is str:
-        def check_str(value, where):
-            if isinstance(value, str):
-                return value
-            raise _fail(where, "str", value)
-        return check_str
-    if origin is list:
-        item = _checker(args[0])
-
-        def check_list(value, where):
-            if not isinstance(value, list):
-                raise _fail(where, "list", value)
-            try:
-                return [item(v, where) for v in value]
-            except MalformedEvent:  # again, for the message: where the bad item is
-                return [item(v, f"{where}[]") for v in value]
-        return check_list
-    if origin is dict:
-        key_check, value_check = _checker(args[0]), _checker(args[1])
-        # a dict of str to floats and texts (metric values, system samples) passes as it came
-        # when every key is a str and every value a finite float or a str: one loop, no calls
-        kinds = set(typing.get_args(args[1]) or (args[1],))
-        plain, floats, texts = args[0] is str and kinds <= {float, str}, float in kinds, str in kinds
-
-        def check_dict(value, where):
-            if not isinstance(value, dict):
-                raise _fail(where, "dict", value)
-            if plain:
-                for k, v in value.items():
-                    kind = type(v)
-                    if type(k) is not str or not ((kind is float and floats and v - v == 0.0) or (kind is str and texts)):
-                        break
-                else:
-                    return value
-            out = {}
-            for k, v in value.items():
-                try:
-                    out[key_check(k, where)] = value_check(v, where)
-                except MalformedEvent:  # again, for the message: which key or which value
-                    out[key_check(k, f"{where} key")] = value_check(v, f"{where}[{k!r}]")
-            return out
-        return check_dict
-    if dataclasses.is_dataclass(annotation):
-        def check_record(value, where):
-            if isinstance(value, dict):
-                return _build(annotation, value, where)
-            raise _fail(where, annotation.__name__, value)
-        return check_record
-    raise TypeError(f"no check for {annotation!r}")  # a record field of a type added above
-
-
-def _check(value: Any, annotation: Any, where: str) -> Any:
-    """``value`` if it has the type ``annotation`` describes (recursively), else raise."""
-    return _checker(annotation)(value, where)
-
-
-_BUILDERS: Dict[type, Callable[[dict, str], Any]] = {}
-
-
-#: the field types whose check the code of ``_builder`` writes inline, as its common case
-_INLINE_CHECKS = {int: "type({v}) is int", str: "type({v}) is str", bool: "type({v}) is bool",
-                  float: "type({v}) is float and {v} - {v} == 0.0"}
-
-
-def _builder(cls: type) -> Callable[[dict, str], Any]:
-    """The function that builds a ``cls`` from its JSON object, checking every field; made once
-    per record type (``typing.get_type_hints`` and the fields' checkers).
-
-    It is written as code for ``cls`` (as ``dataclasses`` writes ``__init__``): one line per
-    field, a plain field's common case (an int that is an int, a finite float) checked inline,
-    its checker called only otherwise; a field that is absent takes its default.  The channel
-    runs it for every record of every rank, a hundred thousand times a second at 1024 ranks."""
-    hints = typing.get_type_hints(cls)
-    own_where = getattr(cls, "type", "") or None
-    names = {"cls": cls, "MISSING": dataclasses.MISSING, "MalformedEvent": MalformedEvent, "own_where": own_where}
-    lines = ["def build(data, where):", "    get = data.get"]
-    args = []
-    for i, f in enumerate(dataclasses.fields(cls)):
-        v, check, path = f"v{i}", f"check{i}", f"path{i}"
-        names[check] = _checker(hints[f.name])
-        names[path] = f"{own_where}.{f.name}"
-        where = f"({path} if where == own_where else where + {'.' + f.name!r})"
-        lines.append(f"    {v} = get({f.name!r}, MISSING)")
-        lines.append(f"    if {v} is MISSING:")
-        if f.default is not dataclasses.MISSING:
-            names[f"default{i}"] = f.default
-            lines.append(f"        {v} = default{i}")
-        elif f.default_factory is not dataclasses.MISSING:
-            names[f"factory{i}"] = f.default_factory
-            lines.append(f"        {v} = factory{i}()")
-        else:
-            lines.append(f"        raise MalformedEvent(f\"{{where}}: missing field {f.name!r}\")")
-        inline = _INLINE_CHECKS.get(hints[f.name])
-        lines.append("    else:" if inline is None else f"    elif not ({inline.format(v=v)}):")
-        lines.append(f"        {v} = {check}({v}, {where})")
-        args.append(f"{f.name}={v}")
-    lines.append(f"    return cls({', '.join(args)})")
-    exec("\n".join(lines), names)  # noqa: S102  code made above from the record's own fields
-    return names["build"]
-
-
-def _build(cls: type, data: dict, where: str):
-    build = _BUILDERS.get(cls)
-    if build is None:
-        build = _BUILDERS[cls] = _builder(cls)
-    return build(data, where)
-
 
 def decode(data: Any) -> Event:
     """The record a JSON object encodes; ``MalformedEvent`` for anything else.
@@ -854,7 +551,7 @@ def decode(data: Any) -> Event:
     cls = RECORDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise MalformedEvent(f"unknown event type {kind!r:.40}")
-    return _build(cls, data, kind)
+    return build(cls, data, kind)
 
 
 def loads(text: Union[str, bytes]) -> Event:
@@ -867,49 +564,8 @@ def loads(text: Union[str, bytes]) -> Event:
 
 def failure_from_json(data: Any) -> Failure:
     """A ``Failure`` from its JSON object (the worker's ``error.json``)."""
-    return _check(data, Failure, "failure")
+    return check(data, Failure, "failure")
 
 
 def failure_to_json(failure: Failure) -> dict:
-    return _to_json_value(failure)
-
-
-# -- stacks -----------------------------------------------------------------------------------
-
-_THREAD_LINE = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
-_FRAME_LINE = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
-_LIBRARY_PARTS = ("site-packages", "dist-packages", "<frozen ")
-#: the files of the process around the job, and of what wraps its calls (the step split's
-#: timing of collectives): never where a rank "was"
-_RUNNER_FILES = ("torchdist_magic/rank/worker.py", "<frozen runpy>", "torchdist_magic/rank/stepsplit.py")
-
-
-def parse_stacks(text: str) -> List[ThreadStack]:
-    """Threads and frames of a ``faulthandler`` dump (``dump_traceback(all_threads=True)``)."""
-    threads: List[ThreadStack] = []
-    for line in text.splitlines():
-        m = _THREAD_LINE.match(line)
-        if m:
-            threads.append(ThreadStack(ident=int(m.group(2), 16), current=m.group(1) == "Current thread",
-                                       frames=[]))
-            continue
-        m = _FRAME_LINE.match(line)
-        if m and threads:
-            threads[-1].frames.append(Frame(function=m.group(3), filename=m.group(1), line=int(m.group(2))))
-    return threads
-
-
-def is_library_file(filename: str) -> bool:
-    """Whether ``filename`` belongs to an installed package or the standard library rather than
-    to the user's own code (judged by its path alone: it may be another machine's)."""
-    if any(part in filename for part in _LIBRARY_PARTS):
-        return True
-    return bool(re.search(r"/lib(64)?/python\d+\.\d+/", filename))
-
-
-def _short_path(filename: str) -> str:
-    """A library file from its package on (``torch/distributed/distributed_c10d.py``)."""
-    for part in ("site-packages/", "dist-packages/"):
-        if part in filename:
-            return filename.split(part, 1)[1]
-    return filename
+    return to_json_value(failure)

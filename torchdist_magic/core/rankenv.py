@@ -30,7 +30,7 @@ _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspat
 def rank_key(secret: str, role: str, rank: int) -> str:
     """What ``role`` (``"worker"``, ``"launcher"``) of ``rank`` authenticates with on the run's
     channel, derived from the run's secret of that role: a rank's worker is given only its own
-    key, so it cannot speak as another rank (``channel``)."""
+    key, so it cannot speak as another rank (``wire.handshake``)."""
     return hmac.new(secret.encode(), f"torchdist {role} {rank}".encode(), hashlib.sha256).hexdigest()
 
 

@@ -40,7 +40,7 @@ STACKS_COLLECT_WAIT = STACKS_WAIT + 1.0
 COLLECTIVES_WAIT = 2.0
 
 #: a channel connection must complete its handshake within this deadline (a rank's client tries
-#: again, a few times, when it did not: ``channel.CONNECT_ATTEMPTS``)
+#: again, a few times, when it did not: ``wire.handshake.CONNECT_ATTEMPTS``)
 HANDSHAKE_DEADLINE = 10.0
 #: when a run ends, how long the driver waits for open channel connections to deliver
 CHANNEL_CLOSE_WAIT = 2.0
@@ -52,7 +52,7 @@ CLIENT_CLOSE_WAIT = 5.0
 #: a fetch of the notebook values (``hostcopy``) whose connection moves no byte for this long is
 #: given up, on both ends
 FETCH_STALL = 60.0
-#: how long a fetch waits for its turn at the driver, which sends ``channel.FETCHES_AT_ONCE`` at
+#: how long a fetch waits for its turn at the driver, which sends ``wire.transfers.FETCHES_AT_ONCE`` at
 #: a time (many machines fetching a large value over one network link wait in line); a run that
 #: ends closes the fetches still waiting
 FETCH_QUEUE_WAIT = 1800.0

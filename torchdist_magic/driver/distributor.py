@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ..backends import Backend, BackendRun, LaunchContext, LaunchPlan, make_backend
 from ..backends.channels import open_channel
-from ..wire.channel import ChannelServer
+from ..wire.server import ChannelServer
 from ..core.fdlimit import make_room
 from .console import NO_STDIN_PDB, Console, rank_env
 from ..core import culprit
@@ -48,7 +48,10 @@ from . import hangs
 from .history import RecordKeeper
 from .profiles import Profile, ProfileCollector
 from .sent import SentValues
-from .state import Attempt, RunDirectory, RunState, is_collateral
+from .rootcause import is_collateral
+from .rundir import RunDirectory
+from .snapshot import Attempt
+from .state import RunState
 from ..core.timing import ROOT_CAUSE_WAIT, STOP_GRACE, SUPERVISE_POLL
 from .tracking import MlflowLogger
 

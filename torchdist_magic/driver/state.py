@@ -7,35 +7,32 @@ its type.  A run that restarts (``max_restarts``) has attempts: ``restart`` reco
 current one ended and starts the next with fresh rank states; records of an earlier attempt
 that arrive late are ignored.
 
-Logs.  Each rank's lines are a ``LogStore``: complete and in order across attempts, the newest
-lines in memory and older ones spilled to a file in the run's directory, so that the driver's
-memory stays flat however much a rank prints.  A line that ends with ``\\r`` (a redrawn progress
-line) is replaced by the next line of its stream, as on a terminal, so redraws do not pile up.
+Logs.  Each rank's lines are a ``LogStore`` (``logstore``), spilling to the run's directory
+(``rundir``).  What readers get is ``snapshot``'s; which failure is the root cause,
+``rootcause``'s.
 
-Readers.  ``RunState`` alone takes its lock: a view reads copies through its methods
-(``snapshot`` of the run and every rank, with the ranks changed since a ``version``;
-``read_log`` / ``recent_log``; ``metric_history``), and the supervisor collects stacks with
-``begin_stacks`` and ``wait_stacks``, collective records with ``begin_collectives`` and
-``wait_collectives``, and keeps what they say with ``set_verdict``.
+Readers.  ``RunState`` alone takes its lock: a view reads copies through its methods (those of
+``reading``, a base of it: ``snapshot`` of the run and every rank, with the ranks changed since
+a ``version``; ``read_log`` / ``recent_log``; ``metric_history``), and the supervisor collects
+stacks with ``begin_stacks`` and ``wait_stacks``, collective records with ``begin_collectives``
+and ``wait_collectives``, and keeps what they say with ``set_verdict``.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
-import tempfile
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from ..core import events
 from ..core.culprit import Verdict
-from ..core.events import Failure
-from .goodput import AttemptTimes, goodput
-from .stragglers import Pace, Straggler
+from ..core.failure import Failure
+from .logstore import LogLine, LogStore, memory_share
+from .reading import RunStateReads
+from .rundir import RunDirectory
+from .snapshot import SYSTEM_HISTORY_KEYS, Attempt, Refusal, ShownBars
+from .stragglers import Pace
 
 #: a rank's history of one metric keeps at most this many points (past that, every other one)
 MAX_POINTS = 10_000
@@ -49,18 +46,6 @@ MIN_POINTS = 256
 MAX_SYSTEM_POINTS = 2048
 RUN_SYSTEM_POINTS = 200_000
 MIN_SYSTEM_POINTS = 64
-#: the keys of a system sample its history keeps (what the views plot), in this order
-SYSTEM_HISTORY_KEYS = ("cpu_percent", "rss_bytes", "gpu_memory_used_bytes", "gpu_util_percent")
-#: a rank's log keeps at most this many lines (and ``LOG_MEMORY_CHARS`` characters) in memory;
-#: past that the older half goes to the rank's file
-LOG_MEMORY_LINES = 20_000
-LOG_MEMORY_CHARS = 8 * 1024 * 1024
-#: ... and a run's, all ranks together, about this many lines (and characters): each rank gets
-#: its share (at least ``MIN_LOG_LINES`` and ``MIN_LOG_CHARS``)
-RUN_LOG_MEMORY_LINES = 400_000
-RUN_LOG_MEMORY_CHARS = 64 * 1024 * 1024
-MIN_LOG_LINES = 256
-MIN_LOG_CHARS = 64 * 1024
 #: distinct metric names a run keeps, all ranks together (a name per step would grow the driver
 #: without bound); a newer name is not kept, and the rank's log says so once
 MAX_METRIC_NAMES = 1024
@@ -71,239 +56,10 @@ MAX_BARS = 256
 #: are counted (``RankState.log_dropped``), not kept, and its log says so once
 MAX_RUN_LOG_CHARS = 16 * 1024 ** 3
 MIN_RANK_LOG_CHARS = 64 * 1024 ** 2
-#: a spilled line's file offset is remembered for every this many lines (to read a range)
-SPILL_INDEX_EVERY = 1024
-#: what a rank raises when a *peer* died: never the root cause while another failure is known
-COLLATERAL = re.compile(
-    r"Connection closed by peer|Connection reset by peer|remote worker crashing|Broken pipe"
-    r"|NCCL communicator was aborted|ProcessGroupNCCL.*(watchdog|abort)|recvBytes|sendBytes"
-    r"|failed to recv, got 0 bytes|The server socket has failed")
-
-
-def is_collateral(failure: Failure) -> bool:
-    return bool(failure.exc_type) and bool(COLLATERAL.search(failure.message))
-
-
-def root_cause_first(failures: Iterable[Failure]) -> List[Failure]:
-    """``failures`` ordered root cause first: the earliest failure that is not merely a peer
-    noticing that another rank went away (clocks of different hosts may disagree)."""
-    return sorted(failures, key=lambda f: (is_collateral(f), f.time, f.rank))
 
 
 @dataclass
-class LogLine:
-    stream: str
-    text: str
-    cr: bool = False
-
-
-class RunDirectory:
-    """A run's directory (spilled logs, default checkpoints): made on first use, removed when its
-    owner is garbage-collected or the process exits."""
-
-    def __init__(self, prefix: str):
-        self.prefix = prefix
-        self._path: Optional[str] = None
-        self._lock = threading.Lock()
-
-    def path(self) -> str:
-        with self._lock:
-            if self._path is None:
-                self._path = tempfile.mkdtemp(prefix=self.prefix)
-                weakref.finalize(self, shutil.rmtree, self._path, True)
-            return self._path
-
-
-def _escape(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
-
-
-_ESCAPED = re.compile(r"\\(.)")
-_UNESCAPE = {"n": "\n", "r": "\r", "\\": "\\"}
-
-
-def _unescape(text: str) -> str:
-    return _ESCAPED.sub(lambda m: _UNESCAPE.get(m.group(1), m.group(1)), text) if "\\" in text else text
-
-
-class LogStore:
-    """One rank's output lines in order, as a read-only sequence of ``LogLine`` (``len``,
-    indexing, slicing, iteration).  Recent lines are in memory; older ones are in a file under
-    ``directory()`` (called on the first spill), read back when asked for.
-
-    ``append`` replaces the stream's last line instead when that line ended with ``\\r`` (also
-    when the other stream wrote in between): only a bar's latest state is kept.  A reader that
-    keeps a cursor should read a trailing ``\\r``-line again later (``model.LogCursor`` does).
-
-    In memory a line is a plain ``(stream, text, cr)`` tuple, made a ``LogLine`` when read: the
-    garbage collector stops tracking such tuples, so that the hundreds of thousands of lines a
-    large run keeps do not make every full collection of the driver's process longer (at 1024
-    ranks they were four tenths of the driver's CPU time).
-    """
-
-    def __init__(self, directory: Callable[[], str], name: str, *, max_lines: Optional[int] = None,
-                 max_chars: Optional[int] = None):
-        self._directory = directory
-        self._name = name
-        # lines and characters in memory at most; past that the older half spills (a RunState
-        # gives each rank its share of the run's)
-        self._max_lines = LOG_MEMORY_LINES if max_lines is None else max_lines
-        self._max_chars = LOG_MEMORY_CHARS if max_chars is None else max_chars
-        self._memory: List[Tuple[str, str, bool]] = []
-        self._first = 0                  # index of _memory[0]
-        self._chars = 0                  # characters of the lines in memory
-        self._file = None
-        self._path: Optional[str] = None
-        self._offsets: List[int] = []    # file offset of spilled line k * SPILL_INDEX_EVERY
-        self._file_size = 0
-        self._sealed = False
-        self._open_cr: Dict[str, int] = {}  # per stream: its last line's index, when it ended with \r
-
-    def __len__(self) -> int:
-        return self._first + len(self._memory)
-
-    @property
-    def spilled(self) -> int:
-        """Lines that are in the file, not in memory."""
-        return self._first
-
-    def append(self, line: LogLine) -> None:
-        self.add(line.stream, line.text, line.cr)
-
-    def add(self, stream: str, text: str, cr: bool = False) -> None:
-        """``append`` of the line ``(stream, text, cr)``."""
-        at = self._open_cr.pop(stream, None)
-        if at is not None and at >= self._first and not self._sealed:
-            # the stream's redrawn line takes this line, also when another stream wrote between
-            last = self._memory[at - self._first]
-            self._memory[at - self._first] = (stream, text, cr)
-            self._chars += len(text) - len(last[1])
-            if cr:
-                self._open_cr[stream] = at
-            return
-        if self._sealed:
-            self._open_cr.clear()
-        self._sealed = False
-        if cr:
-            self._open_cr[stream] = len(self)
-        self._memory.append((stream, text, cr))
-        self._chars += len(text)
-        if len(self._memory) > self._max_lines or self._chars > self._max_chars:
-            self._spill()
-
-    def seal(self) -> None:
-        """The next line starts afresh (a new attempt): it never replaces the last one."""
-        self._sealed = True
-
-    def _spill(self) -> None:
-        """Move the older half of the lines in memory (by count and size) to the file."""
-        count = 0
-        chars = 0
-        while count < len(self._memory) - 1 and (count < len(self._memory) // 2 or
-                                                  self._chars - chars > self._max_chars // 2):
-            chars += len(self._memory[count][1])
-            count += 1
-        if self._file is None:
-            self._path = os.path.join(self._directory(), f"{self._name}.log")
-            self._file = open(self._path, "ab")
-        parts = []
-        for i, (stream, text, cr) in enumerate(self._memory[:count], start=self._first):
-            if i % SPILL_INDEX_EVERY == 0:
-                self._offsets.append(self._file_size)
-            data = f"{'r' if cr else 'n'}{stream.replace(chr(9), ' ')}\t{_escape(text)}\n".encode(
-                "utf-8", "surrogatepass")
-            self._file_size += len(data)
-            parts.append(data)
-        self._file.write(b"".join(parts))
-        del self._memory[:count]
-        self._first += count
-        self._chars -= chars
-
-    def _read_spilled(self, start: int, stop: int) -> Iterator[Tuple[str, str, bool]]:
-        """``(stream, text, cr)`` of the spilled lines ``start <= i < stop``."""
-        stop = min(stop, self._first)
-        if start >= stop:
-            return
-        self._file.flush()
-        chunk = start // SPILL_INDEX_EVERY
-        with open(self._path, "rb") as fh:
-            fh.seek(self._offsets[chunk])
-            i = chunk * SPILL_INDEX_EVERY
-            for raw in fh:
-                if i >= stop:
-                    break
-                if i >= start:
-                    line = raw.decode("utf-8", "surrogatepass")
-                    stream, _, body = line[1:-1].partition("\t")
-                    yield stream, _unescape(body), line[0] == "r"
-                i += 1
-
-    def __getitem__(self, key: Union[int, slice]):
-        if isinstance(key, slice):
-            start, stop, step = key.indices(len(self))
-            if step != 1:
-                raise ValueError("a log is sliced with step 1 only")
-            out = [LogLine(*fields) for fields in self._read_spilled(start, stop)]
-            out += [LogLine(*fields) for fields in self._memory[max(start - self._first, 0):max(stop - self._first, 0)]]
-            return out
-        index = key + len(self) if key < 0 else key
-        if not 0 <= index < len(self):
-            raise IndexError("log line index out of range")
-        if index >= self._first:
-            return LogLine(*self._memory[index - self._first])
-        return LogLine(*next(self._read_spilled(index, index + 1)))
-
-    def __iter__(self) -> Iterator[LogLine]:
-        return iter(self[:])
-
-    def recent(self, limit: int) -> List[LogLine]:
-        """Up to ``limit`` of the newest lines, from memory only (what a view scans)."""
-        return [LogLine(*fields) for fields in self._memory[-limit:]] if limit > 0 else []
-
-    def text(self, start: int = 0, stop: Optional[int] = None) -> str:
-        """Lines ``start:stop`` as the rank wrote them (``\\n`` or ``\\r`` after each)."""
-        start, stop, _ = slice(start, stop).indices(len(self))
-        chunks: List[str] = []
-        part: List[str] = []
-        for _stream, text, cr in self._read_spilled(start, stop):
-            part += (text, "\r" if cr else "\n")
-            if len(part) >= 2 * SPILL_INDEX_EVERY:  # joined as it goes: a spilled log can be large
-                chunks.append("".join(part))
-                part = []
-        chunks.append("".join(part))
-        chunks += [text + ("\r" if cr else "\n")
-                   for _stream, text, cr in self._memory[max(start - self._first, 0):max(stop - self._first, 0)]]
-        return "".join(chunks)
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-
-
-class _Bars:
-    """What a rank's ``progress`` (its bars by id, in the order they started) shows."""
-
-    progress: Dict[str, dict]
-
-    def shown_progress(self) -> List[dict]:
-        """The bars a view shows: while loops run, the outermost and the innermost running one
-        (``epoch`` and ``batch``: bars are kept in the order they started); afterwards the
-        first one (the outer loop)."""
-        bars = list(self.progress.values())
-        running = [b for b in bars if b.get("state") == "running"]
-        if not running:
-            return bars[:1]
-        return running[:1] if len(running) == 1 else [running[0], running[-1]]
-
-    def current_progress(self) -> Optional[dict]:
-        """The bar to show: the newest one still running, else the newest one."""
-        bars = list(self.progress.values())
-        running = [b for b in bars if b.get("state") == "running"]
-        return (running or bars or [None])[-1]
-
-
-@dataclass
-class RankState(_Bars):
+class RankState(ShownBars):
     rank: int
     host: str = ""
     pid: Optional[int] = None
@@ -334,125 +90,7 @@ class RankState(_Bars):
     step_totals: Dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class RankSnapshot(_Bars):
-    """One rank as it was at one moment (``RunState.snapshot``): copies, safe to read in any
-    thread.  Its log and its metric history stay on the state (``read_log``, ``metric_history``)."""
-
-    rank: int
-    host: str
-    pid: Optional[int]
-    state: str
-    exit_code: Optional[int]
-    started: Optional[float]
-    ended: Optional[float]
-    progress: Dict[str, dict]
-    metrics: Dict[str, float]
-    dropped: int
-    failure: Optional[Failure]
-    log_lines: int                 # lines in its log (every attempt's) at that moment
-    system: Dict[str, float] = field(default_factory=dict)   # the latest system sample
-    step_time: Optional[float] = None                          # seconds per step, smoothed
-    step_split: Optional[Dict[str, float]] = None              # data/compute/comm shares (``stepsplit``)
-
-
-@dataclass(frozen=True)
-class LogRead:
-    """Lines of one rank's log read at one moment: ``lines`` are those from index ``start`` on;
-    the log held ``total`` lines then and the rank was in ``state``."""
-
-    rank: int
-    start: int
-    lines: List["LogLine"]
-    total: int
-    state: str
-
-    @property
-    def stop(self) -> int:
-        """The index after the last line read."""
-        return self.start + len(self.lines)
-
-
-@dataclass
-class Attempt:
-    """One attempt of a run that restarts: when it ran and the failure that ended it."""
-
-    number: int                    # 1 for the first start, 2 after the first restart, ...
-    started: float
-    ended: float
-    failure: Optional[Failure]     # the root cause
-    failures: List[Failure] = field(default_factory=list)   # every failed rank, root cause first
-    first_work: Optional[float] = None   # its first progress step, report or step split (``goodput``)
-    checkpoint: Optional[float] = None   # when its newest checkpoint arrived
-    data_stall_s: float = 0.0            # the longest any of its ranks waited for data
-
-
-@dataclass
-class Refusal:
-    """Records of one kind that the run's channel refused: how many, and the first one."""
-
-    kind: str
-    count: int
-    rank: int
-    detail: str
-
-    def text(self) -> str:
-        more = f" and {self.count - 1} more" if self.count > 1 else ""
-        return f"{self.detail}, from rank {self.rank}{more}"
-
-
-@dataclass(frozen=True)
-class RunSnapshot:
-    """The run as it was at one moment (``RunState.snapshot``): a consistent copy that every
-    view reads in any thread while records arrive.  ``changed``: the ranks that got a record (or
-    that the run's start, restart or end changed) after the version the snapshot was asked
-    ``since``."""
-
-    version: int
-    run_id: str
-    num_processes: int
-    backend: str
-    use_gpu: bool
-    job_name: str
-    state: str
-    started: float
-    ended: Optional[float]
-    failure: Optional[Failure]
-    message: str
-    attempt: int
-    max_attempts: int
-    attempts: Tuple[Attempt, ...]
-    ranks: Tuple[RankSnapshot, ...]
-    stacks: Dict[int, events.Stacks]
-    changed: FrozenSet[int]
-    #: what the ranks' collective records say (``culprit.Verdict``) when a hang, a timeout or a
-    #: collective timeout had them compared; None before
-    verdict: Optional[Verdict] = None
-    #: each rank's pre-flight report (``--preflight``), by rank; empty without one
-    preflight: Dict[int, events.Preflight] = field(default_factory=dict)
-    stragglers: Tuple[Straggler, ...] = ()
-    #: per rank, seconds since its last record (None: not heard from in this attempt)
-    quiet: Tuple[Optional[float], ...] = ()
-    #: where the run is tracked (``tracking.TrackingLink``), or None
-    tracking: Optional[object] = None
-    #: what the run's channel refused (``RunState.refusals``)
-    refusals: Tuple[Refusal, ...] = ()
-    #: where its wall time went so far (``RunState.goodput``)
-    goodput: Dict[str, float] = field(default_factory=dict)
-
-    @property
-    def finished(self) -> bool:
-        return self.ended is not None
-
-    def elapsed(self) -> float:
-        return (self.ended or time.time()) - self.started
-
-    def failures(self) -> List[Failure]:
-        """Failed ranks, root cause first (``RunState.failures``)."""
-        return root_cause_first(rs.failure for rs in self.ranks if rs.failure is not None)
-
-
-class RunState:
+class RunState(RunStateReads):
     """Thread-safe: channel threads, log readers and the supervisor all ``apply`` events.  It
     is the only owner of its lock: readers in other threads take what they need through its
     methods, which return copies (``snapshot``, ``read_log``, ``recent_log``,
@@ -497,8 +135,7 @@ class RunState:
         share = max(num_processes, 1)
         #: characters of output each rank may keep (its share of ``MAX_RUN_LOG_CHARS``)
         self.max_rank_log_chars = max(MIN_RANK_LOG_CHARS, MAX_RUN_LOG_CHARS // share)
-        lines = min(LOG_MEMORY_LINES, max(MIN_LOG_LINES, RUN_LOG_MEMORY_LINES // share))
-        chars = min(LOG_MEMORY_CHARS, max(MIN_LOG_CHARS, RUN_LOG_MEMORY_CHARS // share))
+        lines, chars = memory_share(num_processes)
         self._logs = [LogStore(spill_dir, f"rank-{r}", max_lines=lines, max_chars=chars)
                       for r in range(num_processes)]
         #: points of one metric a rank's history keeps
@@ -520,8 +157,7 @@ class RunState:
         self._over_cap: set = set()                 # (rank, what) of caps a rank's log has named
         self._pace = Pace(num_processes, clock)      # stragglers, from what arrives when
         self._listeners: List[Callable[[events.Event], None]] = []
-        #: where the run is tracked (``tracking.TrackingLink``: its MLflow run), or None
-        self.tracking = None
+        self._tracking = None
         #: what the run's channel refused, by kind (``malformed``, ``forbidden``,
         #: ``callback_errors``): how many, and the first one's rank and what it was
         self.refusals: Dict[str, Refusal] = {}
@@ -541,6 +177,18 @@ class RunState:
                 self.refusals[kind] = Refusal(kind, 1, rank, detail)
             else:
                 known.count += 1
+            self.version += 1
+
+    @property
+    def tracking(self):
+        """Where the run is tracked (``tracking.TrackingLink``: its MLflow run), or None."""
+        return self._tracking
+
+    def track(self, link) -> None:
+        """Say where the run is tracked (``tracking.TrackingLink``): the views and the summary
+        name it from now on."""
+        with self._lock:
+            self._tracking = link
             self.version += 1
 
     def listen(self, listener: Callable[[events.Event], None]) -> None:
@@ -834,173 +482,3 @@ class RunState:
         with self._lock:
             self.verdict = verdict
             self._changed_all()
-
-    # -- reading -------------------------------------------------------------------------
-    @property
-    def finished(self) -> bool:
-        return self.ended is not None
-
-    def elapsed(self) -> float:
-        return (self.ended or time.time()) - self.started
-
-    def idle(self) -> float:
-        """Seconds since any rank last sent output, progress or metrics (or the attempt began)."""
-        return time.monotonic() - self.last_activity
-
-    def failures(self) -> List[Failure]:
-        """Failed ranks, root cause first: the earliest failure that is not merely a peer
-        noticing that another rank went away (clocks of different hosts may disagree)."""
-        with self._lock:
-            found = [rs.failure for rs in self.ranks if rs.failure is not None]
-        return root_cause_first(found)
-
-    def profile(self):
-        """The current attempt's profile (``profiles.Profile``: ``--profile``), with each rank's
-        step split; None without one, or before any rank's profile came."""
-        profiles = self.profiles
-        if profiles is None:
-            return None
-        with self._lock:
-            splits = {rs.rank: None if rs.step_split is None else dict(rs.step_split) for rs in self.ranks}
-        return profiles.profile(splits)
-
-    def _data_stall(self) -> float:
-        return max((rs.step_totals.get("data_s", 0.0) for rs in self.ranks), default=0.0)
-
-    def goodput(self) -> Dict[str, float]:
-        """Where the run's wall time went so far (``goodput``): ``startup_s``, ``training_s``,
-        ``lost_to_restarts_s``, ``lost_to_hangs_s``, ``data_stall_s``, ``wall_s``,
-        ``rank_seconds``, and with GPUs ``gpu_hours``."""
-        with self._lock:
-            end = self.ended or time.time()
-            attempts = [AttemptTimes(a.started, a.ended, a.first_work, a.checkpoint, a.data_stall_s)
-                        for a in self.attempts]
-            attempts.append(AttemptTimes(self.attempt_started, end, self.first_work, self.last_checkpoint,
-                                         self._data_stall()))
-            return goodput(self.started, end, attempts, ranks=self.num_processes - len(self.idle_ranks),
-                           use_gpu=self.use_gpu, hang_lost_s=self.hang_lost_s)
-
-    def stragglers(self) -> List[Straggler]:
-        """Ranks of the current attempt that step well below the others' pace or fall behind
-        them, for several seconds (``stragglers`` names the thresholds): ``(rank, host, why)``
-        by rank.  After the run, those that were listed when it ended."""
-        with self._lock:
-            return self._pace.stragglers([rs.host for rs in self.ranks], check=self.ended is None)
-
-    def running(self) -> List[int]:
-        """The ranks of the current attempt that have not exited."""
-        with self._lock:
-            return [rs.rank for rs in self.ranks
-                    if rs.exit_code is None and rs.state not in ("done", "failed", "cancelled")]
-
-    def all_exited(self) -> bool:
-        with self._lock:
-            return all(rs.exit_code is not None or rs.state in ("done", "failed", "cancelled", "idle")
-                       for rs in self.ranks)
-
-    def all_exited_ok(self) -> bool:
-        with self._lock:
-            return all(rs.exit_code == 0 or rs.state == "idle" for rs in self.ranks)
-
-    def snapshot(self, since: Optional[int] = None) -> RunSnapshot:
-        """The run and every rank as they are now, copied at once; ``changed`` names the ranks
-        changed after version ``since`` (every rank when ``since`` is None)."""
-        with self._lock:
-            ranks = tuple(RankSnapshot(
-                rank=rs.rank, host=rs.host, pid=rs.pid, state=rs.state, exit_code=rs.exit_code,
-                started=rs.started, ended=rs.ended, progress={k: dict(b) for k, b in rs.progress.items()},
-                metrics=dict(rs.metrics), dropped=rs.dropped, failure=rs.failure, log_lines=len(rs.logs),
-                system=dict(rs.system), step_time=rs.step_time,
-                step_split=None if rs.step_split is None else dict(rs.step_split))
-                for rs in self.ranks)
-            changed = frozenset(r for r, v in enumerate(self._rank_versions) if since is None or v > since)
-            now = self._pace.clock()
-            quiet = tuple(None if seen is None else now - seen for seen in self._pace.last_seen)
-            return RunSnapshot(
-                version=self.version, run_id=self.run_id, num_processes=self.num_processes, backend=self.backend,
-                use_gpu=self.use_gpu, job_name=self.job_name, state=self.state, started=self.started,
-                ended=self.ended, failure=self.failure, message=self.message, attempt=self.attempt,
-                max_attempts=self.max_attempts, attempts=tuple(self.attempts), ranks=ranks,
-                stacks=dict(self.stacks), changed=changed, quiet=quiet, tracking=self.tracking,
-                refusals=tuple(Refusal(r.kind, r.count, r.rank, r.detail) for r in self.refusals.values()),
-                verdict=self.verdict, preflight=dict(self.preflight),
-                goodput=self.goodput(),
-                stragglers=tuple(self._pace.stragglers([rs.host for rs in self.ranks], check=self.ended is None)))
-
-    def read_log(self, rank: int, start: int = 0, limit: Optional[int] = None, newest: bool = False) -> LogRead:
-        """``rank``'s lines from index ``start`` to the end of its log, read at once (from memory
-        and from its spill file, also while lines arrive and spill): at most ``limit`` of them,
-        the first ones, or with ``newest`` the last ones."""
-        self._check_rank(rank)
-        with self._lock:
-            store = self._logs[rank]
-            total = len(store)
-            start = min(max(start, 0), total)
-            stop = total
-            if limit is not None:
-                if newest:
-                    start = max(start, total - limit)
-                else:
-                    stop = min(total, start + limit)
-            return LogRead(rank, start, store[start:stop], total, self.ranks[rank].state)
-
-    def recent_log(self, rank: int, limit: int) -> LogRead:
-        """Up to ``limit`` of ``rank``'s newest lines, from memory only (what a view scans)."""
-        self._check_rank(rank)
-        with self._lock:
-            store = self._logs[rank]
-            lines = store.recent(limit)
-            return LogRead(rank, len(store) - len(lines), lines, len(store), self.ranks[rank].state)
-
-    def metric_history(self, points: Optional[int] = None, ranks: Optional[Iterable[int]] = None,
-                       names: Optional[Iterable[str]] = None) -> Dict[str, Dict[int, List[Tuple[int, float]]]]:
-        """``{metric: {rank: [(step, value), ...]}}`` of the current attempt, copied; metrics in
-        order of first report, ranks that reported the metric only.  ``points``: about that many
-        of each rank's points, evenly spread, the newest kept (a slice per rank: the lock is held
-        for what is copied, not for the whole history); ``ranks``, ``names``: those only."""
-        names = None if names is None else set(names)
-        with self._lock:
-            history: Dict[str, Dict[int, List[Tuple[int, float]]]] = {}
-            for rs in (self.ranks if ranks is None else [self.ranks[r] for r in ranks]):
-                for name, kept in rs.history.items():
-                    if names is not None and name not in names:
-                        continue
-                    if points is not None and len(kept) > points:
-                        last = kept[-1]
-                        kept = kept[::-(-len(kept) // points)]
-                        if kept[-1] is not last:
-                            kept.append(last)
-                    history.setdefault(name, {})[rs.rank] = list(kept)
-            return history
-
-    def system_history(self, rank: int, points: Optional[int] = None) -> List[Dict[str, float]]:
-        """``rank``'s system samples of the current attempt, oldest first, each a dict of
-        ``time`` and the plotted keys it had (``SYSTEM_HISTORY_KEYS``); ``points``: about that
-        many, evenly spread, the newest kept."""
-        self._check_rank(rank)
-        with self._lock:
-            kept = self.ranks[rank].system_samples
-            if points is not None and len(kept) > points:
-                last = kept[-1]
-                kept = kept[::-(-len(kept) // points)]
-                if kept[-1] is not last:
-                    kept.append(last)
-            kept = list(kept)
-        keys = ("time",) + SYSTEM_HISTORY_KEYS
-        return [{k: v for k, v in zip(keys, sample) if v is not None} for sample in kept]
-
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.num_processes:
-            raise IndexError(f"rank {rank} is not in this run (ranks 0..{self.num_processes - 1})")
-
-    def logs(self, rank: int, attempt: Optional[int] = None) -> str:
-        """Everything ``rank`` printed, in order: in every attempt, or in attempt ``attempt``
-        (1 for the first)."""
-        self._check_rank(rank)
-        with self._lock:
-            if attempt is None:
-                return self._logs[rank].text()
-            if not 1 <= attempt <= self.attempt:
-                raise IndexError(f"attempt {attempt} is not in this run (attempts 1..{self.attempt})")
-            bounds = self._attempt_lines[rank] + [None]
-            return self._logs[rank].text(bounds[attempt - 1], bounds[attempt])

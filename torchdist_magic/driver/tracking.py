@@ -201,7 +201,7 @@ class MlflowLogger:
         self.late = 0               # points still unwritten ``MLFLOW_CLOSE_WAIT`` after the run ended
         self.errors: List[str] = []
         self._stop = threading.Event()
-        state.tracking = self.link
+        state.track(self.link)
         self._thread = threading.Thread(target=self._loop, name=f"torchdist-mlflow-{state.run_id}", daemon=True)
         self._thread.start()
         state.listen(self.take)

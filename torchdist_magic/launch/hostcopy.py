@@ -3,7 +3,7 @@
 Where a run's ranks may be on machines other than the driver's (a Spark cluster), the large
 values a cell uses (or ``run()``'s arguments) do not travel in the job: the driver writes them
 once into one file (``values.Buffers.in_file``), serves that file on the run's event channel
-(``channel``'s "Files": the channel's authentication, and TLS where the channel has it), and the
+(``wire.transfers``: the channel's authentication, and TLS where the channel has it), and the
 job names it (``values.Buffers.fetched``).  On each machine the Spark task of each rank, before it
 starts its rank:
 
@@ -45,7 +45,8 @@ from typing import Callable
 
 from ..wire import tls
 from ..core.privdir import open_private, private_directory
-from ..wire.channel import MAX_HELLO, FrameError, NotTheDriver, read_frame, Refused, open_connection
+from ..wire.frames import MAX_HELLO, FrameError, NotTheDriver, Refused, read_frame
+from ..wire.handshake import open_connection
 from ..core.rankenv import RunSpec, rank_key
 from ..core.timing import FETCH_QUEUE_WAIT, FETCH_STALL
 from ..core.values import blob_size

@@ -56,7 +56,7 @@ from ..core.privdir import check_private, open_private
 from ..core.rankenv import RunSpec, place_spark_tasks, rank_key
 from ..core.timing import STOP_GRACE
 from ..core.values import host_copy_path, value_directory
-from ..wire.channel import ChannelClient
+from ..wire.client import ChannelClient
 from . import hostcopy, valueupload
 from .launcher import RankProcess, open_gpus, read_result, reserve_port, start_rank, stop_all, write_job_file
 

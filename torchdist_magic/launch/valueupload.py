@@ -6,8 +6,8 @@ another machine the value would otherwise come back through Spark itself: the ba
 result through the JVM (bounded by ``spark.driver.maxResultSize``, 1 GiB by default) or Spark
 Connect's Arrow rows, at neither the network's speed nor beyond a few GiB.  So the task sends
 the file its rank wrote (``worker.RESULT_FILE``, written straight from the value's memory by
-``values.dump``) to the driver on a connection of its own to the run's channel (``channel``'s
-"Files": the launcher's authentication, TLS where the channel has it): ``socket.sendfile`` on
+``values.dump``) to the driver on a connection of its own to the run's channel (``wire.transfers``:
+the launcher's authentication, TLS where the channel has it): ``socket.sendfile`` on
 plain TCP, one reused buffer encrypted a chunk at a time with TLS.  The driver writes it into the
 very file the rank would have written on its machine, which the stage's outcome then names, as
 on the driver's machine.
@@ -25,7 +25,7 @@ import os
 import socket
 import time
 
-from ..wire.channel import MAX_HELLO, FrameError, read_frame
+from ..wire.frames import MAX_HELLO, FrameError, read_frame
 from .hostcopy import file_connection, mib_text
 from ..core.rankenv import RunSpec
 from ..core.timing import FETCH_QUEUE_WAIT, FETCH_STALL

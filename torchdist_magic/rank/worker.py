@@ -17,7 +17,6 @@ names the main thread.
 
 from __future__ import annotations
 
-import ast
 import base64
 import contextlib
 import faulthandler
@@ -37,12 +36,8 @@ from torchdist_magic.core import events, procs
 from torchdist_magic.core.rankenv import ENV_BEFORE
 from torchdist_magic.core.timing import ATEXIT_WAIT, PARENT_WATCH_INTERVAL, STOP_GRACE, SYSTEM_METRICS_INTERVAL
 from ..core.names import RESULT_FILE, VALUE_FILE_ENV, ERROR_FILE, STACKS_FILE, STACKS_SIGNAL, STACKS_HEADER
+from .runners import RUNNERS, cell_namespace, run_cell, start_process_group
 from ..core.names import CLEANUP_ENV, PREFLIGHT_ENV, RETURN_VALUE_ENV, SECRET_ENV, SYSTEM_METRICS_ENV, USE_GPU_ENV
-
-
-
-class CellImportError(ImportError):
-    """An import statement replayed from the notebook failed on this rank."""
 
 
 def _watch_parent(parent: int) -> None:
@@ -120,117 +115,16 @@ def _write_failure(result_dir: str, failure: events.Failure) -> None:
 
 
 def _format_exception(exc: BaseException) -> str:
-    """The traceback without this module's own frames, nor those of ``rank_shell`` (between a
-    ``%time`` line and the code it runs): it starts at, and stays in, the user's code."""
-    from torchdist_magic.rank import shell as rank_shell
+    """The traceback without this module's own frames, nor those of ``runners`` (what runs the
+    job) or ``rank_shell`` (between a ``%time`` line and the code it runs): it starts at, and
+    stays in, the user's code."""
+    from torchdist_magic.rank import runners, shell as rank_shell
 
     te = traceback.TracebackException.from_exception(exc)
-    ours = {os.path.abspath(__file__), os.path.abspath(rank_shell.__file__)}
+    ours = {os.path.abspath(__file__), os.path.abspath(runners.__file__), os.path.abspath(rank_shell.__file__)}
     frames = [f for f in te.stack if os.path.abspath(f.filename) not in ours]
     te.stack = traceback.StackSummary.from_list(frames)
     return "".join(te.format())
-
-
-def _run_function(job):
-    from torchdist_magic.core import values
-
-    fn, args, kwargs = values.loads_apart(job.payload, job.buffers)
-    return fn(*args, **kwargs)
-
-
-def _run_script(job):
-    sys.argv = [job.script_path, *job.script_args]
-    sys.path.insert(0, os.path.dirname(job.script_path))
-    source = job.script_source
-    if os.path.isfile(job.script_path):
-        with open(job.script_path, encoding="utf-8") as fh:
-            source = fh.read()
-    namespace = {"__name__": "__main__", "__file__": job.script_path, "__builtins__": __builtins__}
-    exec(compile(source, job.script_path, "exec"), namespace)
-    return None
-
-
-def _cell_namespace() -> dict:
-    from torchdist_magic.rank import shell as rank_shell, runtime
-
-    ns = {"__name__": "__main__", "__builtins__": __builtins__}
-    ns.update(runtime.cell_names())
-    ns["get_ipython"] = rank_shell.RankShell().get_ipython  # what the cell's !cmd and %magics call
-    return ns
-
-
-def _init_once(dist) -> None:
-    """Inside a cell whose process group the run set up, code that calls
-    ``init_process_group`` itself (a function written for TorchDistributor, say) gets that
-    group instead of "trying to initialize the default process group twice"."""
-    original = dist.init_process_group
-
-    def init_process_group(*args, **kwargs):
-        if dist.is_initialized():
-            return None
-        return original(*args, **kwargs)
-
-    init_process_group.__doc__ = original.__doc__
-    dist.init_process_group = init_process_group
-    dist.distributed_c10d.init_process_group = init_process_group
-
-
-def _init_process_group() -> bool:
-    import torch
-    import torch.distributed as dist
-
-    from torchdist_magic.rank import runtime
-
-    if dist.is_initialized():
-        return False
-    _init_once(dist)
-    if runtime.uses_gpu() and torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-        dist.init_process_group("nccl")
-    else:
-        dist.init_process_group("gloo")
-    return True
-
-
-def _run_cell(job, ns: Optional[dict] = None):
-    """Run a cell in ``ns`` (a warm rank's namespace, kept from cell to cell), else in a new one."""
-    from torchdist_magic.core import values
-
-    cell = job.cell
-    ns = _cell_namespace() if ns is None else ns
-    for statement, origin in cell.imports:
-        try:
-            exec(compile(statement, f"<import from {origin}>", "exec"), ns)
-        except Exception as exc:
-            raise CellImportError(
-                f"the notebook import `{statement}` ({origin}) failed on rank "
-                f"{os.environ.get('RANK', '0')} ({socket.gethostname()}): {type(exc).__name__}: {exc}"
-            ) from None
-    if cell.values:
-        ns.update(values.loads_apart(cell.values, cell.buffers))
-    padded = "\n" * cell.line_offset + cell.source
-    # tracebacks show the cell as it was typed; the ranks run its translation (same line numbers)
-    linecache.cache[cell.filename] = (len(padded), None, padded.splitlines(True), cell.filename)
-    tree = ast.parse("\n" * cell.line_offset + (cell.python or cell.source), cell.filename)
-    last = tree.body[-1] if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-    body = ast.Module(body=tree.body[:-1] if last else tree.body, type_ignores=[])
-    ours = _init_process_group() if cell.init_process_group else False
-    import torch.distributed as dist
-
-    exec(compile(body, cell.filename, "exec"), ns)
-    value = eval(compile(ast.Expression(last.value), cell.filename, "eval"), ns) if last else None
-    # Only on success: a failing rank exits with its group intact, so that its peers see the
-    # connection drop after its own failure was recorded, never before (root-cause order).
-    if dist.is_initialized():
-        if ours:
-            # a rank that finishes first must not tear down the group while a peer still
-            # connects to it (gloo closes the mesh under the slower rank)
-            dist.barrier()
-        dist.destroy_process_group()
-    return None if cell.silent else value
-
-
-RUNNERS = {"function": _run_function, "script": _run_script}
 
 
 def _failure(exc: BaseException, exc_type: str, message: str, exit_code: Optional[int] = None,
@@ -256,7 +150,7 @@ def execute(job, namespace: Optional[dict] = None) -> Tuple[int, Any, Optional[e
         with _stoppable():
             if os.environ.get(PREFLIGHT_ENV) == "1":
                 _preflight()
-            value = _run_cell(job, namespace) if job.kind == "cell" else RUNNERS[job.kind](job)
+            value = run_cell(job, namespace) if job.kind == "cell" else RUNNERS[job.kind](job)
     except SystemExit as exc:
         code = exc.code
         if code is None or code == 0:
@@ -381,7 +275,7 @@ class JobInbox:
 def _keep_process_group(dist) -> None:
     """In a warm pool the process group outlives each job: code that destroys the default
     group (a function written for TorchDistributor, Lightning) leaves it up, and the next
-    ``init_process_group`` gets it again (``_init_once``)."""
+    ``init_process_group`` gets it again (``runners._init_once``)."""
     original = dist.destroy_process_group
 
     def destroy_process_group(group=None):
@@ -428,7 +322,7 @@ def serve(client, inbox: JobInbox, startup_env: Optional[Dict[str, Optional[str]
 
     from torchdist_magic.rank import runtime
 
-    _init_process_group()
+    start_process_group()
     import torch.distributed as dist
 
     _keep_process_group(dist)
@@ -439,7 +333,7 @@ def serve(client, inbox: JobInbox, startup_env: Optional[Dict[str, Optional[str]
     # sets itself (os.environ, a library's) stay, like the names it defines: the rank's state is
     # the user's.
     _set_environment(startup_env or {})
-    namespace = _cell_namespace()
+    namespace = cell_namespace()
     with _stoppable(), contextlib.suppress(runtime.RankStopped):  # SIGTERM between jobs: the pool stops
         while True:
             try:
@@ -536,7 +430,7 @@ def main(argv=None) -> int:
 
     import cloudpickle
 
-    from torchdist_magic.wire import channel
+    from torchdist_magic.wire.client import client_from_env
     from torchdist_magic.rank import collectives, debugger as rank_debugger, runtime
 
     collectives.enable_flight_recorder()  # before the job's first process group
@@ -557,7 +451,7 @@ def main(argv=None) -> int:
             debug.on_message(record)
 
     debug = None
-    client = channel.client_from_env(on_message)
+    client = client_from_env(on_message)
     debug = rank_debugger.install(client)
     os.environ.pop(SECRET_ENV, None)
     startup_env = json.loads(os.environ.pop(ENV_BEFORE, "") or "{}")

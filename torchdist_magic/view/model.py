@@ -31,7 +31,9 @@ from typing import Deque, Dict, Iterable, List, Optional, Tuple, Union
 
 from ..core.names import ROWS_BAR
 from ..core.preflight import compare
-from ..driver.state import LogLine, RankSnapshot, RankState, RunSnapshot, RunState
+from ..driver.logstore import LogLine
+from ..driver.snapshot import RankSnapshot, RunSnapshot
+from ..driver.state import RankState, RunState
 
 LOG_LINES = 300       # lines of a log pane; the complete logs stay on the run's ``logs(rank)``
 LOG_SCAN = 20_000     # lines looked at from the end of a rank's log to fill a pane

@@ -19,7 +19,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..driver.state import RankSnapshot, RunSnapshot, RunState
+from ..driver.snapshot import RankSnapshot, RunSnapshot
+from ..driver.state import RunState
 from ..driver.stragglers import BEHIND_MIN_STEPS, BEHIND_RATIO
 from .model import Series, format_bytes, format_duration, format_step_time
 

@@ -17,7 +17,8 @@ import time
 from typing import List, Optional, TextIO
 
 from ..driver.goodput import describe as describe_goodput
-from ..driver.state import RunSnapshot, RunState
+from ..driver.snapshot import RunSnapshot
+from ..driver.state import RunState
 from .model import LogCursor, State, format_duration, metrics_text, rank_log, rank_logs, rank_progress_text, system_text, rank_stacks, run_facts, snapshot
 from .overview import LOOK_RANKS, is_large, overview
 

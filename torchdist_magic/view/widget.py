@@ -30,10 +30,11 @@ from typing import Callable, Optional
 import ipywidgets as widgets
 
 from ..driver.state import RunState
-from .html import BORDER, MUTED, bands_html, failure_html, header_html, large_rows_html, merged_log_html, plots_html, problems_html, profile_html, rank_log_html, rows_html, stacks_html, straggler_notes, summary_html
+from .html import BORDER, MUTED, failure_html, header_html, large_rows_html, merged_log_html, problems_html, profile_html, rank_log_html, rows_html, stacks_html, straggler_notes, summary_html
 from .kernel_poll import KernelPoll
 from .model import MergedLog, metric_series, system_series, rank_log, rank_rows, rank_stacks, root_cause_rank, run_facts
 from .overview import LINE_RANKS, PAGE_RANKS, Overview, is_large, metric_bands, overview
+from .plots import bands_html, plots_html
 from .text import header, summary_with_logs
 
 UPDATE_EVERY = 0.1    # seconds between refreshes of the view (every part of it together)

@@ -13,7 +13,7 @@ frames, a file's bytes, cut wherever the sender's writes were.
 
 ``Sealer`` and ``Opener`` are the two directions, for the driver's non-blocking server;
 ``MacSocket`` is a client's blocking socket with both, with what the channel's clients use of a
-socket (as ``channel.TlsSocket``).
+socket (as ``tls.TlsSocket``).
 """
 
 from __future__ import annotations

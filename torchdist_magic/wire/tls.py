@@ -1,4 +1,5 @@
-"""The event channel's TLS identity: a key and a self-signed certificate made for one run.
+"""The event channel's TLS: the identity made for one run (a key and a self-signed certificate)
+and a client's end of a TLS connection (``TlsSocket``).
 
 The driver makes a ``ChannelIdentity`` per run (per attempt; a warm pool one for its life): an
 ECDSA P-256 key that never leaves the driver's memory, and a self-signed certificate (PEM) that
@@ -16,11 +17,17 @@ without TLS never load it.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import secrets
+import socket
 import ssl
 import tempfile
+import threading
 from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+from .frames import RECV_CHUNK
 
 #: a run's certificate is valid from a day before it is made: executors' clocks may lag the
 #: driver's, and the pin, not the dates, is what makes it trustworthy
@@ -108,3 +115,93 @@ def client_context(certificate: str) -> ssl.SSLContext:
     context.load_verify_locations(cadata=certificate)
     return context
 
+
+class TlsSocket:
+    """A client's TLS connection over its blocking socket, done in memory, with what
+    ``ChannelClient`` uses of a socket (``sendall``, ``recv``, ``settimeout``, ``shutdown``,
+    ``close``).  The sender and the reader thread share it (see ``connection``'s "TLS")."""
+
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext):
+        self._sock = sock
+        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._in, self._out, server_side=False)
+        self._lock = threading.Lock()   # the TLS object
+        self._wire = threading.Lock()   # the socket's write side
+
+    def handshake(self) -> None:
+        while True:
+            try:
+                return self._locked(self._tls.do_handshake)
+            except ssl.SSLWantReadError:
+                if not self._fill():
+                    raise EOFError("connection closed during the TLS handshake") from None
+
+    def sendall(self, data: bytes) -> None:
+        view = memoryview(data)
+        for start in range(0, len(view), RECV_CHUNK):
+            self._locked(functools.partial(self._tls.write, view[start:start + RECV_CHUNK]))
+
+    def recv(self, n: int) -> bytes:
+        while True:
+            data = self._locked(functools.partial(self._plaintext, n))
+            if data is not None:
+                return data
+            if not self._fill():
+                with self._lock:
+                    self._in.write_eof()
+
+    def recv_into(self, buffer: memoryview) -> int:
+        """Plaintext into ``buffer`` (a fetch's reused buffer); 0 at the end."""
+        while True:
+            data = self._locked(functools.partial(self._plaintext, len(buffer), buffer))
+            if data is not None:
+                return data
+            if not self._fill():
+                with self._lock:
+                    self._in.write_eof()
+
+    def _plaintext(self, n: int, buffer: Optional[memoryview] = None) -> Optional[Union[bytes, int]]:
+        """Up to ``n`` bytes of plaintext; ``None`` when more ciphertext is needed first."""
+        try:
+            return self._tls.read(n) if buffer is None else self._tls.read(n, buffer)
+        except ssl.SSLWantReadError:
+            return None
+        except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # closed, with or without TLS's goodbye
+            return b"" if buffer is None else 0
+
+    def _fill(self) -> bool:
+        """Read ciphertext from the socket into TLS; False at the end of the connection."""
+        data = self._sock.recv(RECV_CHUNK)
+        if data:
+            with self._lock:
+                self._in.write(data)
+        return bool(data)
+
+    def _locked(self, operation: Callable):
+        """``operation()`` on the TLS object, then send what it wrote (also when it raised):
+        the write side is taken before the TLS lock is let go, so records leave in the order
+        they were made, and the TLS object is free again while the socket sends."""
+        out = b""
+        try:
+            with self._lock:
+                try:
+                    return operation()
+                finally:
+                    out = self._out.read()
+                    if out:
+                        self._wire.acquire()
+        finally:
+            if out:
+                try:
+                    self._sock.sendall(out)
+                finally:
+                    self._wire.release()
+
+    def settimeout(self, timeout: Optional[float]) -> None:
+        self._sock.settimeout(timeout)
+
+    def shutdown(self, how: int) -> None:
+        self._sock.shutdown(how)
+
+    def close(self) -> None:
+        self._sock.close()

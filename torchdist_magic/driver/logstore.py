@@ -1,0 +1,223 @@
+"""One rank's output lines on the driver, complete and in order across attempts (``LogStore``): the
+newest lines in memory and older ones spilled to a file in the run's directory, so that the
+driver's memory stays flat however much a rank prints.  A line that ends with ``\\r`` (a redrawn
+progress line) is replaced by the next line of its stream, as on a terminal, so redraws do not
+pile up."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+#: a rank's log keeps at most this many lines (and ``LOG_MEMORY_CHARS`` characters) in memory;
+#: past that the older half goes to the rank's file
+LOG_MEMORY_LINES = 20_000
+LOG_MEMORY_CHARS = 8 * 1024 * 1024
+#: ... and a run's, all ranks together, about this many lines (and characters): each rank gets
+#: its share (at least ``MIN_LOG_LINES`` and ``MIN_LOG_CHARS``)
+RUN_LOG_MEMORY_LINES = 400_000
+RUN_LOG_MEMORY_CHARS = 64 * 1024 * 1024
+MIN_LOG_LINES = 256
+MIN_LOG_CHARS = 64 * 1024
+#: a spilled line's file offset is remembered for every this many lines (to read a range)
+SPILL_INDEX_EVERY = 1024
+
+
+def memory_share(ranks: int) -> Tuple[int, int]:
+    """The lines and characters of output each of a run's ``ranks`` ranks keeps in memory: its
+    share of ``RUN_LOG_MEMORY_LINES`` and ``RUN_LOG_MEMORY_CHARS``, within the bounds above."""
+    share = max(ranks, 1)
+    return (min(LOG_MEMORY_LINES, max(MIN_LOG_LINES, RUN_LOG_MEMORY_LINES // share)),
+            min(LOG_MEMORY_CHARS, max(MIN_LOG_CHARS, RUN_LOG_MEMORY_CHARS // share)))
+
+
+@dataclass
+class LogLine:
+    stream: str
+    text: str
+    cr: bool = False
+
+
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+
+
+_ESCAPED = re.compile(r"\\(.)")
+_UNESCAPE = {"n": "\n", "r": "\r", "\\": "\\"}
+
+
+def _unescape(text: str) -> str:
+    return _ESCAPED.sub(lambda m: _UNESCAPE.get(m.group(1), m.group(1)), text) if "\\" in text else text
+
+
+class LogStore:
+    """One rank's output lines in order, as a read-only sequence of ``LogLine`` (``len``,
+    indexing, slicing, iteration).  Recent lines are in memory; older ones are in a file under
+    ``directory()`` (called on the first spill), read back when asked for.
+
+    ``append`` replaces the stream's last line instead when that line ended with ``\\r`` (also
+    when the other stream wrote in between): only a bar's latest state is kept.  A reader that
+    keeps a cursor should read a trailing ``\\r``-line again later (``model.LogCursor`` does).
+
+    In memory a line is a plain ``(stream, text, cr)`` tuple, made a ``LogLine`` when read: the
+    garbage collector stops tracking such tuples, so that the hundreds of thousands of lines a
+    large run keeps do not make every full collection of the driver's process longer (at 1024
+    ranks they were four tenths of the driver's CPU time).
+    """
+
+    def __init__(self, directory: Callable[[], str], name: str, *, max_lines: Optional[int] = None,
+                 max_chars: Optional[int] = None):
+        self._directory = directory
+        self._name = name
+        # lines and characters in memory at most; past that the older half spills (a RunState
+        # gives each rank its share of the run's)
+        self._max_lines = LOG_MEMORY_LINES if max_lines is None else max_lines
+        self._max_chars = LOG_MEMORY_CHARS if max_chars is None else max_chars
+        self._memory: List[Tuple[str, str, bool]] = []
+        self._first = 0                  # index of _memory[0]
+        self._chars = 0                  # characters of the lines in memory
+        self._file = None
+        self._path: Optional[str] = None
+        self._offsets: List[int] = []    # file offset of spilled line k * SPILL_INDEX_EVERY
+        self._file_size = 0
+        self._sealed = False
+        self._open_cr: Dict[str, int] = {}  # per stream: its last line's index, when it ended with \r
+
+    def __len__(self) -> int:
+        return self._first + len(self._memory)
+
+    @property
+    def spilled(self) -> int:
+        """Lines that are in the file, not in memory."""
+        return self._first
+
+    def append(self, line: LogLine) -> None:
+        self.add(line.stream, line.text, line.cr)
+
+    def add(self, stream: str, text: str, cr: bool = False) -> None:
+        """``append`` of the line ``(stream, text, cr)``."""
+        at = self._open_cr.pop(stream, None)
+        if at is not None and at >= self._first and not self._sealed:
+            # the stream's redrawn line takes this line, also when another stream wrote between
+            last = self._memory[at - self._first]
+            self._memory[at - self._first] = (stream, text, cr)
+            self._chars += len(text) - len(last[1])
+            if cr:
+                self._open_cr[stream] = at
+            return
+        if self._sealed:
+            self._open_cr.clear()
+        self._sealed = False
+        if cr:
+            self._open_cr[stream] = len(self)
+        self._memory.append((stream, text, cr))
+        self._chars += len(text)
+        if len(self._memory) > self._max_lines or self._chars > self._max_chars:
+            self._spill()
+
+    def seal(self) -> None:
+        """The next line starts afresh (a new attempt): it never replaces the last one."""
+        self._sealed = True
+
+    def _spill(self) -> None:
+        """Move the older half of the lines in memory (by count and size) to the file."""
+        count = 0
+        chars = 0
+        while count < len(self._memory) - 1 and (count < len(self._memory) // 2 or
+                                                  self._chars - chars > self._max_chars // 2):
+            chars += len(self._memory[count][1])
+            count += 1
+        if self._file is None:
+            self._path = os.path.join(self._directory(), f"{self._name}.log")
+            self._file = open(self._path, "ab")
+        parts = []
+        for i, (stream, text, cr) in enumerate(self._memory[:count], start=self._first):
+            if i % SPILL_INDEX_EVERY == 0:
+                self._offsets.append(self._file_size)
+            data = f"{'r' if cr else 'n'}{stream.replace(chr(9), ' ')}\t{_escape(text)}\n".encode(
+                "utf-8", "surrogatepass")
+            self._file_size += len(data)
+            parts.append(data)
+        self._file.write(b"".join(parts))
+        del self._memory[:count]
+        self._first += count
+        self._chars -= chars
+
+    def _read_spilled(self, start: int, stop: int) -> Iterator[Tuple[str, str, bool]]:
+        """``(stream, text, cr)`` of the spilled lines ``start <= i < stop``."""
+        stop = min(stop, self._first)
+        if start >= stop:
+            return
+        self._file.flush()
+        chunk = start // SPILL_INDEX_EVERY
+        with open(self._path, "rb") as fh:
+            fh.seek(self._offsets[chunk])
+            i = chunk * SPILL_INDEX_EVERY
+            for raw in fh:
+                if i >= stop:
+                    break
+                if i >= start:
+                    line = raw.decode("utf-8", "surrogatepass")
+                    stream, _, body = line[1:-1].partition("\t")
+                    yield stream, _unescape(body), line[0] == "r"
+                i += 1
+
+    def __getitem__(self, key: Union[int, slice]):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                raise ValueError("a log is sliced with step 1 only")
+            out = [LogLine(*fields) for fields in self._read_spilled(start, stop)]
+            out += [LogLine(*fields) for fields in self._memory[max(start - self._first, 0):max(stop - self._first, 0)]]
+            return out
+        index = key + len(self) if key < 0 else key
+        if not 0 <= index < len(self):
+            raise IndexError("log line index out of range")
+        if index >= self._first:
+            return LogLine(*self._memory[index - self._first])
+        return LogLine(*next(self._read_spilled(index, index + 1)))
+
+    def __iter__(self) -> Iterator[LogLine]:
+        return iter(self[:])
+
+    def recent(self, limit: int) -> List[LogLine]:
+        """Up to ``limit`` of the newest lines, from memory only (what a view scans)."""
+        return [LogLine(*fields) for fields in self._memory[-limit:]] if limit > 0 else []
+
+    def text(self, start: int = 0, stop: Optional[int] = None) -> str:
+        """Lines ``start:stop`` as the rank wrote them (``\\n`` or ``\\r`` after each)."""
+        start, stop, _ = slice(start, stop).indices(len(self))
+        chunks: List[str] = []
+        part: List[str] = []
+        for _stream, text, cr in self._read_spilled(start, stop):
+            part += (text, "\r" if cr else "\n")
+            if len(part) >= 2 * SPILL_INDEX_EVERY:  # joined as it goes: a spilled log can be large
+                chunks.append("".join(part))
+                part = []
+        chunks.append("".join(part))
+        chunks += [text + ("\r" if cr else "\n")
+                   for _stream, text, cr in self._memory[max(start - self._first, 0):max(stop - self._first, 0)]]
+        return "".join(chunks)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+@dataclass(frozen=True)
+class LogRead:
+    """Lines of one rank's log read at one moment: ``lines`` are those from index ``start`` on;
+    the log held ``total`` lines then and the rank was in ``state``."""
+
+    rank: int
+    start: int
+    lines: List[LogLine]
+    total: int
+    state: str
+
+    @property
+    def stop(self) -> int:
+        """The index after the last line read."""
+        return self.start + len(self.lines)

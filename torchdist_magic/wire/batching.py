@@ -1,0 +1,147 @@
+"""What a rank sends, in batches: the records a client gathers (``GATHERED``) for ``FLUSH_EVERY``,
+each progress bar's newest update only, a rank's metric points and log lines merged into one
+record each, packed into as few frames as fit (``encode_batch``): the driver's cost is per batch
+more than per record."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+from ..core import events
+from .frames import LENGTH, MAX_FRAME
+
+#: records a client sends in one batch at most (progress updates are coalesced within a batch,
+#: metric points merged into one record)
+BATCH = 10_000
+#: how long a client gathers records before it sends them, as one batch: a rank's sender thread
+#: wakes (and takes the interpreter from the training loop) ten times a second, not once a record,
+#: and the driver gets few large frames rather than many small ones
+FLUSH_EVERY = 0.1
+#: the records a client gathers for ``FLUSH_EVERY``: those a rank sends many of.  Any other
+#: (``Started``, ``Exit``, a warm job's end) goes at once, with whatever was gathered before it
+GATHERED = (events.Progress, events.Metrics, events.Log)
+
+
+def encode_batch(records: List[events.Event], rank: int, dropped: int = 0) -> bytes:
+    """The frames that carry ``records`` of ``rank`` (progress coalesced, ``_coalesce``), and a
+    ``Dropped`` record for ``dropped`` plus those JSON cannot carry; ``b""`` for nothing."""
+    parts = []
+    for record in merge_logs(_merge_metrics(_coalesce(records))):
+        part = _encoded(record)
+        if part is None and type(record) is events.Metrics and record.more:  # only the bad points are lost
+            pieces = [_encoded(events.Metrics(rank=record.rank, step=p.step, values=p.values, time=p.time))
+                      for p in record.points()]
+            dropped += pieces.count(None)
+            parts += [piece for piece in pieces if piece is not None]
+        elif part is None and type(record) is events.Log and record.more:  # only the lines too long to send
+            pieces = [_encoded(events.Log(rank=record.rank, stream=o.stream, line=o.line, cr=o.cr))
+                      for o in record.lines()]
+            dropped += pieces.count(None)
+            parts += [piece for piece in pieces if piece is not None]
+        elif part is None:
+            dropped += 1
+        else:
+            parts.append(part)
+    if dropped:
+        parts.append(events.dumps(events.Dropped(rank=rank, count=dropped)).encode("utf-8"))
+    return _pack(parts) if parts else b""
+
+
+def _encoded(record: events.Event) -> Optional[bytes]:
+    """The JSON of ``record``; ``None`` when JSON cannot carry it (nan, an object) or it would
+    not fit a frame."""
+    try:
+        part = events.dumps(record).encode("utf-8")
+    except (TypeError, ValueError):
+        return None
+    return part if len(part) <= MAX_FRAME - 16 else None
+
+
+def _pack(parts: List[bytes]) -> bytes:
+    """Encoded records as ``{"events": [...]}`` frames of at most ``MAX_FRAME`` bytes."""
+    frames, chunk, size = [], [], 0
+    for part in parts:
+        if chunk and size + len(part) + 16 > MAX_FRAME:
+            frames.append(_events_frame(chunk))
+            chunk, size = [], 0
+        chunk.append(part)
+        size += len(part) + 1
+    if chunk:
+        frames.append(_events_frame(chunk))
+    return b"".join(frames)
+
+
+def _events_frame(parts: List[bytes]) -> bytes:
+    body = b'{"events":[' + b",".join(parts) + b"]}"
+    return LENGTH.pack(len(body)) + body
+
+
+def _coalesce(records: List[events.Event]) -> List[events.Event]:
+    """Keep only the newest update of each progress bar; everything else in order."""
+    newest = {}
+    for i, record in enumerate(records):
+        if isinstance(record, events.Progress):
+            newest[(record.rank, record.bar)] = i
+    return [r for i, r in enumerate(records)
+            if not isinstance(r, events.Progress) or newest[(r.rank, r.bar)] == i]
+
+
+def _merge_metrics(records: List[events.Event]) -> List[events.Event]:
+    """The ``Metrics`` records of each rank as one, at the place of its first (its points in
+    the order they were reported, in ``more``): the driver decodes and applies one record per
+    flush, not one per ``report()``.  Metrics only move ahead of other records, never behind."""
+    out: List[events.Event] = []
+    heads: Dict[int, int] = {}           # rank: index in out of its first Metrics
+    copied = set()                       # indices in out of merged copies (the sender's records stay as they were)
+    for record in records:
+        if type(record) is not events.Metrics:
+            out.append(record)
+            continue
+        at = heads.get(record.rank)
+        if at is None:
+            heads[record.rank] = len(out)
+            out.append(record)
+            continue
+        if at not in copied:
+            copied.add(at)
+            out[at] = dataclasses.replace(out[at], more=list(out[at].more))
+        out[at].more.append(events.MetricPoint(record.step, record.values, record.time))
+        out[at].more.extend(record.more)
+    return out
+
+
+#: the most text ``merge_logs`` puts into one record (far below ``MAX_FRAME``)
+MERGED_LOG_CHARS = 64 * 1024
+
+
+def merge_logs(records: List[events.Event]) -> List[events.Event]:
+    """Each run of a rank's ``Log`` records as one (its lines in order, in ``more``), at the
+    place of the run's first: the driver decodes and applies one record per flush, not one per
+    line.  A line moves ahead only of progress and metrics records; any other record (a warm
+    job's ``OutputEnd``, an ``Exit``) ends the run, so no line ever crosses it."""
+    out: List[events.Event] = []
+    heads: Dict[int, Tuple[int, int]] = {}   # rank: (index in out of its open Log, its text so far)
+    copied = set()                           # indices in out of merged copies (the sender's records stay as they were)
+    for record in records:
+        kind = type(record)
+        if kind is not events.Log:
+            if kind is not events.Progress and kind is not events.Metrics:
+                heads.clear()
+            out.append(record)
+            continue
+        head = heads.get(record.rank)
+        size = len(record.line)
+        if head is None or head[1] + size > MERGED_LOG_CHARS:
+            heads[record.rank] = (len(out), size)
+            out.append(record)
+            continue
+        at, text = head
+        if at not in copied:
+            copied.add(at)
+            out[at] = dataclasses.replace(out[at], more=list(out[at].more))
+        merged = out[at]
+        merged.more.append(events.OutputLine(record.stream, record.line, record.cr))
+        merged.more.extend(record.more)
+        heads[record.rank] = (at, text + size + sum(len(o.line) for o in record.more))
+    return out
