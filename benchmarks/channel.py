@@ -34,6 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 from report import end_processes, machine, write_json  # noqa: E402  (this script's folder is on sys.path)
+
 sys.path.insert(0, os.path.dirname(HERE))
 
 from torchdist_magic.core import events  # noqa: E402
@@ -49,8 +50,9 @@ LATENCY_RECORDS = 400
 
 def _client(address: str, certificate: str, rank: int, go, kind: str, count: int) -> None:
     """One rank's process: connect, wait for ``go``, send, flush."""
-    client = ChannelClient(address, rank_key(LAUNCHER_SECRET, "launcher", rank), RUN_ID, rank, role="launcher",
-                           certificate=certificate)
+    client = ChannelClient(
+        address, rank_key(LAUNCHER_SECRET, "launcher", rank), RUN_ID, rank, role="launcher", certificate=certificate
+    )
     go.wait()
     if kind == "throughput":
         line = "step {:>7} loss 0.{:06d} lr 3.0e-4 grad-norm 1.2345 tokens/s 123456 " + "x" * 20
@@ -123,13 +125,16 @@ def streams(identity, kind: str, clients: int, count: int) -> dict:
 
 def handshakes(identity, connections: int) -> dict:
     """``connections`` clients connecting at once: the time until all are authenticated."""
-    server = ChannelServer(lambda record: None, RUN_ID, secret=SECRET, launcher_secret=LAUNCHER_SECRET,
-                           identity=identity)
+    server = ChannelServer(
+        lambda record: None, RUN_ID, secret=SECRET, launcher_secret=LAUNCHER_SECRET, identity=identity
+    )
     address = f"{server.address[0]}:{server.address[1]}"
     certificate = identity.certificate if identity is not None else ""
     start = time.monotonic()
-    clients = [ChannelClient(address, rank_key(SECRET, "worker", r), RUN_ID, r, certificate=certificate)
-               for r in range(connections)]
+    clients = [
+        ChannelClient(address, rank_key(SECRET, "worker", r), RUN_ID, r, certificate=certificate)
+        for r in range(connections)
+    ]
     try:
         deadline = start + 120
         while server.stats["authenticated"] < connections and time.monotonic() < deadline:
@@ -140,8 +145,12 @@ def handshakes(identity, connections: int) -> dict:
         for client in clients:
             client.close()
         server.close()
-    return {"connections": connections, "authenticated": authenticated, "seconds": elapsed,
-            "per_connection_ms": 1000 * elapsed / connections}
+    return {
+        "connections": connections,
+        "authenticated": authenticated,
+        "seconds": elapsed,
+        "per_connection_ms": 1000 * elapsed / connections,
+    }
 
 
 def main() -> None:
@@ -162,37 +171,64 @@ def main() -> None:
     runs = {mode: [] for mode, _ in modes}
     for _ in range(args.repeat):  # the modes take turns, so that a busy moment hits both alike
         for mode, ident in modes:
-            runs[mode].append({"throughput": streams(ident, "throughput", args.clients, args.records),
-                               "latency": streams(ident, "latency", args.clients, LATENCY_RECORDS),
-                               "handshakes": handshakes(ident, args.connections)})
+            runs[mode].append(
+                {
+                    "throughput": streams(ident, "throughput", args.clients, args.records),
+                    "latency": streams(ident, "latency", args.clients, LATENCY_RECORDS),
+                    "handshakes": handshakes(ident, args.connections),
+                }
+            )
     rows = []
     for mode, _ in modes:
+
         def median(part, key, repeats=runs[mode]):
             return statistics.median(r[part][key] for r in repeats)
 
-        rows.append({"mode": mode, "clients": args.clients, "runs": runs[mode],
-                     "throughput": {"records_per_s": median("throughput", "records_per_s")},
-                     "latency": {"p50_ms": median("latency", "p50_ms"), "p99_ms": median("latency", "p99_ms")},
-                     "handshakes": {"connections": args.connections,
-                                    "authenticated": min(r["handshakes"]["authenticated"] for r in runs[mode]),
-                                    "seconds": median("handshakes", "seconds"),
-                                    "per_connection_ms": median("handshakes", "per_connection_ms")}})
+        rows.append(
+            {
+                "mode": mode,
+                "clients": args.clients,
+                "runs": runs[mode],
+                "throughput": {"records_per_s": median("throughput", "records_per_s")},
+                "latency": {"p50_ms": median("latency", "p50_ms"), "p99_ms": median("latency", "p99_ms")},
+                "handshakes": {
+                    "connections": args.connections,
+                    "authenticated": min(r["handshakes"]["authenticated"] for r in runs[mode]),
+                    "seconds": median("handshakes", "seconds"),
+                    "per_connection_ms": median("handshakes", "per_connection_ms"),
+                },
+            }
+        )
 
-    print(f"\n{'mode':<6} {'clients':>7} {'records/s':>10} {'p50 ms':>7} {'p99 ms':>7} "
-          f"{'connections':>11} {'all in s':>8} {'ms/conn':>8}")
+    print(
+        f"\n{'mode':<6} {'clients':>7} {'records/s':>10} {'p50 ms':>7} {'p99 ms':>7} "
+        f"{'connections':>11} {'all in s':>8} {'ms/conn':>8}"
+    )
     for r in rows:
         t, lat, h = r["throughput"], r["latency"], r["handshakes"]
-        print(f"{r['mode']:<6} {r['clients']:>7} {t['records_per_s']:>10,.0f} {lat['p50_ms']:>7.2f} "
-              f"{lat['p99_ms']:>7.2f} {h['authenticated']:>5}/{h['connections']:<5} {h['seconds']:>8.3f} "
-              f"{h['per_connection_ms']:>8.2f}")
+        print(
+            f"{r['mode']:<6} {r['clients']:>7} {t['records_per_s']:>10,.0f} {lat['p50_ms']:>7.2f} "
+            f"{lat['p99_ms']:>7.2f} {h['authenticated']:>5}/{h['connections']:<5} {h['seconds']:>8.3f} "
+            f"{h['per_connection_ms']:>8.2f}"
+        )
     plain, secure = rows
-    print(f"TLS: {secure['throughput']['records_per_s'] / plain['throughput']['records_per_s']:.2f}x the "
-          f"plain throughput; a run's key and certificate took {identity_ms:.0f} ms (the first one loads "
-          "cryptography)")
-    write_json(args.json, {"benchmark": "event channel, plain and TLS, loopback", "repeat": args.repeat,
-                           "records_per_client": args.records,
-                           "latency_interval_s": LATENCY_INTERVAL, "identity_ms": identity_ms,
-                           "machine": machine(openssl=ssl.OPENSSL_VERSION), "rows": rows})
+    print(
+        f"TLS: {secure['throughput']['records_per_s'] / plain['throughput']['records_per_s']:.2f}x the "
+        f"plain throughput; a run's key and certificate took {identity_ms:.0f} ms (the first one loads "
+        "cryptography)"
+    )
+    write_json(
+        args.json,
+        {
+            "benchmark": "event channel, plain and TLS, loopback",
+            "repeat": args.repeat,
+            "records_per_client": args.records,
+            "latency_interval_s": LATENCY_INTERVAL,
+            "identity_ms": identity_ms,
+            "machine": machine(openssl=ssl.OPENSSL_VERSION),
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 from report import machine, spark_session, write_json  # noqa: E402  (this script's folder is on sys.path)
+
 sys.path.insert(0, os.path.dirname(HERE))
 
 WEIGHTS = 8
@@ -36,9 +37,11 @@ WEIGHTS = 8
 
 def make_frame(spark, rows: int, partitions: int):
     features = ", ".join(f"cast(randn({i}) as float)" for i in range(WEIGHTS))
-    return (spark.range(0, rows, 1, numPartitions=partitions)
-            .selectExpr("id", f"array({features}) as features")
-            .selectExpr("id", "features", "cast(features[0] * 2 + 1 as float) as label"))
+    return (
+        spark.range(0, rows, 1, numPartitions=partitions)
+        .selectExpr("id", f"array({features}) as features")
+        .selectExpr("id", "features", "cast(features[0] * 2 + 1 as float) as label")
+    )
 
 
 def step(x, y, w):
@@ -99,29 +102,54 @@ def main(argv=None) -> int:
         df = make_frame(spark, args.rows, args.partitions)
         start = time.perf_counter()
         ranks = Distributor(2, local_mode=False, show=None, all_ranks=True).train_on_dataframe(
-            shard_loop, df, args.batch_size)
+            shard_loop, df, args.batch_size
+        )
         shard_wall = time.perf_counter() - start
         baseline = to_pandas_loop(df, args.batch_size)
     finally:
         spark.stop()
 
     rows = [
-        {"method": f"shard, rank {r['rank']}", "rows": r["rows"], "seconds": r["seconds"],
-         "rows_per_s": r["rows"] / r["seconds"], "wall_seconds": shard_wall} for r in ranks
+        {
+            "method": f"shard, rank {r['rank']}",
+            "rows": r["rows"],
+            "seconds": r["seconds"],
+            "rows_per_s": r["rows"] / r["seconds"],
+            "wall_seconds": shard_wall,
+        }
+        for r in ranks
     ]
-    rows.append({"method": "toPandas + loop (driver)", "rows": baseline["rows"], "seconds": baseline["seconds"],
-                 "rows_per_s": baseline["rows"] / baseline["seconds"], "wall_seconds": baseline["seconds"],
-                 "collect_seconds": baseline["collect_seconds"]})
+    rows.append(
+        {
+            "method": "toPandas + loop (driver)",
+            "rows": baseline["rows"],
+            "seconds": baseline["seconds"],
+            "rows_per_s": baseline["rows"] / baseline["seconds"],
+            "wall_seconds": baseline["seconds"],
+            "collect_seconds": baseline["collect_seconds"],
+        }
+    )
     print(f"{args.rows:,} rows in {args.partitions} partitions, batch size {args.batch_size}, 2 ranks, local[2]\n")
     print(f"{'method':<26} {'rows':>10} {'loop s':>8} {'rows/s':>12} {'wall s':>8}")
     for row in rows:
-        print(f"{row['method']:<26} {row['rows']:>10,} {row['seconds']:>8.2f} {row['rows_per_s']:>12,.0f} "
-              f"{row['wall_seconds']:>8.2f}")
-    print(f"\n(toPandas alone: {baseline['collect_seconds']:.2f} s; shard wall time includes the Spark stage, "
-          "the executors writing the rank files and the ranks starting)")
-    write_json(args.json, {"machine": machine(torch=torch.__version__, pyspark=pyspark.__version__),
-                           "rows": args.rows, "partitions": args.partitions, "batch_size": args.batch_size,
-                           "results": rows})
+        print(
+            f"{row['method']:<26} {row['rows']:>10,} {row['seconds']:>8.2f} {row['rows_per_s']:>12,.0f} "
+            f"{row['wall_seconds']:>8.2f}"
+        )
+    print(
+        f"\n(toPandas alone: {baseline['collect_seconds']:.2f} s; shard wall time includes the Spark stage, "
+        "the executors writing the rank files and the ranks starting)"
+    )
+    write_json(
+        args.json,
+        {
+            "machine": machine(torch=torch.__version__, pyspark=pyspark.__version__),
+            "rows": args.rows,
+            "partitions": args.partitions,
+            "batch_size": args.batch_size,
+            "results": rows,
+        },
+    )
     return 0
 
 

@@ -34,6 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 from report import machine, write_json  # noqa: E402  (this script's folder is on sys.path)
+
 sys.path.insert(0, os.path.dirname(HERE))
 
 TORCHRUN_SCRIPT = """\
@@ -66,8 +67,12 @@ def make_ways(script_path: str) -> dict:
     from torchdist_magic import Distributor
 
     def torchrun():
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        script_path], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script_path],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     def cold():
         assert Distributor(2, local_mode=True, show=None).run(all_reduce_job) == 3.0
@@ -84,8 +89,13 @@ def make_ways(script_path: str) -> dict:
     def warm():
         assert Distributor(2, local_mode=True, show=None, warm=True).run(all_reduce_job) == 3.0
 
-    return {"torchrun": torchrun, "cold": cold, "detached": detached, "detached-returns": detached_returns,
-            "warm-relaunch": warm}
+    return {
+        "torchrun": torchrun,
+        "cold": cold,
+        "detached": detached,
+        "detached-returns": detached_returns,
+        "warm-relaunch": warm,
+    }
 
 
 def measure(ways: dict, repeat: int, warmup: int) -> dict:
@@ -102,8 +112,10 @@ def measure(ways: dict, repeat: int, warmup: int) -> dict:
 
 def summarize(times: dict) -> dict:
     medians = {name: statistics.median(t) for name, t in times.items()}
-    summary = {name: {"median_s": round(medians[name], 4), "min_s": round(min(t), 4),
-                      "times_s": [round(x, 4) for x in t]} for name, t in times.items()}
+    summary = {
+        name: {"median_s": round(medians[name], 4), "min_s": round(min(t), 4), "times_s": [round(x, 4) for x in t]}
+        for name, t in times.items()
+    }
     summary["targets"] = {
         "cold_vs_torchrun": round(medians["cold"] / medians["torchrun"], 3),
         "cold_vs_torchrun_target": 0.6,
@@ -123,7 +135,9 @@ def print_table(summary: dict, load: tuple) -> None:
     t = summary["targets"]
     print(f"\ncold / torchrun          {t['cold_vs_torchrun']:.2f}x   (target <= {t['cold_vs_torchrun_target']}x)")
     print(f"warm relaunch            {t['warm_relaunch_s']:.3f} s  (target <= {t['warm_relaunch_target_s']} s)")
-    print(f"detached - cold          {t['detached_minus_cold_s']:+.3f} s  (target <= {t['detached_minus_cold_target_s']} s)")
+    print(
+        f"detached - cold          {t['detached_minus_cold_s']:+.3f} s  (target <= {t['detached_minus_cold_target_s']} s)"
+    )
     print(f"load average before/after: {load[0]:.2f} / {load[1]:.2f} on {os.cpu_count()} cores")
 
 
@@ -151,8 +165,16 @@ def main(argv=None) -> int:
         load = (load_before, os.getloadavg()[0])
     summary = summarize(times)
     print_table(summary, load)
-    write_json(args.json, {"benchmark": "detach", "machine": machine(torch=torch.__version__),
-                           "load_average": list(load), "repeat": args.repeat, "results": summary})
+    write_json(
+        args.json,
+        {
+            "benchmark": "detach",
+            "machine": machine(torch=torch.__version__),
+            "load_average": list(load),
+            "repeat": args.repeat,
+            "results": summary,
+        },
+    )
     import shutil
 
     shutil.rmtree(home, ignore_errors=True)

@@ -38,6 +38,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 from report import machine, spark_session, write_json  # noqa: E402  (this script's folder is on sys.path)
+
 sys.path.insert(0, os.path.dirname(HERE))
 
 TORCHRUN_SCRIPT = """\
@@ -51,15 +52,25 @@ dist.destroy_process_group()
 assert t.item() == 3.0
 """
 
-LAUNCHERS = ("torchdist-local", "torchrun", "TorchDistributor-local",
-             "torchdist-spark", "TorchDistributor-spark", "torchdist-connect", "TorchDistributor-connect")
+LAUNCHERS = (
+    "torchdist-local",
+    "torchrun",
+    "TorchDistributor-local",
+    "torchdist-spark",
+    "TorchDistributor-spark",
+    "torchdist-connect",
+    "TorchDistributor-connect",
+)
 CONNECT = ("torchdist-connect", "TorchDistributor-connect")
 #: the TorchDistributor row each launcher is compared with (same mode: local or Spark)
 TORCH_DISTRIBUTOR_PEER = {
-    "torchdist-local": "TorchDistributor-local", "torchrun": "TorchDistributor-local",
+    "torchdist-local": "TorchDistributor-local",
+    "torchrun": "TorchDistributor-local",
     "TorchDistributor-local": "TorchDistributor-local",
-    "torchdist-spark": "TorchDistributor-spark", "TorchDistributor-spark": "TorchDistributor-spark",
-    "torchdist-connect": "TorchDistributor-connect", "TorchDistributor-connect": "TorchDistributor-connect",
+    "torchdist-spark": "TorchDistributor-spark",
+    "TorchDistributor-spark": "TorchDistributor-spark",
+    "torchdist-connect": "TorchDistributor-connect",
+    "TorchDistributor-connect": "TorchDistributor-connect",
 }
 
 
@@ -95,14 +106,17 @@ def make_launchers(script_path: str) -> dict:
         def launch():
             # TorchDistributor prints its ranks' output and logs on the driver
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                return TorchDistributor(num_processes=2, local_mode=local_mode,
-                                        use_gpu=False).run(all_reduce_job)
+                return TorchDistributor(num_processes=2, local_mode=local_mode, use_gpu=False).run(all_reduce_job)
+
         return launch
 
     def torchrun():
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node=2", script_path],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script_path],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         return 3.0  # the script asserts the sum itself
 
     return {
@@ -129,8 +143,7 @@ def measure(launchers: dict, names: list, repeat: int, warmup: int) -> dict:
             if counted:
                 times[name].append(elapsed)
             tag = "" if counted else " (warm-up)"
-            print(f"  round {round_no + 1}/{warmup + repeat}  {name:<24} {elapsed:7.2f} s{tag}",
-                  flush=True)
+            print(f"  round {round_no + 1}/{warmup + repeat}  {name:<24} {elapsed:7.2f} s{tag}", flush=True)
     return times
 
 
@@ -163,8 +176,7 @@ def summarize(times: dict) -> dict:
             "median_s": round(medians[name], 4),
             "min_s": round(min(ts), 4),
             "vs_torchrun": round(medians[name] / medians["torchrun"], 3) if "torchrun" in medians else None,
-            "vs_TorchDistributor": (round(medians[name] / medians[peer], 3)
-                                    if peer in medians else None),
+            "vs_TorchDistributor": (round(medians[name] / medians[peer], 3) if peer in medians else None),
             "TorchDistributor_peer": peer,
         }
     return out
@@ -178,8 +190,10 @@ def print_table(summary: dict) -> None:
     print(header)
     print("-" * len(header))
     for name, row in summary.items():
-        print(f"{name:<24} {row['median_s']:>9.2f} {row['min_s']:>8.2f} {ratio(row['vs_torchrun']):>12} "
-              f"{ratio(row['vs_TorchDistributor']):>20}")
+        print(
+            f"{name:<24} {row['median_s']:>9.2f} {row['min_s']:>8.2f} {ratio(row['vs_torchrun']):>12} "
+            f"{ratio(row['vs_TorchDistributor']):>20}"
+        )
     print("(vs TorchDistributor compares with TorchDistributor in the same mode: local, Spark or Spark Connect)")
 
 
@@ -187,10 +201,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=5, help="counted runs per launcher")
     parser.add_argument("--warmup", type=int, default=1, help="uncounted runs per launcher first")
-    parser.add_argument("--json", default=os.path.join(HERE, "results", "launch.json"),
-                        help="where to write the times (default: benchmarks/results/launch.json)")
-    parser.add_argument("--only", nargs="+", choices=LAUNCHERS, default=list(LAUNCHERS),
-                        help="launchers to time (default: all)")
+    parser.add_argument(
+        "--json",
+        default=os.path.join(HERE, "results", "launch.json"),
+        help="where to write the times (default: benchmarks/results/launch.json)",
+    )
+    parser.add_argument(
+        "--only", nargs="+", choices=LAUNCHERS, default=list(LAUNCHERS), help="launchers to time (default: all)"
+    )
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.warmup < 0:
         parser.error("--repeat must be at least 1 and --warmup at least 0")
@@ -219,7 +237,8 @@ def main(argv=None) -> int:
     print_table(summary)
     result = {
         "benchmark": "launch: gloo all_reduce of one tensor, 2 ranks, end to end",
-        "repeat": args.repeat, "warmup": args.warmup,
+        "repeat": args.repeat,
+        "warmup": args.warmup,
         "machine": machine(torch=torch.__version__, pyspark=pyspark.__version__),
         "spark_master": "local[2] (classic, and the Spark Connect server's)",
         "launchers": summary,

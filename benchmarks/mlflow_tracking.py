@@ -27,6 +27,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 from report import machine, write_json  # noqa: E402  (this script's folder is on sys.path)
+
 sys.path.insert(0, os.path.dirname(HERE))
 
 
@@ -44,10 +45,13 @@ def metrics_records(count: int, points: int):
 
     out = []
     for i in range(count):
-        more = [events.MetricPoint(step=i * points + k, values={"loss": 0.5, "lr": 0.1}, time=time.time())
-                for k in range(1, points)]
-        out.append(events.Metrics(rank=0, step=i * points, values={"loss": 0.5, "lr": 0.1}, time=time.time(),
-                                  more=more))
+        more = [
+            events.MetricPoint(step=i * points + k, values={"loss": 0.5, "lr": 0.1}, time=time.time())
+            for k in range(1, points)
+        ]
+        out.append(
+            events.Metrics(rank=0, step=i * points, values={"loss": 0.5, "lr": 0.1}, time=time.time(), more=more)
+        )
     return out
 
 
@@ -78,8 +82,9 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix="torchdist-bench-mlflow-")
     try:
         mlflow.set_tracking_uri(f"sqlite:///{workdir}/mlflow.db")
-        mlflow.set_experiment(experiment_id=mlflow.create_experiment(
-            "bench", artifact_location=f"file://{workdir}/artifacts"))
+        mlflow.set_experiment(
+            experiment_id=mlflow.create_experiment("bench", artifact_location=f"file://{workdir}/artifacts")
+        )
         records = metrics_records(args.records, args.points)
         points = args.records * args.points * 2
 
@@ -131,12 +136,21 @@ def main() -> None:
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
-    write_json(args.json, {"machine": machine(mlflow=mlflow.__version__),
-                           "records": args.records, "points_per_record": args.points,
-                           "apply_us_without": without, "apply_us_with": with_logger,
-                           "writer_points_per_s": points / drain_s, "start_s": start_s, "end_s": end_s,
-                           "run_points": args.run_points, "run_wall_s": {"without": walls[False],
-                                                                          "with": walls[True]}})
+    write_json(
+        args.json,
+        {
+            "machine": machine(mlflow=mlflow.__version__),
+            "records": args.records,
+            "points_per_record": args.points,
+            "apply_us_without": without,
+            "apply_us_with": with_logger,
+            "writer_points_per_s": points / drain_s,
+            "start_s": start_s,
+            "end_s": end_s,
+            "run_points": args.run_points,
+            "run_wall_s": {"without": walls[False], "with": walls[True]},
+        },
+    )
 
 
 if __name__ == "__main__":

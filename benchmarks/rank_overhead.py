@@ -33,6 +33,7 @@ from typing import Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 from report import machine, write_json  # noqa: E402  (this script's folder is on sys.path)
+
 sys.path.insert(0, os.path.dirname(HERE))
 
 WARMUP = 200
@@ -71,8 +72,22 @@ SCRIPT = textwrap.dedent('''
 
 def with_torchrun(script: str, ranks: int, steps: int, out: str) -> float:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                           script, str(steps), str(WARMUP), out], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={ranks}",
+            script,
+            str(steps),
+            str(WARMUP),
+            out,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     if proc.returncode:
         raise RuntimeError(f"torchrun failed ({proc.returncode}): {proc.stderr.decode()[-2000:]}")
     with open(out) as fh:
@@ -94,6 +109,7 @@ def without_recorder(script: str, ranks: int, steps: int, out: str) -> float:
 def _discarding_driver(addresses) -> None:
     """A real ``ChannelServer`` that drops what it gets, in a process of its own."""
     from torchdist_magic.wire.server import ChannelServer
+
     server = ChannelServer(lambda record: None, "overhead", secret="s", launcher_secret="l")
     addresses.put(server.address)
     time.sleep(600)
@@ -135,8 +151,13 @@ def reporting_cost(calls: int = 20_000) -> dict:
 
 
 def _recorder_rank(rank: int, port: int, recorder: bool, calls: int, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      TORCH_FR_BUFFER_SIZE="256" if recorder else "0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        TORCH_FR_BUFFER_SIZE="256" if recorder else "0",
+    )
     import torch
     import torch.distributed as dist
 
@@ -162,7 +183,7 @@ def recorder_cost(calls: int = 5000, rounds: int = 3) -> dict:
     context = multiprocessing.get_context("spawn")
     found = {"on": [], "off": []}
     for i in range(rounds):
-        for recorder in ((True, False) if i % 2 == 0 else (False, True)):
+        for recorder in (True, False) if i % 2 == 0 else (False, True):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
@@ -173,8 +194,13 @@ def recorder_cost(calls: int = 5000, rounds: int = 3) -> dict:
             found["on" if recorder else "off"].append(out.get(timeout=600))
             for p in procs:
                 p.join(60)
-    return {"calls": calls, "rounds": rounds, "on_us": statistics.median(found["on"]),
-            "off_us": statistics.median(found["off"]), "runs": found}
+    return {
+        "calls": calls,
+        "rounds": rounds,
+        "on_us": statistics.median(found["on"]),
+        "off_us": statistics.median(found["off"]),
+        "runs": found,
+    }
 
 
 class _Discard:
@@ -215,8 +241,9 @@ def split_cost(steps: int = 20_000, ddp_steps: int = 100, ddp_pairs: int = 30, r
     dist.init_process_group("gloo", rank=0, world_size=1, store=store)
     try:
         torch.manual_seed(0)
-        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
-            torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)))
+        model = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+        )
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         x, y = torch.randn(64, 256), torch.randn(64, 256)
 
@@ -233,7 +260,7 @@ def split_cost(steps: int = 20_000, ddp_steps: int = 100, ddp_pairs: int = 30, r
         ddp_step_us(100)  # warm-up
         timed, default = [], []
         for i in range(ddp_pairs):  # pairs, each order in turn: the median of their differences
-            for rate in ((1, 100) if i % 2 == 0 else (100, 1)):
+            for rate in (1, 100) if i % 2 == 0 else (100, 1):
                 (timed if rate == 1 else default).append(ddp_step_us(rate))
         timers_us = statistics.median(t - d for t, d in zip(timed, default))
         reads = 2000
@@ -262,15 +289,21 @@ def split_cost(steps: int = 20_000, ddp_steps: int = 100, ddp_pairs: int = 30, r
         dist.destroy_process_group()
         torch.set_num_threads(threads)
     step_ms = statistics.median(default) / 1000
-    return {"progress_step_plain_us": plain, "progress_step_split_us": split,
-            "ddp_step_default_us": statistics.median(default), "ddp_step_timers_us": statistics.median(timed),
-            "ddp_timers_us": timers_us,
-            "ddp_timer_read_us": read_us, "reads_per_s": 1 / stepsplit.POLL_EVERY,
-            "collective_direct_us": direct, "collective_timed_us": wrapped,
-            # per step of this model: the loop's, the timers' (a negative difference: below what a
-            # busy machine lets this measure, counted as none) and the reads' (a share of each second)
-            "cost_percent_of_step": 100 * ((split - plain + max(timers_us, 0.0)) / 1000 / step_ms
-                                           + read_us / 1e6 / stepsplit.POLL_EVERY)}
+    return {
+        "progress_step_plain_us": plain,
+        "progress_step_split_us": split,
+        "ddp_step_default_us": statistics.median(default),
+        "ddp_step_timers_us": statistics.median(timed),
+        "ddp_timers_us": timers_us,
+        "ddp_timer_read_us": read_us,
+        "reads_per_s": 1 / stepsplit.POLL_EVERY,
+        "collective_direct_us": direct,
+        "collective_timed_us": wrapped,
+        # per step of this model: the loop's, the timers' (a negative difference: below what a
+        # busy machine lets this measure, counted as none) and the reads' (a share of each second)
+        "cost_percent_of_step": 100
+        * ((split - plain + max(timers_us, 0.0)) / 1000 / step_ms + read_us / 1e6 / stepsplit.POLL_EVERY),
+    }
 
 
 def main() -> None:
@@ -295,8 +328,11 @@ def main() -> None:
                 out = os.path.join(tmp, f"{name}-{i}.json")
                 started = time.monotonic()
                 runs[name].append(runners[name](script, args.ranks, args.steps, out))
-                print(f"round {i + 1}/{args.rounds} {name:<16} {runs[name][-1]:8.1f} steps/s "
-                      f"({time.monotonic() - started:.1f} s with start-up)", flush=True)
+                print(
+                    f"round {i + 1}/{args.rounds} {name:<16} {runs[name][-1]:8.1f} steps/s "
+                    f"({time.monotonic() - started:.1f} s with start-up)",
+                    flush=True,
+                )
     cost = reporting_cost()
     recording = recorder_cost()
     split = split_cost()
@@ -307,24 +343,46 @@ def main() -> None:
     print(f"\n{'launcher':<16} {'steps/s (median)':>16} {'min':>8} {'max':>8}")
     for name, values in runs.items():
         print(f"{name:<16} {medians[name]:>16.1f} {min(values):>8.1f} {max(values):>8.1f}")
-    print(f"torchdist_magic / torchrun: {ratio:.3f}x ({args.ranks} ranks, {args.steps} steps of which "
-          f"{WARMUP} warm-up, {args.rounds} interleaved rounds; load average {load[0]:.1f} on "
-          f"{machine()['cores']} cores)")
+    print(
+        f"torchdist_magic / torchrun: {ratio:.3f}x ({args.ranks} ranks, {args.steps} steps of which "
+        f"{WARMUP} warm-up, {args.rounds} interleaved rounds; load average {load[0]:.1f} on "
+        f"{machine()['cores']} cores)"
+    )
     print(f"Flight Recorder on / off (torchdist_magic, TORCH_FR_BUFFER_SIZE=0 for off): {recorder:.3f}x")
-    print(f"Flight Recorder per all_reduce, CPU of the calling thread: {recording['on_us']:.1f} us on, "
-          f"{recording['off_us']:.1f} us off (2 ranks, gloo, 16 floats)")
-    print(f"progress + report (3 values) per step, CPU of the rank: {cost['reporting_us']:.1f} us reporting to "
-          f"a driver, {cost['no_run_us']:.1f} us outside a run")
-    print(f"step split: {split['progress_step_split_us'] - split['progress_step_plain_us']:.2f} us of CPU per "
-          f"progress() step; DDP's timers on every iteration {split['ddp_timers_us']:+.1f} us per step of "
-          f"{split['ddp_step_default_us']:.0f} us; a read of them {split['ddp_timer_read_us']:.0f} us "
-          f"(at most {split['reads_per_s']:.0f}/s); a timed collective {split['collective_timed_us']:.1f} us, "
-          f"{split['collective_direct_us']:.1f} us untimed; in all {split['cost_percent_of_step']:.2f}% of a step")
-    write_json(args.json, {"benchmark": "a rank's overhead: torchdist_magic vs torchrun, same DDP script",
-                           "machine": machine(torch=torch.__version__), "ranks": args.ranks, "steps": args.steps,
-                           "warmup": WARMUP, "rounds": args.rounds, "runs": runs, "medians": medians,
-                           "ratio": ratio, "recorder_ratio": recorder, "load_average": load,
-                           "reporting_cost": cost, "recorder_cost": recording, "step_split_cost": split})
+    print(
+        f"Flight Recorder per all_reduce, CPU of the calling thread: {recording['on_us']:.1f} us on, "
+        f"{recording['off_us']:.1f} us off (2 ranks, gloo, 16 floats)"
+    )
+    print(
+        f"progress + report (3 values) per step, CPU of the rank: {cost['reporting_us']:.1f} us reporting to "
+        f"a driver, {cost['no_run_us']:.1f} us outside a run"
+    )
+    print(
+        f"step split: {split['progress_step_split_us'] - split['progress_step_plain_us']:.2f} us of CPU per "
+        f"progress() step; DDP's timers on every iteration {split['ddp_timers_us']:+.1f} us per step of "
+        f"{split['ddp_step_default_us']:.0f} us; a read of them {split['ddp_timer_read_us']:.0f} us "
+        f"(at most {split['reads_per_s']:.0f}/s); a timed collective {split['collective_timed_us']:.1f} us, "
+        f"{split['collective_direct_us']:.1f} us untimed; in all {split['cost_percent_of_step']:.2f}% of a step"
+    )
+    write_json(
+        args.json,
+        {
+            "benchmark": "a rank's overhead: torchdist_magic vs torchrun, same DDP script",
+            "machine": machine(torch=torch.__version__),
+            "ranks": args.ranks,
+            "steps": args.steps,
+            "warmup": WARMUP,
+            "rounds": args.rounds,
+            "runs": runs,
+            "medians": medians,
+            "ratio": ratio,
+            "recorder_ratio": recorder,
+            "load_average": load,
+            "reporting_cost": cost,
+            "recorder_cost": recording,
+            "step_split_cost": split,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -12,8 +12,14 @@ def machine(**versions: str) -> dict:
     """Platform, CPU model, Python, usable cores, the load average now, and the versions given
     (``torch=torch.__version__``)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"platform": platform.platform(), "cpu": cpu_model(), "python": platform.python_version(),
-            "cores": cores, "load": load(), **versions}
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "python": platform.python_version(),
+        "cores": cores,
+        "load": load(),
+        **versions,
+    }
 
 
 def cpu_model() -> str:
@@ -88,10 +94,13 @@ def spark_session(app: str):
     """A quiet ``local[2]`` SparkSession on the loopback interface, without the UI."""
     from pyspark.sql import SparkSession
 
-    spark = (SparkSession.builder.master("local[2]").appName(app)
-             .config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false")
-             .config("spark.driver.host", "127.0.0.1")
-             .getOrCreate())
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .appName(app)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.host", "127.0.0.1")
+        .getOrCreate()
+    )
     spark.sparkContext.setLogLevel("ERROR")
     return spark

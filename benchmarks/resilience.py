@@ -31,6 +31,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 from report import machine, spark_session, write_json  # noqa: E402  (this script's folder is on sys.path)
+
 sys.path.insert(0, os.path.dirname(HERE))
 
 
@@ -97,14 +98,17 @@ def measure_restart(local_mode: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="torchdist-bench-restart-") as tmp:
         marks, checkpoints = os.path.join(tmp, "marks"), os.path.join(tmp, "checkpoints")
         os.makedirs(marks)
-        run = Distributor(2, local_mode=local_mode, show=None, max_restarts=1,
-                          checkpoint_dir=checkpoints).submit(restart_job, marks, 10, 20)
+        run = Distributor(2, local_mode=local_mode, show=None, max_restarts=1, checkpoint_dir=checkpoints).submit(
+            restart_job, marks, 10, 20
+        )
         if run.result(timeout=600) != 1:
             raise RuntimeError("the job did not restart")
         death = _read(os.path.join(marks, "death"))
         first_step = max(_read(os.path.join(marks, f"first-step-{r}")) for r in range(2))
-        return {"death_to_next_first_step_s": first_step - death,
-                "death_to_attempt_end_s": run.attempts[0].ended - death}
+        return {
+            "death_to_next_first_step_s": first_step - death,
+            "death_to_attempt_end_s": run.attempts[0].ended - death,
+        }
 
 
 def measure_hang(local_mode: bool, hang_timeout: float) -> dict:
@@ -117,17 +121,24 @@ def measure_hang(local_mode: bool, hang_timeout: float) -> dict:
         pass
     else:
         raise RuntimeError("the watchdog did not fire")
-    quiet = max(float(line.split()[-1]) for r in range(2) for line in run.logs(r).splitlines()
-                if line.startswith("quiet from "))
+    quiet = max(
+        float(line.split()[-1]) for r in range(2) for line in run.logs(r).splitlines() if line.startswith("quiet from ")
+    )
     stacks = max(s.time for s in run.stacks.values())
-    return {"quiet_to_error_s": run.state.ended - quiet,
-            "overhead_s": run.state.ended - quiet - hang_timeout,
-            "stacks_captured_after_s": stacks - quiet - hang_timeout}
+    return {
+        "quiet_to_error_s": run.state.ended - quiet,
+        "overhead_s": run.state.ended - quiet - hang_timeout,
+        "stacks_captured_after_s": stacks - quiet - hang_timeout,
+    }
 
 
 def stats(values: list) -> dict:
-    return {"times_s": [round(v, 4) for v in values], "median_s": round(statistics.median(values), 4),
-            "min_s": round(min(values), 4), "max_s": round(max(values), 4)}
+    return {
+        "times_s": [round(v, 4) for v in values],
+        "median_s": round(statistics.median(values), 4),
+        "min_s": round(min(values), 4),
+        "max_s": round(max(values), 4),
+    }
 
 
 def print_table(rows: dict) -> None:
@@ -143,8 +154,11 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=5, help="runs of each measure")
     parser.add_argument("--hang-timeout", type=float, default=2.0, help="the watchdog's quiet time (s)")
     parser.add_argument("--spark", action="store_true", help="also on a local[2] Spark session")
-    parser.add_argument("--json", default=os.path.join(HERE, "results", "resilience.json"),
-                        help="where to write the times (default: benchmarks/results/resilience.json)")
+    parser.add_argument(
+        "--json",
+        default=os.path.join(HERE, "results", "resilience.json"),
+        help="where to write the times (default: benchmarks/results/resilience.json)",
+    )
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.hang_timeout <= 0:
         parser.error("--repeat must be at least 1 and --hang-timeout positive")
@@ -163,9 +177,12 @@ def main(argv=None) -> int:
             hang = measure_hang(local_mode, args.hang_timeout)
             for key, value in {**restart, **hang}.items():
                 samples.setdefault(f"{mode}: {key}", []).append(value)
-            print(f"  {mode} round {round_no + 1}/{args.repeat}: restart "
-                  f"{restart['death_to_next_first_step_s']:.2f} s, hang detected "
-                  f"{hang['quiet_to_error_s']:.2f} s after the last output", flush=True)
+            print(
+                f"  {mode} round {round_no + 1}/{args.repeat}: restart "
+                f"{restart['death_to_next_first_step_s']:.2f} s, hang detected "
+                f"{hang['quiet_to_error_s']:.2f} s after the last output",
+                flush=True,
+            )
     if spark is not None:
         spark.stop()
 
@@ -175,7 +192,8 @@ def main(argv=None) -> int:
     print(f"(hang_timeout={args.hang_timeout:g} s: overhead = quiet-to-error less hang_timeout)")
     result = {
         "benchmark": "resilience: restart latency and hang watchdog detection, 2 ranks, gloo",
-        "repeat": args.repeat, "hang_timeout_s": args.hang_timeout,
+        "repeat": args.repeat,
+        "hang_timeout_s": args.hang_timeout,
         "machine": machine(torch=torch.__version__),
         "measures": rows,
     }

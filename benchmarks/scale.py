@@ -57,6 +57,7 @@ import uuid
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 from report import BusyCore, describe_machine, end_processes, load, machine, write_json  # noqa: E402  (this script's folder is on sys.path)
+
 sys.path.insert(0, os.path.dirname(HERE))
 
 from torchdist_magic.wire import tls  # noqa: E402
@@ -95,6 +96,7 @@ def _rss_mb() -> float:
 
 # -- load generator (a process of its own) -------------------------------------------------------
 
+
 def generate(address, certificate, run_id, ranks, rate, seconds, flush_every, go, results) -> None:
     """Connect two clients per rank of ``ranks``, wait for ``go``, then send ``rate`` records/s
     per rank for ``seconds``; put what was sent on ``results``."""
@@ -117,7 +119,7 @@ def generate(address, certificate, run_id, ranks, rate, seconds, flush_every, go
     results.put(("connected", connect_s))
     go.wait()
     cpu0 = _cpu_seconds()
-    seq = {r: 0 for r in ranks}           # records made so far, per rank
+    seq = {r: 0 for r in ranks}  # records made so far, per rank
     log_seq = {r: 0 for r in ranks}
     metric_seq = {r: 0 for r in ranks}
     sent = {"logs": 0, "points": 0, "progress": 0}
@@ -134,9 +136,9 @@ def generate(address, certificate, run_id, ranks, rate, seconds, flush_every, go
             time.sleep(due_at - now)
         now = time.time()
         behind = max(behind, now - due_at)
-        upto = int(rate * (min(now, end) - start))   # records each rank should have made by now
+        upto = int(rate * (min(now, end) - start))  # records each rank should have made by now
         for r in ranks:
-            made = []                     # (kind, its numbers) of this flush, in order
+            made = []  # (kind, its numbers) of this flush, in order
             while seq[r] < upto:
                 kind = PATTERN[seq[r] % len(PATTERN)]
                 seq[r] += 1
@@ -157,8 +159,10 @@ def generate(address, certificate, run_id, ranks, rate, seconds, flush_every, go
             if tick <= 3:  # the same bytes as the client's own encoding, or this benchmark is wrong
                 expected = client_bytes(made, r, now, start, total)
                 if (to_worker, to_launcher) != expected:
-                    raise AssertionError(f"scale.py's frames differ from batching.encode_batch's: "
-                                         f"{(to_worker, to_launcher)!r:.400} != {expected!r:.400}")
+                    raise AssertionError(
+                        f"scale.py's frames differ from batching.encode_batch's: "
+                        f"{(to_worker, to_launcher)!r:.400} != {expected!r:.400}"
+                    )
             if to_worker:
                 socks[(r, "worker")].sendall(to_worker)
             if to_launcher:
@@ -167,8 +171,9 @@ def generate(address, certificate, run_id, ranks, rate, seconds, flush_every, go
             break
     for sock in socks.values():
         sock.shutdown(socket.SHUT_WR)
-    results.put(("sent", {**sent, "behind_s": behind, "send_cpu_s": _cpu_seconds() - cpu0,
-                          "send_s": time.time() - start}))
+    results.put(
+        ("sent", {**sent, "behind_s": behind, "send_cpu_s": _cpu_seconds() - cpu0, "send_s": time.time() - start})
+    )
     for sock in socks.values():  # the driver closes a connection once it has handled all of it
         try:
             while sock.recv(65536):
@@ -192,8 +197,9 @@ def client_records(made, r: int, now: float, start: float, total: int):
     worker, launcher = [], []
     for item in made:
         if item[0] == "P":
-            worker.append(events.Progress(rank=r, bar="train#0", desc="train", n=item[1], total=total,
-                                          elapsed=now - start))
+            worker.append(
+                events.Progress(rank=r, bar="train#0", desc="train", n=item[1], total=total, elapsed=now - start)
+            )
         elif item[0] == "M":
             worker.append(events.Metrics(rank=r, step=item[1], time=now, values=_values(r, item[1])))
         else:
@@ -204,8 +210,7 @@ def client_records(made, r: int, now: float, start: float, total: int):
 def client_bytes(made, r: int, now: float, start: float, total: int):
     """What the client's own code (``batching.encode_batch``) sends for one flush."""
     worker, launcher = client_records(made, r, now, start, total)
-    return (encode_batch(worker, r) if worker else b"",
-            encode_batch(launcher, r) if launcher else b"")
+    return (encode_batch(worker, r) if worker else b"", encode_batch(launcher, r) if launcher else b"")
 
 
 def _frame(parts) -> bytes:
@@ -230,29 +235,37 @@ def batch_bytes(made, r: int, now: float, start: float, total: int):
             lines.append(item)
     worker = []
     if progress is not None:
-        worker.append(f'{{"rank":{r},"bar":"train#0","desc":"train","n":{progress},"total":{total},'
-                      f'"elapsed":{float.__repr__(now - start)},"state":"running","postfix":"","type":"progress"}}')
+        worker.append(
+            f'{{"rank":{r},"bar":"train#0","desc":"train","n":{progress},"total":{total},'
+            f'"elapsed":{float.__repr__(now - start)},"state":"running","postfix":"","type":"progress"}}'
+        )
     if points:
         when = float.__repr__(now)
 
         def values(step):
-            return (f'{{"loss":{float.__repr__(1.0 / step)},"lr":{float.__repr__(3e-4)},'
-                    f'"tokens_per_s":{float.__repr__(12345.0 + r)}}}')
+            return (
+                f'{{"loss":{float.__repr__(1.0 / step)},"lr":{float.__repr__(3e-4)},'
+                f'"tokens_per_s":{float.__repr__(12345.0 + r)}}}'
+            )
 
         more = ",".join(f'{{"step":{p},"values":{values(p)},"time":{when}}}' for p in points[1:])
-        metrics = (f'{{"rank":{r},"step":{points[0]},"values":{values(points[0])},"time":{when},'
-                   f'"more":[{more}],"type":"metrics"}}')
+        metrics = (
+            f'{{"rank":{r},"step":{points[0]},"values":{values(points[0])},"time":{when},'
+            f'"more":[{more}],"type":"metrics"}}'
+        )
         worker.insert(0 if metrics_at < progress_at else len(worker), metrics)
     launcher = b""
     if lines:
         texts = [_line(item[1], now, item[2]) for item in lines]
         more = ",".join(f'{{"stream":"stdout","line":"{t}","cr":false}}' for t in texts[1:])
-        launcher = _frame([f'{{"rank":{r},"stream":"stdout","line":"{texts[0]}","cr":false,'
-                           f'"more":[{more}],"type":"log"}}'])
+        launcher = _frame(
+            [f'{{"rank":{r},"stream":"stdout","line":"{texts[0]}","cr":false,"more":[{more}],"type":"log"}}']
+        )
     return (_frame(worker) if worker else b""), launcher
 
 
 # -- driver side -----------------------------------------------------------------------------
+
 
 class Meter:
     """The driver's ``on_event``: applies each record to the run state, then counts it and the
@@ -328,9 +341,19 @@ class IopubComm:
         class Comm(BaseComm):
             def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
                 content = {"data": data or {}, "comm_id": self.comm_id, **keys}
-                msg = {"header": {"msg_id": uuid.uuid4().hex, "msg_type": msg_type, "username": "bench",
-                                  "session": "s", "date": time.time(), "version": "5.3"},
-                       "parent_header": {}, "metadata": metadata or {}, "content": content}
+                msg = {
+                    "header": {
+                        "msg_id": uuid.uuid4().hex,
+                        "msg_type": msg_type,
+                        "username": "bench",
+                        "session": "s",
+                        "date": time.time(),
+                        "version": "5.3",
+                    },
+                    "parent_header": {},
+                    "metadata": metadata or {},
+                    "content": content,
+                }
                 cls.sizes.append(len(json.dumps(msg, default=str).encode("utf-8")))
 
         comm.create_comm = Comm
@@ -378,8 +401,9 @@ def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: b
     nofile_before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     fdlimit.make_room(ranks, local=False)  # as a run does before its channel listens
     nofile_run = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    server = ChannelServer(meter, run_id, secret=WORKER_SECRET, launcher_secret=LAUNCHER_SECRET,
-                           identity=identity, ranks=ranks)
+    server = ChannelServer(
+        meter, run_id, secret=WORKER_SECRET, launcher_secret=LAUNCHER_SECRET, identity=identity, ranks=ranks
+    )
     view, sink = make_view(view_kind, state)
     address = f"{server.address[0]}:{server.address[1]}"
     certificate = identity.certificate if identity is not None else ""
@@ -387,9 +411,15 @@ def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: b
     go, results = context.Event(), context.Queue()
     shares = [list(range(ranks))[i::generators] for i in range(generators)]
     flush_every = FLUSH_EVERY
-    procs = [context.Process(target=generate, args=(address, certificate, run_id, share, rate, seconds,
-                                                    flush_every, go, results), daemon=True)
-             for share in shares if share]
+    procs = [
+        context.Process(
+            target=generate,
+            args=(address, certificate, run_id, share, rate, seconds, flush_every, go, results),
+            daemon=True,
+        )
+        for share in shares
+        if share
+    ]
     render_ms, render_cpu_ms = [], []
     try:
         started = time.monotonic()
@@ -419,8 +449,9 @@ def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: b
                 sent = {k: sum(r[k] for r in reports) for k in ("logs", "points", "progress")}
                 expected = sent["logs"] + sent["points"]
                 sent_at = time.time()
-            if expected is not None and (meter.logs + meter.points >= expected or
-                                         time.time() - sent_at > CATCH_UP_LIMIT):
+            if expected is not None and (
+                meter.logs + meter.points >= expected or time.time() - sent_at > CATCH_UP_LIMIT
+            ):
                 break
             time.sleep(SUPERVISE_POLL)
         done = max(meter.last_applied, t0)
@@ -438,21 +469,38 @@ def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: b
     frames = IopubComm.sizes if view_kind == "widget" else []
     view_bytes = sum(frames) if view_kind == "widget" else (sink.bytes if sink else 0)
     return {
-        "ranks": ranks, "rate": rate, "seconds": seconds, "view": view_kind, "tls": use_tls,
-        "nofile_soft_before": nofile_before, "nofile_soft_run": nofile_run,
-        "generators": len(procs), "connections": 2 * ranks, "authenticated": authenticated,
-        "evicted": server.stats["evicted"], "connect_s": connect_s, "gen_connect_s_max": max(connects),
-        "sent": expected, "received": received, "lost": expected - received, "out_of_order": meter.out_of_order,
-        "progress_sent": sent["progress"], "progress_received": meter.progress,
+        "ranks": ranks,
+        "rate": rate,
+        "seconds": seconds,
+        "view": view_kind,
+        "tls": use_tls,
+        "nofile_soft_before": nofile_before,
+        "nofile_soft_run": nofile_run,
+        "generators": len(procs),
+        "connections": 2 * ranks,
+        "authenticated": authenticated,
+        "evicted": server.stats["evicted"],
+        "connect_s": connect_s,
+        "gen_connect_s_max": max(connects),
+        "sent": expected,
+        "received": received,
+        "lost": expected - received,
+        "out_of_order": meter.out_of_order,
+        "progress_sent": sent["progress"],
+        "progress_received": meter.progress,
         "offered_rate": (expected + sent["progress"]) / ranks / max(max(r["send_s"] for r in reports), 1e-9),
-        "p50_ms": meter.percentile(0.5), "p99_ms": meter.percentile(0.99),
-        "window_s": window, "catch_up_s": max(0.0, done - sent_at),
+        "p50_ms": meter.percentile(0.5),
+        "p99_ms": meter.percentile(0.99),
+        "window_s": window,
+        "catch_up_s": max(0.0, done - sent_at),
         "driver_cpu_pct": 100 * cpu / window if window else 0.0,
         "driver_us_per_record": 1e6 * cpu / max(received + meter.progress, 1),
         "gen_cpu_pct": 100 * sum(r["send_cpu_s"] for r in reports) / window if window else 0.0,
         "gen_behind_s": max(r["behind_s"] for r in reports),
-        "rss_mb_start": rss_start, "rss_mb_end": rss_end,
-        "frame_bytes_max": max(frames, default=0), "view_messages": len(frames),
+        "rss_mb_start": rss_start,
+        "rss_mb_end": rss_end,
+        "frame_bytes_max": max(frames, default=0),
+        "view_messages": len(frames),
         "view_mb_per_s": view_bytes / 1e6 / window if window else 0.0,
         "text_lines": sink.lines if sink else None,
         "render_ms_max": max(render_ms, default=0.0),
@@ -460,7 +508,8 @@ def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: b
         # the refreshes' own (update() calls that found the view's period not yet over cost ~nothing)
         "render_cpu_ms_p50": _median([ms for ms in render_cpu_ms if ms >= 1.0]),
         "view_refresh_s": getattr(view, "update_every", None),
-        "malformed": server.stats["malformed"], "forbidden": server.stats["forbidden"],
+        "malformed": server.stats["malformed"],
+        "forbidden": server.stats["forbidden"],
     }
 
 
@@ -470,17 +519,29 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=10, help="records per second per rank")
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--view", choices=("widget", "text", "none"), default="widget")
-    parser.add_argument("--tls", action=argparse.BooleanOptionalAction, default=True,
-                        help="the channel over TLS, as on Spark (default), or plain, as locally")
+    parser.add_argument(
+        "--tls",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the channel over TLS, as on Spark (default), or plain, as locally",
+    )
     parser.add_argument("--generators", type=int, default=3, help="load-generator processes")
     parser.add_argument("--repeat", type=int, default=1, help="runs in a row (a goal holds when it holds three)")
-    parser.add_argument("--busy", choices=("both", "off", "on"), default="both",
-                        help="each run quiet (off), beside a busy loop on one core (on), or one of each "
-                             "(both, the default): the second shows the driver's headroom")
+    parser.add_argument(
+        "--busy",
+        choices=("both", "off", "on"),
+        default="both",
+        help="each run quiet (off), beside a busy loop on one core (on), or one of each "
+        "(both, the default): the second shows the driver's headroom",
+    )
     parser.add_argument("--json", default=os.path.join(HERE, "results", "scale.json"))
-    parser.add_argument("--nofile", type=int, default=0,
-                        help="start under this soft limit on open files (a desktop Jupyter's is 1024); "
-                             "the run raises it toward the hard one as a run does (fdlimit)")
+    parser.add_argument(
+        "--nofile",
+        type=int,
+        default=0,
+        help="start under this soft limit on open files (a desktop Jupyter's is 1024); "
+        "the run raises it toward the hard one as a run does (fdlimit)",
+    )
     args = parser.parse_args()
     if args.nofile:
         resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
@@ -488,30 +549,36 @@ def main() -> None:
     m = machine()
     runs = []
     for _ in range(args.repeat):
-        for busy in ((False, True) if args.busy == "both" else (args.busy == "on",)):
+        for busy in (False, True) if args.busy == "both" else (args.busy == "on",):
             load_before = load()
-            with (BusyCore() if busy else contextlib.nullcontext()):
+            with BusyCore() if busy else contextlib.nullcontext():
                 r = simulate(args.ranks, args.rate, args.seconds, args.view, args.tls, args.generators)
             runs.append({**r, "busy_core": busy, "load_before": load_before, "load_after": load()})
     print(f"\n{describe_machine(m)}; load average {m['load']:g} at the start")
-    print(f"\n{'busy':>4} {'load':>9} {'ranks':>5} {'rate':>5} {'view':>6} {'tls':>3} {'sent':>9} {'lost':>5} "
-          f"{'ooo':>4} {'p50 ms':>8} {'p99 ms':>8} {'catch-up':>8} {'cpu %':>6} {'gen %':>6} {'rss MB':>13} "
-          f"{'frame KB':>8} {'render ms':>13} {'conn s':>6} {'us/rec':>6}")
+    print(
+        f"\n{'busy':>4} {'load':>9} {'ranks':>5} {'rate':>5} {'view':>6} {'tls':>3} {'sent':>9} {'lost':>5} "
+        f"{'ooo':>4} {'p50 ms':>8} {'p99 ms':>8} {'catch-up':>8} {'cpu %':>6} {'gen %':>6} {'rss MB':>13} "
+        f"{'frame KB':>8} {'render ms':>13} {'conn s':>6} {'us/rec':>6}"
+    )
     for r in runs:
-        print(f"{'yes' if r['busy_core'] else 'no':>4} {r['load_before']:>4.1f}>{r['load_after']:<4.1f} "
-              f"{r['ranks']:>5} {r['rate']:>5g} {r['view']:>6} {'on' if r['tls'] else 'off':>3} {r['sent']:>9,} "
-              f"{r['lost']:>5} {r['out_of_order']:>4} {r['p50_ms']:>8.0f} {r['p99_ms']:>8.0f} {r['catch_up_s']:>7.1f}s "
-              f"{r['driver_cpu_pct']:>6.0f} {r['gen_cpu_pct']:>6.0f} {r['rss_mb_start']:>6.0f}->{r['rss_mb_end']:<6.0f} "
-              f"{r['frame_bytes_max'] / 1e3:>8.1f} {r['render_ms_max']:>6.0f}/{r['render_cpu_ms_max']:<3.0f}cpu "
-              f"{r['connect_s']:>6.1f} "
-              f"{r['driver_us_per_record']:>6.1f}")
+        print(
+            f"{'yes' if r['busy_core'] else 'no':>4} {r['load_before']:>4.1f}>{r['load_after']:<4.1f} "
+            f"{r['ranks']:>5} {r['rate']:>5g} {r['view']:>6} {'on' if r['tls'] else 'off':>3} {r['sent']:>9,} "
+            f"{r['lost']:>5} {r['out_of_order']:>4} {r['p50_ms']:>8.0f} {r['p99_ms']:>8.0f} {r['catch_up_s']:>7.1f}s "
+            f"{r['driver_cpu_pct']:>6.0f} {r['gen_cpu_pct']:>6.0f} {r['rss_mb_start']:>6.0f}->{r['rss_mb_end']:<6.0f} "
+            f"{r['frame_bytes_max'] / 1e3:>8.1f} {r['render_ms_max']:>6.0f}/{r['render_cpu_ms_max']:<3.0f}cpu "
+            f"{r['connect_s']:>6.1f} "
+            f"{r['driver_us_per_record']:>6.1f}"
+        )
     r = runs[-1]
-    print(f"load: the 1-minute load average before>after each run; busy: a loop spinning on one core beside "
-          f"it.  Last run: offered {r['offered_rate']:.1f} records/s per rank (asked {args.rate:g}); generators "
-          f"fell up to {r['gen_behind_s']:.2f} s behind; {r['authenticated']}/{r['connections']} connections, "
-          f"{r['evicted']} handshakes evicted.  {m['cores']} cores shared by the driver and "
-          f"{r['generators']} generator processes (and whatever else runs here); open files: soft limit "
-          f"{r['nofile_soft_before']} before the run, {r['nofile_soft_run']} during it")
+    print(
+        f"load: the 1-minute load average before>after each run; busy: a loop spinning on one core beside "
+        f"it.  Last run: offered {r['offered_rate']:.1f} records/s per rank (asked {args.rate:g}); generators "
+        f"fell up to {r['gen_behind_s']:.2f} s behind; {r['authenticated']}/{r['connections']} connections, "
+        f"{r['evicted']} handshakes evicted.  {m['cores']} cores shared by the driver and "
+        f"{r['generators']} generator processes (and whatever else runs here); open files: soft limit "
+        f"{r['nofile_soft_before']} before the run, {r['nofile_soft_run']} during it"
+    )
     write_json(args.json, {"benchmark": "the driver at scale, simulated ranks", "machine": m, "runs": runs})
 
 

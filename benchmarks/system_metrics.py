@@ -28,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 from rank_overhead import SCRIPT, WARMUP  # noqa: E402  (this script's folder is on sys.path)
 from report import machine, write_json  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(HERE))
 
 
@@ -35,7 +36,8 @@ def steps_per_s(script: str, ranks: int, steps: int, out: str, system_metrics: b
     from torchdist_magic import Distributor
 
     Distributor(ranks, local_mode=True, show=None, system_metrics=system_metrics).run(
-        script, str(steps), str(WARMUP), out)
+        script, str(steps), str(WARMUP), out
+    )
     with open(out) as fh:
         return json.load(fh)["steps_per_s"]
 
@@ -90,15 +92,32 @@ def main() -> None:
     print(f"\n{'system metrics':<16} {'steps/s (median)':>16} {'min':>8} {'max':>8}")
     for name, values in runs.items():
         print(f"{name:<16} {medians[name]:>16.1f} {min(values):>8.1f} {max(values):>8.1f}")
-    print(f"on / off: {ratio:.3f}x ({args.ranks} ranks, {args.steps} steps of which {WARMUP} warm-up, "
-          f"{args.rounds} interleaved rounds; load average {load[0]:.1f} on {machine()['cores']} cores)")
-    print(f"one sample: {cost['cpu_ms_per_sample']:.2f} ms of CPU ({cost['machine_processes']} processes on the "
-          f"machine), every {SYSTEM_METRICS_INTERVAL:g} s per rank: {100 * core_share:.3f}% of a core per rank")
-    write_json(args.json, {"benchmark": "system metrics: steps/s with and without, and one sample's CPU time",
-                           "machine": machine(torch=torch.__version__), "ranks": args.ranks, "steps": args.steps,
-                           "warmup": WARMUP, "rounds": args.rounds, "runs": runs, "medians": medians,
-                           "ratio": ratio, "load_average": load, "sample_cost": cost,
-                           "interval_s": SYSTEM_METRICS_INTERVAL, "core_share_per_rank": core_share})
+    print(
+        f"on / off: {ratio:.3f}x ({args.ranks} ranks, {args.steps} steps of which {WARMUP} warm-up, "
+        f"{args.rounds} interleaved rounds; load average {load[0]:.1f} on {machine()['cores']} cores)"
+    )
+    print(
+        f"one sample: {cost['cpu_ms_per_sample']:.2f} ms of CPU ({cost['machine_processes']} processes on the "
+        f"machine), every {SYSTEM_METRICS_INTERVAL:g} s per rank: {100 * core_share:.3f}% of a core per rank"
+    )
+    write_json(
+        args.json,
+        {
+            "benchmark": "system metrics: steps/s with and without, and one sample's CPU time",
+            "machine": machine(torch=torch.__version__),
+            "ranks": args.ranks,
+            "steps": args.steps,
+            "warmup": WARMUP,
+            "rounds": args.rounds,
+            "runs": runs,
+            "medians": medians,
+            "ratio": ratio,
+            "load_average": load,
+            "sample_cost": cost,
+            "interval_s": SYSTEM_METRICS_INTERVAL,
+            "core_share_per_rank": core_share,
+        },
+    )
 
 
 if __name__ == "__main__":

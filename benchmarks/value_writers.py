@@ -75,11 +75,17 @@ print(json.dumps({"fill": filled - start, "write": written - filled}))
 
 def one_try(mib: int, writers: int) -> dict:
     path = os.path.join("/dev/shm", f"torchdist-bench-writers-{os.getpid()}")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(HERE),
-                                                                    os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
+    )
     try:
-        done = subprocess.run([sys.executable, "-c", ONE_TRY, str(mib), str(writers), path],
-                              capture_output=True, text=True, check=True, env=env)
+        done = subprocess.run(
+            [sys.executable, "-c", ONE_TRY, str(mib), str(writers), path],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
+        )
     finally:
         if os.path.exists(path):
             os.unlink(path)
@@ -98,20 +104,39 @@ def main() -> None:
     for r in range(args.rounds):
         for writers in args.writers:
             tries[writers].append(one_try(args.mib, writers))
-            print(f"round {r + 1}: {writers} writer(s): fill {tries[writers][-1]['fill']:.2f} s, "
-                  f"write {tries[writers][-1]['write']:.2f} s", flush=True)
+            print(
+                f"round {r + 1}: {writers} writer(s): fill {tries[writers][-1]['fill']:.2f} s, "
+                f"write {tries[writers][-1]['write']:.2f} s",
+                flush=True,
+            )
     rows = []
     print("\n| writers | write, median (s) | fastest | slowest | MiB/s (median) | fill, median (s) |")
     print("|---|---|---|---|---|---|")
     for writers, mine in tries.items():
         writes = [t["write"] for t in mine]
-        row = {"writers": writers, "mib": args.mib, "write_seconds": writes, "fill_seconds": [t["fill"] for t in mine],
-               "write_median": statistics.median(writes), "fill_median": statistics.median(t["fill"] for t in mine)}
+        row = {
+            "writers": writers,
+            "mib": args.mib,
+            "write_seconds": writes,
+            "fill_seconds": [t["fill"] for t in mine],
+            "write_median": statistics.median(writes),
+            "fill_median": statistics.median(t["fill"] for t in mine),
+        }
         rows.append(row)
-        print(f"| {writers} | {row['write_median']:.2f} | {min(writes):.2f} | {max(writes):.2f} | "
-              f"{args.mib / row['write_median']:,.0f} | {row['fill_median']:.2f} |")
-    write_json(args.json, {"machine": machine(), "rounds": args.rounds, "time": time.time(),
-                           "load_average": {"before": load_before, "after": os.getloadavg()}, "rows": rows})
+        print(
+            f"| {writers} | {row['write_median']:.2f} | {min(writes):.2f} | {max(writes):.2f} | "
+            f"{args.mib / row['write_median']:,.0f} | {row['fill_median']:.2f} |"
+        )
+    write_json(
+        args.json,
+        {
+            "machine": machine(),
+            "rounds": args.rounds,
+            "time": time.time(),
+            "load_average": {"before": load_before, "after": os.getloadavg()},
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 from report import machine, spark_session, write_json  # noqa: E402  (this script's folder is on sys.path)
+
 sys.path.insert(0, os.path.dirname(HERE))
 
 
@@ -173,10 +174,12 @@ def measure(name: str, runner, sizes, repeat: int, rows: list, directions=("back
             if row["seconds"] is None:
                 print(f"{name:28s} {direction:4s} {mib:5d} MiB  failed: {row['error'][:200]}", flush=True)
                 break
-            print(f"{name:28s} {direction:4s} {mib:5d} MiB  {row['seconds']:7.2f} s  "
-                  f"driver peak +{row['driver_peak_per_value']:.2f}x"
-                  + (f"  channel {row['fetch_mib_per_s']:.0f} MiB/s" if "fetch_mib_per_s" in row else ""),
-                  flush=True)
+            print(
+                f"{name:28s} {direction:4s} {mib:5d} MiB  {row['seconds']:7.2f} s  "
+                f"driver peak +{row['driver_peak_per_value']:.2f}x"
+                + (f"  channel {row['fetch_mib_per_s']:.0f} MiB/s" if "fetch_mib_per_s" in row else ""),
+                flush=True,
+            )
 
 
 def rate(mine: list):
@@ -191,8 +194,11 @@ def rate(mine: list):
 
 def print_table(rows: list, sizes) -> None:
     print()
-    print("| runner | direction | " + " | ".join(f"{m} MiB" for m in sizes)
-          + " | MiB/s beyond a trivial run | driver peak (x value) | channel MiB/s |")
+    print(
+        "| runner | direction | "
+        + " | ".join(f"{m} MiB" for m in sizes)
+        + " | MiB/s beyond a trivial run | driver peak (x value) | channel MiB/s |"
+    )
     print("|" + "---|" * (5 + len(sizes)))
     seen = []
     for r in rows:
@@ -201,13 +207,17 @@ def print_table(rows: list, sizes) -> None:
     for name, direction in seen:
         mine = [r for r in rows if r["runner"] == name and r["direction"] == direction]
         by_size = {r["mib"]: r for r in mine}
-        cells = [("failed" if by_size[m]["seconds"] is None else f"{by_size[m]['seconds']:.2f}")
-                 if m in by_size else "-" for m in sizes]
+        cells = [
+            ("failed" if by_size[m]["seconds"] is None else f"{by_size[m]['seconds']:.2f}") if m in by_size else "-"
+            for m in sizes
+        ]
         speed = rate(mine)
         largest = [r for r in mine if r["seconds"] is not None][-1:] or mine
         fetch = largest[0].get("fetch_mib_per_s")
-        print(f"| {name} | {direction} | " + " | ".join(cells) + f" | {f'{speed:,.0f}' if speed else '-'} | "
-              f"{largest[0]['driver_peak_per_value']:.2f} | {f'{fetch:,.0f}' if fetch else '-'} |")
+        print(
+            f"| {name} | {direction} | " + " | ".join(cells) + f" | {f'{speed:,.0f}' if speed else '-'} | "
+            f"{largest[0]['driver_peak_per_value']:.2f} | {f'{fetch:,.0f}' if fetch else '-'} |"
+        )
 
 
 def on_connect(measure_all, driver_memory: str) -> None:
@@ -267,13 +277,19 @@ def main() -> None:
 
         os.environ[VALUES_FETCH_ENV] = "1"
         for tls in (True, False):
-            measure(f"torchdist spark fetch{'' if tls else ' no TLS'}", torchdist_runner(False, tls=tls),
-                    args.fetch_sizes, args.repeat, rows)
+            measure(
+                f"torchdist spark fetch{'' if tls else ' no TLS'}",
+                torchdist_runner(False, tls=tls),
+                args.fetch_sizes,
+                args.repeat,
+                rows,
+            )
         del os.environ[VALUES_FETCH_ENV]
         if not args.no_torchdistributor and not args.only_fetch:
             measure("TorchDistributor spark local[2]", torchdistributor_runner(False), td_sizes, td_repeat, rows)
         spark.stop()
         if not args.no_connect and not args.only_fetch:
+
             def measure_connect():
                 measure("torchdist connect", torchdist_runner(False), spark_sizes, args.repeat, rows)
                 if not args.no_torchdistributor:
@@ -287,11 +303,18 @@ def main() -> None:
         mine = [r for r in rows if r["runner"] == name and r["direction"] == direction and r["seconds"] is not None]
         if mine:
             mine[-1]["mib_per_s_beyond_smallest"] = rate(mine)
-    write_json(args.json, {"machine": machine(torch=torch.__version__, pyspark=pyspark.__version__),
-                           "repeat": args.repeat, "torchdistributor_repeat": td_repeat,
-                           "connect_driver_memory": args.connect_driver_memory,
-                           "load_average": {"before": load_before, "after": os.getloadavg()},
-                           "note": "2 ranks; a shared 2-core machine: see load_average", "rows": rows})
+    write_json(
+        args.json,
+        {
+            "machine": machine(torch=torch.__version__, pyspark=pyspark.__version__),
+            "repeat": args.repeat,
+            "torchdistributor_repeat": td_repeat,
+            "connect_driver_memory": args.connect_driver_memory,
+            "load_average": {"before": load_before, "after": os.getloadavg()},
+            "note": "2 ranks; a shared 2-core machine: see load_average",
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 from report import machine, write_json  # noqa: E402  (this script's folder is on sys.path)
+
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
@@ -38,6 +39,7 @@ def sent_by(view, act) -> int:
     for name in PARTS:
         part = getattr(view, name)
         trait = "options" if name in ("log_select", "host_page") else "value"
+
         def handler(change):
             sizes.append(len(str(change["new"]).encode()))
 
@@ -66,11 +68,18 @@ def measure(ranks: int, steps: int, rounds: int) -> dict:
     html = view.snapshot_html()
     summary_ms = (time.perf_counter() - started) * 1000
     text = summary_with_logs(run.state, "_torchdist_run.logs(rank)")
-    return {"ranks": ranks, "steps": steps, "frame_bytes_max": max(frames), "render_ms_max": round(max(renders), 1),
-            "render_ms_median": round(sorted(renders)[len(renders) // 2], 1),
-            "render_cpu_ms_median": round(sorted(cpu)[len(cpu) // 2], 1),
-            "summary_html_bytes": len(html.encode()), "summary_text_bytes": len(text.encode()),
-            "summary_ms": round(summary_ms, 1), "stragglers": [s.rank for s in run.state.stragglers()]}
+    return {
+        "ranks": ranks,
+        "steps": steps,
+        "frame_bytes_max": max(frames),
+        "render_ms_max": round(max(renders), 1),
+        "render_ms_median": round(sorted(renders)[len(renders) // 2], 1),
+        "render_cpu_ms_median": round(sorted(cpu)[len(cpu) // 2], 1),
+        "summary_html_bytes": len(html.encode()),
+        "summary_text_bytes": len(text.encode()),
+        "summary_ms": round(summary_ms, 1),
+        "stragglers": [s.rank for s in run.state.stragglers()],
+    }
 
 
 def main() -> None:
@@ -81,12 +90,16 @@ def main() -> None:
     parser.add_argument("--json", default=os.path.join(HERE, "results", "view.json"))
     args = parser.parse_args()
     results = [measure(n, args.steps, args.rounds) for n in args.ranks]
-    print(f"{'ranks':>6} {'update KB':>10} {'render ms (max / median)':>25} {'CPU ms':>7}"
-          f" {'summary KB (html / text)':>25} {'summary ms':>11}")
+    print(
+        f"{'ranks':>6} {'update KB':>10} {'render ms (max / median)':>25} {'CPU ms':>7}"
+        f" {'summary KB (html / text)':>25} {'summary ms':>11}"
+    )
     for r in results:
-        print(f"{r['ranks']:>6} {r['frame_bytes_max'] / 1024:>10.1f} {r['render_ms_max']:>14.1f} / "
-              f"{r['render_ms_median']:<8.1f} {r['render_cpu_ms_median']:>7.1f} {r['summary_html_bytes'] / 1024:>14.1f} / "
-              f"{r['summary_text_bytes'] / 1024:<8.1f} {r['summary_ms']:>11.1f}")
+        print(
+            f"{r['ranks']:>6} {r['frame_bytes_max'] / 1024:>10.1f} {r['render_ms_max']:>14.1f} / "
+            f"{r['render_ms_median']:<8.1f} {r['render_cpu_ms_median']:>7.1f} {r['summary_html_bytes'] / 1024:>14.1f} / "
+            f"{r['summary_text_bytes'] / 1024:<8.1f} {r['summary_ms']:>11.1f}"
+        )
     write_json(args.json, {"machine": machine(), "results": results})
 
 

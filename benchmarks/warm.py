@@ -20,6 +20,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 from report import machine, spark_session, write_json  # noqa: E402  (this script's folder is on sys.path)
+
 sys.path.insert(0, os.path.dirname(HERE))
 
 GOALS = {"local": 0.3, "spark": 0.5}
@@ -32,7 +33,7 @@ def all_reduce_once():
     dist.init_process_group("gloo")  # a no-op on a warm pool, whose group is up
     t = torch.ones(1) * (dist.get_rank() + 1)
     dist.all_reduce(t)
-    dist.destroy_process_group()     # likewise: the pool's group stays up
+    dist.destroy_process_group()  # likewise: the pool's group stays up
     return t.item()
 
 
@@ -78,19 +79,40 @@ def main() -> None:
             spark.stop()
 
     rows = []
-    print(f"\n{'backend':<8} {'cold median':>12} {'warm median':>12} {'warm min':>9} {'pool start':>11} "
-          f"{'speed-up':>9} {'goal':>6}")
+    print(
+        f"\n{'backend':<8} {'cold median':>12} {'warm median':>12} {'warm min':>9} {'pool start':>11} "
+        f"{'speed-up':>9} {'goal':>6}"
+    )
     for name, r in results.items():
         cold, warm = statistics.median(r["cold"]), statistics.median(r["warm"])
         ok = "met" if warm <= GOALS[name] else "MISSED"
-        print(f"{name:<8} {cold:>11.3f}s {warm:>11.3f}s {min(r['warm']):>8.3f}s {r['pool_start']:>10.3f}s "
-              f"{cold / warm:>8.1f}x {ok:>6}")
-        rows.append({"backend": name, "cold_median_s": cold, "warm_median_s": warm, "warm_min_s": min(r["warm"]),
-                     "pool_start_s": r["pool_start"], "speedup": cold / warm, "goal_s": GOALS[name],
-                     "goal_met": warm <= GOALS[name], "cold_s": r["cold"], "warm_s": r["warm"]})
-    write_json(args.json, {"benchmark": "warm relaunch, gloo all_reduce, 2 ranks", "repeat": args.repeat,
-                           "machine": machine(torch=torch.__version__, pyspark=pyspark.__version__),
-                           "rows": rows})
+        print(
+            f"{name:<8} {cold:>11.3f}s {warm:>11.3f}s {min(r['warm']):>8.3f}s {r['pool_start']:>10.3f}s "
+            f"{cold / warm:>8.1f}x {ok:>6}"
+        )
+        rows.append(
+            {
+                "backend": name,
+                "cold_median_s": cold,
+                "warm_median_s": warm,
+                "warm_min_s": min(r["warm"]),
+                "pool_start_s": r["pool_start"],
+                "speedup": cold / warm,
+                "goal_s": GOALS[name],
+                "goal_met": warm <= GOALS[name],
+                "cold_s": r["cold"],
+                "warm_s": r["warm"],
+            }
+        )
+    write_json(
+        args.json,
+        {
+            "benchmark": "warm relaunch, gloo all_reduce, 2 ranks",
+            "repeat": args.repeat,
+            "machine": machine(torch=torch.__version__, pyspark=pyspark.__version__),
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -19,31 +19,86 @@ import textwrap
 #: ``__all__`` is in exactly one (``tests/test_docs.py`` checks it), plus ``RunState``, the type
 #: of ``Run.state``, which has no top-level name
 API_SECTIONS = (
-    ("Launching", "Run a function, a script or a cell's job, and follow it.",
-     ("Distributor", "Run", "last_run", "LaunchOptions")),
-    ("The run's state", "What a run knows about itself and its ranks (`run.state`), which every view reads.",
-     ("RunState",)),
-    ("Runtime helpers", "What a job calls on its rank. In a `%%torchdist` cell `rank`, `local_rank`, "
-     "`world_size`, `device` and `is_main` are values; functions and scripts call them.",
-     ("rank", "world_size", "local_rank", "local_world_size", "host_ranks", "is_main", "device",
-      "progress", "report", "restart_count", "save_checkpoint", "load_checkpoint", "shard", "RankStopped")),
+    (
+        "Launching",
+        "Run a function, a script or a cell's job, and follow it.",
+        ("Distributor", "Run", "last_run", "LaunchOptions"),
+    ),
+    (
+        "The run's state",
+        "What a run knows about itself and its ranks (`run.state`), which every view reads.",
+        ("RunState",),
+    ),
+    (
+        "Runtime helpers",
+        "What a job calls on its rank. In a `%%torchdist` cell `rank`, `local_rank`, "
+        "`world_size`, `device` and `is_main` are values; functions and scripts call them.",
+        (
+            "rank",
+            "world_size",
+            "local_rank",
+            "local_world_size",
+            "host_ranks",
+            "is_main",
+            "device",
+            "progress",
+            "report",
+            "restart_count",
+            "save_checkpoint",
+            "load_checkpoint",
+            "shard",
+            "RankStopped",
+        ),
+    ),
     ("Warm pools", "The live pools of `--warm` runs.", ("pools", "shutdown_pools")),
-    ("Runs that outlive the kernel", "Every run's record, and a detached run from any kernel "
-     "(see [Runs that outlive the kernel](../guide/detached.md)).", ("runs", "attach", "stop")),
-    ("Backends", "Where ranks start, by name: a package adds one (see [Writing a backend](../design/backends.md)).",
-     ("register_backend", "unregister_backend")),
-    ("Errors", "What a run raises in the notebook.",
-     ("RankFailure", "JobTimeout", "HangTimeout", "ResultTimeout", "RunCancelled", "MlflowUnavailable",
-      "TrackingError")),
-    ("The IPython extension", "`%load_ext torchdist_magic` and `%unload_ext torchdist_magic`.",
-     ("load_ipython_extension", "unload_ipython_extension")),
+    (
+        "Runs that outlive the kernel",
+        "Every run's record, and a detached run from any kernel "
+        "(see [Runs that outlive the kernel](../guide/detached.md)).",
+        ("runs", "attach", "stop"),
+    ),
+    (
+        "Backends",
+        "Where ranks start, by name: a package adds one (see [Writing a backend](../design/backends.md)).",
+        ("register_backend", "unregister_backend"),
+    ),
+    (
+        "Errors",
+        "What a run raises in the notebook.",
+        (
+            "RankFailure",
+            "JobTimeout",
+            "HangTimeout",
+            "ResultTimeout",
+            "RunCancelled",
+            "MlflowUnavailable",
+            "TrackingError",
+        ),
+    ),
+    (
+        "The IPython extension",
+        "`%load_ext torchdist_magic` and `%unload_ext torchdist_magic`.",
+        ("load_ipython_extension", "unload_ipython_extension"),
+    ),
 )
 
 
 #: the driver's own methods of a run's state, which feed it and which a user never calls: left off
 #: its entry (mkdocstrings filters; a name that is gone filters nothing)
-DRIVER_ONLY = {"RunState": ("refused", "listen", "apply", "restart", "begin_stacks", "wait_stacks",
-                            "begin_collectives", "wait_collectives", "set_verdict", "finish")}
+DRIVER_ONLY = {
+    "RunState": (
+        "refused",
+        "listen",
+        "apply",
+        "restart",
+        "begin_stacks",
+        "wait_stacks",
+        "begin_collectives",
+        "wait_collectives",
+        "set_verdict",
+        "finish",
+    )
+}
 
 
 def _cell(text: str) -> str:
@@ -132,8 +187,9 @@ def flags_reference() -> str:
     traits = TorchdistMagics.class_traits(config=True)
     for name in sorted(traits):
         trait = traits[name]
-        out.append(f"| `TorchdistMagics.{name}` | {type(trait).__name__} | `{trait.default_value!r}` | "
-                   f"{_cell(trait.help)} |")
+        out.append(
+            f"| `TorchdistMagics.{name}` | {type(trait).__name__} | `{trait.default_value!r}` | {_cell(trait.help)} |"
+        )
     out += [
         "",
         "## `%%torchdist?`",
@@ -176,10 +232,12 @@ def api_reference() -> str:
     for title, text, names in API_SECTIONS:
         out += [f"## {title}", "", text, ""]
         for name in names:
-            out += [f"::: {_where(name)}",
-                    "    options:",
-                    f"      heading: \"{'torchdist_magic.' + name if name != 'RunState' else 'RunState'}\"",
-                    f"      toc_label: \"{name}\""]
+            out += [
+                f"::: {_where(name)}",
+                "    options:",
+                f"      heading: \"{'torchdist_magic.' + name if name != 'RunState' else 'RunState'}\"",
+                f"      toc_label: \"{name}\"",
+            ]
             if name in DRIVER_ONLY:
                 out.append("      filters: [\"!^_\", \"!^(" + "|".join(DRIVER_ONLY[name]) + ")$\"]")
             out.append("")
@@ -254,8 +312,14 @@ def module_map() -> str:
     ]
     for folder, where in LAYERS:
         directory = os.path.join(root, folder)
-        out += [f"## `torchdist_magic/{folder + '/' if folder else ''}`", "", f"Runs in {where}.", "",
-                "| module | lines | what it is |", "|---|---|---|"]
+        out += [
+            f"## `torchdist_magic/{folder + '/' if folder else ''}`",
+            "",
+            f"Runs in {where}.",
+            "",
+            "| module | lines | what it is |",
+            "|---|---|---|",
+        ]
         for name in sorted(os.listdir(directory)):
             if not name.endswith(".py"):
                 continue

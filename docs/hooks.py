@@ -62,7 +62,7 @@ def _site_uri(target: str) -> str:
     if repo_path == "notebooks/README.md":
         return "notebooks/index.md"
     if repo_path.startswith("docs/"):
-        return repo_path[len("docs/"):]
+        return repo_path[len("docs/") :]
     return repo_path
 
 

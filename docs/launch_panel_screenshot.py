@@ -33,7 +33,7 @@ def panel_cells() -> list:
     code = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code"]
     upto = next(i for i, src in enumerate(code) if src.strip() == "%torchdist_panel")
     fill = next(src for src in code if src.startswith("panel = _torchdist_panel"))
-    return code[:upto + 1] + [fill, "run = panel.launch()"]
+    return code[: upto + 1] + [fill, "run = panel.launch()"]
 
 
 def main(argv=None) -> int:

@@ -40,11 +40,13 @@ SIZE_WARNING = 1_000_000
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 #: stderr lines of a Spark session's start that say nothing about the notebook (the JVM's and
 #: log4j's start-up chatter, Spark's own WARNs before the notebook sets a log level)
-SPARK_CHATTER = re.compile(r"^(WARNING: Using incubator modules: .*"
-                           r"|Using Spark's default log4j profile: .*"
-                           r"|Setting default log level to .*"
-                           r"|To adjust logging level use sc\.setLogLevel\(newLevel\)\..*"
-                           r"|\d\d/\d\d/\d\d \d\d:\d\d:\d\d WARN (Utils|NativeCodeLoader): .*)$")
+SPARK_CHATTER = re.compile(
+    r"^(WARNING: Using incubator modules: .*"
+    r"|Using Spark's default log4j profile: .*"
+    r"|Setting default log level to .*"
+    r"|To adjust logging level use sc\.setLogLevel\(newLevel\)\..*"
+    r"|\d\d/\d\d/\d\d \d\d:\d\d:\d\d WARN (Utils|NativeCodeLoader): .*)$"
+)
 
 
 def sources() -> list:
@@ -92,11 +94,15 @@ def readable(nb) -> None:
                 # a live widget's text/plain is only its repr ("VBox(children=...)"); a view that
                 # is still a widget at the end of its cell has nothing else worth keeping
                 if set(data) <= {"text/plain"} and data.get("text/plain", "").startswith(
-                        ("VBox(", "HBox(", "Output(", "HTML(", "Box(")):
+                    ("VBox(", "HBox(", "Output(", "HTML(", "Box(")
+                ):
                     continue
             if out.get("output_type") == "stream" and out.get("name") == "stderr":
-                lines = [line for line in out.get("text", "").splitlines(keepends=True)
-                         if not SPARK_CHATTER.match(line.rstrip("\n"))]
+                lines = [
+                    line
+                    for line in out.get("text", "").splitlines(keepends=True)
+                    if not SPARK_CHATTER.match(line.rstrip("\n"))
+                ]
                 if not "".join(lines).strip():
                     continue
                 out["text"] = "".join(lines)
@@ -120,9 +126,13 @@ class NotebookFailed(Exception):
 
 def _usage_errors(cell) -> list:
     """The ``UsageError: ...`` lines a cell showed on stderr."""
-    return [line for out in cell.get("outputs", [])
-            if out.get("output_type") == "stream" and out.get("name") == "stderr"
-            for line in out.get("text", "").splitlines() if line.startswith("UsageError:")]
+    return [
+        line
+        for out in cell.get("outputs", [])
+        if out.get("output_type") == "stream" and out.get("name") == "stderr"
+        for line in out.get("text", "").splitlines()
+        if line.startswith("UsageError:")
+    ]
 
 
 def cell_problems(index: int, cell, reply: dict) -> list:
@@ -157,9 +167,15 @@ def run_checked(nb, kernel_manager_class, timeout: int, path: str = HERE, name: 
         if problems:
             raise NotebookFailed(name, problems)
 
-    NotebookClient(nb, kernel_manager_class=kernel_manager_class, timeout=timeout, allow_errors=False,
-                   record_timing=False, resources={"metadata": {"path": path}},
-                   on_cell_executed=check).execute()
+    NotebookClient(
+        nb,
+        kernel_manager_class=kernel_manager_class,
+        timeout=timeout,
+        allow_errors=False,
+        record_timing=False,
+        resources={"metadata": {"path": path}},
+        on_cell_executed=check,
+    ).execute()
     return nb
 
 
@@ -181,8 +197,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="notebooks to run (default: all of notebooks/*.ipynb)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds one cell may run (default: 600)")
-    parser.add_argument("--output-dir", default=OUT_DIR, metavar="DIR",
-                        help="where the executed notebooks go (default: notebooks/ itself; binder/check.sh uses a temporary one)")
+    parser.add_argument(
+        "--output-dir",
+        default=OUT_DIR,
+        metavar="DIR",
+        help="where the executed notebooks go (default: notebooks/ itself; binder/check.sh uses a temporary one)",
+    )
     args = parser.parse_args(argv)
 
     from nbclient.exceptions import CellExecutionError, DeadKernelError
@@ -202,8 +222,10 @@ def main(argv=None) -> int:
             continue
         note = "  (over 1 MB: look at what made it so big)" if size > SIZE_WARNING else ""
         print(f"{time.monotonic() - t0:.0f} s, {path} {size / 1000:.0f} kB{note}", flush=True)
-    print(f"execute.py: {'FAILED: ' + ', '.join(failed) if failed else 'all written'} "
-          f"in {time.monotonic() - started:.0f} s")
+    print(
+        f"execute.py: {'FAILED: ' + ', '.join(failed) if failed else 'all written'} "
+        f"in {time.monotonic() - started:.0f} s"
+    )
     return 1 if failed else 0
 
 

@@ -88,8 +88,7 @@ def _marked_processes(marker: str) -> list:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", metavar="PATH", help="also write the executed notebook to PATH")
-    parser.add_argument("--timeout", type=float, default=600,
-                        help="seconds one cell may run (default: 600)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one cell may run (default: 600)")
     args = parser.parse_args(argv)
 
     import nbformat
@@ -99,7 +98,10 @@ def main(argv=None) -> int:
     marker = uuid.uuid4().hex
     os.environ[MARKER] = marker
     client = _client_class()(
-        nb, kernel_manager_class=_kernel_manager_class(), timeout=int(args.timeout), allow_errors=False,
+        nb,
+        kernel_manager_class=_kernel_manager_class(),
+        timeout=int(args.timeout),
+        allow_errors=False,
         # the text view: its lines are the output a terminal can show
         extra_arguments=["--TorchdistMagics.view=text"],
         resources={"metadata": {"path": HERE}},

@@ -91,8 +91,9 @@ def _no_temp_leftovers(tmp_path, monkeypatch):
         found = set()
         for folder in (SHARED_MEMORY, user_path(SHARED_MEMORY)):  # a machine's copies are in the latter
             if os.path.isdir(folder):
-                found |= {os.path.join(folder, n) for n in os.listdir(folder)
-                          if n.startswith("torchdist-") and mine in n}
+                found |= {
+                    os.path.join(folder, n) for n in os.listdir(folder) if n.startswith("torchdist-") and mine in n
+                }
         return found
 
     scratch = tmp_path / "scratch"
@@ -102,8 +103,10 @@ def _no_temp_leftovers(tmp_path, monkeypatch):
     yield
     # this user's private directory may stay (privdir), empty
     private = scratch / os.path.basename(user_path(str(scratch)))
-    left = sorted([p.name for p in scratch.iterdir() if p != private]
-                  + ([f"{private.name}/{p.name}" for p in private.iterdir()] if private.is_dir() else []))
+    left = sorted(
+        [p.name for p in scratch.iterdir() if p != private]
+        + ([f"{private.name}/{p.name}" for p in private.iterdir()] if private.is_dir() else [])
+    )
     assert not left, f"temp files left behind: {left}"
     left = sorted(in_shared_memory() - before)
     assert not left, f"left behind in {SHARED_MEMORY}: {left}"

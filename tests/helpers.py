@@ -19,8 +19,9 @@ T = TypeVar("T")
 EXECUTOR_TMP = tempfile.gettempdir()
 
 
-def wait_until(condition: Callable[[], T], timeout: float = 60.0, what: str = "the condition",
-               interval: float = 0.05) -> T:
+def wait_until(
+    condition: Callable[[], T], timeout: float = 60.0, what: str = "the condition", interval: float = 0.05
+) -> T:
     """Poll ``condition`` until it returns something true (which is returned); fail the test
     naming ``what`` when ``timeout`` seconds pass first.  Never a fixed sleep."""
     deadline = time.monotonic() + timeout
@@ -102,6 +103,7 @@ def rank_failure_of(run, timeout: float = 120.0):
 
 def assert_no_survivors(run, extra_pids=(), wait: float = 5.0) -> None:
     """No process of ``run`` (ranks, their children) and none of ``extra_pids`` is alive."""
+
     def survivors():
         left = pids_of_run(run.run_id) + [p for p in extra_pids if alive(p)]
         left += [rs.pid for rs in run.state.ranks if rs.pid and alive(rs.pid)]

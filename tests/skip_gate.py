@@ -56,9 +56,11 @@ EXPECTED_SKIPS = (
 )
 
 UNEXPECTED_HEADER = "unexpected skips"
-HOW_TO_FIX = ("each of these skipped because this machine lacks what its reason names: install it "
-              "(`bash .ci/setup` sets up everything the tests need) and run again; "
-              "the skips a run may have are EXPECTED_SKIPS in tests/skip_gate.py")
+HOW_TO_FIX = (
+    "each of these skipped because this machine lacks what its reason names: install it "
+    "(`bash .ci/setup` sets up everything the tests need) and run again; "
+    "the skips a run may have are EXPECTED_SKIPS in tests/skip_gate.py"
+)
 
 
 def is_expected(reason: str, expected=EXPECTED_SKIPS) -> bool:
@@ -71,7 +73,7 @@ def _reason(report) -> str:
         reason = str(longrepr[2])
     else:
         reason = str(longrepr)
-    return reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
+    return reason[len("Skipped: ") :] if reason.startswith("Skipped: ") else reason
 
 
 class SkipGate:

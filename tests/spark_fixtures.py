@@ -28,9 +28,14 @@ from helpers import free_port, wait_until
 
 #: fixture -> master URL (the standalone cluster's is known once it runs), in test order; the
 #: Connect session comes last (it needs no classic SparkContext in this process)
-MASTERS = {"spark_local2": "local[2]", "spark_local2_small_results": "local[2]",
-           "spark_cluster": "local-cluster[2,1,1024]",
-           "spark_fake_gpus": "local-cluster[2,2,1024]", "spark_standalone": None, "spark_connect": None}
+MASTERS = {
+    "spark_local2": "local[2]",
+    "spark_local2_small_results": "local[2]",
+    "spark_cluster": "local-cluster[2,1,1024]",
+    "spark_fake_gpus": "local-cluster[2,2,1024]",
+    "spark_standalone": None,
+    "spark_connect": None,
+}
 CONNECT_WAIT = 180.0
 CONNECT_READY = b"Spark Connect server started"
 EXECUTOR_WAIT = 120.0
@@ -50,8 +55,7 @@ class SparkSessions:
         self.session = None
 
     def get(self, master: str, **conf: str):
-        if (self.session is not None and self.master == master and self.conf == conf
-                and self.session.sparkContext._jsc):
+        if self.session is not None and self.master == master and self.conf == conf and self.session.sparkContext._jsc:
             return self.session  # (a test that stopped the session leaves _jsc None)
         self.stop()
         from pyspark.sql import SparkSession
@@ -61,12 +65,15 @@ class SparkSessions:
             other.stop()  # left by another test: getOrCreate would hand it back, ignoring ``conf``
         work = os.path.join(self.base_dir, master.replace("[", "-").replace("]", "").replace(",", "-"))
         os.makedirs(work, exist_ok=True)
-        builder = (SparkSession.builder.master(master).appName("torchdist_magic tests")
-                   .config("spark.ui.enabled", "false")
-                   .config("spark.ui.showConsoleProgress", "false")
-                   .config("spark.driver.host", "127.0.0.1")
-                   .config("spark.local.dir", os.path.join(work, "local"))
-                   .config("spark.sql.warehouse.dir", os.path.join(work, "warehouse")))
+        builder = (
+            SparkSession.builder.master(master)
+            .appName("torchdist_magic tests")
+            .config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false")
+            .config("spark.driver.host", "127.0.0.1")
+            .config("spark.local.dir", os.path.join(work, "local"))
+            .config("spark.sql.warehouse.dir", os.path.join(work, "warehouse"))
+        )
         for key, value in conf.items():
             builder = builder.config(key, value)
         session = builder.getOrCreate()
@@ -102,8 +109,11 @@ class SparkSessions:
 
 def _wait_for_executors(sc, count: int) -> None:
     # the driver counts as one
-    wait_until(lambda: sc._jsc.sc().getExecutorMemoryStatus().size() - 1 >= count, EXECUTOR_WAIT,
-               f"{count} executors to register")
+    wait_until(
+        lambda: sc._jsc.sc().getExecutorMemoryStatus().size() - 1 >= count,
+        EXECUTOR_WAIT,
+        f"{count} executors to register",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -146,22 +156,56 @@ class StandaloneCluster:
         self.port = free_port()
         self.url = f"spark://127.0.0.1:{self.port}"
         self.procs = []
-        self._start("master", "127.0.0.1", "org.apache.spark.deploy.master.Master",
-                    "--host", "127.0.0.1", "--port", str(self.port), "--webui-port", "0")
+        self._start(
+            "master",
+            "127.0.0.1",
+            "org.apache.spark.deploy.master.Master",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--webui-port",
+            "0",
+        )
         for i, host in enumerate(STANDALONE_HOSTS):
-            self._start(f"worker{i}", host, "org.apache.spark.deploy.worker.Worker", "--host", host,
-                        "--cores", "1", "--memory", "1g", "--webui-port", "0", self.url)
+            self._start(
+                f"worker{i}",
+                host,
+                "org.apache.spark.deploy.worker.Worker",
+                "--host",
+                host,
+                "--cores",
+                "1",
+                "--memory",
+                "1g",
+                "--webui-port",
+                "0",
+                self.url,
+            )
 
     def _start(self, name: str, host: str, cls: str, *args: str) -> None:
         work = os.path.join(self.base_dir, name)
         os.makedirs(work)
-        env = dict(os.environ, SPARK_HOME=self.home, SPARK_LOCAL_IP=host, SPARK_WORKER_DIR=work,
-                   SPARK_LOCAL_DIRS=work, SPARK_LOG_DIR=work,
-                   SPARK_MASTER_OPTS="-Dspark.master.rest.enabled=false")
+        env = dict(
+            os.environ,
+            SPARK_HOME=self.home,
+            SPARK_LOCAL_IP=host,
+            SPARK_WORKER_DIR=work,
+            SPARK_LOCAL_DIRS=work,
+            SPARK_LOG_DIR=work,
+            SPARK_MASTER_OPTS="-Dspark.master.rest.enabled=false",
+        )
         log = open(os.path.join(work, "out.log"), "wb")
-        self.procs.append(subprocess.Popen([os.path.join(self.home, "bin", "spark-class"), cls, *args],
-                                           env=env, stdout=log, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, start_new_session=True))
+        self.procs.append(
+            subprocess.Popen(
+                [os.path.join(self.home, "bin", "spark-class"), cls, *args],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        )
         log.close()
 
     def stop(self) -> None:
@@ -209,8 +253,9 @@ def standalone_cluster(tmp_path_factory, spark_sessions):
 @pytest.fixture
 def spark_standalone(spark_sessions, standalone_cluster):
     """The active SparkSession on the standalone cluster (one one-core executor per worker)."""
-    return spark_sessions.get(standalone_cluster.url, **{
-        "spark.executor.cores": "1", "spark.executor.memory": "512m", "spark.cores.max": "2"})
+    return spark_sessions.get(
+        standalone_cluster.url, **{"spark.executor.cores": "1", "spark.executor.memory": "512m", "spark.cores.max": "2"}
+    )
 
 
 class ConnectServer:
@@ -229,27 +274,48 @@ class ConnectServer:
         self.base_dir = base_dir
         tmp = os.path.join(base_dir, "tmp")
         os.makedirs(tmp)
-        conf = {"spark.connect.grpc.binding.port": str(self.port),
-                "spark.connect.grpc.binding.address": "127.0.0.1",
-                "spark.ui.enabled": "false", "spark.driver.host": "127.0.0.1",
-                "spark.driver.bindAddress": "127.0.0.1",
-                "spark.local.dir": os.path.join(base_dir, "local"),
-                "spark.sql.warehouse.dir": os.path.join(base_dir, "warehouse"),
-                "spark.jars.ivy": os.path.join(base_dir, "ivy"),
-                "spark.driver.extraJavaOptions": f"-Djava.io.tmpdir={tmp}", **(extra_conf or {})}
-        command = [os.path.join(home, "bin", "spark-submit"), "--master", master,
-                   "--class", "org.apache.spark.sql.connect.service.SparkConnectServer"]
+        conf = {
+            "spark.connect.grpc.binding.port": str(self.port),
+            "spark.connect.grpc.binding.address": "127.0.0.1",
+            "spark.ui.enabled": "false",
+            "spark.driver.host": "127.0.0.1",
+            "spark.driver.bindAddress": "127.0.0.1",
+            "spark.local.dir": os.path.join(base_dir, "local"),
+            "spark.sql.warehouse.dir": os.path.join(base_dir, "warehouse"),
+            "spark.jars.ivy": os.path.join(base_dir, "ivy"),
+            "spark.driver.extraJavaOptions": f"-Djava.io.tmpdir={tmp}",
+            **(extra_conf or {}),
+        }
+        command = [
+            os.path.join(home, "bin", "spark-submit"),
+            "--master",
+            master,
+            "--class",
+            "org.apache.spark.sql.connect.service.SparkConnectServer",
+        ]
         for key, value in conf.items():
             command += ["--conf", f"{key}={value}"]
         command.append("spark-internal")
         # the server's Python workers run the interpreter of these tests, as a cluster's would
         # run the one its administrator chose
-        env = dict(os.environ, SPARK_HOME=home, PYSPARK_PYTHON=sys.executable, TMPDIR=tmp,
-                   SPARK_LOCAL_DIRS=os.path.join(base_dir, "local"))
+        env = dict(
+            os.environ,
+            SPARK_HOME=home,
+            PYSPARK_PYTHON=sys.executable,
+            TMPDIR=tmp,
+            SPARK_LOCAL_DIRS=os.path.join(base_dir, "local"),
+        )
         self.log = os.path.join(base_dir, "server.log")
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, cwd=base_dir, start_new_session=True)
+            self.proc = subprocess.Popen(
+                command,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=base_dir,
+                start_new_session=True,
+            )
         wait_until(self._ready, CONNECT_WAIT, "the Spark Connect server to start")
         self.url = f"sc://127.0.0.1:{self.port}"
 
@@ -327,10 +393,16 @@ def gpu_discovery_script(tmp_path_factory):
 def spark_fake_gpus(spark_sessions, gpu_discovery_script):
     """The active SparkSession on TorchDistributor's GPU fixture: two workers on this machine,
     each with GPUs 0-2 by its discovery script; one GPU and two cores per executor and task."""
-    return spark_sessions.get(MASTERS["spark_fake_gpus"], **{
-        "spark.worker.resource.gpu.discoveryScript": gpu_discovery_script,
-        "spark.worker.resource.gpu.amount": "3", "spark.task.cpus": "2",
-        "spark.task.resource.gpu.amount": "1", "spark.executor.resource.gpu.amount": "1"})
+    return spark_sessions.get(
+        MASTERS["spark_fake_gpus"],
+        **{
+            "spark.worker.resource.gpu.discoveryScript": gpu_discovery_script,
+            "spark.worker.resource.gpu.amount": "3",
+            "spark.task.cpus": "2",
+            "spark.task.resource.gpu.amount": "1",
+            "spark.executor.resource.gpu.amount": "1",
+        },
+    )
 
 
 def _spark_master_of(item) -> int:

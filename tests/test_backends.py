@@ -74,7 +74,7 @@ def inline_backend():
 
 def test_a_third_backend_needs_only_the_base_class(inline_backend):
     assert Distributor(3, backend="inline", show=None, all_ranks=True).run(print) == [0, 10, 20]
-    backend, = InlineBackend.made
+    (backend,) = InlineBackend.made
     assert backend.started_with == InlinePlan(3, where="/resolved/by/check")  # check's plan, in start
     assert backend.slots() is None and backend.slot_owner() is None
 
@@ -95,20 +95,35 @@ def test_a_registered_backend_is_a_name_like_the_built_in_ones(inline_backend):
 def test_a_backend_that_trains_on_no_dataframe_refuses_one(inline_backend):
     import pandas as pd
 
-    with pytest.raises(ValueError, match="^backend 'inline' does not train on a DataFrame: run it on local "
-                                         r"processes \(a pandas DataFrame\) or on Spark \(a Spark DataFrame\)$"):
+    with pytest.raises(
+        ValueError,
+        match="^backend 'inline' does not train on a DataFrame: run it on local "
+        r"processes \(a pandas DataFrame\) or on Spark \(a Spark DataFrame\)$",
+    ):
         Distributor(2, backend="inline", show=None).train_on_dataframe(print, pd.DataFrame({"x": [1.0, 2.0]}))
     assert InlineBackend.made[0].started_with is None  # refused before anything started
 
 
-@pytest.mark.parametrize("name,factory,error,text", [
-    ("Bad Name", InlineBackend, ValueError, "a backend's name is lower-case letters, digits, '-' and '_', "
-                                            "starting with a letter, got 'Bad Name'"),
-    ("local", InlineBackend, ValueError, "backend 'local' is built in and cannot be registered again"),
-    ("auto", InlineBackend, ValueError, "backend 'auto' is built in and cannot be registered again"),
-    ("inline2", "not callable", TypeError, "backend 'inline2': its factory must be callable (a Backend "
-                                           "subclass, or a function returning a Backend), got str"),
-])
+@pytest.mark.parametrize(
+    "name,factory,error,text",
+    [
+        (
+            "Bad Name",
+            InlineBackend,
+            ValueError,
+            "a backend's name is lower-case letters, digits, '-' and '_', starting with a letter, got 'Bad Name'",
+        ),
+        ("local", InlineBackend, ValueError, "backend 'local' is built in and cannot be registered again"),
+        ("auto", InlineBackend, ValueError, "backend 'auto' is built in and cannot be registered again"),
+        (
+            "inline2",
+            "not callable",
+            TypeError,
+            "backend 'inline2': its factory must be callable (a Backend "
+            "subclass, or a function returning a Backend), got str",
+        ),
+    ],
+)
 def test_a_registration_is_refused_with_why(name, factory, error, text):
     from torchdist_magic import register_backend
 
@@ -122,8 +137,11 @@ def test_a_factory_that_makes_no_backend_is_refused_before_anything_starts():
 
     register_backend("not-a-backend", lambda: object())
     try:
-        with pytest.raises(TypeError, match="^backend 'not-a-backend': its factory returned a object, not a "
-                                            r"torchdist_magic Backend \(backends.base.Backend\)$"):
+        with pytest.raises(
+            TypeError,
+            match="^backend 'not-a-backend': its factory returned a object, not a "
+            r"torchdist_magic Backend \(backends.base.Backend\)$",
+        ):
             Distributor(1, backend="not-a-backend", show=None).run(print)
     finally:
         unregister_backend("not-a-backend")
@@ -230,8 +248,9 @@ def at_a_freed_address(make, use):
         other = make()
         if id(other) == address:
             return seen, other
-    pytest.fail("the interpreter did not reuse a freed address in 100 tries: this test cannot check "
-                "what it is about here")
+    pytest.fail(
+        "the interpreter did not reuse a freed address in 100 tries: this test cannot check what it is about here"
+    )
 
 
 def test_a_pool_placement_never_matches_a_new_session_at_a_dead_ones_address():

@@ -7,8 +7,15 @@ import os
 
 import pytest
 
-from browser.lab import (ALL_BARS_FULL, ARTIFACTS, JupyterLab, chromium_and_playwright, launch_chromium, run_all_cells,
-                         write_notebook)
+from browser.lab import (
+    ALL_BARS_FULL,
+    ARTIFACTS,
+    JupyterLab,
+    chromium_and_playwright,
+    launch_chromium,
+    run_all_cells,
+    write_notebook,
+)
 from helpers import pids_of_run
 
 MISSING = chromium_and_playwright()
@@ -73,8 +80,9 @@ def artifact(name):
 
 
 def note_runs(page, lab):
-    lab.run_ids.update(page.eval_on_selector_all(".torchdist-header[data-run-id]",
-                                                 "els => els.map(e => e.dataset.runId)"))
+    lab.run_ids.update(
+        page.eval_on_selector_all(".torchdist-header[data-run-id]", "els => els.map(e => e.dataset.runId)")
+    )
     lab.note_processes()
 
 
@@ -121,7 +129,9 @@ def test_run_view_shows_every_rank_and_stop_ends_a_blocking_cell(browser, lab):
         page.wait_for_selector(f"{long} .jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']")
         assert "RunCancelled" in page.locator(f"{long} .jp-OutputArea").inner_text()
         assert page.locator(f"{long} .torchdist-summary .torchdist-rank-row[data-state=cancelled]").count() == 2
-        assert "stopped by the Stop button" in page.locator(f"{long} .torchdist-summary .torchdist-failure").inner_text()
+        assert (
+            "stopped by the Stop button" in page.locator(f"{long} .torchdist-summary .torchdist-failure").inner_text()
+        )
         page.locator(f"{long} .jp-OutputArea").screenshot(path=artifact("browser-run-stopped.png"))
         note_runs(page, lab)
     except Exception:
@@ -150,9 +160,11 @@ def test_launch_panel_refuses_bad_settings_and_launches(browser, lab):
         page.wait_for_selector(f"{panel} .torchdist-option-hang_timeout input", state="visible")
         flags = page.eval_on_selector_all(f"{panel} code", "els => els.map(e => e.getClientRects().length)")
         assert flags and set(flags) == {1}, flags  # each flag on one line
-        notes = page.eval_on_selector_all(f"{panel} .torchdist-option-note span",
-                                          "els => els.map(e => [e.scrollWidth <= e.clientWidth + 1,"
-                                          " e.getBoundingClientRect().height, e.title.length > 0])")
+        notes = page.eval_on_selector_all(
+            f"{panel} .torchdist-option-note span",
+            "els => els.map(e => [e.scrollWidth <= e.clientWidth + 1,"
+            " e.getBoundingClientRect().height, e.title.length > 0])",
+        )
         assert all(fits and height <= 40 and titled for fits, height, titled in notes), notes
         page.set_viewport_size({"width": 1280, "height": 1500})
         np_input = page.locator(f"{panel} .torchdist-option-num_processes input")
@@ -307,14 +319,17 @@ def test_views_of_4_64_and_1024_ranks_read_well_narrow_wide_light_and_dark(brows
         assert page.locator(f"{cell(6)} .torchdist-view .torchdist-rank-row").count() <= 8
         assert page.locator(f"{cell(7)} .torchdist-summary .torchdist-plot-band").count() == 3
         # the contrast check sees faint text (it is not vacuous)
-        page.evaluate(f"() => document.querySelector('{cell(2)} .torchdist-header').insertAdjacentHTML("
-                      "'beforeend', '<span id=faint style=\"color:#bbb\">faint</span>')")
+        page.evaluate(
+            f"() => document.querySelector('{cell(2)} .torchdist-header').insertAdjacentHTML("
+            "'beforeend', '<span id=faint style=\"color:#bbb\">faint</span>')"
+        )
         assert [low.split(": ")[1] for low in page.evaluate(LOW_CONTRAST, views)] == ["faint"]
         page.evaluate("() => document.getElementById('faint').remove()")
         for theme in ("light", "dark"):
             if theme == "dark":
-                page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme',"
-                              " {theme: 'JupyterLab Dark'})")
+                page.evaluate(
+                    "() => window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})"
+                )
                 page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'")
                 page.wait_for_timeout(500)
             for width in (1280, 400):
@@ -325,14 +340,18 @@ def test_views_of_4_64_and_1024_ranks_read_well_narrow_wide_light_and_dark(brows
                 cut = page.evaluate(OVERFLOW, views)
                 assert cut == [], f"{theme} at {width} px: {cut}"
                 # the header wraps between its parts, never inside one (one word per line)
-                broken = page.eval_on_selector_all(".torchdist-header > span", "els => els.filter("
-                                                   "e => e.getClientRects().length > 1).map(e => e.textContent)")
+                broken = page.eval_on_selector_all(
+                    ".torchdist-header > span",
+                    "els => els.filter(e => e.getClientRects().length > 1).map(e => e.textContent)",
+                )
                 assert broken == [], f"{theme} at {width} px: {broken}"
                 for n, ranks in ((2, 4), (4, 64), (6, 1024)):
                     page.locator(f"{cell(n)} .jp-OutputArea").screenshot(
-                        path=artifact(f"view-{ranks}-live-{theme}-{width}.png"))
+                        path=artifact(f"view-{ranks}-live-{theme}-{width}.png")
+                    )
                     page.locator(f"{cell(n + 1)} .jp-OutputArea").screenshot(
-                        path=artifact(f"view-{ranks}-kept-{theme}-{width}.png"))
+                        path=artifact(f"view-{ranks}-kept-{theme}-{width}.png")
+                    )
     except Exception:
         page.screenshot(path=artifact("browser-scale-failure.png"), full_page=True)
         raise

@@ -7,38 +7,56 @@ import pytest
 from torchdist_magic.driver.capture import CaptureError, capture_cell, free_names, notebook_imports
 
 
-@pytest.mark.parametrize("source,expected", [
-    ("y = x + 1", ["x"]),
-    ("x = 1\ny = x + 1", []),                         # assigned before use: the cell's own
-    ("y = x\nx = 2", ["x"]),                          # used before assigned: from the notebook
-    ("total += step", ["step", "total"]),             # augmented assignment reads first
-    ("def f():\n    return model\nmodel = 1\nf()", []),  # read later, inside a function it defines
-    ("def f():\n    return model\nf()", ["model"]),
-    ("class A(Base):\n    k = K\n", ["Base", "K"]),
-    ("[v * c for v in data]", ["c", "data"]),
-    ("for i in range(n):\n    acc = i\nacc", ["n", "range"]),
-    ("import os\nos.getpid()", []),
-    ("try:\n    pass\nexcept Exception as e:\n    print(e)", ["Exception", "print"]),
-    ("lambda q: q + w", ["w"]),
-    ("def g(a=default):\n    return a", ["default"]),
-])
+@pytest.mark.parametrize(
+    "source,expected",
+    [
+        ("y = x + 1", ["x"]),
+        ("x = 1\ny = x + 1", []),  # assigned before use: the cell's own
+        ("y = x\nx = 2", ["x"]),  # used before assigned: from the notebook
+        ("total += step", ["step", "total"]),  # augmented assignment reads first
+        ("def f():\n    return model\nmodel = 1\nf()", []),  # read later, inside a function it defines
+        ("def f():\n    return model\nf()", ["model"]),
+        ("class A(Base):\n    k = K\n", ["Base", "K"]),
+        ("[v * c for v in data]", ["c", "data"]),
+        ("for i in range(n):\n    acc = i\nacc", ["n", "range"]),
+        ("import os\nos.getpid()", []),
+        ("try:\n    pass\nexcept Exception as e:\n    print(e)", ["Exception", "print"]),
+        ("lambda q: q + w", ["w"]),
+        ("def g(a=default):\n    return a", ["default"]),
+    ],
+)
 def test_free_names(source, expected):
     assert free_names(source) == expected
 
 
 def test_notebook_imports_keep_aliases_order_and_skip_failed():
-    history = ["", "import numpy as np\nfrom torch import nn as tnn", "import numpy as np",
-               "import does_not_exist", "from . import rel\nfrom __future__ import annotations",
-               "if True:\n    import json", "import os.path", "from math import *", "x = (", "print('import')"]
+    history = [
+        "",
+        "import numpy as np\nfrom torch import nn as tnn",
+        "import numpy as np",
+        "import does_not_exist",
+        "from . import rel\nfrom __future__ import annotations",
+        "if True:\n    import json",
+        "import os.path",
+        "from math import *",
+        "x = (",
+        "print('import')",
+    ]
     ns = {"np": 1, "tnn": 2, "os": 3}
     assert notebook_imports(history, ns) == [
-        ("import numpy as np", "In[1]"), ("from torch import nn as tnn", "In[1]"),
-        ("import os.path", "In[6]"), ("from math import *", "In[7]")]
+        ("import numpy as np", "In[1]"),
+        ("from torch import nn as tnn", "In[1]"),
+        ("import os.path", "In[6]"),
+        ("from math import *", "In[7]"),
+    ]
 
 
 def test_provided_and_ipython_names_do_not_travel():
-    cap = capture_cell("print(rank, device, In, Out, get_ipython, cfg)", {
-        "rank": 99, "device": "cuda", "In": [], "Out": {}, "get_ipython": object, "cfg": {"lr": 1}}, [])
+    cap = capture_cell(
+        "print(rank, device, In, Out, get_ipython, cfg)",
+        {"rank": 99, "device": "cuda", "In": [], "Out": {}, "get_ipython": object, "cfg": {"lr": 1}},
+        [],
+    )
     assert cap.cell.value_names == ["cfg"]
 
 
@@ -59,10 +77,13 @@ def test_shared_references_survive():
     assert values["a"] is values["b"]
 
 
-@pytest.mark.parametrize("value,type_name", [
-    (threading.Lock(), "_thread.lock"),
-    ((i for i in range(3)), "generator"),
-])
+@pytest.mark.parametrize(
+    "value,type_name",
+    [
+        (threading.Lock(), "_thread.lock"),
+        ((i for i in range(3)), "generator"),
+    ],
+)
 def test_unpicklable_value_named_with_type(value, type_name):
     with pytest.raises(CaptureError, match=f"the cell uses 'thing' \\(a {type_name}\\) from the notebook"):
         capture_cell("thing", {"thing": value, "fine": 1}, [])
@@ -88,4 +109,6 @@ def test_semicolon_and_process_group_detection():
     assert not capture_cell("x = 1\nx", {}, []).cell.silent
     assert not capture_cell("'a;'", {}, []).cell.silent
     assert capture_cell("x = 1", {}, []).cell.init_process_group
-    assert not capture_cell("import torch.distributed as dist\ndist.init_process_group('gloo')", {}, []).cell.init_process_group
+    assert not capture_cell(
+        "import torch.distributed as dist\ndist.init_process_group('gloo')", {}, []
+    ).cell.init_process_group

@@ -39,8 +39,9 @@ def server(request, identity):
     """A channel server, unencrypted and with TLS: every test of it holds for both."""
     got = Collector()
     encrypted = request.param == "tls"
-    srv = ChannelServer(got, run_id="run-1", secret=new_secret(), launcher_secret=new_secret(),
-                        identity=identity if encrypted else None)
+    srv = ChannelServer(
+        got, run_id="run-1", secret=new_secret(), launcher_secret=new_secret(), identity=identity if encrypted else None
+    )
     srv.got = got
     srv.cert = identity.certificate if encrypted else ""  # what its clients pin
     yield srv
@@ -61,8 +62,9 @@ def worker(srv, rank=0, **kwargs):
 
 
 def launcher(srv, rank=0, **kwargs):
-    return ChannelClient(address(srv), key(srv, "launcher", rank), "run-1", rank, role="launcher",
-                         certificate=srv.cert, **kwargs)
+    return ChannelClient(
+        address(srv), key(srv, "launcher", rank), "run-1", rank, role="launcher", certificate=srv.cert, **kwargs
+    )
 
 
 EVERY_RANK_RECORD = [
@@ -71,9 +73,23 @@ EVERY_RANK_RECORD = [
     events.Progress(rank=99, bar="b", desc="epoch", n=3, total=10, elapsed=0.5, state="done"),
     events.Metrics(rank=99, step=7, values={"loss": 0.25, "acc": "nan"}, time=2.0),
     events.Dropped(rank=99, count=4),
-    events.Exit(rank=99, code=-9, time=3.0, host="h", stopped=True,
-                failure=events.Failure(rank=99, host="h", exit_code=-9, exc_type="KeyError",
-                                       message="m", traceback="tb", time=3.0, log_tail=["a", "b"])),
+    events.Exit(
+        rank=99,
+        code=-9,
+        time=3.0,
+        host="h",
+        stopped=True,
+        failure=events.Failure(
+            rank=99,
+            host="h",
+            exit_code=-9,
+            exc_type="KeyError",
+            message="m",
+            traceback="tb",
+            time=3.0,
+            log_tail=["a", "b"],
+        ),
+    ),
 ]
 
 
@@ -130,9 +146,11 @@ def test_driver_records_reach_on_message(server):
     wait_until(lambda: server.stats["authenticated"] == 3)
     assert server.send(1, events.RunJob(rank=1, job_id="j2", data="AAA=", last=True, env={"A": "1"}))
     assert server.broadcast(events.Stop(rank=-1, grace=1.5)) == 2  # launchers only
-    assert not server.send(7, events.Stop(rank=7))                  # no such rank
-    assert got_b.wait_for(2) == [events.RunJob(rank=1, job_id="j2", data="AAA=", last=True, env={"A": "1"}),
-                                 events.Stop(rank=-1, grace=1.5)]
+    assert not server.send(7, events.Stop(rank=7))  # no such rank
+    assert got_b.wait_for(2) == [
+        events.RunJob(rank=1, job_id="j2", data="AAA=", last=True, env={"A": "1"}),
+        events.Stop(rank=-1, grace=1.5),
+    ]
     assert got_a.wait_for(1) == [events.Stop(rank=-1, grace=1.5)]
     for client in (a, b, w):
         client.close()
@@ -275,7 +293,7 @@ def test_a_handshake_that_takes_too_long_is_tried_again(capfd, monkeypatch):
     client = ChannelClient(driver.address, "s", "r", 2)
     client.send(events.Started(rank=2, pid=2))
     slow, _ = driver.listener.accept()  # a driver too busy to send its challenge in time
-    conn = driver.handshake()           # the client's next attempt
+    conn = driver.handshake()  # the client's next attempt
     slow.close()
     assert_the_record_arrives_on(conn, client, driver, capfd)
 
@@ -302,8 +320,7 @@ def test_records_json_cannot_carry_are_counted_as_dropped(server):
     client.send(events.Metrics(rank=0, step=1, values={"loss": float("nan")}))
     client.send(events.Metrics(rank=0, step=2, values={"loss": 1.0}))
     client.close()
-    assert server.got.records == [events.Metrics(rank=0, step=2, values={"loss": 1.0}),
-                                  events.Dropped(rank=0, count=1)]
+    assert server.got.records == [events.Metrics(rank=0, step=2, values={"loss": 1.0}), events.Dropped(rank=0, count=1)]
 
 
 def test_send_takes_only_records(server):
@@ -313,17 +330,28 @@ def test_send_takes_only_records(server):
     client.close()
 
 
-@pytest.mark.parametrize("make, reason", [
-    # over TLS too: the certificate says who the driver is, the secrets who may speak
-    (lambda srv: ChannelClient(address(srv), "not-the-secret", "run-1", 0, certificate=srv.cert),
-     "wrong secret for role worker"),
-    (lambda srv: ChannelClient(address(srv), key(srv, "worker"), "another-run", 0, certificate=srv.cert),
-     "wrong run"),
-    # a worker knows only its own key: it cannot pose as its launcher
-    (lambda srv: ChannelClient(address(srv), key(srv, "worker"), "run-1", 0, role="launcher",
-                               certificate=srv.cert),
-     "wrong secret for role launcher"),
-], ids=["bad-secret", "wrong-run", "worker-posing-as-launcher"])
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        # over TLS too: the certificate says who the driver is, the secrets who may speak
+        (
+            lambda srv: ChannelClient(address(srv), "not-the-secret", "run-1", 0, certificate=srv.cert),
+            "wrong secret for role worker",
+        ),
+        (
+            lambda srv: ChannelClient(address(srv), key(srv, "worker"), "another-run", 0, certificate=srv.cert),
+            "wrong run",
+        ),
+        # a worker knows only its own key: it cannot pose as its launcher
+        (
+            lambda srv: ChannelClient(
+                address(srv), key(srv, "worker"), "run-1", 0, role="launcher", certificate=srv.cert
+            ),
+            "wrong secret for role launcher",
+        ),
+    ],
+    ids=["bad-secret", "wrong-run", "worker-posing-as-launcher"],
+)
 def test_refused_clients_say_why_once_and_deliver_nothing(server, capfd, make, reason):
     client = make(server)
     for i in range(3):
@@ -336,12 +364,14 @@ def test_refused_clients_say_why_once_and_deliver_nothing(server, capfd, make, r
 
 def test_a_peer_of_another_protocol_version_is_told_both_versions(server):
     other = events.PROTOCOL_VERSION + 1
-    code = (f"from torchdist_magic.core import events\nfrom torchdist_magic.wire.client import ChannelClient\n"
-            f"events.PROTOCOL_VERSION = {other}\n"
-            f"c = ChannelClient({address(server)!r}, {key(server, 'worker')!r}, 'run-1', 0, "
-            f"certificate={server.cert!r})\n"
-            f"c.send(events.Metrics(rank=0))\n"
-            f"c.close()\n")
+    code = (
+        f"from torchdist_magic.core import events\nfrom torchdist_magic.wire.client import ChannelClient\n"
+        f"events.PROTOCOL_VERSION = {other}\n"
+        f"c = ChannelClient({address(server)!r}, {key(server, 'worker')!r}, 'run-1', 0, "
+        f"certificate={server.cert!r})\n"
+        f"c.send(events.Metrics(rank=0))\n"
+        f"c.close()\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.splitlines()
@@ -362,16 +392,21 @@ def test_an_unreachable_driver_costs_one_line_and_never_blocks(capfd):
     client.close(timeout=5)
     err = capfd.readouterr().err
     # one line that says where, why, and that the records (sent or still to come) are dropped
-    assert err == (f"torchdist_magic: cannot reach the driver's event channel at 127.0.0.1:{port} "
-                   "([Errno 111] Connection refused); events of rank 0 are dropped\n"), err
+    assert err == (
+        f"torchdist_magic: cannot reach the driver's event channel at 127.0.0.1:{port} "
+        "([Errno 111] Connection refused); events of rank 0 are dropped\n"
+    ), err
 
 
-@pytest.mark.parametrize("garbage", [
-    b"\x00\x00\x00\x05hello",                      # not JSON
-    b"\xff\xff\xff\xff",                            # absurd length
-    b"\x00\x00\x00\x02[]",                          # JSON, not an object
-    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",          # a stray HTTP client
-])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\x00\x00\x00\x05hello",  # not JSON
+        b"\xff\xff\xff\xff",  # absurd length
+        b"\x00\x00\x00\x02[]",  # JSON, not an object
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # a stray HTTP client
+    ],
+)
 def test_garbage_before_authentication_is_rejected_and_the_server_serves_on(server, garbage):
     with socket.create_connection(server.address, timeout=5) as sock:
         sock.sendall(garbage)
@@ -428,10 +463,11 @@ def test_client_from_env(server, monkeypatch):
 def test_frames_are_length_prefixed_json():
     data = pack_frame({"events": [events.encode(events.Stop(rank=1, grace=2.0))]})
     (length,) = struct.unpack(">I", data[:4])
-    assert json.loads(data[4:4 + length]) == {"events": [{"type": "stop", "rank": 1, "grace": 2.0}]}
+    assert json.loads(data[4 : 4 + length]) == {"events": [{"type": "stop", "rank": 1, "grace": 2.0}]}
 
 
 # -- TLS --------------------------------------------------------------------------------------
+
 
 def tls_server(identity, **kwargs):
     got = Collector()
@@ -465,16 +501,22 @@ def test_a_server_with_another_certificate_for_the_same_key_is_refused(identity,
 
     key = serialization.load_pem_private_key(identity.private_key, None)
     pinned = x509.load_pem_x509_certificate(identity.certificate.encode())
-    subject = pinned.subject if kind == "self-signed" else \
-        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "impostor")])
+    subject = (
+        pinned.subject if kind == "self-signed" else x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "impostor")])
+    )
     now = datetime.datetime.now(datetime.timezone.utc)
-    twin = (x509.CertificateBuilder().subject_name(subject).issuer_name(pinned.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(key.public_key()), critical=False)
-            .sign(key, hashes.SHA256()))
-    srv = tls_server(tls.ChannelIdentity(twin.public_bytes(serialization.Encoding.PEM).decode(),
-                                         identity.private_key))
+    twin = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(pinned.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    srv = tls_server(tls.ChannelIdentity(twin.public_bytes(serialization.Encoding.PEM).decode(), identity.private_key))
     client = ChannelClient(address(srv), "s", "run-1", 0, certificate=identity.certificate)
     client.send(events.Metrics(rank=0, step=1))
     client.close()
@@ -531,8 +573,10 @@ class Relay:
     def _serve(self):
         near, _ = self.listener.accept()
         far = socket.create_connection(self.target)
-        pumps = [threading.Thread(target=self._pump, args=(near, far, self.up)),
-                 threading.Thread(target=self._pump, args=(far, near, self.down))]
+        pumps = [
+            threading.Thread(target=self._pump, args=(near, far, self.up)),
+            threading.Thread(target=self._pump, args=(far, near, self.down)),
+        ]
         for t in pumps:
             t.start()
         for t in pumps:
@@ -562,12 +606,14 @@ def test_the_bytes_on_the_wire_are_ciphertext_with_tls_only(server):
     """The same records through a relay: readable on the wire without TLS, not with it."""
     relay = Relay(server.address)
     got = Collector()
-    client = ChannelClient(relay.address, key(server, "launcher"), "run-1", 0, role="launcher",
-                           certificate=server.cert, on_message=got)
+    client = ChannelClient(
+        relay.address, key(server, "launcher"), "run-1", 0, role="launcher", certificate=server.cert, on_message=got
+    )
     client.send(events.Log(rank=0, line="rank says: the-distinctive-loss-4711"))
     wait_until(lambda: server.got.records)
-    assert server.send(0, events.RunJob(rank=0, job_id="j", data="", last=True,
-                                        env={"NOTE": "driver says: the-distinctive-job-0815"}))
+    assert server.send(
+        0, events.RunJob(rank=0, job_id="j", data="", last=True, env={"NOTE": "driver says: the-distinctive-job-0815"})
+    )
     assert got.wait_for(1)[0].env == {"NOTE": "driver says: the-distinctive-job-0815"}
     client.close()
     relay.close()
@@ -607,12 +653,21 @@ def test_every_connection_of_1024_ranks_opened_at_once_authenticates(identity):
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * count)), hard))
     got = Collector()
     srv = ChannelServer(got, "run-1", secret="s", launcher_secret="l", identity=identity)
-    helpers = [subprocess.Popen([sys.executable, "-c", CONNECT_ALL.format(count=count), address(srv), secret, role,
-                                 identity.certificate], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for role, secret in (("worker", "s"), ("launcher", "l"))]
+    helpers = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONNECT_ALL.format(count=count), address(srv), secret, role, identity.certificate],
+            stdin=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for role, secret in (("worker", "s"), ("launcher", "l"))
+    ]
     try:
-        wait_until(lambda: srv.stats["authenticated"] == 2 * count, timeout=240,
-                   what=f"all {2 * count} connections to authenticate")
+        wait_until(
+            lambda: srv.stats["authenticated"] == 2 * count,
+            timeout=240,
+            what=f"all {2 * count} connections to authenticate",
+        )
         routes = set(srv._routes)  # nobody connects any more: read as it is
     finally:
         errors = [helper.communicate(timeout=120)[1] for helper in helpers]

@@ -23,6 +23,7 @@ from torchdist_magic.wire.client import ChannelClient
 from torchdist_magic.core.rankenv import rank_key
 from torchdist_magic.wire.frames import MAX_FRAME, MAX_HELLO, hello_mac, pack_frame, read_frame
 from torchdist_magic.wire.server import ChannelServer
+
 LEN = struct.Struct(">I")
 WORKER_SECRET, LAUNCHER_SECRET = "worker-secret", "launcher-secret"
 
@@ -40,8 +41,14 @@ def frame(body: bytes) -> bytes:
 
 
 def hello_frame(**fields) -> bytes:
-    base = {"mac": "0" * 64, "nonce": "n", "run_id": "run-1", "rank": 0, "role": "worker",
-            "protocol": events.PROTOCOL_VERSION}
+    base = {
+        "mac": "0" * 64,
+        "nonce": "n",
+        "run_id": "run-1",
+        "rank": 0,
+        "role": "worker",
+        "protocol": events.PROTOCOL_VERSION,
+    }
     base.update(fields)
     return frame(json.dumps(base).encode())
 
@@ -50,23 +57,45 @@ def crafted_hellos() -> list:
     """Frames a stranger might send instead of a hello, each aimed at one check or parser."""
     deep = b"[" * 2000 + b"]" * 2000  # fits MAX_HELLO, deeper than the JSON parser's recursion
     return [
-        hello_frame(),                                        # looks right, wrong MAC
-        hello_frame(mac="ü" * 64),                            # non-ASCII MAC
+        hello_frame(),  # looks right, wrong MAC
+        hello_frame(mac="ü" * 64),  # non-ASCII MAC
         frame(b'{"mac": "\\ud800\\udfff\\ud800", "role": "worker", "protocol": 1}'),  # lone surrogates
-        hello_frame(mac=None), hello_frame(mac=["a"]), hello_frame(mac={"a": 1}), hello_frame(mac=1),
-        hello_frame(role=["worker"]), hello_frame(role={"r": 1}), hello_frame(role="driver"),
-        hello_frame(role=None), hello_frame(protocol=True), hello_frame(protocol="1"),
-        hello_frame(protocol=1.0), hello_frame(protocol=None), hello_frame(protocol=10 ** 100),
-        hello_frame(rank="0"), hello_frame(rank=-1), hello_frame(rank=True), hello_frame(rank=10 ** 30),
-        hello_frame(run_id={"run": 1}), hello_frame(nonce=["n"]),
-        frame(deep), frame(b'{"a":' * 1000 + b"1" + b"}" * 1000),
-        frame(b"[" * 100_000 + b"]" * 100_000),               # 100k deep: over the hello limit
-        frame(b"\xff\xfe{}"), frame(b"[]"), frame(b'"hello"'), frame(b"1e999999"), frame(b"9" * 5000),
-        frame(b"{}") + b"trailing garbage", frame(b""),
+        hello_frame(mac=None),
+        hello_frame(mac=["a"]),
+        hello_frame(mac={"a": 1}),
+        hello_frame(mac=1),
+        hello_frame(role=["worker"]),
+        hello_frame(role={"r": 1}),
+        hello_frame(role="driver"),
+        hello_frame(role=None),
+        hello_frame(protocol=True),
+        hello_frame(protocol="1"),
+        hello_frame(protocol=1.0),
+        hello_frame(protocol=None),
+        hello_frame(protocol=10**100),
+        hello_frame(rank="0"),
+        hello_frame(rank=-1),
+        hello_frame(rank=True),
+        hello_frame(rank=10**30),
+        hello_frame(run_id={"run": 1}),
+        hello_frame(nonce=["n"]),
+        frame(deep),
+        frame(b'{"a":' * 1000 + b"1" + b"}" * 1000),
+        frame(b"[" * 100_000 + b"]" * 100_000),  # 100k deep: over the hello limit
+        frame(b"\xff\xfe{}"),
+        frame(b"[]"),
+        frame(b'"hello"'),
+        frame(b"1e999999"),
+        frame(b"9" * 5000),
+        frame(b"{}") + b"trailing garbage",
+        frame(b""),
         LEN.pack(100) + b"truncated",
-        b"\xff\xff\xff\xff" + b"x" * 100, LEN.pack(MAX_HELLO + 1) + b"{",
-        LEN.pack(MAX_FRAME) + b"{", LEN.pack(0x7FFFFFFF),
-        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
+        b"\xff\xff\xff\xff" + b"x" * 100,
+        LEN.pack(MAX_HELLO + 1) + b"{",
+        LEN.pack(MAX_FRAME) + b"{",
+        LEN.pack(0x7FFFFFFF),
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
     ]
 
 
@@ -74,13 +103,13 @@ def stranger_payloads(rng: random.Random, n_random: int) -> list:
     payloads = crafted_hellos()
     for _ in range(n_random):
         kind = rng.random()
-        if kind < 0.4:    # random bytes
+        if kind < 0.4:  # random bytes
             payloads.append(rng.randbytes(rng.randint(1, 300)))
         elif kind < 0.7:  # a well-framed body of random bytes
             payloads.append(frame(rng.randbytes(rng.randint(0, MAX_HELLO))))
         elif kind < 0.85:  # a random length prefix, little behind it
             payloads.append(LEN.pack(rng.getrandbits(32)) + rng.randbytes(rng.randint(0, 50)))
-        else:             # a hello with a random, well-formed but wrong MAC
+        else:  # a hello with a random, well-formed but wrong MAC
             payloads.append(hello_frame(mac=rng.randbytes(32).hex(), rank=rng.randint(0, 8)))
     return payloads
 
@@ -110,8 +139,9 @@ def identity():
 
 def make_server(got, encrypted: bool, identity):
     """A channel server, with TLS or without; ``.cert`` is what its ranks pin."""
-    server = ChannelServer(got, "run-1", secret=WORKER_SECRET, launcher_secret=LAUNCHER_SECRET,
-                           identity=identity if encrypted else None)
+    server = ChannelServer(
+        got, "run-1", secret=WORKER_SECRET, launcher_secret=LAUNCHER_SECRET, identity=identity if encrypted else None
+    )
     server.cert = identity.certificate if encrypted else ""
     return server
 
@@ -128,7 +158,7 @@ def try_to_send_4_mib(address, blob: bytes) -> None:
 def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_record(capfd, identity, encrypted):
     rng = random.Random(1234)
     payloads = stranger_payloads(rng, 3000)
-    blob = b"{" * (4 * 1024 * 1024)            # allocated before the baseline is taken
+    blob = b"{" * (4 * 1024 * 1024)  # allocated before the baseline is taken
     idle_count, big_count, flood_threads = 300, 50, 4
 
     ours = set(threading.enumerate())
@@ -152,8 +182,10 @@ def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_reco
 
     # against TLS, half the strangers speak TLS and send their payload inside it (those that wait
     # for the challenge among them: a TLS server says nothing to the others)
-    tasks = [(send_as_stranger, (address, p, i % 2 == 0 and not (encrypted and i % 4 >= 2), encrypted and i % 4 < 2))
-             for i, p in enumerate(payloads)]
+    tasks = [
+        (send_as_stranger, (address, p, i % 2 == 0 and not (encrypted and i % 4 >= 2), encrypted and i % 4 < 2))
+        for i, p in enumerate(payloads)
+    ]
     tasks += [(try_to_send_4_mib, (address, blob))] * big_count
     rng.shuffle(tasks)
 
@@ -175,8 +207,9 @@ def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_reco
     workers = [threading.Thread(target=flood, args=(tasks[i::flood_threads],)) for i in range(flood_threads)]
     workers.append(threading.Thread(target=hold_idle))
     try:
-        rank0 = ChannelClient(addr_text, rank_key(WORKER_SECRET, "worker", 0), "run-1", 0,
-                              certificate=server.cert)  # before the flood
+        rank0 = ChannelClient(
+            addr_text, rank_key(WORKER_SECRET, "worker", 0), "run-1", 0, certificate=server.cert
+        )  # before the flood
         wait_until(lambda: server.stats["authenticated"] == 1)
         started = time.monotonic()
         for t in [trainer, *workers]:
@@ -185,8 +218,9 @@ def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_reco
 
         # a rank that connects in the middle of the flood gets through too
         wait_until(lambda: server.stats["accepted"] > len(tasks) // 3, timeout=30)
-        rank1 = ChannelClient(addr_text, rank_key(LAUNCHER_SECRET, "launcher", 1), "run-1", 1, role="launcher",
-                              certificate=server.cert)
+        rank1 = ChannelClient(
+            addr_text, rank_key(LAUNCHER_SECRET, "launcher", 1), "run-1", 1, role="launcher", certificate=server.cert
+        )
         for i in range(1000):
             rank1.send(events.Log(rank=1, line=f"line {i}"))
 
@@ -220,11 +254,13 @@ def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_reco
     assert stats["accepted"] >= strangers  # plus the ranks' (and any retried) handshakes
     # the server's own thread and each client's sender: no thread per connection
     assert threads_peak <= 3, threads_peak
-    assert rss_peak - rss_before < 50 * 1024 * 1024, (rss_peak - rss_before) / 2 ** 20
+    assert rss_peak - rss_before < 50 * 1024 * 1024, (rss_peak - rss_before) / 2**20
     assert capfd.readouterr().err == ""
-    print(f"\n{strangers} stranger connections in {elapsed:.2f} s ({strangers / elapsed:.0f}/s), "
-          f"{len(sent_steps)} + 1000 records delivered; peak extra threads {threads_peak}, "
-          f"peak RSS growth {(rss_peak - rss_before) / 2 ** 20:.1f} MiB; {stats}")
+    print(
+        f"\n{strangers} stranger connections in {elapsed:.2f} s ({strangers / elapsed:.0f}/s), "
+        f"{len(sent_steps)} + 1000 records delivered; peak extra threads {threads_peak}, "
+        f"peak RSS growth {(rss_peak - rss_before) / 2**20:.1f} MiB; {stats}"
+    )
 
 
 def authenticate(server, role: str, rank: int) -> socket.socket:
@@ -234,26 +270,62 @@ def authenticate(server, role: str, rank: int) -> socket.socket:
     if server.cert:
         sock = tls.client_context(server.cert).wrap_socket(sock)
     nonce = read_frame(sock, MAX_HELLO)["nonce"]
-    sock.sendall(pack_frame({"mac": hello_mac(secret, nonce).decode(), "nonce": "mine",
-                                 "run_id": "run-1", "rank": rank, "role": role,
-                                 "protocol": events.PROTOCOL_VERSION}))
+    sock.sendall(
+        pack_frame(
+            {
+                "mac": hello_mac(secret, nonce).decode(),
+                "nonce": "mine",
+                "run_id": "run-1",
+                "rank": rank,
+                "role": role,
+                "protocol": events.PROTOCOL_VERSION,
+            }
+        )
+    )
     reply = read_frame(sock, MAX_HELLO)
     assert reply["ok"] is True and reply["mac"] == hello_mac(secret, "mine").decode()
     # without TLS, what it writes goes in authenticated records (what it makes of them is the test's)
     return sock if server.cert else framemac.MacSocket(sock, framemac.session_key(secret, nonce, "mine"))
 
 
-ODD_VALUES = [None, True, False, -1, 0, 10 ** 400, 2 ** 63, 1e308, -0.0, "", "ü\ud800", "nan",
-              [], [1, [2]], {}, {"a": 1}, {"": None}, [None] * 3, "x" * 1000]
+ODD_VALUES = [
+    None,
+    True,
+    False,
+    -1,
+    0,
+    10**400,
+    2**63,
+    1e308,
+    -0.0,
+    "",
+    "ü\ud800",
+    "nan",
+    [],
+    [1, [2]],
+    {},
+    {"a": 1},
+    {"": None},
+    [None] * 3,
+    "x" * 1000,
+]
 
 
 def mutated_items(rng: random.Random, n: int) -> list:
     """Encodings of valid records with fields replaced, removed or added at random."""
-    samples = [events.encode(r) for r in (
-        events.Started(rank=0, host="h", pid=1), events.Log(rank=0, line="x"),
-        events.Progress(rank=0, bar="b", n=1, total=2), events.Metrics(rank=0, step=1, values={"a": 1.0}),
-        events.Dropped(rank=0, count=1), events.Exit(rank=0, code=1, failure=events.Failure(rank=0)),
-        events.Stop(rank=0), events.RunJob(rank=0, job_id="j"))]
+    samples = [
+        events.encode(r)
+        for r in (
+            events.Started(rank=0, host="h", pid=1),
+            events.Log(rank=0, line="x"),
+            events.Progress(rank=0, bar="b", n=1, total=2),
+            events.Metrics(rank=0, step=1, values={"a": 1.0}),
+            events.Dropped(rank=0, count=1),
+            events.Exit(rank=0, code=1, failure=events.Failure(rank=0)),
+            events.Stop(rank=0),
+            events.RunJob(rank=0, job_id="j"),
+        )
+    ]
     items = []
     for _ in range(n):
         item = dict(rng.choice(samples))
@@ -287,18 +359,24 @@ def test_after_authentication_bad_records_are_counted_and_good_ones_delivered(ca
     sock = authenticate(server, "worker", rank=3)
 
     crafted = [
-        {"type": "metrics", "rank": 0, "step": 1, "values": {"a": 10 ** 400}},  # OverflowError
-        {"type": "progress", "rank": 0, "elapsed": 10 ** 400},
-        {"type": "exit", "rank": 0, "code": 0},                                   # forbidden
-        {"type": "log", "rank": 0, "line": "forged"},                             # forbidden
-        {"type": "stop", "rank": 0},                                              # driver -> rank only
-        {"type": "metrics"}, {"type": 1, "rank": 0}, {"rank": 0}, "metrics", [], None, 7,
+        {"type": "metrics", "rank": 0, "step": 1, "values": {"a": 10**400}},  # OverflowError
+        {"type": "progress", "rank": 0, "elapsed": 10**400},
+        {"type": "exit", "rank": 0, "code": 0},  # forbidden
+        {"type": "log", "rank": 0, "line": "forged"},  # forbidden
+        {"type": "stop", "rank": 0},  # driver -> rank only
+        {"type": "metrics"},
+        {"type": 1, "rank": 0},
+        {"rank": 0},
+        "metrics",
+        [],
+        None,
+        7,
     ]
     items = crafted + mutated_items(rng, 3000)
     expected = {"delivered": [], "malformed": 0, "forbidden": 0}
     body_frames = []
     for i in range(0, len(items), 37):
-        chunk = items[i:i + 37]
+        chunk = items[i : i + 37]
         good = events.Metrics(rank=99, step=i)
         chunk.append(events.encode(good))
         for item in chunk:
@@ -309,9 +387,19 @@ def test_after_authentication_bad_records_are_counted_and_good_ones_delivered(ca
                 expected[outcome] += 1
         body_frames.append(json.dumps({"events": chunk}).encode())
 
-    bad_frames = [b"not json", b"\xff\xfe\xfd", b"[]", b'"events"', b'{"events": "x"}', b'{"events": {}}',
-                  b'{"no": []}', b"{" * 100_000, b"[" * 100_000 + b"]" * 100_000,
-                  b'{"events": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b""]
+    bad_frames = [
+        b"not json",
+        b"\xff\xfe\xfd",
+        b"[]",
+        b'"events"',
+        b'{"events": "x"}',
+        b'{"events": {}}',
+        b'{"no": []}',
+        b"{" * 100_000,
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"events": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b"",
+    ]
     bad_frames += [rng.randbytes(rng.randint(1, 2000)) for _ in range(300)]
     for body in bad_frames:
         try:
@@ -325,7 +413,7 @@ def test_after_authentication_bad_records_are_counted_and_good_ones_delivered(ca
     stream = []
     for i, body in enumerate(body_frames):
         stream.append(frame(body))
-        stream += [frame(b) for b in bad_frames[i::len(body_frames)]]
+        stream += [frame(b) for b in bad_frames[i :: len(body_frames)]]
     sock.sendall(b"".join(stream))
     sock.sendall(LEN.pack(MAX_FRAME + 1))  # the stream can no longer be split: the server hangs up
     while sock.recv(65536):
@@ -333,14 +421,19 @@ def test_after_authentication_bad_records_are_counted_and_good_ones_delivered(ca
     sock.close()
 
     # the channel still serves a well-behaved rank
-    client = ChannelClient(f"{server.address[0]}:{server.address[1]}", rank_key(WORKER_SECRET, "worker", 4), "run-1", 4,
-                           certificate=server.cert)
+    client = ChannelClient(
+        f"{server.address[0]}:{server.address[1]}",
+        rank_key(WORKER_SECRET, "worker", 4),
+        "run-1",
+        4,
+        certificate=server.cert,
+    )
     client.send(events.Started(rank=4, pid=4))
     client.close()
     server.close()
 
     assert got.records == expected["delivered"] + [events.Started(rank=4, pid=4)]
-    assert server.stats["malformed"] == expected["malformed"] + 1   # + the oversized frame
+    assert server.stats["malformed"] == expected["malformed"] + 1  # + the oversized frame
     assert server.stats["forbidden"] == expected["forbidden"]
     assert expected["forbidden"] >= 3 and len(expected["delivered"]) > len(body_frames)
     assert capfd.readouterr().err == ""
@@ -376,8 +469,9 @@ def test_a_run_finishes_while_strangers_flood_its_channel(encrypted):
             payloads = stranger_payloads(rng, 200)
             while not stop.is_set():
                 over_tls = encrypted and rng.random() < 0.5
-                send_as_stranger(address, rng.choice(payloads), (over_tls or not encrypted) and rng.random() < 0.5,
-                                 over_tls)
+                send_as_stranger(
+                    address, rng.choice(payloads), (over_tls or not encrypted) and rng.random() < 0.5, over_tls
+                )
 
         def hold_idle():
             held = []

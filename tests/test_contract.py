@@ -13,7 +13,18 @@ import time
 import pytest
 
 from helpers import assert_no_survivors, rank_failure_of, touch, wait_until
-from torchdist_magic import HangTimeout, JobTimeout, RankFailure, RunCancelled, load_checkpoint, progress, rank, report, restart_count, save_checkpoint
+from torchdist_magic import (
+    HangTimeout,
+    JobTimeout,
+    RankFailure,
+    RunCancelled,
+    load_checkpoint,
+    progress,
+    rank,
+    report,
+    restart_count,
+    save_checkpoint,
+)
 
 
 def rank_value_after_delay(slow_rank):
@@ -87,11 +98,13 @@ def test_a_helper_modules_function_fails_with_its_file_and_line(dist, tmp_path, 
     """A module next to the notebook (not installed) travels by value: its frames name its file
     and show its lines, which the ranks read from the job where they cannot read the file."""
     helper = tmp_path / "contract_helper.py"
-    helper.write_text("import os, time\n"
-                      "def bad_shard(go):\n"
-                      "    while not os.path.exists(go):\n"
-                      "        time.sleep(0.05)\n"
-                      "    raise KeyError('shard ' + str(go))\n")
+    helper.write_text(
+        "import os, time\n"
+        "def bad_shard(go):\n"
+        "    while not os.path.exists(go):\n"
+        "        time.sleep(0.05)\n"
+        "    raise KeyError('shard ' + str(go))\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     import contract_helper
 
@@ -109,8 +122,9 @@ def test_a_helper_modules_function_fails_with_its_file_and_line(dist, tmp_path, 
     assert_no_survivors(run)
 
 
-@pytest.mark.parametrize("how,expected_code", [
-    ("sys.exit", 3), ("os._exit", 3), ("sigkill", -signal.SIGKILL), ("segfault", -signal.SIGSEGV)])
+@pytest.mark.parametrize(
+    "how,expected_code", [("sys.exit", 3), ("os._exit", 3), ("sigkill", -signal.SIGKILL), ("segfault", -signal.SIGSEGV)]
+)
 def test_any_exit_fails_the_run(dist, how, expected_code):
     run = dist(2).submit(exit_on, 1, how)
     err = rank_failure_of(run)
@@ -242,8 +256,12 @@ def hang_in_all_reduce():
 def test_hang_shows_where_each_rank_waits(dist, run_clock):
     # quiet from when rank 0 waits in all_reduce for rank 1, however long the start took
     run = dist(2, hang_timeout=600).submit(hang_in_all_reduce)
-    wait_until(lambda: all("ready" in run.logs(r) for r in (0, 1)) and run.culprit().suspects == (1,), 180,
-               "rank 0 to wait in all_reduce for rank 1", interval=0.5)
+    wait_until(
+        lambda: all("ready" in run.logs(r) for r in (0, 1)) and run.culprit().suspects == (1,),
+        180,
+        "rank 0 to wait in all_reduce for rank 1",
+        interval=0.5,
+    )
     run_clock.expire()
     with pytest.raises(TimeoutError) as info:
         run.result(timeout=240)
@@ -251,9 +269,11 @@ def test_hang_shows_where_each_rank_waits(dist, run_clock):
     assert isinstance(err, HangTimeout)
     text = str(err)
     # the ranks' collective records name the rank behind before anything else (``culprit``)
-    assert text.startswith("Rank 1 is behind: its last collective was #1 barrier; rank 0 waits in #2 all_reduce "
-                           "(default group). No rank sent progress, metrics or output for 600 s (hang_timeout); "
-                           "every rank was stopped"), text
+    assert text.startswith(
+        "Rank 1 is behind: its last collective was #1 barrier; rank 0 waits in #2 all_reduce "
+        "(default group). No rank sent progress, metrics or output for 600 s (hang_timeout); "
+        "every rank was stopped"
+    ), text
     assert err.suspects == (1,)
     assert re.search(r"rank 0: all_reduce \(torch/distributed/distributed_c10d\.py, line \d+\)", text), text
     assert f"rank 1: stuck_in_sleep ({__file__}, line {STUCK_LINE})" in text, text

@@ -19,9 +19,14 @@ from torchdist_magic.core.failure import Failure
 
 
 def fr(rank, entered, finished, op="all_reduce", sizes=((10,),), group="default group"):
-    return Collectives(rank=rank, source="flight recorder", time=1.0,
-                       groups=[GroupCollectives(group=group, entered=entered, finished=finished, op=op,
-                                                sizes=[list(s) for s in sizes])])
+    return Collectives(
+        rank=rank,
+        source="flight recorder",
+        time=1.0,
+        groups=[
+            GroupCollectives(group=group, entered=entered, finished=finished, op=op, sizes=[list(s) for s in sizes])
+        ],
+    )
 
 
 # -- the verdict, from records ---------------------------------------------------------------------
@@ -29,16 +34,22 @@ def test_a_rank_behind_is_named_with_where_the_others_wait():
     records = {0: fr(0, 4, 3), 1: fr(1, 4, 3), 2: fr(2, 3, 3), 3: fr(3, 4, 3)}
     found = verdict(records, range(4))
     assert found.kind == "behind" and found.suspects == (2,)
-    assert found.sentence == ("rank 2 is behind: its last collective was #3 all_reduce; "
-                              "ranks 0, 1, 3 wait in #4 all_reduce (default group)")
-    assert found.summary == ("ranks 0, 1, 3: in #4 all_reduce [10], finished #3 (default group)",
-                             "rank 2: last collective #3 all_reduce [10], finished (default group)")
+    assert found.sentence == (
+        "rank 2 is behind: its last collective was #3 all_reduce; ranks 0, 1, 3 wait in #4 all_reduce (default group)"
+    )
+    assert found.summary == (
+        "ranks 0, 1, 3: in #4 all_reduce [10], finished #3 (default group)",
+        "rank 2: last collective #3 all_reduce [10], finished (default group)",
+    )
 
 
 def test_a_rank_that_entered_no_collective_is_behind():
     found = verdict({0: fr(0, 1, 0), 1: Collectives(rank=1, source="flight recorder", time=1.0)}, range(2))
     assert found.suspects == (1,)
-    assert found.sentence == "rank 1 is behind: it entered no collective yet; rank 0 waits in #1 all_reduce (default group)"
+    assert (
+        found.sentence
+        == "rank 1 is behind: it entered no collective yet; rank 0 waits in #1 all_reduce (default group)"
+    )
 
 
 def test_a_timed_out_collective_still_counts_as_where_the_ranks_wait():
@@ -58,16 +69,18 @@ def test_a_mismatch_of_sizes_shows_the_sizes():
     records = {0: fr(0, 2, 1), 1: fr(1, 2, 1), 2: fr(2, 2, 1, sizes=((20,),))}
     found = verdict(records, range(3))
     assert found.suspects == (2,)
-    assert found.sentence == ("collective mismatch at #2: rank 2 in all_reduce [20], "
-                              "ranks 0, 1 in all_reduce [10] (default group)")
+    assert found.sentence == (
+        "collective mismatch at #2: rank 2 in all_reduce [20], ranks 0, 1 in all_reduce [10] (default group)"
+    )
 
 
 def test_a_rank_that_left_is_named_with_how_it_left():
     records = {0: fr(0, 4, 3), 1: fr(1, 4, 3), 2: fr(2, 3, 3)}
     found = verdict(records, range(4), exited={2: "exited with code 0", 3: "exited with code 0"})
     assert found.kind == "exited" and found.suspects == (2, 3)
-    assert found.sentence == ("ranks 2, 3 have left (exited with code 0); "
-                              "ranks 0, 1 wait in #4 all_reduce (default group)")
+    assert found.sentence == (
+        "ranks 2, 3 have left (exited with code 0); ranks 0, 1 wait in #4 all_reduce (default group)"
+    )
 
 
 def test_ranks_in_step_point_at_nobody():
@@ -78,12 +91,24 @@ def test_ranks_in_step_point_at_nobody():
 
 
 def test_another_group_is_named_when_the_default_one_is_in_step():
-    records = {r: Collectives(rank=r, source="flight recorder", time=1.0, groups=[
-        GroupCollectives(group="default group", entered=2, finished=2, op="barrier"),
-        GroupCollectives(group="tp", entered=7 if r != 1 else 6, finished=6, op="all_gather")]) for r in range(3)}
+    records = {
+        r: Collectives(
+            rank=r,
+            source="flight recorder",
+            time=1.0,
+            groups=[
+                GroupCollectives(group="default group", entered=2, finished=2, op="barrier"),
+                GroupCollectives(group="tp", entered=7 if r != 1 else 6, finished=6, op="all_gather"),
+            ],
+        )
+        for r in range(3)
+    }
     found = verdict(records, range(3))
     assert found.suspects == (1,)
-    assert found.sentence == "rank 1 is behind: its last collective was #6 all_gather; ranks 0, 2 wait in #7 all_gather (tp)"
+    assert (
+        found.sentence
+        == "rank 1 is behind: its last collective was #6 all_gather; ranks 0, 2 wait in #7 all_gather (tp)"
+    )
 
 
 def test_stack_records_name_the_rank_outside_any_collective_and_a_mismatch():
@@ -95,7 +120,9 @@ def test_stack_records_name_the_rank_outside_any_collective_and_a_mismatch():
     assert found.sentence == "rank 1 is in no collective; ranks 0, 2 wait in all_reduce (from the ranks' stacks)"
     found = verdict({0: stack(0, "all_reduce"), 1: stack(1, "broadcast"), 2: stack(2, "all_reduce")}, range(3))
     assert found.kind == "mismatch" and found.suspects == (1,)
-    assert found.sentence == "collective mismatch: rank 1 in broadcast, ranks 0, 2 in all_reduce (from the ranks' stacks)"
+    assert (
+        found.sentence == "collective mismatch: rank 1 in broadcast, ranks 0, 2 in all_reduce (from the ranks' stacks)"
+    )
 
 
 def test_at_1024_ranks_the_sentence_and_the_summary_stay_short():
@@ -103,8 +130,10 @@ def test_at_1024_ranks_the_sentence_and_the_summary_stay_short():
     records[700] = fr(700, 99, 99)
     found = verdict(records, range(1024))
     assert found.suspects == (700,)
-    assert found.sentence == ("rank 700 is behind: its last collective was #99 all_reduce; "
-                              "ranks 0-699, 701-1023 wait in #100 all_reduce (default group)")
+    assert found.sentence == (
+        "rank 700 is behind: its last collective was #99 all_reduce; "
+        "ranks 0-699, 701-1023 wait in #100 all_reduce (default group)"
+    )
     assert len(found.summary) == 2
 
 
@@ -118,26 +147,46 @@ def test_collective_timeouts_are_recognised():
     def failure(message):
         return Failure(rank=0, exc_type="RuntimeError", message=message)
 
-    assert is_collective_timeout(failure("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms "
-                                         "for recv operation to complete"))
+    assert is_collective_timeout(
+        failure("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv operation to complete")
+    )
     assert is_collective_timeout(failure("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(...)"))
     assert not is_collective_timeout(failure("bad batch"))
-    aborted = Failure(rank=1, exit_code=-6, log_tail=[
-        "[rank1]:[E ProcessGroupNCCL.cpp:632] [Rank 1] Watchdog caught collective operation timeout: "
-        "WorkNCCL(SeqNum=4, OpType=ALLREDUCE, Timeout(ms)=10000) ran for 10005 milliseconds before timing out."])
+    aborted = Failure(
+        rank=1,
+        exit_code=-6,
+        log_tail=[
+            "[rank1]:[E ProcessGroupNCCL.cpp:632] [Rank 1] Watchdog caught collective operation timeout: "
+            "WorkNCCL(SeqNum=4, OpType=ALLREDUCE, Timeout(ms)=10000) ran for 10005 milliseconds before timing out."
+        ],
+    )
     assert is_collective_timeout(aborted) and not is_collective_timeout(Failure(rank=1, exit_code=-6))
 
 
 def test_the_flight_recorders_dump_becomes_each_groups_state():
     def entry(seq, retired, op="all_reduce", group=("0", "default_pg"), p2p=False):
-        return {"collective_seq_id": seq, "profiling_name": f"gloo:{op}", "process_group": list(group),
-                "input_sizes": [[4, 2]], "retired": retired, "is_p2p": p2p}
+        return {
+            "collective_seq_id": seq,
+            "profiling_name": f"gloo:{op}",
+            "process_group": list(group),
+            "input_sizes": [[4, 2]],
+            "retired": retired,
+            "is_p2p": p2p,
+        }
 
-    trace = {"entries": [entry(1, True), entry(2, True), entry(3, False, "broadcast"),
-                         entry(0, False, "send", p2p=True), entry(1, False, "all_gather", ("1", "tp"))]}
+    trace = {
+        "entries": [
+            entry(1, True),
+            entry(2, True),
+            entry(3, False, "broadcast"),
+            entry(0, False, "send", p2p=True),
+            entry(1, False, "all_gather", ("1", "tp")),
+        ]
+    }
     assert groups_from_trace(trace) == [
         GroupCollectives(group="default group", entered=3, finished=2, op="broadcast", sizes=[[4, 2]]),
-        GroupCollectives(group="tp", entered=1, finished=0, op="all_gather", sizes=[[4, 2]])]
+        GroupCollectives(group="tp", entered=1, finished=0, op="all_gather", sizes=[[4, 2]]),
+    ]
     assert groups_from_trace({}) == []
 
 
@@ -150,8 +199,14 @@ def test_a_stack_names_the_outermost_collective():
 
 # -- the errors lead with the verdict --------------------------------------------------------------
 def _stacks(n, where):
-    return {r: Stacks(rank=r, text=f'Current thread 0x1 (most recent call first):\n  File "/a/t.py", line {where(r)} in f\n',
-                      main_thread=1) for r in range(n)}
+    return {
+        r: Stacks(
+            rank=r,
+            text=f'Current thread 0x1 (most recent call first):\n  File "/a/t.py", line {where(r)} in f\n',
+            main_thread=1,
+        )
+        for r in range(n)
+    }
 
 
 def test_a_hang_leads_with_the_verdict_and_groups_the_other_ranks():
@@ -159,9 +214,11 @@ def test_a_hang_leads_with_the_verdict_and_groups_the_other_ranks():
     err = HangTimeout(8, _stacks(4, lambda r: 9 if r == 2 else 5), 4, verdict=found)
     assert err.suspects == (2,)
     text = str(err)
-    assert text.startswith("Rank 2 is behind: its last collective was #3 all_reduce; ranks 0, 1, 3 wait in "
-                           "#4 all_reduce (default group). No rank sent progress, metrics or output for 8 s "
-                           "(hang_timeout); every rank was stopped. Where each rank was")
+    assert text.startswith(
+        "Rank 2 is behind: its last collective was #3 all_reduce; ranks 0, 1, 3 wait in "
+        "#4 all_reduce (default group). No rank sent progress, metrics or output for 8 s "
+        "(hang_timeout); every rank was stopped. Where each rank was"
+    )
     assert "\n  rank 2: f (/a/t.py, line 9)\n  ranks 0, 1, 3: f (/a/t.py, line 5)\n" in text
     rendered = err._render_traceback_()
     assert rendered.count("--- rank 2, main thread (most recent call last) ---") == 1
@@ -180,8 +237,10 @@ def test_at_many_ranks_a_hang_shows_a_few_suspects_stacks_and_groups_the_rest():
     assert found.suspects == tuple(range(1000, 1024))
     err = HangTimeout(8, _stacks(1024, lambda r: 9 if r >= 1000 else 5), 1024, verdict=found)
     text = str(err)
-    assert text.startswith("Ranks 1000-1023 are behind: their last collective was #8 all_reduce; ranks 0-999 wait "
-                           "in #9 all_reduce (default group).")
+    assert text.startswith(
+        "Ranks 1000-1023 are behind: their last collective was #8 all_reduce; ranks 0-999 wait "
+        "in #9 all_reduce (default group)."
+    )
     assert "\n  ranks 0-999: f (/a/t.py, line 5)\n  ranks 1008-1023: f (/a/t.py, line 9)\n" in text
     assert len(text.splitlines()) < 20
     assert sum(line.startswith("--- rank ") for line in err._render_traceback_()) == 8
@@ -194,8 +253,10 @@ def test_a_rank_failure_leads_with_the_verdict():
     err = RankFailure(behind, [timed_out], verdict=found)
     assert err.rank == 1 and err.suspects == (1,)
     text = str(err)
-    assert text.startswith("RankFailure: rank 1 is behind: its last collective was #3 all_reduce; rank 0 waits "
-                           "in #4 all_reduce (default group)\n\n--- stack of rank 1 ---\n")
+    assert text.startswith(
+        "RankFailure: rank 1 is behind: its last collective was #3 all_reduce; rank 0 waits "
+        "in #4 all_reduce (default group)\n\n--- stack of rank 1 ---\n"
+    )
     assert "  rank 0 on h raised RuntimeError: Timed out waiting 8000ms for recv" in text
     assert pickle.loads(pickle.dumps(err)).suspects == (1,)
     assert RankFailure(timed_out).suspects == ()
@@ -231,8 +292,10 @@ def test_a_hang_names_the_rank_behind(local_distributor):
         run.result(timeout=240)
     err = info.value
     assert err.suspects == (2,)
-    assert str(err).startswith("Rank 2 is behind: its last collective was #3 all_reduce; ranks 0, 1, 3 wait in "
-                               "#4 all_reduce (default group). No rank sent progress"), str(err)
+    assert str(err).startswith(
+        "Rank 2 is behind: its last collective was #3 all_reduce; ranks 0, 1, 3 wait in "
+        "#4 all_reduce (default group). No rank sent progress"
+    ), str(err)
     assert "  rank 2: load_next_batch (" in str(err)
     assert re.search(r"\n  ranks 0, 1, 3: all_reduce \(torch/distributed/distributed_c10d\.py", str(err)), str(err)
     snap = run.state.snapshot()
@@ -274,8 +337,10 @@ def test_a_hang_in_mismatched_collectives_says_mismatch(local_distributor):
         run.result(timeout=240)
     err = info.value
     assert err.suspects == (1,), str(err)
-    assert str(err).startswith("Collective mismatch at #4: rank 1 in broadcast, ranks 0, 2 in all_reduce "
-                               "(default group). No rank sent progress"), str(err)
+    assert str(err).startswith(
+        "Collective mismatch at #4: rank 1 in broadcast, ranks 0, 2 in all_reduce "
+        "(default group). No rank sent progress"
+    ), str(err)
     assert_no_survivors(run)
 
 
@@ -283,8 +348,10 @@ def test_a_collective_timeout_blames_the_rank_behind_not_the_first_to_time_out(l
     run = local_distributor(4).submit(one_rank_behind, 2, 600.0, 5.0)
     failure = rank_failure_of(run, timeout=240)
     assert failure.rank == 2 and failure.suspects == (2,), str(failure)
-    assert str(failure).startswith("RankFailure: rank 2 is behind: its last collective was #3 all_reduce; "
-                                   "ranks 0, 1, 3 wait in #4 all_reduce (default group)"), str(failure)
+    assert str(failure).startswith(
+        "RankFailure: rank 2 is behind: its last collective was #3 all_reduce; "
+        "ranks 0, 1, 3 wait in #4 all_reduce (default group)"
+    ), str(failure)
     assert 'in load_next_batch' in failure.traceback
     assert any("Timed out waiting" in f.message for f in failure.failures[1:])
     assert run.state.snapshot().failure.rank == 2
@@ -309,8 +376,9 @@ def test_a_rank_that_left_while_the_others_wait_is_named(local_distributor):
     failure = rank_failure_of(run, timeout=240)
     assert failure.rank == 1 and failure.suspects == (1,), str(failure)
     # it left no record (os._exit): how it left is what is known
-    assert str(failure).startswith("RankFailure: rank 1 has left (exited with code 0); "
-                                   "ranks 0, 2 wait in #4 all_reduce (default group)"), str(failure)
+    assert str(failure).startswith(
+        "RankFailure: rank 1 has left (exited with code 0); ranks 0, 2 wait in #4 all_reduce (default group)"
+    ), str(failure)
     assert "  rank 1: no collective record; exited with code 0" in str(failure)
     assert_no_survivors(run)
 
@@ -320,13 +388,16 @@ def test_a_warm_pools_hang_names_the_rank_behind(local_distributor):
 
     try:
         local_distributor(3, warm=True).run(rank)  # the pool's start is no part of the hang
-        info, = pools()
+        (info,) = pools()
         run = local_distributor(3, warm=True, hang_timeout=6).submit(one_rank_behind, 1)
         with pytest.raises(HangTimeout) as hung:
             run.result(timeout=240)
         assert hung.value.suspects == (1,), str(hung.value)
-        assert re.match(r"Rank 1 is behind: its last collective was #\d+ all_reduce; ranks 0, 2 wait in #\d+ "
-                        r"all_reduce \(default group\)\. No rank sent progress", str(hung.value)), str(hung.value)
+        assert re.match(
+            r"Rank 1 is behind: its last collective was #\d+ all_reduce; ranks 0, 2 wait in #\d+ "
+            r"all_reduce \(default group\)\. No rank sent progress",
+            str(hung.value),
+        ), str(hung.value)
     finally:
         shutdown_pools()
     assert_no_survivors(run, extra_pids=info.pids)
@@ -340,8 +411,10 @@ def test_on_spark_a_collective_timeout_blames_the_rank_behind(spark_local2):
     run = Distributor(2, local_mode=False, show=None).submit(one_rank_behind, 1, 600.0, 5.0)
     failure = rank_failure_of(run, timeout=240)
     assert failure.rank == 1 and failure.suspects == (1,), str(failure)
-    assert str(failure).startswith("RankFailure: rank 1 is behind: its last collective was #3 all_reduce; "
-                                   "rank 0 waits in #4 all_reduce (default group)"), str(failure)
+    assert str(failure).startswith(
+        "RankFailure: rank 1 is behind: its last collective was #3 all_reduce; "
+        "rank 0 waits in #4 all_reduce (default group)"
+    ), str(failure)
     assert "Timed out waiting" in failure.failures[1].message
     assert_nothing_left(run)
 
@@ -357,8 +430,9 @@ def test_the_failure_pane_and_the_summary_lead_with_the_culprit():
     assert M.run_facts(run.state).culprit == ""
     found = verdict({0: fr(0, 4, 3), 1: fr(1, 3, 3), 2: fr(2, 4, 3)}, range(3))
     run.state.set_verdict(found)
-    run.state.finish("hung", message="no rank sent progress, metrics or output for 8 s (hang_timeout); every "
-                                     "rank was stopped")
+    run.state.finish(
+        "hung", message="no rank sent progress, metrics or output for 8 s (hang_timeout); every rank was stopped"
+    )
     facts = M.run_facts(run.state)
     assert facts.culprit == found.sentence
     pane = H.failure_html(facts)
@@ -366,9 +440,10 @@ def test_the_failure_pane_and_the_summary_lead_with_the_culprit():
     assert pane.index("Rank 1 is behind: its last collective was #3 all_reduce") < pane.index("no rank sent progress")
     assert "torchdist-culprit" in H.summary_html(run.state)
     text = summary(run.state)
-    assert ("\n  culprit: rank 1 is behind: its last collective was #3 all_reduce; ranks 0, 2 wait in #4 "
-            "all_reduce (default group)\n  no rank sent progress") in text
-
+    assert (
+        "\n  culprit: rank 1 is behind: its last collective was #3 all_reduce; ranks 0, 2 wait in #4 "
+        "all_reduce (default group)\n  no rank sent progress"
+    ) in text
 
 
 # -- NCCL (GPUs) -----------------------------------------------------------------------------------

@@ -209,6 +209,7 @@ def recording_pids(cell: str, directory) -> str:
 def others_gone_first(typist, directory, others):
     """``typist``, which at the first prompt first waits for the ranks ``others`` to be gone
     (their pids from ``recording_pids``): the run stopped them while the failing rank is held."""
+
     def answer(prompt):
         if not typist.ranks:
             for rank in others:
@@ -221,29 +222,44 @@ def others_gone_first(typist, directory, others):
 
 
 def test_post_mortem_on_the_failing_rank_then_the_cell_raises(kernel, tmp_path):
-    typist = Typist({1: [("p z", "21\n"), ("where", "-> raise ValueError"), ("up", "-> inner(x)"), ("p x", "20\n"),
-                         ("p y", "*** NameError: name 'y' is not defined"), ("p [rank, world_size]", "[1, 2]"), "q"]},
-                    opening={1: "-> raise ValueError"})
-    cell = kernel.cell("%%torchdist --np 2 --pdb --quiet\n" + recording_pids(FAILING_CELL, tmp_path),
-                       others_gone_first(typist, tmp_path, [0]))
+    typist = Typist(
+        {
+            1: [
+                ("p z", "21\n"),
+                ("where", "-> raise ValueError"),
+                ("up", "-> inner(x)"),
+                ("p x", "20\n"),
+                ("p y", "*** NameError: name 'y' is not defined"),
+                ("p [rank, world_size]", "[1, 2]"),
+                "q",
+            ]
+        },
+        opening={1: "-> raise ValueError"},
+    )
+    cell = kernel.cell(
+        "%%torchdist --np 2 --pdb --quiet\n" + recording_pids(FAILING_CELL, tmp_path),
+        others_gone_first(typist, tmp_path, [0]),
+    )
     assert typist.ranks == [1] * 7 and not typist.lines[1]
     text = cell.text
     assert "torchdist: rank 1 raised ValueError: bad value 21" in text
-    assert "(Pdb rank 1) p z\n21\n(Pdb rank 1) where\n" in text         # p z, in inner()
-    assert "inner(x)" in text and "-> raise ValueError" in text           # where
-    assert "(Pdb rank 1) p x\n20\n(Pdb rank 1) p y\n" in text             # p x, a frame up: the cell
+    assert "(Pdb rank 1) p z\n21\n(Pdb rank 1) where\n" in text  # p z, in inner()
+    assert "inner(x)" in text and "-> raise ValueError" in text  # where
+    assert "(Pdb rank 1) p x\n20\n(Pdb rank 1) p y\n" in text  # p x, a frame up: the cell
     assert "(Pdb rank 1) p y\n*** NameError: name 'y' is not defined\n" in text
     assert "(Pdb rank 1) p [rank, world_size]\n[1, 2]\n(Pdb rank 1) q\n" in text
     assert cell.error[0] == "RankFailure" and "bad value 21" in cell.error[1]
-    assert "rank 1" in cell.error[1]                                      # the held rank stays the root cause
+    assert "rank 1" in cell.error[1]  # the held rank stays the root cause
     logs = kernel.kc.execute_interactive(
         "assert '(Pdb' not in _torchdist_run.logs(1), _torchdist_run.logs(1)\n"
         "assert \"[torchdist] rank 0 was stopped: rank 1's failure is held for the debugger (--pdb)\" "
         "in _torchdist_run.logs(0), _torchdist_run.logs(0)\n"
         "assert _torchdist_run.state.ranks[0].state == 'cancelled', _torchdist_run.state.ranks[0].state\n"
         "assert [f.rank for f in _torchdist_run.state.failures()] == [1]",
-        timeout=60, output_hook=lambda m: None)
-    assert logs["content"]["status"] == "ok", logs["content"]   # pdb's output went to the cell only
+        timeout=60,
+        output_hook=lambda m: None,
+    )
+    assert logs["content"]["status"] == "ok", logs["content"]  # pdb's output went to the cell only
     assert_no_worker_left(kernel)
 
 
@@ -268,10 +284,10 @@ def test_config_pdb_and_an_interrupt_at_the_prompt_ends_the_session(kernel):
 
 
 def test_breakpoint_p_then_c_returns_the_cells_value(kernel):
-    typist = Typist({1: [("p x", "101\n"), ("n", "-> "), ("p seen", "102\n"), "c"]},
-                    opening={1: "-> seen = x + 1"})
-    cell = kernel.cell("%%torchdist --np 2 --quiet\nx = 100 + rank\nif rank == 1:\n    breakpoint()\n"
-                       "    seen = x + 1\nx * 2\n", typist)
+    typist = Typist({1: [("p x", "101\n"), ("n", "-> "), ("p seen", "102\n"), "c"]}, opening={1: "-> seen = x + 1"})
+    cell = kernel.cell(
+        "%%torchdist --np 2 --quiet\nx = 100 + rank\nif rank == 1:\n    breakpoint()\n    seen = x + 1\nx * 2\n", typist
+    )
     assert cell.error is None, cell.text
     assert typist.ranks == [1, 1, 1, 1]
     assert "torchdist: rank 1 stopped at breakpoint(): c continues it, q stops the run" in cell.text
@@ -290,10 +306,11 @@ def test_q_at_a_breakpoint_stops_the_run(kernel):
 
 
 def test_two_ranks_at_breakpoints_one_session_at_a_time(kernel):
-    typist = Typist({0: [("p who", "'rank-0-here'"), "c"], 1: [("p who", "'rank-1-here'"), "c"]},
-                    opening={0: "> <torchdist cell", 1: "> <torchdist cell"})
-    cell = kernel.cell("%%torchdist --np 2 --all-ranks --quiet\nwho = f'rank-{rank}-here'\nbreakpoint()\n"
-                       "who\n", typist)
+    typist = Typist(
+        {0: [("p who", "'rank-0-here'"), "c"], 1: [("p who", "'rank-1-here'"), "c"]},
+        opening={0: "> <torchdist cell", 1: "> <torchdist cell"},
+    )
+    cell = kernel.cell("%%torchdist --np 2 --all-ranks --quiet\nwho = f'rank-{rank}-here'\nbreakpoint()\nwho\n", typist)
     assert cell.error is None, cell.text
     first = typist.ranks[0]
     assert typist.ranks == [first, first, 1 - first, 1 - first]  # one session, then the other
@@ -306,8 +323,7 @@ def test_two_ranks_at_breakpoints_one_session_at_a_time(kernel):
 def test_without_stdin_breakpoint_is_skipped_with_one_line_and_pdb_says_so(kernel):
     kernel.run("%config TorchdistMagics.view = 'text'")
     try:
-        cell = kernel.cell("%%torchdist --np 2\nx = 5 + rank\nif rank == 1:\n    breakpoint()\nx\n",
-                           allow_stdin=False)
+        cell = kernel.cell("%%torchdist --np 2\nx = 5 + rank\nif rank == 1:\n    breakpoint()\nx\n", allow_stdin=False)
         assert cell.error is None and not cell.prompts, cell.text
         assert cell.text.count("breakpoint() skipped") == 1, cell.text
         assert "torchdist: breakpoint() skipped on rank 1: the notebook has no input to debug with" in cell.text
@@ -322,8 +338,7 @@ def test_without_stdin_breakpoint_is_skipped_with_one_line_and_pdb_says_so(kerne
 
 
 def test_a_session_without_input_ends_at_the_idle_limit(kernel):
-    cell = kernel.cell("%%torchdist --np 2 --pdb --debug-idle-timeout 1 --quiet\n" + FAILING_CELL,
-                       lambda prompt: None)
+    cell = kernel.cell("%%torchdist --np 2 --pdb --debug-idle-timeout 1 --quiet\n" + FAILING_CELL, lambda prompt: None)
     assert cell.prompts == ["(Pdb rank 1) "]
     assert "torchdist: no input for 1 s: the debugger session on rank 1 ends (--debug-idle-timeout)" in cell.text
     assert cell.error[0] == "RankFailure" and "bad value 21" in cell.error[1]
@@ -334,15 +349,21 @@ def post_mortem_on_spark(kernel, directory, backend):
     """The failing cell under ``--pdb`` on the kernel's ``spark`` session: rank 1 is held and
     debugged while rank 0's task stopped its rank and ended (the stage goes on), then the cell
     raises rank 1's failure and nothing of the run is left."""
-    typist = Typist({1: [("p z", "21\n"), ("up", "-> inner(x)"), ("p x", "20\n"), "q"]},
-                    opening={1: "-> raise ValueError"})
-    cell = kernel.cell("%%torchdist --np 2 --pdb --quiet\n" + recording_pids(FAILING_CELL, directory),
-                       others_gone_first(typist, directory, [0]))
+    typist = Typist(
+        {1: [("p z", "21\n"), ("up", "-> inner(x)"), ("p x", "20\n"), "q"]}, opening={1: "-> raise ValueError"}
+    )
+    cell = kernel.cell(
+        "%%torchdist --np 2 --pdb --quiet\n" + recording_pids(FAILING_CELL, directory),
+        others_gone_first(typist, directory, [0]),
+    )
     assert typist.ranks == [1, 1, 1, 1], cell.text
     assert "(Pdb rank 1) p z\n21\n" in cell.text and "(Pdb rank 1) p x\n20\n" in cell.text
     assert cell.error[0] == "RankFailure" and "bad value 21" in cell.error[1] and "rank 1" in cell.error[1]
-    shown = printed(kernel, "print(type(_torchdist_run.backend).__name__, [f.rank for f in "
-                            "_torchdist_run.state.failures()], _torchdist_run.state.ranks[0].state)").strip()
+    shown = printed(
+        kernel,
+        "print(type(_torchdist_run.backend).__name__, [f.rank for f in "
+        "_torchdist_run.state.failures()], _torchdist_run.state.ranks[0].state)",
+    ).strip()
     assert shown == f"{backend} [1] cancelled"  # the ranks ran in Spark tasks; rank 0 was stopped
     assert_no_worker_left(kernel)
 
@@ -350,8 +371,10 @@ def post_mortem_on_spark(kernel, directory, backend):
 @pytest.mark.spark
 def test_post_mortem_on_a_spark_local2_rank(kernel, tmp_path):
     pytest.importorskip("pyspark")
-    kernel.run(f"from spark_fixtures import SparkSessions\n_sessions = SparkSessions({str(tmp_path)!r})\n"
-               "spark = _sessions.get('local[2]')")
+    kernel.run(
+        f"from spark_fixtures import SparkSessions\n_sessions = SparkSessions({str(tmp_path)!r})\n"
+        "spark = _sessions.get('local[2]')"
+    )
     try:
         post_mortem_on_spark(kernel, tmp_path, "SparkBarrierBackend")
     finally:
@@ -360,8 +383,10 @@ def test_post_mortem_on_a_spark_local2_rank(kernel, tmp_path):
 
 @pytest.mark.spark
 def test_post_mortem_on_a_spark_connect_rank(kernel, connect_server, tmp_path):
-    kernel.run(f"from pyspark.sql import SparkSession\nspark = SparkSession.builder.remote({connect_server.url!r})"
-               ".getOrCreate()")
+    kernel.run(
+        f"from pyspark.sql import SparkSession\nspark = SparkSession.builder.remote({connect_server.url!r})"
+        ".getOrCreate()"
+    )
     try:
         post_mortem_on_spark(kernel, tmp_path, "SparkConnectBackend")
     finally:
@@ -399,8 +424,9 @@ def test_pdb_says_so_when_the_executors_cannot_reach_the_notebook(spark_local2, 
     from torchdist_magic.driver.follow import follow
 
     monkeypatch.setattr(distributor, "make_backend", lambda options: Unreachable(spark_local2))
-    run = distributor.submit(fail_on_rank_1, (), {}, LaunchOptions(num_processes=2, backend="spark", pdb=True),
-                             debug_input=True)
+    run = distributor.submit(
+        fail_on_rank_1, (), {}, LaunchOptions(num_processes=2, backend="spark", pdb=True), debug_input=True
+    )
     with pytest.raises(RankFailure) as info:
         follow(run)
     assert (info.value.rank, info.value.message) == (1, "bad shard on rank 1")

@@ -25,8 +25,11 @@ def home(tmp_path, monkeypatch):
 
 def assert_nothing_survives(handle):
     """Neither the supervising process nor any rank of the detached run is alive."""
-    wait_until(lambda: not alive(handle.record.pid) and not pids_of_run(handle.run_id), 30,
-               f"run {handle.run_id}'s supervising process and ranks to end")
+    wait_until(
+        lambda: not alive(handle.record.pid) and not pids_of_run(handle.run_id),
+        30,
+        f"run {handle.run_id}'s supervising process and ranks to end",
+    )
 
 
 def prints_then_returns(marker):
@@ -110,11 +113,15 @@ def test_a_killed_supervising_process_takes_its_ranks_and_the_handle_says_so(hom
     handle = detached().submit(sleeps)
     wait_until(lambda: "sleeping" in handle.logs(1), 60, "rank 1 to sleep")
     os.kill(handle.record.pid, signal.SIGKILL)
-    with pytest.raises(attaching.RunLost, match=f"the supervising process of detached run {handle.run_id} "
-                                                 r"\(pid \d+\) ended before the run did"):
+    with pytest.raises(
+        attaching.RunLost,
+        match=f"the supervising process of detached run {handle.run_id} "
+        r"\(pid \d+\) ended before the run did",
+    ):
         handle.result(60)
     assert history.read_record(handle.run_id).failure == (
-        f"its supervising process (pid {handle.record.pid}) ended before the run did")
+        f"its supervising process (pid {handle.record.pid}) ended before the run did"
+    )
     assert_nothing_survives(handle)
 
 
@@ -154,15 +161,24 @@ def test_the_control_socket_takes_only_a_stop_with_the_runs_token(home):
     assert_nothing_survives(handle)
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"warm": True}, "detach runs under a process of its own, and a warm pool's ranks belong to this kernel"),
-    ({"pdb": True}, "pdb holds a failing rank for a debugger in the cell, and a detached run has no cell"),
-    ({"backend": "spark"}, "runs on the active SparkSession \\(classic or Spark Connect\\), and this process has none"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"warm": True}, "detach runs under a process of its own, and a warm pool's ranks belong to this kernel"),
+        ({"pdb": True}, "pdb holds a failing rank for a debugger in the cell, and a detached run has no cell"),
+        (
+            {"backend": "spark"},
+            "runs on the active SparkSession \\(classic or Spark Connect\\), and this process has none",
+        ),
+    ],
+)
 def test_what_cannot_be_detached_is_refused_before_anything_starts(home, options, message):
     with pytest.raises(ValueError, match=message):
-        detached(np=1, **{k: v for k, v in options.items() if k != "backend"},
-                 **({"local_mode": False} if "backend" in options else {})).submit(sleeps)
+        detached(
+            np=1,
+            **{k: v for k, v in options.items() if k != "backend"},
+            **({"local_mode": False} if "backend" in options else {}),
+        ).submit(sleeps)
     assert torchdist_magic.runs() == []
 
 
@@ -204,14 +220,17 @@ def test_the_magic_detaches_attaches_and_stops(home, ip, capsys, tmp_path):
 
     marker = tmp_path / "go"
     ip.user_ns["marker"] = str(marker)
-    cell(ip, """
+    cell(
+        ip,
+        """
         %%torchdist --np 2 --local --detach
         import os, time
         print("waiting", flush=True)
         while not os.path.exists(marker):
             time.sleep(0.05)
         rank * 10 + 5
-    """)
+    """,
+    )
     handle = ip.user_ns["_torchdist_run"]
     out = capsys.readouterr().out
     assert f"torchdist: detached run {handle.run_id} started (np=2)" in out
@@ -229,8 +248,8 @@ def test_the_magic_detaches_attaches_and_stops(home, ip, capsys, tmp_path):
     assert_nothing_survives(handle)
 
 
-
 # -- Spark: the supervising process opens a session of its own on the same cluster ----------------
+
 
 def spark_job():
     from torchdist_magic import rank
@@ -313,13 +332,23 @@ def test_a_full_journal_is_said_by_the_kernel_that_attaches(home, monkeypatch, c
     journal.close()
     assert os.path.exists(os.path.join(directory, supervisor.JOURNAL_FULL_FILE))
     values.dump(7, os.path.join(directory, supervisor.VALUE_FILE))
-    history.RunRecord(run_id="full-1", state="succeeded", outcome="succeeded", started=1.0, ended=2.0,
-                      detached=True, has_value=True, directory=directory).save()
+    history.RunRecord(
+        run_id="full-1",
+        state="succeeded",
+        outcome="succeeded",
+        started=1.0,
+        ended=2.0,
+        detached=True,
+        has_value=True,
+        directory=directory,
+    ).save()
     history.write_private(os.path.join(directory, supervisor.DONE_FILE), "succeeded")
     handle = torchdist_magic.attach("full-1")
     assert attaching.follow_attached(handle) == 7
-    assert capsys.readouterr().out == ("torchdist: the run's journal was full: this view lacks its later records; "
-                                       "the record has its end and the tails of its logs\n")
+    assert capsys.readouterr().out == (
+        "torchdist: the run's journal was full: this view lacks its later records; "
+        "the record has its end and the tails of its logs\n"
+    )
     assert 0 < handle.logs(0).count("\n") < 10
 
 
@@ -327,8 +356,11 @@ def test_a_supervising_process_that_cannot_start_is_said_with_its_output(home, m
     import sys
 
     monkeypatch.setattr(sys, "executable", "/bin/false")
-    with pytest.raises(RuntimeError, match=r"the supervising process of detached run \S+ did not start it "
-                                           r"\(exit code 1\); its output is in .*supervisor\.log"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"the supervising process of detached run \S+ did not start it "
+        r"\(exit code 1\); its output is in .*supervisor\.log",
+    ):
         detached(np=1).submit(sleeps)
 
 
@@ -346,7 +378,8 @@ def test_an_interrupted_attach_stops_following_not_the_run(home, capsys):
             attaching.follow_attached(torchdist_magic.attach(handle.run_id), Interrupting())
         assert capsys.readouterr().out == (
             f"torchdist: stopped following run {handle.run_id}, which goes on (%torchdist attach {handle.run_id} "
-            f"follows it again, %torchdist stop {handle.run_id} stops it)\n")
+            f"follows it again, %torchdist stop {handle.run_id} stops it)\n"
+        )
         assert history.read_record(handle.run_id).state == "running"
     finally:
         handle.cancel()
@@ -357,5 +390,7 @@ def test_an_interrupted_attach_stops_following_not_the_run(home, capsys):
 def test_attach_and_stop_take_one_run_id(home, ip):
     from IPython.core.error import UsageError
 
-    with pytest.raises(UsageError, match="%torchdist stop needs one run id \\(%torchdist runs lists them\\), got 'a b'"):
+    with pytest.raises(
+        UsageError, match="%torchdist stop needs one run id \\(%torchdist runs lists them\\), got 'a b'"
+    ):
         ip.run_line_magic("torchdist", "stop a b")

@@ -128,9 +128,11 @@ def test_stop_from_another_kernel(kernels, tmp_path):
 
 def test_a_run_not_detached_still_ends_with_its_kernel(kernels, tmp_path):
     kernel = kernels()
-    kernel.run("from torchdist_magic import Distributor\nimport time\n"
-               "def sleeps():\n    print('sleeping', flush=True)\n    time.sleep(600)\n"
-               "run = Distributor(num_processes=2, show=None).submit(sleeps)")
+    kernel.run(
+        "from torchdist_magic import Distributor\nimport time\n"
+        "def sleeps():\n    print('sleeping', flush=True)\n    time.sleep(600)\n"
+        "run = Distributor(num_processes=2, show=None).submit(sleeps)"
+    )
     run_id = kernel.value("run.run_id")
     wait_until(lambda: len(pids_of_run(run_id)) >= 2, 60, "both ranks to start")
     kernel.kill()

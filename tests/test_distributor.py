@@ -18,9 +18,20 @@ def env_of_rank(names):
     return {n: os.environ.get(n) for n in names}
 
 
-RANK_VARS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "OMP_NUM_THREADS", "MY_SETTING", "TORCHDIST_SECRET", "GROUP_RANK", "GROUP_WORLD_SIZE",
-             "NODE_RANK"]
+RANK_VARS = [
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+    "MY_SETTING",
+    "TORCHDIST_SECRET",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "NODE_RANK",
+]
 
 
 def test_rank_environment(local_distributor):
@@ -171,48 +182,73 @@ def test_script_exit_code_fails_the_run(local_distributor, tmp_path):
 
 
 # -- bad input: clear errors before anything starts ------------------------------------------
-@pytest.mark.parametrize("n,error,text", [
-    (0, ValueError, "num_processes must be at least 1, got 0"),
-    (-2, ValueError, "num_processes must be at least 1, got -2"),
-    ("2", TypeError, "num_processes must be a whole number, got '2'"),
-    (2.0, TypeError, "num_processes must be a whole number, got 2.0"),
-    (True, TypeError, "num_processes must be a whole number, got True"),
-])
+@pytest.mark.parametrize(
+    "n,error,text",
+    [
+        (0, ValueError, "num_processes must be at least 1, got 0"),
+        (-2, ValueError, "num_processes must be at least 1, got -2"),
+        ("2", TypeError, "num_processes must be a whole number, got '2'"),
+        (2.0, TypeError, "num_processes must be a whole number, got 2.0"),
+        (True, TypeError, "num_processes must be a whole number, got True"),
+    ],
+)
 def test_bad_num_processes(n, error, text):
     with pytest.raises(error, match="^" + text + "$"):
         Distributor(n)
 
 
-@pytest.mark.parametrize("kwargs,text", [
-    ({"timeout": 0}, "timeout must be a positive number of seconds, got 0"),
-    ({"timeout": "10"}, "timeout must be a number of seconds, got '10'"),
-    ({"env": ["NOEQUALS"]}, "env entry 'NOEQUALS' is not of the form KEY=VALUE"),
-    ({"backend": "yarn"}, "backend must be one of auto, local, spark, got 'yarn' (a package adds one with an "
-                          "entry point in the group 'torchdist_magic.backends', or register_backend())"),
-    ({"use_gpu": "yes"}, "use_gpu must be True or False, got 'yes'"),
-    ({"all_ranks": 1}, "all_ranks must be True or False, got 1"),
-    ({"nprocs": 2}, "unknown option(s): nprocs; known: backend, timeout, hang_timeout, max_restarts, "
-                    "checkpoint_dir, keep_checkpoints, env, all_ranks, warm, ranks, pool_idle_timeout, pdb, "
-                    "debug_idle_timeout, tls, system_metrics, profile, mlflow, preflight, detach"),
-    ({"show": "html"}, "show must be one of 'text', 'auto', 'widget', None, got 'html'"),
-    ({"local_mode": "yes"}, "local_mode must be True, False or None, got 'yes'"),
-    ({"backend": "local", "local_mode": False},
-     "local_mode=False and backend='local' contradict each other: give one of them"),
-    ({"backend": "spark", "local_mode": True},
-     "local_mode=True and backend='spark' contradict each other: give one of them"),
-    ({"backend": "auto", "local_mode": True},
-     "local_mode=True and backend='auto' contradict each other: give one of them"),
-])
+@pytest.mark.parametrize(
+    "kwargs,text",
+    [
+        ({"timeout": 0}, "timeout must be a positive number of seconds, got 0"),
+        ({"timeout": "10"}, "timeout must be a number of seconds, got '10'"),
+        ({"env": ["NOEQUALS"]}, "env entry 'NOEQUALS' is not of the form KEY=VALUE"),
+        (
+            {"backend": "yarn"},
+            "backend must be one of auto, local, spark, got 'yarn' (a package adds one with an "
+            "entry point in the group 'torchdist_magic.backends', or register_backend())",
+        ),
+        ({"use_gpu": "yes"}, "use_gpu must be True or False, got 'yes'"),
+        ({"all_ranks": 1}, "all_ranks must be True or False, got 1"),
+        (
+            {"nprocs": 2},
+            "unknown option(s): nprocs; known: backend, timeout, hang_timeout, max_restarts, "
+            "checkpoint_dir, keep_checkpoints, env, all_ranks, warm, ranks, pool_idle_timeout, pdb, "
+            "debug_idle_timeout, tls, system_metrics, profile, mlflow, preflight, detach",
+        ),
+        ({"show": "html"}, "show must be one of 'text', 'auto', 'widget', None, got 'html'"),
+        ({"local_mode": "yes"}, "local_mode must be True, False or None, got 'yes'"),
+        (
+            {"backend": "local", "local_mode": False},
+            "local_mode=False and backend='local' contradict each other: give one of them",
+        ),
+        (
+            {"backend": "spark", "local_mode": True},
+            "local_mode=True and backend='spark' contradict each other: give one of them",
+        ),
+        (
+            {"backend": "auto", "local_mode": True},
+            "local_mode=True and backend='auto' contradict each other: give one of them",
+        ),
+    ],
+)
 def test_bad_options(kwargs, text):
     with pytest.raises((ValueError, TypeError), match="^" + text.replace("(", r"\(").replace(")", r"\)") + "$"):
         Distributor(1, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs,backend", [
-    ({}, "local"), ({"local_mode": True}, "local"), ({"local_mode": False}, "spark"),
-    ({"local_mode": None}, "auto"), ({"backend": "spark"}, "spark"), ({"backend": "auto"}, "auto"),
-    ({"local_mode": False, "backend": "spark"}, "spark"),
-])
+@pytest.mark.parametrize(
+    "kwargs,backend",
+    [
+        ({}, "local"),
+        ({"local_mode": True}, "local"),
+        ({"local_mode": False}, "spark"),
+        ({"local_mode": None}, "auto"),
+        ({"backend": "spark"}, "spark"),
+        ({"backend": "auto"}, "auto"),
+        ({"local_mode": False, "backend": "spark"}, "spark"),
+    ],
+)
 def test_local_mode_and_backend_agree(kwargs, backend):
     assert Distributor(1, **kwargs).options.backend == backend
 
@@ -290,14 +326,16 @@ def test_unpicklable_result_is_a_rank_failure(local_distributor):
 
 # -- a function from a module the workers cannot import by name ------------------------------
 def test_function_from_unimportable_module_travels_by_value(local_distributor, tmp_path, monkeypatch):
-    (tmp_path / "my_training_helpers.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_training_helpers.py").write_text(
+        textwrap.dedent("""
         FACTOR = 3
         def scale(x):
             return x * FACTOR
         def train(x):
             from torchdist_magic import rank
             return scale(x) + rank()
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     module = importlib.import_module("my_training_helpers")
     os.remove(tmp_path / "my_training_helpers.py")  # workers cannot import it by name now
@@ -332,8 +370,9 @@ def test_no_grandchild_survives(local_distributor, tmp_path):
     run = local_distributor(2).submit(spawn_grandchild_and_fail, str(tmp_path / "rank0-spawned"))
     with pytest.raises(RankFailure, match="after spawning"):
         run.result(timeout=60)
-    pids = [int(line.split()[1]) for r in range(2) for line in run.logs(r).splitlines()
-            if line.startswith("grandchild")]
+    pids = [
+        int(line.split()[1]) for r in range(2) for line in run.logs(r).splitlines() if line.startswith("grandchild")
+    ]
     assert len(pids) == 2
     assert_no_survivors(run, extra_pids=pids)
 
@@ -440,8 +479,9 @@ def test_ranks_exit_when_the_driver_is_killed(tmp_path):
 
     scratch = tmp_path / "driver-tmp"
     scratch.mkdir()
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, TMPDIR=str(scratch)))
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True, env=dict(os.environ, TMPDIR=str(scratch))
+    )
     lines = []
     reader = threading.Thread(target=lambda: lines.append(driver.stdout.readline()), daemon=True)
     reader.start()
@@ -454,6 +494,7 @@ def test_ranks_exit_when_the_driver_is_killed(tmp_path):
     finally:
         driver.kill()
         driver.wait()
+
     def leftovers():
         return pids_of_run(run_id) + [p for p in pids if alive(int(p))], sorted(scratch.rglob("*"))
 
@@ -476,7 +517,8 @@ def test_text_view_shows_outer_and_inner_bars():
     state.apply(Progress(rank=0, bar="epoch#0", desc="epoch", n=1, total=3, elapsed=2.0, state="running"))
     state.apply(Progress(rank=0, bar="batch#1", desc="batch", n=8, total=10, elapsed=1.0, state="running"))
     assert rank_progress_text(state.ranks[0]) == (
-        "epoch 1/3 (33%) [00:02<00:04, 0.50 it/s] · batch 8/10 (80%) [00:01<00:00, 8.00 it/s]")
+        "epoch 1/3 (33%) [00:02<00:04, 0.50 it/s] · batch 8/10 (80%) [00:01<00:00, 8.00 it/s]"
+    )
 
 
 def test_a_run_cancelled_before_it_starts_starts_nothing():
@@ -493,7 +535,6 @@ def test_a_run_cancelled_before_it_starts_starts_nothing():
     with pytest.raises(RunCancelled, match="the run was cancelled before it started"):
         run.result(timeout=30)
     assert [rs.pid for rs in run.state.ranks] == [None, None]
-
 
 
 def test_a_job_is_taken_as_it_is_and_logs_name_the_ranks_and_attempts_there_are(local_distributor):
@@ -515,17 +556,20 @@ def test_a_job_is_taken_as_it_is_and_logs_name_the_ranks_and_attempts_there_are(
 
 
 SCRIPT_LAST_WORDS = {
-    "usage_error.py": ("import argparse\n"
-                       "parser = argparse.ArgumentParser()\n"
-                       "parser.add_argument('--lr', type=float, required=True)\n"
-                       "parser.parse_args()\n",
-                       ["usage: usage_error.py [-h] --lr LR",
-                        "usage_error.py: error: the following arguments are required: --lr"]),
-    "exit_127.py": ("import sys\n"
-                    "print('looking for the compiler', flush=True)\n"
-                    "print('fake-nvcc: command not found', file=sys.stderr, flush=True)\n"
-                    "sys.exit(127)\n",
-                    ["looking for the compiler", "fake-nvcc: command not found"]),
+    "usage_error.py": (
+        "import argparse\n"
+        "parser = argparse.ArgumentParser()\n"
+        "parser.add_argument('--lr', type=float, required=True)\n"
+        "parser.parse_args()\n",
+        ["usage: usage_error.py [-h] --lr LR", "usage_error.py: error: the following arguments are required: --lr"],
+    ),
+    "exit_127.py": (
+        "import sys\n"
+        "print('looking for the compiler', flush=True)\n"
+        "print('fake-nvcc: command not found', file=sys.stderr, flush=True)\n"
+        "sys.exit(127)\n",
+        ["looking for the compiler", "fake-nvcc: command not found"],
+    ),
 }
 
 
@@ -539,4 +583,4 @@ def test_a_failing_scripts_last_words_are_in_its_rank_failure(local_distributor,
     text = str(info.value)
     assert "SystemExit" in text and "--- traceback of rank 0 ---" in text
     # stdout and stderr are two pipes: their lines may interleave either way
-    assert sorted(text.split("--- last output of rank 0 ---\n", 1)[1].splitlines()[:len(said)]) == sorted(said)
+    assert sorted(text.split("--- last output of rank 0 ---\n", 1)[1].splitlines()[: len(said)]) == sorted(said)

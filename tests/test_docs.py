@@ -51,8 +51,11 @@ def test_readme_three_commands_are_what_ci_runs():
 
 
 def test_readme_links_point_at_files_of_the_repository():
-    missing = [target for target in re.findall(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)", _readme())
-               if not re.match(r"^[a-z][a-z0-9+.-]*:", target) and not os.path.exists(os.path.join(ROOT, target))]
+    missing = [
+        target
+        for target in re.findall(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)", _readme())
+        if not re.match(r"^[a-z][a-z0-9+.-]*:", target) and not os.path.exists(os.path.join(ROOT, target))
+    ]
     assert not missing, f"README.md links to files that are not there: {missing}"
 
 
@@ -112,8 +115,12 @@ def test_site_lists_every_notebook_and_page():
     listed = set(pages(config["nav"]))
     notebooks = {f"notebooks/{n}" for n in os.listdir(os.path.join(ROOT, "notebooks")) if n.endswith(".ipynb")}
     assert sorted(notebooks - listed) == []
-    written = {os.path.relpath(os.path.join(d, f), DOCS).replace(os.sep, "/")
-               for d, _, fs in os.walk(DOCS) for f in fs if f.endswith(".md")}
+    written = {
+        os.path.relpath(os.path.join(d, f), DOCS).replace(os.sep, "/")
+        for d, _, fs in os.walk(DOCS)
+        for f in fs
+        if f.endswith(".md")
+    }
     generated = set(_module("generate").PAGES) | {"notebooks/index.md"}
     assert sorted(written - listed) == [], "pages in docs/ that the site's navigation leaves out"
     assert sorted(listed - written - notebooks - generated) == [], "navigation entries with no page"
@@ -143,9 +150,10 @@ def test_a_notebook_link_the_site_lacks_is_said(caplog):
     config = load_config(os.path.join(ROOT, "mkdocs.yml"))
     site = {"src_dir": ROOT, "dest_dir": config["site_dir"], "use_directory_urls": True}
     # as mkdocs-jupyter makes them pages: notebooks/01-quickstart/
-    quickstart, spark = (NotebookFile(File(f"notebooks/{name}", **site), use_directory_urls=True,
-                                      site_dir=config["site_dir"])
-                         for name in ("01-quickstart.ipynb", "02-spark.ipynb"))
+    quickstart, spark = (
+        NotebookFile(File(f"notebooks/{name}", **site), use_directory_urls=True, site_dir=config["site_dir"])
+        for name in ("01-quickstart.ipynb", "02-spark.ipynb")
+    )
     picture = File("run-view.png", DOCS, config["site_dir"], True)
     page = Page(None, quickstart, config)
     html = '<a href="02-spark.ipynb">next</a> <img src="../docs/run-view.png"> <a href="gone.ipynb">x</a>'
@@ -160,11 +168,14 @@ def test_a_notebook_link_the_site_lacks_is_said(caplog):
 def test_generate_imports_nothing_of_the_package():
     """The hook imports ``docs/generate.py`` before MkDocs reads anything: what it documents is
     imported inside each function."""
-    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('g', sys.argv[1]); "
-            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
-            "print(sorted(n for n in sys.modules if n.startswith('torchdist_magic')))")
-    out = subprocess.run([sys.executable, "-c", code, os.path.join(DOCS, "generate.py")],
-                         capture_output=True, text=True, check=True).stdout
+    code = (
+        "import importlib.util, sys; spec = importlib.util.spec_from_file_location('g', sys.argv[1]); "
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+        "print(sorted(n for n in sys.modules if n.startswith('torchdist_magic')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, os.path.join(DOCS, "generate.py")], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "[]"
 
 

@@ -21,28 +21,61 @@ SAMPLES = [
     Progress(rank=0, bar="epoch#0", desc="epoch", n=2, total=None, elapsed=0.5, state="done"),
     Metrics(rank=1, step=3, values={"loss": 0.25, "bad": "nan"}, time=2.0),
     Dropped(rank=0, count=7),
-    Exit(rank=1, code=-9, time=3.0, host="h", stopped=False,
-         failure=Failure(rank=1, exit_code=-9, exc_type="", message="", log_tail=["a", "b"])),
+    Exit(
+        rank=1,
+        code=-9,
+        time=3.0,
+        host="h",
+        stopped=False,
+        failure=Failure(rank=1, exit_code=-9, exc_type="", message="", log_tail=["a", "b"]),
+    ),
     Exit(rank=0, code=None, stopped=True),
     Stop(rank=-1, grace=2.0),
     events.DumpStacks(rank=-1),
-    events.Stacks(rank=1, text='Thread 0x0001 (most recent call first):\n  File "a.py", line 3 in f\n',
-                  main_thread=1, time=4.0, note=""),
+    events.Stacks(
+        rank=1,
+        text='Thread 0x0001 (most recent call first):\n  File "a.py", line 3 in f\n',
+        main_thread=1,
+        time=4.0,
+        note="",
+    ),
     Progress(rank=1, bar="tqdm#0", desc="Epoch 0", n=3, total=5, state="cleared", postfix="loss=0.3"),
     events.Joined(rank=1, host="h/127.0.0.3", address="127.0.0.3", port=None, gpus="0"),
     events.Peers(rank=-1, peers=[events.Joined(rank=0, host="h", address="a", port=29500)], use_barrier=False),
     RunJob(rank=0, job_id="j1", data="AAA=", last=True, env={"K": "v"}, all_ranks=True),
     events.JobValue(rank=0, job_id="j1", data="gAN9cQAu"),
-    events.JobDone(rank=1, job_id="j1", code=1, time=5.0, has_value=False,
-                   failure=Failure(rank=1, exc_type="ValueError", message="bad", traceback="T")),
+    events.JobDone(
+        rank=1,
+        job_id="j1",
+        code=1,
+        time=5.0,
+        has_value=False,
+        failure=Failure(rank=1, exc_type="ValueError", message="bad", traceback="T"),
+    ),
     events.OutputEnd(rank=1, job_id="j1", stream="stderr"),
     events.DumpCollectives(rank=-1),
-    events.Collectives(rank=2, source="flight recorder", time=6.0, groups=[
-        events.GroupCollectives(group="default group", entered=4, finished=3, op="all_reduce", sizes=[[10], [2, 3]])]),
+    events.Collectives(
+        rank=2,
+        source="flight recorder",
+        time=6.0,
+        groups=[
+            events.GroupCollectives(group="default group", entered=4, finished=3, op="all_reduce", sizes=[[10], [2, 3]])
+        ],
+    ),
     events.Collectives(rank=1, source="stack", in_collective="broadcast", note=""),
-    events.Preflight(rank=0, host="h", python="3.11.9", torch="2.13.0", cuda="12.8", nccl="2.27.3", driver="570.1",
-                     gpus=[events.GpuHealth(index=0, name="H100", ecc_errors=1, throttled="hw_slowdown",
-                                            free_bytes=8e9)], bus_gbps=12.5, link_gbps=20.0, seconds=0.7),
+    events.Preflight(
+        rank=0,
+        host="h",
+        python="3.11.9",
+        torch="2.13.0",
+        cuda="12.8",
+        nccl="2.27.3",
+        driver="570.1",
+        gpus=[events.GpuHealth(index=0, name="H100", ecc_errors=1, throttled="hw_slowdown", free_bytes=8e9)],
+        bus_gbps=12.5,
+        link_gbps=20.0,
+        seconds=0.7,
+    ),
 ]
 
 
@@ -54,10 +87,16 @@ def test_every_record_round_trips_through_json(record):
 
 
 def test_every_record_type_is_in_the_contract_and_handled():
-    assert set(events.RECORDS.values()) == (set(events.RANK_TO_DRIVER) | set(events.DRIVER_TO_RANK)
-                                            | set(events.LAUNCHER_TO_DRIVER) | set(events.POOL_TO_DRIVER)
-                                            | set(events.DEBUG_TO_DRIVER) | set(events.PROFILE_TO_DRIVER)
-                                            | set(events.KERNEL_TO_SUPERVISOR) | set(events.SUPERVISOR_TO_KERNEL))
+    assert set(events.RECORDS.values()) == (
+        set(events.RANK_TO_DRIVER)
+        | set(events.DRIVER_TO_RANK)
+        | set(events.LAUNCHER_TO_DRIVER)
+        | set(events.POOL_TO_DRIVER)
+        | set(events.DEBUG_TO_DRIVER)
+        | set(events.PROFILE_TO_DRIVER)
+        | set(events.KERNEL_TO_SUPERVISOR)
+        | set(events.SUPERVISOR_TO_KERNEL)
+    )
     assert set(RunState.HANDLERS) == set(events.RANK_TO_DRIVER)
     assert events.SENDERS["worker"] < events.SENDERS["launcher"]
     assert events.Exit not in events.SENDERS["worker"] and events.Log not in events.SENDERS["worker"]
@@ -66,27 +105,34 @@ def test_every_record_type_is_in_the_contract_and_handled():
     assert not any(events.AttemptBegan in senders for senders in events.SENDERS.values())  # a journal's only
 
 
-@pytest.mark.parametrize("data, text", [
-    ([], "an event is a JSON object, got list"),
-    ({"rank": 0}, "unknown event type None"),
-    ({"type": "status", "rank": 0}, "unknown event type 'status'"),
-    ({"type": "log"}, "log: missing field 'rank'"),
-    ({"type": "log", "rank": "0"}, "log.rank: expected int"),
-    ({"type": "log", "rank": True}, "log.rank: expected int"),
-    ({"type": "exit", "rank": 0, "code": 1.5}, r"^exit\.code: expected int, got 1\.5$"),
-    ({"type": "exit", "rank": 0, "failure": {"rank": "x"}}, "exit.failure.rank: expected int"),
-    ({"type": "exit", "rank": 0, "failure": "boom"}, r"^exit\.failure: expected Failure, got 'boom'$"),
-    ({"type": "metrics", "rank": 0, "values": {"a": [1]}}, r"^metrics\.values\['a'\]: \[1\] is none of "),
-    ({"type": "metrics", "rank": 0, "values": [1]}, "metrics.values: expected dict"),
-    ({"type": "progress", "rank": 0, "elapsed": float("inf")}, "progress.elapsed: expected float"),
-    ({"type": "progress", "rank": 0, "elapsed": 10**400}, "progress.elapsed: expected float"),
-    ({"type": "exit", "rank": 0, "failure": {"log_tail": ["a", 1]}},
-     r"^exit\.failure\.log_tail\[\]: expected str, got 1$"),
-    ({"type": "metrics", "rank": 0, "more": [{"step": "1"}]}, r"metrics.more\[\].step: expected int"),
-    ({"type": "metrics", "rank": 0, "more": [{"values": {"a": float("nan")}}]},
-     r"^metrics\.more\[\]\.values\['a'\]: nan is none of "),
-    ({"type": "metrics", "rank": 0, "more": {"step": 1}}, "metrics.more: expected list"),
-])
+@pytest.mark.parametrize(
+    "data, text",
+    [
+        ([], "an event is a JSON object, got list"),
+        ({"rank": 0}, "unknown event type None"),
+        ({"type": "status", "rank": 0}, "unknown event type 'status'"),
+        ({"type": "log"}, "log: missing field 'rank'"),
+        ({"type": "log", "rank": "0"}, "log.rank: expected int"),
+        ({"type": "log", "rank": True}, "log.rank: expected int"),
+        ({"type": "exit", "rank": 0, "code": 1.5}, r"^exit\.code: expected int, got 1\.5$"),
+        ({"type": "exit", "rank": 0, "failure": {"rank": "x"}}, "exit.failure.rank: expected int"),
+        ({"type": "exit", "rank": 0, "failure": "boom"}, r"^exit\.failure: expected Failure, got 'boom'$"),
+        ({"type": "metrics", "rank": 0, "values": {"a": [1]}}, r"^metrics\.values\['a'\]: \[1\] is none of "),
+        ({"type": "metrics", "rank": 0, "values": [1]}, "metrics.values: expected dict"),
+        ({"type": "progress", "rank": 0, "elapsed": float("inf")}, "progress.elapsed: expected float"),
+        ({"type": "progress", "rank": 0, "elapsed": 10**400}, "progress.elapsed: expected float"),
+        (
+            {"type": "exit", "rank": 0, "failure": {"log_tail": ["a", 1]}},
+            r"^exit\.failure\.log_tail\[\]: expected str, got 1$",
+        ),
+        ({"type": "metrics", "rank": 0, "more": [{"step": "1"}]}, r"metrics.more\[\].step: expected int"),
+        (
+            {"type": "metrics", "rank": 0, "more": [{"values": {"a": float("nan")}}]},
+            r"^metrics\.more\[\]\.values\['a'\]: nan is none of ",
+        ),
+        ({"type": "metrics", "rank": 0, "more": {"step": 1}}, "metrics.more: expected list"),
+    ],
+)
 def test_malformed_records_are_refused(data, text):
     with pytest.raises(MalformedEvent, match=text):
         events.decode(data)
@@ -101,12 +147,14 @@ def test_unknown_fields_are_ignored_and_json_errors_refused():
 
 
 def test_failure_json_round_trip():
-    failure = Failure(rank=2, host="h", exit_code=7, exc_type="SystemExit", message="exit code 7",
-                      traceback="tb", time=1.0)
+    failure = Failure(
+        rank=2, host="h", exit_code=7, exc_type="SystemExit", message="exit code 7", traceback="tb", time=1.0
+    )
     assert events.failure_from_json(json.loads(json.dumps(events.failure_to_json(failure)))) == failure
 
 
 # -- building a Failure ------------------------------------------------------------------------
+
 
 def _raised(exc):
     try:
@@ -118,7 +166,12 @@ def _raised(exc):
 def test_failure_from_an_exception_names_its_type_message_and_traceback():
     failure = Failure.from_exception(3, _raised(KeyError("k")), host="h", exit_code=1)
     assert (failure.rank, failure.host, failure.exit_code, failure.exc_type, failure.message) == (
-        3, "h", 1, "KeyError", "'k'")
+        3,
+        "h",
+        1,
+        "KeyError",
+        "'k'",
+    )
     assert failure.traceback.startswith("Traceback (most recent call last):\n")
     assert "in _raised" in failure.traceback and failure.traceback.endswith("KeyError: 'k'\n")
     assert failure.time > 0 and failure.log_tail == []
@@ -129,22 +182,32 @@ def test_failure_from_an_exception_takes_what_its_caller_says_instead():
     class Inner(Exception):
         pass
 
-    failure = Failure.from_exception(0, _raised(Inner("x")), exc_type="TypeError", message="cannot be pickled",
-                                     traceback_text="", time=7.0)
+    failure = Failure.from_exception(
+        0, _raised(Inner("x")), exc_type="TypeError", message="cannot be pickled", traceback_text="", time=7.0
+    )
     assert (failure.exc_type, failure.message, failure.traceback, failure.time) == (
-        "TypeError", "cannot be pickled", "", 7.0)
-    assert Failure.from_exception(0, Inner("x")).exc_type == \
-        "test_failure_from_an_exception_takes_what_its_caller_says_instead.<locals>.Inner"
+        "TypeError",
+        "cannot be pickled",
+        "",
+        7.0,
+    )
+    assert (
+        Failure.from_exception(0, Inner("x")).exc_type
+        == "test_failure_from_an_exception_takes_what_its_caller_says_instead.<locals>.Inner"
+    )
     assert Failure.from_exception(0, ValueError("x")).traceback == "ValueError: x\n"  # never raised: no frames
 
 
-@pytest.mark.parametrize("code, summary", [
-    (-9, "rank 1 on h was killed by SIGKILL"),
-    (-15, "rank 1 on h was killed by SIGTERM"),
-    (-200, "rank 1 on h was killed by signal 200"),
-    (3, "rank 1 on h exited with code 3"),
-    (None, "rank 1 on h failed: "),
-])
+@pytest.mark.parametrize(
+    "code, summary",
+    [
+        (-9, "rank 1 on h was killed by SIGKILL"),
+        (-15, "rank 1 on h was killed by SIGTERM"),
+        (-200, "rank 1 on h was killed by signal 200"),
+        (3, "rank 1 on h exited with code 3"),
+        (None, "rank 1 on h failed: "),
+    ],
+)
 def test_failure_from_an_exit_alone(code, summary):
     failure = Failure.from_exit(1, code, host="h", time=5.0)
     assert failure == Failure(rank=1, host="h", exit_code=code, time=5.0)
@@ -152,26 +215,53 @@ def test_failure_from_an_exit_alone(code, summary):
 
 
 def test_failure_from_an_exit_keeps_what_the_rank_reported():
-    reported = Failure(rank=0, host="worker-host", exit_code=7, exc_type="SystemExit", message="exit code 7",
-                       traceback="tb", time=2.0, log_tail=["a"])
+    reported = Failure(
+        rank=0,
+        host="worker-host",
+        exit_code=7,
+        exc_type="SystemExit",
+        message="exit code 7",
+        traceback="tb",
+        time=2.0,
+        log_tail=["a"],
+    )
     plain = Failure.from_exit(4, 7, host="launcher-host", time=9.0, reported=reported)
-    assert plain == Failure(rank=4, host="worker-host", exit_code=7, exc_type="SystemExit",
-                            message="exit code 7", traceback="tb", time=2.0, log_tail=["a"])
+    assert plain == Failure(
+        rank=4,
+        host="worker-host",
+        exit_code=7,
+        exc_type="SystemExit",
+        message="exit code 7",
+        traceback="tb",
+        time=2.0,
+        log_tail=["a"],
+    )
     # a plain exit of another code, and an exit with no code: the rank's own code stands
     assert Failure.from_exit(4, 1, reported=reported).exit_code == 7
     assert Failure.from_exit(4, None, reported=reported).exit_code == 7
     # a signal is what the process did, whatever the rank reported
     killed = Failure.from_exit(4, -9, reported=reported)
-    assert (killed.exit_code, killed.exc_type, killed.summary()) == (-9, "SystemExit",
-                                                                     "rank 4 on worker-host raised SystemExit: exit code 7")
+    assert (killed.exit_code, killed.exc_type, killed.summary()) == (
+        -9,
+        "SystemExit",
+        "rank 4 on worker-host raised SystemExit: exit code 7",
+    )
     assert killed.signal_name == "SIGKILL"
     # what the report lacks comes from the exit; lines seen here replace the report's
     bare = Failure(exc_type="E", message="m")
     filled = Failure.from_exit(2, 3, host="h", time=9.0, reported=bare, log_tail=["x", "y"])
     assert (filled.host, filled.time, filled.exit_code, filled.log_tail) == ("h", 9.0, 3, ["x", "y"])
     assert Failure.from_exit(2, 3, reported=reported, log_tail=[]).log_tail == ["a"]
-    assert reported == Failure(rank=0, host="worker-host", exit_code=7, exc_type="SystemExit",
-                               message="exit code 7", traceback="tb", time=2.0, log_tail=["a"])  # untouched
+    assert reported == Failure(
+        rank=0,
+        host="worker-host",
+        exit_code=7,
+        exc_type="SystemExit",
+        message="exit code 7",
+        traceback="tb",
+        time=2.0,
+        log_tail=["a"],
+    )  # untouched
 
 
 def test_failure_for_rank_is_a_changed_copy():
@@ -185,6 +275,7 @@ def test_failure_for_rank_is_a_changed_copy():
 
 # -- RunState ----------------------------------------------------------------------------------
 
+
 def test_metrics_history_is_bounded_and_non_finite_values_are_not_plotted():
     state = RunState("r", 1)
     for step in range(MAX_POINTS + 1):
@@ -195,8 +286,13 @@ def test_metrics_history_is_bounded_and_non_finite_values_are_not_plotted():
 
 
 def test_the_points_of_one_metrics_record_are_applied_in_order():
-    record = Metrics(rank=0, step=1, values={"loss": 1.0}, time=1.0,
-                     more=[events.MetricPoint(2, {"loss": 0.5}, 2.0), events.MetricPoint(3, {"loss": 0.25, "acc": 0.9}, 3.0)])
+    record = Metrics(
+        rank=0,
+        step=1,
+        values={"loss": 1.0},
+        time=1.0,
+        more=[events.MetricPoint(2, {"loss": 0.5}, 2.0), events.MetricPoint(3, {"loss": 0.25, "acc": 0.9}, 3.0)],
+    )
     assert events.decode(json.loads(events.dumps(record))) == record
     state = RunState("r", 1)
     state.apply(record)
@@ -221,7 +317,7 @@ def test_a_run_of_many_ranks_keeps_a_share_of_the_runs_memory_for_each():
         state.apply(Log(rank=7, line=f"line {i}"))
     for step in range(2 * state.max_points):
         state.apply(Metrics(rank=7, step=step, values={"loss": 1.0}))
-    assert state.ranks[7].logs.spilled > 0 and len(state.ranks[7].logs.recent(10 ** 6)) <= share
+    assert state.ranks[7].logs.spilled > 0 and len(state.ranks[7].logs.recent(10**6)) <= share
     assert state.logs(7) == "".join(f"line {i}\n" for i in range(2 * share))  # all of it, in order
     points = state.ranks[7].history["loss"]
     assert state.max_points < S.MAX_POINTS and len(points) <= state.max_points
@@ -239,7 +335,12 @@ def test_records_of_ranks_outside_the_run_are_ignored():
 def test_started_marks_the_rank_and_the_run_running():
     state = RunState("r", 2)
     state.apply(Started(rank=1, host="h1", pid=99))
-    assert (state.ranks[1].state, state.ranks[1].host, state.ranks[1].pid, state.state) == ("running", "h1", 99, "running")
+    assert (state.ranks[1].state, state.ranks[1].host, state.ranks[1].pid, state.state) == (
+        "running",
+        "h1",
+        99,
+        "running",
+    )
 
 
 def test_failures_ordered_by_time_root_cause_first():
@@ -252,8 +353,14 @@ def test_failures_ordered_by_time_root_cause_first():
 
 def test_collateral_failure_is_never_the_root_cause():
     state = RunState("r", 2)
-    state.apply(Exit(rank=0, code=1, time=1.0, failure=Failure(exc_type="RuntimeError", time=1.0,
-                                                               message="Connection closed by peer")))
+    state.apply(
+        Exit(
+            rank=0,
+            code=1,
+            time=1.0,
+            failure=Failure(exc_type="RuntimeError", time=1.0, message="Connection closed by peer"),
+        )
+    )
     state.apply(Exit(rank=1, code=1, time=2.0, failure=Failure(exc_type="ValueError", message="bad", time=2.0)))
     assert [f.exc_type for f in state.failures()] == ["ValueError", "RuntimeError"]
 
@@ -290,6 +397,7 @@ def test_records_are_plain_dataclasses():
 
 
 # -- stacks ------------------------------------------------------------------------------------
+
 
 def _innermost_of_mine(done):
     done.wait()
@@ -342,7 +450,8 @@ def test_where_shows_library_frames_then_the_users_own():
     record = events.Stacks(rank=0, text=text, main_thread=0x7F0000000001)
     assert record.where() == (
         "all_reduce (torch/distributed/distributed_c10d.py, line 2950) < wrapper (torch/distributed/c10d_logger.py, "
-        "line 81) < inner (/usr/lib/python3.11/contextlib.py, line 81) < ... < step (/home/me/train.py, line 12)")
+        "line 81) < inner (/usr/lib/python3.11/contextlib.py, line 81) < ... < step (/home/me/train.py, line 12)"
+    )
     assert [f.function for f in record.main().job_frames()] == ["all_reduce", "wrapper", "inner", "step"]
     assert is_library_file("/usr/lib/python3.11/threading.py")
     assert not is_library_file("/home/me/train.py") and not is_library_file("<torchdist cell In[3]>")
@@ -351,6 +460,7 @@ def test_where_shows_library_frames_then_the_users_own():
 
 
 # -- logs ----------------------------------------------------------------------------------------
+
 
 def test_log_store_spills_and_reads_back_every_line_in_order(tmp_path, monkeypatch):
     from torchdist_magic.driver import logstore as S
@@ -404,7 +514,9 @@ def test_log_store_keeps_a_redrawn_line_s_latest_state_only():
     store.append(LogLine("stderr", "90%", cr=True))  # the bar's line again, where it was
     store.append(LogLine("stderr", "100% done"))
     assert [(l.stream, l.text, l.cr) for l in store] == [
-        ("stderr", "100% done", False), ("stdout", "a print meanwhile", False)]
+        ("stderr", "100% done", False),
+        ("stdout", "a print meanwhile", False),
+    ]
     assert "\r" not in store.text()
     store.append(LogLine("stderr", "next", cr=True))
     store.seal()  # a new attempt: its first line is a line of its own
@@ -449,12 +561,19 @@ def test_a_cleared_bar_is_gone():
     assert state.ranks[0].progress == {}
 
 
-@pytest.mark.parametrize("values, ok", [
-    ({"loss": 0.5, "note": "nan"}, True),            # the common case passes as it came
-    ({"loss": 1}, True),                             # an integer is made a float
-    ({"loss": True}, False), ({"loss": None}, False), ({"loss": [1.0]}, False), ({3: 1.0}, False),
-    ({"loss": float("nan")}, False), ({"loss": float("inf")}, False),
-])
+@pytest.mark.parametrize(
+    "values, ok",
+    [
+        ({"loss": 0.5, "note": "nan"}, True),  # the common case passes as it came
+        ({"loss": 1}, True),  # an integer is made a float
+        ({"loss": True}, False),
+        ({"loss": None}, False),
+        ({"loss": [1.0]}, False),
+        ({3: 1.0}, False),
+        ({"loss": float("nan")}, False),
+        ({"loss": float("inf")}, False),
+    ],
+)
 def test_metric_values_are_checked_whatever_path_they_take(values, ok):
     data = {"type": "metrics", "rank": 0, "step": 1, "values": values}
     if ok:

@@ -14,8 +14,10 @@ from torchdist_magic.view.text import summary
 
 
 def test_an_attempt_that_failed_loses_its_work_after_its_last_checkpoint_and_the_restart():
-    attempts = [AttemptTimes(started=100.0, ended=160.0, first_work=110.0, checkpoint=150.0, data_stall_s=2.0),
-                AttemptTimes(started=161.0, ended=200.0, first_work=170.0, checkpoint=None, data_stall_s=3.0)]
+    attempts = [
+        AttemptTimes(started=100.0, ended=160.0, first_work=110.0, checkpoint=150.0, data_stall_s=2.0),
+        AttemptTimes(started=161.0, ended=200.0, first_work=170.0, checkpoint=None, data_stall_s=3.0),
+    ]
     parts = goodput(100.0, 200.0, attempts, ranks=4, use_gpu=True)
     assert parts["startup_s"] == 10.0
     assert parts["lost_to_restarts_s"] == 20.0  # 150 -> 160 after the checkpoint, 160 -> 170 the restart
@@ -23,8 +25,10 @@ def test_an_attempt_that_failed_loses_its_work_after_its_last_checkpoint_and_the
     assert parts["training_s"] == 65.0 and sum(parts[k] for k in PARTS) == parts["wall_s"] == 100.0
     assert parts["rank_seconds"] == 400.0 and parts["gpu_hours"] == pytest.approx(400 / 3600)
     assert "gpu_hours" not in goodput(100.0, 200.0, attempts, ranks=4, use_gpu=False)
-    assert describe(parts) == ("training 65% (1.1 min) · startup 10.0 s · data stall 5.0 s · "
-                               "lost to restarts 20.0 s · lost to hangs 0.0 s · 400 rank-s · 0.111 GPU-h")
+    assert describe(parts) == (
+        "training 65% (1.1 min) · startup 10.0 s · data stall 5.0 s · "
+        "lost to restarts 20.0 s · lost to hangs 0.0 s · 400 rank-s · 0.111 GPU-h"
+    )
 
 
 def test_an_attempt_without_a_checkpoint_loses_all_its_work_and_a_job_without_steps_has_no_startup():
@@ -38,8 +42,11 @@ def test_an_attempt_without_a_checkpoint_loses_all_its_work_and_a_job_without_st
 def test_the_state_takes_each_attempts_first_work_checkpoint_and_data_stall():
     state = RunState("9-goodput", 2)
     state.apply(events.Started(rank=0, host="h", pid=1))
-    state.apply(events.StepSplit(rank=1, data=0.5, compute=0.5, comm=0.0, seconds=1.0, steps=10,
-                                 step_s=4.0, data_s=2.0, comm_s=0.0))
+    state.apply(
+        events.StepSplit(
+            rank=1, data=0.5, compute=0.5, comm=0.0, seconds=1.0, steps=10, step_s=4.0, data_s=2.0, comm_s=0.0
+        )
+    )
     state.apply(events.Checkpoint(rank=0, step=3, time=1.0))
     first_work, checkpoint = state.first_work, state.last_checkpoint
     assert first_work is not None and checkpoint >= first_work
@@ -55,6 +62,7 @@ def test_the_state_takes_each_attempts_first_work_checkpoint_and_data_stall():
 
 
 # -- real runs -------------------------------------------------------------------------------------
+
 
 def test_a_run_that_waits_for_data_has_its_stall_in_its_goodput():
     run = Distributor(2, local_mode=True, show=None).submit(rank_1_waits_for_data, 100)
@@ -86,7 +94,8 @@ def checkpoint_then_fail(pause):
 
 def test_a_restart_loses_the_work_after_the_last_checkpoint(tmp_path):
     run = Distributor(2, local_mode=True, show=None, max_restarts=1, checkpoint_dir=str(tmp_path)).submit(
-        checkpoint_then_fail, 1.0)
+        checkpoint_then_fail, 1.0
+    )
     assert run.result(timeout=180) == 1
     (attempt,) = run.attempts
     assert attempt.checkpoint is not None and attempt.first_work <= attempt.checkpoint

@@ -43,8 +43,9 @@ def test_nccl_all_reduce_on_gpus():
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_cell_gets_nccl_group_and_device(ip):
-    result = ip.run_cell("%%torchdist --np 1 --gpu --quiet\n"
-                         "import torch.distributed as dist\n(dist.get_backend(), str(device))")
+    result = ip.run_cell(
+        "%%torchdist --np 1 --gpu --quiet\nimport torch.distributed as dist\n(dist.get_backend(), str(device))"
+    )
     assert result.result == ("nccl", "cuda:0")
 
 

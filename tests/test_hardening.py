@@ -59,8 +59,12 @@ LOW_LIMIT_DRIVER = textwrap.dedent("""
 
 class LowLimitDriver:
     def __init__(self, limit, free):
-        self.process = subprocess.Popen([sys.executable, "-c", LOW_LIMIT_DRIVER, str(limit), str(free)],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", LOW_LIMIT_DRIVER, str(limit), str(free)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.port = json.loads(self.process.stdout.readline())["port"]
         self.started = time.monotonic()
 
@@ -79,8 +83,7 @@ class LowLimitDriver:
 
     def client(self, rank, role="worker"):
         secret = ("s" if role == "worker" else "l") * 64
-        return ChannelClient(f"127.0.0.1:{self.port}", rank_key(secret, role, rank), "run-1", rank,
-                             role=role)
+        return ChannelClient(f"127.0.0.1:{self.port}", rank_key(secret, role, rank), "run-1", rank, role=role)
 
 
 def test_silent_connections_under_a_low_file_limit_leave_the_ranks_room_and_the_channel_idle():
@@ -141,8 +144,13 @@ FDLIMIT_CHILD = textwrap.dedent("""
 
 
 def _fdlimit_child(soft, hard, ranks):
-    out = subprocess.run([sys.executable, "-c", FDLIMIT_CHILD, str(soft), str(hard), str(ranks)],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", FDLIMIT_CHILD, str(soft), str(hard), str(ranks)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     return json.loads(out)
 
 
@@ -180,6 +188,7 @@ def test_distributor_refuses_a_run_beyond_the_hard_file_limit():
 
 # -- each rank only itself ------------------------------------------------------------------------
 
+
 @pytest.fixture
 def run_channel():
     """A run's channel whose records go to a real ``RunState`` of 4 ranks (what the view reads)."""
@@ -198,8 +207,7 @@ def _key(srv, role, rank):
 
 def _connect(srv, role, rank, key_rank=None):
     """A raw authenticated connection as ``role`` of ``rank``, with the key of ``key_rank``."""
-    return open_connection(srv.address, _key(srv, role, rank if key_rank is None else key_rank),
-                                   "run-1", rank, role)
+    return open_connection(srv.address, _key(srv, role, rank if key_rank is None else key_rank), "run-1", rank, role)
 
 
 def test_a_worker_cannot_say_hello_as_another_rank(run_channel):
@@ -213,8 +221,7 @@ def test_a_launcher_cannot_upload_another_ranks_value(run_channel, tmp_path):
     (tmp_path / "values").mkdir()
     run_channel.receive_values({0: str(tmp_path / "values" / "rank-0.value")})
     with pytest.raises(Refused, match="^authentication failed: wrong secret for role launcher of rank 0$"):
-        open_connection(run_channel.address, _key(run_channel, "launcher", 1), "run-1", 0, "launcher",
-                                upload=10)
+        open_connection(run_channel.address, _key(run_channel, "launcher", 1), "run-1", 0, "launcher", upload=10)
     assert not os.listdir(tmp_path / "values")
 
 
@@ -227,8 +234,9 @@ def test_a_worker_sends_records_only_as_its_own_rank(run_channel):
 
 
 def test_a_second_claim_on_a_rank_is_refused_and_shown_in_that_ranks_log(run_channel, capfd):
-    first = ChannelClient(f"127.0.0.1:{run_channel.port}", _key(run_channel, "worker", 0), "run-1", 0,
-                          on_message=Collector())
+    first = ChannelClient(
+        f"127.0.0.1:{run_channel.port}", _key(run_channel, "worker", 0), "run-1", 0, on_message=Collector()
+    )
     first.send(events.Started(rank=0, pid=1))
     wait_until(lambda: run_channel.stats["delivered"] == 1)
     # the same rank and role again (its key leaked, or a launcher that knows the run's secret):
@@ -256,6 +264,7 @@ def test_a_claim_whose_connection_ended_before_a_single_frame_is_free_again(run_
 
 
 # -- nothing trusted by name ----------------------------------------------------------------------
+
 
 def _spec(tmp_path, launcher_secret="l" * 64):
     from torchdist_magic.backends.spark_task import BarrierTaskSpec
@@ -308,9 +317,13 @@ def test_map_value_reads_and_removes_only_files_of_the_runs_value_directory(tmp_
     folder.mkdir()
     elsewhere.write_bytes(b"the user's file")
     for named in (str(elsewhere), str(folder / ".." / "precious")):  # what a task's outcome may name
-        with pytest.raises(privdir.UnsafePath, match=(
+        with pytest.raises(
+            privdir.UnsafePath,
+            match=(
                 rf"^a rank's value was to be read from {re.escape(named)}, outside the run's value directory "
-                rf"{re.escape(str(folder))}; it is neither read nor removed$")):
+                rf"{re.escape(str(folder))}; it is neither read nor removed$"
+            ),
+        ):
             map_value(named, str(folder))
     os.symlink(elsewhere, folder / "rank-0.value")
     with pytest.raises(privdir.UnsafePath, match="is a symbolic link"):
@@ -324,8 +337,9 @@ def test_map_value_reads_and_removes_only_files_of_the_runs_value_directory(tmp_
 def test_a_stop_after_the_rank_ended_does_not_signal_whoever_has_its_group_id_now(tmp_path):
     from torchdist_magic.launch.launcher import RankProcess, stop_all
 
-    rank = RankProcess(0, "no-job", str(tmp_path / "rank-0"), dict(os.environ), Collector(), python="/bin/true",
-                       system_metrics=False)
+    rank = RankProcess(
+        0, "no-job", str(tmp_path / "rank-0"), dict(os.environ), Collector(), python="/bin/true", system_metrics=False
+    )
     assert rank.exited.wait(30)
     stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a process group of its own
     try:
@@ -338,6 +352,7 @@ def test_a_stop_after_the_rank_ended_does_not_signal_whoever_has_its_group_id_no
 
 
 # -- secrets out of reprs, the TLS key never on disk ----------------------------------------------
+
 
 def test_a_run_specs_repr_shows_neither_secret(tmp_path):
     from torchdist_magic.backends.spark_task import BarrierTaskSpec
@@ -374,8 +389,9 @@ def test_the_channels_tls_key_is_never_written_in_the_clear(monkeypatch, tmp_pat
 
     monkeypatch.setattr(tls.tempfile, "mkstemp", seen)
     srv = ChannelServer(Collector(), "run-1", secret="s", launcher_secret="l", identity=identity)
-    client = ChannelClient(f"127.0.0.1:{srv.port}", rank_key("s", "worker", 0), "run-1", 0,
-                           certificate=identity.certificate)
+    client = ChannelClient(
+        f"127.0.0.1:{srv.port}", rank_key("s", "worker", 0), "run-1", 0, certificate=identity.certificate
+    )
     client.send(events.Started(rank=0, pid=1))
     client.close()
     wait_until(lambda: srv.stats["delivered"] == 1)
@@ -385,6 +401,7 @@ def test_the_channels_tls_key_is_never_written_in_the_clear(monkeypatch, tmp_pat
 
 
 # -- without TLS, every record authenticated ------------------------------------------------------
+
 
 class InjectingRelay:
     """What sits on the path between a rank and the driver of a channel without TLS: it passes
@@ -406,8 +423,10 @@ class InjectingRelay:
         far = socket.create_connection(self.target)
         self.ends = {"up": far, "down": near}
         self.ready.set()
-        pumps = [threading.Thread(target=self._pump, args=(near, far)),
-                 threading.Thread(target=self._pump, args=(far, near))]
+        pumps = [
+            threading.Thread(target=self._pump, args=(near, far)),
+            threading.Thread(target=self._pump, args=(far, near)),
+        ]
         for pump in pumps:
             pump.start()
         for pump in pumps:
@@ -458,9 +477,11 @@ def test_a_record_injected_on_a_plain_connection_is_not_delivered(run_channel):
     client.close()
     relay.close()
     assert run_channel.state.ranks[0].exit_code is None and run_channel.stats["delivered"] == 1
-    assert ("torchdist: the event channel of rank 0's launcher carried a record that failed its authentication "
-            "(record 1 failed its authentication); someone on the network may have written into it. The "
-            "connection was closed, and nothing of that record was used") in run_channel.state.logs(0)
+    assert (
+        "torchdist: the event channel of rank 0's launcher carried a record that failed its authentication "
+        "(record 1 failed its authentication); someone on the network may have written into it. The "
+        "connection was closed, and nothing of that record was used"
+    ) in run_channel.state.logs(0)
 
 
 def test_a_record_injected_toward_a_rank_is_not_run(run_channel, capfd):
@@ -471,20 +492,32 @@ def test_a_record_injected_toward_a_rank_is_not_run(run_channel, capfd):
     assert run_channel.send(0, events.DebugInput(rank=0, session="s", line="p 1"), role="worker")
     got.wait_for(1)
     # a debugger line (or a warm pool's next job) that the driver did not send
-    relay.inject("down", forged_record(pack_frame(
-        {"events": [events.encode(events.DebugInput(rank=0, session="s", line="import os; os.system('id')"))]})))
+    relay.inject(
+        "down",
+        forged_record(
+            pack_frame(
+                {"events": [events.encode(events.DebugInput(rank=0, session="s", line="import os; os.system('id')"))]}
+            )
+        ),
+    )
     wait_until(lambda: client.lost, what="the rank to stop listening")
     client.close()
     relay.close()
     assert [r.line for r in got.records] == ["p 1"]
     err = capfd.readouterr().err
-    assert err.count("torchdist_magic:") == 1 and (
-        "torchdist_magic: a record to rank 0 on the event channel failed its authentication (record 1 failed "
-        "its authentication): someone on the network may have written into it; nothing of it was used, and "
-        "the rank's events are dropped from now on") in err, err
+    assert (
+        err.count("torchdist_magic:") == 1
+        and (
+            "torchdist_magic: a record to rank 0 on the event channel failed its authentication (record 1 failed "
+            "its authentication): someone on the network may have written into it; nothing of it was used, and "
+            "the rank's events are dropped from now on"
+        )
+        in err
+    ), err
 
 
 # -- per-run caps ----------------------------------------------------------------------------------
+
 
 def test_a_hello_for_a_rank_the_run_does_not_have_is_refused():
     srv = ChannelServer(Collector(), "run-1", secret="s", launcher_secret="l", ranks=4)
@@ -509,12 +542,16 @@ def test_distinct_metric_names_and_open_bars_are_capped_per_run_with_a_line_each
     assert len(state.ranks[0].progress) == run_state.MAX_BARS
     for rank in (0, 1):
         assert state.logs(rank).count("distinct metric names already") == 1
-    assert (f"torchdist: this run has {run_state.MAX_METRIC_NAMES} distinct metric names already; rank 1's "
-            f"'loss_{run_state.MAX_METRIC_NAMES - 1}' and any newer names are not kept (report() a name per "
-            "quantity, with the step as step=)") in state.logs(1)
-    assert (f"torchdist: rank 0 has {run_state.MAX_BARS} progress bars open already; 'bar{run_state.MAX_BARS}' "
-            "and any newer ones are not shown (close bars when they are done, or make them with "
-            "leave=False)") in state.logs(0)
+    assert (
+        f"torchdist: this run has {run_state.MAX_METRIC_NAMES} distinct metric names already; rank 1's "
+        f"'loss_{run_state.MAX_METRIC_NAMES - 1}' and any newer names are not kept (report() a name per "
+        "quantity, with the step as step=)"
+    ) in state.logs(1)
+    assert (
+        f"torchdist: rank 0 has {run_state.MAX_BARS} progress bars open already; 'bar{run_state.MAX_BARS}' "
+        "and any newer ones are not shown (close bars when they are done, or make them with "
+        "leave=False)"
+    ) in state.logs(0)
     state.apply(events.Progress(rank=0, bar="bar0", n=2, total=10))  # an open bar still moves
     assert state.ranks[0].progress["bar0"]["n"] == 2
 
@@ -525,19 +562,20 @@ def test_the_output_a_run_keeps_is_capped_per_rank_with_a_line_and_a_count(monke
     monkeypatch.setattr(run_state, "MAX_RUN_LOG_CHARS", 2 * 1000)
     monkeypatch.setattr(run_state, "MIN_RANK_LOG_CHARS", 100)
     state = run_state.RunState("run-1", 2)
-    assert state.max_rank_log_chars == 1000              # each rank's share of the run's
-    for i in range(30):                                   # 30 lines of 50 characters on rank 0
+    assert state.max_rank_log_chars == 1000  # each rank's share of the run's
+    for i in range(30):  # 30 lines of 50 characters on rank 0
         state.apply(events.Log(rank=0, line=f"{i:02d}" + "x" * 48))
-    for i in range(100):                                  # a bar redrawn in place is not counted
+    for i in range(100):  # a bar redrawn in place is not counted
         state.apply(events.Log(rank=1, line=f"bar {i}%" + " " * 40, cr=True))
     state.apply(events.Log(rank=1, line="done"))
     kept = [line for line in state.logs(0).splitlines() if line.endswith("x" * 48)]
     assert [line[:2] for line in kept] == [f"{i:02d}" for i in range(20)]
     assert state.ranks[0].log_dropped == 10 and state.ranks[1].log_dropped == 0
     assert state.logs(0).count("printed over its share") == 1
-    assert ("torchdist: rank 0 printed over its share of what a run keeps of its output (0 MiB of 0 GiB, "
-            "MAX_RUN_LOG_CHARS); its later lines are not kept (counted in run.state.ranks[0].log_dropped)"
-            ) in state.logs(0)
+    assert (
+        "torchdist: rank 0 printed over its share of what a run keeps of its output (0 MiB of 0 GiB, "
+        "MAX_RUN_LOG_CHARS); its later lines are not kept (counted in run.state.ranks[0].log_dropped)"
+    ) in state.logs(0)
     assert state.logs(1).rstrip().endswith("done")
 
 
@@ -545,4 +583,5 @@ def test_a_thousand_ranks_each_keep_a_share_of_the_runs_output():
     from torchdist_magic.driver import state as run_state
 
     assert run_state.RunState("run-1", 1024).max_rank_log_chars == max(
-        run_state.MIN_RANK_LOG_CHARS, run_state.MAX_RUN_LOG_CHARS // 1024)
+        run_state.MIN_RANK_LOG_CHARS, run_state.MAX_RUN_LOG_CHARS // 1024
+    )

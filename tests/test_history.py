@@ -88,8 +88,9 @@ def test_bad_bounds_are_refused(home, monkeypatch):
 
 
 def test_a_record_left_running_by_a_dead_process_reads_failed(home):
-    record = history.RunRecord(run_id="lost-1", started=time.time(), pid=2 ** 22 + 12345,
-                               directory=history.record_directory("lost-1"))
+    record = history.RunRecord(
+        run_id="lost-1", started=time.time(), pid=2**22 + 12345, directory=history.record_directory("lost-1")
+    )
     record.save()
     found = history.read_record("lost-1")
     assert found.state == "failed"
@@ -144,9 +145,11 @@ def test_a_record_keeps_the_newest_lines_of_each_rank(home, monkeypatch):
     run = Distributor(num_processes=1, show=None).submit(prints_ten_lines)
     run.result(60)
     assert history.read_record(run.run_id).log(0) == (
-        "[torchdist] the record keeps the last 3 lines of this log\nline 7\nline 8\nline 9\n")
+        "[torchdist] the record keeps the last 3 lines of this log\nline 7\nline 8\nline 9\n"
+    )
     monkeypatch.setattr(history, "LOG_KEEP_CHARS", 14)
     run = Distributor(num_processes=1, show=None).submit(prints_ten_lines)
     run.result(60)
     assert history.read_record(run.run_id).log(0) == (
-        "[torchdist] the record keeps the last 14 characters of this log\nline 8\nline 9\n")
+        "[torchdist] the record keeps the last 14 characters of this log\nline 8\nline 9\n"
+    )

@@ -26,23 +26,37 @@ SUPPORTED = "!cmd, x = !cmd, %time, %%time, %timeit, %%timeit, %env, %cd and %pi
 
 
 # -- translation on the driver ---------------------------------------------------------------------
-@pytest.mark.parametrize("source, python", [
-    ("!ls -l\nx = 1", "get_ipython().system('ls -l')\nx = 1"),
-    ("files = !ls\nfiles", "files = get_ipython().getoutput('ls')\nfiles"),
-    ("%time y = f(1)\nz = y", "get_ipython().run_line_magic('time', 'y = f(1)')\nz = y"),
-    ("for i in range(2):\n    !echo {i}\n    %time g(i)\ndone = 1",
-     "for i in range(2):\n    get_ipython().system('echo {i}')\n    get_ipython().run_line_magic('time', 'g(i)')\n"
-     "done = 1"),
-    ("!ls \\\n  -l\nafter = 1",            # IPython joins a continued ! line into one call
-     "get_ipython().system('ls    -l')\n\nafter = 1"),
-    ("\n\n%env A=1\nafter = 1",             # IPython drops leading blank lines
-     "\n\nget_ipython().run_line_magic('env', 'A=1')\nafter = 1"),
-    ("%%time\nx = 1\n!ls\nx",
-     "get_ipython().run_cell_magic('time', '', \"x = 1\\nget_ipython().system('ls')\\nx\\n\")\n\n\n"),
-    ("%%timeit -n 2 setup = 1\nsetup + 1\n", "get_ipython().run_cell_magic('timeit', '-n 2 setup = 1', 'setup + 1\\n')\n\n"),
-    ("text = '''\n!not a command\n'''", "text = '''\n!not a command\n'''"),
-    ("x = 1\n!ls \\", "x = 1\nget_ipython().system('ls \\\\')"),  # a backslash on the last line continues nothing
-])
+@pytest.mark.parametrize(
+    "source, python",
+    [
+        ("!ls -l\nx = 1", "get_ipython().system('ls -l')\nx = 1"),
+        ("files = !ls\nfiles", "files = get_ipython().getoutput('ls')\nfiles"),
+        ("%time y = f(1)\nz = y", "get_ipython().run_line_magic('time', 'y = f(1)')\nz = y"),
+        (
+            "for i in range(2):\n    !echo {i}\n    %time g(i)\ndone = 1",
+            "for i in range(2):\n    get_ipython().system('echo {i}')\n    get_ipython().run_line_magic('time', 'g(i)')\n"
+            "done = 1",
+        ),
+        (
+            "!ls \\\n  -l\nafter = 1",  # IPython joins a continued ! line into one call
+            "get_ipython().system('ls    -l')\n\nafter = 1",
+        ),
+        (
+            "\n\n%env A=1\nafter = 1",  # IPython drops leading blank lines
+            "\n\nget_ipython().run_line_magic('env', 'A=1')\nafter = 1",
+        ),
+        (
+            "%%time\nx = 1\n!ls\nx",
+            "get_ipython().run_cell_magic('time', '', \"x = 1\\nget_ipython().system('ls')\\nx\\n\")\n\n\n",
+        ),
+        (
+            "%%timeit -n 2 setup = 1\nsetup + 1\n",
+            "get_ipython().run_cell_magic('timeit', '-n 2 setup = 1', 'setup + 1\\n')\n\n",
+        ),
+        ("text = '''\n!not a command\n'''", "text = '''\n!not a command\n'''"),
+        ("x = 1\n!ls \\", "x = 1\nget_ipython().system('ls \\\\')"),  # a backslash on the last line continues nothing
+    ],
+)
 def test_translation_keeps_every_line_where_it_was_typed(source, python):
     assert translate_cell(source).python == python
     assert len(python.split("\n")) == len(source.split("\n"))
@@ -55,34 +69,56 @@ def test_plain_python_runs_as_typed():
 
 def test_code_inside_magics_is_translated_too():
     call = ast.parse(translate_cell("%%time\n!echo {a}\n%time !echo b").python).body[0].value
-    assert call.args[2].value == ("get_ipython().system('echo {a}')\n"
-                                  "get_ipython().run_line_magic('time', \"get_ipython().system('echo b')\")\n")
+    assert call.args[2].value == (
+        "get_ipython().system('echo {a}')\nget_ipython().run_line_magic('time', \"get_ipython().system('echo b')\")\n"
+    )
 
 
 def test_names_a_magic_uses_travel_and_get_ipython_does_not():
-    ns = {"cfg": {"n": 1}, "path": "/data", "build": len, "x": [1], "model": "notebook's", "get_ipython": object,
-          "setup_value": 2, "n": 3}
+    ns = {
+        "cfg": {"n": 1},
+        "path": "/data",
+        "build": len,
+        "x": [1],
+        "model": "notebook's",
+        "get_ipython": object,
+        "setup_value": 2,
+        "n": 3,
+    }
     cap = capture_cell("!echo {cfg['n']} $path\n%time model = build(x)\nmodel\n%timeit -n 2 setup_value + n", ns, [])
     assert cap.cell.value_names == ["build", "cfg", "n", "path", "setup_value", "x"]  # not model: the cell makes it
 
 
-@pytest.mark.parametrize("source,message", [
-    ("x = 1\n%matplotlib inline", "line 3, `%matplotlib inline`: %matplotlib cannot run on the ranks (they run "
-                                  f"without IPython); a %%torchdist cell can use {SUPPORTED}. Run %matplotlib in a "
-                                  "cell of its own."),
-    ("model?", "line 2, `model?`: %pinfo cannot run on the ranks"),
-    ("?", "line 2, `?`: get_ipython().show_usage cannot run on the ranks"),
-    ("%%bash\nls", "line 2, `%%bash`: %%bash cannot run on the ranks"),
-    ("x = 1\n%%time\nx", "line 3, `%%time`: a cell magic (%%time) must be the first line of the code, and applies "
-                         "to all of it"),
-    ("%%time x = 1\nx", "line 2, `%%time x = 1`: nothing can follow %%time on its line; the code it times goes on "
-                        "the lines below it"),
-    ("%timeit -x f()", "line 2, `%timeit -x f()`: unknown %timeit option -x (the ranks know -n N, -r R, -p P, -q "
-                       "and -o)"),
-    ("%timeit -n", "line 2, `%timeit -n`: %timeit -n needs a number"),
-    ("%timeit -r0 f()", "line 2, `%timeit -r0 f()`: %timeit -r needs a whole number of at least 1, got '0'"),
-    ("%%time\nok = 1\n%time y = (1,", "SyntaxError in the cell, line 4: '(' was never closed\n    %time y = (1,"),
-])
+@pytest.mark.parametrize(
+    "source,message",
+    [
+        (
+            "x = 1\n%matplotlib inline",
+            "line 3, `%matplotlib inline`: %matplotlib cannot run on the ranks (they run "
+            f"without IPython); a %%torchdist cell can use {SUPPORTED}. Run %matplotlib in a "
+            "cell of its own.",
+        ),
+        ("model?", "line 2, `model?`: %pinfo cannot run on the ranks"),
+        ("?", "line 2, `?`: get_ipython().show_usage cannot run on the ranks"),
+        ("%%bash\nls", "line 2, `%%bash`: %%bash cannot run on the ranks"),
+        (
+            "x = 1\n%%time\nx",
+            "line 3, `%%time`: a cell magic (%%time) must be the first line of the code, and applies to all of it",
+        ),
+        (
+            "%%time x = 1\nx",
+            "line 2, `%%time x = 1`: nothing can follow %%time on its line; the code it times goes on "
+            "the lines below it",
+        ),
+        (
+            "%timeit -x f()",
+            "line 2, `%timeit -x f()`: unknown %timeit option -x (the ranks know -n N, -r R, -p P, -q and -o)",
+        ),
+        ("%timeit -n", "line 2, `%timeit -n`: %timeit -n needs a number"),
+        ("%timeit -r0 f()", "line 2, `%timeit -r0 f()`: %timeit -r needs a whole number of at least 1, got '0'"),
+        ("%%time\nok = 1\n%time y = (1,", "SyntaxError in the cell, line 4: '(' was never closed\n    %time y = (1,"),
+    ],
+)
 def test_what_the_ranks_cannot_run_is_refused_naming_the_line(source, message):
     with pytest.raises(CaptureError) as info:
         capture_cell(source, {}, [])
@@ -115,12 +151,15 @@ def test_getoutput_returns_the_lines(shell):
     assert shell.getoutput("echo one", split=False) == "one\n"
 
 
-@pytest.mark.parametrize("command,expected", [
-    ("echo {n * 2} $name {items[1:3]}", "4 box [2, 3]"),
-    ("echo $$HOME-literal", os.path.expandvars("$HOME") + "-literal"),  # $$ is the shell's $
-    ("echo '$name'", "$name"),                                          # not inside single quotes
-    ("echo {missing} $name", "{missing}"),                              # IPython: left as typed when it fails
-])
+@pytest.mark.parametrize(
+    "command,expected",
+    [
+        ("echo {n * 2} $name {items[1:3]}", "4 box [2, 3]"),
+        ("echo $$HOME-literal", os.path.expandvars("$HOME") + "-literal"),  # $$ is the shell's $
+        ("echo '$name'", "$name"),  # not inside single quotes
+        ("echo {missing} $name", "{missing}"),  # IPython: left as typed when it fails
+    ],
+)
 def test_expansion_is_ipythons(shell, command, expected):
     n, name, items = 2, "box", [1, 2, 3, 4]  # noqa: F841 (read by the expansion)
     assert shell.getoutput(command).n.rstrip() == expected
@@ -137,8 +176,11 @@ def test_env(shell, monkeypatch, capsys):
     assert everything["TORCHDIST_TEST_MODE"] == "slow" and everything["TORCHDIST_TEST_TOKEN"] == "<hidden>"
     with pytest.raises(MagicError, match="^%env NOPE_NOT_SET: rank 0 has no environment variable NOPE_NOT_SET$"):
         shell.run_line_magic("env", "NOPE_NOT_SET")
-    with pytest.raises(MagicError, match=r"^%env A B=c: an environment variable name has no spaces \('A B'\); "
-                                         "write %env NAME=value$"):
+    with pytest.raises(
+        MagicError,
+        match=r"^%env A B=c: an environment variable name has no spaces \('A B'\); "
+        "write %env NAME=value$",
+    ):
         shell.run_line_magic("env", "A B=c")
 
 
@@ -184,11 +226,17 @@ def test_a_magic_the_ranks_lack_is_named_when_called(shell):
         shell.run_cell_magic("bash", "", "ls")
 
 
-@pytest.mark.parametrize("source,lines,shown", [
-    ("\nx = 1\n%time y = x / (x - 1)\n", [3, 3],
-     "    %time y = x / (x - 1)\n              ~~^~~~~~~~~\n"),  # marks the code, not "%time"
-    ("\n%%time\nx = 1\ny = x / (x - 1)\n", [2, 4], "    y = x / (x - 1)\n        ~~^~~~~~~~~\n"),
-])
+@pytest.mark.parametrize(
+    "source,lines,shown",
+    [
+        (
+            "\nx = 1\n%time y = x / (x - 1)\n",
+            [3, 3],
+            "    %time y = x / (x - 1)\n              ~~^~~~~~~~~\n",
+        ),  # marks the code, not "%time"
+        ("\n%%time\nx = 1\ny = x / (x - 1)\n", [2, 4], "    y = x / (x - 1)\n        ~~^~~~~~~~~\n"),
+    ],
+)
 def test_traceback_through_time_shows_the_cells_lines(source, lines, shown):
     from torchdist_magic.rank.worker import _format_exception
 
@@ -218,8 +266,10 @@ def test_pip_runs_once_and_its_failure_reaches_every_rank_of_the_host(tmp_path, 
             RankShell().run_line_magic("pip", line)
         failures.append(str(info.value))
     host = socket.gethostname()
-    assert failures == [f"%pip {line} failed on {host}: pip exited with code 1 (its output is above)",
-                        f"%pip {line} failed on {host}: pip exited with code 1 (its output is in rank 0's log)"]
+    assert failures == [
+        f"%pip {line} failed on {host}: pip exited with code 1 (its output is above)",
+        f"%pip {line} failed on {host}: pip exited with code 1 (its output is in rank 0's log)",
+    ]
     out = "".join(capfd.readouterr())
     assert out.count(f"Processing {missing}") == 1  # pip ran once
     assert f"%pip {line}: pip ran once for this host, on rank 0" in out
@@ -232,9 +282,11 @@ def test_pip_runs_once_and_its_failure_reaches_every_rank_of_the_host(tmp_path, 
 def tiny_wheel(directory, name):
     """A wheel of package ``name`` (``VALUE = 41``), written by hand."""
     dist_info = f"{name}-0.1.dist-info"
-    files = {f"{name}/__init__.py": "VALUE = 41\n",
-             f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
-             f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files = {
+        f"{name}/__init__.py": "VALUE = 41\n",
+        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
+        f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
     record = []
     for path, text in files.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
@@ -274,10 +326,12 @@ def test_every_form_runs_on_every_rank(ip, request, tmp_path, where):
     package = f"torchdist_tiny_{where}"
     rank_tmp = tmp_path / "rank-tmp"
     rank_tmp.mkdir()
-    ip.user_ns.update(greeting="hello", workdir=str(tmp_path), target=str(tmp_path / "site"),
-                      wheel=str(tiny_wheel(tmp_path, package)))
-    result = cell(ip, EVERY_FORM.format(where="--local" if where == "local" else "--spark", rank_tmp=rank_tmp,
-                                        package=package))
+    ip.user_ns.update(
+        greeting="hello", workdir=str(tmp_path), target=str(tmp_path / "site"), wheel=str(tiny_wheel(tmp_path, package))
+    )
+    result = cell(
+        ip, EVERY_FORM.format(where="--local" if where == "local" else "--spark", rank_tmp=rank_tmp, package=package)
+    )
     run = ip.user_ns["_torchdist_run"]
     assert result.error_in_exec is None, run.logs(0) + run.logs(1)
     assert result.result == (0, ["one", "two"], 45, "fast", str(tmp_path), 41, [])  # a rank has no IPython
@@ -295,12 +349,15 @@ def test_every_form_runs_on_every_rank(ip, request, tmp_path, where):
 
 
 def test_a_failure_after_a_time_line_reports_the_cells_line(ip):
-    result = cell(ip, """
+    result = cell(
+        ip,
+        """
         %%torchdist --np 2
         %time x = rank * 2
         if rank == 1:
             raise ValueError("after %time")
-    """)
+    """,
+    )
     err = result.error_in_exec
     assert isinstance(err, RankFailure) and err.rank == 1
     assert f'File "<torchdist cell In[{result.execution_count}]>", line 4, in <module>' in err.traceback
@@ -310,14 +367,18 @@ def test_a_failure_after_a_time_line_reports_the_cells_line(ip):
 
 def test_an_unknown_magic_is_a_usage_error_before_launch(ip, capsys):
     ip.user_ns["_torchdist_run"] = before = object()
-    cell(ip, """
+    cell(
+        ip,
+        """
         %%torchdist --np 2
         x = 1
         %load_ext autoreload
-    """)
+    """,
+    )
     text = "".join(capsys.readouterr())
-    assert ("UsageError: line 3, `%load_ext autoreload`: %load_ext cannot run on the ranks (they run without "
-            "IPython)") in text
+    assert (
+        "UsageError: line 3, `%load_ext autoreload`: %load_ext cannot run on the ranks (they run without IPython)"
+    ) in text
     assert "Traceback" not in text and ip.user_ns["_torchdist_run"] is before  # nothing started
 
 
@@ -330,13 +391,16 @@ def test_shell_commands_see_the_gpus_in_a_gpu_cell(ip):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     n = torch.cuda.device_count()
-    result = cell(ip, f"""
+    result = cell(
+        ip,
+        f"""
         %%torchdist --np {n} --gpu --timeout 120
         import torch, torch.distributed as dist
         !nvidia-smi -L
         %timeit -r 1 dist.all_reduce(torch.ones(1, device=device))
         rank
-    """)
+    """,
+    )
     run = ip.user_ns["_torchdist_run"]
     assert result.error_in_exec is None and result.result == 0, run.logs(0)
     for r in range(n):

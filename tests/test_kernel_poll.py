@@ -182,8 +182,9 @@ def test_stop_and_the_log_selector_answer_while_a_cell_blocks(kernel):
 def test_requests_sent_during_a_blocking_cell_run_after_it_in_order(kernel):
     kc = kernel.kc
     # the cell ends only when Stop is clicked, after the requests: they all came while it ran
-    blocking = kc.execute("try:\n    ended = wait_for(WaitingRun(2), 60)\n"
-                          "except RuntimeError as exc:\n    ended = str(exc)")
+    blocking = kc.execute(
+        "try:\n    ended = wait_for(WaitingRun(2), 60)\nexcept RuntimeError as exc:\n    ended = str(exc)"
+    )
     stop, deadline = None, time.monotonic() + 60
     while stop is None and time.monotonic() < deadline:  # the view is up: its poller takes what comes now
         msg = kernel.iopub()
@@ -197,8 +198,13 @@ def test_requests_sent_during_a_blocking_cell_run_after_it_in_order(kernel):
     send_comm(kc, stop, {"method": "custom", "content": {"event": "click"}})  # behind them on the shell channel
     got = replies(kc, 5)
     assert [r["parent_header"]["msg_id"] for r in got] == [blocking, first, info, complete, second]
-    assert [r["msg_type"] for r in got] == ["execute_reply", "execute_reply", "kernel_info_reply",
-                                            "complete_reply", "execute_reply"]
+    assert [r["msg_type"] for r in got] == [
+        "execute_reply",
+        "execute_reply",
+        "kernel_info_reply",
+        "complete_reply",
+        "execute_reply",
+    ]
     assert all(r["content"]["status"] == "ok" for r in got)
     counts = [got[i]["content"]["execution_count"] for i in (0, 1, 4)]
     assert counts == [counts[0], counts[0] + 1, counts[0] + 2]
@@ -216,8 +222,9 @@ def test_stop_ends_a_real_run_of_a_blocking_torchdist_cell(kernel):
     pytest.importorskip("torch")
     kc = kernel.kc
     kernel.run("%load_ext torchdist_magic")
-    long_cell = kc.execute("%%torchdist --np 2\nimport time\nfor i in progress(range(30000), desc='step'):\n"
-                           "    time.sleep(0.02)\n")
+    long_cell = kc.execute(
+        "%%torchdist --np 2\nimport time\nfor i in progress(range(30000), desc='step'):\n    time.sleep(0.02)\n"
+    )
     stop, clicked, outputs, run_ids = None, False, [], set()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -286,22 +293,24 @@ def shell_channel(monkeypatch):
     delivered, handled = [], []
 
     def kernel_handler(frames):
-        delivered.append(session.deserialize(session.feed_identities(frames, copy=False)[1],
-                                             copy=False)["header"]["msg_type"])
+        delivered.append(
+            session.deserialize(session.feed_identities(frames, copy=False)[1], copy=False)["header"]["msg_type"]
+        )
 
     stream.on_recv(kernel_handler, copy=False)
-    manager = types.SimpleNamespace(**{kind: lambda s, i, m: handled.append(m["content"]["n"])
-                                       for kind in ("comm_open", "comm_msg", "comm_close")})
+    manager = types.SimpleNamespace(
+        **{kind: lambda s, i, m: handled.append(m["content"]["n"]) for kind in ("comm_open", "comm_msg", "comm_close")}
+    )
     monkeypatch.setattr(comm, "get_comm_manager", lambda: manager)
-    shell = types.SimpleNamespace(kernel=types.SimpleNamespace(session=session, shell_stream=stream),
-                                  events=Events())
+    shell = types.SimpleNamespace(kernel=types.SimpleNamespace(session=session, shell_stream=stream), events=Events())
     monkeypatch.setattr("torchdist_magic.view.kernel_poll.main_shell_stream", lambda kernel: kernel.shell_stream)
 
     def send(msg_type, n=0):
         session.send(sender, msg_type, {"n": n}, ident=[b"frontend"])
 
-    yield types.SimpleNamespace(shell=shell, stream=stream, send=send, delivered=delivered, handled=handled,
-                                kernel_handler=kernel_handler)
+    yield types.SimpleNamespace(
+        shell=shell, stream=stream, send=send, delivered=delivered, handled=handled, kernel_handler=kernel_handler
+    )
     stream.close()
     sender.close()
     loop.close()
@@ -319,8 +328,14 @@ def test_widget_messages_are_handled_and_the_rest_passed_on_in_order(shell_chann
     ch = shell_channel
     poller = KernelPoll.start(ch.shell)
     assert poller is not None and KernelPoll.start(ch.shell) is None  # one at a time
-    for msg_type, n in [("comm_msg", 1), ("execute_request", 0), ("comm_open", 2), ("kernel_info_request", 0),
-                        ("comm_close", 3), ("execute_request", 0)]:
+    for msg_type, n in [
+        ("comm_msg", 1),
+        ("execute_request", 0),
+        ("comm_open", 2),
+        ("kernel_info_request", 0),
+        ("comm_close", 3),
+        ("execute_request", 0),
+    ]:
         ch.send(msg_type, n)
     poll_until(poller, lambda: len(ch.delivered) == 3 and len(ch.handled) == 3)
     assert ch.handled == [1, 2, 3]
@@ -364,11 +379,18 @@ def test_interrupting_the_kernel_stops_every_rank_of_a_torchdist_cell(tmp_path):
         kc = kernel.kc
         kernel.run("%load_ext torchdist_magic")
         marks = str(tmp_path)
-        long_cell = kc.execute("%%torchdist --np 2\nimport os, time\n"
-                               f"open(os.path.join({marks!r}, f'rank{{rank}}-pid{{os.getpid()}}'), 'w').close()\n"
-                               "time.sleep(600)\n")
-        started = wait_until(lambda: (lambda found: found if len(found) == 2 else None)(
-            sorted(glob.glob(os.path.join(marks, "rank*-pid*")))), 120, "both ranks to start")
+        long_cell = kc.execute(
+            "%%torchdist --np 2\nimport os, time\n"
+            f"open(os.path.join({marks!r}, f'rank{{rank}}-pid{{os.getpid()}}'), 'w').close()\n"
+            "time.sleep(600)\n"
+        )
+        started = wait_until(
+            lambda: (lambda found: found if len(found) == 2 else None)(
+                sorted(glob.glob(os.path.join(marks, "rank*-pid*")))
+            ),
+            120,
+            "both ranks to start",
+        )
         pids = [int(path.rsplit("-pid", 1)[1]) for path in started]
         kernel.km.interrupt_kernel()  # the frontend's ■
         outputs = []
@@ -383,14 +405,18 @@ def test_interrupting_the_kernel_stops_every_rank_of_a_torchdist_cell(tmp_path):
         (reply,) = replies(kc, 1)
         assert reply["parent_header"]["msg_id"] == long_cell and reply["content"]["status"] == "error"
         # the kernel stays usable, and the cell's run was cancelled
-        check = kc.execute("", user_expressions={"run_id": "_torchdist_run.run_id",
-                                                 "state": "_torchdist_run.state.state"})
+        check = kc.execute(
+            "", user_expressions={"run_id": "_torchdist_run.run_id", "state": "_torchdist_run.state.state"}
+        )
         (reply,) = replies(kc, 1)
         assert reply["parent_header"]["msg_id"] == check and reply["content"]["status"] == "ok"
         found = {k: v["data"]["text/plain"].strip("'") for k, v in reply["content"]["user_expressions"].items()}
         assert found["state"] == "cancelled"
-        wait_until(lambda: not pids_of_run(found["run_id"]) and not any(alive(p) for p in pids), 10,
-                   "every process of the interrupted run to end")
+        wait_until(
+            lambda: not pids_of_run(found["run_id"]) and not any(alive(p) for p in pids),
+            10,
+            "every process of the interrupted run to end",
+        )
     finally:
         kernel.close()
     wait_until(lambda: not alive(kernel.pid), 10, "the test's kernel to exit")

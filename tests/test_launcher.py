@@ -29,6 +29,7 @@ def _end(daemons):
 
 # -- a process a rank starts in a session of its own ---------------------------------------------
 
+
 def start_daemon_then(pid_dir, fail, ignore_sigterm=False):
     """Start ``sleep 600`` in a session of its own (out of the rank's process group), write its
     pid into ``pid_dir``, then return (or raise)."""
@@ -38,8 +39,9 @@ def start_daemon_then(pid_dir, fail, ignore_sigterm=False):
     from torchdist_magic import rank
 
     if ignore_sigterm:
-        daemon = subprocess.Popen(["sh", "-c", "trap '' TERM; echo up; sleep 600 & wait"],
-                                  start_new_session=True, stdout=subprocess.PIPE)
+        daemon = subprocess.Popen(
+            ["sh", "-c", "trap '' TERM; echo up; sleep 600 & wait"], start_new_session=True, stdout=subprocess.PIPE
+        )
         daemon.stdout.readline()  # its trap is in place
     else:  # it holds the rank's output pipes, as a daemon that does not close them does
         daemon = subprocess.Popen(["sleep", "600"], start_new_session=True)
@@ -93,8 +95,9 @@ time.sleep(600)
 def test_a_process_a_rank_started_in_a_session_of_its_own_ends_when_the_driver_is_killed(tmp_path):
     scratch = tmp_path / "driver-tmp"
     scratch.mkdir()
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, TMPDIR=str(scratch)))
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True, env=dict(os.environ, TMPDIR=str(scratch))
+    )
     daemon = None
     try:
         lines = []
@@ -140,8 +143,10 @@ def test_a_cancelled_run_logs_every_signal_it_sent(local_distributor, tmp_path, 
         run.wait(30)
     messages = [r.getMessage() for r in caplog.records if r.name == "torchdist_magic"]
     for rank, pgid in enumerate(pgids):
-        assert any(m.startswith(f"rank {rank}: sent SIGTERM to its process group {pgid}, stopping the rank (")
-                   for m in messages), messages
+        assert any(
+            m.startswith(f"rank {rank}: sent SIGTERM to its process group {pgid}, stopping the rank (")
+            for m in messages
+        ), messages
     assert_no_survivors(run)
 
 
@@ -158,12 +163,18 @@ def test_a_daemon_that_ignores_sigterm_is_killed_and_both_signals_are_logged(loc
         _end(_daemon_pids(str(pid_dir)))
     messages = [r.getMessage() for r in caplog.records if r.name == "torchdist_magic"]
     mark = f"{run.run_id}:0:0"
-    assert any(m.startswith(f"rank {mark}: sent SIGTERM to process {daemon} (sh -c ")
-               and m.endswith("a process the rank left running") for m in messages), messages
+    assert any(
+        m.startswith(f"rank {mark}: sent SIGTERM to process {daemon} (sh -c ")
+        and m.endswith("a process the rank left running")
+        for m in messages
+    ), messages
     # SIGKILL goes to what is left of the rank's processes then: the daemon, or the child it
     # started (which inherited the ignored SIGTERM), whichever the scan finds still running
-    assert any(m.startswith(f"rank {mark}: sent SIGKILL to process ")
-               and m.endswith(f"still running {STOP_GRACE:g} s after SIGTERM") for m in messages), messages
+    assert any(
+        m.startswith(f"rank {mark}: sent SIGKILL to process ")
+        and m.endswith(f"still running {STOP_GRACE:g} s after SIGTERM")
+        for m in messages
+    ), messages
     assert_no_survivors(run, extra_pids=[daemon])
 
 
@@ -180,15 +191,20 @@ def test_the_log_is_silent_unless_the_application_turns_it_on():
 
 # -- the mark, and ending what carries it ----------------------------------------------------------
 
+
 def _marked_sleeper(mark):
-    return subprocess.Popen(["sleep", "600"], start_new_session=True,
-                            env=dict(os.environ, **{procs.MARK_VARIABLE: mark}))
+    return subprocess.Popen(
+        ["sleep", "600"], start_new_session=True, env=dict(os.environ, **{procs.MARK_VARIABLE: mark})
+    )
 
 
 def test_ending_one_rank_s_processes_never_touches_another_rank_s():
     run = uuid.uuid4().hex
-    ours, rank_10, other_attempt = (_marked_sleeper(f"{run}:0:1"), _marked_sleeper(f"{run}:0:10"),
-                                    _marked_sleeper(f"{run}:1:1"))
+    ours, rank_10, other_attempt = (
+        _marked_sleeper(f"{run}:0:1"),
+        _marked_sleeper(f"{run}:0:10"),
+        _marked_sleeper(f"{run}:1:1"),
+    )
     sleepers = [ours, rank_10, other_attempt]
     try:
         wait_until(lambda: procs.marked_processes(f"{run}:0:1") == [ours.pid], 10, "the sleeper's mark")
@@ -205,14 +221,21 @@ def test_ending_one_rank_s_processes_never_touches_another_rank_s():
 
 def test_the_process_that_ends_a_mark_is_never_ended_by_it():
     mark = f"{uuid.uuid4().hex}:0:0"
-    code = ("from torchdist_magic.core import procs; import sys; "
-            "print(procs.end_marked_processes(sys.argv[1], grace=0.0))")
-    done = subprocess.run([sys.executable, "-c", code, mark], capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, **{procs.MARK_VARIABLE: mark}))
+    code = (
+        "from torchdist_magic.core import procs; import sys; print(procs.end_marked_processes(sys.argv[1], grace=0.0))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, mark],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, **{procs.MARK_VARIABLE: mark}),
+    )
     assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr
 
 
 # -- /proc --------------------------------------------------------------------------------------
+
 
 def test_process_exited_counts_a_zombie_as_exited():
     child = subprocess.Popen(["sleep", "600"])
@@ -229,8 +252,9 @@ def test_process_exited_counts_a_zombie_as_exited():
 
 
 def test_group_members_are_the_live_processes_of_a_group():
-    leader = subprocess.Popen(["sh", "-c", "sleep 600 & echo $!; wait"], start_new_session=True,
-                              stdout=subprocess.PIPE, text=True)
+    leader = subprocess.Popen(
+        ["sh", "-c", "sleep 600 & echo $!; wait"], start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
     try:
         child = int(leader.stdout.readline())
         assert sorted(procs.group_members(leader.pid)) == sorted([leader.pid, child])

@@ -40,13 +40,20 @@ def test_a_launcher_that_dies_unreported_is_the_rank_s_failure(shell_backend):
     failure = rank_failure_of(run)
     # /bin/sh stays the launcher's parent and says 128 + 9 for the SIGKILL (dash, bash)
     # (the rank's host is named once its worker's Started came)
-    assert re.fullmatch(r"rank 1( on \S+)? raised LauncherLost: the launcher of rank 1 ended \(exit status 137\) "
-                        r"without reporting its rank's exit", failure.args[0])
+    assert re.fullmatch(
+        r"rank 1( on \S+)? raised LauncherLost: the launcher of rank 1 ended \(exit status 137\) "
+        r"without reporting its rank's exit",
+        failure.args[0],
+    )
     assert_no_survivors(run)  # its guard ended the worker the launcher left behind
 
 
 def test_the_launcher_says_how_to_call_it():
-    done = subprocess.run([sys.executable, "-m", "torchdist_magic.launch.remote", "only-one-argument"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "torchdist_magic.launch.remote", "only-one-argument"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert done.stderr.strip() == "usage: python -m torchdist_magic.launch.remote SPEC_FILE RANK"

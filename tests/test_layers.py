@@ -36,8 +36,10 @@ def package_of(module: str) -> str:
         return "top"
     folder = module.split(".")[0]
     if folder not in MAY_IMPORT:
-        raise AssertionError(f"torchdist_magic.{module} is in no package this test knows: put it in one of "
-                             f"{sorted(MAY_IMPORT)} or add it to TOP")
+        raise AssertionError(
+            f"torchdist_magic.{module} is in no package this test knows: put it in one of "
+            f"{sorted(MAY_IMPORT)} or add it to TOP"
+        )
     return folder
 
 
@@ -57,10 +59,10 @@ def imported(module: str, path: pathlib.Path):
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[:len(package) - (node.level - 1)] if node.level > 1 else package
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
                 target = ".".join(base + ([node.module] if node.module else []))
             elif (node.module or "").startswith("torchdist_magic"):
-                target = node.module[len("torchdist_magic"):].lstrip(".")
+                target = node.module[len("torchdist_magic") :].lstrip(".")
             else:
                 continue
             for alias in node.names:  # ``from pkg import module`` or ``from module import name``
@@ -68,7 +70,7 @@ def imported(module: str, path: pathlib.Path):
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("torchdist_magic."):
-                    yield _known(alias.name[len("torchdist_magic."):])
+                    yield _known(alias.name[len("torchdist_magic.") :])
 
 
 def _known(name: str) -> str:
@@ -131,7 +133,7 @@ def import_cycles():
         state[module] = "open"
         for target in sorted(graph.get(module, ())):
             if state.get(target) == "open":
-                cycles.append(path[path.index(target):] + [target])
+                cycles.append(path[path.index(target) :] + [target])
             elif target not in state:
                 visit(target, path + [target])
         state[module] = "done"
@@ -148,8 +150,8 @@ def test_no_modules_import_each_other_in_a_circle():
 
 def test_the_check_sees_lazy_and_relative_imports():
     found = dict((m, set(imported(m, p))) for m, p in module_names())
-    assert "view" in found["api"]                          # a function-level import
-    assert "core.events" in found["driver.state"]          # a relative import, one package up
-    assert "backends.registry" in found["backends"]         # ``from .registry import ...``
-    assert "backends.base" in found["backends.local"]      # ``from .base import ...``
-    assert "rank.runtime" in found["rank.worker"]          # ``from torchdist_magic.rank import runtime``
+    assert "view" in found["api"]  # a function-level import
+    assert "core.events" in found["driver.state"]  # a relative import, one package up
+    assert "backends.registry" in found["backends"]  # ``from .registry import ...``
+    assert "backends.base" in found["backends.local"]  # ``from .base import ...``
+    assert "rank.runtime" in found["rank.worker"]  # ``from torchdist_magic.rank import runtime``

@@ -11,13 +11,18 @@ from helpers import assert_no_survivors, cell
 from torchdist_magic import RankFailure, last_run
 
 
-
-
 def fresh_ipython(*lines):
     """The first two lines a new IPython process prints after ``%load_ext`` and ``lines``."""
-    code = "\n".join(("import sys", "from IPython.testing.globalipapp import start_ipython",
-                      "ip = start_ipython()", "ip.run_line_magic('load_ext', 'torchdist_magic')",
-                      "m = ip.magics_manager.magics") + lines)
+    code = "\n".join(
+        (
+            "import sys",
+            "from IPython.testing.globalipapp import start_ipython",
+            "ip = start_ipython()",
+            "ip.run_line_magic('load_ext', 'torchdist_magic')",
+            "m = ip.magics_manager.magics",
+        )
+        + lines
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return out.split("\n")[:2]
 
@@ -25,11 +30,14 @@ def fresh_ipython(*lines):
 def test_load_is_light():
     assert fresh_ipython(
         "print(sorted(x for x in ('torch', 'pyspark', 'ipywidgets', 'cloudpickle', 'cryptography', 'pynvml', 'mlflow') if x in sys.modules))",
-        "print('torchdist' in m['cell'])") == ["[]", "True"]
+        "print('torchdist' in m['cell'])",
+    ) == ["[]", "True"]
 
 
 def test_notebook_imports_classes_and_helpers(ip):
-    cell(ip, """
+    cell(
+        ip,
+        """
         import numpy as np
         import torch
         from torch import nn as tnn
@@ -44,13 +52,17 @@ def test_notebook_imports_classes_and_helpers(ip):
                 return F.relu(self.fc(x))
         def helper(x):
             return x * SCALE
-    """)
-    result = cell(ip, """
+    """,
+    )
+    result = cell(
+        ip,
+        """
         %%torchdist --np 2
         net = Net()
         out = net(torch.ones(1, 4))
         (helper(rank), np.arange(3).sum().item(), list(OD(a=1)), tuple(out.shape), world_size)
-    """)
+    """,
+    )
     assert result.error_in_exec is None
     assert result.result == (0, 3, ["a"], (1, 2), 2)
     assert ip.user_ns["Out"][result.execution_count] == result.result
@@ -67,7 +79,9 @@ def test_captured_values_are_only_what_the_cell_uses(ip):
 
 
 def test_databricks_seed_code_unchanged(ip):
-    result = cell(ip, """
+    result = cell(
+        ip,
+        """
         %%torchdist --np 2
         import torch
         import torch.distributed as dist
@@ -92,13 +106,16 @@ def test_databricks_seed_code_unchanged(ip):
         state = {k: v.clone() for k, v in model.module.state_dict().items()}
         dist.destroy_process_group()
         sorted(state)
-    """)
+    """,
+    )
     assert result.error_in_exec is None
     assert result.result == ["bias", "weight"]
 
 
 def test_cell_defines_and_uses_its_own_function_and_class(ip):
-    result = cell(ip, """
+    result = cell(
+        ip,
+        """
         %%torchdist --np 2
         import torch
         import torch.distributed as dist
@@ -114,7 +131,8 @@ def test_cell_defines_and_uses_its_own_function_and_class(ip):
         t = torch.tensor([float(acc.total)])
         dist.all_reduce(t)
         t.item()
-    """)
+    """,
+    )
     assert result.error_in_exec is None
     assert result.result == 28.0
     state = last_run().state
@@ -123,17 +141,23 @@ def test_cell_defines_and_uses_its_own_function_and_class(ip):
 
 
 def test_out_variable_and_semicolon(ip):
-    result = cell(ip, """
+    result = cell(
+        ip,
+        """
         %%torchdist --np 2 --out weights
         {"rank": rank}
-    """)
+    """,
+    )
     assert result.result is None and ip.user_ns["weights"] == {"rank": 0}
     before = ip.user_ns["_torchdist_run"]
-    result = cell(ip, """
+    result = cell(
+        ip,
+        """
         %%torchdist --np 1
         print("the cell ran")
         41 + 1;
-    """)
+    """,
+    )
     assert result.error_in_exec is None and result.result is None
     run = ip.user_ns["_torchdist_run"]
     # the cell ran, and its last expression, ended by ";", is no value (as in IPython)
@@ -141,28 +165,36 @@ def test_out_variable_and_semicolon(ip):
 
 
 def test_all_ranks(ip):
-    result = cell(ip, """
+    result = cell(
+        ip,
+        """
         %%torchdist --np 2 --all-ranks
         rank * 10
-    """)
+    """,
+    )
     assert result.result == [0, 10]
 
 
 def test_env_flag_and_config_default(ip):
     ip.run_line_magic("config", "TorchdistMagics.default_np = 2")
     try:
-        result = cell(ip, """
+        result = cell(
+            ip,
+            """
             %%torchdist --env MODE=fast --env DEPTH=3 --env 'NOTE=two words'
             import os
             (world_size, os.environ["MODE"], os.environ["DEPTH"], os.environ["NOTE"])
-        """)
+        """,
+        )
     finally:
         ip.run_line_magic("config", "TorchdistMagics.default_np = 1")
     assert result.result == (2, "fast", "3", "two words")
 
 
 def test_a_cell_resumes_from_its_checkpoint_after_a_restart(ip, tmp_path, capsys):
-    result = cell(ip, f"""
+    result = cell(
+        ip,
+        f"""
         %%torchdist --np 2 --max-restarts 1 --checkpoint-dir {tmp_path / "checkpoints"}
         import os, signal
         state = load_checkpoint() or {{"epoch": 0}}
@@ -172,7 +204,8 @@ def test_a_cell_resumes_from_its_checkpoint_after_a_restart(ip, tmp_path, capsys
             if epoch == 1 and rank == 1 and restart_count() == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
         (start, restart_count())
-    """)
+    """,
+    )
     assert result.error_in_exec is None, result.error_in_exec
     start, attempt = result.result
     assert attempt == 1 and start > 0  # resumed, not started over
@@ -182,13 +215,16 @@ def test_a_cell_resumes_from_its_checkpoint_after_a_restart(ip, tmp_path, capsys
 
 
 def test_failing_rank_shows_cell_line(ip, capsys):
-    result = cell(ip, """
+    result = cell(
+        ip,
+        """
         %%torchdist --np 2
         x = 1
         if rank == 1:
             raise ValueError("bad shard")
         x
-    """)
+    """,
+    )
     err = result.error_in_exec
     assert isinstance(err, RankFailure) and err.rank == 1
     out = capsys.readouterr()
@@ -200,26 +236,32 @@ def test_failing_rank_shows_cell_line(ip, capsys):
     assert cell(ip, "1 + 1").result == 2  # the kernel stays usable
 
 
-@pytest.mark.parametrize("source,expected", [
-    ("%%torchdist --np 0\n1", "UsageError: --np must be at least 1, got 0"),
-    ("%%torchdist --np x\n1", "UsageError: argument --np: invalid int value: 'x'"),
-    ("%%torchdist --bogus\n1", "UsageError: unrecognized arguments: --bogus"),
-    ("%%torchdist --backend yarn\n1", "UsageError: --backend must be one of auto, local, spark, got 'yarn'"),
-    ("%%torchdist --timeout -1\n1", "UsageError: --timeout must be a positive number of seconds, got -1"),
-    ("%%torchdist --env NOVALUE\n1", "UsageError: --env entry 'NOVALUE' is not of the form KEY=VALUE"),
-    ("%%torchdist --env 1A=x\n1", "UsageError: --env: '1A' is not a valid environment variable name"),
-    ("%%torchdist --local --spark\n1", "UsageError: --local and --spark contradict each other: give one"),
-    ("%%torchdist --spark --backend local\n1", "UsageError: --spark and --backend local contradict each other"),
-    ("%%torchdist --np 2 --spark\n1", "UsageError: backend 'spark' (--spark, local_mode=False) runs on the "
-                                      "active SparkSession (classic or Spark Connect), and this process has none"),
-    ("%%torchdist --out 1x\n1", "UsageError: --out needs a variable name, got '1x'"),
-    ("%%torchdist script.py\n1", "UsageError: unexpected argument 'script.py': %%torchdist takes only flags"),
-    ("%%torchdist\n\n", "UsageError: the %%torchdist cell is empty"),
-    ("%%torchdist --env 'A=b\n1", "UsageError: cannot parse the flags: No closing quotation"),
-    ("%torchdist --np 2", "UsageError: %torchdist needs a script"),
-    ("%torchdist missing_script.py", "UsageError: script 'missing_script.py' does not exist"),
-    ("%%torchdist --np 2\nx = (1,\ny = 2", "UsageError: SyntaxError in the cell, line 2: '(' was never closed"),
-])
+@pytest.mark.parametrize(
+    "source,expected",
+    [
+        ("%%torchdist --np 0\n1", "UsageError: --np must be at least 1, got 0"),
+        ("%%torchdist --np x\n1", "UsageError: argument --np: invalid int value: 'x'"),
+        ("%%torchdist --bogus\n1", "UsageError: unrecognized arguments: --bogus"),
+        ("%%torchdist --backend yarn\n1", "UsageError: --backend must be one of auto, local, spark, got 'yarn'"),
+        ("%%torchdist --timeout -1\n1", "UsageError: --timeout must be a positive number of seconds, got -1"),
+        ("%%torchdist --env NOVALUE\n1", "UsageError: --env entry 'NOVALUE' is not of the form KEY=VALUE"),
+        ("%%torchdist --env 1A=x\n1", "UsageError: --env: '1A' is not a valid environment variable name"),
+        ("%%torchdist --local --spark\n1", "UsageError: --local and --spark contradict each other: give one"),
+        ("%%torchdist --spark --backend local\n1", "UsageError: --spark and --backend local contradict each other"),
+        (
+            "%%torchdist --np 2 --spark\n1",
+            "UsageError: backend 'spark' (--spark, local_mode=False) runs on the "
+            "active SparkSession (classic or Spark Connect), and this process has none",
+        ),
+        ("%%torchdist --out 1x\n1", "UsageError: --out needs a variable name, got '1x'"),
+        ("%%torchdist script.py\n1", "UsageError: unexpected argument 'script.py': %%torchdist takes only flags"),
+        ("%%torchdist\n\n", "UsageError: the %%torchdist cell is empty"),
+        ("%%torchdist --env 'A=b\n1", "UsageError: cannot parse the flags: No closing quotation"),
+        ("%torchdist --np 2", "UsageError: %torchdist needs a script"),
+        ("%torchdist missing_script.py", "UsageError: script 'missing_script.py' does not exist"),
+        ("%%torchdist --np 2\nx = (1,\ny = 2", "UsageError: SyntaxError in the cell, line 2: '(' was never closed"),
+    ],
+)
 def test_usage_errors_without_traceback(ip, capsys, source, expected):
     result = ip.run_cell(source)
     assert result.error_in_exec is not None or result.error_before_exec is not None
@@ -231,11 +273,14 @@ def test_usage_errors_without_traceback(ip, capsys, source, expected):
 
 def test_unpicklable_global_named(ip, capsys):
     cell(ip, "import threading\nguard = threading.Lock()")
-    cell(ip, """
+    cell(
+        ip,
+        """
         %%torchdist --np 2
         with guard:
             pass
-    """)
+    """,
+    )
     text = "".join(capsys.readouterr())
     assert "UsageError: the cell uses 'guard' (a _thread.lock) from the notebook, which cannot be sent" in text
     assert "Traceback" not in text
@@ -245,7 +290,9 @@ def test_large_payload_warns_with_names(ip):
     cell(ip, "big = b'x' * (3 * 2**20)\nsmall = 1")
     ip.run_line_magic("config", "TorchdistMagics.payload_warning_mb = 1.0")
     try:
-        with pytest.warns(UserWarning, match=r"the cell sends 3 MB of notebook values to every rank; largest: big \(3 MB\)"):
+        with pytest.warns(
+            UserWarning, match=r"the cell sends 3 MB of notebook values to every rank; largest: big \(3 MB\)"
+        ):
             result = cell(ip, "%%torchdist\nlen(big) + small")
     finally:
         ip.run_line_magic("config", "TorchdistMagics.payload_warning_mb = 100.0")
@@ -281,23 +328,38 @@ def test_help_text(ip):
     from torchdist_magic.magic import TorchdistMagics
 
     doc = ip.magics_manager.magics["cell"]["torchdist"].__doc__
-    for flag in ("--np N", "--gpu", "--local", "--spark", "--timeout SECONDS", "--env <KEY=VALUE>",
-                 "--out NAME", "--all-ranks", "--backend", "--hang-timeout SECONDS", "--max-restarts N",
-                 "--checkpoint-dir PATH", "--keep-checkpoints K"):
+    for flag in (
+        "--np N",
+        "--gpu",
+        "--local",
+        "--spark",
+        "--timeout SECONDS",
+        "--env <KEY=VALUE>",
+        "--out NAME",
+        "--all-ranks",
+        "--backend",
+        "--hang-timeout SECONDS",
+        "--max-restarts N",
+        "--checkpoint-dir PATH",
+        "--keep-checkpoints K",
+    ):
         assert flag in doc
     assert "rank 0's value is the result" in doc
     words = " ".join(doc.split())  # argparse wraps to the terminal's width
-    for flag_help in ("--np N number of ranks (processes) to start",
-                      "--timeout SECONDS stop every rank and raise TimeoutError after SECONDS",
-                      "--env <KEY=VALUE> extra environment variable for every rank (repeatable)",
-                      "--all-ranks return every rank's value as a list indexed by rank"):
+    for flag_help in (
+        "--np N number of ranks (processes) to start",
+        "--timeout SECONDS stop every rank and raise TimeoutError after SECONDS",
+        "--env <KEY=VALUE> extra environment variable for every rank (repeatable)",
+        "--all-ranks return every rank's value as a list indexed by rank",
+    ):
         assert flag_help in words
     settings = " ".join(TorchdistMagics.class_get_help().split())  # what %config TorchdistMagics lists
-    for setting_help in ("--TorchdistMagics.default_np=<Int> number of ranks when --np is not given Default: 1",
-                         "--TorchdistMagics.default_timeout=<Float> timeout in seconds when --timeout is not "
-                         "given (None: no limit) Default: None",
-                         "--TorchdistMagics.cell_filename=<Unicode> filename tracebacks show for a cell; {n} is "
-                         "the execution count"):
+    for setting_help in (
+        "--TorchdistMagics.default_np=<Int> number of ranks when --np is not given Default: 1",
+        "--TorchdistMagics.default_timeout=<Float> timeout in seconds when --timeout is not "
+        "given (None: no limit) Default: None",
+        "--TorchdistMagics.cell_filename=<Unicode> filename tracebacks show for a cell; {n} is the execution count",
+    ):
         assert setting_help in settings
 
 
@@ -310,8 +372,16 @@ def test_flags_match_launch_options():
     parser = construct_parser(TorchdistMagics.torchdist)
     dests = {a.dest for a in parser._actions}
     assert {f.name for f in option_fields()} <= dests
-    assert dests - {f.name for f in option_fields()} == {"local", "spark", "out", "quiet", "data", "columns", "script",
-                                                             "script_args"}
+    assert dests - {f.name for f in option_fields()} == {
+        "local",
+        "spark",
+        "out",
+        "quiet",
+        "data",
+        "columns",
+        "script",
+        "script_args",
+    }
 
 
 def test_unload_removes_magics():
@@ -319,29 +389,36 @@ def test_unload_removes_magics():
         "ip.run_line_magic('unload_ext', 'torchdist_magic')",
         "print('torchdist' in m['cell'], 'torchdist' in m['line'], 'torchdist_panel' in m['line'])",
         "ip.run_line_magic('load_ext', 'torchdist_magic')",
-        "print('torchdist' in m['cell'])") == ["False False False", "True"]
+        "print('torchdist' in m['cell'])",
+    ) == ["False False False", "True"]
 
 
 def test_function_that_sets_up_its_own_group_runs_in_a_cell(ip):
-    cell(ip, """
+    cell(
+        ip,
+        """
         import torch.distributed as dist
         def torchdistributor_style(x):
             dist.init_process_group("gloo")
             r = dist.get_rank()
             return r + x
-    """)
+    """,
+    )
     result = cell(ip, "%%torchdist --np 2 --all-ranks\ntorchdistributor_style(10)")
     assert result.error_in_exec is None
     assert result.result == [10, 11]
 
 
 def test_traceback_through_a_notebook_function_shows_its_source(ip):
-    cell(ip, """
+    cell(
+        ip,
+        """
         def bad_shard(r):
             if r == 1:
                 raise KeyError("shard " + str(r))
             return r
-    """)
+    """,
+    )
     result = cell(ip, "%%torchdist --np 2\nbad_shard(rank)")
     err = result.error_in_exec
     assert isinstance(err, RankFailure) and err.exc_type == "KeyError"
@@ -351,11 +428,14 @@ def test_traceback_through_a_notebook_function_shows_its_source(ip):
 
 def test_quiet_shows_the_result_and_nothing_else(ip, capsys):
     capsys.readouterr()
-    result = cell(ip, """
+    result = cell(
+        ip,
+        """
         %%torchdist --np 2 --quiet
         print("from a rank")
         rank + 40
-    """)
+    """,
+    )
     assert result.result == 40
     out = capsys.readouterr()
     assert re.fullmatch(r"Out\[\d+\]: 40\n", out.out) and out.err == ""  # IPython shows the value
@@ -402,11 +482,14 @@ def test_config_default_timeout_stops_a_cell_without_timeout(ip):
 
     ip.run_line_magic("config", "TorchdistMagics.default_timeout = 3.0")
     try:
-        result = cell(ip, """
+        result = cell(
+            ip,
+            """
             %%torchdist --np 2 --quiet
             import time
             time.sleep(120)
-        """)
+        """,
+        )
     finally:
         ip.run_line_magic("config", "TorchdistMagics.default_timeout = None")
     err = result.error_in_exec
@@ -420,11 +503,14 @@ def test_config_default_timeout_stops_a_cell_without_timeout(ip):
 def test_config_cell_filename_names_the_cell_in_tracebacks(ip):
     ip.run_line_magic("config", "TorchdistMagics.cell_filename = 'train.ipynb, cell {n}'")
     try:
-        result = cell(ip, """
+        result = cell(
+            ip,
+            """
             %%torchdist --np 2 --quiet
             x = 1
             raise ValueError("bad shard")
-        """)
+        """,
+        )
     finally:
         ip.run_line_magic("config", "TorchdistMagics.cell_filename = '<torchdist cell In[{n}]>'")
     err = result.error_in_exec

@@ -26,8 +26,7 @@ def test_events_not_sent_within_the_close_wait_are_dropped_and_said(capfd):
     client.close(timeout=0.5)
     driver.close()
     err = capfd.readouterr().err
-    assert err == ("torchdist_magic: the events of rank 3 were not all sent within 0.5 s; the rest are "
-                   "dropped\n"), err
+    assert err == ("torchdist_magic: the events of rank 3 were not all sent within 0.5 s; the rest are dropped\n"), err
 
 
 def test_a_channel_the_driver_cuts_after_the_handshake_is_lost_and_said_once(capfd):
@@ -71,8 +70,9 @@ def test_a_record_the_rank_cannot_handle_is_said_and_the_next_still_handled(capf
     driver.close()
     assert handled == ["failed", "stop"]
     err = capfd.readouterr().err
-    assert err == ("torchdist_magic: rank 0 could not handle 'stop' from the driver: "
-                   "RuntimeError('no debugger here')\n"), err
+    assert err == (
+        "torchdist_magic: rank 0 could not handle 'stop' from the driver: RuntimeError('no debugger here')\n"
+    ), err
 
 
 def test_a_driver_that_never_answers_is_given_up_naming_the_handshake_deadline(capfd, monkeypatch):
@@ -84,8 +84,10 @@ def test_a_driver_that_never_answers_is_given_up_naming_the_handshake_deadline(c
     client.close()
     silent.close()
     err = capfd.readouterr().err
-    assert err == (f"torchdist_magic: cannot reach the driver's event channel at {address} (no handshake "
-                   "within 0.2 s); events of rank 2 are dropped\n"), err
+    assert err == (
+        f"torchdist_magic: cannot reach the driver's event channel at {address} (no handshake "
+        "within 0.2 s); events of rank 2 are dropped\n"
+    ), err
 
 
 def test_a_driver_that_closes_during_the_tls_handshake_is_given_up_saying_so(capfd, monkeypatch):
@@ -119,8 +121,10 @@ def test_a_driver_that_closes_during_the_tls_handshake_is_given_up_saying_so(cap
         closer.join()
         listener.close()
     err = capfd.readouterr().err
-    assert err == (f"torchdist_magic: cannot reach the driver's event channel at {address} (connection "
-                   "closed during the TLS handshake); events of rank 1 are dropped\n"), err
+    assert err == (
+        f"torchdist_magic: cannot reach the driver's event channel at {address} (connection "
+        "closed during the TLS handshake); events of rank 1 are dropped\n"
+    ), err
 
 
 # -- warm pools ---------------------------------------------------------------------------------------
@@ -137,8 +141,9 @@ def test_a_warm_run_stopped_mid_job_ends_its_pool_and_says_the_next_starts_a_fre
     (info,) = pools()
     run.cancel()
     run.wait(60)
-    assert (f"[torchdist] warm {info.id} stopped (ranks 0, 1 were still in the job); the next warm run "
-            "starts a fresh pool") in run.logs(0)
+    assert (
+        f"[torchdist] warm {info.id} stopped (ranks 0, 1 were still in the job); the next warm run starts a fresh pool"
+    ) in run.logs(0)
     wait_until(lambda: pools() == [], 30, "the pool to stop")
     assert_no_survivors(run)
 
@@ -161,7 +166,8 @@ def test_notebook_values_that_fail_only_together_are_said_as_a_whole():
 
     # each value alone pickles: the error names no one of them
     assert _unpicklable_message({"a": 1, "b": [2]}, RecursionError("maximum recursion depth exceeded")) == (
-        "the cell's notebook values cannot be sent to the ranks: maximum recursion depth exceeded")
+        "the cell's notebook values cannot be sent to the ranks: maximum recursion depth exceeded"
+    )
 
 
 # -- a rank's process and its launcher ------------------------------------------------------------------
@@ -204,8 +210,9 @@ def test_a_failed_system_sample_is_logged_and_the_run_goes_on(local_distributor,
     assert_no_survivors(run)
 
 
-def test_a_failure_to_end_what_a_rank_left_is_logged_and_its_exit_still_reported(local_distributor, monkeypatch,
-                                                                              caplog):
+def test_a_failure_to_end_what_a_rank_left_is_logged_and_its_exit_still_reported(
+    local_distributor, monkeypatch, caplog
+):
     from torchdist_magic.launch import launcher
 
     def broken(*args, **kwargs):
@@ -246,7 +253,8 @@ def test_a_channel_whose_thread_is_held_past_its_close_is_left_behind_and_said(m
     release.set()
     server._thread.join(30)
     assert [r.getMessage() for r in caplog.records] == [
-        "run run-1: the event channel's thread was still delivering a record 0.4 s after close; left behind"]
+        "run run-1: the event channel's thread was still delivering a record 0.4 s after close; left behind"
+    ]
 
 
 # -- Spark ---------------------------------------------------------------------------------------------
@@ -268,7 +276,6 @@ def test_a_chosen_interpreter_the_executors_cannot_start_is_refused_saying_so(sp
     assert last_run() is before
 
 
-
 # -- a rank's value, sent to the driver ------------------------------------------------------------------
 def test_a_driver_that_ends_the_upload_before_the_value_began_fails_the_sending(tmp_path):
     from torchdist_magic.core import values
@@ -278,8 +285,17 @@ def test_a_driver_that_ends_the_upload_before_the_value_began_fails_the_sending(
 
     launcher_secret = new_secret()
     driver = StalledDriver(rank_key(launcher_secret, "launcher", 0))
-    spec = RunSpec("r", 1, False, False, {}, None, channel_address=driver.address, secret=new_secret(),
-                   launcher_secret=launcher_secret)
+    spec = RunSpec(
+        "r",
+        1,
+        False,
+        False,
+        {},
+        None,
+        channel_address=driver.address,
+        secret=new_secret(),
+        launcher_secret=launcher_secret,
+    )
     path = str(tmp_path / "result.pkl")
     values.dump({"a": 1}, path)
     size = f"{os.path.getsize(path) / 2**20:.1f} MiB"
@@ -289,6 +305,8 @@ def test_a_driver_that_ends_the_upload_before_the_value_began_fails_the_sending(
         valueupload.send(spec, path, 0)
     ended.join()
     driver.close()
-    assert str(info.value) == (f"rank 0 could not send its value ({size}) from {socket.gethostname()} to the "
-                               f"driver at {driver.address}: the connection ended before the value began "
-                               "(connection closed)"), str(info.value)
+    assert str(info.value) == (
+        f"rank 0 could not send its value ({size}) from {socket.gethostname()} to the "
+        f"driver at {driver.address}: the connection ended before the value began "
+        "(connection closed)"
+    ), str(info.value)

@@ -35,8 +35,9 @@ def experiment(tracking_db, tmp_path, monkeypatch):
     ``MLFLOW_TRACKING_URI`` and ``MLFLOW_EXPERIMENT_ID`` make it; its id."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_db)
     client = mlflow.MlflowClient(tracking_db)
-    experiment_id = client.create_experiment(f"test-{uuid.uuid4().hex[:8]}",
-                                             artifact_location=(tmp_path / "artifacts").as_uri())
+    experiment_id = client.create_experiment(
+        f"test-{uuid.uuid4().hex[:8]}", artifact_location=(tmp_path / "artifacts").as_uri()
+    )
     monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", experiment_id)
     return experiment_id
 
@@ -66,13 +67,17 @@ def _downloads(tmp_path, monkeypatch):
 
 def wait_for_samples(run, ranks=(0, 1)):
     """Until every rank of ``ranks`` has sent a system sample with its CPU %."""
-    wait_until(lambda: all("cpu_percent" in run.state.ranks[r].system for r in ranks), 60,
-               "a system sample of every rank")
+    wait_until(
+        lambda: all("cpu_percent" in run.state.ranks[r].system for r in ranks), 60, "a system sample of every rank"
+    )
 
 
 def wait_for_points(run, name, count):
-    wait_until(lambda: len(run.state.metric_history(ranks=[0], names=[name]).get(name, {}).get(0, [])) >= count,
-               60, f"{count} points of {name} from rank 0")
+    wait_until(
+        lambda: len(run.state.metric_history(ranks=[0], names=[name]).get(name, {}).get(0, [])) >= count,
+        60,
+        f"{count} points of {name} from rank 0",
+    )
 
 
 def _forget_runs():
@@ -197,7 +202,8 @@ def rank1_behind():
 # -- good, failed, restarted: local processes and classic Spark --------------------------------------
 def test_a_good_run_is_one_mlflow_run_with_options_metrics_system_metrics_and_logs(on, experiment, tmp_path):
     run = on.make(2, mlflow=True, timeout=300, env={"SECRET_TOKEN": "s3cret"}).submit(
-        report_then_wait, str(tmp_path), 4)
+        report_then_wait, str(tmp_path), 4
+    )
     assert run.state.tracking is not None and run.state.tracking.url == ""  # sqlite: no web page
     wait_for_points(run, "loss", 4)
     wait_for_samples(run)
@@ -207,8 +213,14 @@ def test_a_good_run_is_one_mlflow_run_with_options_metrics_system_metrics_and_lo
     run_id = mlrun.info.run_id
     assert run_id == run.tracking.run_id == run.state.tracking.run_id
     assert mlrun.info.status == "FINISHED" and mlrun.info.run_name == "report_then_wait"
-    assert mlrun.data.params == {"num_processes": "2", "backend": on.name, "use_gpu": "False", "timeout": "300",
-                                 "env": "SECRET_TOKEN", "job": "report_then_wait"}  # env: names, not values
+    assert mlrun.data.params == {
+        "num_processes": "2",
+        "backend": on.name,
+        "use_gpu": "False",
+        "timeout": "300",
+        "env": "SECRET_TOKEN",
+        "job": "report_then_wait",
+    }  # env: names, not values
     assert mlrun.data.tags["torchdist.state"] == "succeeded" and mlrun.data.tags["torchdist.run_id"] == run.run_id
     assert "mlflow.parentRunId" not in mlrun.data.tags and "torchdist.dropped_metric_points" not in mlrun.data.tags
     # rank 0's metrics under their own names and steps; rank 1's own metric is not the job's
@@ -237,11 +249,10 @@ def test_each_ranks_step_split_the_runs_goodput_and_its_profile_are_logged(on, e
     for r in (0, 1):
         for part in ("data", "compute", "comm"):
             assert history(run_id, f"system/rank_{r}/step_{part}_share"), (r, part)
-    (last_step, data), = history(run_id, "system/rank_1/step_data_share")[-1:]
+    ((last_step, data),) = history(run_id, "system/rank_1/step_data_share")[-1:]
     assert data == run.state.ranks[1].step_split["data"] and data > 0.5
     goodput = run.goodput
-    for key in ("startup_s", "training_s", "lost_to_restarts_s", "lost_to_hangs_s", "data_stall_s",
-                "rank_seconds"):
+    for key in ("startup_s", "training_s", "lost_to_restarts_s", "lost_to_hangs_s", "data_stall_s", "rank_seconds"):
         assert history(run_id, f"goodput/{key}") == [(0, pytest.approx(goodput[key]))], key
     assert [a.path for a in mlflow.MlflowClient().list_artifacts(run_id, "profile")] == ["profile/trace.json"]
     assert '"rank 1"' in artifact(run_id, "profile/trace.json")
@@ -260,8 +271,13 @@ def test_a_failed_run_is_failed_with_its_root_cause_as_tags(on, experiment, tmp_
     tags = mlrun.data.tags
     assert mlrun.info.status == "FAILED"
     assert (tags["torchdist.failed_rank"], tags["torchdist.exception"], tags["torchdist.message"]) == (
-        "1", "ValueError", "bad batch 7")
-    assert tags["torchdist.state"] == "failed" and tags["torchdist.root_cause"].endswith("raised ValueError: bad batch 7")
+        "1",
+        "ValueError",
+        "bad batch 7",
+    )
+    assert tags["torchdist.state"] == "failed" and tags["torchdist.root_cause"].endswith(
+        "raised ValueError: bad batch 7"
+    )
     failure = artifact(mlrun.info.run_id, "failure.txt")
     assert "raised ValueError: bad batch 7" in failure and 'raise ValueError("bad batch 7")' in failure
     assert "rank 1 up" in artifact(mlrun.info.run_id, "logs/rank_1.txt")
@@ -271,8 +287,11 @@ def test_a_failed_run_is_failed_with_its_root_cause_as_tags(on, experiment, tmp_
 def test_a_restarted_run_is_one_mlflow_run_with_the_attempt_as_a_metric(on, experiment, tmp_path):
     run = on.make(2, mlflow=True, max_restarts=1).submit(fail_the_first_attempt, str(tmp_path))
     for attempt in (1, 2):
-        wait_until(lambda: all((tmp_path / f"attempt{attempt}-{r}").exists() for r in (0, 1)), 60,
-                   f"attempt {attempt} of both ranks")
+        wait_until(
+            lambda: all((tmp_path / f"attempt{attempt}-{r}").exists() for r in (0, 1)),
+            60,
+            f"attempt {attempt} of both ranks",
+        )
         wait_for_points(run, "loss", 1)
         touch(tmp_path / f"go{attempt}")
     assert run.result(timeout=180) == 2
@@ -350,8 +369,9 @@ def test_each_warm_cell_is_an_mlflow_run_of_its_own(local_distributor, experimen
         live = pools()
         shutdown_pools()
     (pool,) = live  # one pool served the three cells; its ranks are gone with it
-    wait_until(lambda: not pids_of_run(pool.run_id) and not any(alive(p) for p in pool.pids), 15,
-               "the pool's processes to end")
+    wait_until(
+        lambda: not pids_of_run(pool.run_id) and not any(alive(p) for p in pool.pids), 15, "the pool's processes to end"
+    )
     first, second, third = runs_of(experiment)
     assert len({first.info.run_id, second.info.run_id, third.info.run_id}) == 3
     assert first.info.status == second.info.status == third.info.status == "FINISHED"
@@ -375,8 +395,10 @@ def test_points_that_find_the_buffer_full_are_counted_and_said(local_distributor
         assert run.result(timeout=120) == 100
     assert_no_survivors(run)
     (text,) = [str(w.message) for w in caught]
-    assert text == (f"torchdist: MLflow run {run.tracking.run_id} at {mlflow.get_tracking_uri()}: 90 metric "
-                    "points were not logged: they came faster than they could be written (at most 10 wait)")
+    assert text == (
+        f"torchdist: MLflow run {run.tracking.run_id} at {mlflow.get_tracking_uri()}: 90 metric "
+        "points were not logged: they came faster than they could be written (at most 10 wait)"
+    )
     (mlrun,) = runs_of(experiment)
     assert mlrun.data.tags["torchdist.dropped_metric_points"] == "90"
     assert history(mlrun.info.run_id, "loss") == [(i, float(i)) for i in range(10)]
@@ -386,30 +408,35 @@ def test_points_that_find_the_buffer_full_are_counted_and_said(local_distributor
 
 
 def test_points_still_unwritten_when_the_wait_at_the_end_is_over_are_counted_and_said(
-        local_distributor, experiment, monkeypatch):
+    local_distributor, experiment, monkeypatch
+):
     import torchdist_magic.driver.tracking as tracking
 
     monkeypatch.setattr(tracking, "MLFLOW_FLUSH_INTERVAL", 3600.0)  # everything waits for the end...
-    monkeypatch.setattr(tracking, "MLFLOW_CLOSE_WAIT", 0.0)         # ... which has no time for it
+    monkeypatch.setattr(tracking, "MLFLOW_CLOSE_WAIT", 0.0)  # ... which has no time for it
     run = local_distributor(1, mlflow=True, system_metrics=False).submit(report_many, 20)
     with pytest.warns(RuntimeWarning) as caught:
         assert run.result(timeout=120) == 20
     assert_no_survivors(run)
     (text,) = [str(w.message) for w in caught]
-    assert text.endswith(": 20 metric points were not written: the tracking store took more than 0 s for the "
-                         "points still buffered when the run ended")
+    assert text.endswith(
+        ": 20 metric points were not written: the tracking store took more than 0 s for the "
+        "points still buffered when the run ended"
+    )
     (mlrun,) = runs_of(experiment)
     assert mlrun.data.tags["torchdist.dropped_metric_points"] == "20"
     assert mlrun.info.status == "FINISHED" and history(mlrun.info.run_id, "attempt") == [(0, 1.0)]
     assert history(mlrun.info.run_id, "loss") == []
 
 
-def test_logs_that_cannot_be_stored_are_said_and_the_run_still_ends(local_distributor, tracking_db, tmp_path,
-                                                                    monkeypatch):
+def test_logs_that_cannot_be_stored_are_said_and_the_run_still_ends(
+    local_distributor, tracking_db, tmp_path, monkeypatch
+):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_db)
     (tmp_path / "a-file").write_text("not a directory")
     experiment_id = mlflow.MlflowClient(tracking_db).create_experiment(
-        f"test-{uuid.uuid4().hex[:8]}", artifact_location=(tmp_path / "a-file" / "artifacts").as_uri())
+        f"test-{uuid.uuid4().hex[:8]}", artifact_location=(tmp_path / "a-file" / "artifacts").as_uri()
+    )
     monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", experiment_id)
     run = local_distributor(1, mlflow=True, system_metrics=False).submit(report_many, 3)
     with pytest.warns(RuntimeWarning) as caught:
@@ -438,8 +465,10 @@ def test_the_view_links_to_the_run_on_a_server_with_a_ui():
     assert "MLflow" not in header(state) and "torchdist-mlflow" not in header_html(run_facts(state))
     state.track(TrackingLink("abc", "7", "https://mlflow.example.com/", url))
     assert header(state).splitlines()[1] == f"torchdist: MLflow run abc: {url}"
-    assert (f'<a class="torchdist-mlflow" href="{url}" target="_blank" rel="noopener" '
-            f'title="MLflow run abc: {url}">MLflow run</a>') in header_html(run_facts(state))
+    assert (
+        f'<a class="torchdist-mlflow" href="{url}" target="_blank" rel="noopener" '
+        f'title="MLflow run abc: {url}">MLflow run</a>'
+    ) in header_html(run_facts(state))
     state.track(TrackingLink("abc", "7", "sqlite:////tmp/m.db"))
     assert header(state).splitlines()[1] == "torchdist: MLflow run abc: experiment 7 at sqlite:////tmp/m.db"
     assert "<a " not in header_html(run_facts(state))
@@ -448,10 +477,13 @@ def test_the_view_links_to_the_run_on_a_server_with_a_ui():
 def test_the_magic_logs_when_configured_and_not_with_no_mlflow(ip, capsys, experiment):
     ip.run_line_magic("config", "TorchdistMagics.mlflow = True")
     try:
-        result = cell(ip, """
+        result = cell(
+            ip,
+            """
             %%torchdist --np 1
             21 * 2
-        """)
+        """,
+        )
         assert result.error_in_exec is None and result.result == 42
         assert_no_survivors(ip.user_ns["_torchdist_run"])
         (mlrun,) = runs_of(experiment)
@@ -468,26 +500,32 @@ def test_the_magic_logs_when_configured_and_not_with_no_mlflow(ip, capsys, exper
 def test_a_run_without_mlflow_never_imports_it():
     import subprocess
 
-    code = "\n".join((
-        "import sys",
-        "from torchdist_magic import Distributor",
-        "def one():",
-        "    return 1",
-        "assert Distributor(2, show='text').run(one) == 1",
-        "print('mlflow' in sys.modules)"))
+    code = "\n".join(
+        (
+            "import sys",
+            "from torchdist_magic import Distributor",
+            "def one():",
+            "    return 1",
+            "assert Distributor(2, show='text').run(one) == 1",
+            "print('mlflow' in sys.modules)",
+        )
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "MLflow" not in out and out.splitlines()[-1] == "False"
 
 
 def test_without_mlflow_installed_nothing_starts_and_the_error_says_what_to_install(
-        ip, capsys, local_distributor, monkeypatch):
+    ip, capsys, local_distributor, monkeypatch
+):
     from torchdist_magic.driver.distributor import last_run
     from torchdist_magic import MlflowUnavailable
 
     monkeypatch.setitem(sys.modules, "mlflow", None)  # what ``import mlflow`` meets where it is missing
     before = last_run()
-    expected = ("mlflow=True (--mlflow) logs the run to MLflow, and the mlflow package is not installed here: "
-                "pip install mlflow (or torchdist_magic[mlflow]), or run without it")
+    expected = (
+        "mlflow=True (--mlflow) logs the run to MLflow, and the mlflow package is not installed here: "
+        "pip install mlflow (or torchdist_magic[mlflow]), or run without it"
+    )
     with pytest.raises(MlflowUnavailable, match=r"^mlflow=True \(--mlflow\)") as info:
         local_distributor(1, mlflow=True).run(one)
     assert str(info.value) == expected and isinstance(info.value, ImportError)
@@ -530,7 +568,7 @@ def test_an_unreachable_tracking_server_is_refused_before_anything_starts(ip, ca
     import torch  # a large argument goes to shared memory first: refused, none of it stays there
 
     with pytest.raises(TrackingError):
-        local_distributor(1, mlflow=True).run(numel, torch.zeros(2 ** 20))
+        local_distributor(1, mlflow=True).run(numel, torch.zeros(2**20))
     result = cell(ip, "%%torchdist --np 1 --mlflow\n1")
     assert result.error_in_exec is not None
     text = "".join(capsys.readouterr())
@@ -546,6 +584,7 @@ def test_a_hung_run_names_the_rank_that_held_the_others_up(experiment):
         run.result(timeout=240)
     (mlrun,) = runs_of(experiment)
     assert mlrun.data.tags["torchdist.suspects"] == "1"
-    assert mlrun.data.tags["torchdist.culprit"] == ("rank 1 is behind: its last collective was #1 all_reduce; "
-                                                    "ranks 0, 2 wait in #2 all_reduce (default group)")
+    assert mlrun.data.tags["torchdist.culprit"] == (
+        "rank 1 is behind: its last collective was #1 all_reduce; ranks 0, 2 wait in #2 all_reduce (default group)"
+    )
     assert_no_survivors(run)

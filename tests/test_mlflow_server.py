@@ -35,12 +35,32 @@ class MlflowServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = os.path.join(base_dir, "server.log")
-        command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--workers", "1", "--backend-store-uri", f"sqlite:///{base_dir}/mlflow.db",
-                   "--serve-artifacts", "--artifacts-destination", os.path.join(base_dir, "artifacts")]
+        command = [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{base_dir}/mlflow.db",
+            "--serve-artifacts",
+            "--artifacts-destination",
+            os.path.join(base_dir, "artifacts"),
+        ]
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=base_dir, start_new_session=True)
+            self.proc = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=base_dir,
+                start_new_session=True,
+            )
         wait_until(self._answers, SERVER_START, "the MLflow server to answer")
 
     def _answers(self) -> bool:
@@ -115,7 +135,8 @@ def train_then_wait(marks, steps):
 
 
 def test_a_run_tracked_to_the_server_links_to_it_and_its_logs_come_back_over_http(
-        server, experiment, local_distributor, tmp_path):
+    server, experiment, local_distributor, tmp_path
+):
     touch(tmp_path / "go")
     run = local_distributor(2, mlflow=True, system_metrics=False).submit(train_then_wait, str(tmp_path), 5)
     assert run.result(timeout=180) == 0
@@ -139,7 +160,8 @@ def test_a_run_tracked_to_the_server_links_to_it_and_its_logs_come_back_over_htt
 
 
 def test_an_experiment_the_server_does_not_have_is_refused_before_anything_starts(
-        server, experiment, local_distributor, monkeypatch):
+    server, experiment, local_distributor, monkeypatch
+):
     from torchdist_magic.driver.distributor import last_run
 
     monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "987654321")
@@ -153,13 +175,17 @@ def test_an_experiment_the_server_does_not_have_is_refused_before_anything_start
 
 
 def test_points_for_a_run_deleted_on_the_server_are_refused_counted_and_said(
-        server, experiment, local_distributor, tmp_path, monkeypatch):
+    server, experiment, local_distributor, tmp_path, monkeypatch
+):
     import torchdist_magic.driver.tracking as tracking
 
     monkeypatch.setattr(tracking, "MLFLOW_FLUSH_INTERVAL", 3600.0)  # nothing is written before the end
     run = local_distributor(2, mlflow=True, system_metrics=False).submit(train_then_wait, str(tmp_path), 5)
-    wait_until(lambda: len(run.state.metric_history(ranks=[0], names=["loss"]).get("loss", {}).get(0, [])) >= 5,
-               60, "rank 0's five losses")
+    wait_until(
+        lambda: len(run.state.metric_history(ranks=[0], names=["loss"]).get("loss", {}).get(0, [])) >= 5,
+        60,
+        "rank 0's five losses",
+    )
     client = mlflow.MlflowClient(server.url)
     client.delete_run(run.tracking.run_id)
     touch(tmp_path / "go")
@@ -167,11 +193,15 @@ def test_points_for_a_run_deleted_on_the_server_are_refused_counted_and_said(
         assert run.result(timeout=180) == 0
     assert_no_survivors(run)
     (text,) = [str(w.message) for w in caught]
-    refusal = (f"RestException: INVALID_PARAMETER_VALUE: The run {run.tracking.run_id} must be in the 'active' "
-               "state. Current state is deleted.")
+    refusal = (
+        f"RestException: INVALID_PARAMETER_VALUE: The run {run.tracking.run_id} must be in the 'active' "
+        "state. Current state is deleted."
+    )
     # five losses and the attempt; the tags written at the end are refused too
-    assert text.startswith(f"torchdist: MLflow run {run.tracking.run_id} at {server.url}: 6 metric points were "
-                           f"refused by the tracking server; errors: log_batch: {refusal}"), text
+    assert text.startswith(
+        f"torchdist: MLflow run {run.tracking.run_id} at {server.url}: 6 metric points were "
+        f"refused by the tracking server; errors: log_batch: {refusal}"
+    ), text
     assert text.endswith(f"; tags: {refusal}"), text
     (mlrun,) = client.search_runs([experiment], run_view_type=mlflow.entities.ViewType.DELETED_ONLY)
     assert mlrun.info.run_id == run.tracking.run_id and "loss" not in mlrun.data.metrics

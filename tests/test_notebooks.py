@@ -58,11 +58,14 @@ def test_notebook_was_run_and_is_readable_without_a_kernel(name):
     path = os.path.join(NOTEBOOKS, name)
     nb = _read(path)
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
-    assert all(c.get("execution_count") for c in code), f"notebooks/{name} has cells that did not run: " + FIX.format(name=name)
+    assert all(c.get("execution_count") for c in code), f"notebooks/{name} has cells that did not run: " + FIX.format(
+        name=name
+    )
     assert any(c.get("outputs") for c in code), f"notebooks/{name} has no outputs: " + FIX.format(name=name)
     assert "widgets" not in nb.get("metadata", {}), "widget state left in the notebook (GitHub cannot render it)"
-    views = [o for c in code for o in c.get("outputs", [])
-             if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    views = [
+        o for c in code for o in c.get("outputs", []) if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+    ]
     assert not views, f"{len(views)} widget views left in notebooks/{name}"
     assert os.path.getsize(path) < MAX_NOTEBOOK_BYTES, f"notebooks/{name} is over 1 MB"
 
@@ -125,8 +128,15 @@ def printed(cell) -> str:
 
 @pytest.mark.kernel
 def test_the_check_passes_cells_that_raise_what_they_say_and_runs_on(tmp_path):
-    nb = run_small(small_notebook("x = 1", ("%no_such_magic", "UsageError"),
-                                  ("raise ValueError('on purpose')", "ValueError"), "print('after', x)"), tmp_path)
+    nb = run_small(
+        small_notebook(
+            "x = 1",
+            ("%no_such_magic", "UsageError"),
+            ("raise ValueError('on purpose')", "ValueError"),
+            "print('after', x)",
+        ),
+        tmp_path,
+    )
     assert printed(nb.cells[1]) == "UsageError: Line magic function `%no_such_magic` not found.\n"
     assert [o.get("ename") for o in nb.cells[2].outputs] == ["ValueError"]
     assert printed(nb.cells[3]) == "after 1\n"
@@ -138,7 +148,8 @@ def test_a_cell_that_fails_with_a_usage_error_fails_the_notebook(tmp_path):
     with pytest.raises(execute.NotebookFailed) as info:
         run_small(nb, tmp_path)
     assert info.value.problems == [
-        "cell 1 ('%no_such_magic') raised UsageError: Line magic function `%no_such_magic` not found."]
+        "cell 1 ('%no_such_magic') raised UsageError: Line magic function `%no_such_magic` not found."
+    ]
     assert "execution_count" not in nb.cells[2] or nb.cells[2].execution_count is None  # stopped there
 
 
@@ -148,20 +159,33 @@ def test_a_usage_error_shown_on_stderr_by_a_cell_that_ends_well_fails_the_notebo
     # UsageError on stderr, and its own execute reply says "ok"
     with pytest.raises(execute.NotebookFailed) as info:
         run_small(small_notebook("get_ipython().run_cell('%no_such_magic'); print('ok')"), tmp_path)
-    assert info.value.problems == ["cell 0 (\"get_ipython().run_cell('%no_such_magic'); print('ok')\") showed "
-                                   "UsageError: Line magic function `%no_such_magic` not found."]
+    assert info.value.problems == [
+        "cell 0 (\"get_ipython().run_cell('%no_such_magic'); print('ok')\") showed "
+        "UsageError: Line magic function `%no_such_magic` not found."
+    ]
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("cell, problem", [
-    (("y = 1 + 1", "ValueError"), "cell 1 ('y = 1 + 1') should raise ValueError but raised nothing"),
-    (("raise KeyError('k')", "ValueError"),
-     "cell 1 (\"raise KeyError('k')\") should raise ValueError but raised KeyError: 'k'"),
-    (("%no_such_magic", "RankFailure"), "cell 1 ('%no_such_magic') should raise RankFailure but raised "
-                                        "UsageError: Line magic function `%no_such_magic` not found."),
-    (("raise ValueError('v')", None),
-     "cell 1 (\"raise ValueError('v')\") is tagged raises-exception but names no error in its metadata 'raises'"),
-], ids=["raises-nothing", "wrong-error", "usage-error-for-another", "says-nothing"])
+@pytest.mark.parametrize(
+    "cell, problem",
+    [
+        (("y = 1 + 1", "ValueError"), "cell 1 ('y = 1 + 1') should raise ValueError but raised nothing"),
+        (
+            ("raise KeyError('k')", "ValueError"),
+            "cell 1 (\"raise KeyError('k')\") should raise ValueError but raised KeyError: 'k'",
+        ),
+        (
+            ("%no_such_magic", "RankFailure"),
+            "cell 1 ('%no_such_magic') should raise RankFailure but raised "
+            "UsageError: Line magic function `%no_such_magic` not found.",
+        ),
+        (
+            ("raise ValueError('v')", None),
+            "cell 1 (\"raise ValueError('v')\") is tagged raises-exception but names no error in its metadata 'raises'",
+        ),
+    ],
+    ids=["raises-nothing", "wrong-error", "usage-error-for-another", "says-nothing"],
+)
 def test_a_raises_exception_cell_that_breaks_its_promise_fails_the_notebook(cell, problem, tmp_path):
     with pytest.raises(execute.NotebookFailed) as info:
         run_small(small_notebook("x = 1", cell, "print('after')"), tmp_path)

@@ -9,7 +9,14 @@ import pytest
 from torchdist_magic import LaunchOptions, is_main, local_rank, progress, rank, report, world_size
 from torchdist_magic.core.errors import RankFailure
 from torchdist_magic.core.failure import Failure
-from torchdist_magic.core.options import FlagError, OptionError, flag_parser, option_fields, options_from_flags, parse_flags
+from torchdist_magic.core.options import (
+    FlagError,
+    OptionError,
+    flag_parser,
+    option_fields,
+    options_from_flags,
+    parse_flags,
+)
 
 
 def test_defaults_and_no_environment_probe(monkeypatch):
@@ -39,8 +46,20 @@ BAD = [
     ("num_processes", 0, ValueError, "num_processes must be at least 1, got 0", "--np must be at least 1, got 0"),
     ("num_processes", 1.5, TypeError, "num_processes must be a whole number, got 1.5", "--np must be a whole number"),
     ("use_gpu", "yes", TypeError, "use_gpu must be True or False, got 'yes'", "--gpu must be True or False"),
-    ("backend", "yarn", ValueError, "backend must be one of auto, local, spark, got 'yarn' (a package adds one with an entry point in the group 'torchdist_magic.backends', or register_backend())", "--backend must be one of"),
-    ("timeout", -1.0, ValueError, "timeout must be a positive number of seconds, got -1", "--timeout must be a positive"),
+    (
+        "backend",
+        "yarn",
+        ValueError,
+        "backend must be one of auto, local, spark, got 'yarn' (a package adds one with an entry point in the group 'torchdist_magic.backends', or register_backend())",
+        "--backend must be one of",
+    ),
+    (
+        "timeout",
+        -1.0,
+        ValueError,
+        "timeout must be a positive number of seconds, got -1",
+        "--timeout must be a positive",
+    ),
     ("timeout", "soon", TypeError, "timeout must be a number of seconds, got 'soon'", "--timeout must be a number"),
     ("env", ["NOEQUALS"], ValueError, "env entry 'NOEQUALS' is not of the form KEY=VALUE", "--env entry 'NOEQUALS'"),
     ("env", {"1BAD": "x"}, ValueError, "env: '1BAD' is not a valid environment variable name", "--env: '1BAD'"),
@@ -48,17 +67,32 @@ BAD = [
     ("env", {"A": "a\x00b"}, ValueError, "env: the value of A contains a NUL byte", "--env: the value of A contains"),
     ("env", 3, TypeError, "env must be a dict or a list of 'KEY=VALUE' strings, got int", "--env must be a dict"),
     ("all_ranks", 1, TypeError, "all_ranks must be True or False, got 1", "--all-ranks must be True or False"),
-    ("hang_timeout", 0, ValueError, "hang_timeout must be a positive number of seconds, got 0",
-     "--hang-timeout must be a positive number of seconds, got 0"),
+    (
+        "hang_timeout",
+        0,
+        ValueError,
+        "hang_timeout must be a positive number of seconds, got 0",
+        "--hang-timeout must be a positive number of seconds, got 0",
+    ),
     ("hang_timeout", "5", TypeError, "hang_timeout must be a number of seconds, got '5'", "--hang-timeout must be"),
     ("max_restarts", -1, ValueError, "max_restarts must be at least 0, got -1", "--max-restarts must be at least 0"),
     ("max_restarts", 1.0, TypeError, "max_restarts must be a whole number, got 1.0", "--max-restarts must be a whole"),
     ("keep_checkpoints", 0, ValueError, "keep_checkpoints must be at least 1, got 0", "--keep-checkpoints must be at"),
     ("checkpoint_dir", 3, TypeError, "checkpoint_dir must be a path, got 3", "--checkpoint-dir must be a path"),
-    ("checkpoint_dir", " ", ValueError, "checkpoint_dir must be a directory path, got ' '",
-     "--checkpoint-dir must be a directory path"),
-    ("tls", "yes", TypeError, "tls must be True, False or None (the backend's default), got 'yes'",
-     "--tls must be True, False or None"),
+    (
+        "checkpoint_dir",
+        " ",
+        ValueError,
+        "checkpoint_dir must be a directory path, got ' '",
+        "--checkpoint-dir must be a directory path",
+    ),
+    (
+        "tls",
+        "yes",
+        TypeError,
+        "tls must be True, False or None (the backend's default), got 'yes'",
+        "--tls must be True, False or None",
+    ),
     ("mlflow", "yes", TypeError, "mlflow must be True or False, got 'yes'", "--mlflow must be True or False"),
 ]
 
@@ -75,14 +109,24 @@ def test_refused_values_name_the_keyword_or_the_flag(name, value, error, python_
 def test_restart_and_watchdog_flags():
     import pathlib
 
-    opts = options_from_flags(parse_flags("--max-restarts 2 --checkpoint-dir '/dbfs/my runs' --keep-checkpoints 5 "
-                                          "--hang-timeout 120"), LaunchOptions())
+    opts = options_from_flags(
+        parse_flags("--max-restarts 2 --checkpoint-dir '/dbfs/my runs' --keep-checkpoints 5 --hang-timeout 120"),
+        LaunchOptions(),
+    )
     assert (opts.max_restarts, opts.checkpoint_dir, opts.keep_checkpoints, opts.hang_timeout) == (
-        2, "/dbfs/my runs", 5, 120.0)
+        2,
+        "/dbfs/my runs",
+        5,
+        120.0,
+    )
     assert LaunchOptions(checkpoint_dir=pathlib.Path("/tmp/c")).checkpoint_dir == "/tmp/c"
     defaults = LaunchOptions()
     assert (defaults.max_restarts, defaults.checkpoint_dir, defaults.keep_checkpoints, defaults.hang_timeout) == (
-        0, None, 3, None)
+        0,
+        None,
+        3,
+        None,
+    )
     with pytest.raises(FlagError, match=r"^--max-restarts must be at least 0, got -1$"):
         options_from_flags(parse_flags("--max-restarts -1"), LaunchOptions())
 
@@ -101,14 +145,17 @@ def test_flags_parse_into_options_with_defaults_for_what_is_not_given():
     assert options_from_flags(parse_flags("--np 2 --timeout 1.5 --spark"), defaults).backend == "spark"
 
 
-@pytest.mark.parametrize("line, text", [
-    ("--local --spark", "--local and --spark contradict each other: give one"),
-    ("--spark --backend local", "--spark and --backend local contradict each other: give one"),
-    ("--np", "argument --np: expected one argument"),
-    ("--np two", "argument --np: invalid int value: 'two'"),
-    ("--frobnicate", "unrecognized arguments: --frobnicate"),
-    ("--env 'A=1", "cannot parse the flags: No closing quotation"),
-])
+@pytest.mark.parametrize(
+    "line, text",
+    [
+        ("--local --spark", "--local and --spark contradict each other: give one"),
+        ("--spark --backend local", "--spark and --backend local contradict each other: give one"),
+        ("--np", "argument --np: expected one argument"),
+        ("--np two", "argument --np: invalid int value: 'two'"),
+        ("--frobnicate", "unrecognized arguments: --frobnicate"),
+        ("--env 'A=1", "cannot parse the flags: No closing quotation"),
+    ],
+)
 def test_bad_flags_are_flag_errors(line, text):
     with pytest.raises(FlagError, match=text):
         parse_flags(line)
@@ -129,8 +176,14 @@ def test_flag_parser_has_one_flag_per_field():
 
 def test_gpu_help_says_what_it_does_on_each_backend():
     help_text = next(f.metadata["help"] for f in option_fields() if f.name == "use_gpu")
-    for words in ("nccl", "LOCAL_RANK", "Local processes", "Spark", "spark.task.resource.gpu.amount",
-                  "CUDA_VISIBLE_DEVICES"):
+    for words in (
+        "nccl",
+        "LOCAL_RANK",
+        "Local processes",
+        "Spark",
+        "spark.task.resource.gpu.amount",
+        "CUDA_VISIBLE_DEVICES",
+    ):
         assert words in help_text
 
 
@@ -165,8 +218,7 @@ def test_rank_failure_text_and_pickle():
     assert err.exit_code == -9 and "killed by SIGKILL" in str(err)
     assert "Other ranks stopped after the root cause" in err.details()
     assert err._render_traceback_()[0].startswith("RankFailure: rank 1")
-    again = pickle.loads(pickle.dumps(RankFailure(Failure(rank=1, exc_type="ValueError", message="m",
-                                                          traceback="tb"))))
+    again = pickle.loads(pickle.dumps(RankFailure(Failure(rank=1, exc_type="ValueError", message="m", traceback="tb"))))
     assert (again.rank, again.exc_type, again.traceback) == (1, "ValueError", "tb")
 
 
@@ -199,6 +251,9 @@ def test_pdb_and_debug_idle_timeout():
         LaunchOptions(debug_idle_timeout=0)
     with pytest.raises(OptionError, match="debug_idle_timeout must be a number of seconds, got None"):
         LaunchOptions(debug_idle_timeout=None)
-    with pytest.raises(OptionError, match="pdb holds a failing rank for a debugger, which a warm pool's ranks "
-                                          "cannot do yet: run it without --warm/warm=True"):
+    with pytest.raises(
+        OptionError,
+        match="pdb holds a failing rank for a debugger, which a warm pool's ranks "
+        "cannot do yet: run it without --warm/warm=True",
+    ):
         LaunchOptions(pdb=True, warm=True)

@@ -42,7 +42,7 @@ def panel(notebook):
 def parse_line(line):
     """``LaunchOptions`` that a ``%%torchdist ...`` line gives where nothing is configured."""
     assert line.startswith("%%torchdist")
-    return options_from_flags(parse_flags(line[len("%%torchdist"):]), LaunchOptions())
+    return options_from_flags(parse_flags(line[len("%%torchdist") :]), LaunchOptions())
 
 
 # -- controls and flags agree ----------------------------------------------------------------------
@@ -60,15 +60,29 @@ def test_every_option_field_has_a_control_and_every_flag_maps_to_a_field(panel):
 
 def test_control_kinds_follow_the_field_metadata(panel):
     kinds = {name: type(c) for name, c in panel.controls.items()}
-    assert kinds == {"num_processes": widgets.IntText, "use_gpu": widgets.Checkbox,
-                     "backend": widgets.Dropdown, "timeout": widgets.Text, "hang_timeout": widgets.Text,
-                     "max_restarts": widgets.IntText, "checkpoint_dir": widgets.Text,
-                     "keep_checkpoints": widgets.IntText, "env": widgets.Textarea,
-                     "all_ranks": widgets.Checkbox, "warm": widgets.Checkbox, "ranks": widgets.Text,
-                     "pool_idle_timeout": widgets.Text, "pdb": widgets.Checkbox,
-                     "debug_idle_timeout": widgets.Text, "tls": widgets.Dropdown,
-                     "system_metrics": widgets.Checkbox, "profile": widgets.IntText,
-                     "mlflow": widgets.Checkbox, "preflight": widgets.Checkbox, "detach": widgets.Checkbox}
+    assert kinds == {
+        "num_processes": widgets.IntText,
+        "use_gpu": widgets.Checkbox,
+        "backend": widgets.Dropdown,
+        "timeout": widgets.Text,
+        "hang_timeout": widgets.Text,
+        "max_restarts": widgets.IntText,
+        "checkpoint_dir": widgets.Text,
+        "keep_checkpoints": widgets.IntText,
+        "env": widgets.Textarea,
+        "all_ranks": widgets.Checkbox,
+        "warm": widgets.Checkbox,
+        "ranks": widgets.Text,
+        "pool_idle_timeout": widgets.Text,
+        "pdb": widgets.Checkbox,
+        "debug_idle_timeout": widgets.Text,
+        "tls": widgets.Dropdown,
+        "system_metrics": widgets.Checkbox,
+        "profile": widgets.IntText,
+        "mlflow": widgets.Checkbox,
+        "preflight": widgets.Checkbox,
+        "detach": widgets.Checkbox,
+    }
     assert panel.controls["backend"].options[:3] == ("auto", "local", "spark")  # and those registered
     assert panel.options() == LaunchOptions()
     for field in option_fields():  # the help text is next to the control until there is an error
@@ -84,14 +98,17 @@ def test_panel_starts_from_the_defaults_it_is_given(notebook):
 
 
 # -- validation ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name, text, value", [
-    ("num_processes", 0, 0),
-    ("num_processes", -2, -2),
-    ("timeout", "-1", -1.0),
-    ("timeout", "inf", float("inf")),
-    ("env", "1BAD=x", ["1BAD=x"]),
-    ("env", "NO_EQUALS_SIGN", ["NO_EQUALS_SIGN"]),
-])
+@pytest.mark.parametrize(
+    "name, text, value",
+    [
+        ("num_processes", 0, 0),
+        ("num_processes", -2, -2),
+        ("timeout", "-1", -1.0),
+        ("timeout", "inf", float("inf")),
+        ("env", "1BAD=x", ["1BAD=x"]),
+        ("env", "NO_EQUALS_SIGN", ["NO_EQUALS_SIGN"]),
+    ],
+)
 def test_bad_settings_are_shown_next_to_the_control_and_block_launch(panel, name, text, value):
     panel.code.value = "rank"
     assert not panel.launch_button.disabled
@@ -124,8 +141,10 @@ def test_ranks_are_typed_as_the_flag_takes_them(panel):
     panel.code.value = "rank"
     panel.controls["num_processes"].value = 4
     panel.controls["ranks"].value = "3, 1"
-    assert panel.field_errors() == {"ranks": "--ranks needs a warm pool: it runs a cell on some ranks of the "
-                                             "live pool (--warm/warm=True), and a cold run starts every rank afresh"}
+    assert panel.field_errors() == {
+        "ranks": "--ranks needs a warm pool: it runs a cell on some ranks of the "
+        "live pool (--warm/warm=True), and a cold run starts every rank afresh"
+    }
     panel.controls["warm"].value = True
     assert panel.field_errors() == {} and panel.options().ranks == (1, 3)
     assert "%%torchdist --np 4 --warm --ranks 1,3\nrank" in panel.command.value
@@ -142,9 +161,11 @@ def test_what_to_run_is_checked_too(notebook, panel):
     panel.code.value = "!nvidia-smi -L\n%time rank * 2"  # IPython syntax, as in a %%torchdist cell
     assert panel.what_errors() == [] and not panel.launch_button.disabled
     panel.code.value = "x = 1\n%matplotlib inline"
-    assert panel.what_errors() == ["line 2, `%matplotlib inline`: %matplotlib cannot run on the ranks (they run "
-                                   "without IPython); a %%torchdist cell can use !cmd, x = !cmd, %time, %%time, "
-                                   "%timeit, %%timeit, %env, %cd and %pip. Run %matplotlib in a cell of its own."]
+    assert panel.what_errors() == [
+        "line 2, `%matplotlib inline`: %matplotlib cannot run on the ranks (they run "
+        "without IPython); a %%torchdist cell can use !cmd, x = !cmd, %time, %%time, "
+        "%timeit, %%timeit, %env, %cd and %pip. Run %matplotlib in a cell of its own."
+    ]
     assert panel.launch_button.disabled
     panel.code.value = "rank * 2"
     notebook.run_cell("def panel_fn(x, scale=1):\n    return x * scale\nPANEL_X = 21")
@@ -160,11 +181,17 @@ def test_what_to_run_is_checked_too(notebook, panel):
 def test_call_arguments_are_literals_or_notebook_names():
     ns = {"data": [1, 2], "lr": 0.1}
     assert P.parse_call_arguments("", ns) == ((), {})
-    assert P.parse_call_arguments("10, -2.5, 'x', (1, None), lr=lr, data=data", ns) == \
-        ((10, -2.5, "x", (1, None)), {"lr": 0.1, "data": [1, 2]})
-    for text, message in [("missing", "'missing' is not defined"), ("1 +", "arguments: "),
-                          ("len(data)", "neither a literal nor a notebook variable"),
-                          ("*data", "not supported"), ("**ns", "not supported")]:
+    assert P.parse_call_arguments("10, -2.5, 'x', (1, None), lr=lr, data=data", ns) == (
+        (10, -2.5, "x", (1, None)),
+        {"lr": 0.1, "data": [1, 2]},
+    )
+    for text, message in [
+        ("missing", "'missing' is not defined"),
+        ("1 +", "arguments: "),
+        ("len(data)", "neither a literal nor a notebook variable"),
+        ("*data", "not supported"),
+        ("**ns", "not supported"),
+    ]:
         with pytest.raises(ValueError, match=message):
             P.parse_call_arguments(text, ns)
 
@@ -186,14 +213,17 @@ def test_only_the_notebooks_own_functions_are_offered():
 
 
 # -- the equivalent cell ---------------------------------------------------------------------------
-@pytest.mark.parametrize("settings", [
-    {},
-    {"num_processes": 4},
-    {"num_processes": 2, "backend": "local", "timeout": "90"},
-    {"use_gpu": True, "all_ranks": True, "backend": "spark", "timeout": "0.5"},
-    {"env": "A=1\nPATH_EXTRA=/opt/x:/opt/y\nEMPTY="},
-    {"max_restarts": 2, "checkpoint_dir": "/dbfs/my runs/1", "keep_checkpoints": 5, "hang_timeout": "600"},
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"num_processes": 4},
+        {"num_processes": 2, "backend": "local", "timeout": "90"},
+        {"use_gpu": True, "all_ranks": True, "backend": "spark", "timeout": "0.5"},
+        {"env": "A=1\nPATH_EXTRA=/opt/x:/opt/y\nEMPTY="},
+        {"max_restarts": 2, "checkpoint_dir": "/dbfs/my runs/1", "keep_checkpoints": 5, "hang_timeout": "600"},
+    ],
+)
 def test_equivalent_cell_reproduces_the_options(notebook, panel, settings):
     for name, value in settings.items():
         panel.controls[name].value = value
@@ -217,8 +247,10 @@ def test_equivalent_cell_of_a_function_call(notebook, panel):
 
 def test_command_line_leaves_out_defaults_but_always_names_np():
     assert P.command_line(LaunchOptions()) == "%%torchdist --np 1"
-    assert P.command_line(LaunchOptions(num_processes=2, use_gpu=True, timeout=30.0, env={"A": "x y"})) == \
-        "%%torchdist --np 2 --gpu --timeout 30 --env 'A=x y'"
+    assert (
+        P.command_line(LaunchOptions(num_processes=2, use_gpu=True, timeout=30.0, env={"A": "x y"}))
+        == "%%torchdist --np 2 --gpu --timeout 30 --env 'A=x y'"
+    )
 
 
 def test_the_tls_switch_shows_default_on_off_and_round_trips_through_the_flags(panel):
@@ -284,8 +316,10 @@ def test_a_named_panel_says_where_its_runs_logs_and_value_are(notebook):
 
 
 def test_launch_a_notebook_function_with_notebook_arguments(notebook, panel):
-    notebook.run_cell("from torchdist_magic import rank as _rank\n"
-                "def scaled(x, factor=1):\n    return (x * factor, _rank())\nBASE = 21")
+    notebook.run_cell(
+        "from torchdist_magic import rank as _rank\n"
+        "def scaled(x, factor=1):\n    return (x * factor, _rank())\nBASE = 21"
+    )
     panel.controls["num_processes"].value = 2
     panel.controls["all_ranks"].value = True
     panel.source.value = P.FUNCTION

@@ -33,17 +33,21 @@ def load_in_a_fresh_interpreter(stream: bytes, expression: str) -> str:
         obj = pickle.loads(sys.stdin.buffer.read())
         print(repr({expression}))
     """)
-    out = subprocess.run([sys.executable, "-c", code], input=stream, capture_output=True, check=True,
-                         cwd="/", timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=stream, capture_output=True, check=True, cwd="/", timeout=120
+    )
     return out.stdout.decode().strip()
 
 
-@pytest.mark.parametrize("name,expression", [
-    ("function", "obj.__code__.co_filename"),
-    ("nested function", "obj(1).__code__.co_filename"),
-    ("lambda inside it", "obj(1)(2).__code__.co_filename"),
-    ("method of a class sent by value", "type(obj).forward.__code__.co_filename"),
-])
+@pytest.mark.parametrize(
+    "name,expression",
+    [
+        ("function", "obj.__code__.co_filename"),
+        ("nested function", "obj(1).__code__.co_filename"),
+        ("lambda inside it", "obj(1)(2).__code__.co_filename"),
+        ("method of a class sent by value", "type(obj).forward.__code__.co_filename"),
+    ],
+)
 def test_code_sent_by_value_keeps_its_file_name(name, expression):
     obj = Model() if "method" in name else outer
     stream = values.pickle_for_ranks(obj, [sys.modules[__name__]])

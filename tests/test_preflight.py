@@ -10,19 +10,30 @@ from torchdist_magic.core.preflight import compare, report
 
 
 def rep(rank, host="a", torch="2.13.0", link=1.0, gpus=(), **versions):
-    return Preflight(rank=rank, host=host, python=versions.get("python", "3.11.9"), torch=torch,
-                     cuda=versions.get("cuda", "12.8"), nccl=versions.get("nccl", "2.27.3"),
-                     driver=versions.get("driver", "570.1"), gpus=list(gpus), bus_gbps=4.0, link_gbps=link,
-                     seconds=0.5)
+    return Preflight(
+        rank=rank,
+        host=host,
+        python=versions.get("python", "3.11.9"),
+        torch=torch,
+        cuda=versions.get("cuda", "12.8"),
+        nccl=versions.get("nccl", "2.27.3"),
+        driver=versions.get("driver", "570.1"),
+        gpus=list(gpus),
+        bus_gbps=4.0,
+        link_gbps=link,
+        seconds=0.5,
+    )
 
 
 def test_the_same_software_everywhere_is_no_refusal_and_the_figures_are_by_host():
     result = compare([rep(r, host="a" if r < 2 else "b") for r in range(4)])
     assert result.refusal == "" and result.warnings == ()
-    assert result.lines == ("pre-flight: 4 ranks, Python 3.11.9, torch 2.13.0, CUDA 12.8, NCCL 2.27.3; "
-                            "all_reduce bus bandwidth 4.00 GB/s; 0.50 s",
-                            "  a: ranks 0, 1, ring link 1.00 GB/s (slowest)",
-                            "  b: ranks 2, 3, ring link 1.00 GB/s")
+    assert result.lines == (
+        "pre-flight: 4 ranks, Python 3.11.9, torch 2.13.0, CUDA 12.8, NCCL 2.27.3; "
+        "all_reduce bus bandwidth 4.00 GB/s; 0.50 s",
+        "  a: ranks 0, 1, ring link 1.00 GB/s (slowest)",
+        "  b: ranks 2, 3, ring link 1.00 GB/s",
+    )
 
 
 def test_versions_that_differ_refuse_the_run_naming_ranks_hosts_and_versions():
@@ -31,23 +42,28 @@ def test_versions_that_differ_refuse_the_run_naming_ranks_hosts_and_versions():
     assert result.refusal == (
         "pre-flight: the ranks do not run the same software, so the run was refused before the job started: "
         "torch differs: 2.13.0 on ranks 0, 1 (a); 2.12.1 on rank 2 (b). "
-        "NCCL differs: 2.27.3 on ranks 0, 1 (a); 2.21.5 on rank 2 (b)")
+        "NCCL differs: 2.27.3 on ranks 0, 1 (a); 2.21.5 on rank 2 (b)"
+    )
 
 
 def test_a_host_far_below_the_others_bandwidth_is_named():
     reports = [rep(0, "a", link=10.0), rep(1, "b", link=9.0), rep(2, "c", link=2.0), rep(3, "d", link=11.0)]
     result = compare(reports)
     assert result.refusal == ""
-    assert result.warnings == ("pre-flight: host c receives at 2.00 GB/s, far below the other hosts' 10.00 GB/s "
-                               "(median): a slow link or a busy host holds every collective back",)
+    assert result.warnings == (
+        "pre-flight: host c receives at 2.00 GB/s, far below the other hosts' 10.00 GB/s "
+        "(median): a slow link or a busy host holds every collective back",
+    )
     assert "  c: rank 2, ring link 2.00 GB/s (slowest)" in result.lines
 
 
 def test_gpus_with_ecc_errors_or_throttled_are_named():
     sick = [GpuHealth(index=0, name="H100", ecc_errors=3), GpuHealth(index=1, name="H100", throttled="hw_slowdown")]
     result = compare([rep(0, "a", gpus=sick), rep(1, "a")])
-    assert result.warnings == ("pre-flight: rank 0 on a: GPU 0 has 3 uncorrected ECC errors",
-                               "pre-flight: rank 0 on a: GPU 1 is throttled (hw_slowdown)")
+    assert result.warnings == (
+        "pre-flight: rank 0 on a: GPU 0 has 3 uncorrected ECC errors",
+        "pre-flight: rank 0 on a: GPU 1 is throttled (hw_slowdown)",
+    )
 
 
 class FakeHealth:
@@ -63,7 +79,12 @@ def test_a_ranks_report_has_its_versions_and_its_gpus_health():
     import torch
 
     mine = report(3, FakeHealth(), ["1"], driver="570.1")
-    assert (mine.rank, mine.python, mine.torch, mine.driver) == (3, platform.python_version(), torch.__version__, "570.1")
+    assert (mine.rank, mine.python, mine.torch, mine.driver) == (
+        3,
+        platform.python_version(),
+        torch.__version__,
+        "570.1",
+    )
     assert mine.gpus == [GpuHealth(index=1, name="Fake GPU", free_bytes=8e9)]
     assert report(0, None, []).gpus == []
 
@@ -114,7 +135,10 @@ def test_a_cell_runs_after_the_check_in_its_own_process_group_and_config_turns_i
 
     ip.run_line_magic("config", "TorchdistMagics.preflight = True")
     try:
-        cell(ip, "%%torchdist --np 2\nimport torch\nimport torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)")
+        cell(
+            ip,
+            "%%torchdist --np 2\nimport torch\nimport torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)",
+        )
     finally:
         ip.run_line_magic("config", "TorchdistMagics.preflight = False")
     run = ip.user_ns["_torchdist_run"]

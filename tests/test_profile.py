@@ -29,8 +29,11 @@ def test_profile_is_a_number_of_steps_from_a_flag_or_a_keyword():
 
 
 def test_a_warm_run_cannot_be_profiled():
-    with pytest.raises(ValueError, match=r"a warm run cannot be profiled \(--profile\): the pool's ranks were "
-                                         "started without a profiler; run it without --warm/warm=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"a warm run cannot be profiled \(--profile\): the pool's ranks were "
+        "started without a profiler; run it without --warm/warm=True",
+    ):
         Distributor(2, local_mode=True, show=None, warm=True, profile=3).submit(os.getpid)
 
 
@@ -42,12 +45,26 @@ def _trace(tmp_path, name, base_ns, events_):
 
 def test_traces_merge_into_one_process_per_rank_on_one_clock(tmp_path):
     own_name = {"ph": "M", "name": "process_name", "pid": 77, "tid": 0, "args": {"name": "python"}}
-    rank0 = _trace(tmp_path, "0.json", 1_000_000_000, [
-        own_name, {"ph": "X", "name": "aten::mm", "pid": 77, "tid": 5, "ts": 10.0, "dur": 3.0},
-        {"ph": "s", "id": 4, "name": "flow", "pid": 77, "tid": 5, "ts": 11.0}])
-    rank1 = _trace(tmp_path, "1.json", 1_000_002_000, [  # its clock's base 2 us later
-        own_name, {"ph": "X", "name": "aten::mm", "pid": 88, "tid": 6, "ts": 10.0, "dur": 3.0},
-        {"ph": "i", "s": "g", "name": "Record Window End", "pid": "", "tid": "", "ts": 20.0}])
+    rank0 = _trace(
+        tmp_path,
+        "0.json",
+        1_000_000_000,
+        [
+            own_name,
+            {"ph": "X", "name": "aten::mm", "pid": 77, "tid": 5, "ts": 10.0, "dur": 3.0},
+            {"ph": "s", "id": 4, "name": "flow", "pid": 77, "tid": 5, "ts": 11.0},
+        ],
+    )
+    rank1 = _trace(
+        tmp_path,
+        "1.json",
+        1_000_002_000,
+        [  # its clock's base 2 us later
+            own_name,
+            {"ph": "X", "name": "aten::mm", "pid": 88, "tid": 6, "ts": 10.0, "dur": 3.0},
+            {"ph": "i", "s": "g", "name": "Record Window End", "pid": "", "tid": "", "ts": 20.0},
+        ],
+    )
     out = str(tmp_path / "trace.json")
     merge_traces({1: rank1, 0: rank0}, out)
     with open(out) as fh:
@@ -65,18 +82,23 @@ def test_traces_merge_into_one_process_per_rank_on_one_clock(tmp_path):
 def test_a_collector_waits_for_every_rank_then_merges_once(tmp_path):
     collector = ProfileCollector(lambda: str(tmp_path), [0, 1])
     assert collector.profile() is None
-    text = json.dumps({"baseTimeNanoseconds": 5, "traceEvents": [{"ph": "X", "name": "a", "pid": 1, "tid": 1,
-                                                                   "ts": 1.0, "dur": 1.0}]})
+    text = json.dumps(
+        {"baseTimeNanoseconds": 5, "traceEvents": [{"ph": "X", "name": "a", "pid": 1, "tid": 1, "ts": 1.0, "dur": 1.0}]}
+    )
     for r in (0, 1):
         collector.take(events.ProfilePiece(rank=r, data=text[:20]))
         collector.take(events.ProfilePiece(rank=r, data=text[20:]))
-    collector.take(events.ProfileDone(rank=0, steps=3, size=len(text), peak_memory_bytes=2.0 ** 30,
-                                      top=[events.ProfileOp("aten::mm", 0.0412, 12)]))
+    collector.take(
+        events.ProfileDone(
+            rank=0, steps=3, size=len(text), peak_memory_bytes=2.0**30, top=[events.ProfileOp("aten::mm", 0.0412, 12)]
+        )
+    )
     waiting = collector.profile({0: {"data": 0.62, "compute": 0.35, "comm": 0.03}})
     assert waiting.trace_path == "" and waiting.waiting == [1]
-    assert waiting.lines() == ["profile: waiting for rank 1",
-                               "rank 0: 3 steps · data 62% compute 35% comm 3% · peak memory 1 GiB · "
-                               "top: aten::mm 41.2 ms (12)"]
+    assert waiting.lines() == [
+        "profile: waiting for rank 1",
+        "rank 0: 3 steps · data 62% compute 35% comm 3% · peak memory 1 GiB · top: aten::mm 41.2 ms (12)",
+    ]
     collector.take(events.ProfileDone(rank=1, steps=3, size=len(text), kept_at="", error=""))
     done = collector.profile()
     assert done.trace_path == str(tmp_path / "trace.json") and done.waiting == []
@@ -112,7 +134,9 @@ def test_a_trace_too_large_to_send_stays_where_the_rank_ran(monkeypatch, tmp_pat
     collector = ProfileCollector(lambda: str(tmp_path), [0])
     collector.take(done)
     profile = collector.profile()
-    assert profile.trace_path == "" and profile.lines()[1].endswith(f" · trace too large to send, kept at {done.kept_at}")
+    assert profile.trace_path == "" and profile.lines()[1].endswith(
+        f" · trace too large to send, kept at {done.kept_at}"
+    )
 
 
 def test_a_profiler_that_fails_says_why_in_the_summary(monkeypatch, tmp_path):
@@ -137,7 +161,10 @@ def test_real_ranks_profile_the_same_steps_into_one_trace():
     assert profile.waiting == [] and os.path.dirname(profile.trace_path).startswith(run.directory.path())
     with open(profile.trace_path) as fh:
         trace = json.load(fh)["traceEvents"]
-    assert [(e["pid"], e["args"]["name"]) for e in trace if e["name"] == "process_name"] == [(0, "rank 0"), (1, "rank 1")]
+    assert [(e["pid"], e["args"]["name"]) for e in trace if e["name"] == "process_name"] == [
+        (0, "rank 0"),
+        (1, "rank 1"),
+    ]
     for r in (0, 1):
         assert any(e["pid"] == r and e["name"] == "c10d::allreduce_" for e in trace), r  # DDP's, on both ranks
         rank = profile.summary[r]

@@ -21,6 +21,8 @@ from torchdist_magic.wire import framemac
 from torchdist_magic.wire.client import ChannelClient
 from torchdist_magic.wire.frames import LENGTH, MAX_HELLO, hello_mac, new_secret, pack_frame, read_frame
 from torchdist_magic.wire.server import ChannelServer
+
+
 class Refusals:
     def __init__(self):
         self.seen = []
@@ -48,8 +50,9 @@ def test_a_worker_may_send_its_own_system_metrics():
 
 
 def test_the_workers_torch_memory_read_from_a_fake_cuda_reaches_the_run_state(channel):
-    fake_cuda = types.SimpleNamespace(is_initialized=lambda: True, device_count=lambda: 2,
-                                      max_memory_allocated=lambda i: (i + 1) * 1e9)
+    fake_cuda = types.SimpleNamespace(
+        is_initialized=lambda: True, device_count=lambda: 2, max_memory_allocated=lambda i: (i + 1) * 1e9
+    )
     values = torch_memory(fake_cuda)
     assert values == {"torch_max_allocated_bytes": 3e9}
     state = RunState("run-r", 2)
@@ -73,7 +76,7 @@ def test_a_forbidden_record_is_logged_once_and_counted(channel, caplog):
     client = worker(channel, 3)
     try:
         with caplog.at_level(logging.WARNING, logger="torchdist_magic"):
-            client.send(events.Exit(rank=3, code=0, time=1.0))   # only a launcher says how a rank exited
+            client.send(events.Exit(rank=3, code=0, time=1.0))  # only a launcher says how a rank exited
             client.send(events.Exit(rank=3, code=0, time=2.0))
             client.send(events.Started(rank=3, pid=1, host="h", time=3.0))
             channel.got.wait_for(1)
@@ -83,8 +86,10 @@ def test_a_forbidden_record_is_logged_once_and_counted(channel, caplog):
     assert channel.refused.seen == [("forbidden", 3, "a Exit record, which a worker may not send")] * 2
     assert channel.stats["forbidden"] == 2
     said = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
-    assert said == ["run run-r: the channel refused a Exit record, which a worker may not send from rank 3's "
-                    "worker (further refusals of this kind are counted in run.state.refusals)"]
+    assert said == [
+        "run run-r: the channel refused a Exit record, which a worker may not send from rank 3's "
+        "worker (further refusals of this kind are counted in run.state.refusals)"
+    ]
 
 
 def test_a_record_the_state_cannot_take_is_a_refusal_not_a_silence(channel):
@@ -98,8 +103,9 @@ def test_a_record_the_state_cannot_take_is_a_refusal_not_a_silence(channel):
         wait_until(lambda: channel.refused.seen, 10, "the refusal")
     finally:
         client.close()
-    assert channel.refused.seen == [("callback_errors", 0, "a Started record that the run's state could not take "
-                                                         "(KeyError: 'no such bar')")]
+    assert channel.refused.seen == [
+        ("callback_errors", 0, "a Started record that the run's state could not take (KeyError: 'no such bar')")
+    ]
 
 
 def test_frames_and_records_that_do_not_decode_are_malformed(channel):
@@ -108,9 +114,18 @@ def test_frames_and_records_that_do_not_decode_are_malformed(channel):
     try:
         secret = rank_key(channel._secrets["worker"], "worker", 2)
         nonce = read_frame(sock, MAX_HELLO)["nonce"]
-        sock.sendall(pack_frame({"mac": hello_mac(secret, nonce).decode(), "nonce": "mine",
-                                          "run_id": "run-r", "rank": 2, "role": "worker",
-                                          "protocol": events.PROTOCOL_VERSION}))
+        sock.sendall(
+            pack_frame(
+                {
+                    "mac": hello_mac(secret, nonce).decode(),
+                    "nonce": "mine",
+                    "run_id": "run-r",
+                    "rank": 2,
+                    "role": "worker",
+                    "protocol": events.PROTOCOL_VERSION,
+                }
+            )
+        )
         assert read_frame(sock, MAX_HELLO)["ok"] is True
         # without TLS what follows the handshake goes in authenticated records, as a peer's would
         sealed = framemac.MacSocket(sock, framemac.session_key(secret, nonce, "mine"))
@@ -122,7 +137,8 @@ def test_frames_and_records_that_do_not_decode_are_malformed(channel):
         sock.close()
     assert channel.refused.seen == [
         ("malformed", 2, "a frame that is not a JSON object with a list of records"),
-        ("malformed", 2, "a record that does not decode ('nope')")]
+        ("malformed", 2, "a record that does not decode ('nope')"),
+    ]
     assert channel.stats["malformed"] == 2
 
 
@@ -133,8 +149,10 @@ def test_the_run_state_counts_refusals_and_the_views_say_them():
     state.refused("malformed", 1, "a record that does not decode ('Nope')")
     snap = state.snapshot()
     assert [(r.kind, r.count, r.rank) for r in snap.refusals] == [("forbidden", 2, 1), ("malformed", 1, 1)]
-    expected = ("the run's channel refused 3 records: a Exit record, which a worker may not send, from rank 1 "
-                "and 1 more; a record that does not decode ('Nope'), from rank 1")
+    expected = (
+        "the run's channel refused 3 records: a Exit record, which a worker may not send, from rank 1 "
+        "and 1 more; a record that does not decode ('Nope'), from rank 1"
+    )
     assert run_facts(snap).refused_text == expected
     assert f"  {expected}" in text.summary(state).splitlines()
     assert 'class="torchdist-refused"' in html.header_html(run_facts(snap))

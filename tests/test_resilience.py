@@ -157,8 +157,9 @@ def test_a_hang_after_a_rank_finished_says_it_had_exited(local_distributor, monk
     counting, real_idle = threading.Event(), RunState.idle
     monkeypatch.setattr(RunState, "idle", lambda self: real_idle(self) if counting.is_set() else 0.0)
     run = local_distributor(2, hang_timeout=2).submit(quiet_rank0)
-    wait_until(lambda: "napping" in run.logs(0) and run.state.ranks[1].exit_code == 0, 120,
-               "rank 0 to nap once rank 1 exited")
+    wait_until(
+        lambda: "napping" in run.logs(0) and run.state.ranks[1].exit_code == 0, 120, "rank 0 to nap once rank 1 exited"
+    )
     counting.set()
     with pytest.raises(HangTimeout) as info:
         run.result(timeout=120)
@@ -197,13 +198,19 @@ def test_timeout_and_hang_errors_name_every_rank_and_survive_pickling():
     from torchdist_magic import HangTimeout, JobTimeout
     from torchdist_magic.core.events import Stacks
 
-    stacks = {0: Stacks(rank=0, text='Current thread 0x1 (most recent call first):\n  File "/a/t.py", line 5 in f\n',
-                        main_thread=1)}
+    stacks = {
+        0: Stacks(
+            rank=0, text='Current thread 0x1 (most recent call first):\n  File "/a/t.py", line 5 in f\n', main_thread=1
+        )
+    }
     err = JobTimeout(5, "rank 0: running; rank 1: running", stacks, 2)
-    assert str(err).endswith("Where each rank was (innermost frame first):\n"
-                             "  rank 0: f (/a/t.py, line 5)\n  rank 1: no stack came back")
-    assert err._render_traceback_()[-2:] == ["--- rank 0, main thread (most recent call last) ---",
-                                             '  File "/a/t.py", line 5, in f']
+    assert str(err).endswith(
+        "Where each rank was (innermost frame first):\n  rank 0: f (/a/t.py, line 5)\n  rank 1: no stack came back"
+    )
+    assert err._render_traceback_()[-2:] == [
+        "--- rank 0, main thread (most recent call last) ---",
+        '  File "/a/t.py", line 5, in f',
+    ]
     hang = pickle.loads(pickle.dumps(HangTimeout(3, stacks, 2)))
     assert isinstance(hang, TimeoutError) and hang.stacks[0].where() == "f (/a/t.py, line 5)"
     assert str(hang) == str(HangTimeout(3, stacks, 2)) and str(pickle.loads(pickle.dumps(err))) == str(err)
@@ -283,9 +290,17 @@ def lightning_fit():
 
     x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
-    trainer = L.Trainer(max_epochs=2, limit_train_batches=5, accelerator="cpu", devices=2, strategy="ddp",
-                        logger=False, enable_checkpointing=False, enable_model_summary=False,
-                        callbacks=[EveryRankBar()])
+    trainer = L.Trainer(
+        max_epochs=2,
+        limit_train_batches=5,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[EveryRankBar()],
+    )
     trainer.fit(Regression(), data)
     return trainer.global_step
 
@@ -309,12 +324,27 @@ def hf_trainer_fit(steps):
 
     ids = torch.randint(5, 50, (64, 12), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": int((i == 7).any())} for i in ids]
-    model = BertForSequenceClassification(BertConfig(
-        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
-        max_position_embeddings=16))
+    model = BertForSequenceClassification(
+        BertConfig(
+            vocab_size=50,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=37,
+            max_position_embeddings=16,
+        )
+    )
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=steps, use_cpu=True,
-                                 report_to=[], save_strategy="no", logging_steps=2, ddp_backend="gloo")
+        args = TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=4,
+            max_steps=steps,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_steps=2,
+            ddp_backend="gloo",
+        )
         return Trainer(model=model, args=args, train_dataset=data).train().global_step
 
 
@@ -373,8 +403,12 @@ def test_a_million_lines_per_rank_spill_to_disk_and_all_come_back(local_distribu
 def in_a_run(monkeypatch, tmp_path):
     """This process as rank ``RANK`` of a run with a checkpoint directory; returns it."""
     directory = tmp_path / "checkpoints"
-    for name, value in {"RANK": "0", "TORCHDIST_CHECKPOINT_DIR": str(directory), "TORCHDIST_KEEP_CHECKPOINTS": "2",
-                        "TORCHDIST_RESTART_COUNT": "0"}.items():
+    for name, value in {
+        "RANK": "0",
+        "TORCHDIST_CHECKPOINT_DIR": str(directory),
+        "TORCHDIST_KEEP_CHECKPOINTS": "2",
+        "TORCHDIST_RESTART_COUNT": "0",
+    }.items():
         monkeypatch.setenv(name, value)
     return directory
 
@@ -427,16 +461,25 @@ def test_saving_in_a_run_without_a_checkpoint_directory_says_how_to_give_one(loc
         local_distributor(1).run(save_without_a_directory)
     assert info.value.message == (
         "save_checkpoint: this run has no checkpoint directory; give it one (--checkpoint-dir, "
-        "checkpoint_dir=), or restarts (--max-restarts: the run then has one of its own), or pass directory=...")
+        "checkpoint_dir=), or restarts (--max-restarts: the run then has one of its own), or pass directory=..."
+    )
 
 
 def test_checkpoint_helpers_outside_a_run(monkeypatch, tmp_path):
-    for name in ("TORCHDIST_CHECKPOINT_DIR", "TORCHDIST_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "RANK",
-                 "TORCHDIST_RUN_ID"):
+    for name in (
+        "TORCHDIST_CHECKPOINT_DIR",
+        "TORCHDIST_RESTART_COUNT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "RANK",
+        "TORCHDIST_RUN_ID",
+    ):
         monkeypatch.delenv(name, raising=False)
     assert restart_count() == 0 and load_checkpoint() is None
-    with pytest.raises(ValueError, match=r"^save_checkpoint needs a directory outside a run: pass directory=\.\.\., "
-                                         r"or run it under %%torchdist / Distributor$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^save_checkpoint needs a directory outside a run: pass directory=\.\.\., "
+        r"or run it under %%torchdist / Distributor$",
+    ):
         save_checkpoint({"x": 1})
     save_checkpoint({"x": 1}, directory=str(tmp_path / "c"))
     assert load_checkpoint(directory=str(tmp_path / "c")) == {"x": 1}
@@ -444,7 +487,6 @@ def test_checkpoint_helpers_outside_a_run(monkeypatch, tmp_path):
     assert restart_count() == 2
     with pytest.raises(ValueError, match=r"^save_checkpoint: step must be a whole number of at least 0, got -1$"):
         save_checkpoint({}, step=-1, directory=str(tmp_path))
-
 
 
 # -- what restarts do not undo: one timeout for every attempt; hangs and cancels end the run --------
@@ -506,8 +548,9 @@ def test_a_hang_is_not_restarted_while_restarts_remain(local_distributor, tmp_pa
     finally:
         run.cancel()
         run.wait(60)
-    assert info.value.headline == ("no rank sent progress, metrics or output for 600 s (hang_timeout); "
-                                   "every rank was stopped")
+    assert info.value.headline == (
+        "no rank sent progress, metrics or output for 600 s (hang_timeout); every rank was stopped"
+    )
     assert run.attempt == 1 and run.attempts == [] and run.state.state == "hung"
     assert "up" in run.logs(0) and "up" in run.logs(1)  # the ranks ran, then went quiet
     assert_no_survivors(run)
@@ -522,8 +565,7 @@ def test_a_cancel_is_not_restarted_while_restarts_remain(local_distributor, tmp_
 
     run = local_distributor(2, max_restarts=2).submit(say_up_then_sleep, str(tmp_path))
     try:
-        wait_until(lambda: all((tmp_path / f"rank{r}-up").exists() for r in range(2)), 60,
-                   "both ranks to start")
+        wait_until(lambda: all((tmp_path / f"rank{r}-up").exists() for r in range(2)), 60, "both ranks to start")
         run.cancel()
         with pytest.raises(RunCancelled, match=r"^the run was cancelled; every rank was stopped$"):
             run.result(timeout=120)

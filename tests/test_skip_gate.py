@@ -19,45 +19,75 @@ def run_pytest(tmp_path, source: str) -> subprocess.CompletedProcess:
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["skip_gate"]\n')
     (tmp_path / "test_small.py").write_text(source)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
-               PYTHONDONTWRITEBYTECODE="1")
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                           "-c", str(tmp_path / "pytest.ini"), str(tmp_path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]), PYTHONDONTWRITEBYTECODE="1"
+    )
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            str(tmp_path / "pytest.ini"),
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_an_unexpected_skip_fails_the_run_and_names_the_missing_piece(tmp_path):
-    done = run_pytest(tmp_path, (
-        "import pytest\n"
-        "def test_passes():\n    assert True\n"
-        "def test_needs_a_tool():\n    pytest.skip('no frobnicator on PATH (apt-get install frobnicator)')\n"))
+    done = run_pytest(
+        tmp_path,
+        (
+            "import pytest\n"
+            "def test_passes():\n    assert True\n"
+            "def test_needs_a_tool():\n    pytest.skip('no frobnicator on PATH (apt-get install frobnicator)')\n"
+        ),
+    )
     out = done.stdout
     assert done.returncode == 1, out + done.stderr
     assert "1 passed, 1 skipped" in out, out
     assert skip_gate.UNEXPECTED_HEADER in out, out
-    assert ("SKIPPED test_small.py::test_needs_a_tool: no frobnicator on PATH "
-            "(apt-get install frobnicator)") in out, out
+    assert ("SKIPPED test_small.py::test_needs_a_tool: no frobnicator on PATH (apt-get install frobnicator)") in out, (
+        out
+    )
     assert f"1 unexpected skip(s) fail this run: {skip_gate.HOW_TO_FIX}" in out, out
 
 
 def test_a_module_skipped_for_a_missing_package_fails_the_run(tmp_path):
-    done = run_pytest(tmp_path, (
-        "import pytest\n"
-        "pytest.importorskip('torchdist_no_such_package')\n"
-        "def test_never_collected():\n    assert True\n"))
+    done = run_pytest(
+        tmp_path,
+        (
+            "import pytest\n"
+            "pytest.importorskip('torchdist_no_such_package')\n"
+            "def test_never_collected():\n    assert True\n"
+        ),
+    )
     out = done.stdout
     assert done.returncode == 1, out + done.stderr
     assert "SKIPPED test_small.py: could not import 'torchdist_no_such_package'" in out, out
 
 
 def test_expected_skips_and_xfails_leave_the_run_green(tmp_path):
-    done = run_pytest(tmp_path, (
-        "import pytest\n"
-        "@pytest.mark.skipif(True, reason='needs a CUDA device')\n"
-        "def test_on_a_gpu():\n    assert False\n"
-        "@pytest.mark.xfail(reason='known', strict=True)\n"
-        "def test_known_bug():\n    assert False\n"
-        "def test_passes():\n    assert True\n"))
+    done = run_pytest(
+        tmp_path,
+        (
+            "import pytest\n"
+            "@pytest.mark.skipif(True, reason='needs a CUDA device')\n"
+            "def test_on_a_gpu():\n    assert False\n"
+            "@pytest.mark.xfail(reason='known', strict=True)\n"
+            "def test_known_bug():\n    assert False\n"
+            "def test_passes():\n    assert True\n"
+        ),
+    )
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     assert "1 passed, 1 skipped, 1 xfailed" in out, out
@@ -66,10 +96,10 @@ def test_expected_skips_and_xfails_leave_the_run_green(tmp_path):
 
 
 def test_a_failing_run_keeps_its_failure_status(tmp_path):
-    done = run_pytest(tmp_path, (
-        "import pytest\n"
-        "def test_fails():\n    assert False\n"
-        "def test_skips():\n    pytest.skip('no frobnicator')\n"))
+    done = run_pytest(
+        tmp_path,
+        ("import pytest\ndef test_fails():\n    assert False\ndef test_skips():\n    pytest.skip('no frobnicator')\n"),
+    )
     assert done.returncode == 1, done.stdout
     assert "1 failed, 1 skipped" in done.stdout and skip_gate.UNEXPECTED_HEADER in done.stdout, done.stdout
 

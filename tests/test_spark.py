@@ -16,6 +16,7 @@ from torchdist_magic.backends.spark_classic import SparkBarrierBackend, SparkRun
 
 pytestmark = pytest.mark.spark  # also run under pyspark 3.5 (README's test command)
 
+
 def spark_dist(n=2, **options):
     return Distributor(n, local_mode=False, show=None, **options)
 
@@ -29,8 +30,19 @@ def ancestors_and_environment():
             chain.append((pid, fh.read().replace(b"\0", b" ").decode(errors="replace")))
         with open(f"/proc/{pid}/stat", "rb") as fh:
             pid = int(fh.read().rsplit(b")", 1)[1].split()[1])
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "GROUP_WORLD_SIZE",
-             "MASTER_ADDR", "FROM_OPTIONS", "CUDA_VISIBLE_DEVICES", "TORCHDIST_HOST_RANKS")
+    names = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "NODE_RANK",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "MASTER_ADDR",
+        "FROM_OPTIONS",
+        "CUDA_VISIBLE_DEVICES",
+        "TORCHDIST_HOST_RANKS",
+    )
     return {"rank": rank(), "ancestors": chain, "env": {k: os.environ.get(k) for k in names}}
 
 
@@ -67,10 +79,19 @@ def test_ranks_run_inside_executor_processes(spark_cluster, monkeypatch):
     executors = []
     for r, value in enumerate(values):
         # each task a node of one process, as under TorchDistributor, though both share this host
-        assert value["env"] == {"RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
-                                "NODE_RANK": str(r), "GROUP_RANK": str(r), "GROUP_WORLD_SIZE": "2",
-                                "MASTER_ADDR": "127.0.0.1", "FROM_OPTIONS": "yes", "CUDA_VISIBLE_DEVICES": "",
-                                "TORCHDIST_HOST_RANKS": "0,1"}
+        assert value["env"] == {
+            "RANK": str(r),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "1",
+            "NODE_RANK": str(r),
+            "GROUP_RANK": str(r),
+            "GROUP_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "FROM_OPTIONS": "yes",
+            "CUDA_VISIBLE_DEVICES": "",
+            "TORCHDIST_HOST_RANKS": "0,1",
+        }
         jvms = [cmd for _, cmd in value["ancestors"] if "CoarseGrainedExecutorBackend" in cmd]
         assert jvms, f"rank {value['rank']} is not below an executor JVM: {value['ancestors']}"
         words = jvms[0].split()
@@ -115,8 +136,9 @@ def test_gpu_without_spark_task_gpus_is_refused(spark_local2):
 
 def test_spark_connect_session_is_refused():
     connect_session = type("SparkSession", (), {"__module__": "pyspark.sql.connect.session"})()
-    with pytest.raises(ValueError, match="is a Spark Connect session: its runs go to "
-                                         "spark_connect.SparkConnectBackend"):
+    with pytest.raises(
+        ValueError, match="is a Spark Connect session: its runs go to spark_connect.SparkConnectBackend"
+    ):
         SparkBarrierBackend(connect_session)
 
 
@@ -153,8 +175,7 @@ def bare_python(tmp_path_factory):
 
 
 @pytest.mark.spark
-def test_executors_with_another_interpreter_are_refused_before_training(spark_local2, bare_python,
-                                                                       monkeypatch):
+def test_executors_with_another_interpreter_are_refused_before_training(spark_local2, bare_python, monkeypatch):
     from torchdist_magic.backends.spark_python import InterpreterMismatch
 
     monkeypatch.setenv("PYSPARK_PYTHON", bare_python)  # the user's choice: no fallback
@@ -173,16 +194,23 @@ def test_executors_with_another_interpreter_are_refused_before_training(spark_lo
 def test_interpreter_differences_are_named():
     from torchdist_magic.backends.spark_python import describe, differences
 
-    mine = {"executable": "/a/python", "python": "3.11.7", "host": "h",
-            "packages": {"torch": "2.13.0+cpu", "cloudpickle": "3.1.2", "torchdist_magic": "0.1.0"}}
+    mine = {
+        "executable": "/a/python",
+        "python": "3.11.7",
+        "host": "h",
+        "packages": {"torch": "2.13.0+cpu", "cloudpickle": "3.1.2", "torchdist_magic": "0.1.0"},
+    }
     same_but_cuda = dict(mine, python="3.11.2", packages=dict(mine["packages"], torch="2.13.0+cu124"))
     assert differences(mine, same_but_cuda) == []
     other = dict(mine, python="3.10.12", packages={"torch": None, "cloudpickle": "2.2.1", "torchdist_magic": "0.1.0"})
-    assert differences(mine, other) == ["Python 3.11.7 here, 3.10.12 there",
-                                        "torch 2.13.0+cpu here, not installed there",
-                                        "cloudpickle 3.1.2 here, 2.2.1 there"]
-    assert describe(other) == ("/a/python on h: Python 3.10.12, torch not installed, cloudpickle 2.2.1, "
-                               "torchdist_magic 0.1.0")
+    assert differences(mine, other) == [
+        "Python 3.11.7 here, 3.10.12 there",
+        "torch 2.13.0+cpu here, not installed there",
+        "cloudpickle 3.1.2 here, 2.2.1 there",
+    ]
+    assert describe(other) == (
+        "/a/python on h: Python 3.10.12, torch not installed, cloudpickle 2.2.1, torchdist_magic 0.1.0"
+    )
 
 
 @pytest.mark.spark
@@ -255,8 +283,16 @@ def placement_and_all_reduce():
     import torch
     import torch.distributed as dist
 
-    names = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "GROUP_WORLD_SIZE",
-             "MASTER_ADDR", "SPARK_LOCAL_IP")
+    names = (
+        "RANK",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "NODE_RANK",
+        "GROUP_WORLD_SIZE",
+        "MASTER_ADDR",
+        "SPARK_LOCAL_IP",
+    )
     dist.init_process_group("gloo")
     total = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(total)
@@ -337,8 +373,7 @@ def test_pyspark_python_set_after_the_session_started_is_what_runs(spark_local2,
 
 
 @pytest.mark.spark
-def test_a_chosen_interpreter_that_cannot_run_the_ranks_is_the_one_named(spark_local2, bare_python,
-                                                                        monkeypatch):
+def test_a_chosen_interpreter_that_cannot_run_the_ranks_is_the_one_named(spark_local2, bare_python, monkeypatch):
     import sys
 
     from torchdist_magic.backends import spark_python
@@ -353,8 +388,7 @@ def test_a_chosen_interpreter_that_cannot_run_the_ranks_is_the_one_named(spark_l
 
 
 @pytest.mark.spark
-def test_classic_spark_whose_executors_cannot_reach_the_notebook_still_returns_rank_0s_value(
-        spark_local2, monkeypatch):
+def test_classic_spark_whose_executors_cannot_reach_the_notebook_still_returns_rank_0s_value(spark_local2, monkeypatch):
     """No task reaches the notebook (a firewall between the executors and the driver): the
     tasks meet through Spark's barrier, and rank 0's value comes back through the stage."""
     import torchdist_magic.backends.channels as channels
@@ -373,8 +407,10 @@ def test_classic_spark_whose_executors_cannot_reach_the_notebook_still_returns_r
     assert value["env"]["RANK"] == "0" and value["sum"] == 3.0  # both ranks joined one process group
     assert [(rs.state, rs.exit_code) for rs in run.state.ranks] == [("done", 0), ("done", 0)]
     for r in (0, 1):  # the view says why there was nothing live, in one line
-        assert run.logs(r).startswith("[torchdist] no live view of this rank: its task could not reach "
-                                      "this notebook's event channel at 127.0.0.1:9")
+        assert run.logs(r).startswith(
+            "[torchdist] no live view of this rank: its task could not reach "
+            "this notebook's event channel at 127.0.0.1:9"
+        )
     assert_nothing_left(run)
 
 
@@ -384,7 +420,8 @@ def mib_for_rank_0(mib):
 
 @pytest.mark.spark
 def test_a_value_over_the_drivers_result_limit_from_a_task_off_the_channel_says_spark_could_not_return_it(
-        spark_local2_small_results, monkeypatch):
+    spark_local2_small_results, monkeypatch
+):
     import torchdist_magic.backends.channels as channels
     import torchdist_magic.launch.remote as remote
     from torchdist_magic.wire.frames import new_secret
@@ -393,8 +430,11 @@ def test_a_value_over_the_drivers_result_limit_from_a_task_off_the_channel_says_
     # as above, and the channel refuses the tasks' launchers (another launcher secret than the
     # one they are given): they meet through Spark's barrier, and the value goes through Spark
     monkeypatch.setattr(remote, "value_dir_mark", lambda run_id: "not-what-the-tasks-look-for")
-    monkeypatch.setattr(channels, "ChannelServer",
-                        lambda *args, **kwargs: ChannelServer(*args, **{**kwargs, "launcher_secret": new_secret()}))
+    monkeypatch.setattr(
+        channels,
+        "ChannelServer",
+        lambda *args, **kwargs: ChannelServer(*args, **{**kwargs, "launcher_secret": new_secret()}),
+    )
     run = spark_dist(2).submit(mib_for_rank_0, 2)
     with pytest.raises(RankFailure) as info:  # the driver heard of the ranks through Spark alone
         run.result(timeout=180)
@@ -404,8 +444,7 @@ def test_a_value_over_the_drivers_result_limit_from_a_task_off_the_channel_says_
 
 
 @pytest.mark.spark
-def test_a_value_over_the_drivers_result_limit_comes_back_over_the_channel(spark_local2_small_results,
-                                                                          monkeypatch):
+def test_a_value_over_the_drivers_result_limit_comes_back_over_the_channel(spark_local2_small_results, monkeypatch):
     import torchdist_magic.launch.remote as remote
 
     # the tasks do not find the driver's value directory (as on a cluster): each sends its
@@ -521,9 +560,18 @@ def lightning_as_torchdistributor_documents_it(num_processes, root):
 
     torch.manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=8)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=num_processes, strategy="ddp", max_epochs=1,
-                         default_root_dir=root, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=num_processes,
+        strategy="ddp",
+        max_epochs=1,
+        default_root_dir=root,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Tiny(), data)
     return trainer.global_rank, trainer.node_rank, trainer.local_rank, trainer.world_size
 
@@ -549,7 +597,8 @@ def test_ranks_on_torchdistributors_gpu_fixture_each_see_their_own_gpu_once(spar
     run = spark_dist(2, all_ranks=True, use_gpu=True).submit(gpu_environment)
     assert run.result(timeout=180) == [
         {"CUDA_VISIBLE_DEVICES": "0", "LOCAL_RANK": "0", "NODE_RANK": str(r), "TORCHDIST_HOST_RANKS": "0,1"}
-        for r in range(2)]
+        for r in range(2)
+    ]
     assert_nothing_left(run)
 
 

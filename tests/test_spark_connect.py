@@ -39,8 +39,11 @@ def test_more_ranks_than_slots_is_refused_in_seconds(spark_connect):
     from torchdist_magic.driver.distributor import last_run
 
     before = last_run()
-    with pytest.raises(ValueError, match="3 ranks need 3 Spark task slots at once .* the Spark Connect "
-                                         "server's cluster has 2; use 2 or fewer ranks"):
+    with pytest.raises(
+        ValueError,
+        match="3 ranks need 3 Spark task slots at once .* the Spark Connect "
+        "server's cluster has 2; use 2 or fewer ranks",
+    ):
         Distributor(3, local_mode=False, show=None).submit(one)
     assert last_run() is before  # refused before any run started
 
@@ -80,8 +83,10 @@ def test_without_the_channel_the_value_still_comes_back(unreachable):
     assert [v[-1] for v in values] == [0, 1]
     assert [rs.state for rs in run.state.ranks] == ["done", "done"]
     for r in (0, 1):  # the view says why there was nothing live, in one line
-        assert run.logs(r).startswith("[torchdist] no live view of this rank: its task could not reach "
-                                      "this notebook's event channel at 127.0.0.1:9")
+        assert run.logs(r).startswith(
+            "[torchdist] no live view of this rank: its task could not reach "
+            "this notebook's event channel at 127.0.0.1:9"
+        )
     assert_nothing_left(run)
 
 
@@ -129,9 +134,12 @@ def test_gpu_without_task_gpus_on_the_connect_server_is_refused_before_start(spa
     from torchdist_magic import last_run
 
     before = last_run()
-    with pytest.raises(ValueError, match=r"^use_gpu/--gpu needs GPUs assigned to Spark tasks, but "
-                                         r"spark\.task\.resource\.gpu\.amount is not set on the Spark "
-                                         r"Connect server's cluster$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^use_gpu/--gpu needs GPUs assigned to Spark tasks, but "
+        r"spark\.task\.resource\.gpu\.amount is not set on the Spark "
+        r"Connect server's cluster$",
+    ):
         Distributor(2, local_mode=False, use_gpu=True, show=None).submit(one)
     assert last_run() is before  # nothing started
 

@@ -39,9 +39,11 @@ def test_killed_barrier_task_gives_sparks_reason():
 
 
 def test_lost_task_names_rank_host_and_reason():
-    text = ("Job aborted due to stage failure: Task 1 in stage 3.0 failed 1 times, most recent failure: "
-            "Lost task 1.0 in stage 3.0 (TID 7) (10.0.0.5 executor 2): ExecutorLostFailure (executor 2 "
-            "exited caused by one of the running tasks) Reason: Container killed\n\tat org.apache.Foo")
+    text = (
+        "Job aborted due to stage failure: Task 1 in stage 3.0 failed 1 times, most recent failure: "
+        "Lost task 1.0 in stage 3.0 (TID 7) (10.0.0.5 executor 2): ExecutorLostFailure (executor 2 "
+        "exited caused by one of the running tasks) Reason: Container killed\n\tat org.apache.Foo"
+    )
     rank, failure = failure_of(text)
     assert (rank, failure.host) == (1, "10.0.0.5")
     assert failure.message.startswith("ExecutorLostFailure (executor 2 exited")

@@ -84,7 +84,7 @@ def test_an_outer_loop_counts_its_waits_and_the_inner_loop_its_steps(clock):
     split = stepsplit.StepSplit(sent.append, lambda: 0)
     outer = split.enter()
     for _ in range(2):
-        clock.now += 0.5   # the next epoch's item took half a second
+        clock.now += 0.5  # the next epoch's item took half a second
         split.step(outer, 0.5)
         loop(split, clock, 10, data=0.0, compute=0.1)
     split.leave()
@@ -100,8 +100,11 @@ def test_the_wait_in_ddps_allreduce_is_read_from_its_timers(clock, monkeypatch):
     class FakeDDP:  # what DDP's timers say: 40 ms of waiting after the backward computation
         def _get_ddp_logging_data(self):
             start = 10**18 + iteration[0] * 10**8
-            return {"forward_compute_time_start": start, "backward_compute_time_end": start + 50 * 10**6,
-                    "backward_comm_time_end": start + 90 * 10**6}
+            return {
+                "forward_compute_time_start": start,
+                "backward_compute_time_end": start + 50 * 10**6,
+                "backward_comm_time_end": start + 90 * 10**6,
+            }
 
     module = FakeDDP()
     monkeypatch.setattr(stepsplit, "_DDP_MODULES", [module])
@@ -131,6 +134,7 @@ def test_patched_collectives_time_their_calls_for_the_current_split(clock):
 
 # -- the driver's side: the state and the stragglers ------------------------------------------------
 
+
 def split_state(ranks=3):
     clock = Clock()
     state = RunState("9-split", ranks, clock=clock)
@@ -143,8 +147,19 @@ def send_splits(state, clock, seconds, splits):
     for _ in range(int(seconds / 0.5)):
         clock.now += 0.5
         for r, (data, compute, comm) in enumerate(splits):
-            state.apply(events.StepSplit(rank=r, data=data, compute=compute, comm=comm, seconds=3.0, steps=30,
-                                         step_s=clock.now, data_s=data * clock.now, comm_s=comm * clock.now))
+            state.apply(
+                events.StepSplit(
+                    rank=r,
+                    data=data,
+                    compute=compute,
+                    comm=comm,
+                    seconds=3.0,
+                    steps=30,
+                    step_s=clock.now,
+                    data_s=data * clock.now,
+                    comm_s=comm * clock.now,
+                )
+            )
 
 
 def test_a_rank_waiting_for_data_is_named_with_its_share_and_the_others():
@@ -158,12 +173,14 @@ def test_a_rank_waiting_for_data_is_named_with_its_share_and_the_others():
 
 def test_a_rank_that_computes_while_the_others_wait_is_slow_compute_and_the_waiters_are_not_listed():
     state, clock = split_state(4)
-    send_splits(state, clock, P.SLOW_FOR + 1,
-                [(0.01, 0.2, 0.79), (0.01, 0.2, 0.79), (0.01, 0.95, 0.04), (0.01, 0.2, 0.79)])
+    send_splits(
+        state, clock, P.SLOW_FOR + 1, [(0.01, 0.2, 0.79), (0.01, 0.2, 0.79), (0.01, 0.95, 0.04), (0.01, 0.2, 0.79)]
+    )
     (slow,) = state.stragglers()
     assert slow.rank == 2 and slow.why.startswith(
         "slow compute: 95 % of its step computing (others 20 %), while the others wait in communication "
-        "(79 % of their step)")
+        "(79 % of their step)"
+    )
 
 
 def test_equal_splits_list_nobody_also_when_every_rank_waits_for_data():
@@ -173,6 +190,7 @@ def test_equal_splits_list_nobody_also_when_every_rank_waits_for_data():
 
 
 # -- real ranks ---------------------------------------------------------------------------------------
+
 
 def ddp_train(slow, steps):
     """3 DDP ranks over a data loader, ``steps`` steps; rank 1's items take 15 ms each

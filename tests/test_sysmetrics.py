@@ -38,8 +38,11 @@ class FakeGpuSource:
     def sample(self, device_indices):
         self.asked.append(list(device_indices))
         n = len(device_indices)
-        return {"gpu_memory_used_bytes": float(self.used * n), "gpu_memory_total_bytes": float(self.total * n),
-                "gpu_util_percent": self.util}
+        return {
+            "gpu_memory_used_bytes": float(self.used * n),
+            "gpu_memory_total_bytes": float(self.total * n),
+            "gpu_util_percent": self.util,
+        }
 
     def close(self):
         self.closed = True
@@ -100,10 +103,17 @@ def test_a_group_that_is_gone_samples_as_nothing_and_keeps_its_last_sample(burne
 
 # -- what a SIGKILL says ----------------------------------------------------------------------
 
+
 def _sampled(**values):
     sampler = sysmetrics.RankSampler(os.getpid())
-    sampler.last = {"cpu_percent": 1.0, "rss_bytes": 0.0, "host_memory_available_bytes": 20 * GIB,
-                    "host_memory_total_bytes": 24 * GIB, "memory_limit_bytes": 24 * GIB, **values}
+    sampler.last = {
+        "cpu_percent": 1.0,
+        "rss_bytes": 0.0,
+        "host_memory_available_bytes": 20 * GIB,
+        "host_memory_total_bytes": 24 * GIB,
+        "memory_limit_bytes": 24 * GIB,
+        **values,
+    }
     return sampler
 
 
@@ -112,8 +122,9 @@ def test_a_sigkill_near_the_limit_is_probably_out_of_memory():
     why = sampler.explain_kill(-signal.SIGKILL)
     assert why == "probably out of memory: RSS 11.8 GiB of 12.0 GiB (its cgroup's limit)"
     failure = events.Failure(rank=3, exit_code=-9, message=why)
-    assert failure.summary() == ("rank 3 was killed (SIGKILL), probably out of memory: "
-                                 "RSS 11.8 GiB of 12.0 GiB (its cgroup's limit)")
+    assert failure.summary() == (
+        "rank 3 was killed (SIGKILL), probably out of memory: RSS 11.8 GiB of 12.0 GiB (its cgroup's limit)"
+    )
 
 
 def test_a_sigkill_near_the_machines_memory_without_a_cgroup_limit_says_so():
@@ -137,7 +148,8 @@ def test_other_ends_are_not_explained_by_memory():
 def test_a_cuda_out_of_memory_message_gets_the_device_memory():
     sample = {"gpu_memory_used_bytes": 15.5 * GIB, "gpu_memory_total_bytes": 16 * GIB}
     assert sysmetrics.explain_cuda_oom("CUDA out of memory.", sample) == (
-        "CUDA out of memory. [device memory when last sampled: 15.5 GiB of 16.0 GiB used]")
+        "CUDA out of memory. [device memory when last sampled: 15.5 GiB of 16.0 GiB used]"
+    )
     assert sysmetrics.explain_cuda_oom("CUDA out of memory.", {"rss_bytes": 1.0}) == "CUDA out of memory."
     assert sysmetrics.is_cuda_oom("OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.00 GiB")
     assert sysmetrics.is_cuda_oom("RuntimeError", "CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -164,14 +176,16 @@ def test_a_rank_s_cuda_out_of_memory_error_shows_its_device_memory(tmp_path):
     assert not alive(proc.pgid)
     (exit_record,) = [e for e in got if isinstance(e, events.Exit)]
     assert exit_record.failure.exc_type == "OutOfMemoryError"
-    assert exit_record.failure.message == ("CUDA out of memory. Tried to allocate 2.00 GiB "
-                                           "[device memory when last sampled: 15.5 GiB of 16.0 GiB used]")
+    assert exit_record.failure.message == (
+        "CUDA out of memory. Tried to allocate 2.00 GiB [device memory when last sampled: 15.5 GiB of 16.0 GiB used]"
+    )
     samples = [e for e in got if isinstance(e, events.SystemMetrics)]
     assert samples and samples[0].values["gpu_util_percent"] == 87.0
     assert source.asked[0] == ["1"]
 
 
 # -- a rank the kernel's OOM killer ends ------------------------------------------------------
+
 
 @pytest.fixture
 def memory_cgroup():
@@ -184,8 +198,9 @@ def memory_cgroup():
     path = os.path.join(own, f"torchdist-test-{uuid.uuid4().hex[:8]}")
     try:
         os.mkdir(path)
-        limit_file = "memory.limit_in_bytes" if os.path.exists(os.path.join(path, "memory.limit_in_bytes")) \
-            else "memory.max"
+        limit_file = (
+            "memory.limit_in_bytes" if os.path.exists(os.path.join(path, "memory.limit_in_bytes")) else "memory.max"
+        )
         with open(os.path.join(path, limit_file), "w") as fh:
             fh.write(str(256 << 20))
         for swap in ("memory.memsw.limit_in_bytes", "memory.swap.max"):  # no swap to escape to
@@ -218,15 +233,19 @@ def allocate_until_killed(cgroup, go):
         time.sleep(0.01)
 
 
-def test_a_rank_the_oom_killer_ends_is_reported_as_out_of_memory(local_distributor, memory_cgroup, monkeypatch,
-                                                                  tmp_path):
+def test_a_rank_the_oom_killer_ends_is_reported_as_out_of_memory(
+    local_distributor, memory_cgroup, monkeypatch, tmp_path
+):
     """Honest and real: the kernel's own OOM killer, in a memory cgroup of 256 MiB that the rank
     joins (the test makes it; no limit of this package's).  The rank starts allocating once a
     sample of the launcher's has the cgroup's limit."""
     monkeypatch.setattr(timing, "SYSTEM_METRICS_INTERVAL", 0.1)
     run = local_distributor(1).submit(allocate_until_killed, memory_cgroup, str(tmp_path / "go"))
-    wait_until(lambda: run.state.snapshot().ranks[0].system.get("memory_limit_bytes") == 256 << 20, 60,
-               "a sample of the rank in its cgroup")
+    wait_until(
+        lambda: run.state.snapshot().ranks[0].system.get("memory_limit_bytes") == 256 << 20,
+        60,
+        "a sample of the rank in its cgroup",
+    )
     touch(str(tmp_path / "go"))
     with pytest.raises(RankFailure) as info:
         run.result(timeout=120)
@@ -251,6 +270,7 @@ def test_a_rank_that_is_stopped_is_not_called_out_of_memory(local_distributor, t
 
 # -- real runs --------------------------------------------------------------------------------
 
+
 def wait_for_file(path):
     import os
     import time
@@ -268,15 +288,20 @@ def test_a_local_run_has_each_rank_s_system_metrics_while_live_and_after(local_d
     def sampled():
         snap = run.state.snapshot()
         return snap if all(r.system for r in snap.ranks) else None
+
     live = wait_until(sampled, 60, "every rank's first sample")
     assert run.state.ended is None
     for r in (0, 1):
         system = live.ranks[r].system
-        assert {"time", "cpu_percent", "rss_bytes", "host_memory_available_bytes",
-                "host_memory_total_bytes"} <= set(system)
+        assert {"time", "cpu_percent", "rss_bytes", "host_memory_available_bytes", "host_memory_total_bytes"} <= set(
+            system
+        )
     # sampling goes on while the rank lives: a later sample of each rank, with every field
-    wait_until(lambda: all(run.state.ranks[r].system["time"] > live.ranks[r].system["time"] for r in (0, 1)),
-               60, "a second sample of every rank")
+    wait_until(
+        lambda: all(run.state.ranks[r].system["time"] > live.ranks[r].system["time"] for r in (0, 1)),
+        60,
+        "a second sample of every rank",
+    )
     for r in (0, 1):
         assert set(live.ranks[r].system) <= set(run.state.ranks[r].system)
     touch(str(tmp_path / "go"))
@@ -313,6 +338,7 @@ def test_a_spark_run_has_each_rank_s_system_metrics(spark_local2, tmp_path):
 
 # -- options ----------------------------------------------------------------------------------
 
+
 def test_system_metrics_is_on_by_default_and_a_flag_turns_it_off():
     assert LaunchOptions().system_metrics is True
     assert options_from_flags(parse_flags("--no-system-metrics"), LaunchOptions()).system_metrics is False
@@ -328,6 +354,7 @@ def test_system_metrics_is_on_by_default_and_a_flag_turns_it_off():
 
 # -- the run state ----------------------------------------------------------------------------
 
+
 def _system(rank, t, **values):
     return events.SystemMetrics(rank=rank, values={"cpu_percent": 50.0, "rss_bytes": 1e9, **values}, time=t)
 
@@ -336,8 +363,13 @@ def test_the_state_keeps_the_latest_sample_and_a_bounded_history():
     state = RunState("r", 2)
     state.apply(_system(0, 10.0, host_memory_available_bytes=5e9))
     state.apply(events.SystemMetrics(rank=0, values={"torch_max_allocated_bytes": 7e8}, time=11.0))
-    assert state.ranks[0].system == {"cpu_percent": 50.0, "rss_bytes": 1e9, "host_memory_available_bytes": 5e9,
-                                     "torch_max_allocated_bytes": 7e8, "time": 11.0}
+    assert state.ranks[0].system == {
+        "cpu_percent": 50.0,
+        "rss_bytes": 1e9,
+        "host_memory_available_bytes": 5e9,
+        "torch_max_allocated_bytes": 7e8,
+        "time": 11.0,
+    }
     assert state.snapshot().ranks[0].system == state.ranks[0].system
     assert state.snapshot().ranks[1].system == {}
     assert state.system_history(0) == [{"time": 10.0, "cpu_percent": 50.0, "rss_bytes": 1e9}]
@@ -369,9 +401,9 @@ def test_step_time_is_the_innermost_running_bar_s_average():
     assert state.ranks[0].step_time is None
     state.apply(_progress(0, 4, 2.0))
     assert state.ranks[0].step_time == 0.5
-    state.apply(_progress(0, 6, 3.0))    # 0.5 s/step again
+    state.apply(_progress(0, 6, 3.0))  # 0.5 s/step again
     assert state.ranks[0].step_time == pytest.approx(0.5)
-    state.apply(_progress(0, 7, 7.0))    # 4 s for the 7th step: 1 s/step over the bar
+    state.apply(_progress(0, 7, 7.0))  # 4 s for the 7th step: 1 s/step over the bar
     assert state.ranks[0].step_time == pytest.approx(1.0)
     assert state.snapshot().ranks[0].step_time == state.ranks[0].step_time
     state.apply(_progress(0, 100, 9.0, state="done"))
@@ -388,7 +420,8 @@ def test_a_rank_whose_step_time_is_well_above_the_median_is_a_straggler():
             pace.step_time(r, 0.9 if r == 2 else 0.3, "batch")
         pace.check()
     assert pace.stragglers(["h"] * 4) == [
-        Straggler(2, "h", f"900 ms/step against a median of 300 ms/step (batch), for {int(SLOW_FOR) + 1} s")]
+        Straggler(2, "h", f"900 ms/step against a median of 300 ms/step (batch), for {int(SLOW_FOR) + 1} s")
+    ]
     for r in range(4):  # its bar ended: not compared any more, still listed
         pace.step_time(r, None, "batch")
     pace.check()
@@ -397,13 +430,25 @@ def test_a_rank_whose_step_time_is_well_above_the_median_is_a_straggler():
 
 # -- the view ---------------------------------------------------------------------------------
 
+
 def _sampled_state(ranks):
     state = RunState("v", ranks)
     for r in range(ranks):
         state.apply(events.Started(rank=r, host=f"node-{r // 8}", pid=100 + r))
-        state.apply(events.SystemMetrics(rank=r, time=state.started + 2.0, values={
-            "cpu_percent": 150.0, "rss_bytes": float((r + 1) * GIB), "host_memory_available_bytes": 8e9,
-            "gpu_memory_used_bytes": 3.0 * GIB, "gpu_memory_total_bytes": 16.0 * GIB, "gpu_util_percent": 87.0}))
+        state.apply(
+            events.SystemMetrics(
+                rank=r,
+                time=state.started + 2.0,
+                values={
+                    "cpu_percent": 150.0,
+                    "rss_bytes": float((r + 1) * GIB),
+                    "host_memory_available_bytes": 8e9,
+                    "gpu_memory_used_bytes": 3.0 * GIB,
+                    "gpu_memory_total_bytes": 16.0 * GIB,
+                    "gpu_util_percent": 87.0,
+                },
+            )
+        )
         state.apply(_progress(r, 10, 5.0 * (r + 1)))
     return state
 
@@ -439,8 +484,9 @@ def test_the_large_view_aggregates_system_metrics_with_the_extremes_named():
     ov = overview.overview(state)
     by_key = {item.key: item for item in ov.system}
     assert by_key["rss_bytes"].text == "rss: min 1 GiB (rank 0), median 32.5 GiB, max 64 GiB (rank 63), 64 ranks"
-    assert by_key["step_time"].text == ("step time: min 500 ms/step (rank 0), median 16.2 s/step, "
-                                        "max 32 s/step (rank 63), 64 ranks")
+    assert by_key["step_time"].text == (
+        "step time: min 500 ms/step (rank 0), median 16.2 s/step, max 32 s/step (rank 63), 64 ranks"
+    )
     assert by_key["cpu_percent"].ranks == 64 and by_key["gpu_memory_used_bytes"].high == 3.0 * GIB
     assert by_key["rss_bytes"].text in html.overview_html(ov)
     assert by_key["rss_bytes"].text in text.status(state)

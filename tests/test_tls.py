@@ -71,8 +71,11 @@ def test_a_warm_pool_without_tls_refuses_a_run_that_asks_for_it(local_distributo
     try:
         first = local_distributor(2, warm=True).submit(one)
         assert first.result(timeout=120) == 1 and not first.channel_encrypted
-        with pytest.raises(ValueError, match=r"^warm pool-\d+'s event channel is not encrypted \(it started "
-                                             r"without TLS\), and this run's must be; stop it first"):
+        with pytest.raises(
+            ValueError,
+            match=r"^warm pool-\d+'s event channel is not encrypted \(it started "
+            r"without TLS\), and this run's must be; stop it first",
+        ):
             local_distributor(2, warm=True, tls=True).submit(one)
         again = local_distributor(2, warm=True, tls=False).submit(one)  # the pool still serves
         assert again.result(timeout=120) == 1
@@ -101,7 +104,8 @@ REFUSAL = re.escape(
     "tls=False/--no-tls was asked for, but this Spark cluster has TLS encryption enabled (spark.ssl.enabled=true), "
     "and the event channel would carry every rank's logs, metrics and rank 0's value across the network "
     "unencrypted. Leave TLS on (the default on Spark), or, to run unencrypted anyway, set "
-    "'pytorch.spark.distributor.ignoreSsl' to 'true' in the Spark configuration")
+    "'pytorch.spark.distributor.ignoreSsl' to 'true' in the Spark configuration"
+)
 
 
 @pytest.mark.spark
@@ -114,15 +118,18 @@ def test_spark_ssl_enabled_refuses_an_unencrypted_channel_unless_ignore_ssl(spar
         assert make_backend(LaunchOptions(backend="spark")).check(LaunchOptions(backend="spark")).tls
         # a notebook's spark.conf.set counts, as it does for TorchDistributor
         spark_local2.conf.set("pytorch.spark.distributor.ignoreSsl", "true")
-        with pytest.warns(UserWarning, match=r"^this Spark cluster has TLS encryption enabled "
-                                             r"\(spark.ssl.enabled=true\), but with tls=False/--no-tls and "
-                                             r"pytorch.spark.distributor.ignoreSsl=true this run's event "
-                                             r"channel is not encrypted: anyone who can watch the cluster's "
-                                             r"network reads every rank's logs and metrics, the notebook values "
-                                             r"sent to the ranks and rank 0's value \(the trained model\), and can "
-                                             r"tell a rank from the driver by its traffic\. Every record is still "
-                                             r"authenticated: nobody without the run's secrets can change one, "
-                                             r"or make a rank or the driver take one of theirs$") as caught:
+        with pytest.warns(
+            UserWarning,
+            match=r"^this Spark cluster has TLS encryption enabled "
+            r"\(spark.ssl.enabled=true\), but with tls=False/--no-tls and "
+            r"pytorch.spark.distributor.ignoreSsl=true this run's event "
+            r"channel is not encrypted: anyone who can watch the cluster's "
+            r"network reads every rank's logs and metrics, the notebook values "
+            r"sent to the ranks and rank 0's value \(the trained model\), and can "
+            r"tell a rank from the driver by its traffic\. Every record is still "
+            r"authenticated: nobody without the run's secrets can change one, "
+            r"or make a rank or the driver take one of theirs$",
+        ) as caught:
             run, hello, told = run_and_probe(Distributor(1, local_mode=False, show=None, tls=False), tmp_path)
         # once (pyspark 3.5 may add warnings of its own)
         assert len([w for w in caught if "TLS encryption enabled" in str(w.message)]) == 1

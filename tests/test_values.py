@@ -19,10 +19,18 @@ GIB = 2**30
 
 def test_a_value_round_trips_with_its_tensors_arrays_and_functions(tmp_path):
     weight = torch.randn(3, 4)
-    value = {"weight": weight, "tied": weight, "param": torch.nn.Parameter(torch.ones(2)),
-             "bf16": torch.arange(5, dtype=torch.bfloat16), "scalar": torch.tensor(3.0), "empty": torch.empty(0, 3),
-             "view": torch.arange(10)[2:5], "array": np.arange(6.0).reshape(2, 3), "fn": lambda x: x + 1,
-             "grad": torch.ones(2, requires_grad=True)}
+    value = {
+        "weight": weight,
+        "tied": weight,
+        "param": torch.nn.Parameter(torch.ones(2)),
+        "bf16": torch.arange(5, dtype=torch.bfloat16),
+        "scalar": torch.tensor(3.0),
+        "empty": torch.empty(0, 3),
+        "view": torch.arange(10)[2:5],
+        "array": np.arange(6.0).reshape(2, 3),
+        "fn": lambda x: x + 1,
+        "grad": torch.ones(2, requires_grad=True),
+    }
     path = str(tmp_path / "value")
     values.dump(value, path)
     for back in (values.loads(values.read(path)), values.loads(values.dumps(value))):
@@ -43,7 +51,7 @@ def test_large_buffers_travel_apart_and_load_as_views_into_the_blob():
     back = values.loads(blob)["big"]
     start = bytes(blob).find(big.numpy().tobytes()[:64])
     assert start > 0 and start % values.ALIGN == 0
-    blob[start:start + 4] = np.float32(-1.0).tobytes()  # the tensor is a view into the blob
+    blob[start : start + 4] = np.float32(-1.0).tobytes()  # the tensor is a view into the blob
     assert back[0].item() == -1.0
 
 
@@ -83,9 +91,13 @@ def _unshare_flags():
     import subprocess
 
     for flags in (["-m"], ["-rm"]):
-        if shutil.which("unshare") and subprocess.run(
-                ["unshare", *flags, "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
-                capture_output=True).returncode == 0:
+        if (
+            shutil.which("unshare")
+            and subprocess.run(
+                ["unshare", *flags, "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True
+            ).returncode
+            == 0
+        ):
             return flags
     return None
 
@@ -132,9 +144,13 @@ def _run_with_small_mounts(tmp: bool) -> str:
     if tmp:
         mounts += " && mount -t tmpfs -o size=8m tmpfs /mnt && export TMPDIR=/mnt"
     script = f'{mounts} && exec {sys.executable} -c "$0" "$@"'
-    done = subprocess.run(["unshare", *UNSHARE, "sh", "-c", script, FULL_SHM_RUN, tests, str(FULL_SHM_VALUE)],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": os.path.dirname(tests)})
+    done = subprocess.run(
+        ["unshare", *UNSHARE, "sh", "-c", script, FULL_SHM_RUN, tests, str(FULL_SHM_VALUE)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(tests)},
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -149,8 +165,11 @@ def test_a_value_too_large_for_shared_memory_comes_back_through_the_result_dir()
 def test_a_value_too_large_for_both_places_is_the_ranks_failure():
     exc_type, message = _run_with_small_mounts(tmp=True).splitlines()
     assert exc_type == "OSError"
-    assert re.fullmatch(r"the value of rank 0 could not be written to /mnt/torchdist-[^/]+/rank-0/result\.pkl: "
-                        r"\[Errno 28\] No space left on device", message), message
+    assert re.fullmatch(
+        r"the value of rank 0 could not be written to /mnt/torchdist-[^/]+/rank-0/result\.pkl: "
+        r"\[Errno 28\] No space left on device",
+        message,
+    ), message
 
 
 def rank0_value_of(size):
@@ -202,8 +221,12 @@ def test_a_512_mib_notebook_tensor_in_a_cell_reaches_two_ranks_from_one_file():
     from torchdist_magic.core.job import cell_job
 
     big = torch.arange(512 * 2**20 // 4, dtype=torch.float32)
-    cell = capture_cell("rank, float(big.sum(dtype=torch.float64)), big[-1].item()",
-                        {"big": big, "torch": torch}, ["import torch"], warn_bytes=2**40).cell
+    cell = capture_cell(
+        "rank, float(big.sum(dtype=torch.float64)), big[-1].item()",
+        {"big": big, "torch": torch},
+        ["import torch"],
+        warn_bytes=2**40,
+    ).cell
     assert cell.buffers.nbytes == big.nbytes and len(cell.values) < 4096
     run = Distributor(2, local_mode=True, show=None, all_ranks=True).submit(cell_job(cell, "cell"))
     assert len(run._job_bytes) < 2**20  # the tensor is in the run's file, not in the job
@@ -245,9 +268,13 @@ def test_a_rank_that_cannot_see_the_values_file_says_so(tmp_path):
     in_file = buffers.in_file(str(tmp_path))
     assert (values.loads_apart(stream, in_file)["a"] == np.arange(10.0)).all()
     os.remove(in_file.path)
-    with pytest.raises(FileNotFoundError, match=r"^the notebook values sent to the ranks are in "
-                       + str(tmp_path) + r"/sent.values on the driver's machine, which this rank's "
-                       r"machine \(.+\) cannot see$"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"^the notebook values sent to the ranks are in "
+        + str(tmp_path)
+        + r"/sent.values on the driver's machine, which this rank's "
+        r"machine \(.+\) cannot see$",
+    ):
         values.loads_apart(stream, pickle.loads(pickle.dumps(in_file)))
 
 
@@ -276,7 +303,9 @@ def test_a_small_value_through_sparks_own_result_path_still_loads():
     from torchdist_magic.backends.spark_stage import sort_rows
 
     blob = values.dumps({"w": torch.arange(4.0)})
-    rows = sort_rows([{"rank": 0, "kind": "value", "chunk": blob[:10]}, {"rank": 0, "kind": "value", "chunk": blob[10:]}])
+    rows = sort_rows(
+        [{"rank": 0, "kind": "value", "chunk": blob[:10]}, {"rank": 0, "kind": "value", "chunk": blob[10:]}]
+    )
     assert torch.equal(values.loads(rows.values[0])["w"], torch.arange(4.0))
 
 

@@ -82,12 +82,28 @@ def served(tmp_path):
         name = f"torchdist-test{uuid.uuid4().hex[:8]}-values-{os.getpid()}-copy"
         identity = new_identity() if tls else None
         secret, launcher_secret = new_secret(), new_secret()
-        channel = ChannelServer(Collector(), "run-1", secret=secret, launcher_secret=launcher_secret,
-                                identity=identity, files={name: path} if files is None else files)
-        spec = RunSpec("run-1", 2, False, False, {}, None, channel_address="127.0.0.1:%d" % channel.port,
-                       secret=secret, launcher_secret=launcher_secret,
-                       channel_cert=identity.certificate if tls else "",
-                       values_fetch=name, values_fetch_size=os.path.getsize(path))
+        channel = ChannelServer(
+            Collector(),
+            "run-1",
+            secret=secret,
+            launcher_secret=launcher_secret,
+            identity=identity,
+            files={name: path} if files is None else files,
+        )
+        spec = RunSpec(
+            "run-1",
+            2,
+            False,
+            False,
+            {},
+            None,
+            channel_address="127.0.0.1:%d" % channel.port,
+            secret=secret,
+            launcher_secret=launcher_secret,
+            channel_cert=identity.certificate if tls else "",
+            values_fetch=name,
+            values_fetch_size=os.path.getsize(path),
+        )
         made.append((channel, name))
         return channel, spec, array
 
@@ -124,9 +140,13 @@ def test_a_symlink_planted_at_the_lock_is_not_followed(served, tmp_path):
     victim.write_text("precious")
     os.symlink(victim, copy + ".lock")
     try:
-        with pytest.raises(privdir.UnsafePath, match=(
+        with pytest.raises(
+            privdir.UnsafePath,
+            match=(
                 rf"^{re.escape(copy)}\.lock is a symbolic link where torchdist_magic keeps a file of its own; "
-                r"it will not follow it\. Remove it$")):
+                r"it will not follow it\. Remove it$"
+            ),
+        ):
             fetch(spec)
     finally:
         os.unlink(copy + ".lock")
@@ -138,10 +158,14 @@ def test_a_copy_directory_open_to_other_users_is_refused(served, tmp_path):
     planted = tmp_path / "planted"
     planted.mkdir()
     planted.chmod(0o777)  # what another user who made it first would leave
-    with pytest.raises(privdir.UnsafePath, match=(
+    with pytest.raises(
+        privdir.UnsafePath,
+        match=(
             rf"^{re.escape(str(planted))} is not this user's private directory \(mode 0777, open to other "
             r"users\): another user of this machine may have made it; torchdist_magic will not use it\. "
-            r"Remove it, or point TMPDIR elsewhere$")):
+            r"Remove it, or point TMPDIR elsewhere$"
+        ),
+    ):
         hostcopy.join(str(planted / "copy"))
     with pytest.raises(privdir.UnsafePath):
         hostcopy.fetch(spec, str(planted / "copy"), 0, lambda: False)
@@ -153,8 +177,7 @@ def test_a_machine_fetches_the_values_once_and_its_other_ranks_map_them(served, 
     channel, spec, array = served(8, tls=tls)
     size = f"{spec.values_fetch_size / MIB:.1f} MiB"
     assert re.fullmatch(FETCHED.format(size=size), fetch(spec, 1))
-    assert fetch(spec, 0) == \
-        f"[torchdist] notebook values: {size} mapped (fetched by rank 1 on this host)"
+    assert fetch(spec, 0) == f"[torchdist] notebook values: {size} mapped (fetched by rank 1 on this host)"
     assert channel.stats["files_sent"] == 1
     back = values.Buffers([], host_copy=spec.values_fetch).load()
     assert (np.frombuffer(back[0], dtype=np.int64) == array).all()
@@ -164,10 +187,14 @@ def test_a_machine_fetches_the_values_once_and_its_other_ranks_map_them(served, 
 def test_a_stranger_gets_nothing_of_the_values(served):
     channel, spec, _ = served(1)
     stranger = RunSpec(**{**spec.__dict__, "launcher_secret": new_secret()})
-    with pytest.raises(hostcopy.ValuesNotFetched, match=(
+    with pytest.raises(
+        hostcopy.ValuesNotFetched,
+        match=(
             r"^rank 0 could not fetch the notebook values \(1\.0 MiB\) from the driver at 127\.0\.0\.1:\d+ "
             rf"onto {socket.gethostname()}: the driver refused: authentication failed: wrong secret "
-            r"for role launcher of rank 0$")):
+            r"for role launcher of rank 0$"
+        ),
+    ):
         fetch(stranger, 0)
     assert channel.stats["files_sent"] == 0 and channel.stats["rejected"] == 1
     assert not os.path.exists(copy_of(spec))
@@ -176,8 +203,10 @@ def test_a_stranger_gets_nothing_of_the_values(served):
 def test_a_file_the_channel_does_not_serve_is_refused(served):
     _, spec, _ = served(1)
     other = RunSpec(**{**spec.__dict__, "values_fetch": spec.values_fetch + "-other"})
-    with pytest.raises(hostcopy.ValuesNotFetched, match=(
-            r": the driver refused: this channel serves no file named 'torchdist-.+-other'$")):
+    with pytest.raises(
+        hostcopy.ValuesNotFetched,
+        match=(r": the driver refused: this channel serves no file named 'torchdist-.+-other'$"),
+    ):
         fetch(other, 0)
     os.unlink(copy_of(other) + ".lock")
 
@@ -185,22 +214,33 @@ def test_a_file_the_channel_does_not_serve_is_refused(served):
 def test_an_unreachable_driver_fails_the_fetch_naming_host_size_and_cause(served):
     channel, spec, _ = served(1)
     channel.close()
-    with pytest.raises(hostcopy.ValuesNotFetched, match=(
+    with pytest.raises(
+        hostcopy.ValuesNotFetched,
+        match=(
             rf"^rank 0 could not fetch the notebook values \(1\.0 MiB\) from the driver at {spec.channel_address} "
             rf"onto {socket.gethostname()}: cannot reach the driver's event channel \(\[Errno 111\] "
-            r"Connection refused\)$")):
+            r"Connection refused\)$"
+        ),
+    ):
         fetch(spec, 0)
 
 
 def test_a_driver_that_cannot_read_its_file_says_so(served, tmp_path):
     _, spec, _ = served(1, files={})
     missing = str(tmp_path / "gone")
-    channel = ChannelServer(Collector(), "run-1", secret=spec.secret, launcher_secret=spec.launcher_secret,
-                            files={spec.values_fetch: missing})
+    channel = ChannelServer(
+        Collector(),
+        "run-1",
+        secret=spec.secret,
+        launcher_secret=spec.launcher_secret,
+        files={spec.values_fetch: missing},
+    )
     try:
         moved = RunSpec(**{**spec.__dict__, "channel_address": f"127.0.0.1:{channel.port}"})
-        with pytest.raises(hostcopy.ValuesNotFetched, match=(
-                r": the driver cannot read it: \[Errno 2\] No such file or directory: '.+/gone'$")):
+        with pytest.raises(
+            hostcopy.ValuesNotFetched,
+            match=(r": the driver cannot read it: \[Errno 2\] No such file or directory: '.+/gone'$"),
+        ):
             fetch(moved, 0)
     finally:
         channel.close()
@@ -241,9 +281,13 @@ def test_a_connection_cut_midway_fails_the_fetch_and_leaves_no_partial_copy(serv
     port = relay(("127.0.0.1", driver_port(spec)), 3 * MIB)
     # without TLS the bytes come in authenticated records of 1 MiB: of the 3 MiB on the wire, the
     # third record is cut short, so only the first two are taken
-    with pytest.raises(hostcopy.ValuesNotFetched, match=(
+    with pytest.raises(
+        hostcopy.ValuesNotFetched,
+        match=(
             rf"^rank 0 could not fetch the notebook values \(16\.0 MiB\) from the driver at 127\.0\.0\.1:{port} "
-            rf"onto {socket.gethostname()}: the connection was cut after 2\.0 MiB of 16\.0 MiB$")):
+            rf"onto {socket.gethostname()}: the connection was cut after 2\.0 MiB of 16\.0 MiB$"
+        ),
+    ):
         fetch(through(spec, port), 0)
     copy = copy_of(spec)
     assert not os.path.exists(copy) and not os.path.exists(copy + ".tmp")
@@ -252,36 +296,48 @@ def test_a_connection_cut_midway_fails_the_fetch_and_leaves_no_partial_copy(serv
 def test_a_connection_reset_midway_fails_the_fetch(served):
     _, spec, _ = served(16)
     port = relay(("127.0.0.1", driver_port(spec)), 3 * MIB, reset=True)
-    with pytest.raises(hostcopy.ValuesNotFetched, match=(
-            r": the connection failed after [\d.]+ MiB of 16\.0 MiB \(\[Errno 104\] Connection reset by peer\)$")):
+    with pytest.raises(
+        hostcopy.ValuesNotFetched,
+        match=(r": the connection failed after [\d.]+ MiB of 16\.0 MiB \(\[Errno 104\] Connection reset by peer\)$"),
+    ):
         fetch(through(spec, port), 0)
     assert not os.path.exists(copy_of(spec) + ".tmp")
 
 
 def test_a_connection_cut_before_the_values_fails_the_fetch(served):
     from torchdist_magic.wire.frames import pack_frame
+
     _, spec, _ = served(1)
     handshake = len(pack_frame({"nonce": "0" * 32})) + len(pack_frame({"ok": True, "mac": "0" * 64}))
     port = relay(("127.0.0.1", driver_port(spec)), handshake)
-    with pytest.raises(hostcopy.ValuesNotFetched, match=(
-            r": the connection ended before the values began \(connection closed\)$")):
+    with pytest.raises(
+        hostcopy.ValuesNotFetched, match=(r": the connection ended before the values began \(connection closed\)$")
+    ):
         fetch(through(spec, port), 0)
 
 
 def test_a_server_without_the_runs_certificate_gets_no_fetch(served):
     _, spec, _ = served(1, tls=True)
     other = RunSpec(**{**spec.__dict__, "channel_cert": new_identity().certificate})
-    with pytest.raises(hostcopy.ValuesNotFetched, match=(
+    with pytest.raises(
+        hostcopy.ValuesNotFetched,
+        match=(
             r": the server there is not this run's driver: its TLS certificate is not the one this run "
-            r"pinned \(.+\)$")):
+            r"pinned \(.+\)$"
+        ),
+    ):
         fetch(other, 0)
 
 
 def test_a_size_other_than_the_jobs_fails_the_fetch(served):
     _, spec, _ = served(1)
     wrong = RunSpec(**{**spec.__dict__, "values_fetch_size": spec.values_fetch_size + 1})
-    with pytest.raises(hostcopy.ValuesNotFetched, match=(
-            rf": the driver offered {spec.values_fetch_size} bytes where the job names {spec.values_fetch_size + 1}$")):
+    with pytest.raises(
+        hostcopy.ValuesNotFetched,
+        match=(
+            rf": the driver offered {spec.values_fetch_size} bytes where the job names {spec.values_fetch_size + 1}$"
+        ),
+    ):
         fetch(wrong, 0)
 
 
@@ -289,13 +345,22 @@ def test_what_is_not_the_values_is_not_kept(served, tmp_path):
     junk = tmp_path / "junk"
     junk.write_bytes(b"x" * 4096)
     channel, spec, _ = served(1)
-    other = ChannelServer(Collector(), "run-1", secret=spec.secret, launcher_secret=spec.launcher_secret,
-                          files={spec.values_fetch: str(junk)})
+    other = ChannelServer(
+        Collector(),
+        "run-1",
+        secret=spec.secret,
+        launcher_secret=spec.launcher_secret,
+        files={spec.values_fetch: str(junk)},
+    )
     try:
         moved = RunSpec(**{**through(spec, other.port).__dict__, "values_fetch_size": 4096})
-        with pytest.raises(hostcopy.ValuesNotFetched, match=(
+        with pytest.raises(
+            hostcopy.ValuesNotFetched,
+            match=(
                 r": what arrived is not the values the job names \(4096 bytes written, -1 by its header, "
-                r"4096 expected\)$")):
+                r"4096 expected\)$"
+            ),
+        ):
             fetch(moved, 0)
     finally:
         other.close()
@@ -308,8 +373,9 @@ def test_a_copy_that_cannot_be_written_fails_the_fetch(served):
     tmp = copy_of(spec) + ".tmp"
     os.mkdir(tmp)
     try:
-        with pytest.raises(hostcopy.ValuesNotFetched, match=(
-                rf": cannot write {tmp} \(\[Errno 21\] Is a directory: '{tmp}'\)$")):
+        with pytest.raises(
+            hostcopy.ValuesNotFetched, match=(rf": cannot write {tmp} \(\[Errno 21\] Is a directory: '{tmp}'\)$")
+        ):
             fetch(spec, 0)
     finally:
         os.rmdir(tmp)
@@ -317,10 +383,14 @@ def test_a_copy_that_cannot_be_written_fails_the_fetch(served):
 
 def test_a_rank_whose_machine_has_no_copy_says_so():
     missing = values.Buffers([], host_copy="torchdist-nothing-values-copy")
-    with pytest.raises(FileNotFoundError, match=(
+    with pytest.raises(
+        FileNotFoundError,
+        match=(
             r"^the notebook values sent to the ranks were to be fetched from the driver into "
             rf"{values.host_copy_path('torchdist-nothing-values-copy', 0)} on this rank's machine "
-            rf"\({socket.gethostname()}\) before it started, and are not there$")):
+            rf"\({socket.gethostname()}\) before it started, and are not there$"
+        ),
+    ):
         missing.load()
 
 
@@ -343,12 +413,19 @@ def test_no_room_for_the_copy_fails_the_fetch(served):
     import json
 
     channel, spec, _ = served(4)
-    out = subprocess.run([sys.executable, "-c", FETCH_WITH_FILE_LIMIT, json.dumps(spec.__dict__)],
-                         capture_output=True, text=True, timeout=60, env=dict(os.environ))
+    out = subprocess.run(
+        [sys.executable, "-c", FETCH_WITH_FILE_LIMIT, json.dumps(spec.__dict__)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ),
+    )
     assert re.fullmatch(
         rf"rank 0 could not fetch the notebook values \(4\.0 MiB\) from the driver at {spec.channel_address} "
         rf"onto {socket.gethostname()}: no room for it in {privdir.user_path(values.SHARED_MEMORY)} after [\d.]+ MiB "
-        r"\(\[Errno 27\] File too large\)", out.stdout.strip()), out.stdout + out.stderr
+        r"\(\[Errno 27\] File too large\)",
+        out.stdout.strip(),
+    ), out.stdout + out.stderr
     assert not os.path.exists(copy_of(spec) + ".tmp")
 
 
@@ -382,8 +459,12 @@ def test_a_512_mib_notebook_tensor_reaches_two_executors_fetched_once(spark_clus
 
     monkeypatch.setenv(VALUES_FETCH_ENV, "1")
     big = torch.arange(512 * MIB // 4, dtype=torch.float32)
-    cell = capture_cell("rank, float(big.sum(dtype=torch.float64)), big[-1].item()",
-                        {"big": big, "torch": torch}, ["import torch"], warn_bytes=2**40).cell
+    cell = capture_cell(
+        "rank, float(big.sum(dtype=torch.float64)), big[-1].item()",
+        {"big": big, "torch": torch},
+        ["import torch"],
+        warn_bytes=2**40,
+    ).cell
     run = Distributor(2, local_mode=False, show=None, all_ranks=True).submit(cell_job(cell, "cell"))
     assert len(run._job_bytes) < MIB and run.channel_encrypted
     expected = float(big.sum(dtype=torch.float64))
@@ -445,7 +526,9 @@ def test_a_failed_fetch_fails_the_rank_naming_its_host_size_and_cause(spark_clus
     assert re.fullmatch(
         rf"rank {info.value.rank} could not fetch the notebook values \(4\.0 MiB\) from the driver at "
         rf"{re.escape(run.channel_address)} onto {re.escape(socket.gethostname())}: the driver cannot read it: "
-        r"\[Errno 2\] No such file or directory: '.+/sent\.values'", info.value.message), info.value.message
+        r"\[Errno 2\] No such file or directory: '.+/sent\.values'",
+        info.value.message,
+    ), info.value.message
     assert_nothing_left(run)
     assert not spark_copies(run.run_id)
 
@@ -458,14 +541,21 @@ def test_many_machines_fetch_at_once_while_the_channel_delivers_records(served, 
     from torchdist_magic.core import events
     from torchdist_magic.wire.client import ChannelClient
     from torchdist_magic.wire.transfers import FETCHES_AT_ONCE
+
     _, spec, array = served(4)
     names = [f"{spec.values_fetch}-{i}" for i in range(FETCHES_AT_ONCE + 4)]
     path = next((tmp_path / "sent-0").iterdir())  # the file the fixture serves
     records = Collector()
-    channel = ChannelServer(records, "run-1", secret=spec.secret, launcher_secret=spec.launcher_secret,
-                            files={name: str(path) for name in names})
-    client = ChannelClient(f"127.0.0.1:{channel.port}", rank_key(spec.launcher_secret, "launcher", 0), "run-1", 0,
-                           role="launcher")
+    channel = ChannelServer(
+        records,
+        "run-1",
+        secret=spec.secret,
+        launcher_secret=spec.launcher_secret,
+        files={name: str(path) for name in names},
+    )
+    client = ChannelClient(
+        f"127.0.0.1:{channel.port}", rank_key(spec.launcher_secret, "launcher", 0), "run-1", 0, role="launcher"
+    )
     try:
         specs = [RunSpec(**{**through(spec, channel.port).__dict__, "values_fetch": name}) for name in names]
         with ThreadPoolExecutor(len(specs)) as pool:
@@ -498,8 +588,9 @@ def fails_on_the_first_attempt(tensor):
 def test_a_restarted_run_has_its_values_in_every_attempt(spark_cluster, monkeypatch, tmp_path):
     monkeypatch.setenv(VALUES_FETCH_ENV, "1")
     tensor = torch.ones(4 * MIB)
-    run = Distributor(2, local_mode=False, show=None, all_ranks=True, max_restarts=1,
-                      checkpoint_dir=str(tmp_path)).submit(fails_on_the_first_attempt, tensor)
+    run = Distributor(
+        2, local_mode=False, show=None, all_ranks=True, max_restarts=1, checkpoint_dir=str(tmp_path)
+    ).submit(fails_on_the_first_attempt, tensor)
     assert run.result(timeout=300) == [(0, float(tensor.numel())), (1, float(tensor.numel()))]
     assert run.attempt == 2
     for attempt in (1, 2):  # each attempt's ranks have the values: fetched from its own channel, or

@@ -58,12 +58,20 @@ def uploads(tmp_path):
         values.dump({"a": array}, path)
         identity = new_identity() if tls else None
         secret, launcher_secret = new_secret(), new_secret()
-        channel = ChannelServer(Collector(), "run-1", secret=secret, launcher_secret=launcher_secret,
-                                identity=identity)
+        channel = ChannelServer(Collector(), "run-1", secret=secret, launcher_secret=launcher_secret, identity=identity)
         channel.receive_values({0: str(driver_dir / "rank-0.value")})
-        spec = RunSpec("run-1", 2, False, False, {}, None, channel_address="127.0.0.1:%d" % channel.port,
-                       secret=secret, launcher_secret=launcher_secret,
-                       channel_cert=identity.certificate if tls else "")
+        spec = RunSpec(
+            "run-1",
+            2,
+            False,
+            False,
+            {},
+            None,
+            channel_address="127.0.0.1:%d" % channel.port,
+            secret=secret,
+            launcher_secret=launcher_secret,
+            channel_cert=identity.certificate if tls else "",
+        )
         made.append(channel)
         return channel, spec, path, array, str(driver_dir)
 
@@ -89,16 +97,24 @@ def test_a_value_reaches_the_drivers_value_directory(uploads, tls):
     assert os.listdir(driver_dir) == ["rank-0.value"]
     back = values.loads(open(os.path.join(driver_dir, "rank-0.value"), "rb").read())
     assert (back["a"] == array).all()
-    with pytest.raises(valueupload.ValueNotSent, match=(  # once: nothing overwrites it
-            r": the driver refused: this channel waits for no value from rank 0$")):
+    with pytest.raises(
+        valueupload.ValueNotSent,
+        match=(  # once: nothing overwrites it
+            r": the driver refused: this channel waits for no value from rank 0$"
+        ),
+    ):
         valueupload.send(spec, path, 0)
 
 
 def test_a_rank_whose_value_the_driver_does_not_take_is_refused(uploads):
     channel, spec, path, _, driver_dir = uploads(1)
-    with pytest.raises(valueupload.ValueNotSent, match=(
+    with pytest.raises(
+        valueupload.ValueNotSent,
+        match=(
             rf"^rank 1 could not send its value \(1\.0 MiB\) from {socket.gethostname()} to the driver at "
-            r"127\.0\.0\.1:\d+: the driver refused: this channel waits for no value from rank 1$")):
+            r"127\.0\.0\.1:\d+: the driver refused: this channel waits for no value from rank 1$"
+        ),
+    ):
         valueupload.send(spec, path, 1)
     assert channel.stats["values_received"] == 0 and not os.listdir(driver_dir)
 
@@ -107,24 +123,33 @@ def test_only_a_launcher_uploads(uploads):
     """A rank's worker has its own key of the run's other secret: it cannot write the driver's files."""
     _, spec, _, _, driver_dir = uploads(1)
     with pytest.raises(Refused, match="^only a rank's launcher uploads, and only its own rank's value$"):
-        open_connection(("127.0.0.1", driver_port(spec)), rank_key(spec.secret, "worker", 0), "run-1", 0, "worker",
-                        upload=10)
+        open_connection(
+            ("127.0.0.1", driver_port(spec)), rank_key(spec.secret, "worker", 0), "run-1", 0, "worker", upload=10
+        )
     assert not os.listdir(driver_dir)
 
 
 def test_an_upload_without_its_size_is_refused(uploads):
     _, spec, _, _, driver_dir = uploads(1)
     with pytest.raises(Refused, match="^an upload needs the value's size$"):
-        open_connection(("127.0.0.1", driver_port(spec)), rank_key(spec.launcher_secret, "launcher", 0), "run-1", 0,
-                        "launcher", upload=-1)
+        open_connection(
+            ("127.0.0.1", driver_port(spec)),
+            rank_key(spec.launcher_secret, "launcher", 0),
+            "run-1",
+            0,
+            "launcher",
+            upload=-1,
+        )
     assert not os.listdir(driver_dir)
 
 
 def test_a_stranger_uploads_nothing(uploads):
     channel, spec, path, _, driver_dir = uploads(1)
     stranger = RunSpec(**{**spec.__dict__, "launcher_secret": new_secret()})
-    with pytest.raises(valueupload.ValueNotSent, match=(
-            r": the driver refused: authentication failed: wrong secret for role launcher of rank 0$")):
+    with pytest.raises(
+        valueupload.ValueNotSent,
+        match=(r": the driver refused: authentication failed: wrong secret for role launcher of rank 0$"),
+    ):
         valueupload.send(stranger, path, 0)
     assert channel.stats["rejected"] == 1 and not os.listdir(driver_dir)
 
@@ -132,10 +157,14 @@ def test_a_stranger_uploads_nothing(uploads):
 def test_an_unreachable_driver_fails_the_sending_naming_host_size_and_cause(uploads):
     channel, spec, path, _, _ = uploads(1)
     channel.close()
-    with pytest.raises(valueupload.ValueNotSent, match=(
+    with pytest.raises(
+        valueupload.ValueNotSent,
+        match=(
             rf"^rank 0 could not send its value \(1\.0 MiB\) from {socket.gethostname()} to the driver at "
             rf"{spec.channel_address}: cannot reach the driver's event channel \(\[Errno 111\] "
-            r"Connection refused\)$")):
+            r"Connection refused\)$"
+        ),
+    ):
         valueupload.send(spec, path, 0)
 
 
@@ -169,10 +198,14 @@ def test_a_connection_cut_midway_fails_the_sending_and_leaves_nothing_on_the_dri
     channel, spec, path, _, driver_dir = uploads(64, tls=tls)
     port = relay_up(("127.0.0.1", driver_port(spec)), 3 * MIB)
     cut = RunSpec(**{**spec.__dict__, "channel_address": f"127.0.0.1:{port}"})
-    with pytest.raises(valueupload.ValueNotSent, match=(
+    with pytest.raises(
+        valueupload.ValueNotSent,
+        match=(
             rf"^rank 0 could not send its value \(64\.0 MiB\) from {socket.gethostname()} to the driver at "
             r"127\.0\.0\.1:\d+: the connection (failed after [\d.]+ MiB of 64\.0 MiB \(.+\)"
-            r"|ended before the driver confirmed the value \(.+\))$")):
+            r"|ended before the driver confirmed the value \(.+\))$"
+        ),
+    ):
         valueupload.send(cut, path, 0)
     assert until_empty(driver_dir) == [] and channel.stats["values_received"] == 0
 
@@ -194,18 +227,31 @@ channel.close()
 def test_no_room_on_the_driver_fails_the_sending_and_leaves_nothing_there(uploads):
     """A file size limit in the driver's process stands for its full disk."""
     _, spec, path, _, driver_dir = uploads(4)
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER_WITH_FILE_LIMIT, os.path.join(driver_dir, "rank-0.value")],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER_WITH_FILE_LIMIT, os.path.join(driver_dir, "rank-0.value")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+    )
     try:
         given = json.loads(driver.stdout.readline())
-        there = RunSpec(**{**spec.__dict__, "channel_address": f"127.0.0.1:{given['port']}",
-                           "secret": given["secret"], "launcher_secret": given["launcher_secret"]})
+        there = RunSpec(
+            **{
+                **spec.__dict__,
+                "channel_address": f"127.0.0.1:{given['port']}",
+                "secret": given["secret"],
+                "launcher_secret": given["launcher_secret"],
+            }
+        )
         with pytest.raises(valueupload.ValueNotSent) as info:
             valueupload.send(there, path, 0)
         assert re.fullmatch(
             rf"rank 0 could not send its value \(4\.0 MiB\) from {socket.gethostname()} to the driver at "
             rf"{there.channel_address}: no room for it in {driver_dir} on the driver after [\d.]+ MiB "
-            r"\(\[Errno 27\] File too large\)", str(info.value)), str(info.value)
+            r"\(\[Errno 27\] File too large\)",
+            str(info.value),
+        ), str(info.value)
         assert until_empty(driver_dir) == []
     finally:
         driver.stdin.close()
@@ -220,9 +266,13 @@ def test_a_value_larger_than_the_drivers_free_space_is_refused_before_it_is_sent
     huge = str(tmp_path / "huge.pkl")
     with open(huge, "wb") as fh:
         fh.truncate(room.f_bavail * room.f_frsize + 2**30)
-    with pytest.raises(valueupload.ValueNotSent, match=(
+    with pytest.raises(
+        valueupload.ValueNotSent,
+        match=(
             rf"\) from {socket.gethostname()} to the driver at 127\.0\.0\.1:\d+: no room for it on the driver: "
-            rf"{re.escape(driver_dir)} has [\d.]+ MiB free$")):
+            rf"{re.escape(driver_dir)} has [\d.]+ MiB free$"
+        ),
+    ):
         valueupload.send(spec, huge, 0)
     assert not os.listdir(driver_dir) and channel.stats["values_received"] == 0
 
@@ -289,7 +339,9 @@ def test_a_value_the_driver_cannot_write_fails_its_rank_naming_host_size_and_cau
     assert re.fullmatch(
         rf"rank 0 could not send its value \([\d.]+ MiB\) from {re.escape(socket.gethostname())} to the driver "
         rf"at {re.escape(run.channel_address)}: the driver cannot write .+/rank-0\.value\.tmp: \[Errno 2\] "
-        r"No such file or directory: '.+'", info.value.message), info.value.message
+        r"No such file or directory: '.+'",
+        info.value.message,
+    ), info.value.message
     assert_nothing_left(run)
 
 

@@ -57,8 +57,14 @@ def test_rows_show_host_state_progress_and_metrics():
 def test_header_facts():
     run = FakeRun(3)
     facts = M.run_facts(run.state)
-    assert (facts.run_id, facts.state, facts.job_name, facts.num_processes, facts.use_gpu, facts.finished) == \
-        ("7-cafe", "starting", "cell In[3]", 3, False, False)
+    assert (facts.run_id, facts.state, facts.job_name, facts.num_processes, facts.use_gpu, facts.finished) == (
+        "7-cafe",
+        "starting",
+        "cell In[3]",
+        3,
+        False,
+        False,
+    )
     assert facts.outcome == ""
     header = H.header_html(facts)
     assert 'data-run-id="7-cafe"' in header and "np=3" in header and ">cpu<" in header
@@ -78,8 +84,11 @@ def test_bars_turn_green_on_success_and_red_on_failure():
     exit_(run.state, 1, 1, exc_type="ValueError", message="bad batch")
     run.state.finish("failed", run.state.failures()[0])
     rows = M.rank_rows(run.state)
-    assert [(r.state, r.bar_style) for r in rows] == [("done", "success"), ("failed", "danger"),
-                                                       ("cancelled", "warning")]
+    assert [(r.state, r.bar_style) for r in rows] == [
+        ("done", "success"),
+        ("failed", "danger"),
+        ("cancelled", "warning"),
+    ]
     html = H.rows_html(rows)
     assert 'torchdist-bar-success" data-n="10" data-total="10"' in html
     assert "torchdist-bar-danger" in html and "torchdist-bar-warning" in html
@@ -152,12 +161,12 @@ def test_system_plots_are_against_seconds_since_the_start_and_every_chart_of_a_r
         metrics(state, 0, i + 1, loss=1.0, acc=0.5, lr=0.1, grad=2.0)
     series = {"cpu %": {0: [(0.03664, 50.0), (4.2, 80.0), (12.5, 70.0)]}}
     html = P.plots_html({**M.metric_series(state), **series}, over_time=series)
-    cpu = html[html.index('data-metric="cpu %"'):]
-    labels = re.findall(r">([^<>]+)</text>", cpu[:cpu.index("</svg>")])
+    cpu = html[html.index('data-metric="cpu %"') :]
+    labels = re.findall(r">([^<>]+)</text>", cpu[: cpu.index("</svg>")])
     assert "time since the start" in labels and "step" not in labels
     assert "0 s" in labels and "12 s" in labels and "0.03664" not in cpu
-    loss = html[html.index('data-metric="loss"'):]
-    assert ">step</text>" in loss[:loss.index("</svg>")]
+    loss = html[html.index('data-metric="loss"') :]
+    assert ">step</text>" in loss[: loss.index("</svg>")]
     # a grid's cells: a chart alone on the last row is as wide as the others (no flex-grow)
     assert "grid-template-columns:repeat(auto-fill,minmax(260px,1fr))" in html and "flex:1 1" not in html
     assert P.plot_svg("cpu %", series["cpu %"], over_time=True).count("at 12 s</title>") == 1
@@ -249,8 +258,10 @@ def test_log_captions_name_where_the_full_log_is_only_when_told():
         log(state, 1, f"line {i}")
     rank1 = M.rank_log(state, 1, limit=10)
     assert H.rank_log_caption(rank1, None) == "rank 1 · last 10 of 50 lines"
-    assert H.rank_log_caption(rank1, "_torchdist_run.logs(rank)") == \
-        "rank 1 · last 10 of 50 lines; full log: _torchdist_run.logs(1)"
+    assert (
+        H.rank_log_caption(rank1, "_torchdist_run.logs(rank)")
+        == "rank 1 · last 10 of 50 lines; full log: _torchdist_run.logs(1)"
+    )
     assert H.rank_log_caption(M.rank_log(state, 0), "panel.run.logs(rank)") == "rank 0 · full log: panel.run.logs(0)"
     assert H.rank_log_caption(M.rank_log(state, 0), None) == "rank 0"
 
@@ -369,9 +380,11 @@ def test_a_run_that_restarts_shows_its_attempt_and_each_earlier_root_cause():
 
 
 def _stacks(rank, function, line):
-    text = (f"Thread 0x0000000000000002 (most recent call first):\n  File \"/usr/lib/python3.11/threading.py\", "
-            f"line 320 in wait\n\nCurrent thread 0x0000000000000001 (most recent call first):\n"
-            f"  File \"/home/me/train.py\", line {line} in {function}\n")
+    text = (
+        f"Thread 0x0000000000000002 (most recent call first):\n  File \"/usr/lib/python3.11/threading.py\", "
+        f"line 320 in wait\n\nCurrent thread 0x0000000000000001 (most recent call first):\n"
+        f"  File \"/home/me/train.py\", line {line} in {function}\n"
+    )
     return events.Stacks(rank=rank, text=text, main_thread=1)
 
 
@@ -379,26 +392,33 @@ def test_stacks_show_where_each_rank_was():
     run = FakeRun(2)
     assert M.rank_stacks(run.state) == [] and H.stacks_html([]) == ""
     feed(run.state, _stacks(1, "stuck_here", 12), _stacks(0, "wait_for_peer", 30))
-    run.state.finish("hung", message="no rank sent progress, metrics or output for 3 s (hang_timeout); every rank "
-                                     "was stopped")
+    run.state.finish(
+        "hung", message="no rank sent progress, metrics or output for 3 s (hang_timeout); every rank was stopped"
+    )
     stacks = M.rank_stacks(run.state)
-    assert [(s.rank, s.where) for s in stacks] == [(0, "wait_for_peer (/home/me/train.py, line 30)"),
-                                                   (1, "stuck_here (/home/me/train.py, line 12)")]
+    assert [(s.rank, s.where) for s in stacks] == [
+        (0, "wait_for_peer (/home/me/train.py, line 30)"),
+        (1, "stuck_here (/home/me/train.py, line 12)"),
+    ]
     page = H.stacks_html(stacks, open_rank=1)
     assert page.count('class="torchdist-rank-stack"') == 2 and 'data-rank="1" open' in page
     assert "threading.py" in page  # every thread is there, unfolded
     assert "torchdist-stacks" in H.summary_html(run.state)
     text = summary(run.state)
     assert "  no rank sent progress" in text
-    assert text.endswith("  where each rank was (innermost frame first):\n"
-                         "    rank 0: wait_for_peer (/home/me/train.py, line 30)\n"
-                         "    rank 1: stuck_here (/home/me/train.py, line 12)")
+    assert text.endswith(
+        "  where each rank was (innermost frame first):\n"
+        "    rank 0: wait_for_peer (/home/me/train.py, line 30)\n"
+        "    rank 1: stuck_here (/home/me/train.py, line 12)"
+    )
 
 
 def test_a_tqdm_bar_shows_its_postfix():
     run = FakeRun(1)
-    feed(run.state, events.Progress(rank=0, bar="tqdm#0", desc="Epoch 0", n=4, total=8, elapsed=2.0,
-                                    postfix="loss=0.31, v_num=0"))
+    feed(
+        run.state,
+        events.Progress(rank=0, bar="tqdm#0", desc="Epoch 0", n=4, total=8, elapsed=2.0, postfix="loss=0.31, v_num=0"),
+    )
     (row,) = M.rank_rows(run.state)
     assert row.bars[0].title == "Epoch 0 4/8 (50%) [00:02<00:02, 2.00 it/s, loss=0.31, v_num=0]"
 
@@ -423,9 +443,11 @@ def test_readers_see_a_redrawn_line_that_the_log_replaced_after_they_read_it():
 
 # -- layering --------------------------------------------------------------------------------------
 def test_the_view_package_imports_neither_ipywidgets_nor_ipython():
-    code = ("import sys\nimport torchdist_magic.view, torchdist_magic.view.model, torchdist_magic.view.html, "
-            "torchdist_magic.view.text\nprint(sorted(m for m in ('ipywidgets', 'IPython', 'ipykernel') "
-            "if m in sys.modules))")
+    code = (
+        "import sys\nimport torchdist_magic.view, torchdist_magic.view.model, torchdist_magic.view.html, "
+        "torchdist_magic.view.text\nprint(sorted(m for m in ('ipywidgets', 'IPython', 'ipykernel') "
+        "if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -451,13 +473,22 @@ def test_views_depend_on_the_run_not_on_the_magic_or_the_api():
 def test_a_record_type_without_a_handler_is_named_once_in_the_log_and_ignored():
     run = FakeRun(2)
     running(run.state, 0)
-    feed(run.state, events.OutputEnd(rank=0, job_id="j1"), events.OutputEnd(rank=1, job_id="j1"),
-         events.OutputEnd(rank=0, job_id="j2"), events.Joined(rank=1, host="h"))
+    feed(
+        run.state,
+        events.OutputEnd(rank=0, job_id="j1"),
+        events.OutputEnd(rank=1, job_id="j1"),
+        events.OutputEnd(rank=0, job_id="j2"),
+        events.Joined(rank=1, host="h"),
+    )
     log(run.state, 0, "after")
-    assert run.state.logs(0) == ("torchdist: ignored a record of type output_end (OutputEnd): this version of the "
-                                 "driver has no handler for it; later ones are ignored silently\nafter\n")
-    assert run.state.logs(1) == ("torchdist: ignored a record of type joined (Joined): this version of the "
-                                 "driver has no handler for it; later ones are ignored silently\n")
+    assert run.state.logs(0) == (
+        "torchdist: ignored a record of type output_end (OutputEnd): this version of the "
+        "driver has no handler for it; later ones are ignored silently\nafter\n"
+    )
+    assert run.state.logs(1) == (
+        "torchdist: ignored a record of type joined (Joined): this version of the "
+        "driver has no handler for it; later ones are ignored silently\n"
+    )
     assert [r.state for r in M.rank_rows(run.state)] == ["running", "starting"]  # nothing else changed
 
 
@@ -472,8 +503,9 @@ def test_result_with_a_timeout_raises_its_own_timeout_error_and_the_run_goes_on(
         with pytest.raises(ResultTimeout) as info:
             run.result(timeout=0.2)
         assert isinstance(info.value, TimeoutError) and not isinstance(info.value, JobTimeout)
-        assert str(info.value) == ("the run is still going after waiting 0.2 s (it keeps running; call cancel() "
-                                   "to stop it)")
+        assert str(info.value) == (
+            "the run is still going after waiting 0.2 s (it keeps running; call cancel() to stop it)"
+        )
         assert not run.done()
     finally:
         run.cancel()
@@ -542,8 +574,9 @@ def test_every_public_method_of_the_run_state_module_is_used():
     for cls in [n for n in tree.body if isinstance(n, ast.ClassDef)]:
         for fn in [n for n in cls.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]:
             own_body = range(fn.lineno, fn.end_lineno + 1)
-            if not [(p, line) for p, line in uses.get(fn.name, [])
-                    if not (p == os.path.abspath(path) and line in own_body)]:
+            if not [
+                (p, line) for p, line in uses.get(fn.name, []) if not (p == os.path.abspath(path) and line in own_body)
+            ]:
                 unused.append(f"{cls.name}.{fn.name}")
     assert unused == []
 
@@ -629,13 +662,13 @@ def test_the_text_view_prints_every_line_once_while_another_thread_spills_the_lo
     assert run.state.ranks[0].logs.spilled > 0  # the log did spill meanwhile
     printed = out.getvalue().splitlines()
     for r in range(2):
-        assert [line[len(f"[rank {r}] "):] for line in printed if line.startswith(f"[rank {r}] ")] == expected[r]
+        assert [line[len(f"[rank {r}] ") :] for line in printed if line.startswith(f"[rank {r}] ")] == expected[r]
         assert run.state.logs(r) == "".join(f"{text}\n" for text in expected[r])
     # the merged pane keeps the newest 50 lines of both ranks together: each rank's shown lines
     # are its newest ones (however the two writers were scheduled), 50 in all
     shown = {r: [line.text for rank, line in merged.shown() if rank == r] for r in range(2)}
     for r in range(2):
-        assert shown[r] == expected[r][len(expected[r]) - len(shown[r]):]
+        assert shown[r] == expected[r][len(expected[r]) - len(shown[r]) :]
     assert sum(map(len, shown.values())) == 50
 
 
@@ -644,11 +677,19 @@ def _receivers_of_lock(path):
     ``self`` (an object's own lock) nor a module the file imports (a module's lock)."""
     with open(path, encoding="utf-8") as fh:
         tree = ast.parse(fh.read(), path)
-    modules = {alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
-               if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
-    return [(node.lineno, ast.unparse(node.value)) for node in ast.walk(tree)
-            if isinstance(node, ast.Attribute) and node.attr == "_lock"
-            and not (isinstance(node.value, ast.Name) and node.value.id in modules | {"self"})]
+    modules = {
+        alias.asname or alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+    return [
+        (node.lineno, ast.unparse(node.value))
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr == "_lock"
+        and not (isinstance(node.value, ast.Name) and node.value.id in modules | {"self"})
+    ]
 
 
 def test_no_module_but_the_state_touches_the_run_states_lock():
@@ -657,7 +698,9 @@ def test_no_module_but_the_state_touches_the_run_states_lock():
         for folder, _, files in os.walk(os.path.join(REPO, sub)):
             for name in files:
                 path = os.path.join(folder, name)
-                if name.endswith(".py") and os.path.relpath(path, REPO) != os.path.join("torchdist_magic", "driver", "state.py"):
+                if name.endswith(".py") and os.path.relpath(path, REPO) != os.path.join(
+                    "torchdist_magic", "driver", "state.py"
+                ):
                     if _receivers_of_lock(path):
                         found[os.path.relpath(path, REPO)] = _receivers_of_lock(path)
     assert found == {}

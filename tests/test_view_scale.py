@@ -22,9 +22,16 @@ from torchdist_magic.view.text import TextView, summary, summary_with_logs
 def sent_bytes(view, act):
     """Bytes of every widget value and option list that ``act`` changed: one update's size."""
     sizes = []
-    parts = [(view.header, "value"), (view.rows, "value"), (view.failure, "value"), (view.stacks, "value"),
-             (view.plots, "value"), (view.logs, "value"), (view.log_select, "options"),
-             (view.host_page, "options")]
+    parts = [
+        (view.header, "value"),
+        (view.rows, "value"),
+        (view.failure, "value"),
+        (view.stacks, "value"),
+        (view.plots, "value"),
+        (view.logs, "value"),
+        (view.log_select, "options"),
+        (view.host_page, "options"),
+    ]
     for widget, trait in parts:
         widget.observe(lambda change: sizes.append(len(str(change["new"]).encode())), trait)
     act()
@@ -91,8 +98,11 @@ def test_an_update_and_the_kept_summary_do_not_grow_with_the_ranks(run_1024):
 
     def one_round():
         for r in range(1024):
-            feed(run.state, events.Progress(rank=r, bar="batch#9", desc="batch", n=40, total=50, elapsed=30.0),
-                 events.Log(rank=r, stream="stdout", line=f"rank {r} again"))
+            feed(
+                run.state,
+                events.Progress(rank=r, bar="batch#9", desc="batch", n=40, total=50, elapsed=30.0),
+                events.Log(rank=r, stream="stdout", line=f"rank {r} again"),
+            )
         view.update()
 
     size = sent_bytes(view, one_round)
@@ -138,7 +148,7 @@ def test_any_rank_by_its_number_and_any_host_by_its_page(run_64):
     assert view.host_page.options[0] == ("ranks worth a look", W.WORTH_A_LOOK)
     assert ("gpu-node-003 (8 ranks)", "gpu-node-003") in view.host_page.options
     assert "gpu-node-003: 8 ranks" in view.rows.value
-    page = view.rows.value[view.rows.value.index('class="torchdist-page"'):]
+    page = view.rows.value[view.rows.value.index('class="torchdist-page"') :]
     assert re.findall(r'data-rank="(\d+)"', page) == [str(r) for r in range(24, 32)]
 
 
@@ -182,8 +192,9 @@ def test_a_failed_ranks_pane_shows_the_traceback_it_sent():
     running(run.state, 1)
     log(run.state, 1, "loading")
     tb = "Traceback (most recent call last):\n  File \"x.py\", line 3, in f\nKeyError: 'w'\n"
-    feed(run.state, events.Exit(rank=1, code=1, failure=events.Failure(exc_type="KeyError", message="'w'",
-                                                                        traceback=tb)))
+    feed(
+        run.state, events.Exit(rank=1, code=1, failure=events.Failure(exc_type="KeyError", message="'w'", traceback=tb))
+    )
     pane = H.rank_log_html(H.rank_log(run.state, 1))
     assert "the traceback rank 1 sent with its failure" in pane and "KeyError: &#x27;w&#x27;" in pane
     log(run.state, 0, "fine")
@@ -234,7 +245,10 @@ def test_the_text_view_names_a_straggler_it_follows_and_groups_stacks_of_a_large
         line, function = (40, "all_reduce") if r < 12 and r != 6 else (12 + r, "load_shard")
         feed(run.state, _stacks(r, function, line))
     text = summary(run.state)
-    assert "\n  where each rank was (innermost frame first):\n    ranks 0, 1, 2, 3, 4, 5, 7, 8 and 3 more: all_reduce" in text
+    assert (
+        "\n  where each rank was (innermost frame first):\n    ranks 0, 1, 2, 3, 4, 5, 7, 8 and 3 more: all_reduce"
+        in text
+    )
     # 10 places (rank 19 had exited: a place of its own): the 5 most common, then a count
     assert text.endswith("\n    … 5 more places") and text.count("\n    ranks ") == 5
     assert "last lines of rank 0 and of the ranks worth a look" in summary_with_logs(run.state)
@@ -244,8 +258,9 @@ def test_a_hosts_page_names_the_ranks_it_leaves_out_and_an_empty_problem_pane_sa
     run, clock = simulated_run(40, per_host=20)
     view = W.WidgetView(run, display=False, clock=clock)
     view.host_page.value = "gpu-node-001"
-    assert (f"gpu-node-001: 20 ranks, the first {O.PAGE_RANKS} (type a rank&#x27;s number for another)"
-            in view.rows.value)
+    assert (
+        f"gpu-node-001: 20 ranks, the first {O.PAGE_RANKS} (type a rank&#x27;s number for another)" in view.rows.value
+    )
     assert "logs of rank 0 and of the ranks worth a look" in view.snapshot_html()
     quiet = FakeRun(20)
     quiet_view = W.WidgetView(quiet, display=False)

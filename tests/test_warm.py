@@ -4,6 +4,7 @@ The contract part runs on local processes, Spark ``local[2]``, ``local-cluster``
 Connect (``dist``); the rest on local processes.  After every test no pool and no process of a
 pool is left.
 """
+
 import os
 import re
 import signal
@@ -23,8 +24,11 @@ def _pools_end():
     left = pools()
     shutdown_pools()
     for info in left:
-        wait_until(lambda: not pids_of_run(info.run_id) and not any(alive(p) for p in info.pids), 15,
-                   f"the processes of {info.id} to end")
+        wait_until(
+            lambda: not pids_of_run(info.run_id) and not any(alive(p) for p in info.pids),
+            15,
+            f"the processes of {info.id} to end",
+        )
 
 
 def _stopped(info) -> bool:
@@ -32,6 +36,7 @@ def _stopped(info) -> bool:
 
 
 # -- jobs ---------------------------------------------------------------------------------------
+
 
 def where_and_keep(value):
     import os
@@ -83,7 +88,7 @@ def test_warm_runs_reuse_the_ranks_keep_their_state_and_the_process_group(dist):
     pids = [pid for pid, _ in values]
     assert [total for _, total in values] == [3.0, 3.0]
     assert "(started for this run)" in first.state.backend
-    info, = pools()
+    (info,) = pools()
     assert info.num_processes == 2 and sorted(info.pids) == sorted(pids) and info.runs == 1
 
     second = d.submit(kept_and_group)
@@ -154,7 +159,7 @@ def mid_collective_failure():
 def test_a_rank_left_in_a_collective_tears_the_pool_down(local_distributor):
     d = local_distributor(2, warm=True)
     d.run(kept_and_group)
-    info, = pools()
+    (info,) = pools()
     run = d.submit(mid_collective_failure)
     with pytest.raises(RankFailure) as err:
         run.result(timeout=60)
@@ -178,7 +183,7 @@ def append_line(path):
 def test_ranks_that_died_between_runs_are_noticed_and_the_run_runs_once_on_a_fresh_pool(local_distributor, tmp_path):
     d = local_distributor(2, warm=True)
     d.run(kept_and_group)
-    info, = pools()
+    (info,) = pools()
     os.kill(info.pids[1], signal.SIGKILL)
     wait_until(lambda: not alive(info.pids[1]), 10, "the killed rank to end")
     log = tmp_path / "runs.txt"
@@ -187,8 +192,9 @@ def test_ranks_that_died_between_runs_are_noticed_and_the_run_runs_once_on_a_fre
     assert len(log.read_text().splitlines()) == 2  # once on each rank, not twice
     assert pid not in info.pids
     # the run's header says why it is on a fresh pool (the death was seen at once, or at this run)
-    assert re.search(rf"warm pool-\d+ \(started for this run; {info.id} stopped: .* since its last run\)",
-                     run.state.backend), run.state.backend
+    assert re.search(
+        rf"warm pool-\d+ \(started for this run; {info.id} stopped: .* since its last run\)", run.state.backend
+    ), run.state.backend
     wait_until(lambda: _stopped(info), 15, "the broken pool's other rank to end")
 
 
@@ -201,9 +207,10 @@ def sleep_long():
 @pytest.mark.parametrize("how", ["timeout", "hang", "cancel"])
 def test_a_timeout_hang_or_cancel_stops_the_pool_with_no_process_left(local_distributor, how):
     local_distributor(2, warm=True).run(kept_and_group)  # the pool's start is no part of the deadline
-    info, = pools()
-    d = local_distributor(2, warm=True, timeout=3.0 if how == "timeout" else None,
-                          hang_timeout=3.0 if how == "hang" else None)
+    (info,) = pools()
+    d = local_distributor(
+        2, warm=True, timeout=3.0 if how == "timeout" else None, hang_timeout=3.0 if how == "hang" else None
+    )
     run = d.submit(sleep_long)
     if how == "cancel":
         wait_until(lambda: all(rs.state == "running" for rs in run.state.ranks), 30, "the ranks to run the job")
@@ -227,7 +234,7 @@ def test_an_idle_pool_stops_after_its_idle_timeout(local_distributor):
 
     d = local_distributor(2, warm=True, pool_idle_timeout=1.0)
     d.run(kept_and_group)
-    info, = pools()
+    (info,) = pools()
     pool = _pools[0]
     assert _run_dirs()
     # the timer's stop runs on its own thread: the pool stays listed (idle, then stopping) until
@@ -243,7 +250,7 @@ def test_a_second_stop_returns_once_the_first_is_done(local_distributor):
     from torchdist_magic.backends.pool import _pools
 
     local_distributor(2, warm=True).run(kept_and_group)
-    info, = pools()
+    (info,) = pools()
     pool = _pools[0]
     first = threading.Thread(target=pool.stop, args=("the first stop",))
     first.start()
@@ -257,9 +264,12 @@ def test_a_second_stop_returns_once_the_first_is_done(local_distributor):
 
 def test_another_placement_is_refused_naming_the_live_pool(local_distributor):
     local_distributor(2, warm=True).run(kept_and_group)
-    info, = pools()
-    with pytest.raises(ValueError, match=rf"a warm pool with another placement is live: {info.id}: np=2 .*"
-                                         r"%torchdist_pool stop, or torchdist_magic.shutdown_pools\(\)"):
+    (info,) = pools()
+    with pytest.raises(
+        ValueError,
+        match=rf"a warm pool with another placement is live: {info.id}: np=2 .*"
+        r"%torchdist_pool stop, or torchdist_magic.shutdown_pools\(\)",
+    ):
         local_distributor(1, warm=True).run(kept_and_group)
     assert pools()[0].id == info.id  # untouched, and still serving its placement
     local_distributor(2, warm=True).run(kept_and_group)
@@ -289,30 +299,37 @@ def test_bad_warm_settings_are_refused_before_anything_starts(local_distributor)
 
 # -- the magic ----------------------------------------------------------------------------------
 
+
 def test_warm_cells_keep_rank_side_names_and_notebook_values_win(ip, capsys):
     for name in ("warm_weights", "warm_pid"):  # names only the ranks have (the shell is shared)
         ip.user_ns.pop(name, None)
     cell(ip, "import torch\nwarm_scale = 10")
-    first = cell(ip, """
+    first = cell(
+        ip,
+        """
         %%torchdist --np 2 --warm --quiet
         warm_weights = torch.arange(3.0) * (rank + 1)   # defined on the ranks
         warm_scale = -1                                 # a rank-side name the notebook also has
         import os
         warm_pid = os.getpid()
         warm_weights.sum().item()
-    """)
+    """,
+    )
     assert first.error_in_exec is None and first.result == 3.0
-    second = cell(ip, """
+    second = cell(
+        ip,
+        """
         %%torchdist --np 2 --warm --all-ranks --quiet
         torch.distributed.all_reduce(warm_weights)
         (warm_weights.tolist(), warm_scale, warm_pid == os.getpid())
-    """)
+    """,
+    )
     assert second.error_in_exec is None
     assert second.result == [([0.0, 3.0, 6.0], 10, True)] * 2  # notebook's warm_scale, rank-side warm_weights
     capsys.readouterr()
     ip.run_line_magic("torchdist_pool", "")
     shown = capsys.readouterr().out
-    info, = pools()
+    (info,) = pools()
     assert shown.startswith(f"{info.id}: np=2 on local processes") and "2 runs" in shown and "MiB" in shown
     ip.run_line_magic("torchdist_pool", "stop")
     assert capsys.readouterr().out.strip() == f"stopped {info.id}"
@@ -339,7 +356,7 @@ def test_unload_ext_stops_the_pools(ip):
     shell = ip  # the module's shell (started before this test's temp dir: its history file lives on)
     try:
         assert cell(shell, "%%torchdist --np 2 --warm --quiet\n2").result == 2
-        info, = pools()
+        (info,) = pools()
     finally:
         shell.run_line_magic("unload_ext", "torchdist_magic")
     try:
@@ -359,17 +376,25 @@ def test_a_pool_does_not_outlive_its_python_process(tmp_path):
         "from torchdist_magic import Distributor, pools\n"
         "Distributor(2, local_mode=True, show=None, warm=True).run(lambda: 1)\n"
         "info, = pools()\n"
-        "print(info.run_id, *info.pids, flush=True)\n")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        "print(info.run_id, *info.pids, flush=True)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     assert out.returncode == 0, out.stderr
     run_id, *pids = out.stdout.split()
     assert len(pids) == 2
-    wait_until(lambda: not pids_of_run(run_id) and not any(alive(int(p)) for p in pids), 15,
-               "the exited kernel's pool to end")
+    wait_until(
+        lambda: not pids_of_run(run_id) and not any(alive(int(p)) for p in pids), 15, "the exited kernel's pool to end"
+    )
 
 
 # -- Spark: the pool is one long-lived barrier stage ----------------------------------------------
+
 
 @pytest.mark.spark
 def test_a_spark_pool_holds_its_slots_and_gives_them_back_when_torn_down(spark_local2):
@@ -378,11 +403,14 @@ def test_a_spark_pool_holds_its_slots_and_gives_them_back_when_torn_down(spark_l
     warm = Distributor(2, local_mode=False, show=None, warm=True)
     cold = Distributor(1, local_mode=False, show=None)
     warm.run(kept_and_group)
-    info, = pools()
+    (info,) = pools()
     assert info.where.startswith("Spark job tag torchdist-") and info.memory_bytes is None
     # local[2] has two slots and the pool holds both: a cold run would wait for them forever
-    with pytest.raises(ValueError, match=rf"1 ranks need 1 free Spark task slots, but warm {info.id} holds 2 "
-                                         r"of this cluster's 2; stop it first"):
+    with pytest.raises(
+        ValueError,
+        match=rf"1 ranks need 1 free Spark task slots, but warm {info.id} holds 2 "
+        r"of this cluster's 2; stop it first",
+    ):
         cold.run(kept_and_group)
     run = warm.submit(mid_collective_failure)
     with pytest.raises(RankFailure) as err:
@@ -394,6 +422,7 @@ def test_a_spark_pool_holds_its_slots_and_gives_them_back_when_torn_down(spark_l
 
 
 # -- the views say warm or cold ---------------------------------------------------------------------
+
 
 def test_the_text_view_and_the_panel_say_whether_a_run_was_warm(ip, capsys):
     from torchdist_magic.core.options import LaunchOptions
@@ -451,7 +480,7 @@ def test_a_reservation_released_unused_leaves_no_pool(local_distributor):
     backend.release()
     assert pools() == []
     local_distributor(2, warm=True).run(kept_and_group)
-    info, = pools()
+    (info,) = pools()
     assert info.id != backend.pool.id and info.runs == 1
 
 
@@ -466,8 +495,13 @@ def test_a_serving_worker_without_a_channel_says_what_it_needs(tmp_path):
     job.write_bytes(cloudpickle.dumps(serve_job()))
     env = {k: v for k, v in os.environ.items() if k != "TORCHDIST_CHANNEL"}
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-m", "torchdist_magic.rank.worker", str(job), str(tmp_path)],
-                         capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "torchdist_magic.rank.worker", str(job), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert out.returncode == 2
     assert "a warm pool's rank needs the driver's event channel (TORCHDIST_CHANNEL)" in out.stderr
 
@@ -487,11 +521,12 @@ def environment_and_own_variable():
 
 
 def test_env_of_a_warm_run_is_set_for_its_job_only(local_distributor, monkeypatch):
-    monkeypatch.setenv("TORCHDIST_TEST_OVERRIDDEN", "notebook")   # the ranks' own environment
+    monkeypatch.setenv("TORCHDIST_TEST_OVERRIDDEN", "notebook")  # the ranks' own environment
     monkeypatch.delenv("TORCHDIST_TEST_EXTRA", raising=False)
     monkeypatch.delenv("TORCHDIST_TEST_OWN", raising=False)
-    with_env = local_distributor(2, warm=True, all_ranks=True,
-                                 env={"TORCHDIST_TEST_EXTRA": "1", "TORCHDIST_TEST_OVERRIDDEN": "run"})
+    with_env = local_distributor(
+        2, warm=True, all_ranks=True, env={"TORCHDIST_TEST_EXTRA": "1", "TORCHDIST_TEST_OVERRIDDEN": "run"}
+    )
     plain = local_distributor(2, warm=True, all_ranks=True)
 
     def seen(distributor):
@@ -500,17 +535,33 @@ def test_env_of_a_warm_run_is_set_for_its_job_only(local_distributor, monkeypatc
 
     # the run that starts the pool: its --env is in the ranks' environment from their start
     pids, envs = seen(with_env)
-    assert envs == [{"TORCHDIST_TEST_EXTRA": "1", "TORCHDIST_TEST_OVERRIDDEN": "run",
-                     "TORCHDIST_TEST_OWN": None, "TORCHDIST_ENV_BEFORE": None}] * 2
+    assert (
+        envs
+        == [
+            {
+                "TORCHDIST_TEST_EXTRA": "1",
+                "TORCHDIST_TEST_OVERRIDDEN": "run",
+                "TORCHDIST_TEST_OWN": None,
+                "TORCHDIST_ENV_BEFORE": None,
+            }
+        ]
+        * 2
+    )
     # the next run has no --env: neither the variable nor the override is left; what the job's own
     # code set stays, like the names it defines
-    expected = [{"TORCHDIST_TEST_EXTRA": None, "TORCHDIST_TEST_OVERRIDDEN": "notebook",
-                 "TORCHDIST_TEST_OWN": "set by a job", "TORCHDIST_ENV_BEFORE": None}] * 2
+    expected = [
+        {
+            "TORCHDIST_TEST_EXTRA": None,
+            "TORCHDIST_TEST_OVERRIDDEN": "notebook",
+            "TORCHDIST_TEST_OWN": "set by a job",
+            "TORCHDIST_ENV_BEFORE": None,
+        }
+    ] * 2
     assert seen(plain) == (pids, expected)
     # a later run's --env is undone after its job too
     assert seen(with_env)[1] == [dict(expected[0], TORCHDIST_TEST_EXTRA="1", TORCHDIST_TEST_OVERRIDDEN="run")] * 2
     assert seen(plain) == (pids, expected)
-    info, = pools()
+    (info,) = pools()
     assert info.runs == 4
     assert shutdown_pools() == [info.id]
     wait_until(lambda: _stopped(info), 30, "the pool's processes to end")
@@ -526,10 +577,11 @@ def test_a_warm_runs_env_cannot_override_the_runs_own_variables(local_distributo
     """As on a cold run, where ``env`` never wins over ``RANK`` and the like."""
     plain = local_distributor(2, warm=True, all_ranks=True)
     first = plain.run(rank_variables)
-    meddling = local_distributor(2, warm=True, all_ranks=True,
-                                 env={"RANK": "9", "TORCHDIST_RUN_ID": "x", "TORCHDIST_TEST_EXTRA": "1"})
+    meddling = local_distributor(
+        2, warm=True, all_ranks=True, env={"RANK": "9", "TORCHDIST_RUN_ID": "x", "TORCHDIST_TEST_EXTRA": "1"}
+    )
     assert meddling.run(rank_variables) == [(r, first[0][1], "1") for r in ("0", "1")]
-    info, = pools()
+    (info,) = pools()
     assert shutdown_pools() == [info.id]
     wait_until(lambda: _stopped(info), 30, "the pool's processes to end")
 
@@ -550,13 +602,14 @@ def test_report_steps_start_again_in_each_warm_run(local_distributor):
     for run, first_loss in zip(runs, (10.0, 20.0)):
         for rs in run.state.ranks:
             assert rs.history["loss"] == [(1, first_loss), (2, first_loss + 1), (3, first_loss + 2)]
-    info, = pools()
+    (info,) = pools()
     assert info.runs == 2
     assert shutdown_pools() == [info.id]
     wait_until(lambda: _stopped(info), 30, "the pool's processes to end")
 
 
 # -- cells on some ranks of a warm pool (--ranks, ranks=) ------------------------------------------
+
 
 def keep_rank_state():
     import os
@@ -600,7 +653,7 @@ def all_reduce_alone():
 
 def test_a_run_on_some_ranks_runs_there_only_and_leaves_the_others_untouched(local_distributor):
     pids = local_distributor(3, warm=True, all_ranks=True).run(keep_rank_state)
-    info, = pools()
+    (info,) = pools()
     run = local_distributor(3, warm=True, ranks=[2, 1]).submit(bump_and_say)
     assert run.result(timeout=120) == (1, 11, pids[1])  # the lowest chosen rank's value, not rank 0's
     assert [rs.state for rs in run.state.snapshot().ranks] == ["idle", "done", "done"]
@@ -609,7 +662,7 @@ def test_a_run_on_some_ranks_runs_there_only_and_leaves_the_others_untouched(loc
     assert both == {1: (1, 12, pids[1]), 2: (2, 22, pids[2])}  # a dict by chosen rank
     # the idle rank kept its state, every rank is the pool's, the pool served every run
     assert local_distributor(3, warm=True, all_ranks=True).run(kept_value) == [0, 12, 22]
-    again, = pools()
+    (again,) = pools()
     assert again.id == info.id and again.pids == pids and again.runs == 4
 
 
@@ -620,20 +673,22 @@ def test_a_failure_on_a_chosen_rank_raises_and_the_pool_stays(local_distributor)
         run.result(timeout=120)
     assert err.value.rank == 1 and err.value.exc_type == "KeyError" and "nothing here on rank 1" in err.value.message
     assert [rs.state for rs in run.state.snapshot().ranks] == ["idle", "failed"]
-    info, = pools()  # every chosen rank finished its job: the pool is as after any cell that raised
+    (info,) = pools()  # every chosen rank finished its job: the pool is as after any cell that raised
     assert info.pids == pids
     assert local_distributor(2, warm=True, all_ranks=True).run(kept_value) == [0, 10]
 
 
 def test_a_collective_on_some_ranks_hangs_and_the_watchdog_says_why(local_distributor):
     local_distributor(2, warm=True).run(keep_rank_state)
-    info, = pools()
+    (info,) = pools()
     run = local_distributor(2, warm=True, ranks=[1], hang_timeout=3.0).submit(all_reduce_alone)
     with pytest.raises(HangTimeout) as err:
         run.result(timeout=120)
     message = str(err.value)
     assert "This cell ran on rank 1 of the pool only (--ranks): a collective" in message, message
-    assert "rank 0: idle: not one of the run's --ranks" in message and re.search(r"rank 1: all_reduce .* < all_reduce_alone", message), message
+    assert "rank 0: idle: not one of the run's --ranks" in message and re.search(
+        r"rank 1: all_reduce .* < all_reduce_alone", message
+    ), message
     import pickle
 
     assert str(pickle.loads(pickle.dumps(err.value))) == message
@@ -642,27 +697,38 @@ def test_a_collective_on_some_ranks_hangs_and_the_watchdog_says_why(local_distri
 
 
 def test_bad_ranks_are_refused_before_anything_starts(local_distributor):
-    for ranks, message in [("1,,x", r"ranks must be rank numbers separated by commas \(1,3\), got '1,,x'"),
-                           ("", "ranks must name at least one rank"),
-                           ([], "ranks must name at least one rank"),
-                           ([1, 1], "ranks names rank 1 more than once"),
-                           ([2], r"ranks: there is no rank 2 among 2 ranks \(0..1\)"),
-                           ([-1], r"ranks: there is no rank -1 among 2 ranks"),
-                           ([0.5], "ranks must be rank numbers"),
-                           ({"a": 1}, r"ranks must be rank numbers \(a list of ints, or '1,3'\), got \{'a': 1\}")]:
+    for ranks, message in [
+        ("1,,x", r"ranks must be rank numbers separated by commas \(1,3\), got '1,,x'"),
+        ("", "ranks must name at least one rank"),
+        ([], "ranks must name at least one rank"),
+        ([1, 1], "ranks names rank 1 more than once"),
+        ([2], r"ranks: there is no rank 2 among 2 ranks \(0..1\)"),
+        ([-1], r"ranks: there is no rank -1 among 2 ranks"),
+        ([0.5], "ranks must be rank numbers"),
+        ({"a": 1}, r"ranks must be rank numbers \(a list of ints, or '1,3'\), got \{'a': 1\}"),
+    ]:
         with pytest.raises(OptionError, match=message):
             local_distributor(2, warm=True, ranks=ranks)
-    with pytest.raises(OptionError, match=r"ranks needs a warm pool: it runs a cell on some ranks of the live "
-                                          r"pool \(--warm/warm=True\), and a cold run starts every rank afresh"):
+    with pytest.raises(
+        OptionError,
+        match=r"ranks needs a warm pool: it runs a cell on some ranks of the live "
+        r"pool \(--warm/warm=True\), and a cold run starts every rank afresh",
+    ):
         local_distributor(2, ranks=[1])
-    with pytest.raises(ValueError, match=r"--ranks needs a warm pool: .* \(np=2\), and none is live; start one "
-                                         "with a --warm cell on every rank first"):
+    with pytest.raises(
+        ValueError,
+        match=r"--ranks needs a warm pool: .* \(np=2\), and none is live; start one "
+        "with a --warm cell on every rank first",
+    ):
         local_distributor(2, warm=True, ranks=[1]).run(kept_value)
     assert pools() == []
     local_distributor(2, warm=True).run(keep_rank_state)
-    info, = pools()
-    with pytest.raises(ValueError, match=rf"--ranks needs a warm pool: .* \(np=3\), and the live one is {info.id}: "
-                                         r"np=2 on local processes.*; give its --np"):
+    (info,) = pools()
+    with pytest.raises(
+        ValueError,
+        match=rf"--ranks needs a warm pool: .* \(np=3\), and the live one is {info.id}: "
+        r"np=2 on local processes.*; give its --np",
+    ):
         local_distributor(3, warm=True, ranks=[1]).run(kept_value)
     assert [p.id for p in pools()] == [info.id]
 
@@ -672,13 +738,16 @@ def test_ranks_cells_in_the_notebook(ip, capsys):
 
     ip.user_ns.pop("only_here", None)
     assert cell(ip, "%%torchdist --np 2 --warm --quiet\nrank").result == 0
-    info, = pools()
-    shown = cell(ip, """
+    (info,) = pools()
+    shown = cell(
+        ip,
+        """
         %%torchdist --np 2 --warm --ranks 1
         only_here = rank * 100   # a name on rank 1 only
         print("hello from", rank)
         (rank, world_size)
-    """)
+    """,
+    )
     assert shown.error_in_exec is None and shown.result == (1, 2)
     out = capsys.readouterr().out
     assert f"on warm {info.id} (reused, run 2; on rank 1 only)" in out and "[rank 1] hello from 1" in out
@@ -687,11 +756,13 @@ def test_ranks_cells_in_the_notebook(ip, capsys):
     assert result.error_in_exec is None and result.result == [None, 100]
     result = cell(ip, "%%torchdist --np 2 --warm --ranks 0,1 --all-ranks --quiet\nrank + 1")
     assert result.result == {0: 1, 1: 2}
-    for flags, message in [("--np 2 --warm --ranks 1,,x", "--ranks must be rank numbers separated by commas"),
-                           ("--np 2 --ranks 1", "--ranks needs a warm pool: it runs a cell on some ranks"),
-                           ("--np 2 --warm --ranks 2", r"--ranks: there is no rank 2 among 2 ranks"),
-                           ("--np 2 --warm --ranks 1,1", "--ranks names rank 1 more than once"),
-                           ("--np 3 --warm --ranks 1", rf"the live one is {info.id}: np=2")]:
+    for flags, message in [
+        ("--np 2 --warm --ranks 1,,x", "--ranks must be rank numbers separated by commas"),
+        ("--np 2 --ranks 1", "--ranks needs a warm pool: it runs a cell on some ranks"),
+        ("--np 2 --warm --ranks 2", r"--ranks: there is no rank 2 among 2 ranks"),
+        ("--np 2 --warm --ranks 1,1", "--ranks names rank 1 more than once"),
+        ("--np 3 --warm --ranks 1", rf"the live one is {info.id}: np=2"),
+    ]:
         result = cell(ip, f"%%torchdist {flags} --quiet\nrank")
         assert isinstance(result.error_in_exec, UsageError), flags
         assert re.search(message, str(result.error_in_exec)), (flags, str(result.error_in_exec))
@@ -703,7 +774,7 @@ def test_a_run_on_some_ranks_of_a_spark_pool(spark_local2):
     from torchdist_magic import Distributor
 
     pids = Distributor(2, local_mode=False, show=None, warm=True, all_ranks=True).run(keep_rank_state)
-    info, = pools()
+    (info,) = pools()
     some = Distributor(2, local_mode=False, show=None, warm=True, ranks=[1], all_ranks=True)
     assert some.run(bump_and_say) == {1: (1, 11, pids[1])}
     assert Distributor(2, local_mode=False, show=None, warm=True, all_ranks=True).run(kept_value) == [0, 11]
@@ -737,11 +808,16 @@ def test_ranks_cells_in_a_real_kernel():
         status, _, _ = execute("%%torchdist --np 2 --ranks 1\nkept")
         assert status["status"] == "error" and status["ename"] == "UsageError"
         assert status["evalue"].startswith("--ranks needs a warm pool")
-        _, _, printed = execute("import json, torchdist_magic\n"
-                                "print(json.dumps([(p.run_id, p.pids, p.runs) for p in torchdist_magic.pools()]))")
-        (run_id, pids, runs), = json.loads(printed)
+        _, _, printed = execute(
+            "import json, torchdist_magic\n"
+            "print(json.dumps([(p.run_id, p.pids, p.runs) for p in torchdist_magic.pools()]))"
+        )
+        ((run_id, pids, runs),) = json.loads(printed)
         assert runs == 2
     finally:
         kernel.close()
-    wait_until(lambda: not pids_of_run(run_id) and not any(alive(p) for p in pids), 30,
-               "the kernel's pool to end with the kernel")
+    wait_until(
+        lambda: not pids_of_run(run_id) and not any(alive(p) for p in pids),
+        30,
+        "the kernel's pool to end with the kernel",
+    )

@@ -13,8 +13,7 @@ class FakeRun:
 
     def __init__(self, num_processes=2):
         self.run_id = "7-cafe"
-        self.state = RunState(self.run_id, num_processes, backend="local processes on testhost",
-                              job_name="cell In[3]")
+        self.state = RunState(self.run_id, num_processes, backend="local processes on testhost", job_name="cell In[3]")
         self.cancelled = 0
         self.cancelled_by = ""
 
@@ -48,8 +47,12 @@ def running(state, rank, host="node-a"):
 
 
 def bar(state, rank, n, total, desc="epoch", bar_id=None, state_="running", elapsed=2.0):
-    feed(state, events.Progress(rank=rank, bar=bar_id or f"{desc}#0", desc=desc, n=n, total=total,
-                                elapsed=elapsed, state=state_))
+    feed(
+        state,
+        events.Progress(
+            rank=rank, bar=bar_id or f"{desc}#0", desc=desc, n=n, total=total, elapsed=elapsed, state=state_
+        ),
+    )
 
 
 def metrics(state, rank, step, **values):
@@ -91,26 +94,63 @@ def simulated_run(ranks, steps=100, lines=20, per_host=8):
             n = int(pace * 0.5 * tick)
             before = int(pace * 0.5 * (tick - 1)) // 50
             if n // 50 != before:  # the last epoch's batch bar ends, as progress() says when its loop ends
-                feed(state, events.Progress(rank=r, bar=f"batch#{1 + before}", desc="batch", n=50, total=50,
-                                            elapsed=0.5 * tick, state="done"))
-            feed(state,
-                 events.Progress(rank=r, bar="epoch#0", desc="epoch", n=n // 50, total=4, elapsed=0.5 * tick),
-                 events.Progress(rank=r, bar=f"batch#{1 + n // 50}", desc="batch", n=n % 50, total=50,
-                                 elapsed=(n % 50) / pace))
+                feed(
+                    state,
+                    events.Progress(
+                        rank=r,
+                        bar=f"batch#{1 + before}",
+                        desc="batch",
+                        n=50,
+                        total=50,
+                        elapsed=0.5 * tick,
+                        state="done",
+                    ),
+                )
+            feed(
+                state,
+                events.Progress(rank=r, bar="epoch#0", desc="epoch", n=n // 50, total=4, elapsed=0.5 * tick),
+                events.Progress(
+                    rank=r, bar=f"batch#{1 + n // 50}", desc="batch", n=n % 50, total=50, elapsed=(n % 50) / pace
+                ),
+            )
     for r in range(ranks):
         for step in range(steps):
             noise = ((r * 7919 + step * 104729) % 1000) / 1000
-            feed(state, events.Metrics(rank=r, step=step, values={
-                "loss": 2.0 / (1 + step / 10) + 0.3 * noise + (0.5 if r == slow else 0.0),
-                "accuracy": min(0.99, step / steps + 0.05 * noise), "lr": 0.1 * 0.99 ** step}))
+            feed(
+                state,
+                events.Metrics(
+                    rank=r,
+                    step=step,
+                    values={
+                        "loss": 2.0 / (1 + step / 10) + 0.3 * noise + (0.5 if r == slow else 0.0),
+                        "accuracy": min(0.99, step / steps + 0.05 * noise),
+                        "lr": 0.1 * 0.99**step,
+                    },
+                ),
+            )
         for i in range(lines):
             stream = "stderr" if i % 10 == 9 else "stdout"
-            text = (f"UserWarning: rank {r} step {i}: grad norm clipped" if i % 10 == 4
-                    else f"rank {r} epoch {i // 10} batch {i}: loss {1 / (i + 1):.4f}")
+            text = (
+                f"UserWarning: rank {r} step {i}: grad norm clipped"
+                if i % 10 == 4
+                else f"rank {r} epoch {i // 10} batch {i}: loss {1 / (i + 1):.4f}"
+            )
             feed(state, events.Log(rank=r, stream=stream, line=text))
-    traceback = ("Traceback (most recent call last):\n  File \"<cell In[7]>\", line 12, in <module>\n"
-                 "    loss = model(batch)\nRuntimeError: CUDA error: an illegal memory access was encountered\n")
-    feed(state, events.Exit(rank=failed, code=1, time=time.time(), failure=events.Failure(
-        exc_type="RuntimeError", message="CUDA error: an illegal memory access was encountered",
-        traceback=traceback)))
+    traceback = (
+        "Traceback (most recent call last):\n  File \"<cell In[7]>\", line 12, in <module>\n"
+        "    loss = model(batch)\nRuntimeError: CUDA error: an illegal memory access was encountered\n"
+    )
+    feed(
+        state,
+        events.Exit(
+            rank=failed,
+            code=1,
+            time=time.time(),
+            failure=events.Failure(
+                exc_type="RuntimeError",
+                message="CUDA error: an illegal memory access was encountered",
+                traceback=traceback,
+            ),
+        ),
+    )
     return run, clock

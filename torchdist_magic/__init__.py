@@ -11,22 +11,73 @@ from .rank.shard import shard
 from .core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
 from .core.options import LaunchOptions
 from .core.registry import register_backend, unregister_backend
-from .rank.runtime import RankStopped, device, host_ranks, is_main, load_checkpoint, local_rank, local_world_size, progress, rank, report, restart_count, save_checkpoint, world_size
+from .rank.runtime import (
+    RankStopped,
+    device,
+    host_ranks,
+    is_main,
+    load_checkpoint,
+    local_rank,
+    local_world_size,
+    progress,
+    rank,
+    report,
+    restart_count,
+    save_checkpoint,
+    world_size,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Distributor", "LaunchOptions", "RankFailure", "JobTimeout", "HangTimeout", "RunCancelled", "ResultTimeout",
-    "Run", "last_run", "progress", "report", "rank", "world_size", "local_rank", "local_world_size", "host_ranks", "is_main", "device",
-    "restart_count", "save_checkpoint", "load_checkpoint", "RankStopped", "shard",
-    "load_ipython_extension", "unload_ipython_extension", "pools", "shutdown_pools",
-    "MlflowUnavailable", "TrackingError", "register_backend", "unregister_backend", "runs", "attach", "stop",
+    "Distributor",
+    "LaunchOptions",
+    "RankFailure",
+    "JobTimeout",
+    "HangTimeout",
+    "RunCancelled",
+    "ResultTimeout",
+    "Run",
+    "last_run",
+    "progress",
+    "report",
+    "rank",
+    "world_size",
+    "local_rank",
+    "local_world_size",
+    "host_ranks",
+    "is_main",
+    "device",
+    "restart_count",
+    "save_checkpoint",
+    "load_checkpoint",
+    "RankStopped",
+    "shard",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+    "pools",
+    "shutdown_pools",
+    "MlflowUnavailable",
+    "TrackingError",
+    "register_backend",
+    "unregister_backend",
+    "runs",
+    "attach",
+    "stop",
 ]
 
-_LAZY = {"Distributor": "api", "Run": "driver.distributor", "last_run": "driver.distributor",
-         "pools": "backends.pool", "shutdown_pools": "backends.pool",
-         "MlflowUnavailable": "driver.tracking", "TrackingError": "driver.tracking",
-         "runs": "driver.history", "attach": "driver.attach", "stop": "driver.attach"}
+_LAZY = {
+    "Distributor": "api",
+    "Run": "driver.distributor",
+    "last_run": "driver.distributor",
+    "pools": "backends.pool",
+    "shutdown_pools": "backends.pool",
+    "MlflowUnavailable": "driver.tracking",
+    "TrackingError": "driver.tracking",
+    "runs": "driver.history",
+    "attach": "driver.attach",
+    "stop": "driver.attach",
+}
 
 
 def __getattr__(name):

@@ -28,8 +28,7 @@ def _backend_for(local_mode: Any, backend: Optional[str]) -> str:
         raise TypeError(f"local_mode must be True, False or None, got {local_mode!r}")
     implied = "auto" if local_mode is None else ("local" if local_mode else "spark")
     if backend is not None and backend != implied:
-        raise ValueError(f"local_mode={local_mode} and backend={backend!r} contradict each other: "
-                         "give one of them")
+        raise ValueError(f"local_mode={local_mode} and backend={backend!r} contradict each other: give one of them")
     return implied
 
 
@@ -45,15 +44,21 @@ class Distributor:
     or ``None`` for silence.
     """
 
-    def __init__(self, num_processes: int = 1, local_mode: Optional[bool] = _UNSET,
-                 use_gpu: bool = False, *, show: Optional[str] = "text", **options: Any):
+    def __init__(
+        self,
+        num_processes: int = 1,
+        local_mode: Optional[bool] = _UNSET,
+        use_gpu: bool = False,
+        *,
+        show: Optional[str] = "text",
+        **options: Any,
+    ):
         known = [name for name in LaunchOptions.__dataclass_fields__ if name not in ("num_processes", "use_gpu")]
         unknown = set(options) - set(known)
         if unknown:
             raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}; known: {', '.join(known)}")
         backend = _backend_for(local_mode, options.pop("backend", None))
-        self.options = LaunchOptions(num_processes=num_processes, use_gpu=use_gpu, backend=backend,
-                                     **options)
+        self.options = LaunchOptions(num_processes=num_processes, use_gpu=use_gpu, backend=backend, **options)
         self.show = _checked_show(show)
 
     @classmethod
@@ -118,8 +123,9 @@ class Distributor:
         anything starts."""
         if self.options.detach:
             return self._detached(train_function, args, kwargs, data=spark_dataframe)
-        return self._follow(submit(train_function, args, kwargs, self.options, data=spark_dataframe,
-                                   debug_input=stdin_available()))
+        return self._follow(
+            submit(train_function, args, kwargs, self.options, data=spark_dataframe, debug_input=stdin_available())
+        )
 
     #: TorchDistributor's private name for it, which code written for TorchDistributor calls
     _train_on_dataframe = train_on_dataframe

@@ -37,8 +37,11 @@ class TorchdistMagics(Magics):
     ``%config TorchdistMagics.default_np = 4``."""
 
     default_np = Int(1, help="number of ranks when --np is not given").tag(config=True)
-    default_backend = Unicode("auto", help="backend when neither --local, --spark nor --backend is given: "
-                              "auto, local, spark, or a registered one").tag(config=True)
+    default_backend = Unicode(
+        "auto",
+        help="backend when neither --local, --spark nor --backend is given: auto, local, spark, or a registered one",
+    ).tag(config=True)
+
     @validate("default_backend")
     def _known_backend(self, proposal):
         name = str(proposal["value"]).lower()  # as the traitlet's enum took it, in any case
@@ -46,31 +49,42 @@ class TorchdistMagics(Magics):
             raise TraitError(unknown_backend(name))
         return name
 
-    default_timeout = Float(None, allow_none=True,
-                            help="timeout in seconds when --timeout is not given (None: no limit)"
-                            ).tag(config=True)
-    mlflow = Bool(False, help="log every run to MLflow when neither --mlflow nor --no-mlflow is given"
-                  ).tag(config=True)
-    payload_warning_mb = Float(100.0, help="warn when the notebook values a cell sends are larger (MB)"
-                               ).tag(config=True)
-    view = CaselessStrEnum(["auto", "widget", "text"], default_value="auto",
-                           help="live view: 'widget' (ipywidgets), 'text', or 'auto' (widget in a "
-                                "kernel with ipywidgets, text otherwise)").tag(config=True)
-    cell_filename = Unicode("<torchdist cell In[{n}]>",
-                            help="filename tracebacks show for a cell; {n} is the execution count"
-                            ).tag(config=True)
+    default_timeout = Float(
+        None, allow_none=True, help="timeout in seconds when --timeout is not given (None: no limit)"
+    ).tag(config=True)
+    mlflow = Bool(False, help="log every run to MLflow when neither --mlflow nor --no-mlflow is given").tag(config=True)
+    payload_warning_mb = Float(100.0, help="warn when the notebook values a cell sends are larger (MB)").tag(
+        config=True
+    )
+    view = CaselessStrEnum(
+        ["auto", "widget", "text"],
+        default_value="auto",
+        help="live view: 'widget' (ipywidgets), 'text', or 'auto' (widget in a kernel with ipywidgets, text otherwise)",
+    ).tag(config=True)
+    cell_filename = Unicode(
+        "<torchdist cell In[{n}]>", help="filename tracebacks show for a cell; {n} is the execution count"
+    ).tag(config=True)
 
-    pdb = Bool(False, help="hold a failing rank for a (Pdb rank r) post-mortem session in the cell, "
-                           "as %pdb on does (--pdb)").tag(config=True)
-    preflight = Bool(False, help="check every rank's versions, GPUs and bandwidth before each run when "
-                                 "neither --preflight nor --no-preflight is given").tag(config=True)
+    pdb = Bool(
+        False, help="hold a failing rank for a (Pdb rank r) post-mortem session in the cell, as %pdb on does (--pdb)"
+    ).tag(config=True)
+    preflight = Bool(
+        False,
+        help="check every rank's versions, GPUs and bandwidth before each run when "
+        "neither --preflight nor --no-preflight is given",
+    ).tag(config=True)
 
     def configured_defaults(self) -> LaunchOptions:
         """What ``%%torchdist`` with no flags uses: the ``%config`` defaults."""
         try:
-            return LaunchOptions(num_processes=self.default_np, backend=self.default_backend,
-                                 timeout=self.default_timeout, pdb=self.pdb,
-                                 mlflow=self.mlflow, preflight=self.preflight)
+            return LaunchOptions(
+                num_processes=self.default_np,
+                backend=self.default_backend,
+                timeout=self.default_timeout,
+                pdb=self.pdb,
+                mlflow=self.mlflow,
+                preflight=self.preflight,
+            )
         except OptionError as exc:
             raise UsageError(f"%config TorchdistMagics: {exc}") from None
 
@@ -105,14 +119,17 @@ class TorchdistMagics(Magics):
         data, columns = self._data(args)
         if cell is None:
             if args.script is None:
-                raise UsageError("%torchdist needs a script (%torchdist [flags] script.py [args...]) "
-                                 "or use %%torchdist as a cell magic")
+                raise UsageError(
+                    "%torchdist needs a script (%torchdist [flags] script.py [args...]) "
+                    "or use %%torchdist as a cell magic"
+                )
             target: Any = args.script
             target_args = tuple(args.script_args or ())
         else:
             if args.script is not None:
-                raise UsageError(f"unexpected argument {args.script!r}: %%torchdist takes only flags; "
-                                 "the cell is what runs")
+                raise UsageError(
+                    f"unexpected argument {args.script!r}: %%torchdist takes only flags; the cell is what runs"
+                )
             if not cell.strip():
                 raise UsageError("the %%torchdist cell is empty")
             target, target_args = self._capture(cell), ()
@@ -132,9 +149,11 @@ class TorchdistMagics(Magics):
             print(history.runs_table())
             return None
         if len(words) != 1:
-            raise UsageError(f"%torchdist {command} needs one run id (%torchdist runs lists them), "
-                             f"got {' '.join(words)!r}" if words else
-                             f"%torchdist {command} needs a run id (%torchdist runs lists them)")
+            raise UsageError(
+                f"%torchdist {command} needs one run id (%torchdist runs lists them), got {' '.join(words)!r}"
+                if words
+                else f"%torchdist {command} needs a run id (%torchdist runs lists them)"
+            )
         try:
             if command == "stop":
                 stopped = attach.stop(words[0], by="%torchdist stop")
@@ -171,15 +190,27 @@ class TorchdistMagics(Magics):
         n = len(inputs) - 1 if inputs else self.shell.execution_count
         history = inputs[:-1] if inputs else []
         try:
-            cap = capture_cell(cell, self.shell.user_ns, history,
-                               filename=self.cell_filename.format(n=n),
-                               warn_bytes=int(self.payload_warning_mb * 2**20))
+            cap = capture_cell(
+                cell,
+                self.shell.user_ns,
+                history,
+                filename=self.cell_filename.format(n=n),
+                warn_bytes=int(self.payload_warning_mb * 2**20),
+            )
         except CaptureError as exc:
             raise UsageError(str(exc)) from None
         return cell_job(cap.cell, f"cell In[{n}]")
 
-    def _run(self, target: Any, target_args: tuple, options: LaunchOptions, *, quiet: bool,
-             data: Any = None, columns: Optional[list] = None) -> Any:
+    def _run(
+        self,
+        target: Any,
+        target_args: tuple,
+        options: LaunchOptions,
+        *,
+        quiet: bool,
+        data: Any = None,
+        columns: Optional[list] = None,
+    ) -> Any:
         """Start, show (unless ``quiet``), return rank 0's value; bad input is a ``UsageError``."""
         from .driver.console import stdin_available
         from .driver.distributor import submit
@@ -194,9 +225,11 @@ class TorchdistMagics(Magics):
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
             self.shell.user_ns[RUN_VARIABLE] = run
-            print(f"torchdist: detached run {run.run_id} started (np={options.num_processes}); it goes on without "
-                  f"this kernel. %torchdist attach {run.run_id} follows it and returns its value, "
-                  f"%torchdist stop {run.run_id} stops it")
+            print(
+                f"torchdist: detached run {run.run_id} started (np={options.num_processes}); it goes on without "
+                f"this kernel. %torchdist attach {run.run_id} follows it and returns its value, "
+                f"%torchdist stop {run.run_id} stops it"
+            )
             if not quiet:
                 from .driver.attach import follow_in_thread
                 from .view import kernel_with_widgets, make_view
@@ -205,8 +238,7 @@ class TorchdistMagics(Magics):
                     follow_in_thread(run, make_view(run, "widget", log_hint=f"{RUN_VARIABLE}.logs(rank)"))
             return run
         try:
-            run = submit(target, target_args, {}, options, data=data, columns=columns,
-                         debug_input=stdin_available())
+            run = submit(target, target_args, {}, options, data=data, columns=columns, debug_input=stdin_available())
         except (TypeError, ValueError, MlflowUnavailable, TrackingError) as exc:
             raise UsageError(str(exc)) from None
         self.shell.user_ns[RUN_VARIABLE] = run
@@ -231,8 +263,11 @@ class TorchdistMagics(Magics):
         if words:
             raise UsageError(f"%torchdist_pool takes nothing, or 'stop'; got {line.strip()!r}")
         live = pools()
-        print("\n".join(p.describe() for p in live) if live else
-              "no warm pool is running (a %%torchdist --warm cell starts one)")
+        print(
+            "\n".join(p.describe() for p in live)
+            if live
+            else "no warm pool is running (a %%torchdist --warm cell starts one)"
+        )
         return None
 
     @line_magic

@@ -70,16 +70,21 @@ def control_for(field: dataclasses.Field, value: Any) -> widgets.Widget:
         label = next(k for k, v in SWITCH_VALUES.items() if v is value)
         control = widgets.Dropdown(options=list(SWITCH_CHOICES), value=label, layout=layout)
     elif meta.get("repeat"):
-        control = widgets.Textarea(value="\n".join(f"{k}={v}" for k, v in dict(value).items()),
-                                   placeholder=f"{meta.get('metavar', '')}, one per line",
-                                   rows=2, layout=layout)
+        control = widgets.Textarea(
+            value="\n".join(f"{k}={v}" for k, v in dict(value).items()),
+            placeholder=f"{meta.get('metavar', '')}, one per line",
+            rows=2,
+            layout=layout,
+        )
     elif meta.get("type") is int:
         control = widgets.IntText(value=value, layout=layout)
     else:
         optional = field.default is None
-        control = widgets.Text(value="" if value is None else _flag_text(field, value),
-                               placeholder=f"{meta.get('metavar', '')}" + (" (empty: none)" if optional else ""),
-                               layout=layout)
+        control = widgets.Text(
+            value="" if value is None else _flag_text(field, value),
+            placeholder=f"{meta.get('metavar', '')}" + (" (empty: none)" if optional else ""),
+            layout=layout,
+        )
     control.add_class("torchdist-option")
     control.add_class(f"torchdist-option-{field.name}")
     control.tooltip = meta["help"]
@@ -150,8 +155,10 @@ def parse_call_arguments(text: str, namespace: dict) -> Tuple[tuple, dict]:
         try:
             return ast.literal_eval(node)
         except ValueError:
-            raise ValueError(f"arguments: {ast.unparse(node)!r} is neither a literal nor a notebook "
-                             "variable; assign it to a variable in a cell first") from None
+            raise ValueError(
+                f"arguments: {ast.unparse(node)!r} is neither a literal nor a notebook "
+                "variable; assign it to a variable in a cell first"
+            ) from None
 
     args = tuple(value(a) for a in call.args)
     kwargs = {}
@@ -164,9 +171,13 @@ def parse_call_arguments(text: str, namespace: dict) -> Tuple[tuple, dict]:
 
 def notebook_functions(namespace: dict) -> List[str]:
     """Functions defined in the notebook (not imported, not private), by name."""
-    return sorted(name for name, obj in namespace.items()
-                  if isinstance(obj, types.FunctionType) and not name.startswith("_")
-                  and getattr(obj, "__module__", None) == "__main__")
+    return sorted(
+        name
+        for name, obj in namespace.items()
+        if isinstance(obj, types.FunctionType)
+        and not name.startswith("_")
+        and getattr(obj, "__module__", None) == "__main__"
+    )
 
 
 def follow_in_background(run, view, on_done: Optional[Callable[[Any], None]] = None) -> threading.Thread:
@@ -214,44 +225,62 @@ class LaunchPanel:
         more_rows: List[widgets.Widget] = []
         for name, field in self.fields.items():
             # a flag on one line; a row wraps its note under the control in a narrow pane
-            label = widgets.HTML(f'<code style="font-size:12px;white-space:nowrap">'
-                                 f'{html.escape(field.metadata["flag"])}</code>',
-                                 layout=widgets.Layout(flex="0 0 150px", margin="0 8px 0 0"))
+            label = widgets.HTML(
+                f'<code style="font-size:12px;white-space:nowrap">{html.escape(field.metadata["flag"])}</code>',
+                layout=widgets.Layout(flex="0 0 150px", margin="0 8px 0 0"),
+            )
             control = control_for(field, getattr(defaults, name))
             note = widgets.HTML(layout=widgets.Layout(flex="1 1 160px", min_width="0", margin="0 0 0 8px"))
             note.add_class("torchdist-option-note")
             control.observe(self._changed, "value")
             self.controls[name], self.notes[name] = control, note
-            (rows if name in FIRST_OPTIONS else more_rows).append(widgets.HBox(
-                [label, control, note],
-                layout=widgets.Layout(flex_flow="row wrap", align_items="center", margin="2px 0", min_width="0")))
+            (rows if name in FIRST_OPTIONS else more_rows).append(
+                widgets.HBox(
+                    [label, control, note],
+                    layout=widgets.Layout(flex_flow="row wrap", align_items="center", margin="2px 0", min_width="0"),
+                )
+            )
         self.more_options = widgets.Accordion(
-            children=[widgets.VBox(more_rows, layout=widgets.Layout(min_width="0"))], selected_index=None,
-            titles=("more options: " + " ".join(
-                self.fields[n].metadata["flag"] for n in self.fields if n not in FIRST_OPTIONS),))
+            children=[widgets.VBox(more_rows, layout=widgets.Layout(min_width="0"))],
+            selected_index=None,
+            titles=(
+                "more options: "
+                + " ".join(self.fields[n].metadata["flag"] for n in self.fields if n not in FIRST_OPTIONS),
+            ),
+        )
         self.more_options.add_class("torchdist-more-options")
         self.options_grid = widgets.VBox(rows + [self.more_options], layout=widgets.Layout(min_width="0"))
 
-        self.source = widgets.ToggleButtons(options=[("code", CODE), ("function", FUNCTION)], value=CODE,
-                                            style={"button_width": "90px"})
+        self.source = widgets.ToggleButtons(
+            options=[("code", CODE), ("function", FUNCTION)], value=CODE, style={"button_width": "90px"}
+        )
         self.source.add_class("torchdist-source")
-        self.code = widgets.Textarea(placeholder="code to run on every rank, as in a %%torchdist cell",
-                                     rows=8, layout=widgets.Layout(width="100%"))
+        self.code = widgets.Textarea(
+            placeholder="code to run on every rank, as in a %%torchdist cell",
+            rows=8,
+            layout=widgets.Layout(width="100%"),
+        )
         self.code.add_class("torchdist-code")
         self.code_note = widgets.HTML()
-        self.function = widgets.Dropdown(options=[], description="function",
-                                         layout=widgets.Layout(width="280px"))
+        self.function = widgets.Dropdown(options=[], description="function", layout=widgets.Layout(width="280px"))
         self.function.add_class("torchdist-function")
-        self.refresh = widgets.Button(icon="refresh", tooltip="list the notebook's functions again",
-                                      layout=widgets.Layout(width="36px"))
+        self.refresh = widgets.Button(
+            icon="refresh", tooltip="list the notebook's functions again", layout=widgets.Layout(width="36px")
+        )
         self.refresh.on_click(lambda _b: self._list_functions())
-        self.arguments = widgets.Text(placeholder="10, lr=0.1, data=train_set", description="arguments",
-                                      layout=widgets.Layout(width="420px"))
+        self.arguments = widgets.Text(
+            placeholder="10, lr=0.1, data=train_set", description="arguments", layout=widgets.Layout(width="420px")
+        )
         self.arguments.add_class("torchdist-arguments")
         self.function_note = widgets.HTML()
-        self.function_box = widgets.VBox([widgets.HBox([self.function, self.refresh, self.arguments],
-                                                       layout=widgets.Layout(flex_flow="row wrap")),
-                                          self.function_note])
+        self.function_box = widgets.VBox(
+            [
+                widgets.HBox(
+                    [self.function, self.refresh, self.arguments], layout=widgets.Layout(flex_flow="row wrap")
+                ),
+                self.function_note,
+            ]
+        )
         self.code_box = widgets.VBox([self.code, self.code_note])
         self.what = widgets.VBox([self.code_box])
         self.source.observe(self._source_changed, "value")
@@ -261,8 +290,9 @@ class LaunchPanel:
         self.launch_button = widgets.Button(description="Launch", icon="play", button_style="primary")
         self.launch_button.add_class("torchdist-launch")
         self.launch_button.on_click(lambda _b: self.launch())
-        self.stop_button = widgets.Button(description="Stop", icon="stop", button_style="danger", disabled=True,
-                                          tooltip="stop every rank of the run")
+        self.stop_button = widgets.Button(
+            description="Stop", icon="stop", button_style="danger", disabled=True, tooltip="stop every rank of the run"
+        )
         self.stop_button.add_class("torchdist-panel-stop")
         self.stop_button.on_click(lambda _b: self.stop())
         self.command = widgets.HTML()
@@ -274,17 +304,31 @@ class LaunchPanel:
         self.result.add_class("torchdist-result")
         # the code area is a notebook cell in spirit: the notebook's code font (ipywidgets has no
         # font-family setting for text areas)
-        title = widgets.HTML('<style>.torchdist-code textarea{font-family:var(--jp-code-font-family,monospace);'
-                             'font-size:var(--jp-code-font-size,13px)}</style>'
-                             '<div style="font-size:14px;font-weight:700;margin-bottom:4px">torchdist · launch</div>')
+        title = widgets.HTML(
+            '<style>.torchdist-code textarea{font-family:var(--jp-code-font-family,monospace);'
+            'font-size:var(--jp-code-font-size,13px)}</style>'
+            '<div style="font-size:14px;font-weight:700;margin-bottom:4px">torchdist · launch</div>'
+        )
         self.widget = widgets.VBox(
-            [title, self.options_grid,
-             widgets.HTML(f'<div style="margin-top:8px;color:{MUTED};font-size:12px">what to run</div>'),
-             self.source, self.what,
-             widgets.HBox([self.launch_button, self.stop_button], layout=widgets.Layout(margin="6px 0")),
-             self.message, self.command, self.view_box, self.result],
-            layout=widgets.Layout(border="1px solid var(--jp-border-color2, #e0e0e0)", padding="8px 12px",
-                                  max_width="1100px", min_width="0"))
+            [
+                title,
+                self.options_grid,
+                widgets.HTML(f'<div style="margin-top:8px;color:{MUTED};font-size:12px">what to run</div>'),
+                self.source,
+                self.what,
+                widgets.HBox([self.launch_button, self.stop_button], layout=widgets.Layout(margin="6px 0")),
+                self.message,
+                self.command,
+                self.view_box,
+                self.result,
+            ],
+            layout=widgets.Layout(
+                border="1px solid var(--jp-border-color2, #e0e0e0)",
+                padding="8px 12px",
+                max_width="1100px",
+                min_width="0",
+            ),
+        )
         self.widget.add_class("torchdist-panel")
         self._list_functions()
         self.validate()
@@ -372,8 +416,10 @@ class LaunchPanel:
             self.more_options.selected_index = 0  # a refused option is never out of sight
         for name, note in self.notes.items():
             if name in errors:
-                note.value = (f'<span class="torchdist-option-error" style="{_NOTE};color:{ERROR}">'
-                              f'{html.escape(errors[name])}</span>')
+                note.value = (
+                    f'<span class="torchdist-option-error" style="{_NOTE};color:{ERROR}">'
+                    f'{html.escape(errors[name])}</span>'
+                )
             else:
                 help_text = html.escape(self.fields[name].metadata["help"])
                 note.value = f'<span style="{_HELP};color:{MUTED}" title="{help_text}">{help_text}</span>'
@@ -385,17 +431,27 @@ class LaunchPanel:
                 overall = _shown(exc)
         what = self.what_errors()
         note = self.code_note if self.source.value == CODE else self.function_note
-        note.value = "".join(f'<span class="torchdist-what-error" style="color:{ERROR};font-size:12px">'
-                             f'{html.escape(e)}</span>' for e in what)
+        note.value = "".join(
+            f'<span class="torchdist-what-error" style="color:{ERROR};font-size:12px">{html.escape(e)}</span>'
+            for e in what
+        )
         ok = not errors and overall is None and not what
-        self.message.value = (f'<span class="torchdist-option-error" style="color:{ERROR}">{html.escape(overall)}</span>'
-                              if overall else "")
+        self.message.value = (
+            f'<span class="torchdist-option-error" style="color:{ERROR}">{html.escape(overall)}</span>'
+            if overall
+            else ""
+        )
         command = self.command_text() if ok else None
         self.command.value = (
-            f'<div style="color:{MUTED};font-size:12px">the same run in a cell:</div>'
-            f'<pre style="margin:2px 0 6px 0;padding:6px 8px;background:var(--jp-layout-color2, #f5f5f5);'
-            f'border-radius:4px;font-family:{MONO};font-size:12px;max-height:160px;overflow:auto">'
-            f'{html.escape(command)}</pre>') if command else ""
+            (
+                f'<div style="color:{MUTED};font-size:12px">the same run in a cell:</div>'
+                f'<pre style="margin:2px 0 6px 0;padding:6px 8px;background:var(--jp-layout-color2, #f5f5f5);'
+                f'border-radius:4px;font-family:{MONO};font-size:12px;max-height:160px;overflow:auto">'
+                f'{html.escape(command)}</pre>'
+            )
+            if command
+            else ""
+        )
         self.launch_button.disabled = not ok or self.running
         return ok
 
@@ -429,8 +485,10 @@ class LaunchPanel:
                 else:
                     run = submit(target, args, kwargs, options)
             except (TypeError, ValueError, MlflowUnavailable, TrackingError) as exc:  # a CaptureError is a ValueError
-                self.message.value = (f'<pre class="torchdist-launch-error" style="color:{ERROR};white-space:pre-wrap;'
-                                      f'margin:0">{html.escape(_shown(exc))}</pre>')
+                self.message.value = (
+                    f'<pre class="torchdist-launch-error" style="color:{ERROR};white-space:pre-wrap;'
+                    f'margin:0">{html.escape(_shown(exc))}</pre>'
+                )
                 return None
             self.message.value = ""
             self.result.value = ""
@@ -456,8 +514,9 @@ class LaunchPanel:
         from .core.job import cell_job
 
         history = list(self.shell.user_ns.get("In", []))
-        captured = capture_cell(self.code.value, self.shell.user_ns, history,
-                                filename="<torchdist panel>", line_offset=0)
+        captured = capture_cell(
+            self.code.value, self.shell.user_ns, history, filename="<torchdist panel>", line_offset=0
+        )
         return cell_job(captured.cell, "panel code"), (), {}
 
     def stop(self) -> None:
@@ -494,13 +553,16 @@ class LaunchPanel:
             self.result.value = (
                 f'<div style="color:{MUTED};font-size:12px;margin-top:6px">rank 0 returned{also}:</div>'
                 f'<pre class="torchdist-value" style="margin:2px 0;font-family:{MONO};font-size:12px;'
-                f'white-space:pre-wrap">{html.escape(text)}</pre>')
+                f'white-space:pre-wrap">{html.escape(text)}</pre>'
+            )
         else:
             text = error.details() if isinstance(error, RankFailure) else f"{type(error).__name__}: {error}"
             colour = STATE_TEXT.get(run.state.state, ERROR)
-            self.result.value = (f'<pre class="torchdist-error" style="margin:6px 0 0 0;color:{colour};'
-                                 f'font-family:{MONO};font-size:12px;white-space:pre-wrap">'
-                                 f'{html.escape(text)}</pre>')
+            self.result.value = (
+                f'<pre class="torchdist-error" style="margin:6px 0 0 0;color:{colour};'
+                f'font-family:{MONO};font-size:12px;white-space:pre-wrap">'
+                f'{html.escape(text)}</pre>'
+            )
 
     def show(self) -> None:
         """Display the panel in the notebook."""

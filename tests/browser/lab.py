@@ -21,12 +21,18 @@ from typing import Dict, List, Optional, Set
 
 from helpers import alive, free_port
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 CHROMIUM_PATHS = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
-ARTIFACTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                         "artifacts")
-
+ARTIFACTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "artifacts")
 
 
 #: every rank row of a cell's (or the panel's) view has a bar at its total; ``scope`` is a CSS selector
@@ -37,6 +43,7 @@ ALL_BARS_FULL = """([scope, count]) => {
         return bars.length > 0 && Array.from(bars).every(b => b.dataset.total && b.dataset.n === b.dataset.total);
     });
 }"""
+
 
 def find_chromium() -> Optional[str]:
     found = os.environ.get("TORCHDIST_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
@@ -119,21 +126,34 @@ class JupyterLab:
         with open(os.path.join(config, "labconfig", "page_config.json"), "w") as fh:
             # no "news" toast over the notebook
             json.dump({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}, fh)
-        env = dict(os.environ, JUPYTER_CONFIG_DIR=config,
-                   JUPYTER_RUNTIME_DIR=os.path.join(self.tmp, "runtime"),
-                   JUPYTERLAB_SETTINGS_DIR=os.path.join(self.tmp, "settings"),
-                   JUPYTERLAB_WORKSPACES_DIR=os.path.join(self.tmp, "workspaces"))
-        cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-               f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
-               f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
-               "--LabApp.expose_app_in_browser=True",
-               "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-               "--LabApp.extension_manager=readonly", "--ServerApp.terminals_enabled=False"]
+        env = dict(
+            os.environ,
+            JUPYTER_CONFIG_DIR=config,
+            JUPYTER_RUNTIME_DIR=os.path.join(self.tmp, "runtime"),
+            JUPYTERLAB_SETTINGS_DIR=os.path.join(self.tmp, "settings"),
+            JUPYTERLAB_WORKSPACES_DIR=os.path.join(self.tmp, "workspaces"),
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={self.port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={self.root}",
+            "--LabApp.expose_app_in_browser=True",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            "--LabApp.extension_manager=readonly",
+            "--ServerApp.terminals_enabled=False",
+        ]
         if os.geteuid() == 0:
             cmd.append("--allow-root")
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            cmd, cwd=self.root, env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
@@ -154,10 +174,12 @@ class JupyterLab:
             return b"\n".join(fh.read().splitlines()[-n:]).decode(errors="replace")
 
     def api(self, method: str, path: str, body: Optional[dict] = None):
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", method=method,
-                                     data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Authorization": f"token {self.token}",
-                                              "Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=10) as resp:
             data = resp.read()
         return json.loads(data) if data else None
@@ -200,15 +222,22 @@ class JupyterLab:
 def launch_chromium(playwright, user_data_dir: str):
     """A headless Chromium context on its own fresh profile."""
     return playwright.chromium.launch_persistent_context(
-        user_data_dir, executable_path=find_chromium(), headless=True, args=CHROMIUM_ARGS,
-        viewport={"width": 1280, "height": 1000}, device_scale_factor=1)
+        user_data_dir,
+        executable_path=find_chromium(),
+        headless=True,
+        args=CHROMIUM_ARGS,
+        viewport={"width": 1280, "height": 1000},
+        device_scale_factor=1,
+    )
 
 
 def run_all_cells(page) -> None:
-    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                           " && window.jupyterapp.shell.currentWidget.sessionContext"
-                           " && window.jupyterapp.shell.currentWidget.sessionContext.session"
-                           " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel",
-                           timeout=60_000)
+    page.wait_for_function(
+        "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+        " && window.jupyterapp.shell.currentWidget.sessionContext"
+        " && window.jupyterapp.shell.currentWidget.sessionContext.session"
+        " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel",
+        timeout=60_000,
+    )
     # not awaited: the command's promise settles only when every cell has run
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")

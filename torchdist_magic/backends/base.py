@@ -58,8 +58,8 @@ class LaunchContext:
     plan: LaunchPlan
     spec: RunSpec
     job_bytes: bytes
-    emit: Callable[[events.Event], None]       # feed a record into the run's RunState
-    to_ranks: Callable[[events.Event], int]    # send a record to every rank's launcher
+    emit: Callable[[events.Event], None]  # feed a record into the run's RunState
+    to_ranks: Callable[[events.Event], int]  # send a record to every rank's launcher
     #: the run's DataFrame as this backend's ``prepare_data`` made it, else ``None``
     data: Any = None
     #: where records the backend takes for itself (``events.LAUNCHER_TO_DRIVER``) go, by type;
@@ -149,8 +149,10 @@ class Backend(abc.ABC):
         """``data``, a DataFrame to train on, checked and made into what ``start`` gives the
         ranks (``LaunchContext.data``), before anything starts; ``TypeError``/``ValueError``
         naming what is wrong.  A backend that trains on none refuses every DataFrame."""
-        raise ValueError(f"backend {self.name!r} does not train on a DataFrame: run it on local "
-                         "processes (a pandas DataFrame) or on Spark (a Spark DataFrame)")
+        raise ValueError(
+            f"backend {self.name!r} does not train on a DataFrame: run it on local "
+            "processes (a pandas DataFrame) or on Spark (a Spark DataFrame)"
+        )
 
     def ranks_share_machine(self) -> bool:
         """Whether every rank surely runs on this machine, and so reads a file the driver

@@ -15,9 +15,9 @@ class RunChannel:
     """A listening channel and what its ranks need to reach it (``RunSpec.resolve``)."""
 
     server: ChannelServer
-    secret: str             # the workers' (``rankenv.rank_key(secret, "worker", rank)``)
-    launcher_secret: str    # the launchers'
-    certificate: str        # the TLS certificate its ranks pin; "" when it is not encrypted
+    secret: str  # the workers' (``rankenv.rank_key(secret, "worker", rank)``)
+    launcher_secret: str  # the launchers'
+    certificate: str  # the TLS certificate its ranks pin; "" when it is not encrypted
 
     @property
     def address(self) -> str:
@@ -25,9 +25,15 @@ class RunChannel:
         return f"{host}:{port}"
 
 
-def open_channel(deliver: Callable, run_id: str, backend: Backend, plan: LaunchPlan, ranks: int,
-                 on_refusal: Callable[[str, int, str], None],
-                 files: Optional[Dict[str, str]] = None) -> RunChannel:
+def open_channel(
+    deliver: Callable,
+    run_id: str,
+    backend: Backend,
+    plan: LaunchPlan,
+    ranks: int,
+    on_refusal: Callable[[str, int, str], None],
+    files: Optional[Dict[str, str]] = None,
+) -> RunChannel:
     """A new channel for ``ranks`` ranks of ``run_id`` on ``backend``'s address, with secrets
     and (``plan.tls``) a TLS key of its own that never leave this process; ``files``: those it
     serves (``hostcopy``)."""
@@ -37,7 +43,15 @@ def open_channel(deliver: Callable, run_id: str, backend: Backend, plan: LaunchP
         from ..wire.tls import new_identity
 
         identity = new_identity()
-    server = ChannelServer(deliver, run_id, host=backend.channel_host(), secret=secret,
-                           launcher_secret=launcher_secret, identity=identity, files=files or {},
-                           ranks=ranks, on_refusal=on_refusal)
+    server = ChannelServer(
+        deliver,
+        run_id,
+        host=backend.channel_host(),
+        secret=secret,
+        launcher_secret=launcher_secret,
+        identity=identity,
+        files=files or {},
+        ranks=ranks,
+        on_refusal=on_refusal,
+    )
     return RunChannel(server, secret, launcher_secret, identity.certificate if identity is not None else "")

@@ -37,9 +37,9 @@ class PreparedData:
 
     rows: int
     columns: List[str]
-    table: Any = None                 # pyarrow.Table (pandas input)
-    frame: Any = None                 # pyspark DataFrame (Spark input)
-    schema: bytes = b""               # the frame's Arrow schema, serialized (for empty partitions)
+    table: Any = None  # pyarrow.Table (pandas input)
+    frame: Any = None  # pyspark DataFrame (Spark input)
+    schema: bytes = b""  # the frame's Arrow schema, serialized (for empty partitions)
     files: List[str] = field(default_factory=list)
     _directory: str = ""
 
@@ -79,7 +79,7 @@ def rank_rows(rows: int, num_processes: int, seed: int = SPLIT_SEED) -> List[Any
 
     order = np.random.default_rng(seed).permutation(rows)
     bounds = [rows * r // num_processes for r in range(num_processes + 1)]
-    return [np.sort(order[bounds[r]:bounds[r + 1]]) for r in range(num_processes)]
+    return [np.sort(order[bounds[r] : bounds[r + 1]]) for r in range(num_processes)]
 
 
 def _write_table(path: str, table) -> None:
@@ -97,15 +97,20 @@ def is_pandas_frame(data: Any) -> bool:
 def is_spark_frame(data: Any) -> bool:
     """A classic or a Spark Connect DataFrame (without importing pyspark)."""
     return type(data).__module__.startswith("pyspark.sql") and any(
-        cls.__name__ == "DataFrame" for cls in type(data).__mro__)
+        cls.__name__ == "DataFrame" for cls in type(data).__mro__
+    )
 
 
 #: what a Spark DataFrame given to a backend that takes a pandas one is told, and the reverse
-WANTS_SPARK = ("a Spark DataFrame trains on the Spark backend (--spark, local_mode=False), where "
-               "each rank reads its share inside the executors; on local processes pass a pandas "
-               "DataFrame (df.toPandas() brings a small one to this machine)")
-WANTS_PANDAS = ("a pandas DataFrame trains on local processes (--local, local_mode=True); for a "
-                "Spark run make it a Spark DataFrame first: spark.createDataFrame(pandas_df)")
+WANTS_SPARK = (
+    "a Spark DataFrame trains on the Spark backend (--spark, local_mode=False), where "
+    "each rank reads its share inside the executors; on local processes pass a pandas "
+    "DataFrame (df.toPandas() brings a small one to this machine)"
+)
+WANTS_PANDAS = (
+    "a pandas DataFrame trains on local processes (--local, local_mode=True); for a "
+    "Spark run make it a Spark DataFrame first: spark.createDataFrame(pandas_df)"
+)
 
 
 def prepare_pandas(data: Any, num_processes: int, columns: Optional[Sequence[str]] = None) -> PreparedData:
@@ -116,8 +121,7 @@ def prepare_pandas(data: Any, num_processes: int, columns: Optional[Sequence[str
     return _prepare_pandas(data, num_processes, columns)
 
 
-def prepare_spark(data: Any, num_processes: int, session: Any,
-                  columns: Optional[Sequence[str]] = None) -> PreparedData:
+def prepare_spark(data: Any, num_processes: int, session: Any, columns: Optional[Sequence[str]] = None) -> PreparedData:
     """Check ``data``, a Spark DataFrame of ``session``, for a barrier stage of
     ``num_processes`` tasks; as ``prepare_pandas`` otherwise."""
     _one_of_ours(data, "spark")
@@ -131,8 +135,10 @@ def _one_of_ours(data: Any, wanted: str) -> None:
     elif is_pandas_frame(data):
         kind = "pandas"
     else:
-        raise TypeError(f"the data to train on must be a Spark DataFrame (or a pandas DataFrame on local "
-                        f"processes), got {type(data).__module__}.{type(data).__qualname__}")
+        raise TypeError(
+            f"the data to train on must be a Spark DataFrame (or a pandas DataFrame on local "
+            f"processes), got {type(data).__module__}.{type(data).__qualname__}"
+        )
     if kind != wanted:
         raise ValueError(WANTS_SPARK if kind == "spark" else WANTS_PANDAS)
 
@@ -144,8 +150,9 @@ def _chosen_columns(available: List[str], columns: Optional[Sequence[str]]) -> L
         columns = [columns]
     missing = [c for c in columns if c not in available]
     if missing:
-        raise ValueError(f"the DataFrame has no column {', '.join(map(repr, missing))}; "
-                         f"its columns: {', '.join(available)}")
+        raise ValueError(
+            f"the DataFrame has no column {', '.join(map(repr, missing))}; its columns: {', '.join(available)}"
+        )
     if not columns:
         raise ValueError("no columns chosen: name at least one")
     return list(columns)
@@ -155,8 +162,10 @@ def _check_rows(rows: int, num_processes: int) -> None:
     if rows == 0:
         raise ValueError("the DataFrame is empty: there is nothing to train on")
     if rows < num_processes:
-        raise ValueError(f"the DataFrame has {rows} row{'s' if rows != 1 else ''}, fewer than the "
-                         f"{num_processes} ranks: every rank needs at least one row")
+        raise ValueError(
+            f"the DataFrame has {rows} row{'s' if rows != 1 else ''}, fewer than the "
+            f"{num_processes} ranks: every rank needs at least one row"
+        )
 
 
 def _not_tensors(named_types: List[tuple]) -> None:
@@ -165,7 +174,8 @@ def _not_tensors(named_types: List[tuple]) -> None:
         raise ValueError(
             f"column{'s' if len(named_types) > 1 else ''} {listed} cannot become a tensor: shard() "
             "delivers numbers, booleans and (nested) arrays of them; select the columns the job "
-            "needs (df.select(...), or --columns), or encode the others as numbers first")
+            "needs (df.select(...), or --columns), or encode the others as numbers first"
+        )
 
 
 def _spark_tensor_type(data_type) -> bool:
@@ -173,8 +183,9 @@ def _spark_tensor_type(data_type) -> bool:
 
     if isinstance(data_type, T.ArrayType):
         return _spark_tensor_type(data_type.elementType)
-    return isinstance(data_type, (T.BooleanType, T.ByteType, T.ShortType, T.IntegerType, T.LongType,
-                                  T.FloatType, T.DoubleType))
+    return isinstance(
+        data_type, (T.BooleanType, T.ByteType, T.ShortType, T.IntegerType, T.LongType, T.FloatType, T.DoubleType)
+    )
 
 
 def _same_session(one, other) -> bool:
@@ -191,20 +202,24 @@ def _same_session(one, other) -> bool:
 
 def _prepare_spark(frame, num_processes: int, session, columns) -> PreparedData:
     if session is not None and not _same_session(frame.sparkSession, session):
-        raise ValueError("the DataFrame belongs to another SparkSession than the run's active one "
-                         "(a stopped session, or one from newSession()): create it from the active "
-                         "session")
+        raise ValueError(
+            "the DataFrame belongs to another SparkSession than the run's active one "
+            "(a stopped session, or one from newSession()): create it from the active "
+            "session"
+        )
     chosen = _chosen_columns(list(frame.columns), columns)
     if chosen != list(frame.columns):
         frame = frame.select(*chosen)
-    _not_tensors([(f.name, f.dataType.simpleString()) for f in frame.schema.fields
-                  if not _spark_tensor_type(f.dataType)])
+    _not_tensors(
+        [(f.name, f.dataType.simpleString()) for f in frame.schema.fields if not _spark_tensor_type(f.dataType)]
+    )
     from pyspark.sql.pandas.types import to_arrow_schema
 
     rows = frame.count()
     _check_rows(rows, num_processes)
-    return PreparedData(rows=rows, columns=chosen, frame=frame,
-                        schema=to_arrow_schema(frame.schema).serialize().to_pybytes())
+    return PreparedData(
+        rows=rows, columns=chosen, frame=frame, schema=to_arrow_schema(frame.schema).serialize().to_pybytes()
+    )
 
 
 def _arrow_tensor_type(data_type) -> bool:

@@ -88,19 +88,29 @@ class CommandLineRun(BackendRun):
     def launch(self) -> None:
         ctx = self._ctx
         self._value_dir = marked_value_directory(ctx.spec)
-        self._spec = RemoteSpec(run=ctx.spec, job_bytes=ctx.job_bytes, value_dir=self._value_dir,
-                                values_sent=os.environ.get(VALUES_FETCH_ENV) == "1")
-        ctx.receive_values({rank: self._spec.value_path(rank) for rank in range(self._n)
-                            if ctx.spec.returns_value(rank)})
+        self._spec = RemoteSpec(
+            run=ctx.spec,
+            job_bytes=ctx.job_bytes,
+            value_dir=self._value_dir,
+            values_sent=os.environ.get(VALUES_FETCH_ENV) == "1",
+        )
+        ctx.receive_values(
+            {rank: self._spec.value_path(rank) for rank in range(self._n) if ctx.spec.returns_value(rank)}
+        )
         spec_file = os.path.join(self._workdir, "launcher.spec")
         write_spec(spec_file, self._spec)
         for rank in range(self._n):
-            proc = subprocess.Popen(self._backend.command(rank, launcher_command(spec_file, rank)),
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                self._backend.command(rank, launcher_command(spec_file, rank)),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
             self._procs[rank] = proc
-            watcher = threading.Thread(target=self._watch, args=(rank, proc), daemon=True,
-                                       name=f"torchdist-launcher-rank{rank}")
+            watcher = threading.Thread(
+                target=self._watch, args=(rank, proc), daemon=True, name=f"torchdist-launcher-rank{rank}"
+            )
             watcher.start()
             self._watchers.append(watcher)
 
@@ -112,8 +122,10 @@ class CommandLineRun(BackendRun):
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         """Wait for the launcher; report its rank's exit where the channel did not."""
         stderr: "collections.deque[str]" = collections.deque(maxlen=STDERR_TAIL)
-        reader = threading.Thread(target=lambda: stderr.extend(
-            line.decode("utf-8", "replace").rstrip("\n") for line in proc.stderr), daemon=True)
+        reader = threading.Thread(
+            target=lambda: stderr.extend(line.decode("utf-8", "replace").rstrip("\n") for line in proc.stderr),
+            daemon=True,
+        )
         reader.start()
         last = ""
         for line in proc.stdout:
@@ -128,14 +140,16 @@ class CommandLineRun(BackendRun):
             self._reported.add(rank)
         if last.startswith(EXIT_MARK):
             try:
-                self._ctx.emit(events.loads(last[len(EXIT_MARK):]))
+                self._ctx.emit(events.loads(last[len(EXIT_MARK) :]))
                 return
             except ValueError:  # a malformed line: reported as below
                 pass
         # no exit status of the rank's own to report: the launcher's is not the worker's
         failure = events.Failure.from_exit(rank, None, time=time.time(), log_tail=list(stderr)).for_rank(
-            rank, exc_type="LauncherLost", message=f"the launcher of rank {rank} ended (exit status {code}) without reporting its "
-                          "rank's exit")
+            rank,
+            exc_type="LauncherLost",
+            message=f"the launcher of rank {rank} ended (exit status {code}) without reporting its rank's exit",
+        )
         self._ctx.emit(events.Exit(rank=rank, code=code if code else 1, time=time.time(), failure=failure))
 
     def stop(self, grace: float) -> None:
@@ -196,4 +210,3 @@ class CommandLineRun(BackendRun):
                 proc.wait(REAP_WAIT)
             except subprocess.TimeoutExpired:
                 pass
-

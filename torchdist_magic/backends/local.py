@@ -50,12 +50,15 @@ class LocalProcessBackend(Backend):
             if options.num_processes > gpus:
                 raise ValueError(
                     f"{options.num_processes} ranks with use_gpu/--gpu need {options.num_processes} GPUs; "
-                    f"this machine has {gpus}")
+                    f"this machine has {gpus}"
+                )
         return LaunchPlan(options.num_processes, tls=self.channel_tls(options))
 
     def start(self, ctx: LaunchContext) -> "LocalRun":
-        run = LocalRun(tempfile.mkdtemp(prefix=f"torchdist-{ctx.spec.run_id}-"),
-                       value_directory(f"torchdist-{ctx.spec.run_id}-values-"))
+        run = LocalRun(
+            tempfile.mkdtemp(prefix=f"torchdist-{ctx.spec.run_id}-"),
+            value_directory(f"torchdist-{ctx.spec.run_id}-values-"),
+        )
         try:
             run.launch(ctx)
         except BaseException:
@@ -84,9 +87,18 @@ class LocalRun(BackendRun):
         for place in place_ranks([host] * n, "127.0.0.1", self._port.getsockname()[1]):
             # the launcher is a thread of the driver: if the driver dies, the orphaned ranks
             # remove the run's files themselves
-            self.procs.append(start_rank(ctx.spec, place, job_file, os.path.join(self.workdir, f"rank-{place.rank}"),
-                                         ctx.emit, value_file=self._value_file(place.rank),
-                                         cleanup=[self.workdir, self.value_dir], gpu_source=self._gpu_source))
+            self.procs.append(
+                start_rank(
+                    ctx.spec,
+                    place,
+                    job_file,
+                    os.path.join(self.workdir, f"rank-{place.rank}"),
+                    ctx.emit,
+                    value_file=self._value_file(place.rank),
+                    cleanup=[self.workdir, self.value_dir],
+                    gpu_source=self._gpu_source,
+                )
+            )
 
     def stop(self, grace: float) -> None:
         stop_all(self.procs, grace)
@@ -107,8 +119,13 @@ class LocalRun(BackendRun):
     def result(self, rank: int):
         shared = map_value(self._value_file(rank), self.value_dir)
         folder = os.path.join(self.workdir, f"rank-{rank}")
-        return shared if shared is not None else map_value(  # shared memory was full
-            os.path.join(folder, RESULT_FILE), folder)
+        return (
+            shared
+            if shared is not None
+            else map_value(  # shared memory was full
+                os.path.join(folder, RESULT_FILE), folder
+            )
+        )
 
     def ranks_alive(self) -> bool:
         return bool(self.procs) and all(_running(p) for p in self.procs)

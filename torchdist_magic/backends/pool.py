@@ -68,23 +68,24 @@ class PoolInfo:
     num_processes: int
     use_gpu: bool
     backend: str
-    state: str                  # new (its first run starting), busy, idle, or stopping (ranks, files going)
+    state: str  # new (its first run starting), busy, idle, or stopping (ranks, files going)
     pids: List[int]
     hosts: List[str]
-    runs: int                   # warm runs it has served
+    runs: int  # warm runs it has served
     idle_seconds: float
     idle_timeout: float
     memory_bytes: Optional[int]  # resident memory of its ranks (local pools), else None
-    where: str = ""             # where its ranks are when their pids do not say (a Spark job tag)
-    run_id: str = ""            # what its ranks carry as TORCHDIST_RUN_ID
+    where: str = ""  # where its ranks are when their pids do not say (a Spark job tag)
+    run_id: str = ""  # what its ranks carry as TORCHDIST_RUN_ID
 
     def describe(self) -> str:
-        where = self.where or \
-            f"pids {', '.join(map(str, self.pids)) or '-'}"
+        where = self.where or f"pids {', '.join(map(str, self.pids)) or '-'}"
         memory = f", {self.memory_bytes / 2**20:.0f} MiB" if self.memory_bytes else ""
-        return (f"{self.id}: np={self.num_processes}{' gpu' if self.use_gpu else ''} on {self.backend}, "
-                f"{self.state}, {self.runs} run{'s' if self.runs != 1 else ''}, idle {self.idle_seconds:.0f} s "
-                f"(stops after {self.idle_timeout:g} s idle), {where}{memory}")
+        return (
+            f"{self.id}: np={self.num_processes}{' gpu' if self.use_gpu else ''} on {self.backend}, "
+            f"{self.state}, {self.runs} run{'s' if self.runs != 1 else ''}, idle {self.idle_seconds:.0f} s "
+            f"(stops after {self.idle_timeout:g} s idle), {where}{memory}"
+        )
 
 
 def _placement(options: LaunchOptions, backend: Backend) -> Tuple:
@@ -105,7 +106,7 @@ class Pool:
         self.backend = backend
         self.plan = plan
         self.options = options
-        self.state = "new"          # new, busy (serving a run), idle, stopping, stopped
+        self.state = "new"  # new, busy (serving a run), idle, stopping, stopped
         self.stop_reason = ""
         self.runs = 0
         self._last_used = time.monotonic()
@@ -119,7 +120,7 @@ class Pool:
         self._backend_run: Optional[BackendRun] = None
         self._routes: Dict[type, Callable] = {}
         self._timer: Optional[threading.Timer] = None
-        self._stopped = threading.Event()   # set once a stop has released everything
+        self._stopped = threading.Event()  # set once a stop has released everything
         self.where = ""
         #: what the pool's ranks carry as ``TORCHDIST_RUN_ID``
         self.run_id = f"{self.id}-{uuid.uuid4().hex[:8]}"
@@ -132,14 +133,21 @@ class Pool:
         run_id = self.run_id
         make_room(self.options.num_processes, local=self.backend.ranks_share_machine())
         # secrets and a TLS key for the pool's life, which never leave this process
-        opened = open_channel(self._deliver, run_id, self.backend, self.plan, self.options.num_processes,
-                              self._on_refusal)
+        opened = open_channel(
+            self._deliver, run_id, self.backend, self.plan, self.options.num_processes, self._on_refusal
+        )
         self._channel = opened.server
-        spec = RunSpec.resolve(self.options, run_id, opened.address, opened.secret, opened.launcher_secret,
-                               channel_cert=opened.certificate)
-        ctx = LaunchContext(self.plan, spec, pickle_for_ranks(serve_job()), self._on_record,
-                            lambda record: self._channel.broadcast(record, role="launcher"),
-                            routes=self._routes)
+        spec = RunSpec.resolve(
+            self.options, run_id, opened.address, opened.secret, opened.launcher_secret, channel_cert=opened.certificate
+        )
+        ctx = LaunchContext(
+            self.plan,
+            spec,
+            pickle_for_ranks(serve_job()),
+            self._on_record,
+            lambda record: self._channel.broadcast(record, role="launcher"),
+            routes=self._routes,
+        )
         self._backend_run = self.backend.start(ctx)
         self.where = self._backend_run.where()
 
@@ -204,12 +212,20 @@ class Pool:
             local = self.backend.name == "local"
             idle = 0.0 if self.state == "busy" else time.monotonic() - self._last_used
             return PoolInfo(
-                id=self.id, num_processes=self.options.num_processes, use_gpu=self.options.use_gpu,
-                backend=self.backend.describe(), state=self.state, pids=[s.pid for s in ranks],
-                hosts=sorted({s.host for s in ranks}), runs=self.runs, idle_seconds=idle,
+                id=self.id,
+                num_processes=self.options.num_processes,
+                use_gpu=self.options.use_gpu,
+                backend=self.backend.describe(),
+                state=self.state,
+                pids=[s.pid for s in ranks],
+                hosts=sorted({s.host for s in ranks}),
+                runs=self.runs,
+                idle_seconds=idle,
                 idle_timeout=self.options.pool_idle_timeout,
                 memory_bytes=sum(rss_bytes(s.pid) for s in ranks) if local and ranks else None,
-                where=self.where, run_id=self.run_id)
+                where=self.where,
+                run_id=self.run_id,
+            )
 
     def _idle_check(self) -> None:
         with self._lock:
@@ -257,13 +273,19 @@ class Pool:
     def _send(self, job: "WarmJobRun") -> None:
         """The job to every rank, in ``RunJob`` pieces; waits for room on the channel."""
         text = base64.b64encode(job.job_bytes).decode("ascii")
-        pieces = [text[i:i + JOB_PIECE] for i in range(0, len(text), JOB_PIECE)] or [""]
+        pieces = [text[i : i + JOB_PIECE] for i in range(0, len(text), JOB_PIECE)] or [""]
         deadline = time.monotonic() + WARM_SEND_WAIT
         for rank in job.ranks:
             for i, piece in enumerate(pieces):
                 last = i == len(pieces) - 1
-                record = events.RunJob(rank=rank, job_id=job.job_id, data=piece, last=last,
-                                       env=job.env if last else {}, all_ranks=job.returns_value(rank))
+                record = events.RunJob(
+                    rank=rank,
+                    job_id=job.job_id,
+                    data=piece,
+                    last=last,
+                    env=job.env if last else {},
+                    all_ranks=job.returns_value(rank),
+                )
                 while not self._channel.send(rank, record, role="worker"):
                     if time.monotonic() > deadline or self.ending or self._dead or job.ended:
                         return  # the supervisor sees the rank's exit, or the run's deadline
@@ -341,8 +363,14 @@ def warm_backend(options: LaunchOptions) -> WarmBackend:
     placement = _placement(options, backend)
     reason = "its ranks had died since its last run"
     with _lock:
-        dead = [pool for pool in _pools if pool.state == "idle" and pool.placement == placement
-                and not pool.ranks_alive() and pool._mark_stopping(reason)]
+        dead = [
+            pool
+            for pool in _pools
+            if pool.state == "idle"
+            and pool.placement == placement
+            and not pool.ranks_alive()
+            and pool._mark_stopping(reason)
+        ]
         for pool in dead:
             _broken[placement] = f"{pool.id} stopped: {reason}"
     for pool in dead:  # outside the registry lock: see Pool._release_all
@@ -357,11 +385,11 @@ def warm_backend(options: LaunchOptions) -> WarmBackend:
             raise ValueError(
                 f"a warm pool with another placement is live: {other.info().describe()}. "
                 f"Stop it first (%torchdist_pool stop, or torchdist_magic.shutdown_pools()), or run "
-                "without --warm/warm=True")
+                "without --warm/warm=True"
+            )
         if same is not None:
             if same._reserved or same.state == "busy":
-                raise ValueError(f"warm {same.id} is running another run; wait for it, or run "
-                                 "without --warm/warm=True")
+                raise ValueError(f"warm {same.id} is running another run; wait for it, or run without --warm/warm=True")
             same._reserved = True
             return WarmBackend(same, fresh=False, ranks=options.ranks or ())
         plan = backend.check(options)
@@ -376,13 +404,17 @@ def _no_pool_for_ranks(options: LaunchOptions, other: Optional[Pool], broken: st
     """Why a run on some ranks (``--ranks``) has no pool to run on."""
     wanted = f"np={options.num_processes}{' gpu' if options.use_gpu else ''}"
     if other is not None:
-        found = (f"the live one is {other.info().describe()}; give its --np (and --gpu, backend) "
-                 "to run on some of its ranks")
+        found = (
+            f"the live one is {other.info().describe()}; give its --np (and --gpu, backend) to run on some of its ranks"
+        )
     else:
-        found = ("none is live" + (f" ({broken})" if broken else "") + "; start one with a --warm cell "
-                 "on every rank first (or Distributor(..., warm=True).run(...))")
-    return (f"--ranks needs a warm pool: it runs on some ranks of a live pool with this placement "
-            f"({wanted}), and {found}")
+        found = (
+            "none is live" + (f" ({broken})" if broken else "") + "; start one with a --warm cell "
+            "on every rank first (or Distributor(..., warm=True).run(...))"
+        )
+    return (
+        f"--ranks needs a warm pool: it runs on some ranks of a live pool with this placement ({wanted}), and {found}"
+    )
 
 
 def check_cold_run(options: LaunchOptions, backend: Backend) -> None:
@@ -401,7 +433,8 @@ def check_cold_run(options: LaunchOptions, backend: Backend) -> None:
         raise ValueError(
             f"{options.num_processes} ranks need {options.num_processes} free Spark task slots, but warm "
             f"{holding[0].id} holds {held} of this cluster's {total}; stop it first (%torchdist_pool stop, "
-            "or torchdist_magic.shutdown_pools()), or run on it with --warm/warm=True")
+            "or torchdist_magic.shutdown_pools()), or run on it with --warm/warm=True"
+        )
 
 
 def pools() -> List[PoolInfo]:

@@ -18,6 +18,8 @@ def make_backend(options: LaunchOptions) -> Backend:
         name = "spark" if active_spark_session() is not None else "local"
     backend = backend_factory(name)()
     if not isinstance(backend, Backend):
-        raise TypeError(f"backend {name!r}: its factory returned a {type(backend).__name__}, not a "
-                        "torchdist_magic Backend (backends.base.Backend)")
+        raise TypeError(
+            f"backend {name!r}: its factory returned a {type(backend).__name__}, not a "
+            "torchdist_magic Backend (backends.base.Backend)"
+        )
     return backend

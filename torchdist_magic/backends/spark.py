@@ -14,7 +14,8 @@ NO_SESSION = (
     "process has none. Start one first, e.g.:\n"
     "    from pyspark.sql import SparkSession\n"
     "    spark = SparkSession.builder.master(\"local[2]\").getOrCreate()\n"
-    "or run on local processes (--local, local_mode=True)")
+    "or run on local processes (--local, local_mode=True)"
+)
 
 
 def active_session_backend() -> SparkStageBackend:

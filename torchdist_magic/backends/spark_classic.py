@@ -23,7 +23,15 @@ from ..core import events
 from ..core.timing import SPARK_SLOT_WAIT
 from .base import LaunchContext
 from .spark_python import build_with_python, choose_python, python_exec
-from .spark_stage import GPU_AMOUNT_CONF, BarrierStageRun, SparkStageBackend, data_stage, is_spark_connect, log, sort_rows
+from .spark_stage import (
+    GPU_AMOUNT_CONF,
+    BarrierStageRun,
+    SparkStageBackend,
+    data_stage,
+    is_spark_connect,
+    log,
+    sort_rows,
+)
 from .spark_task import BarrierTaskSpec, run_arrow_task, run_barrier_task
 
 _LOCAL_CLUSTER = re.compile(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*\]")
@@ -54,8 +62,9 @@ class SparkBarrierBackend(SparkStageBackend):
 
     def __init__(self, session):
         if is_spark_connect(session):
-            raise ValueError("this SparkSession is a Spark Connect session: its runs go to "
-                             "spark_connect.SparkConnectBackend")
+            raise ValueError(
+                "this SparkSession is a Spark Connect session: its runs go to spark_connect.SparkConnectBackend"
+            )
         super().__init__(session)
 
     def ranks_share_machine(self) -> bool:
@@ -81,8 +90,10 @@ class SparkBarrierBackend(SparkStageBackend):
         return self.session.conf.get(key, default) or default
 
     def gpu_refusal(self) -> str:
-        return (f"{GPU_AMOUNT_CONF} is not set on this SparkSession; start it with {GPU_AMOUNT_CONF}=1 "
-                "and executor GPU resources (spark.executor.resource.gpu.amount, a discovery script)")
+        return (
+            f"{GPU_AMOUNT_CONF} is not set on this SparkSession; start it with {GPU_AMOUNT_CONF}=1 "
+            "and executor GPU resources (spark.executor.resource.gpu.amount, a discovery script)"
+        )
 
     def slots(self) -> int:
         return task_slots(self.context)
@@ -102,8 +113,9 @@ class SparkBarrierBackend(SparkStageBackend):
         return choose_python(self.context, num_processes)
 
     def stage_run(self, spec: BarrierTaskSpec, ctx: LaunchContext, frame) -> "SparkRun":
-        return SparkRun(self.context, spec, ctx, self.task_function(spec),
-                        ctx.plan.python or self.context.pythonExec, frame)
+        return SparkRun(
+            self.context, spec, ctx, self.task_function(spec), ctx.plan.python or self.context.pythonExec, frame
+        )
 
     def task_function(self, spec: BarrierTaskSpec) -> Callable:
         """What each barrier task runs: the ``mapPartitions`` function, or for a data run the
@@ -117,8 +129,7 @@ class SparkRun(BarrierStageRun):
     """The classic barrier stage: an RDD's ``mapPartitions`` collected under a job tag; for a
     data run, the DataFrame's ``mapInArrow(barrier=True)`` stage (``spark_stage.data_stage``)."""
 
-    def __init__(self, sc, spec: BarrierTaskSpec, ctx: LaunchContext, task: Callable, python: str,
-                 frame=None):
+    def __init__(self, sc, spec: BarrierTaskSpec, ctx: LaunchContext, task: Callable, python: str, frame=None):
         self._sc = sc
         self._python = python
         self._frame = frame
@@ -163,17 +174,25 @@ class SparkRun(BarrierStageRun):
                 sc.removeJobTag(self.job_tag)
                 sc.setJobDescription(None)
             except Exception as exc:  # the SparkContext was stopped under the run
-                log.info("run %s: could not remove job tag %s (%s: %s)", self._spec.run.run_id,
-                         self.job_tag, type(exc).__name__, exc)
+                log.info(
+                    "run %s: could not remove job tag %s (%s: %s)",
+                    self._spec.run.run_id,
+                    self.job_tag,
+                    type(exc).__name__,
+                    exc,
+                )
         exits: Dict[int, events.Exit] = {}
         for outcome in outcomes:
             try:
                 exits[outcome.rank] = events.decode(outcome.exit_json)
             except events.MalformedEvent:
                 pass  # a task of another version: the channel's handshake said so already
-        self._deliver({o.rank: o.value for o in outcomes if o.value is not None}, exits,
-                      {o.rank: o.log_tail for o in outcomes if o.channel_lost},
-                      {o.rank: o.value_file for o in outcomes if o.value_file})
+        self._deliver(
+            {o.rank: o.value for o in outcomes if o.value is not None},
+            exits,
+            {o.rank: o.log_tail for o in outcomes if o.channel_lost},
+            {o.rank: o.value_file for o in outcomes if o.value_file},
+        )
 
     def _interrupt(self) -> None:
         self._sc.cancelJobsWithTag(self.job_tag)

@@ -77,8 +77,9 @@ class SparkConnectBackend(SparkStageBackend):
         a tunnel to another machine would make the ranks fail to find the values' file, naming
         it; nothing here can tell such a tunnel apart.)"""
         host = remote_host(self.session)
-        return ((host == "localhost" or host.startswith("127.") or host == "::1")
-                and self.conf("spark.master").strip().startswith("local"))
+        return (host == "localhost" or host.startswith("127.") or host == "::1") and self.conf(
+            "spark.master"
+        ).strip().startswith("local")
 
     def slots(self) -> int:
         """Tasks the cluster runs at once: its default parallelism (what ``spark.range``
@@ -98,7 +99,8 @@ class SparkConnectBackend(SparkStageBackend):
             _, failure = spark_failure(exc)
             raise InterpreterMismatch(
                 f"the Spark Connect server's executors could not run a Python check: "
-                f"{failure.exc_type}: {failure.message}") from None
+                f"{failure.exc_type}: {failure.message}"
+            ) from None
         return None
 
     def stage_run(self, spec: BarrierTaskSpec, ctx: LaunchContext, frame) -> "SparkConnectRun":

@@ -50,7 +50,9 @@ def probe(driver_python, packages, _partition):
 '''
 
 #: the same probe as a ``mapInArrow`` function, for Spark Connect sessions
-_ARROW_PROBE_SOURCE = _PROBE_SOURCE + '''
+_ARROW_PROBE_SOURCE = (
+    _PROBE_SOURCE
+    + '''
 def probe_arrow(driver_python, packages, batches):
     import pyarrow as pa
     for _ in batches:
@@ -58,6 +60,7 @@ def probe_arrow(driver_python, packages, batches):
     for text in probe(driver_python, packages, None):
         yield pa.RecordBatch.from_pydict({"facts": [text]})
 '''
+)
 
 _chosen: Dict[tuple, str] = {}
 #: Connect sessions whose executors were checked; weak, so that a new session is never taken
@@ -133,7 +136,8 @@ def _probe(sc, python: str, tasks: int) -> Tuple[List[dict], Optional[BaseExcept
     import functools
 
     rdd = sc.parallelize(range(tasks), tasks).mapPartitions(
-        functools.partial(_probe_function(), sys.executable, PACKAGES))
+        functools.partial(_probe_function(), sys.executable, PACKAGES)
+    )
     try:
         rows = build_with_python(sc, rdd, python).collect()
     except Exception as exc:  # the interpreter did not even start, or pyspark failed in it
@@ -160,8 +164,12 @@ def choose_python(sc, tasks: int) -> str:
     facts, error = _probe(sc, first, tasks)
     python = first
     problems = [f for f in facts if differences(mine, f)]
-    if (error or problems) and not chosen and first != sys.executable \
-            and (error or all(f["driver_python_here"] for f in facts)):
+    if (
+        (error or problems)
+        and not chosen
+        and first != sys.executable
+        and (error or all(f["driver_python_here"] for f in facts))
+    ):
         own, own_error = _probe(sc, sys.executable, tasks)
         if own_error is None and not any(differences(mine, f) for f in own):
             facts, error, problems, python = own, None, [], sys.executable
@@ -172,12 +180,12 @@ def choose_python(sc, tasks: int) -> str:
     return python
 
 
-def _mismatch_message(sc, mine: dict, problems: List[dict], error: Optional[BaseException],
-                      chosen: str) -> str:
-    which = (f"the interpreter you chose ({chosen})" if chosen
-             else f"Spark's interpreter ({sc.pythonExec})")
-    lines = [f"the Spark executors cannot run the ranks with {which}, and this notebook's "
-             f"interpreter is not there to use instead:"]
+def _mismatch_message(sc, mine: dict, problems: List[dict], error: Optional[BaseException], chosen: str) -> str:
+    which = f"the interpreter you chose ({chosen})" if chosen else f"Spark's interpreter ({sc.pythonExec})"
+    lines = [
+        f"the Spark executors cannot run the ranks with {which}, and this notebook's "
+        f"interpreter is not there to use instead:"
+    ]
     if error is not None:
         _, failure = spark_failure(error)
         lines.append(f"  executors: Python did not start: {failure.exc_type}: {failure.message}")
@@ -189,10 +197,12 @@ def _mismatch_message(sc, mine: dict, problems: List[dict], error: Optional[Base
             lines.append(f"  executors:     {text}")
             lines.append(f"    differs in: {'; '.join(differences(mine, facts))}")
     lines.append(f"  this notebook: {describe(mine)}")
-    lines.append("Install the notebook's versions on every executor, or point the executors at a "
-                 "matching interpreter with spark.pyspark.python (or PYSPARK_PYTHON), for example "
-                 "an environment shipped with spark.archives=env.tar.gz#env and "
-                 "spark.pyspark.python=./env/bin/python")
+    lines.append(
+        "Install the notebook's versions on every executor, or point the executors at a "
+        "matching interpreter with spark.pyspark.python (or PYSPARK_PYTHON), for example "
+        "an environment shipped with spark.archives=env.tar.gz#env and "
+        "spark.pyspark.python=./env/bin/python"
+    )
     return "\n".join(lines)
 
 
@@ -212,14 +222,17 @@ def check_connect_python(spark, tasks: int) -> None:
     mine = local_facts()
     problems = [f for f in (json.loads(r["facts"]) for r in rows) if differences(mine, f)]
     if problems:
-        lines = ["the Spark Connect server's executors cannot run the ranks: their Python differs from "
-                 "this notebook's:"]
+        lines = [
+            "the Spark Connect server's executors cannot run the ranks: their Python differs from this notebook's:"
+        ]
         for text in dict.fromkeys(describe(f) for f in problems):
             lines.append(f"  executors:     {text}")
         lines.append(f"    differs in: {'; '.join(differences(mine, problems[0]))}")
         lines.append(f"  this notebook: {describe(mine)}")
-        lines.append("Install the same versions on both sides: on the cluster (%pip install in a "
-                     "Databricks notebook, or the cluster's libraries), or in this notebook's environment")
+        lines.append(
+            "Install the same versions on both sides: on the cluster (%pip install in a "
+            "Databricks notebook, or the cluster's libraries), or in this notebook's environment"
+        )
         raise InterpreterMismatch("\n".join(lines))
     with _chosen_lock:
         _checked_connect.add(spark)

@@ -117,7 +117,8 @@ class SparkStageBackend(Backend):
             raise ValueError(
                 f"{n} ranks need {n} Spark task slots at once (a barrier stage starts all its "
                 f"tasks together), but {self.cluster} has {slots}{self.slot_detail()}; use {slots} "
-                "or fewer ranks, or add executors")
+                "or fewer ranks, or add executors"
+            )
         tls = self.channel_tls(options)
         return SparkPlan(n, python=self.check_python(n), tls=tls)
 
@@ -135,15 +136,20 @@ class SparkStageBackend(Backend):
                     f"({SSL_CONF}=true), and the event channel would carry every rank's logs, metrics "
                     "and rank 0's value across the network unencrypted. Leave TLS on (the default on "
                     f"Spark), or, to run unencrypted anyway, set '{IGNORE_SSL_CONF}' to 'true' in the "
-                    "Spark configuration")
+                    "Spark configuration"
+                )
             # a warning, not the package's log (which goes nowhere unless the application says)
-            warnings.warn(f"{self.cluster} has TLS encryption enabled ({SSL_CONF}=true), but with "
-                          f"tls=False/--no-tls and {IGNORE_SSL_CONF}=true this run's event channel is not "
-                          "encrypted: anyone who can watch the cluster's network reads every rank's logs and "
-                          "metrics, the notebook values sent to the ranks and rank 0's value (the trained "
-                          "model), and can tell a rank from the driver by its traffic. Every record is still "
-                          "authenticated: nobody without the run's secrets can change one, or make a rank or "
-                          "the driver take one of theirs", UserWarning, stacklevel=2)
+            warnings.warn(
+                f"{self.cluster} has TLS encryption enabled ({SSL_CONF}=true), but with "
+                f"tls=False/--no-tls and {IGNORE_SSL_CONF}=true this run's event channel is not "
+                "encrypted: anyone who can watch the cluster's network reads every rank's logs and "
+                "metrics, the notebook values sent to the ranks and rank 0's value (the trained "
+                "model), and can tell a rank from the driver by its traffic. Every record is still "
+                "authenticated: nobody without the run's secrets can change one, or make a rank or "
+                "the driver take one of theirs",
+                UserWarning,
+                stacklevel=2,
+            )
         return False
 
     def conf_true(self, key: str) -> bool:
@@ -158,11 +164,16 @@ class SparkStageBackend(Backend):
     def start(self, ctx: LaunchContext) -> "BarrierStageRun":
         data = ctx.data
         value_dir = marked_value_directory(ctx.spec)
-        spec = BarrierTaskSpec(run=ctx.spec, job_bytes=ctx.job_bytes,
-                               data_schema=data.schema if data is not None else None, value_dir=value_dir,
-                               values_sent=os.environ.get(VALUES_FETCH_ENV) == "1")
-        ctx.receive_values({rank: spec.value_path(rank) for rank in range(ctx.spec.num_processes)
-                            if ctx.spec.returns_value(rank)})
+        spec = BarrierTaskSpec(
+            run=ctx.spec,
+            job_bytes=ctx.job_bytes,
+            data_schema=data.schema if data is not None else None,
+            value_dir=value_dir,
+            values_sent=os.environ.get(VALUES_FETCH_ENV) == "1",
+        )
+        ctx.receive_values(
+            {rank: spec.value_path(rank) for rank in range(ctx.spec.num_processes) if ctx.spec.returns_value(rank)}
+        )
         try:
             run = self.stage_run(spec, ctx, data.frame if data is not None else None)
             run.launch()
@@ -193,9 +204,11 @@ def marked_exit(exc: BaseException) -> Optional[events.Exit]:
 
 def no_live_view(run: RunSpec) -> str:
     """The line a rank's log gets when its task could not reach the notebook."""
-    return (f"[torchdist] no live view of this rank: its task could not reach this notebook's "
-            f"event channel at {run.channel_address} (a firewall, or a notebook outside the "
-            "cluster); its exit and last lines came back with the stage")
+    return (
+        f"[torchdist] no live view of this rank: its task could not reach this notebook's "
+        f"event channel at {run.channel_address} (a firewall, or a notebook outside the "
+        "cluster); its exit and last lines came back with the stage"
+    )
 
 
 class BarrierStageRun(BackendRun):
@@ -236,8 +249,13 @@ class BarrierStageRun(BackendRun):
     def _interrupt(self) -> None:
         """Cancel the stage's job tag (called again until the stage has ended)."""
 
-    def _deliver(self, values: Dict[int, bytes], exits: Dict[int, events.Exit],
-                 lost_logs: Dict[int, List[str]], value_files: Dict[int, str]) -> None:
+    def _deliver(
+        self,
+        values: Dict[int, bytes],
+        exits: Dict[int, events.Exit],
+        lost_logs: Dict[int, List[str]],
+        value_files: Dict[int, str],
+    ) -> None:
         """The stage's outcome: the values (or where the tasks wrote them), and every rank's
         exit, after the last lines of the ranks the channel did not carry (a repeated exit is
         ignored by the run's state)."""
@@ -266,8 +284,9 @@ class BarrierStageRun(BackendRun):
         if failed is None:
             rank, failure = spark_failure(exc)
             rank = min(max(rank or 0, 0), n - 1)
-            failed = events.Exit(rank=rank, code=1, time=now, host=failure.host,
-                                 failure=failure.for_rank(rank, exit_code=1, time=now))
+            failed = events.Exit(
+                rank=rank, code=1, time=now, host=failure.host, failure=failure.for_rank(rank, exit_code=1, time=now)
+            )
         if failed.failure is not None and failed.failure.log_tail:
             self._ctx.emit(events.Log(rank=failed.rank, stream="stderr", line=no_live_view(self._spec.run)))
             for line in failed.failure.log_tail:
@@ -301,11 +320,20 @@ class BarrierStageRun(BackendRun):
                 self._interrupt()
                 self._thread.join(SPARK_CANCEL_RETRY)
         except Exception as exc:  # the session is gone, and with it the stage
-            log.info("run %s: could not interrupt job tag %s (%s: %s); the session is gone",
-                     self._spec.run.run_id, self.job_tag, type(exc).__name__, exc)
+            log.info(
+                "run %s: could not interrupt job tag %s (%s: %s); the session is gone",
+                self._spec.run.run_id,
+                self.job_tag,
+                type(exc).__name__,
+                exc,
+            )
         if self._thread.is_alive():
-            log.warning("run %s: the stage of job tag %s was still running %g s after it was interrupted",
-                        self._spec.run.run_id, self.job_tag, SPARK_CANCEL_WAIT)
+            log.warning(
+                "run %s: the stage of job tag %s was still running %g s after it was interrupted",
+                self._spec.run.run_id,
+                self.job_tag,
+                SPARK_CANCEL_WAIT,
+            )
 
     def stop_ranks(self, ranks: Collection[int], grace: float) -> Set[int]:
         """``Stop`` to each of those ranks' tasks alone: each stops its rank and returns its
@@ -330,8 +358,9 @@ class BarrierStageRun(BackendRun):
             if os.path.exists(path):
                 return map_value(path, self._spec.value_dir)
             _, reason = spark_failure(self._error)
-            raise RuntimeError(f"rank {rank} finished, but Spark could not return its value: "
-                               f"{reason.exc_type}: {reason.message}")
+            raise RuntimeError(
+                f"rank {rank} finished, but Spark could not return its value: {reason.exc_type}: {reason.message}"
+            )
         return None
 
     def where(self) -> str:
@@ -392,11 +421,12 @@ def data_stage(frame, n: int, task: Callable, partitions: Optional[int] = None):
 
 _PY_TRACEBACK = "Traceback (most recent call last):"
 _EXC_LINE = re.compile(r"([A-Za-z_][\w.$]*): (.*)", re.S)
-_TASK_RANK = (re.compile(r"barrier task ResultTask\(\d+, (\d+)\)"),
-              re.compile(r"Lost task (\d+)\.\d+ in stage"))
+_TASK_RANK = (re.compile(r"barrier task ResultTask\(\d+, (\d+)\)"), re.compile(r"Lost task (\d+)\.\d+ in stage"))
 _TASK_HOST = re.compile(r"Lost task \d+\.\d+ in stage \S+ \(TID \d+\) \(([^\s)]+) executor")
-_TASK_REASON = (re.compile(r"finished unsuccessfully\.\n(.+)"),
-                re.compile(r"Lost task \d+\.\d+ in stage \S+ \(TID \d+\) \([^)]*\): (.+)"))
+_TASK_REASON = (
+    re.compile(r"finished unsuccessfully\.\n(.+)"),
+    re.compile(r"Lost task \d+\.\d+ in stage \S+ \(TID \d+\) \([^)]*\): (.+)"),
+)
 
 
 def spark_failure(exc: BaseException) -> Tuple[Optional[int], events.Failure]:
@@ -425,7 +455,7 @@ def spark_failure(exc: BaseException) -> Tuple[Optional[int], events.Failure]:
         lines = [line for line in block.splitlines() if not line.startswith(" SQLSTATE")]
         # the exception is what follows the last indented (frame) line
         last_frame = max(i for i, line in enumerate(lines) if i == 0 or line.startswith(" "))
-        exc_line = "\n".join(lines[last_frame + 1:]).strip()
+        exc_line = "\n".join(lines[last_frame + 1 :]).strip()
         traceback_text = "\n".join(lines).rstrip() + "\n"
     else:
         reasons = [m.group(1) for m in (p.search(text) for p in _TASK_REASON) if m]
@@ -433,6 +463,10 @@ def spark_failure(exc: BaseException) -> Tuple[Optional[int], events.Failure]:
         traceback_text = ""
     typed = _EXC_LINE.match(exc_line)  # "pkg.SomeError: message"; anything else is a message
     return rank, events.Failure.from_exception(
-        rank or 0, exc, host=host,
+        rank or 0,
+        exc,
+        host=host,
         exc_type=typed.group(1).rsplit(".", 1)[-1] if typed else type(exc).__name__,
-        message=typed.group(2).strip() if typed else exc_line, traceback_text=traceback_text)
+        message=typed.group(2).strip() if typed else exc_line,
+        traceback_text=traceback_text,
+    )

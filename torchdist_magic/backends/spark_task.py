@@ -109,9 +109,9 @@ def run_arrow_task(spec: BarrierTaskSpec, batches: Iterator) -> Iterator:
     if outcome.value_file:
         rows.append((rank, "value_file", outcome.value_file.encode()))
     if value is not None:
-        rows += [(rank, "value", value[i:i + CHUNK]) for i in range(0, len(value), CHUNK)] or [(rank, "value", b"")]
+        rows += [(rank, "value", value[i : i + CHUNK]) for i in range(0, len(value), CHUNK)] or [(rank, "value", b"")]
     for rank_, kind, chunk in rows:
-        yield pa.RecordBatch.from_pydict({"rank": [rank_], "kind": [kind], "chunk": [chunk]},
-                                         schema=pa.schema([("rank", pa.int32()), ("kind", pa.string()),
-                                                           ("chunk", pa.binary())]))
-
+        yield pa.RecordBatch.from_pydict(
+            {"rank": [rank_], "kind": [kind], "chunk": [chunk]},
+            schema=pa.schema([("rank", pa.int32()), ("kind", pa.string()), ("chunk", pa.binary())]),
+        )

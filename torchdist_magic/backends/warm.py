@@ -32,9 +32,13 @@ class WarmJobRun(BackendRun):
         #: others stay idle in their serving loop, and the run's state shows them so
         self.ranks = list(spec.ranks) or list(range(pool.options.num_processes))
         self.returns_value = spec.returns_value
-        self.env = dict(job_environment(spec), TORCHDIST_CHECKPOINT_DIR=spec.checkpoint_dir,
-                        TORCHDIST_KEEP_CHECKPOINTS=str(spec.keep_checkpoints),
-                        TORCHDIST_RETURN_VALUE="1", TORCHDIST_PREFLIGHT="1" if spec.preflight else "0")
+        self.env = dict(
+            job_environment(spec),
+            TORCHDIST_CHECKPOINT_DIR=spec.checkpoint_dir,
+            TORCHDIST_KEEP_CHECKPOINTS=str(spec.keep_checkpoints),
+            TORCHDIST_RETURN_VALUE="1",
+            TORCHDIST_PREFLIGHT="1" if spec.preflight else "0",
+        )
         self.sent = False
         self.ended = False
         self._lock = threading.Lock()
@@ -88,12 +92,13 @@ class WarmJobRun(BackendRun):
         if len(self._done) == len(self.ranks) and not self.pool._dead:
             return
         still = [r for r in self.ranks if r not in self._done]
-        why = (f"rank{'s' if len(still) > 1 else ''} {', '.join(map(str, still))} "
-               f"{'were' if len(still) > 1 else 'was'} still in the job")
+        why = (
+            f"rank{'s' if len(still) > 1 else ''} {', '.join(map(str, still))} "
+            f"{'were' if len(still) > 1 else 'was'} still in the job"
+        )
         if self.pool._dead:
             why = "a rank's process ended"
-        message = (f"[torchdist] warm {self.pool.id} stopped ({why}); the next warm run starts a "
-                   "fresh pool")
+        message = f"[torchdist] warm {self.pool.id} stopped ({why}); the next warm run starts a fresh pool"
         self.emit(events.Log(rank=0, stream="stderr", line=message))
         self.pool.stop(why, grace)
 
@@ -159,9 +164,11 @@ class WarmBackend(Backend):
         """The pool's plan: its placement was checked when it started.  A run that needs an
         encrypted channel (``channel_tls``) is refused on a pool whose channel is not."""
         if not self.pool.plan.tls and options.tls is not False and self.pool.backend.channel_tls(options):
-            raise ValueError(f"warm {self.pool.id}'s event channel is not encrypted (it started without "
-                             "TLS), and this run's must be; stop it first (%torchdist_pool stop, or "
-                             "torchdist_magic.shutdown_pools()), or run without --warm/warm=True")
+            raise ValueError(
+                f"warm {self.pool.id}'s event channel is not encrypted (it started without "
+                "TLS), and this run's must be; stop it first (%torchdist_pool stop, or "
+                "torchdist_magic.shutdown_pools()), or run without --warm/warm=True"
+            )
         return self.pool.plan
 
     def start(self, ctx: LaunchContext) -> WarmJobRun:

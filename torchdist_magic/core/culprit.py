@@ -31,7 +31,8 @@ from .failure import Failure
 #: watchdog): collateral whenever another rank is behind
 COLLECTIVE_TIMEOUT = re.compile(
     r"Timed out waiting \d+ ?ms for (recv|send) operation|collective operation timeout"
-    r"|Watchdog caught collective operation timeout|DistBackendError.*timed? ?out")
+    r"|Watchdog caught collective operation timeout|DistBackendError.*timed? ?out"
+)
 
 
 def is_collective_timeout(failure: Failure) -> bool:
@@ -91,16 +92,17 @@ def _where_group(group: str) -> str:
     return f" ({group})"
 
 
-def verdict(records: Dict[int, Collectives], ranks: Iterable[int],
-            exited: Optional[Dict[int, str]] = None) -> Verdict:
+def verdict(records: Dict[int, Collectives], ranks: Iterable[int], exited: Optional[Dict[int, str]] = None) -> Verdict:
     """Compare the collective records of ``ranks`` (``records``: rank -> its latest record;
     a rank may have none) and name the suspects.  ``exited``: rank -> how it left (``"exited
     with code 0"``) for the ranks whose process has ended."""
     ranks = sorted(set(ranks))
     exited = dict(exited or {})
     summary = tuple(_summary(records, ranks, exited))
-    groups = sorted({g.group for r in ranks if r in records for g in records[r].groups},
-                    key=lambda name: (name != "default group", name))
+    groups = sorted(
+        {g.group for r in ranks if r in records for g in records[r].groups},
+        key=lambda name: (name != "default group", name),
+    )
     for group in groups:
         found = _group_verdict(group, records, ranks, exited)
         if found is not None:
@@ -113,8 +115,9 @@ def verdict(records: Dict[int, Collectives], ranks: Iterable[int],
     return Verdict(summary=summary)
 
 
-def _group_verdict(name: str, records: Dict[int, Collectives], ranks: List[int],
-                   exited: Dict[int, str]) -> Optional[Tuple[str, List[int], str]]:
+def _group_verdict(
+    name: str, records: Dict[int, Collectives], ranks: List[int], exited: Dict[int, str]
+) -> Optional[Tuple[str, List[int], str]]:
     """Behind, exited or mismatch in the process group ``name``, from Flight Recorder records."""
     states: Dict[int, GroupCollectives] = {}
     for r in ranks:
@@ -151,8 +154,10 @@ def _group_verdict(name: str, records: Dict[int, Collectives], ranks: List[int],
     by_kind: Dict[Tuple[str, Tuple], List[int]] = {}
     for r in ahead:
         by_kind.setdefault((states[r].op, _sizes(states[r])), []).append(r)
-    parts = [f"{rank_list(rs)} in {_op_text(op, sizes, with_sizes)}"
-             for (op, sizes), rs in sorted(by_kind.items(), key=lambda kv: (kv[0] == usual, kv[1][0]))]
+    parts = [
+        f"{rank_list(rs)} in {_op_text(op, sizes, with_sizes)}"
+        for (op, sizes), rs in sorted(by_kind.items(), key=lambda kv: (kv[0] == usual, kv[1][0]))
+    ]
     return "mismatch", odd, f"collective mismatch at #{front}: {', '.join(parts)}{_where_group(name)}"
 
 
@@ -171,16 +176,19 @@ def _behind(behind: List[int], states: Dict[int, GroupCollectives]) -> str:
     if len(behind) == 1:
         last = lasts.pop()
         return f"{rank_list(behind)} is behind: " + (
-            "it entered no collective yet" if last == "none" else f"its last collective was {last}")
+            "it entered no collective yet" if last == "none" else f"its last collective was {last}"
+        )
     if len(lasts) == 1:
         last = lasts.pop()
         return f"{rank_list(behind)} are behind: " + (
-            "they entered no collective yet" if last == "none" else f"their last collective was {last}")
+            "they entered no collective yet" if last == "none" else f"their last collective was {last}"
+        )
     return f"{rank_list(behind)} are behind"
 
 
-def _stack_verdict(records: Dict[int, Collectives], ranks: List[int],
-                   exited: Dict[int, str]) -> Optional[Tuple[str, List[int], str]]:
+def _stack_verdict(
+    records: Dict[int, Collectives], ranks: List[int], exited: Dict[int, str]
+) -> Optional[Tuple[str, List[int], str]]:
     """Behind, exited or mismatch from stack records (no sequence numbers)."""
     stack = {r: records[r] for r in ranks if r in records and records[r].source == "stack"}
     inside = {r: rec.in_collective for r, rec in stack.items() if rec.in_collective}
@@ -204,7 +212,9 @@ def _stack_verdict(records: Dict[int, Collectives], ranks: List[int],
         by_op: Dict[str, List[int]] = {}
         for r, op in sorted(inside.items()):
             by_op.setdefault(op, []).append(r)
-        parts = [f"{rank_list(rs)} in {op}" for op, rs in sorted(by_op.items(), key=lambda kv: (kv[0] == usual, kv[1][0]))]
+        parts = [
+            f"{rank_list(rs)} in {op}" for op, rs in sorted(by_op.items(), key=lambda kv: (kv[0] == usual, kv[1][0]))
+        ]
         return "mismatch", odd, f"collective mismatch: {', '.join(parts)} (from the ranks' stacks)"
     return None
 
@@ -225,13 +235,18 @@ def _state_text(record: Optional[Collectives], gone: Optional[str]) -> str:
     elif record.source == "flight recorder":
         for g in record.groups:
             if g.finished < g.entered:
-                where = f"in {_collective(g.entered, g.op, g.sizes, True)}, finished #{g.finished}" \
-                    if g.finished else f"in {_collective(g.entered, g.op, g.sizes, True)}"
+                where = (
+                    f"in {_collective(g.entered, g.op, g.sizes, True)}, finished #{g.finished}"
+                    if g.finished
+                    else f"in {_collective(g.entered, g.op, g.sizes, True)}"
+                )
             else:
                 where = f"last collective {_collective(g.entered, g.op, g.sizes, True)}, finished"
             parts.append(f"{where} ({g.group})")
     elif record.source == "stack":
-        parts.append(f"in {record.in_collective} (its stack)" if record.in_collective else "in no collective (its stack)")
+        parts.append(
+            f"in {record.in_collective} (its stack)" if record.in_collective else "in no collective (its stack)"
+        )
     else:
         parts.append(record.note or "no collective record")
     if gone:

@@ -31,8 +31,13 @@ class RankFailure(RuntimeError):
     was behind, that rank is the root cause (``rank``) and the verdict leads the message.
     """
 
-    def __init__(self, failure: Failure, others: Optional[List[Failure]] = None,
-                 earlier: Optional[List[Optional[Failure]]] = None, verdict: Optional[Verdict] = None):
+    def __init__(
+        self,
+        failure: Failure,
+        others: Optional[List[Failure]] = None,
+        earlier: Optional[List[Optional[Failure]]] = None,
+        verdict: Optional[Verdict] = None,
+    ):
         self.failure = failure
         self.failures = [failure] + list(others or [])
         self.earlier = list(earlier or [])
@@ -78,8 +83,10 @@ class RankFailure(RuntimeError):
             lines += ["", "Where each rank was in its collectives:", *(f"  {line}" for line in self.verdict.summary)]
         if self.earlier:
             lines += ["", f"Every attempt failed ({len(self.attempts)} in all; each failure restarted the job):"]
-            lines += [f"  attempt {n}: {cause.summary() if cause else 'failed'}"
-                      for n, cause in enumerate(self.attempts, start=1)]
+            lines += [
+                f"  attempt {n}: {cause.summary() if cause else 'failed'}"
+                for n, cause in enumerate(self.attempts, start=1)
+            ]
         return "\n".join(lines)
 
     def _render_traceback_(self) -> List[str]:
@@ -117,8 +124,7 @@ def stack_text(record: Stacks) -> str:
     thread = record.main()
     if thread is None:
         return f"  ({record.note or 'no Python stack'})"
-    return "\n".join(f'  File "{f.filename}", line {f.line}, in {f.function}'
-                     for f in reversed(thread.job_frames()))
+    return "\n".join(f'  File "{f.filename}", line {f.line}, in {f.function}' for f in reversed(thread.job_frames()))
 
 
 def grouped_where(stacks: Dict[int, Stacks], ranks) -> List[str]:
@@ -149,8 +155,11 @@ class _WithStacks(_PlainRender):
         lines = super()._render_traceback_()
         shown = [r for r in self.suspects if r in self.stacks][:SHOWN_SUSPECTS] if self.verdict else sorted(self.stacks)
         for rank in shown:
-            lines += ["", f"--- rank {rank}, main thread (most recent call last) ---",
-                      *stack_text(self.stacks[rank]).splitlines()]
+            lines += [
+                "",
+                f"--- rank {rank}, main thread (most recent call last) ---",
+                *stack_text(self.stacks[rank]).splitlines(),
+            ]
         return lines
 
     def _where(self, num_processes: int) -> List[str]:
@@ -161,17 +170,26 @@ class _WithStacks(_PlainRender):
         ranks = range(num_processes) if num_processes else sorted(self.stacks)
         shown = self.suspects[:SHOWN_SUSPECTS]
         others = [r for r in ranks if r not in shown]
-        return (where_ranks_were({r: self.stacks[r] for r in shown if r in self.stacks}) +
-                grouped_where(self.stacks, others) +
-                ["Where each rank was in its collectives:"] + [f"  {line}" for line in self.verdict.summary])
+        return (
+            where_ranks_were({r: self.stacks[r] for r in shown if r in self.stacks})
+            + grouped_where(self.stacks, others)
+            + ["Where each rank was in its collectives:"]
+            + [f"  {line}" for line in self.verdict.summary]
+        )
 
 
 class JobTimeout(_WithStacks, TimeoutError):
     """The run passed its ``timeout``; every rank was stopped.  ``stacks`` are every rank's
     stacks at that moment (empty when none were captured)."""
 
-    def __init__(self, seconds: float, state_summary: str = "", stacks: Optional[Dict[int, Stacks]] = None,
-                 num_processes: int = 0, verdict: Optional[Verdict] = None):
+    def __init__(
+        self,
+        seconds: float,
+        state_summary: str = "",
+        stacks: Optional[Dict[int, Stacks]] = None,
+        num_processes: int = 0,
+        verdict: Optional[Verdict] = None,
+    ):
         self.seconds = seconds
         self.state_summary = state_summary
         self.stacks = dict(stacks or {})
@@ -195,21 +213,29 @@ class HangTimeout(_WithStacks, TimeoutError):
     stacks were captured (``stacks``), then every rank was stopped.  The message names each
     rank's innermost frames."""
 
-    def __init__(self, seconds: float, stacks: Dict[int, Stacks], num_processes: int, hint: str = "",
-                 verdict: Optional[Verdict] = None):
+    def __init__(
+        self,
+        seconds: float,
+        stacks: Dict[int, Stacks],
+        num_processes: int,
+        hint: str = "",
+        verdict: Optional[Verdict] = None,
+    ):
         self.seconds = seconds
         self.stacks = dict(stacks)
         self.num_processes = num_processes
         self.hint = hint  # what probably hung it (a collective in a cell on some ranks)
         self.verdict = verdict
-        self.headline = (f"no rank sent progress, metrics or output for {seconds:g} s (hang_timeout); "
-                         "every rank was stopped")
+        self.headline = (
+            f"no rank sent progress, metrics or output for {seconds:g} s (hang_timeout); every rank was stopped"
+        )
         if verdict:
             self.headline = f"{_capitalized(verdict.sentence)}. {_capitalized(self.headline)}"
         if hint:
             self.headline += f". {_capitalized(hint)}"
-        super().__init__(f"{self.headline}. Where each rank was (innermost frame first):\n"
-                         + "\n".join(self._where(num_processes)))
+        super().__init__(
+            f"{self.headline}. Where each rank was (innermost frame first):\n" + "\n".join(self._where(num_processes))
+        )
 
     def __reduce__(self):
         return (type(self), (self.seconds, self.stacks, self.num_processes, self.hint, self.verdict))
@@ -225,8 +251,9 @@ class ResultTimeout(_PlainRender, TimeoutError):
 
     def __init__(self, seconds: float):
         self.seconds = seconds
-        super().__init__(f"the run is still going after waiting {seconds:g} s (it keeps running; call cancel() "
-                         "to stop it)")
+        super().__init__(
+            f"the run is still going after waiting {seconds:g} s (it keeps running; call cancel() to stop it)"
+        )
 
     def __reduce__(self):
         return (type(self), (self.seconds,))

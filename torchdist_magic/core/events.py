@@ -49,6 +49,7 @@ PROTOCOL_VERSION = 8
 
 # -- records ----------------------------------------------------------------------------------
 
+
 @dataclass
 class Event:
     """Base of every record; ``rank`` is the rank it concerns (set by the channel from the
@@ -104,8 +105,8 @@ class Progress(Event):
     n: int = 0
     total: Optional[int] = None
     elapsed: float = 0.0
-    state: str = "running"          # running, done, stopped; cleared: the bar is gone (tqdm's leave=False)
-    postfix: str = ""               # what tqdm shows after the bar (``loss=0.31``)
+    state: str = "running"  # running, done, stopped; cleared: the bar is gone (tqdm's leave=False)
+    postfix: str = ""  # what tqdm shows after the bar (``loss=0.31``)
 
 
 @dataclass
@@ -433,10 +434,10 @@ class Joined(Event):
     tasks to place their ranks (``rankenv.place_spark_tasks``)."""
 
     type: ClassVar[str] = "joined"
-    host: str = ""                  # what tells its machine apart from the others'
-    address: str = ""               # where the other ranks reach that machine
-    port: Optional[int] = None      # rank 0's reserved MASTER_PORT
-    gpus: Optional[str] = None      # the GPU addresses Spark gave the task
+    host: str = ""  # what tells its machine apart from the others'
+    address: str = ""  # where the other ranks reach that machine
+    port: Optional[int] = None  # rank 0's reserved MASTER_PORT
+    gpus: Optional[str] = None  # the GPU addresses Spark gave the task
 
 
 @dataclass
@@ -497,8 +498,20 @@ class AttemptBegan(Event):
     attempt: int = 1
 
 
-RANK_TO_DRIVER = (Started, Log, Progress, Metrics, Dropped, Exit, Stacks, SystemMetrics, Collectives, Preflight,
-                  StepSplit, Checkpoint)
+RANK_TO_DRIVER = (
+    Started,
+    Log,
+    Progress,
+    Metrics,
+    Dropped,
+    Exit,
+    Stacks,
+    SystemMetrics,
+    Collectives,
+    Preflight,
+    StepSplit,
+    Checkpoint,
+)
 DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers, DebugInput, DumpCollectives, StartProfile)
 #: records that a backend takes for itself, never a RunState
 LAUNCHER_TO_DRIVER = (Joined,)
@@ -513,21 +526,45 @@ KERNEL_TO_SUPERVISOR = (StopRun,)
 #: records a detached run's supervising process writes in its journal for the kernels that attach
 SUPERVISOR_TO_KERNEL = (AttemptBegan,)
 RECORDS: Dict[str, Type[Event]] = {
-    cls.type: cls for cls in RANK_TO_DRIVER + DRIVER_TO_RANK + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER
-    + DEBUG_TO_DRIVER + PROFILE_TO_DRIVER + KERNEL_TO_SUPERVISOR + SUPERVISOR_TO_KERNEL}
+    cls.type: cls
+    for cls in RANK_TO_DRIVER
+    + DRIVER_TO_RANK
+    + LAUNCHER_TO_DRIVER
+    + POOL_TO_DRIVER
+    + DEBUG_TO_DRIVER
+    + PROFILE_TO_DRIVER
+    + KERNEL_TO_SUPERVISOR
+    + SUPERVISOR_TO_KERNEL
+}
 
 #: which records each role of connection may send to the driver
 SENDERS: Dict[str, frozenset] = {
-    "worker": frozenset({Started, Progress, Metrics, StepSplit, Checkpoint, ProfilePiece, ProfileDone, Dropped,
-                         JobValue, JobDone, DebugOutput, SystemMetrics, Collectives, Preflight}),
-    "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER + DEBUG_TO_DRIVER
-                          + PROFILE_TO_DRIVER),
+    "worker": frozenset(
+        {
+            Started,
+            Progress,
+            Metrics,
+            StepSplit,
+            Checkpoint,
+            ProfilePiece,
+            ProfileDone,
+            Dropped,
+            JobValue,
+            JobDone,
+            DebugOutput,
+            SystemMetrics,
+            Collectives,
+            Preflight,
+        }
+    ),
+    "launcher": frozenset(RANK_TO_DRIVER + LAUNCHER_TO_DRIVER + POOL_TO_DRIVER + DEBUG_TO_DRIVER + PROFILE_TO_DRIVER),
     #: a kernel on a detached run's control socket (never on a run's channel)
     "kernel": frozenset(KERNEL_TO_SUPERVISOR),
 }
 
 
 # -- encoding ---------------------------------------------------------------------------------
+
 
 def encode(event: Event) -> dict:
     """The JSON object of a record: its fields and ``"type"``."""
@@ -538,6 +575,7 @@ def encode(event: Event) -> dict:
 
 def dumps(event: Event) -> str:
     return json.dumps(encode(event), separators=(",", ":"), allow_nan=False)
+
 
 def decode(data: Any) -> Event:
     """The record a JSON object encodes; ``MalformedEvent`` for anything else.

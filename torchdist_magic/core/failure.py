@@ -30,23 +30,44 @@ class Failure:
     log_tail: List[str] = field(default_factory=list)
 
     @classmethod
-    def from_exception(cls, rank: int, exc: BaseException, *, host: str = "",
-                       exit_code: Optional[int] = None, exc_type: Optional[str] = None,
-                       message: Optional[str] = None, traceback_text: Optional[str] = None,
-                       time: Optional[float] = None) -> "Failure":
+    def from_exception(
+        cls,
+        rank: int,
+        exc: BaseException,
+        *,
+        host: str = "",
+        exit_code: Optional[int] = None,
+        exc_type: Optional[str] = None,
+        message: Optional[str] = None,
+        traceback_text: Optional[str] = None,
+        time: Optional[float] = None,
+    ) -> "Failure":
         """``rank``'s failure by ``exc``: its type (``exc_type``: the class's qualified name unless
         given), message (``str(exc)`` unless given) and traceback (``traceback_text``: the whole
         formatted exception unless given), at ``time`` (now unless given)."""
         if traceback_text is None:
             traceback_text = "".join(_format_exception(type(exc), exc, exc.__traceback__))
-        return cls(rank=rank, host=host, exit_code=exit_code,
-                   exc_type=type(exc).__qualname__ if exc_type is None else exc_type,
-                   message=str(exc) if message is None else message, traceback=traceback_text,
-                   time=_now() if time is None else time)
+        return cls(
+            rank=rank,
+            host=host,
+            exit_code=exit_code,
+            exc_type=type(exc).__qualname__ if exc_type is None else exc_type,
+            message=str(exc) if message is None else message,
+            traceback=traceback_text,
+            time=_now() if time is None else time,
+        )
 
     @classmethod
-    def from_exit(cls, rank: int, code: Optional[int], *, host: str = "", time: float = 0.0,
-                  reported: Optional["Failure"] = None, log_tail: Optional[List[str]] = None) -> "Failure":
+    def from_exit(
+        cls,
+        rank: int,
+        code: Optional[int],
+        *,
+        host: str = "",
+        time: float = 0.0,
+        reported: Optional["Failure"] = None,
+        log_tail: Optional[List[str]] = None,
+    ) -> "Failure":
         """``rank``'s failure from how its process ended, ``code`` (negative: killed by that
         signal, which ``summary`` names; ``None``: no process exit to report), and from what the
         rank itself reported, ``reported`` (its exception: the worker's ``error.json``, a warm
@@ -58,10 +79,16 @@ class Failure:
         report's."""
         reported = reported if reported is not None else cls()
         plain = code is None or code > 0
-        return cls(rank=rank, host=reported.host or host,
-                   exit_code=reported.exit_code if plain and reported.exit_code is not None else code,
-                   exc_type=reported.exc_type, message=reported.message, traceback=reported.traceback,
-                   time=reported.time or time, log_tail=list(log_tail or reported.log_tail))
+        return cls(
+            rank=rank,
+            host=reported.host or host,
+            exit_code=reported.exit_code if plain and reported.exit_code is not None else code,
+            exc_type=reported.exc_type,
+            message=reported.message,
+            traceback=reported.traceback,
+            time=reported.time or time,
+            log_tail=list(log_tail or reported.log_tail),
+        )
 
     def for_rank(self, rank: int, **changes: Any) -> "Failure":
         """A copy of this failure as ``rank``'s, with ``changes`` (fields by name) made."""

@@ -75,10 +75,16 @@ def make_room(num_processes: int, local: bool) -> int:
             f"({PER_LOCAL_RANK if local else PER_REMOTE_RANK} per rank, {opened} open now and "
             f"{HEADROOM} to spare), and its hard limit is {hard}: raise "
             f"it before starting Jupyter (`ulimit -n {_round_up(need)}` in its shell, LimitNOFILE= "
-            "in a systemd unit, nofile in /etc/security/limits.conf), or run fewer ranks")
+            "in a systemd unit, nofile in /etc/security/limits.conf), or run fewer ranks"
+        )
     resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
-    _log.info("raised the limit on open files from %d to %d for a run of %d ranks (hard limit %s)",
-              soft, need, num_processes, "none" if hard == unlimited else hard)
+    _log.info(
+        "raised the limit on open files from %d to %d for a run of %d ranks (hard limit %s)",
+        soft,
+        need,
+        num_processes,
+        "none" if hard == unlimited else hard,
+    )
     return need
 
 

@@ -25,13 +25,13 @@ class CellCode:
     source: str
     filename: str
     imports: List[Tuple[str, str]] = field(default_factory=list)  # (statement, origin)
-    values: bytes = b""                                            # pickle stream of {name: value}
+    values: bytes = b""  # pickle stream of {name: value}
     #: the large buffers of those values, apart (``values.pickled_apart``)
     buffers: Optional[Buffers] = None
     value_names: List[str] = field(default_factory=list)
     init_process_group: bool = True
     line_offset: int = 1
-    silent: bool = False                                           # trailing ';'
+    silent: bool = False  # trailing ';'
     #: what the ranks compile when the source has IPython syntax: the source translated, line for
     #: line (``capture.translate_cell``); empty when the source is Python as it is
     python: str = ""
@@ -46,8 +46,8 @@ class Job:
 
     kind: str
     name: str
-    payload: bytes = b""                      # function: pickle stream of (fn, args, kwargs)
-    buffers: Optional[Buffers] = None         # the payload's large buffers, apart
+    payload: bytes = b""  # function: pickle stream of (fn, args, kwargs)
+    buffers: Optional[Buffers] = None  # the payload's large buffers, apart
     script_path: str = ""
     script_source: str = ""
     script_args: List[str] = field(default_factory=list)
@@ -175,8 +175,9 @@ def function_job(fn: Any, args: tuple, kwargs: dict) -> Job:
         culprit = find_unpicklable(named, modules)
         name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(culprit or f"function {name} cannot be pickled: {exc}") from exc
-    return Job(kind="function", name=getattr(fn, "__name__", "function"), payload=payload, buffers=buffers,
-               **_where(modules))
+    return Job(
+        kind="function", name=getattr(fn, "__name__", "function"), payload=payload, buffers=buffers, **_where(modules)
+    )
 
 
 def script_job(path: str, args: tuple) -> Job:
@@ -188,8 +189,14 @@ def script_job(path: str, args: tuple) -> Job:
         raise TypeError(f"script arguments must be strings or numbers, got {bad[0]!r}")
     with open(full, encoding="utf-8") as fh:
         source = fh.read()
-    return Job(kind="script", name=os.path.basename(full), script_path=full, script_source=source,
-               script_args=[str(a) for a in args], **_where())
+    return Job(
+        kind="script",
+        name=os.path.basename(full),
+        script_path=full,
+        script_source=source,
+        script_args=[str(a) for a in args],
+        **_where(),
+    )
 
 
 def cell_job(cell: CellCode, name: str) -> Job:
@@ -211,7 +218,9 @@ def build_job(target: Any, args: tuple, kwargs: dict) -> Job:
         return target
     if isinstance(target, (str, os.PathLike)):
         if kwargs:
-            raise TypeError("keyword arguments cannot be passed to a script; give them as "
-                            f"command-line strings (got {', '.join(kwargs)})")
+            raise TypeError(
+                "keyword arguments cannot be passed to a script; give them as "
+                f"command-line strings (got {', '.join(kwargs)})"
+            )
         return script_job(os.fspath(target), args)
     return function_job(target, args, kwargs)

@@ -64,7 +64,17 @@ STACKS_HEADER = "torchdist main thread "
 
 # -- what a cell sees ---------------------------------------------------------------------------
 #: names a cell gets from the run, in place of any notebook value of the same name
-CELL_PROVIDED = ("rank", "local_rank", "world_size", "device", "progress", "report", "is_main",
-                 "restart_count", "save_checkpoint", "load_checkpoint")
+CELL_PROVIDED = (
+    "rank",
+    "local_rank",
+    "world_size",
+    "device",
+    "progress",
+    "report",
+    "is_main",
+    "restart_count",
+    "save_checkpoint",
+    "load_checkpoint",
+)
 #: the ``desc`` of the bar each rank's rows are reported with (the view shows rows/s for it)
 ROWS_BAR = "rows"

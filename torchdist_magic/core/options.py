@@ -63,7 +63,8 @@ GPU_HELP = (
     "one GPU per rank and the nccl process group; rank r uses cuda:LOCAL_RANK (device). Local "
     "processes: the machine's GPUs, refused when it has fewer than --np. Spark: the GPU Spark "
     "assigns each task (needs spark.task.resource.gpu.amount=1), first in CUDA_VISIBLE_DEVICES "
-    "(cuda:0), before the other GPUs of its host's ranks; without --gpu a Spark rank sees no GPU")
+    "(cuda:0), before the other GPUs of its host's ranks; without --gpu a Spark rank sees no GPU"
+)
 
 
 @dataclass
@@ -86,14 +87,17 @@ class LaunchOptions:
             "where ranks run: 'local' processes, a 'spark' barrier stage on the active "
             "SparkSession, 'auto' (Spark when a SparkSession is active, local processes otherwise), "
             "or a backend a package registered (entry point group torchdist_magic.backends)",
-            metavar="NAME", names=backend_names,
+            metavar="NAME",
+            names=backend_names,
         ),
     )
     timeout: Optional[float] = field(
         default=None,
         metadata=_flag(
-            "--timeout", "stop every rank and raise TimeoutError after SECONDS",
-            metavar="SECONDS", type=float,
+            "--timeout",
+            "stop every rank and raise TimeoutError after SECONDS",
+            metavar="SECONDS",
+            type=float,
         ),
     )
     hang_timeout: Optional[float] = field(
@@ -102,7 +106,8 @@ class LaunchOptions:
             "--hang-timeout",
             "when no rank has sent progress, metrics or output for SECONDS: show every rank's "
             "Python stack, stop every rank and raise TimeoutError naming where each rank was",
-            metavar="SECONDS", type=float,
+            metavar="SECONDS",
+            type=float,
         ),
     )
     max_restarts: int = field(
@@ -112,7 +117,8 @@ class LaunchOptions:
             "when a rank dies or raises, stop every rank and start the whole job again (a new "
             "process group), up to N times; restart_count() tells the job which attempt it is, "
             "load_checkpoint() gives it the last save_checkpoint()",
-            metavar="N", type=int,
+            metavar="N",
+            type=int,
         ),
     )
     checkpoint_dir: Optional[str] = field(
@@ -128,14 +134,20 @@ class LaunchOptions:
     )
     keep_checkpoints: int = field(
         default=3,
-        metadata=_flag("--keep-checkpoints", "how many of the newest checkpoints to keep; older ones are removed",
-                       metavar="K", type=int),
+        metadata=_flag(
+            "--keep-checkpoints",
+            "how many of the newest checkpoints to keep; older ones are removed",
+            metavar="K",
+            type=int,
+        ),
     )
     env: dict = field(
         default_factory=dict,
         metadata=_flag(
-            "--env", "extra environment variable for every rank (repeatable)",
-            metavar="KEY=VALUE", repeat=True,
+            "--env",
+            "extra environment variable for every rank (repeatable)",
+            metavar="KEY=VALUE",
+            repeat=True,
         ),
     )
     all_ranks: bool = field(
@@ -162,7 +174,8 @@ class LaunchOptions:
             "{rank: value} of the chosen ranks. Such a cell must not call collectives (all_reduce, "
             "barrier, DDP): the idle ranks never join them, and it hangs until --hang-timeout or "
             "an interrupt stops the pool",
-            metavar="R,R", text=lambda ranks: ",".join(map(str, ranks)),
+            metavar="R,R",
+            text=lambda ranks: ",".join(map(str, ranks)),
         ),
     )
     pool_idle_timeout: float = field(
@@ -171,7 +184,8 @@ class LaunchOptions:
             "--pool-idle-timeout",
             "a warm pool that has run nothing for SECONDS stops (it holds its ranks, and on Spark "
             "its task slots, until then)",
-            metavar="SECONDS", type=float,
+            metavar="SECONDS",
+            type=float,
         ),
     )
     pdb: bool = field(
@@ -190,7 +204,8 @@ class LaunchOptions:
             "--debug-idle-timeout",
             "a debugger session on a rank (--pdb, breakpoint()) that gets no input for SECONDS "
             "ends, freeing the rank (a post-mortem's rank exits, a breakpoint's stops the run)",
-            metavar="SECONDS", type=float,
+            metavar="SECONDS",
+            type=float,
         ),
     )
     tls: Optional[bool] = field(
@@ -200,11 +215,14 @@ class LaunchOptions:
             "encrypt the event channel between the ranks and this notebook (logs, metrics, rank 0's "
             "value) with TLS, under a key and certificate made for the run. Default: on for Spark, "
             "off for local processes (loopback); always on when the cluster sets spark.ssl.enabled",
-            negative=("--no-tls", "leave the event channel unencrypted: anyone on the network between "
-                                  "the ranks and this notebook reads their logs, metrics, the notebook values "
-                                  "and rank 0's value (every record stays authenticated: nobody can change or "
-                                  "inject one). Refused on a cluster with spark.ssl.enabled unless "
-                                  "pytorch.spark.distributor.ignoreSsl=true"),
+            negative=(
+                "--no-tls",
+                "leave the event channel unencrypted: anyone on the network between "
+                "the ranks and this notebook reads their logs, metrics, the notebook values "
+                "and rank 0's value (every record stays authenticated: nobody can change or "
+                "inject one). Refused on a cluster with spark.ssl.enabled unless "
+                "pytorch.spark.distributor.ignoreSsl=true",
+            ),
         ),
     )
 
@@ -228,7 +246,8 @@ class LaunchOptions:
             "loop) and merge every rank's trace into one Chrome trace / Perfetto timeline, one "
             "process per rank (run.profile: its trace_path and per rank the top operators, the "
             "step split and the peak memory). 0: no profile",
-            metavar="STEPS", type=int,
+            metavar="STEPS",
+            type=int,
         ),
     )
 
@@ -272,7 +291,7 @@ class LaunchOptions:
         _check_count("num_processes", self.num_processes, 1)
         _check_bool("use_gpu", self.use_gpu)
         if self.backend not in backend_names():
-            told = unknown_backend(self.backend)[len("backend"):]
+            told = unknown_backend(self.backend)[len("backend") :]
             raise OptionValueError("backend", "{name}" + told.replace("{", "{{").replace("}", "}}"))
         _check_seconds("timeout", self.timeout)
         _check_seconds("hang_timeout", self.hang_timeout)
@@ -281,10 +300,14 @@ class LaunchOptions:
             if not isinstance(self.checkpoint_dir, (str, os.PathLike)):
                 raise OptionTypeError("checkpoint_dir", f"{{name}} must be a path, got {self.checkpoint_dir!r}")
             self.checkpoint_dir = os.fspath(self.checkpoint_dir)
-            if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir.strip() \
-                    or "\x00" in self.checkpoint_dir:
-                raise OptionValueError("checkpoint_dir",
-                                       f"{{name}} must be a directory path, got {self.checkpoint_dir!r}")
+            if (
+                not isinstance(self.checkpoint_dir, str)
+                or not self.checkpoint_dir.strip()
+                or "\x00" in self.checkpoint_dir
+            ):
+                raise OptionValueError(
+                    "checkpoint_dir", f"{{name}} must be a directory path, got {self.checkpoint_dir!r}"
+                )
         _check_count("keep_checkpoints", self.keep_checkpoints, 1)
         self.env = parse_env(self.env)
         _check_bool("all_ranks", self.all_ranks)
@@ -292,8 +315,11 @@ class LaunchOptions:
         _check_seconds("pool_idle_timeout", self.pool_idle_timeout)
         self.ranks = _chosen_ranks(self.ranks, self.num_processes)
         if self.ranks is not None and not self.warm:
-            raise OptionValueError("ranks", "{name} needs a warm pool: it runs a cell on some ranks of "
-                                   "the live pool (--warm/warm=True), and a cold run starts every rank afresh")
+            raise OptionValueError(
+                "ranks",
+                "{name} needs a warm pool: it runs a cell on some ranks of "
+                "the live pool (--warm/warm=True), and a cold run starts every rank afresh",
+            )
         _check_bool("pdb", self.pdb)
         if self.debug_idle_timeout is None:
             raise OptionTypeError("debug_idle_timeout", "{name} must be a number of seconds, got None")
@@ -305,18 +331,30 @@ class LaunchOptions:
         _check_bool("mlflow", self.mlflow)
         _check_bool("preflight", self.preflight)
         if self.warm and self.pdb:
-            raise OptionValueError("pdb", "{name} holds a failing rank for a debugger, which a warm pool's "
-                                   "ranks cannot do yet: run it without --warm/warm=True")
+            raise OptionValueError(
+                "pdb",
+                "{name} holds a failing rank for a debugger, which a warm pool's "
+                "ranks cannot do yet: run it without --warm/warm=True",
+            )
         _check_bool("detach", self.detach)
         if self.detach and self.warm:
-            raise OptionValueError("detach", "{name} runs under a process of its own, and a warm pool's ranks "
-                                   "belong to this kernel: use one or the other")
+            raise OptionValueError(
+                "detach",
+                "{name} runs under a process of its own, and a warm pool's ranks "
+                "belong to this kernel: use one or the other",
+            )
         if self.detach and self.pdb:
-            raise OptionValueError("pdb", "{name} holds a failing rank for a debugger in the cell, and a "
-                                   "detached run has no cell to debug in: run it without --detach/detach=True")
+            raise OptionValueError(
+                "pdb",
+                "{name} holds a failing rank for a debugger in the cell, and a "
+                "detached run has no cell to debug in: run it without --detach/detach=True",
+            )
         if self.warm and self.max_restarts:
-            raise OptionValueError("max_restarts", "{name} starts every rank again (a new process group) "
-                                   "after a failure, and a warm pool keeps its ranks: use one or the other")
+            raise OptionValueError(
+                "max_restarts",
+                "{name} starts every rank again (a new process group) "
+                "after a failure, and a warm pool keeps its ranks: use one or the other",
+            )
 
     def replace(self, **changes: Any) -> "LaunchOptions":
         """A copy with ``changes``, validated like a new one."""
@@ -358,14 +396,18 @@ def _chosen_ranks(ranks: Any, num_processes: int) -> Optional[Tuple[int, ...]]:
     if isinstance(ranks, str):
         parts = [p.strip() for p in ranks.split(",")] if ranks.strip() else []
         if not all(re.fullmatch(r"\d+", p) for p in parts):
-            raise OptionValueError("ranks", f"{{name}} must be rank numbers separated by commas (1,3), "
-                                   f"got {_literal(ranks)}")
+            raise OptionValueError(
+                "ranks", f"{{name}} must be rank numbers separated by commas (1,3), got {_literal(ranks)}"
+            )
         ranks = [int(p) for p in parts]
     elif isinstance(ranks, int) and not isinstance(ranks, bool):
         ranks = [ranks]
-    if not isinstance(ranks, (list, tuple, set, frozenset, range)) or \
-            any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
-        raise OptionTypeError("ranks", f"{{name}} must be rank numbers (a list of ints, or '1,3'), got {_literal(ranks)}")
+    if not isinstance(ranks, (list, tuple, set, frozenset, range)) or any(
+        isinstance(r, bool) or not isinstance(r, int) for r in ranks
+    ):
+        raise OptionTypeError(
+            "ranks", f"{{name}} must be rank numbers (a list of ints, or '1,3'), got {_literal(ranks)}"
+        )
     if not ranks:
         raise OptionValueError("ranks", "{name} must name at least one rank")
     seen = set()
@@ -374,8 +416,9 @@ def _chosen_ranks(ranks: Any, num_processes: int) -> Optional[Tuple[int, ...]]:
             raise OptionValueError("ranks", f"{{name}} names rank {r} more than once")
         seen.add(r)
         if not 0 <= r < num_processes:
-            raise OptionValueError("ranks", f"{{name}}: there is no rank {r} among {num_processes} "
-                                   f"ranks (0..{num_processes - 1})")
+            raise OptionValueError(
+                "ranks", f"{{name}}: there is no rank {r} among {num_processes} ranks (0..{num_processes - 1})"
+            )
     return tuple(sorted(ranks))
 
 
@@ -399,15 +442,17 @@ def parse_env(env: Any) -> dict:
             key, _, value = entry.partition("=")
             items.append((key, value))
     else:
-        raise OptionTypeError("env", f"{{name}} must be a dict or a list of 'KEY=VALUE' strings, "
-                                     f"got {type(env).__name__}")
+        raise OptionTypeError(
+            "env", f"{{name}} must be a dict or a list of 'KEY=VALUE' strings, got {type(env).__name__}"
+        )
     out = {}
     for key, value in items:
         if not isinstance(key, str) or not _ENV_NAME.match(key):
             raise OptionValueError("env", f"{{name}}: {key!r} is not a valid environment variable name")
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise OptionTypeError("env", f"{{name}}: the value of {key} must be a string or number, "
-                                         f"got {type(value).__name__}")
+            raise OptionTypeError(
+                "env", f"{{name}}: the value of {key} must be a string or number, got {type(value).__name__}"
+            )
         value = str(value)
         if "\x00" in value:
             raise OptionValueError("env", f"{{name}}: the value of {key} contains a NUL byte")
@@ -444,6 +489,7 @@ class _Switch(argparse.Action):
 
 # -- flags ------------------------------------------------------------------------------------
 
+
 def flag_specs() -> List[Tuple[tuple, dict]]:
     """``(args, kwargs)`` of every ``%%torchdist`` argument for ``argparse.add_argument``: one
     per ``LaunchOptions`` field, then the magic's own (shortcuts, ``--out``, ``--quiet``, the
@@ -451,7 +497,11 @@ def flag_specs() -> List[Tuple[tuple, dict]]:
     specs: List[Tuple[tuple, dict]] = []
     for f in option_fields():
         meta = f.metadata
-        kwargs: dict = {"help": meta["help"].replace("%", "%%"), "dest": f.name, "default": None}  # argparse formats help
+        kwargs: dict = {
+            "help": meta["help"].replace("%", "%%"),
+            "dest": f.name,
+            "default": None,
+        }  # argparse formats help
         if f.type in (bool, "bool") and "negative" not in meta:
             kwargs["action"] = "store_true"
         elif "negative" in meta:  # a switch: on, off, or (neither given) the default
@@ -470,25 +520,51 @@ def flag_specs() -> List[Tuple[tuple, dict]]:
                 kwargs.update(choices=meta["choices"], metavar=None)
         specs.append(((meta["flag"],), kwargs))
     specs += [
-        (("--local",), {"dest": "local", "action": "store_true",
-                        "help": "run on local processes on this machine (same as --backend local)"}),
-        (("--spark",), {"dest": "spark", "action": "store_true",
-                        "help": "run as a Spark barrier stage (same as --backend spark)"}),
-        (("--out",), {"metavar": "NAME", "default": None,
-                      "help": "store rank 0's value in the notebook variable NAME instead of showing it"}),
-        (("--quiet",), {"action": "store_true",
-                        "help": "no live view and no summary: only the result or the error"}),
-        (("--data",), {"metavar": "NAME", "default": None,
-                       "help": "train on the DataFrame in the notebook variable NAME: a Spark DataFrame "
-                               "(--spark: each rank reads its share inside the executors) or a pandas "
-                               "DataFrame (--local: split by rows); the job reads its rows with "
-                               "torchdist_magic.shard(batch_size=...)"}),
-        (("--columns",), {"metavar": "A,B", "default": None,
-                          "help": "with --data: only these columns of the DataFrame travel to the ranks"}),
-        (("script",), {"nargs": "?", "default": None,
-                       "help": "line form only: a .py file to run on every rank"}),
-        (("script_args",), {"nargs": argparse.REMAINDER,
-                            "help": "line form only: the script's command-line arguments"}),
+        (
+            ("--local",),
+            {
+                "dest": "local",
+                "action": "store_true",
+                "help": "run on local processes on this machine (same as --backend local)",
+            },
+        ),
+        (
+            ("--spark",),
+            {"dest": "spark", "action": "store_true", "help": "run as a Spark barrier stage (same as --backend spark)"},
+        ),
+        (
+            ("--out",),
+            {
+                "metavar": "NAME",
+                "default": None,
+                "help": "store rank 0's value in the notebook variable NAME instead of showing it",
+            },
+        ),
+        (("--quiet",), {"action": "store_true", "help": "no live view and no summary: only the result or the error"}),
+        (
+            ("--data",),
+            {
+                "metavar": "NAME",
+                "default": None,
+                "help": "train on the DataFrame in the notebook variable NAME: a Spark DataFrame "
+                "(--spark: each rank reads its share inside the executors) or a pandas "
+                "DataFrame (--local: split by rows); the job reads its rows with "
+                "torchdist_magic.shard(batch_size=...)",
+            },
+        ),
+        (
+            ("--columns",),
+            {
+                "metavar": "A,B",
+                "default": None,
+                "help": "with --data: only these columns of the DataFrame travel to the ranks",
+            },
+        ),
+        (("script",), {"nargs": "?", "default": None, "help": "line form only: a .py file to run on every rank"}),
+        (
+            ("script_args",),
+            {"nargs": argparse.REMAINDER, "help": "line form only: the script's command-line arguments"},
+        ),
     ]
     return specs
 

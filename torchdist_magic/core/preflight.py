@@ -60,13 +60,17 @@ def compare(reports: Sequence[events.Preflight]) -> PreflightResult:
         for report in reports:
             by_value.setdefault(getattr(report, key), []).append(report)
         if len(by_value) > 1:
-            parts = [f"{value or 'none'} on {_where(group)}"
-                     for value, group in sorted(by_value.items(), key=lambda kv: -len(kv[1]))]
+            parts = [
+                f"{value or 'none'} on {_where(group)}"
+                for value, group in sorted(by_value.items(), key=lambda kv: -len(kv[1]))
+            ]
             problems.append(f"{name} differs: {'; '.join(parts)}")
     refusal = ""
     if problems:
-        refusal = ("pre-flight: the ranks do not run the same software, so the run was refused before the job "
-                   "started: " + ". ".join(problems))
+        refusal = (
+            "pre-flight: the ranks do not run the same software, so the run was refused before the job "
+            "started: " + ". ".join(problems)
+        )
     warnings = list(_slow_hosts(reports)) + list(_unhealthy_gpus(reports))
     return PreflightResult(refusal, tuple(warnings), tuple(_figures(reports)))
 
@@ -91,16 +95,20 @@ def _slow_hosts(reports: Sequence[events.Preflight]):
     for host, gbps in sorted(hosts.items(), key=lambda kv: kv[1]):
         others = statistics.median(v for h, v in hosts.items() if h != host)
         if others > 0 and gbps < SLOW_HOST_SHARE * others:
-            yield (f"pre-flight: host {host} receives at {gbps:.2f} GB/s, far below the other hosts' "
-                   f"{others:.2f} GB/s (median): a slow link or a busy host holds every collective back")
+            yield (
+                f"pre-flight: host {host} receives at {gbps:.2f} GB/s, far below the other hosts' "
+                f"{others:.2f} GB/s (median): a slow link or a busy host holds every collective back"
+            )
 
 
 def _unhealthy_gpus(reports: Sequence[events.Preflight]):
     for report in reports:
         for gpu in report.gpus:
             if gpu.ecc_errors:
-                yield (f"pre-flight: rank {report.rank} on {report.host}: GPU {gpu.index} has {gpu.ecc_errors} "
-                       "uncorrected ECC errors")
+                yield (
+                    f"pre-flight: rank {report.rank} on {report.host}: GPU {gpu.index} has {gpu.ecc_errors} "
+                    "uncorrected ECC errors"
+                )
             if gpu.throttled:
                 yield f"pre-flight: rank {report.rank} on {report.host}: GPU {gpu.index} is throttled ({gpu.throttled})"
 
@@ -109,16 +117,20 @@ def _figures(reports: Sequence[events.Preflight]) -> List[str]:
     if not reports:
         return []
     first = reports[0]
-    lines = [f"pre-flight: {len(reports)} ranks, Python {first.python}, torch {first.torch}"
-             + (f", CUDA {first.cuda}" if first.cuda else "") + (f", NCCL {first.nccl}" if first.nccl else "")
-             + f"; all_reduce bus bandwidth {first.bus_gbps:.2f} GB/s; "
-             + f"{max(r.seconds for r in reports):.2f} s"]
+    lines = [
+        f"pre-flight: {len(reports)} ranks, Python {first.python}, torch {first.torch}"
+        + (f", CUDA {first.cuda}" if first.cuda else "")
+        + (f", NCCL {first.nccl}" if first.nccl else "")
+        + f"; all_reduce bus bandwidth {first.bus_gbps:.2f} GB/s; "
+        + f"{max(r.seconds for r in reports):.2f} s"
+    ]
     hosts = _hosts(reports)
     slowest = min(hosts, key=lambda h: min(r.link_gbps for r in hosts[h]))
     for host, group in sorted(hosts.items()):
         note = " (slowest)" if len(hosts) > 1 and host == slowest else ""
-        lines.append(f"  {host}: {rank_list(r.rank for r in group)}, ring link "
-                     f"{min(r.link_gbps for r in group):.2f} GB/s{note}")
+        lines.append(
+            f"  {host}: {rank_list(r.rank for r in group)}, ring link {min(r.link_gbps for r in group):.2f} GB/s{note}"
+        )
     return lines
 
 
@@ -144,25 +156,36 @@ class NvmlHealth:
         for index in device_indices:
             handle = nvml.nvmlDeviceGetHandleByIndex(int(index))
             try:
-                ecc = int(nvml.nvmlDeviceGetTotalEccErrors(handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                                                           nvml.NVML_VOLATILE_ECC))
+                ecc = int(
+                    nvml.nvmlDeviceGetTotalEccErrors(
+                        handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
+                    )
+                )
             except nvml.NVMLError:  # a GPU without ECC
                 ecc = 0
             reasons = nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
             slow = [name for bit, name in _THROTTLES if reasons & getattr(nvml, bit, 0)]
             name = nvml.nvmlDeviceGetName(handle)
-            found.append(events.GpuHealth(index=int(index), name=name.decode() if isinstance(name, bytes) else name,
-                                          ecc_errors=ecc, throttled=", ".join(slow),
-                                          free_bytes=float(nvml.nvmlDeviceGetMemoryInfo(handle).free)))
+            found.append(
+                events.GpuHealth(
+                    index=int(index),
+                    name=name.decode() if isinstance(name, bytes) else name,
+                    ecc_errors=ecc,
+                    throttled=", ".join(slow),
+                    free_bytes=float(nvml.nvmlDeviceGetMemoryInfo(handle).free),
+                )
+            )
         return found
 
 
 #: NVML throttle reasons that mean a GPU runs slower than it should (idle and application
 #: clocks are not a problem)
-_THROTTLES = (("nvmlClocksThrottleReasonHwSlowdown", "hw_slowdown"),
-              ("nvmlClocksThrottleReasonSwThermalSlowdown", "sw_thermal"),
-              ("nvmlClocksThrottleReasonHwThermalSlowdown", "hw_thermal"),
-              ("nvmlClocksThrottleReasonHwPowerBrakeSlowdown", "power_brake"))
+_THROTTLES = (
+    ("nvmlClocksThrottleReasonHwSlowdown", "hw_slowdown"),
+    ("nvmlClocksThrottleReasonSwThermalSlowdown", "sw_thermal"),
+    ("nvmlClocksThrottleReasonHwThermalSlowdown", "hw_thermal"),
+    ("nvmlClocksThrottleReasonHwPowerBrakeSlowdown", "power_brake"),
+)
 
 
 def _versions(torch: Any) -> Dict[str, str]:
@@ -178,8 +201,13 @@ def report(rank: int, gpus: Optional[GpuHealthSource], devices: Sequence[str], d
     """This rank's versions and GPUs (no probe yet)."""
     import torch
 
-    return events.Preflight(rank=rank, host=socket.gethostname(), driver=driver,
-                            gpus=gpus.health(devices) if gpus is not None and devices else [], **_versions(torch))
+    return events.Preflight(
+        rank=rank,
+        host=socket.gethostname(),
+        driver=driver,
+        gpus=gpus.health(devices) if gpus is not None and devices else [],
+        **_versions(torch),
+    )
 
 
 def probe(dist: Any, device: Any) -> Tuple[float, float]:
@@ -206,8 +234,9 @@ def probe(dist: Any, device: Any) -> Tuple[float, float]:
         return bus, 0.0
 
     def ring() -> None:
-        for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, (rank + 1) % n),
-                                               dist.P2POp(dist.irecv, into, (rank - 1) % n)]):
+        for request in dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, tensor, (rank + 1) % n), dist.P2POp(dist.irecv, into, (rank - 1) % n)]
+        ):
             request.wait()
 
     return bus, PROBE_BYTES / timed(ring) / 1e9
@@ -218,7 +247,9 @@ def _sync(torch: Any, device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(send: Callable[[events.Event], None], gpus: Optional[GpuHealthSource] = None, driver: str = "") -> PreflightResult:
+def run(
+    send: Callable[[events.Event], None], gpus: Optional[GpuHealthSource] = None, driver: str = ""
+) -> PreflightResult:
     """The check on this rank, with every other rank: report, probe, exchange, compare; send
     this rank's report with ``send``; print the warnings; raise ``PreflightRefused`` when the
     reports refuse the run.  Uses the run's process group, set up for the check where the job

@@ -33,9 +33,11 @@ def check_private(path: str) -> str:
     if stat.S_IMODE(info.st_mode) & 0o077:
         problems.append(f"mode {stat.S_IMODE(info.st_mode):04o}, open to other users")
     if problems:
-        raise UnsafePath(f"{path} is not this user's private directory ({', '.join(problems)}): another "
-                         "user of this machine may have made it; torchdist_magic will not use it. Remove "
-                         "it, or point TMPDIR elsewhere")
+        raise UnsafePath(
+            f"{path} is not this user's private directory ({', '.join(problems)}): another "
+            "user of this machine may have made it; torchdist_magic will not use it. Remove "
+            "it, or point TMPDIR elsewhere"
+        )
     return path
 
 
@@ -62,8 +64,11 @@ def inside(path: str, directory: str) -> bool:
     """Whether ``path`` names an entry of ``directory`` itself (not of a folder below it, not
     through ``..`` or a link to elsewhere)."""
     name = os.path.basename(path)
-    return (bool(name) and name not in (".", "..")
-            and os.path.realpath(os.path.dirname(path)) == os.path.realpath(directory))
+    return (
+        bool(name)
+        and name not in (".", "..")
+        and os.path.realpath(os.path.dirname(path)) == os.path.realpath(directory)
+    )
 
 
 def open_private(path: str, flags: int) -> int:
@@ -73,6 +78,8 @@ def open_private(path: str, flags: int) -> int:
         return os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise UnsafePath(f"{path} is a symbolic link where torchdist_magic keeps a file of its "
-                             "own; it will not follow it. Remove it") from None
+            raise UnsafePath(
+                f"{path} is a symbolic link where torchdist_magic keeps a file of its "
+                "own; it will not follow it. Remove it"
+            ) from None
         raise

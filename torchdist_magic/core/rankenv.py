@@ -22,7 +22,23 @@ from typing import Dict, List, Optional, Tuple
 
 from .options import LaunchOptions
 from .names import ENV_BEFORE
-from .names import CHANNEL_CERT_ENV, CHANNEL_ENV, CHECKPOINT_DIR_ENV, DATA_FILE_ENV, HOST_RANKS_ENV, KEEP_CHECKPOINTS_ENV, MAX_RESTARTS_ENV, PREFLIGHT_ENV, PROFILE_STEPS_ENV, RESTART_COUNT_ENV, RETURN_VALUE_ENV, RUN_ID_ENV, SECRET_ENV, SYSTEM_METRICS_ENV, USE_GPU_ENV
+from .names import (
+    CHANNEL_CERT_ENV,
+    CHANNEL_ENV,
+    CHECKPOINT_DIR_ENV,
+    DATA_FILE_ENV,
+    HOST_RANKS_ENV,
+    KEEP_CHECKPOINTS_ENV,
+    MAX_RESTARTS_ENV,
+    PREFLIGHT_ENV,
+    PROFILE_STEPS_ENV,
+    RESTART_COUNT_ENV,
+    RETURN_VALUE_ENV,
+    RUN_ID_ENV,
+    SECRET_ENV,
+    SYSTEM_METRICS_ENV,
+    USE_GPU_ENV,
+)
 
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -44,7 +60,7 @@ class RunSpec:
     all_ranks: bool
     env: Dict[str, str]
     timeout: Optional[float]
-    channel_address: str = ""     # host:port of the driver's event channel
+    channel_address: str = ""  # host:port of the driver's event channel
     # the run's secrets, of which a worker's and a launcher's keys are derived (``rank_key``);
     # out of the repr, which a log or a traceback may show
     secret: str = field(default="", repr=False)
@@ -52,9 +68,9 @@ class RunSpec:
     #: the PEM certificate of the channel's TLS, which every rank and launcher pins ("": the
     #: channel is not encrypted); public, unlike the key, which stays on the driver
     channel_cert: str = ""
-    attempt: int = 0              # 0 for the first start of the job, n for its n-th restart
+    attempt: int = 0  # 0 for the first start of the job, n for its n-th restart
     max_restarts: int = 0
-    checkpoint_dir: str = ""      # resolved: the user's, or the run's own directory
+    checkpoint_dir: str = ""  # resolved: the user's, or the run's own directory
     keep_checkpoints: int = 3
     #: rank r's Arrow file of the run's DataFrame (local processes; a Spark task writes its own)
     data_files: Tuple[str, ...] = ()
@@ -73,20 +89,41 @@ class RunSpec:
     preflight: bool = False
 
     @classmethod
-    def resolve(cls, options: LaunchOptions, run_id: str, channel_address: str = "",
-                secret: str = "", launcher_secret: str = "", attempt: int = 0,
-                checkpoint_dir: str = "", data_files: Tuple[str, ...] = (),
-                channel_cert: str = "") -> "RunSpec":
+    def resolve(
+        cls,
+        options: LaunchOptions,
+        run_id: str,
+        channel_address: str = "",
+        secret: str = "",
+        launcher_secret: str = "",
+        attempt: int = 0,
+        checkpoint_dir: str = "",
+        data_files: Tuple[str, ...] = (),
+        channel_cert: str = "",
+    ) -> "RunSpec":
         """``options`` for attempt ``attempt`` of run ``run_id``; ``checkpoint_dir`` is where
         checkpoints go when ``options`` names no directory."""
-        return cls(run_id=run_id, num_processes=options.num_processes, use_gpu=options.use_gpu,
-                   all_ranks=options.all_ranks, env=dict(options.env), timeout=options.timeout,
-                   channel_address=channel_address, secret=secret, launcher_secret=launcher_secret,
-                   channel_cert=channel_cert, attempt=attempt, max_restarts=options.max_restarts,
-                   checkpoint_dir=options.checkpoint_dir or checkpoint_dir,
-                   keep_checkpoints=options.keep_checkpoints, data_files=tuple(data_files),
-                   ranks=tuple(options.ranks or ()), system_metrics=options.system_metrics,
-                   preflight=options.preflight, profile=options.profile)
+        return cls(
+            run_id=run_id,
+            num_processes=options.num_processes,
+            use_gpu=options.use_gpu,
+            all_ranks=options.all_ranks,
+            env=dict(options.env),
+            timeout=options.timeout,
+            channel_address=channel_address,
+            secret=secret,
+            launcher_secret=launcher_secret,
+            channel_cert=channel_cert,
+            attempt=attempt,
+            max_restarts=options.max_restarts,
+            checkpoint_dir=options.checkpoint_dir or checkpoint_dir,
+            keep_checkpoints=options.keep_checkpoints,
+            data_files=tuple(data_files),
+            ranks=tuple(options.ranks or ()),
+            system_metrics=options.system_metrics,
+            preflight=options.preflight,
+            profile=options.profile,
+        )
 
     def returns_value(self, rank: int) -> bool:
         """Whether ``rank``'s value comes back to the driver: rank 0's (with ``ranks``, the
@@ -103,8 +140,8 @@ class Placement:
     rank: int
     local_rank: int
     local_world_size: int
-    group_rank: int               # the index of this rank's host among the run's hosts
-    group_world_size: int         # the number of hosts
+    group_rank: int  # the index of this rank's host among the run's hosts
+    group_world_size: int  # the number of hosts
     master_addr: str
     master_port: int
     cuda_visible_devices: Optional[str] = None
@@ -123,8 +160,9 @@ def _hosts(hosts: List[str]) -> Tuple[Dict[str, int], Dict[str, List[int]]]:
     return order, members
 
 
-def place_ranks(hosts: List[str], master_addr: str, master_port: int,
-                gpus: Optional[List[Optional[str]]] = None) -> List[Placement]:
+def place_ranks(
+    hosts: List[str], master_addr: str, master_port: int, gpus: Optional[List[Optional[str]]] = None
+) -> List[Placement]:
     """Placements of ranks ``0..len(hosts)-1``, where ``hosts[r]`` identifies rank r's machine.
 
     Ranks on the same host are numbered locally in rank order; hosts are numbered in the order
@@ -142,15 +180,25 @@ def place_ranks(hosts: List[str], master_addr: str, master_port: int,
         own = [gpus[r] for r in members[host]]
         if visible is not None and all(g is not None and g and "," not in g for g in own):
             visible = ",".join(own)
-        out.append(Placement(
-            rank=rank, local_rank=members[host].index(rank), local_world_size=len(members[host]),
-            group_rank=order[host], group_world_size=len(order), master_addr=master_addr,
-            master_port=master_port, cuda_visible_devices=visible, host_ranks=tuple(members[host])))
+        out.append(
+            Placement(
+                rank=rank,
+                local_rank=members[host].index(rank),
+                local_world_size=len(members[host]),
+                group_rank=order[host],
+                group_world_size=len(order),
+                master_addr=master_addr,
+                master_port=master_port,
+                cuda_visible_devices=visible,
+                host_ranks=tuple(members[host]),
+            )
+        )
     return out
 
 
-def place_spark_tasks(hosts: List[str], master_addr: str, master_port: int, use_gpu: bool,
-                      gpus: Optional[List[Optional[str]]] = None) -> List[Placement]:
+def place_spark_tasks(
+    hosts: List[str], master_addr: str, master_port: int, use_gpu: bool, gpus: Optional[List[Optional[str]]] = None
+) -> List[Placement]:
     """Placements of the ranks of a Spark barrier stage, ``hosts[r]`` rank r's machine: each task
     is a node of one process (``LOCAL_RANK`` 0, ``LOCAL_WORLD_SIZE`` 1, ``GROUP_RANK`` and
     ``NODE_RANK`` its rank, ``GROUP_WORLD_SIZE`` the number of ranks), as TorchDistributor runs
@@ -175,10 +223,19 @@ def place_spark_tasks(hosts: List[str], master_addr: str, master_port: int, use_
         else:
             addresses = [a for r in [rank] + members[host] for a in (gpus[r] or "").split(",") if a]
             visible = ",".join(dict.fromkeys(addresses))
-        out.append(Placement(
-            rank=rank, local_rank=0, local_world_size=1, group_rank=rank, group_world_size=len(hosts),
-            master_addr=master_addr, master_port=master_port, cuda_visible_devices=visible,
-            host_ranks=tuple(members[host])))
+        out.append(
+            Placement(
+                rank=rank,
+                local_rank=0,
+                local_world_size=1,
+                group_rank=rank,
+                group_world_size=len(hosts),
+                master_addr=master_addr,
+                master_port=master_port,
+                cuda_visible_devices=visible,
+                host_ranks=tuple(members[host]),
+            )
+        )
     return out
 
 
@@ -189,16 +246,16 @@ def cores_available() -> int:
         return os.cpu_count() or 1
 
 
-def rank_environment(base: Dict[str, str], spec: RunSpec, place: Placement,
-                     data_file: str = "") -> Dict[str, str]:
+def rank_environment(base: Dict[str, str], spec: RunSpec, place: Placement, data_file: str = "") -> Dict[str, str]:
     """The environment of one rank: the launcher's own, the user's extras, then the run's.
     ``data_file``: the rank's Arrow file of the run's DataFrame when its launcher wrote it (a
     Spark task), else ``spec.data_files``' own."""
     env = _environment(base, spec, place, data_file)
     if spec.env:
         without = _environment(base, replace(spec, env={}), place, data_file)
-        env[ENV_BEFORE] = json.dumps({name: without.get(name) for name in sorted(spec.env)
-                                      if env.get(name) != without.get(name)})
+        env[ENV_BEFORE] = json.dumps(
+            {name: without.get(name) for name in sorted(spec.env) if env.get(name) != without.get(name)}
+        )
     return env
 
 
@@ -234,14 +291,20 @@ def job_environment(spec: RunSpec) -> Dict[str, str]:
 def _run_variables(spec: RunSpec, place: Placement) -> Dict[str, str]:
     """The variables of a rank that the run sets and no ``env`` of the user's changes."""
     return {
-        "RANK": str(place.rank), "WORLD_SIZE": str(spec.num_processes),
-        "LOCAL_RANK": str(place.local_rank), "LOCAL_WORLD_SIZE": str(place.local_world_size),
-        "GROUP_RANK": str(place.group_rank), "NODE_RANK": str(place.group_rank),
+        "RANK": str(place.rank),
+        "WORLD_SIZE": str(spec.num_processes),
+        "LOCAL_RANK": str(place.local_rank),
+        "LOCAL_WORLD_SIZE": str(place.local_world_size),
+        "GROUP_RANK": str(place.group_rank),
+        "NODE_RANK": str(place.group_rank),
         "GROUP_WORLD_SIZE": str(place.group_world_size),
-        "ROLE_RANK": str(place.rank), "ROLE_WORLD_SIZE": str(spec.num_processes),
-        "MASTER_ADDR": place.master_addr, "MASTER_PORT": str(place.master_port),
+        "ROLE_RANK": str(place.rank),
+        "ROLE_WORLD_SIZE": str(spec.num_processes),
+        "MASTER_ADDR": place.master_addr,
+        "MASTER_PORT": str(place.master_port),
         HOST_RANKS_ENV: ",".join(map(str, place.host_ranks or (place.rank,))),
-        RUN_ID_ENV: spec.run_id, CHANNEL_ENV: spec.channel_address,
+        RUN_ID_ENV: spec.run_id,
+        CHANNEL_ENV: spec.channel_address,
         # its own key only (a warm job's variables are named from rank 0's placement: names only)
         SECRET_ENV: rank_key(spec.secret, "worker", place.rank) if spec.secret else "",
         CHANNEL_CERT_ENV: spec.channel_cert,
@@ -251,8 +314,10 @@ def _run_variables(spec: RunSpec, place: Placement) -> Dict[str, str]:
         PREFLIGHT_ENV: "1" if spec.preflight else "0",
         RETURN_VALUE_ENV: "1" if spec.returns_value(place.rank) else "0",
         # torchrun's names too, so that code written for torchelastic sees the attempt
-        RESTART_COUNT_ENV: str(spec.attempt), "TORCHELASTIC_RESTART_COUNT": str(spec.attempt),
-        MAX_RESTARTS_ENV: str(spec.max_restarts), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+        RESTART_COUNT_ENV: str(spec.attempt),
+        "TORCHELASTIC_RESTART_COUNT": str(spec.attempt),
+        MAX_RESTARTS_ENV: str(spec.max_restarts),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         CHECKPOINT_DIR_ENV: spec.checkpoint_dir,
         KEEP_CHECKPOINTS_ENV: str(spec.keep_checkpoints),
     }

@@ -46,6 +46,7 @@ def checker(annotation: Any) -> Callable[[Any, str], Any]:
 
             def check_optional(value, where):
                 return None if value is None else inner(value, where)
+
             return check_optional
         checks = [checker(option) for option in options]
         # the option a JSON value's own type points at is tried first (a float for
@@ -70,26 +71,34 @@ def checker(annotation: Any) -> Callable[[Any, str], Any]:
                 except MalformedEvent:
                     continue
             raise MalformedEvent(f"{where}: {value!r} is none of {annotation}")
+
         return check_union
     if annotation is type(None):
+
         def check_none(value, where):
             if value is None:
                 return None
             raise _fail(where, "NoneType", value)
+
         return check_none
     if annotation is bool:
+
         def check_bool(value, where):
             if isinstance(value, bool):
                 return value
             raise _fail(where, "bool", value)
+
         return check_bool
     if annotation is int:
+
         def check_int(value, where):
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
             raise _fail(where, "int", value)
+
         return check_int
     if annotation is float:
+
         def check_float(value, where):
             if isinstance(value, float) and value - value == 0.0:
                 return value  # the common case: a finite float (inf - inf and nan - nan are nan)
@@ -101,12 +110,15 @@ def checker(annotation: Any) -> Callable[[Any, str], Any]:
                 if math.isfinite(number):
                     return number
             raise _fail(where, "float", value)
+
         return check_float
     if annotation is str:
+
         def check_str(value, where):
             if isinstance(value, str):
                 return value
             raise _fail(where, "str", value)
+
         return check_str
     if origin is list:
         item = checker(args[0])
@@ -118,6 +130,7 @@ def checker(annotation: Any) -> Callable[[Any, str], Any]:
                 return [item(v, where) for v in value]
             except MalformedEvent:  # again, for the message: where the bad item is
                 return [item(v, f"{where}[]") for v in value]
+
         return check_list
     if origin is dict:
         key_check, value_check = checker(args[0]), checker(args[1])
@@ -132,7 +145,9 @@ def checker(annotation: Any) -> Callable[[Any, str], Any]:
             if plain:
                 for k, v in value.items():
                     kind = type(v)
-                    if type(k) is not str or not ((kind is float and floats and v - v == 0.0) or (kind is str and texts)):
+                    if type(k) is not str or not (
+                        (kind is float and floats and v - v == 0.0) or (kind is str and texts)
+                    ):
                         break
                 else:
                     return value
@@ -143,12 +158,15 @@ def checker(annotation: Any) -> Callable[[Any, str], Any]:
                 except MalformedEvent:  # again, for the message: which key or which value
                     out[key_check(k, f"{where} key")] = value_check(v, f"{where}[{k!r}]")
             return out
+
         return check_dict
     if dataclasses.is_dataclass(annotation):
+
         def check_record(value, where):
             if isinstance(value, dict):
                 return build(annotation, value, where)
             raise _fail(where, annotation.__name__, value)
+
         return check_record
     raise TypeError(f"no check for {annotation!r}")  # a record field of a type added above
 
@@ -162,8 +180,12 @@ _BUILDERS: Dict[type, Callable[[dict, str], Any]] = {}
 
 
 #: the field types whose check the code of ``_builder`` writes inline, as its common case
-_INLINE_CHECKS = {int: "type({v}) is int", str: "type({v}) is str", bool: "type({v}) is bool",
-                  float: "type({v}) is float and {v} - {v} == 0.0"}
+_INLINE_CHECKS = {
+    int: "type({v}) is int",
+    str: "type({v}) is str",
+    bool: "type({v}) is bool",
+    float: "type({v}) is float and {v} - {v} == 0.0",
+}
 
 
 def _builder(cls: type) -> Callable[[dict, str], Any]:

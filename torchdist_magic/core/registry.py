@@ -39,13 +39,16 @@ def register_backend(name: str, factory: Callable[[], Any]) -> None:
     ranks through ``factory()`` (a ``Backend``).  Registering a name again replaces it; the
     built-in names and ``auto`` cannot be taken."""
     if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"a backend's name is lower-case letters, digits, '-' and '_', starting with "
-                         f"a letter, got {name!r}")
+        raise ValueError(
+            f"a backend's name is lower-case letters, digits, '-' and '_', starting with a letter, got {name!r}"
+        )
     if name == AUTO or name in BUILT_IN:
         raise ValueError(f"backend {name!r} is built in and cannot be registered again")
     if not callable(factory):
-        raise TypeError(f"backend {name!r}: its factory must be callable (a Backend subclass, or a "
-                        f"function returning a Backend), got {type(factory).__name__}")
+        raise TypeError(
+            f"backend {name!r}: its factory must be callable (a Backend subclass, or a "
+            f"function returning a Backend), got {type(factory).__name__}"
+        )
     _registered[name] = factory
 
 
@@ -87,5 +90,7 @@ def backend_factory(name: str) -> Callable[[], Any]:
 
 def unknown_backend(name: Any) -> str:
     """What a backend name no backend has is told."""
-    return (f"backend must be one of {', '.join(backend_names())}, got {name!r} (a package adds one "
-            f"with an entry point in the group '{ENTRY_POINT_GROUP}', or register_backend())")
+    return (
+        f"backend must be one of {', '.join(backend_names())}, got {name!r} (a package adds one "
+        f"with an entry point in the group '{ENTRY_POINT_GROUP}', or register_backend())"
+    )

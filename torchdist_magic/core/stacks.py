@@ -12,8 +12,12 @@ _FRAME_LINE = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _LIBRARY_PARTS = ("site-packages", "dist-packages", "<frozen ")
 #: the files of the process around the job, and of what wraps its calls (the step split's
 #: timing of collectives): never where a rank "was"
-_RUNNER_FILES = ("torchdist_magic/rank/worker.py", "torchdist_magic/rank/runners.py", "<frozen runpy>",
-                 "torchdist_magic/rank/stepsplit.py")
+_RUNNER_FILES = (
+    "torchdist_magic/rank/worker.py",
+    "torchdist_magic/rank/runners.py",
+    "<frozen runpy>",
+    "torchdist_magic/rank/stepsplit.py",
+)
 
 
 @dataclass
@@ -47,8 +51,7 @@ def parse_stacks(text: str) -> List[ThreadStack]:
     for line in text.splitlines():
         m = _THREAD_LINE.match(line)
         if m:
-            threads.append(ThreadStack(ident=int(m.group(2), 16), current=m.group(1) == "Current thread",
-                                       frames=[]))
+            threads.append(ThreadStack(ident=int(m.group(2), 16), current=m.group(1) == "Current thread", frames=[]))
             continue
         m = _FRAME_LINE.match(line)
         if m and threads:

@@ -55,8 +55,7 @@ EXPANDER = _Expander()
 def expansions(text: str) -> List[str]:
     """The Python expressions that expanding ``text`` evaluates (``capture`` sends what they read)."""
     try:
-        return [f"{field}:{spec}" if spec else field for _, field, spec, _ in EXPANDER.parse(text)
-                if field is not None]
+        return [f"{field}:{spec}" if spec else field for _, field, spec, _ in EXPANDER.parse(text) if field is not None]
     except ValueError:  # unbalanced braces: the line is used as it is
         return []
 
@@ -112,5 +111,7 @@ def parse_timeit(line: str) -> Tuple[TimeitOptions, int]:
 
 def unsupported(magic: str) -> str:
     """Why ``magic`` (with its ``%`` or ``%%``) cannot run on a rank."""
-    return (f"{magic} cannot run on the ranks (they run without IPython); a %%torchdist cell can use "
-            f"{SUPPORTED}. Run {magic} in a cell of its own.")
+    return (
+        f"{magic} cannot run on the ranks (they run without IPython); a %%torchdist cell can use "
+        f"{SUPPORTED}. Run {magic} in a cell of its own."
+    )

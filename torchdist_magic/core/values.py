@@ -177,9 +177,18 @@ def _reduce_tensor(obj, storages: dict, cpu_only: bool = False):
         cpu = storage if obj.device.type == "cpu" else storage.cpu()
         raw = torch.empty(0, dtype=torch.uint8).set_(cpu).numpy()
         storages[key] = _Storage(raw)
-    return (_tensor_from_storage, (storages[key], str(obj.dtype).split(".", 1)[1], tuple(obj.shape),
-                                   tuple(obj.stride()), obj.storage_offset(), obj.requires_grad,
-                                   isinstance(obj, torch.nn.Parameter)))
+    return (
+        _tensor_from_storage,
+        (
+            storages[key],
+            str(obj.dtype).split(".", 1)[1],
+            tuple(obj.shape),
+            tuple(obj.stride()),
+            obj.storage_offset(),
+            obj.requires_grad,
+            isinstance(obj, torch.nn.Parameter),
+        ),
+    )
 
 
 def _storage_from_buffer(buffer):
@@ -189,8 +198,7 @@ def _storage_from_buffer(buffer):
     return torch.frombuffer(view, dtype=torch.uint8) if view.nbytes else torch.empty(0, dtype=torch.uint8)
 
 
-def _tensor_from_storage(storage, dtype: str, shape, stride, offset: int, requires_grad: bool,
-                         parameter: bool):
+def _tensor_from_storage(storage, dtype: str, shape, stride, offset: int, requires_grad: bool, parameter: bool):
     import torch
 
     kind = getattr(torch, dtype)
@@ -215,7 +223,7 @@ def _header(stream: bytes, raws: List[memoryview]) -> bytes:
 
 def _write_all(fh, view: memoryview) -> None:
     for start in range(0, view.nbytes, CHUNK):
-        part = view[start:start + CHUNK]
+        part = view[start : start + CHUNK]
         while part.nbytes:
             written = fh.write(part)
             part = part[written:]
@@ -260,7 +268,7 @@ def read(path: str) -> bytearray:
     with open(path, "rb", buffering=0) as fh:
         got = 0
         while got < size:
-            n = fh.readinto(view[got:got + CHUNK])
+            n = fh.readinto(view[got : got + CHUNK])
             if not n:
                 raise EOFError(f"{path} ended after {got} of {size} bytes")
             got += n
@@ -279,20 +287,20 @@ def _parts(blob: Blob) -> Tuple[memoryview, List[memoryview]]:
     view = memoryview(blob).cast("B")
     if view.readonly:  # tensors over read-only memory would be writable anyway: own a copy
         view = memoryview(bytearray(view))
-    if view[:len(MAGIC)].tobytes() != MAGIC:
+    if view[: len(MAGIC)].tobytes() != MAGIC:
         raise ValueError("not a torchdist value: the blob does not start with its mark")
     start = len(MAGIC)
     (head_size,) = _LEN.unpack_from(view, start)
     start += _LEN.size
-    header = json.loads(view[start:start + head_size].tobytes())
+    header = json.loads(view[start : start + head_size].tobytes())
     offset = start + head_size
     offset += _pad(offset)
-    stream = view[offset:offset + header["pickle"]]
+    stream = view[offset : offset + header["pickle"]]
     offset += header["pickle"]
     buffers = []
     for size in header["buffers"]:
         offset += _pad(offset)
-        buffers.append(view[offset:offset + size])
+        buffers.append(view[offset : offset + size])
         offset += size
     return stream, buffers
 
@@ -365,7 +373,8 @@ class Buffers:
                 ) from None
             raise FileNotFoundError(
                 f"the notebook values sent to the ranks are in {self.path} on the driver's machine, "
-                f"which this rank's machine ({socket.gethostname()}) cannot see") from None
+                f"which this rank's machine ({socket.gethostname()}) cannot see"
+            ) from None
         with fh:
             mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
         _, buffers = _parts(mapped)
@@ -407,7 +416,7 @@ def blob_size(path: str) -> int:
     length and the header: the sizes of its parts); ``ValueError`` when it is not a blob."""
     with open(path, "rb") as fh:
         start = fh.read(len(MAGIC) + _LEN.size)
-        if start[:len(MAGIC)] != MAGIC or len(start) < len(MAGIC) + _LEN.size:
+        if start[: len(MAGIC)] != MAGIC or len(start) < len(MAGIC) + _LEN.size:
             raise ValueError("not a torchdist value: the blob does not start with its mark")
         (head_size,) = _LEN.unpack_from(start, len(MAGIC))
         try:
@@ -436,6 +445,7 @@ def loads_apart(stream: bytes, buffers: Optional[Buffers]) -> Any:
 
 # -- the run's value directories -----------------------------------------------------------
 
+
 def value_directory(prefix: str, nbytes: int = 0) -> str:
     """A new directory for ranks' values: in shared memory (``SHARED_MEMORY``) where this machine
     has it, so that a value written there is mapped by the driver, never copied; else an
@@ -452,7 +462,6 @@ def value_directory(prefix: str, nbytes: int = 0) -> str:
     return tempfile.mkdtemp(prefix=prefix)
 
 
-
 def map_value(path: str, directory: str) -> Optional[mmap.mmap]:
     """The value blob at ``path``, a file of the run's value ``directory``, mapped into memory,
     copy-on-write, and the file's name removed: in shared memory the value's pages are then the
@@ -460,8 +469,10 @@ def map_value(path: str, directory: str) -> Optional[mmap.mmap]:
     tensor or array of the value goes.  ``None`` when there is no such file;
     ``privdir.UnsafePath`` for a path elsewhere (a task names it) or a link."""
     if not inside(path, directory):
-        raise UnsafePath(f"a rank's value was to be read from {path}, outside the run's value directory "
-                         f"{directory}; it is neither read nor removed")
+        raise UnsafePath(
+            f"a rank's value was to be read from {path}, outside the run's value directory "
+            f"{directory}; it is neither read nor removed"
+        )
     try:
         fd = open_private(path, os.O_RDONLY)
     except FileNotFoundError:

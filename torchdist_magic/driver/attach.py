@@ -29,8 +29,15 @@ from ..core.options import LaunchOptions
 from ..core.job import build_job
 from .history import RunRecord, process_alive, read_record
 from .state import RunState
-from .supervisor import (DONE_FILE, JOURNAL_FILE, JOURNAL_FULL_FILE, TOKEN_FILE, VALUE_FILE, check_detachable,
-                         start_detached)
+from .supervisor import (
+    DONE_FILE,
+    JOURNAL_FILE,
+    JOURNAL_FULL_FILE,
+    TOKEN_FILE,
+    VALUE_FILE,
+    check_detachable,
+    start_detached,
+)
 
 #: how often the journal is read for what came
 FOLLOW_INTERVAL = 0.05
@@ -44,9 +51,11 @@ class RunLost(RuntimeError):
 def _detached_record(run_id: str) -> RunRecord:
     record = read_record(run_id)
     if not record.detached:
-        raise ValueError(f"run {run_id} was not detached: it ran in the kernel (pid {record.pid}) that "
-                         "started it, which alone can show it; its record is in torchdist_magic.runs() "
-                         "(state, failure, each rank's log when it ended)")
+        raise ValueError(
+            f"run {run_id} was not detached: it ran in the kernel (pid {record.pid}) that "
+            "started it, which alone can show it; its record is in torchdist_magic.runs() "
+            "(state, failure, each rank's log when it ended)"
+        )
     return record
 
 
@@ -82,8 +91,10 @@ def stop(run_id: str, by: str = "stop()") -> bool:
         conn.sendall(request.encode())
         answer = conn.recv(64)
     if answer != b"ok\n":
-        raise PermissionError(f"the supervising process of run {run_id} refused the request to stop it "
-                              f"({answer.decode(errors='replace').strip() or 'no answer'})")
+        raise PermissionError(
+            f"the supervising process of run {run_id} refused the request to stop it "
+            f"({answer.decode(errors='replace').strip() or 'no answer'})"
+        )
     return True
 
 
@@ -99,8 +110,10 @@ def follow_attached(run: "AttachedRun", observer: Any = None, interval: float = 
         run.detach()
         if observer is not None:
             observer.close()
-        print(f"torchdist: stopped following run {run.run_id}, which goes on "
-              f"(%torchdist attach {run.run_id} follows it again, %torchdist stop {run.run_id} stops it)")
+        print(
+            f"torchdist: stopped following run {run.run_id}, which goes on "
+            f"(%torchdist attach {run.run_id} follows it again, %torchdist stop {run.run_id} stops it)"
+        )
         raise
     if observer is not None:
         observer.close()
@@ -133,8 +146,13 @@ class AttachedRun:
         self.run_id = run_id
         self.options = self.record.options
         self.directory = self.record.directory
-        self.state = RunState(run_id, self.record.num_processes, self.record.backend or "local processes",
-                              bool(self.options.get("use_gpu")), self.record.job_name)
+        self.state = RunState(
+            run_id,
+            self.record.num_processes,
+            self.record.backend or "local processes",
+            bool(self.options.get("use_gpu")),
+            self.record.job_name,
+        )
         self.state.started = self.record.started
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
@@ -184,13 +202,17 @@ class AttachedRun:
 
     def start_profile(self, steps: int) -> None:
         """Refused: only the supervising process reaches the ranks (the view's Profile button)."""
-        raise ValueError(f"run {self.run_id} is detached: its ranks can be profiled from the start only "
-                         "(--profile STEPS when it is started), not from a kernel attached to it")
+        raise ValueError(
+            f"run {self.run_id} is detached: its ranks can be profiled from the start only "
+            "(--profile STEPS when it is started), not from a kernel attached to it"
+        )
 
     def __repr__(self) -> str:
-        return (f"<torchdist detached Run {self.run_id} {self.state.state} np={self.record.num_processes} "
-                f"on {self.state.backend}: %torchdist attach {self.run_id} follows it, "
-                f"%torchdist stop {self.run_id} stops it>")
+        return (
+            f"<torchdist detached Run {self.run_id} {self.state.state} np={self.record.num_processes} "
+            f"on {self.state.backend}: %torchdist attach {self.run_id} follows it, "
+            f"%torchdist stop {self.run_id} stops it>"
+        )
 
     # -- following the journal --------------------------------------------------------------
     def _follow(self) -> None:
@@ -229,8 +251,10 @@ class AttachedRun:
 
     def _finish(self) -> None:
         if os.path.exists(os.path.join(self.directory, JOURNAL_FULL_FILE)):
-            self.notes.append("the run's journal was full: this view lacks its later records; the record "
-                              "has its end and the tails of its logs")
+            self.notes.append(
+                "the run's journal was full: this view lacks its later records; the record "
+                "has its end and the tails of its logs"
+            )
         record = self.record = read_record(self.run_id)
         outcome = record.outcome or record.state
         self.state.finish(outcome, record.root_cause, record.failure)
@@ -247,8 +271,10 @@ class AttachedRun:
         self._done.set()
 
     def _lost(self) -> None:
-        message = (f"the supervising process of detached run {self.run_id} (pid {self.record.pid}) ended "
-                   "before the run did: it was killed, and the run's ranks ended with it")
+        message = (
+            f"the supervising process of detached run {self.run_id} (pid {self.record.pid}) ended "
+            "before the run did: it was killed, and the run's ranks ended with it"
+        )
         self._error = RunLost(message)
         self.state.finish("failed", message=message)
         self._done.set()

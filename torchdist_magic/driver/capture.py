@@ -129,8 +129,7 @@ def _needed_names(tree_source: str, filename: str) -> Set[str]:
 
     def walk(t) -> None:
         for child in t.get_children():
-            names.update(s.get_name() for s in child.get_symbols()
-                         if s.is_global() and s.is_referenced())
+            names.update(s.get_name() for s in child.get_symbols() if s.is_global() and s.is_referenced())
             walk(child)
 
     walk(table)
@@ -162,8 +161,9 @@ def _import_names(node: ast.AST) -> List[str]:
     """Names an import statement binds (``import a.b`` binds ``a``)."""
     if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
         return []
-    return [(a.asname or a.name).split(".")[0] if isinstance(node, ast.Import) else (a.asname or a.name)
-            for a in node.names]
+    return [
+        (a.asname or a.name).split(".")[0] if isinstance(node, ast.Import) else (a.asname or a.name) for a in node.names
+    ]
 
 
 def notebook_imports(history: Iterable[str], namespace: dict) -> List[Tuple[str, str]]:
@@ -214,8 +214,14 @@ def _ends_with_semicolon(source: str) -> bool:
     last = None
     try:
         for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type not in (tokenize.NEWLINE, tokenize.NL, tokenize.COMMENT, tokenize.ENDMARKER,
-                                tokenize.DEDENT, tokenize.INDENT):
+            if tok.type not in (
+                tokenize.NEWLINE,
+                tokenize.NL,
+                tokenize.COMMENT,
+                tokenize.ENDMARKER,
+                tokenize.DEDENT,
+                tokenize.INDENT,
+            ):
                 last = tok
     except (tokenize.TokenError, SyntaxError):
         return False
@@ -290,9 +296,13 @@ def _shell_call(node: ast.Call) -> Optional[Tuple[str, Optional[List[str]]]]:
     ``None`` unless they are strings, as IPython's translation writes them.  ``None`` for any
     other call."""
     func = node.func
-    if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Call)
-            and isinstance(func.value.func, ast.Name) and func.value.func.id == "get_ipython"
-            and not func.value.args):
+    if not (
+        isinstance(func, ast.Attribute)
+        and isinstance(func.value, ast.Call)
+        and isinstance(func.value.func, ast.Name)
+        and func.value.func.id == "get_ipython"
+        and not func.value.args
+    ):
         return None
     literal = not node.keywords and all(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in node.args)
     return func.attr, [a.value for a in node.args] if literal else None
@@ -342,8 +352,10 @@ class _Translator:
         name, arg = args[0], args[1]
         if method == "run_line_magic":
             if name.startswith("%"):  # IPython reads %%name past the first line as a line magic %name
-                raise CaptureError(f"{self.where(line)}: a cell magic (%{name}) must be the first line of "
-                                   "the code, and applies to all of it")
+                raise CaptureError(
+                    f"{self.where(line)}: a cell magic (%{name}) must be the first line of "
+                    "the code, and applies to all of it"
+                )
             if name not in syntax.LINE_MAGICS:
                 raise CaptureError(f"{self.where(line)}: {syntax.unsupported('%' + name)}")
             if name == "time":
@@ -418,8 +430,7 @@ class _Inliner(ast.NodeTransformer):
             return node
         method, args = call
         if method not in SHELL_METHODS:  # ``?`` alone is get_ipython().show_usage()
-            raise CaptureError(f"{self.translator.where(node.lineno)}: "
-                               f"{syntax.unsupported(f'get_ipython().{method}')}")
+            raise CaptureError(f"{self.translator.where(node.lineno)}: {syntax.unsupported(f'get_ipython().{method}')}")
         if args is None:
             return node  # computed at run time: the rank's get_ipython() checks it then
         statements, value, sent = self.translator.inline(method, args, node.lineno)
@@ -427,14 +438,20 @@ class _Inliner(ast.NodeTransformer):
             index = node.lineno - self.first
             raw = self.lines[index].encode()
             rewritten = f"get_ipython().{method}({', '.join(map(repr, sent))})".encode()
-            self.lines[index] = (raw[:node.col_offset] + rewritten + raw[node.end_col_offset:]).decode()
+            self.lines[index] = (raw[: node.col_offset] + rewritten + raw[node.end_col_offset :]).decode()
         self.before.extend(statements)
         return value
 
 
-def capture_cell(source: str, namespace: dict, history: Iterable[str] = (), *,
-                 filename: str = "<torchdist cell>", line_offset: int = 1,
-                 warn_bytes: int = DEFAULT_WARN_BYTES) -> Capture:
+def capture_cell(
+    source: str,
+    namespace: dict,
+    history: Iterable[str] = (),
+    *,
+    filename: str = "<torchdist cell>",
+    line_offset: int = 1,
+    warn_bytes: int = DEFAULT_WARN_BYTES,
+) -> Capture:
     """Turn a cell into a self-contained ``CellCode``; nothing is launched.
 
     ``line_offset`` is how many notebook lines precede the cell body (1 for the ``%%torchdist``
@@ -471,12 +488,21 @@ def capture_cell(source: str, namespace: dict, history: Iterable[str] = (), *,
         warnings.warn(
             f"the cell sends {total / 2**20:.0f} MB of notebook values to every rank; largest: "
             + ", ".join(f"{k} ({v / 2**20:.0f} MB)" for k, v in largest)
-            + ". Load large data inside the cell (per rank) instead.", stacklevel=3)
-    cell = CellCode(source=source, filename=filename, imports=imports, values=stream, buffers=buffers,
-                    value_names=sorted(values),
-                    init_process_group=not _calls_init_process_group(translation.analysis),
-                    line_offset=line_offset, silent=_ends_with_semicolon(source),
-                    python="" if translation.python == source else translation.python)
+            + ". Load large data inside the cell (per rank) instead.",
+            stacklevel=3,
+        )
+    cell = CellCode(
+        source=source,
+        filename=filename,
+        imports=imports,
+        values=stream,
+        buffers=buffers,
+        value_names=sorted(values),
+        init_process_group=not _calls_init_process_group(translation.analysis),
+        line_offset=line_offset,
+        silent=_ends_with_semicolon(source),
+        python="" if translation.python == source else translation.python,
+    )
     return Capture(cell=cell)
 
 
@@ -501,6 +527,8 @@ def _unpicklable_message(values: Dict[str, object], exc: Exception) -> str:
         try:
             pickle_for_ranks(value)
         except Exception as inner:
-            return (f"the cell uses {name!r} (a {type_name(value)}) from the notebook, which cannot be "
-                    f"sent to the ranks: {inner}. Create it inside the cell instead.")
+            return (
+                f"the cell uses {name!r} (a {type_name(value)}) from the notebook, which cannot be "
+                f"sent to the ranks: {inner}. Create it inside the cell instead."
+            )
     return f"the cell's notebook values cannot be sent to the ranks: {exc}"

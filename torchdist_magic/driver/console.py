@@ -33,9 +33,11 @@ from ..core import events
 from ..core.options import LaunchOptions
 from ..core.names import DEBUG_ENV, IDLE_ENV, PDB_ENV
 
-NO_STDIN_PDB = ("torchdist: --pdb: this notebook cannot read input here (no stdin: nbval, nbconvert "
-                "--execute, a script, a run followed in the background), so a failing rank is not "
-                "held for a debugger")
+NO_STDIN_PDB = (
+    "torchdist: --pdb: this notebook cannot read input here (no stdin: nbval, nbconvert "
+    "--execute, a script, a run followed in the background), so a failing rank is not "
+    "held for a debugger"
+)
 
 
 def stdin_available() -> bool:
@@ -57,8 +59,11 @@ def stdin_available() -> bool:
 
 def rank_env(options: LaunchOptions, interactive: bool) -> Dict[str, str]:
     """What every rank's environment gets to debug as this run allows."""
-    return {DEBUG_ENV: "1" if interactive else "0", PDB_ENV: "1" if options.pdb and interactive else "0",
-            IDLE_ENV: repr(float(options.debug_idle_timeout))}
+    return {
+        DEBUG_ENV: "1" if interactive else "0",
+        PDB_ENV: "1" if options.pdb and interactive else "0",
+        IDLE_ENV: repr(float(options.debug_idle_timeout)),
+    }
 
 
 @dataclass
@@ -79,8 +84,7 @@ class Console:
     ``write`` shows text in the cell (``sys.stdout`` by default); ``read`` asks for a line
     (``input``)."""
 
-    def __init__(self, write: Optional[Callable[[str], None]] = None,
-                 read: Optional[Callable[[str], str]] = None):
+    def __init__(self, write: Optional[Callable[[str], None]] = None, read: Optional[Callable[[str], str]] = None):
         self._write = write or self._print
         self._read = read or input
         self._lock = threading.Lock()
@@ -112,8 +116,9 @@ class Console:
             session = self._sessions.get(key)
             if session is None:
                 self._count += 1
-                session = self._sessions[key] = _Session(record.rank, record.session, record.kind,
-                                                         record.time, self._count)
+                session = self._sessions[key] = _Session(
+                    record.rank, record.session, record.kind, record.time, self._count
+                )
                 # only the root cause is debugged: a later post-mortem ends unseen
                 end_it = record.kind == "post-mortem" and self._post_mortem_done
             if record.text:
@@ -166,13 +171,21 @@ class Console:
             ended = session.ended.is_set()
             announce = not session.announced
             session.announced = True
-            waiting = sorted(s.rank for s in self._sessions.values()
-                             if s is not session and not s.ended.is_set() and s.kind == "breakpoint")
+            waiting = sorted(
+                s.rank
+                for s in self._sessions.values()
+                if s is not session and not s.ended.is_set() and s.kind == "breakpoint"
+            )
         if announce and session.kind == "breakpoint":
-            more = f" (rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} wait{'' if len(waiting) > 1 else 's'} for " \
-                   "their turn)" if waiting else ""
-            self._write(f"torchdist: rank {session.rank} stopped at breakpoint(): c continues it, "
-                        f"q stops the run{more}\n")
+            more = (
+                f" (rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} wait{'' if len(waiting) > 1 else 's'} for "
+                "their turn)"
+                if waiting
+                else ""
+            )
+            self._write(
+                f"torchdist: rank {session.rank} stopped at breakpoint(): c continues it, q stops the run{more}\n"
+            )
         if text:
             self._write(text)
         if ended:
@@ -190,8 +203,9 @@ class Console:
             open_ = [s for s in self._sessions.values() if not s.ended.is_set() or s.text]
             if not open_:
                 return None
-            self._current = min(open_, key=lambda s: (s.kind != "post-mortem", s.time if s.kind == "post-mortem"
-                                                      else s.order))
+            self._current = min(
+                open_, key=lambda s: (s.kind != "post-mortem", s.time if s.kind == "post-mortem" else s.order)
+            )
             return self._current
 
     def _finish(self, session: _Session) -> None:
@@ -216,8 +230,9 @@ class Console:
         """``input(prompt)``, given up (by an interrupt of this thread) when the session ends or
         the run finishes meanwhile; an interrupt by the user ends the session."""
         done = threading.Event()
-        watcher = threading.Thread(target=self._watch_prompt, args=(session, finished, done),
-                                   name="torchdist-debug-prompt", daemon=True)
+        watcher = threading.Thread(
+            target=self._watch_prompt, args=(session, finished, done), name="torchdist-debug-prompt", daemon=True
+        )
         self._abandoned = False
         self._reading = True
         watcher.start()

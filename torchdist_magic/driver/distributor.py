@@ -64,9 +64,17 @@ def last_run() -> Optional["Run"]:
     return _last_run
 
 
-def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data: Any = None,
-           columns: Optional[List[str]] = None, debug_input: bool = False, run_id: Optional[str] = None,
-           listener: Optional[Callable[[Any], None]] = None) -> "Run":
+def submit(
+    target: Any,
+    args: tuple,
+    kwargs: dict,
+    options: LaunchOptions,
+    data: Any = None,
+    columns: Optional[List[str]] = None,
+    debug_input: bool = False,
+    run_id: Optional[str] = None,
+    listener: Optional[Callable[[Any], None]] = None,
+) -> "Run":
     """Start ``target`` (a ``Job``, a function, or a script path) as a run and return its
     handle at once.  Bad input (options, arguments, an unplaceable run, a DataFrame ``data``
     that cannot be trained on) raises ``TypeError``/``ValueError`` before anything starts.
@@ -87,11 +95,15 @@ def submit(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data:
     job = build_job(target, tuple(args), dict(kwargs))
     if options.warm:
         if data is not None:
-            raise ValueError("a warm run cannot train on a DataFrame: the pool's ranks were started "
-                             "before the data was given; run it without --warm/warm=True")
+            raise ValueError(
+                "a warm run cannot train on a DataFrame: the pool's ranks were started "
+                "before the data was given; run it without --warm/warm=True"
+            )
         if options.profile:
-            raise ValueError("a warm run cannot be profiled (--profile): the pool's ranks were started "
-                             "without a profiler; run it without --warm/warm=True")
+            raise ValueError(
+                "a warm run cannot be profiled (--profile): the pool's ranks were started "
+                "without a profiler; run it without --warm/warm=True"
+            )
         from ..backends.pool import warm_backend
 
         backend = warm_backend(options)  # checks the placement when it starts a pool
@@ -135,8 +147,16 @@ class Run:
     (and its ``state``) are garbage-collected, or when the process exits.
     """
 
-    def __init__(self, job: Job, options: LaunchOptions, backend: Backend, plan: LaunchPlan,
-                 data: Any = None, debug_input: bool = False, run_id: Optional[str] = None):
+    def __init__(
+        self,
+        job: Job,
+        options: LaunchOptions,
+        backend: Backend,
+        plan: LaunchPlan,
+        data: Any = None,
+        debug_input: bool = False,
+        run_id: Optional[str] = None,
+    ):
         self.job = job
         self.options = options
         self.backend = backend
@@ -149,10 +169,16 @@ class Run:
         #: encrypted (or the run is a warm pool's, whose channel is the pool's)
         self.channel_certificate = ""
         self.directory = RunDirectory(f"torchdist-run-{self.run_id}-")
-        self.state = RunState(self.run_id, options.num_processes, backend.describe(),
-                              options.use_gpu, job.name, max_attempts=options.max_restarts + 1,
-                              spill_dir=functools.partial(_subdirectory, self.directory, "logs"),
-                              idle=set(range(options.num_processes)) - set(options.ranks or ()) if options.ranks else ())
+        self.state = RunState(
+            self.run_id,
+            options.num_processes,
+            backend.describe(),
+            options.use_gpu,
+            job.name,
+            max_attempts=options.max_restarts + 1,
+            spill_dir=functools.partial(_subdirectory, self.directory, "logs"),
+            idle=set(range(options.num_processes)) - set(options.ranks or ()) if options.ranks else (),
+        )
         #: this run's large values out to the ranks (``_job_bytes`` names their file)
         self._sent = SentValues(self.run_id, backend)
         self._job_bytes = self._sent.pickle(job)
@@ -176,8 +202,7 @@ class Run:
         self._profile_requests = 0
         # a warm pool's channel is its own: its ranks' sessions could not be served (not yet)
         self._debug_env = rank_env(options, debug_input and not options.warm)
-        self._thread = threading.Thread(target=self._supervise, name=f"torchdist-run-{self.run_id}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._supervise, name=f"torchdist-run-{self.run_id}", daemon=True)
         #: the run's MLflow run (``mlflow=True``), made here in the caller's thread: it nests under
         #: that thread's active MLflow run
         self.tracking: Optional[MlflowLogger] = None
@@ -252,12 +277,16 @@ class Run:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"start_profile: steps must be a whole number of at least 1, got {steps!r}")
         if self.options.warm:
-            raise ValueError("a warm run cannot be profiled: the pool's ranks were started without a "
-                             "profiler; run it without --warm/warm=True")
+            raise ValueError(
+                "a warm run cannot be profiled: the pool's ranks were started without a "
+                "profiler; run it without --warm/warm=True"
+            )
         with self._profile_lock:
             if self.done() or self._to_rank is None:
-                raise RuntimeError(f"run {self.run_id} is {'over' if self.done() else 'not running yet'}: "
-                                   "there are no steps to profile")
+                raise RuntimeError(
+                    f"run {self.run_id} is {'over' if self.done() else 'not running yet'}: "
+                    "there are no steps to profile"
+                )
             self._profile_requests += 1
             self._collect_profile(f"-{self._profile_requests}")
             for rank in self.options.ranks or range(self.options.num_processes):
@@ -265,9 +294,12 @@ class Run:
 
     def _collect_profile(self, suffix: str) -> None:
         """Take the ranks' profile records from now on into a new ``ProfileCollector``."""
-        profiles = ProfileCollector(functools.partial(
-            _subdirectory, self.directory, os.path.join("profile", f"attempt-{self.state.attempt}{suffix}")),
-            self.options.ranks or range(self.options.num_processes))
+        profiles = ProfileCollector(
+            functools.partial(
+                _subdirectory, self.directory, os.path.join("profile", f"attempt-{self.state.attempt}{suffix}")
+            ),
+            self.options.ranks or range(self.options.num_processes),
+        )
         self._profile_routes[ProfilePiece] = self._profile_routes[ProfileDone] = profiles.take
         self.state.profiles = profiles
 
@@ -311,8 +343,9 @@ class Run:
         return self._error
 
     def __repr__(self) -> str:
-        return (f"<torchdist Run {self.run_id} {self.state.state} np={self.options.num_processes} "
-                f"on {self.state.backend}>")
+        return (
+            f"<torchdist Run {self.run_id} {self.state.state} np={self.options.num_processes} on {self.state.backend}>"
+        )
 
     # -- supervision ---------------------------------------------------------------------
     def _start(self) -> None:
@@ -351,8 +384,9 @@ class Run:
         """Run the current attempt to its end; True when the job is to start again."""
         if self._cancel.is_set():
             first = self.state.attempt == 1
-            self._error = RunCancelled("the run was cancelled before it started" if first
-                                       else "the run was cancelled; every rank was stopped")
+            self._error = RunCancelled(
+                "the run was cancelled before it started" if first else "the run was cancelled; every rank was stopped"
+            )
             self.state.finish("cancelled", message=str(self._error))
             return False
         if deadline is not None and time.monotonic() >= deadline:  # spent by the earlier attempts
@@ -371,19 +405,35 @@ class Run:
             secret = launcher_secret = certificate = ""
             if self.backend.needs_channel:  # a warm pool has its channel already
                 # secrets and a TLS key per attempt, which never leave this process
-                opened = open_channel(deliver, self.run_id, self.backend, self.plan, self.options.num_processes,
-                                      self.state.refused, files=self._sent.served)
+                opened = open_channel(
+                    deliver,
+                    self.run_id,
+                    self.backend,
+                    self.plan,
+                    self.options.num_processes,
+                    self.state.refused,
+                    files=self._sent.served,
+                )
                 channel = self._channel = opened.server
                 secret, launcher_secret, certificate = opened.secret, opened.launcher_secret, opened.certificate
                 self.channel_address = opened.address
                 self.channel_certificate = certificate
             data_files = ()
             if self.data is not None:  # a DataFrame split on this machine (a Spark one: none)
-                data_files = self.data.write_rank_files(f"torchdist-run-{self.run_id}-data-",
-                                                        self.options.num_processes)
-            spec = RunSpec.resolve(self.options, self.run_id, self.channel_address or "", secret, launcher_secret,
-                                   attempt=self.state.attempt - 1, checkpoint_dir=checkpoints,
-                                   data_files=data_files, channel_cert=certificate)
+                data_files = self.data.write_rank_files(
+                    f"torchdist-run-{self.run_id}-data-", self.options.num_processes
+                )
+            spec = RunSpec.resolve(
+                self.options,
+                self.run_id,
+                self.channel_address or "",
+                secret,
+                launcher_secret,
+                attempt=self.state.attempt - 1,
+                checkpoint_dir=checkpoints,
+                data_files=data_files,
+                channel_cert=certificate,
+            )
             spec = dataclasses.replace(spec, env={**self._debug_env, **spec.env}, **self._sent.fetch)
             routes[DebugOutput] = self.debugger.on_output
             self._profile_routes = routes
@@ -393,12 +443,18 @@ class Run:
                 self._to_rank = functools.partial(_to_worker, channel)
             if channel is not None:
                 self.debugger.attach(functools.partial(_to_worker, channel))
-            ctx = LaunchContext(self.plan, spec, self._job_bytes, emit,
-                                lambda record: channel.broadcast(record, role="launcher") if channel else 0,
-                                data=self.data, routes=routes,
-                                to_rank=lambda rank, record: bool(channel and channel.send(rank, record)),
-                                receive_values=channel.receive_values if channel is not None else lambda paths: None,
-                                refused=self.state.refused)
+            ctx = LaunchContext(
+                self.plan,
+                spec,
+                self._job_bytes,
+                emit,
+                lambda record: channel.broadcast(record, role="launcher") if channel else 0,
+                data=self.data,
+                routes=routes,
+                to_rank=lambda rank, record: bool(channel and channel.send(rank, record)),
+                receive_values=channel.receive_values if channel is not None else lambda paths: None,
+                refused=self.state.refused,
+            )
             backend_run = self._backend_run = self.backend.start(ctx)
             return self._watch(backend_run, deadline)
         finally:
@@ -428,8 +484,12 @@ class Run:
                 continue
             if failures and first_failure is None:
                 first_failure = time.monotonic()
-            if failures and is_collateral(failures[0]) and not self.state.all_exited() \
-                    and time.monotonic() - first_failure < ROOT_CAUSE_WAIT:
+            if (
+                failures
+                and is_collateral(failures[0])
+                and not self.state.all_exited()
+                and time.monotonic() - first_failure < ROOT_CAUSE_WAIT
+            ):
                 failures = []  # a peer noticed a failure whose own report is still on its way
             if failures:
                 verdict, stacks = None, {}
@@ -439,13 +499,17 @@ class Run:
                     verdict = self.state.verdict
                 backend_run.stop(STOP_GRACE)
                 failures = self.state.failures()  # the root cause may have arrived meanwhile
-                if verdict and failures[0].rank not in verdict.suspects \
-                        and (culprit.is_collective_timeout(failures[0]) or is_collateral(failures[0])):
+                if (
+                    verdict
+                    and failures[0].rank not in verdict.suspects
+                    and (culprit.is_collective_timeout(failures[0]) or is_collateral(failures[0]))
+                ):
                     failures = [hangs.suspect_failure(self.state, verdict, stacks, failures[0].time)] + failures
                 if self.state.attempt <= self.options.max_restarts and not self._cancel.is_set():
                     return True
-                self._error = RankFailure(failures[0], failures[1:], [a.failure for a in self.state.attempts],
-                                          verdict=verdict or None)
+                self._error = RankFailure(
+                    failures[0], failures[1:], [a.failure for a in self.state.attempts], verdict=verdict or None
+                )
                 self.state.finish("failed", failures[0])
                 return False
             if self.state.all_exited_ok():
@@ -465,8 +529,13 @@ class Run:
             if hang is not None and min(self.state.idle(), debug.idle()) >= hang:
                 stacks = self._capture_stacks(backend_run)
                 backend_run.stop(STOP_GRACE)
-                self._error = HangTimeout(hang, stacks, self.options.num_processes, hint=hangs.hang_hint(self.options.ranks),
-                                          verdict=self.state.verdict or None)
+                self._error = HangTimeout(
+                    hang,
+                    stacks,
+                    self.options.num_processes,
+                    hint=hangs.hang_hint(self.options.ranks),
+                    verdict=self.state.verdict or None,
+                )
                 self.state.finish("hung", message=self._error.headline)
                 return False
             time.sleep(SUPERVISE_POLL)
@@ -476,14 +545,27 @@ class Run:
         and were not told to yet; each stopped rank's log says why.  The ranks reached."""
         reached = backend_run.stop_ranks(sorted(set(self.state.running()) - set(held) - stopped), STOP_GRACE)
         for rank in sorted(reached):
-            self.state.apply(Log(rank=rank, stream="stderr", line=(
-                f"[torchdist] rank {rank} was stopped: rank {held[0]}'s failure is held for the "
-                "debugger (--pdb)")), attempt=self.state.attempt)
+            self.state.apply(
+                Log(
+                    rank=rank,
+                    stream="stderr",
+                    line=(
+                        f"[torchdist] rank {rank} was stopped: rank {held[0]}'s failure is held for the "
+                        "debugger (--pdb)"
+                    ),
+                ),
+                attempt=self.state.attempt,
+            )
         return reached
 
     def _timed_out(self, stacks: Dict[int, Stacks]) -> None:
-        self._error = JobTimeout(self.options.timeout, hangs.progress_summary(self.state), stacks,
-                                 self.options.num_processes, verdict=self.state.verdict if stacks else None)
+        self._error = JobTimeout(
+            self.options.timeout,
+            hangs.progress_summary(self.state),
+            stacks,
+            self.options.num_processes,
+            verdict=self.state.verdict if stacks else None,
+        )
         self.state.finish("timed out", message=self._error.headline)
 
     def _capture_stacks(self, backend_run: BackendRun) -> Dict[int, Stacks]:
@@ -494,10 +576,14 @@ class Run:
             return self._capture(backend_run)
 
     def _capture(self, backend_run: BackendRun) -> Dict[int, Stacks]:
-        collectives = ((lambda: self._channel.broadcast(DumpCollectives(rank=-1), role="worker"))
-                       if self._channel is not None else backend_run.dump_collectives)
-        return hangs.capture(self.state, backend_run.dump_stacks, collectives,
-                             self.options.ranks or range(self.options.num_processes))
+        collectives = (
+            (lambda: self._channel.broadcast(DumpCollectives(rank=-1), role="worker"))
+            if self._channel is not None
+            else backend_run.dump_collectives
+        )
+        return hangs.capture(
+            self.state, backend_run.dump_stacks, collectives, self.options.ranks or range(self.options.num_processes)
+        )
 
     def _collect(self, backend_run: BackendRun) -> Any:
         """Rank 0's value; a list by rank with ``all_ranks``.  On some ranks of a warm pool

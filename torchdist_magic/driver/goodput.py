@@ -31,14 +31,21 @@ class AttemptTimes:
     """One attempt as goodput needs it (wall-clock seconds, the driver's clock)."""
 
     started: float
-    ended: float                   # its end, or now for a current attempt still running
-    first_work: Optional[float]    # its first sign of work (None: none)
-    checkpoint: Optional[float]    # when its newest checkpoint arrived (None: none)
-    data_stall_s: float            # the longest any rank of it waited for data
+    ended: float  # its end, or now for a current attempt still running
+    first_work: Optional[float]  # its first sign of work (None: none)
+    checkpoint: Optional[float]  # when its newest checkpoint arrived (None: none)
+    data_stall_s: float  # the longest any rank of it waited for data
 
 
-def goodput(started: float, ended: float, attempts: Sequence[AttemptTimes], *, ranks: int,
-            use_gpu: bool, hang_lost_s: float = 0.0) -> Dict[str, float]:
+def goodput(
+    started: float,
+    ended: float,
+    attempts: Sequence[AttemptTimes],
+    *,
+    ranks: int,
+    use_gpu: bool,
+    hang_lost_s: float = 0.0,
+) -> Dict[str, float]:
     """The run's wall time from ``started`` to ``ended`` split as the module's docstring says;
     ``attempts`` oldest first (every one but the last failed and restarted)."""
     wall = max(ended - started, 0.0)

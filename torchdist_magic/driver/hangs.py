@@ -12,8 +12,9 @@ from ..core.timing import COLLECTIVES_WAIT, STACKS_COLLECT_WAIT
 from .state import RunState
 
 
-def capture(state: RunState, dump_stacks: Callable[[], None], dump_collectives: Callable[[], None],
-            ranks: Iterable[int]) -> Dict[int, Stacks]:
+def capture(
+    state: RunState, dump_stacks: Callable[[], None], dump_collectives: Callable[[], None], ranks: Iterable[int]
+) -> Dict[int, Stacks]:
     """Every running rank's stacks (all threads) and collective record, as far as they come
     within ``STACKS_COLLECT_WAIT``; the stacks are also the state's ``stacks``, and what the
     records say of ``ranks`` its ``verdict`` (the view shows both)."""
@@ -35,9 +36,13 @@ def suspect_failure(state: RunState, verdict: "culprit.Verdict", stacks: Dict[in
     that rank, the verdict as its message, its stack as its traceback."""
     rank = verdict.suspects[0]
     host = next((rs.host for rs in state.snapshot().ranks if rs.rank == rank), "")
-    return Failure(rank=rank, host=host, message=verdict.sentence,
-                   traceback=stack_text(stacks[rank]) if rank in stacks and stacks[rank].text else "",
-                   time=when)
+    return Failure(
+        rank=rank,
+        host=host,
+        message=verdict.sentence,
+        traceback=stack_text(stacks[rank]) if rank in stacks and stacks[rank].text else "",
+        time=when,
+    )
 
 
 def hang_hint(ranks: Sequence[int]) -> str:
@@ -45,9 +50,11 @@ def hang_hint(ranks: Sequence[int]) -> str:
     if not ranks:
         return ""
     chosen = ", ".join(map(str, ranks))
-    return (f"this cell ran on rank{'s' if len(ranks) > 1 else ''} {chosen} of the pool only "
-            "(--ranks): a collective (all_reduce, barrier, broadcast, DDP) waits for every rank of the "
-            "process group, and the other ranks were idle; run such a cell without --ranks")
+    return (
+        f"this cell ran on rank{'s' if len(ranks) > 1 else ''} {chosen} of the pool only "
+        "(--ranks): a collective (all_reduce, barrier, broadcast, DDP) waits for every rank of the "
+        "process group, and the other ranks were idle; run such a cell without --ranks"
+    )
 
 
 def progress_summary(state: RunState) -> str:

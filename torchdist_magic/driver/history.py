@@ -160,8 +160,10 @@ class RunRecord:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
         took = f"{(self.ended or time.time()) - self.started:8.1f}s"
         what = "detached" if self.detached else ""
-        return (f"{self.run_id:<22} {self.state:<10} {started}  {took}  np={self.num_processes:<4} "
-                f"{self.backend:<24.24} {what:<8} {self.job_name:<18.18} {self.failure:.60}").rstrip()
+        return (
+            f"{self.run_id:<22} {self.state:<10} {started}  {took}  np={self.num_processes:<4} "
+            f"{self.backend:<24.24} {what:<8} {self.job_name:<18.18} {self.failure:.60}"
+        ).rstrip()
 
     def __repr__(self) -> str:
         return f"<torchdist RunRecord {self.run_id} {self.state}{' (detached)' if self.detached else ''}>"
@@ -202,8 +204,10 @@ def read_record(run_id: str) -> RunRecord:
     record = _read(directory) if run_id and os.sep not in run_id else None
     if record is None:
         known = [r.run_id for r in runs()[:5]]
-        raise KeyError(f"no run {run_id!r} in {runs_directory()}"
-                       + (f"; the newest are {', '.join(known)}" if known else "; no run was recorded yet"))
+        raise KeyError(
+            f"no run {run_id!r} in {runs_directory()}"
+            + (f"; the newest are {', '.join(known)}" if known else "; no run was recorded yet")
+        )
     return record
 
 
@@ -287,10 +291,18 @@ class RecordKeeper:
             prune()
             directory = record_directory(run.run_id)
             self.record = RunRecord(
-                run_id=run.run_id, state="running", started=run.state.started, job_name=run.job.name,
-                source=job_source(run.job), options=options_json(run.options), backend=run.state.backend,
-                num_processes=run.options.num_processes, pid=os.getpid(),
-                host=os.uname().nodename, directory=directory)
+                run_id=run.run_id,
+                state="running",
+                started=run.state.started,
+                job_name=run.job.name,
+                source=job_source(run.job),
+                options=options_json(run.options),
+                backend=run.state.backend,
+                num_processes=run.options.num_processes,
+                pid=os.getpid(),
+                host=os.uname().nodename,
+                directory=directory,
+            )
             existing = _read(directory)
             if existing is not None:  # a detached run's record, made by the kernel that started it
                 self.record.detached, self.record.control = existing.detached, existing.control
@@ -310,8 +322,11 @@ class RecordKeeper:
             record.state = outcome_of(snapshot.state)
             record.ended = snapshot.ended or time.time()
             record.root_cause = snapshot.failure
-            record.failure = snapshot.failure.summary() if snapshot.failure is not None else (
-                snapshot.message if record.state != "succeeded" else "")
+            record.failure = (
+                snapshot.failure.summary()
+                if snapshot.failure is not None
+                else (snapshot.message if record.state != "succeeded" else "")
+            )
             record.has_value = has_value
             self._write_logs(state)
             self._write_metrics(state)
@@ -335,11 +350,17 @@ class RecordKeeper:
     def _write_metrics(self, state: Any) -> None:
         history = state.metric_history(points=METRIC_KEEP_POINTS)
         system = {rank: state.system_history(rank, points=METRIC_KEEP_POINTS) for rank in range(state.num_processes)}
-        write_private(os.path.join(self.record.directory, "metrics.json"),
-                      json.dumps({"metrics": history, "system": system}, default=str))
+        write_private(
+            os.path.join(self.record.directory, "metrics.json"),
+            json.dumps({"metrics": history, "system": system}, default=str),
+        )
 
     def _warn(self, exc: BaseException) -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(f"run {self.run.run_id} could not be recorded in the history of runs "
-                          f"({type(exc).__name__}: {exc}); the run itself goes on", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"run {self.run.run_id} could not be recorded in the history of runs "
+                f"({type(exc).__name__}: {exc}); the run itself goes on",
+                RuntimeWarning,
+                stacklevel=2,
+            )

@@ -29,8 +29,10 @@ def memory_share(ranks: int) -> Tuple[int, int]:
     """The lines and characters of output each of a run's ``ranks`` ranks keeps in memory: its
     share of ``RUN_LOG_MEMORY_LINES`` and ``RUN_LOG_MEMORY_CHARS``, within the bounds above."""
     share = max(ranks, 1)
-    return (min(LOG_MEMORY_LINES, max(MIN_LOG_LINES, RUN_LOG_MEMORY_LINES // share)),
-            min(LOG_MEMORY_CHARS, max(MIN_LOG_CHARS, RUN_LOG_MEMORY_CHARS // share)))
+    return (
+        min(LOG_MEMORY_LINES, max(MIN_LOG_LINES, RUN_LOG_MEMORY_LINES // share)),
+        min(LOG_MEMORY_CHARS, max(MIN_LOG_CHARS, RUN_LOG_MEMORY_CHARS // share)),
+    )
 
 
 @dataclass
@@ -67,8 +69,14 @@ class LogStore:
     ranks they were four tenths of the driver's CPU time).
     """
 
-    def __init__(self, directory: Callable[[], str], name: str, *, max_lines: Optional[int] = None,
-                 max_chars: Optional[int] = None):
+    def __init__(
+        self,
+        directory: Callable[[], str],
+        name: str,
+        *,
+        max_lines: Optional[int] = None,
+        max_chars: Optional[int] = None,
+    ):
         self._directory = directory
         self._name = name
         # lines and characters in memory at most; past that the older half spills (a RunState
@@ -76,11 +84,11 @@ class LogStore:
         self._max_lines = LOG_MEMORY_LINES if max_lines is None else max_lines
         self._max_chars = LOG_MEMORY_CHARS if max_chars is None else max_chars
         self._memory: List[Tuple[str, str, bool]] = []
-        self._first = 0                  # index of _memory[0]
-        self._chars = 0                  # characters of the lines in memory
+        self._first = 0  # index of _memory[0]
+        self._chars = 0  # characters of the lines in memory
         self._file = None
         self._path: Optional[str] = None
-        self._offsets: List[int] = []    # file offset of spilled line k * SPILL_INDEX_EVERY
+        self._offsets: List[int] = []  # file offset of spilled line k * SPILL_INDEX_EVERY
         self._file_size = 0
         self._sealed = False
         self._open_cr: Dict[str, int] = {}  # per stream: its last line's index, when it ended with \r
@@ -125,8 +133,9 @@ class LogStore:
         """Move the older half of the lines in memory (by count and size) to the file."""
         count = 0
         chars = 0
-        while count < len(self._memory) - 1 and (count < len(self._memory) // 2 or
-                                                  self._chars - chars > self._max_chars // 2):
+        while count < len(self._memory) - 1 and (
+            count < len(self._memory) // 2 or self._chars - chars > self._max_chars // 2
+        ):
             chars += len(self._memory[count][1])
             count += 1
         if self._file is None:
@@ -137,7 +146,8 @@ class LogStore:
             if i % SPILL_INDEX_EVERY == 0:
                 self._offsets.append(self._file_size)
             data = f"{'r' if cr else 'n'}{stream.replace(chr(9), ' ')}\t{_escape(text)}\n".encode(
-                "utf-8", "surrogatepass")
+                "utf-8", "surrogatepass"
+            )
             self._file_size += len(data)
             parts.append(data)
         self._file.write(b"".join(parts))
@@ -170,7 +180,9 @@ class LogStore:
             if step != 1:
                 raise ValueError("a log is sliced with step 1 only")
             out = [LogLine(*fields) for fields in self._read_spilled(start, stop)]
-            out += [LogLine(*fields) for fields in self._memory[max(start - self._first, 0):max(stop - self._first, 0)]]
+            out += [
+                LogLine(*fields) for fields in self._memory[max(start - self._first, 0) : max(stop - self._first, 0)]
+            ]
             return out
         index = key + len(self) if key < 0 else key
         if not 0 <= index < len(self):
@@ -197,8 +209,10 @@ class LogStore:
                 chunks.append("".join(part))
                 part = []
         chunks.append("".join(part))
-        chunks += [text + ("\r" if cr else "\n")
-                   for _stream, text, cr in self._memory[max(start - self._first, 0):max(stop - self._first, 0)]]
+        chunks += [
+            text + ("\r" if cr else "\n")
+            for _stream, text, cr in self._memory[max(start - self._first, 0) : max(stop - self._first, 0)]
+        ]
         return "".join(chunks)
 
     def close(self) -> None:

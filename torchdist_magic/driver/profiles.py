@@ -36,8 +36,8 @@ class RankProfile:
     peak_gpu_memory_bytes: Optional[float] = None
     #: the rank's step split when its profile was read (``RunState``'s ``step_split``)
     step_split: Optional[Dict[str, float]] = None
-    kept_at: str = ""              # where its trace stays, when it was too large to send
-    error: str = ""                # why it has no profile
+    kept_at: str = ""  # where its trace stays, when it was too large to send
+    error: str = ""  # why it has no profile
 
     def text(self) -> str:
         """``rank 1: 5 steps · data 62% compute 35% comm 3% · peak memory 1.2 GiB · top:
@@ -52,8 +52,9 @@ class RankProfile:
             memory += f", GPU {_bytes(self.peak_gpu_memory_bytes)}"
         parts.append(memory)
         if self.top:
-            parts.append("top: " + ", ".join(f"{op.name} {op.self_cpu_s * 1000:.3g} ms ({op.calls})"
-                                              for op in self.top[:3]))
+            parts.append(
+                "top: " + ", ".join(f"{op.name} {op.self_cpu_s * 1000:.3g} ms ({op.calls})" for op in self.top[:3])
+            )
         if self.kept_at:
             parts.append(f"trace too large to send, kept at {self.kept_at}")
         return " · ".join(parts)
@@ -73,7 +74,9 @@ class Profile:
         if self.trace_path:
             head = f"profile: {self.trace_path} (Perfetto, chrome://tracing)"
         else:
-            head = f"profile: waiting for rank{'s' if len(self.waiting) != 1 else ''} " + ", ".join(map(str, self.waiting))
+            head = f"profile: waiting for rank{'s' if len(self.waiting) != 1 else ''} " + ", ".join(
+                map(str, self.waiting)
+            )
         return [head] + [self.summary[r].text() for r in sorted(self.summary)]
 
 
@@ -106,12 +109,26 @@ class ProfileCollector:
         with self._lock:
             if not self._done:
                 return None
-            summary = {r: RankProfile(r, d.steps, list(d.top), d.peak_memory_bytes, d.peak_gpu_memory_bytes,
-                                      splits.get(r), d.kept_at, d.error) for r, d in self._done.items()}
+            summary = {
+                r: RankProfile(
+                    r,
+                    d.steps,
+                    list(d.top),
+                    d.peak_memory_bytes,
+                    d.peak_gpu_memory_bytes,
+                    splits.get(r),
+                    d.kept_at,
+                    d.error,
+                )
+                for r, d in self._done.items()
+            }
             waiting = [r for r in self._ranks if r not in self._done]
             if not waiting and not self._merged:
-                traces = {r: self._files[r] for r, d in sorted(self._done.items())
-                          if not d.error and not d.kept_at and r in self._files}
+                traces = {
+                    r: self._files[r]
+                    for r, d in sorted(self._done.items())
+                    if not d.error and not d.kept_at and r in self._files
+                }
                 if traces:
                     self._merged = os.path.join(self._directory(), TRACE_FILE)
                     merge_traces(traces, self._merged)

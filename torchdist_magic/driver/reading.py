@@ -55,12 +55,20 @@ class RunStateReads:
         ``rank_seconds``, and with GPUs ``gpu_hours``."""
         with self._lock:
             end = self.ended or time.time()
-            attempts = [AttemptTimes(a.started, a.ended, a.first_work, a.checkpoint, a.data_stall_s)
-                        for a in self.attempts]
-            attempts.append(AttemptTimes(self.attempt_started, end, self.first_work, self.last_checkpoint,
-                                         self._data_stall()))
-            return goodput(self.started, end, attempts, ranks=self.num_processes - len(self.idle_ranks),
-                           use_gpu=self.use_gpu, hang_lost_s=self.hang_lost_s)
+            attempts = [
+                AttemptTimes(a.started, a.ended, a.first_work, a.checkpoint, a.data_stall_s) for a in self.attempts
+            ]
+            attempts.append(
+                AttemptTimes(self.attempt_started, end, self.first_work, self.last_checkpoint, self._data_stall())
+            )
+            return goodput(
+                self.started,
+                end,
+                attempts,
+                ranks=self.num_processes - len(self.idle_ranks),
+                use_gpu=self.use_gpu,
+                hang_lost_s=self.hang_lost_s,
+            )
 
     def stragglers(self) -> List[Straggler]:
         """Ranks of the current attempt that step well below the others' pace or fall behind
@@ -72,13 +80,15 @@ class RunStateReads:
     def running(self) -> List[int]:
         """The ranks of the current attempt that have not exited."""
         with self._lock:
-            return [rs.rank for rs in self.ranks
-                    if rs.exit_code is None and rs.state not in ("done", "failed", "cancelled")]
+            return [
+                rs.rank for rs in self.ranks if rs.exit_code is None and rs.state not in ("done", "failed", "cancelled")
+            ]
 
     def all_exited(self) -> bool:
         with self._lock:
-            return all(rs.exit_code is not None or rs.state in ("done", "failed", "cancelled", "idle")
-                       for rs in self.ranks)
+            return all(
+                rs.exit_code is not None or rs.state in ("done", "failed", "cancelled", "idle") for rs in self.ranks
+            )
 
     def all_exited_ok(self) -> bool:
         with self._lock:
@@ -88,26 +98,55 @@ class RunStateReads:
         """The run and every rank as they are now, copied at once; ``changed`` names the ranks
         changed after version ``since`` (every rank when ``since`` is None)."""
         with self._lock:
-            ranks = tuple(RankSnapshot(
-                rank=rs.rank, host=rs.host, pid=rs.pid, state=rs.state, exit_code=rs.exit_code,
-                started=rs.started, ended=rs.ended, progress={k: dict(b) for k, b in rs.progress.items()},
-                metrics=dict(rs.metrics), dropped=rs.dropped, failure=rs.failure, log_lines=len(rs.logs),
-                system=dict(rs.system), step_time=rs.step_time,
-                step_split=None if rs.step_split is None else dict(rs.step_split))
-                for rs in self.ranks)
+            ranks = tuple(
+                RankSnapshot(
+                    rank=rs.rank,
+                    host=rs.host,
+                    pid=rs.pid,
+                    state=rs.state,
+                    exit_code=rs.exit_code,
+                    started=rs.started,
+                    ended=rs.ended,
+                    progress={k: dict(b) for k, b in rs.progress.items()},
+                    metrics=dict(rs.metrics),
+                    dropped=rs.dropped,
+                    failure=rs.failure,
+                    log_lines=len(rs.logs),
+                    system=dict(rs.system),
+                    step_time=rs.step_time,
+                    step_split=None if rs.step_split is None else dict(rs.step_split),
+                )
+                for rs in self.ranks
+            )
             changed = frozenset(r for r, v in enumerate(self._rank_versions) if since is None or v > since)
             now = self._pace.clock()
             quiet = tuple(None if seen is None else now - seen for seen in self._pace.last_seen)
             return RunSnapshot(
-                version=self.version, run_id=self.run_id, num_processes=self.num_processes, backend=self.backend,
-                use_gpu=self.use_gpu, job_name=self.job_name, state=self.state, started=self.started,
-                ended=self.ended, failure=self.failure, message=self.message, attempt=self.attempt,
-                max_attempts=self.max_attempts, attempts=tuple(self.attempts), ranks=ranks,
-                stacks=dict(self.stacks), changed=changed, quiet=quiet, tracking=self.tracking,
+                version=self.version,
+                run_id=self.run_id,
+                num_processes=self.num_processes,
+                backend=self.backend,
+                use_gpu=self.use_gpu,
+                job_name=self.job_name,
+                state=self.state,
+                started=self.started,
+                ended=self.ended,
+                failure=self.failure,
+                message=self.message,
+                attempt=self.attempt,
+                max_attempts=self.max_attempts,
+                attempts=tuple(self.attempts),
+                ranks=ranks,
+                stacks=dict(self.stacks),
+                changed=changed,
+                quiet=quiet,
+                tracking=self.tracking,
                 refusals=tuple(Refusal(r.kind, r.count, r.rank, r.detail) for r in self.refusals.values()),
-                verdict=self.verdict, preflight=dict(self.preflight),
+                verdict=self.verdict,
+                preflight=dict(self.preflight),
                 goodput=self.goodput(),
-                stragglers=tuple(self._pace.stragglers([rs.host for rs in self.ranks], check=self.ended is None)))
+                stragglers=tuple(self._pace.stragglers([rs.host for rs in self.ranks], check=self.ended is None)),
+            )
 
     def read_log(self, rank: int, start: int = 0, limit: Optional[int] = None, newest: bool = False) -> LogRead:
         """``rank``'s lines from index ``start`` to the end of its log, read at once (from memory
@@ -134,8 +173,9 @@ class RunStateReads:
             lines = store.recent(limit)
             return LogRead(rank, len(store) - len(lines), lines, len(store), self.ranks[rank].state)
 
-    def metric_history(self, points: Optional[int] = None, ranks: Optional[Iterable[int]] = None,
-                       names: Optional[Iterable[str]] = None) -> Dict[str, Dict[int, List[Tuple[int, float]]]]:
+    def metric_history(
+        self, points: Optional[int] = None, ranks: Optional[Iterable[int]] = None, names: Optional[Iterable[str]] = None
+    ) -> Dict[str, Dict[int, List[Tuple[int, float]]]]:
         """``{metric: {rank: [(step, value), ...]}}`` of the current attempt, copied; metrics in
         order of first report, ranks that reported the metric only.  ``points``: about that many
         of each rank's points, evenly spread, the newest kept (a slice per rank: the lock is held
@@ -143,7 +183,7 @@ class RunStateReads:
         names = None if names is None else set(names)
         with self._lock:
             history: Dict[str, Dict[int, List[Tuple[int, float]]]] = {}
-            for rs in (self.ranks if ranks is None else [self.ranks[r] for r in ranks]):
+            for rs in self.ranks if ranks is None else [self.ranks[r] for r in ranks]:
                 for name, kept in rs.history.items():
                     if names is not None and name not in names:
                         continue
@@ -182,7 +222,7 @@ def _thinned(kept: list, points: Optional[int]) -> list:
     if points is None or len(kept) <= points:
         return list(kept)
     last = kept[-1]
-    kept = kept[::-(-len(kept) // points)]
+    kept = kept[:: -(-len(kept) // points)]
     if kept[-1] is not last:
         kept.append(last)
     return kept

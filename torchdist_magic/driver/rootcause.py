@@ -12,7 +12,8 @@ from ..core.failure import Failure
 COLLATERAL = re.compile(
     r"Connection closed by peer|Connection reset by peer|remote worker crashing|Broken pipe"
     r"|NCCL communicator was aborted|ProcessGroupNCCL.*(watchdog|abort)|recvBytes|sendBytes"
-    r"|failed to recv, got 0 bytes|The server socket has failed")
+    r"|failed to recv, got 0 bytes|The server socket has failed"
+)
 
 
 def is_collateral(failure: Failure) -> bool:

@@ -57,24 +57,24 @@ class RankSnapshot(ShownBars):
     metrics: Dict[str, float]
     dropped: int
     failure: Optional[Failure]
-    log_lines: int                 # lines in its log (every attempt's) at that moment
-    system: Dict[str, float] = field(default_factory=dict)   # the latest system sample
-    step_time: Optional[float] = None                          # seconds per step, smoothed
-    step_split: Optional[Dict[str, float]] = None              # data/compute/comm shares (``stepsplit``)
+    log_lines: int  # lines in its log (every attempt's) at that moment
+    system: Dict[str, float] = field(default_factory=dict)  # the latest system sample
+    step_time: Optional[float] = None  # seconds per step, smoothed
+    step_split: Optional[Dict[str, float]] = None  # data/compute/comm shares (``stepsplit``)
 
 
 @dataclass
 class Attempt:
     """One attempt of a run that restarts: when it ran and the failure that ended it."""
 
-    number: int                    # 1 for the first start, 2 after the first restart, ...
+    number: int  # 1 for the first start, 2 after the first restart, ...
     started: float
     ended: float
-    failure: Optional[Failure]     # the root cause
-    failures: List[Failure] = field(default_factory=list)   # every failed rank, root cause first
-    first_work: Optional[float] = None   # its first progress step, report or step split (``goodput``)
-    checkpoint: Optional[float] = None   # when its newest checkpoint arrived
-    data_stall_s: float = 0.0            # the longest any of its ranks waited for data
+    failure: Optional[Failure]  # the root cause
+    failures: List[Failure] = field(default_factory=list)  # every failed rank, root cause first
+    first_work: Optional[float] = None  # its first progress step, report or step split (``goodput``)
+    checkpoint: Optional[float] = None  # when its newest checkpoint arrived
+    data_stall_s: float = 0.0  # the longest any of its ranks waited for data
 
 
 @dataclass

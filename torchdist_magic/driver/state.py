@@ -54,8 +54,8 @@ MAX_BARS = 256
 #: characters of output a run keeps (in memory and spilled to its directory), all ranks together;
 #: each rank may keep its share, and at least ``MIN_RANK_LOG_CHARS``: past it, its newer lines
 #: are counted (``RankState.log_dropped``), not kept, and its log says so once
-MAX_RUN_LOG_CHARS = 16 * 1024 ** 3
-MIN_RANK_LOG_CHARS = 64 * 1024 ** 2
+MAX_RUN_LOG_CHARS = 16 * 1024**3
+MIN_RANK_LOG_CHARS = 64 * 1024**2
 
 
 @dataclass
@@ -70,7 +70,7 @@ class RankState(ShownBars):
     progress: Dict[str, dict] = field(default_factory=dict)
     metrics: Dict[str, float] = field(default_factory=dict)
     history: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
-    logs: LogStore = None            # every attempt's lines (one store per rank, kept across attempts)
+    logs: LogStore = None  # every attempt's lines (one store per rank, kept across attempts)
     dropped: int = 0
     #: characters of output kept, and lines not kept past the rank's share of ``MAX_RUN_LOG_CHARS``
     log_chars: int = 0
@@ -101,9 +101,19 @@ class RunState(RunStateReads):
     ``max_restarts``.  ``clock`` (monotonic seconds) times the ranks' pace (``stragglers``).
     """
 
-    def __init__(self, run_id: str, num_processes: int, backend: str = "", use_gpu: bool = False,
-                 job_name: str = "", *, max_attempts: int = 1, spill_dir: Optional[Callable[[], str]] = None,
-                 clock: Callable[[], float] = time.monotonic, idle: Iterable[int] = ()):
+    def __init__(
+        self,
+        run_id: str,
+        num_processes: int,
+        backend: str = "",
+        use_gpu: bool = False,
+        job_name: str = "",
+        *,
+        max_attempts: int = 1,
+        spill_dir: Optional[Callable[[], str]] = None,
+        clock: Callable[[], float] = time.monotonic,
+        idle: Iterable[int] = (),
+    ):
         self.run_id = run_id
         self.num_processes = num_processes
         self.backend = backend
@@ -117,14 +127,14 @@ class RunState(RunStateReads):
         self.attempt = 1
         self.max_attempts = max_attempts
         self.attempt_started = self.started
-        self.attempts: List[Attempt] = []            # the attempts before the current one
+        self.attempts: List[Attempt] = []  # the attempts before the current one
         #: every rank's stacks, when a hang or a timeout asked for them (the current attempt's)
         self.stacks: Dict[int, events.Stacks] = {}
         #: each rank's latest collective record (``collectives``) of the current attempt
         self.collectives: Dict[int, events.Collectives] = {}
         #: what they said when they were compared (``set_verdict``), else None
         self.verdict: Optional[Verdict] = None
-        self._fresh_collectives: set = set()   # ranks whose record came since ``begin_collectives``
+        self._fresh_collectives: set = set()  # ranks whose record came since ``begin_collectives``
         #: each rank's pre-flight report (``--preflight``) of the current attempt
         self.preflight: Dict[int, events.Preflight] = {}
         #: ``time.monotonic()`` of the newest sign of life (output, progress, metrics) of any rank
@@ -136,8 +146,7 @@ class RunState(RunStateReads):
         #: characters of output each rank may keep (its share of ``MAX_RUN_LOG_CHARS``)
         self.max_rank_log_chars = max(MIN_RANK_LOG_CHARS, MAX_RUN_LOG_CHARS // share)
         lines, chars = memory_share(num_processes)
-        self._logs = [LogStore(spill_dir, f"rank-{r}", max_lines=lines, max_chars=chars)
-                      for r in range(num_processes)]
+        self._logs = [LogStore(spill_dir, f"rank-{r}", max_lines=lines, max_chars=chars) for r in range(num_processes)]
         #: points of one metric a rank's history keeps
         self.max_points = min(MAX_POINTS, max(MIN_POINTS, RUN_POINTS // share))
         #: system samples a rank's history keeps
@@ -146,16 +155,18 @@ class RunState(RunStateReads):
         #: ranks a warm run on some of its pool's ranks leaves out (``LaunchOptions.ranks``): they
         #: stay ``idle`` for the whole run and count as finished
         self.idle_ranks = frozenset(idle)
-        self.ranks = [RankState(rank=r, logs=self._logs[r], state="idle" if r in self.idle_ranks else "starting")
-                      for r in range(num_processes)]
+        self.ranks = [
+            RankState(rank=r, logs=self._logs[r], state="idle" if r in self.idle_ranks else "starting")
+            for r in range(num_processes)
+        ]
         self.version = 0
         self._lock = threading.RLock()
-        self._rank_versions = [0] * num_processes   # the version of each rank's latest change
+        self._rank_versions = [0] * num_processes  # the version of each rank's latest change
         self._stacks_came = threading.Condition(self._lock)
-        self._unhandled: set = set()                # record types without a handler, named once
-        self._metric_names: set = set()             # every rank's, up to MAX_METRIC_NAMES
-        self._over_cap: set = set()                 # (rank, what) of caps a rank's log has named
-        self._pace = Pace(num_processes, clock)      # stragglers, from what arrives when
+        self._unhandled: set = set()  # record types without a handler, named once
+        self._metric_names: set = set()  # every rank's, up to MAX_METRIC_NAMES
+        self._over_cap: set = set()  # (rank, what) of caps a rank's log has named
+        self._pace = Pace(num_processes, clock)  # stragglers, from what arrives when
         self._listeners: List[Callable[[events.Event], None]] = []
         self._tracking = None
         #: what the run's channel refused, by kind (``malformed``, ``forbidden``,
@@ -247,10 +258,14 @@ class RunState(RunStateReads):
             return rs.logs.add(stream, text, cr)
         if rs.log_chars + len(text) > self.max_rank_log_chars:
             rs.log_dropped += 1
-            return self._over(rs, "log", f"torchdist: rank {rs.rank} printed over its share of what a run keeps of "
-                                         f"its output ({self.max_rank_log_chars / 2 ** 20:.0f} MiB of "
-                                         f"{MAX_RUN_LOG_CHARS / 2 ** 30:.0f} GiB, MAX_RUN_LOG_CHARS); its later "
-                                         f"lines are not kept (counted in run.state.ranks[{rs.rank}].log_dropped)")
+            return self._over(
+                rs,
+                "log",
+                f"torchdist: rank {rs.rank} printed over its share of what a run keeps of "
+                f"its output ({self.max_rank_log_chars / 2**20:.0f} MiB of "
+                f"{MAX_RUN_LOG_CHARS / 2**30:.0f} GiB, MAX_RUN_LOG_CHARS); its later "
+                f"lines are not kept (counted in run.state.ranks[{rs.rank}].log_dropped)",
+            )
         rs.log_chars += len(text)
         rs.logs.add(stream, text, cr)
 
@@ -260,13 +275,23 @@ class RunState(RunStateReads):
             rs.progress.pop(e.bar, None)
             return
         if e.bar not in rs.progress and len(rs.progress) >= MAX_BARS:
-            return self._over(rs, "bars", f"torchdist: rank {rs.rank} has {MAX_BARS} progress bars open already; "
-                                          f"{e.bar!r:.60} and any newer ones are not shown (close bars when "
-                                          "they are done, or make them with leave=False)")
+            return self._over(
+                rs,
+                "bars",
+                f"torchdist: rank {rs.rank} has {MAX_BARS} progress bars open already; "
+                f"{e.bar!r:.60} and any newer ones are not shown (close bars when "
+                "they are done, or make them with leave=False)",
+            )
         if e.n > 0:
             self._worked()
-        rs.progress[e.bar] = {"desc": e.desc, "n": e.n, "total": e.total, "elapsed": e.elapsed,
-                              "state": e.state, "postfix": e.postfix}
+        rs.progress[e.bar] = {
+            "desc": e.desc,
+            "n": e.n,
+            "total": e.total,
+            "elapsed": e.elapsed,
+            "state": e.state,
+            "postfix": e.postfix,
+        }
         if rs.state == "starting":
             rs.state = "running"
         self._step_time(rs, e)
@@ -319,9 +344,13 @@ class RunState(RunStateReads):
         for name, value in values.items():
             if name not in self._metric_names:
                 if len(self._metric_names) >= MAX_METRIC_NAMES:
-                    self._over(rs, "metrics", f"torchdist: this run has {MAX_METRIC_NAMES} distinct metric names "
-                                              f"already; rank {rs.rank}'s {name!r:.60} and any newer names are not "
-                                              "kept (report() a name per quantity, with the step as step=)")
+                    self._over(
+                        rs,
+                        "metrics",
+                        f"torchdist: this run has {MAX_METRIC_NAMES} distinct metric names "
+                        f"already; rank {rs.rank}'s {name!r:.60} and any newer names are not "
+                        "kept (report() a name per quantity, with the step as step=)",
+                    )
                     continue
                 self._metric_names.add(name)
             if isinstance(value, str):  # a non-finite value: shown, not plotted
@@ -358,9 +387,14 @@ class RunState(RunStateReads):
         else:
             rs.state = "failed"
             rs.failure = Failure.from_exit(
-                rs.rank, e.code, host=rs.host, time=rs.ended, reported=e.failure,
+                rs.rank,
+                e.code,
+                host=rs.host,
+                time=rs.ended,
+                reported=e.failure,
                 # the rank's lines seen live; else those its task sent back with the failure
-                log_tail=[line.text for line in rs.logs[max(len(rs.logs) - 20, self._attempt_lines[rs.rank][-1]):]])
+                log_tail=[line.text for line in rs.logs[max(len(rs.logs) - 20, self._attempt_lines[rs.rank][-1]) :]],
+            )
 
     def _on_stacks(self, rs: RankState, e: events.Stacks) -> None:
         if rs.state == "idle":  # waiting in its pool's serving loop: the note says more
@@ -378,16 +412,29 @@ class RunState(RunStateReads):
 
     def _on_unhandled(self, rs: RankState, e: events.Event) -> None:
         """Said once per record type, in the log of the rank that sent it first."""
-        rs.logs.append(LogLine("stderr", f"torchdist: ignored a record of type {e.type or '?'} "
-                                         f"({type(e).__name__}): this version of the driver has no handler "
-                                         "for it; later ones are ignored silently"))
+        rs.logs.append(
+            LogLine(
+                "stderr",
+                f"torchdist: ignored a record of type {e.type or '?'} "
+                f"({type(e).__name__}): this version of the driver has no handler "
+                "for it; later ones are ignored silently",
+            )
+        )
 
     HANDLERS = {
-        events.Started: _on_started, events.Log: _on_log, events.Progress: _on_progress,
-        events.Metrics: _on_metrics, events.Dropped: _on_dropped, events.Exit: _on_exit,
-        events.Stacks: _on_stacks, events.SystemMetrics: _on_system, events.Collectives: _on_collectives,
+        events.Started: _on_started,
+        events.Log: _on_log,
+        events.Progress: _on_progress,
+        events.Metrics: _on_metrics,
+        events.Dropped: _on_dropped,
+        events.Exit: _on_exit,
+        events.Stacks: _on_stacks,
+        events.SystemMetrics: _on_system,
+        events.Collectives: _on_collectives,
         events.Preflight: _on_preflight,
-        events.Stacks: _on_stacks, events.SystemMetrics: _on_system, events.StepSplit: _on_step_split,
+        events.Stacks: _on_stacks,
+        events.SystemMetrics: _on_system,
+        events.StepSplit: _on_step_split,
         events.Checkpoint: _on_checkpoint,
     }
 
@@ -397,10 +444,18 @@ class RunState(RunStateReads):
         with self._lock:
             failures = self.failures()
             now = time.time()
-            self.attempts.append(Attempt(self.attempt, self.attempt_started, now,
-                                         failures[0] if failures else None, failures,
-                                         first_work=self.first_work, checkpoint=self.last_checkpoint,
-                                         data_stall_s=self._data_stall()))
+            self.attempts.append(
+                Attempt(
+                    self.attempt,
+                    self.attempt_started,
+                    now,
+                    failures[0] if failures else None,
+                    failures,
+                    first_work=self.first_work,
+                    checkpoint=self.last_checkpoint,
+                    data_stall_s=self._data_stall(),
+                )
+            )
             self.first_work = self.last_checkpoint = None
             self.attempt += 1
             self.attempt_started = now
@@ -443,10 +498,14 @@ class RunState(RunStateReads):
         ``Stacks`` records are awaited (``wait_stacks``)."""
         with self._lock:
             now = time.time()
-            self.stacks = {rs.rank: events.Stacks(rank=rs.rank, time=now, note=f"had exited with code {rs.exit_code}")
-                           for rs in self.ranks if rs.exit_code is not None}
-            self.stacks.update({r: events.Stacks(rank=r, time=now, note="idle: not one of the run's --ranks")
-                                for r in self.idle_ranks})
+            self.stacks = {
+                rs.rank: events.Stacks(rank=rs.rank, time=now, note=f"had exited with code {rs.exit_code}")
+                for rs in self.ranks
+                if rs.exit_code is not None
+            }
+            self.stacks.update(
+                {r: events.Stacks(rank=r, time=now, note="idle: not one of the run's --ranks") for r in self.idle_ranks}
+            )
             self._changed_all()
             return [rs.rank for rs in self.ranks if rs.exit_code is None and rs.rank not in self.idle_ranks]
 

@@ -79,11 +79,11 @@ class Straggler(NamedTuple):
 
 @dataclass
 class _Bar:
-    samples: Deque[Tuple[float, int]]   # (driver time, count), the oldest within RATE_WINDOW first
-    n: int                              # the count: this bar's and its earlier ones' steps
+    samples: Deque[Tuple[float, int]]  # (driver time, count), the oldest within RATE_WINDOW first
+    n: int  # the count: this bar's and its earlier ones' steps
     running: bool
-    bar_id: str                         # the newest bar of this description
-    base: int = 0                       # the steps of its earlier bars
+    bar_id: str  # the newest bar of this description
+    base: int = 0  # the steps of its earlier bars
 
 
 def _rate_text(rate: float) -> str:
@@ -108,9 +108,9 @@ class Pace:
         #: per rank, the driver time of its last record (None: not heard from yet)
         self.last_seen: List[Optional[float]] = [None] * num_processes
         self._bars: List[Dict[str, _Bar]] = [{} for _ in range(num_processes)]
-        self._odd_since: List[Optional[float]] = [None] * num_processes   # slow or behind since
+        self._odd_since: List[Optional[float]] = [None] * num_processes  # slow or behind since
         self._fine_since: List[Optional[float]] = [None] * num_processes  # a listed rank, fine since
-        self.listed: Dict[int, str] = {}    # rank -> why
+        self.listed: Dict[int, str] = {}  # rank -> why
         self._checked = float("-inf")
         #: per rank, its smoothed seconds per step and the bar they are of (None: no running bar)
         self._step_times: List[Optional[Tuple[float, str]]] = [None] * num_processes
@@ -206,8 +206,11 @@ class Pace:
                 for r, seconds in steps.items():
                     if median > 0 and seconds > SLOW_STEP_RATIO * median:
                         # the rank's own measure: said when the driver's measures say nothing
-                        note(r, (-1, seconds), f"{_seconds_text(seconds)}/step against a median of "
-                                                 f"{_seconds_text(median)}/step ({name})")
+                        note(
+                            r,
+                            (-1, seconds),
+                            f"{_seconds_text(seconds)}/step against a median of {_seconds_text(median)}/step ({name})",
+                        )
         self._check_splits(note, compared)
         for r in compared:
             if r in odd:
@@ -237,13 +240,23 @@ class Pace:
             comm = statistics.median(s["comm"] for s in others)
             compute = statistics.median(s["compute"] for s in others)
             if split["data"] - data >= SPLIT_MARGIN and split["data"] >= SPLIT_RATIO * data:
-                note(r, (2, split["data"]), f"waiting for data: {_percent(split['data'])} of its step "
-                                            f"(others {_percent(data)})")
-            elif comm - split["comm"] >= SPLIT_MARGIN and comm >= SPLIT_RATIO * split["comm"] \
-                    and split["compute"] > compute:
-                note(r, (2, split["compute"]), f"slow compute: {_percent(split['compute'])} of its step "
-                                               f"computing (others {_percent(compute)}), while the others "
-                                               f"wait in communication ({_percent(comm)} of their step)")
+                note(
+                    r,
+                    (2, split["data"]),
+                    f"waiting for data: {_percent(split['data'])} of its step (others {_percent(data)})",
+                )
+            elif (
+                comm - split["comm"] >= SPLIT_MARGIN
+                and comm >= SPLIT_RATIO * split["comm"]
+                and split["compute"] > compute
+            ):
+                note(
+                    r,
+                    (2, split["compute"]),
+                    f"slow compute: {_percent(split['compute'])} of its step "
+                    f"computing (others {_percent(compute)}), while the others "
+                    f"wait in communication ({_percent(comm)} of their step)",
+                )
 
     def stragglers(self, hosts: Sequence[str], check: bool = True) -> List[Straggler]:
         """The listed ranks, by rank (``check``: compared again first, when due)."""

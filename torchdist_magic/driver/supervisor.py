@@ -66,14 +66,27 @@ NOTEBOOK_OWNS_SPARK = (
     "--detach cannot run here on classic Spark: this cluster's one SparkContext belongs to the notebook "
     "(Databricks' classic clusters), and a supervising process outside the kernel cannot start a session "
     "of its own on it. Connect to the cluster with Spark Connect (SparkSession.builder.remote(...), "
-    "Databricks Connect), where --detach works, or run without --detach/detach=True")
+    "Databricks Connect), where --detach works, or run without --detach/detach=True"
+)
 #: a classic session's settings that belong to its own driver, not to the cluster: the supervising
 #: process's session takes every other one
-OWN_DRIVER_SETTINGS = ("spark.app.id", "spark.app.name", "spark.app.startTime", "spark.app.submitTime",
-                       "spark.driver.host", "spark.driver.port", "spark.driver.appUIAddress", "spark.executor.id",
-                       "spark.ui.proxyBase", "spark.sql.connect.", "spark.repl.")
-NO_DATA = ("--detach cannot train on a DataFrame (--data): its ranks would read the data from this "
-           "kernel; run it without --detach/detach=True")
+OWN_DRIVER_SETTINGS = (
+    "spark.app.id",
+    "spark.app.name",
+    "spark.app.startTime",
+    "spark.app.submitTime",
+    "spark.driver.host",
+    "spark.driver.port",
+    "spark.driver.appUIAddress",
+    "spark.executor.id",
+    "spark.ui.proxyBase",
+    "spark.sql.connect.",
+    "spark.repl.",
+)
+NO_DATA = (
+    "--detach cannot train on a DataFrame (--data): its ranks would read the data from this "
+    "kernel; run it without --detach/detach=True"
+)
 
 
 #: the longest path a Unix socket may have (108 bytes on Linux, with its terminating NUL)
@@ -87,8 +100,10 @@ def control_path(run_id: str) -> str:
         path = os.path.join(user_directory(parent), f"ctl-{run_id}.sock")
         if len(os.fsencode(path)) <= SOCKET_PATH_MAX:
             return path
-    raise ValueError(f"no place for run {run_id}'s control socket: {path} is longer than a Unix socket's path "
-                     f"may be ({SOCKET_PATH_MAX} bytes)")
+    raise ValueError(
+        f"no place for run {run_id}'s control socket: {path} is longer than a Unix socket's path "
+        f"may be ({SOCKET_PATH_MAX} bytes)"
+    )
 
 
 def spark_target(session: Any) -> dict:
@@ -106,8 +121,11 @@ def spark_target(session: Any) -> dict:
     settings = dict(session.sparkContext.getConf().getAll())
     if os.environ.get("DATABRICKS_RUNTIME_VERSION") or any(k.startswith("spark.databricks.") for k in settings):
         raise ValueError(NOTEBOOK_OWNS_SPARK)
-    return {"kind": "classic", "master": session.sparkContext.master,
-            "conf": {k: v for k, v in settings.items() if not k.startswith(OWN_DRIVER_SETTINGS)}}
+    return {
+        "kind": "classic",
+        "master": session.sparkContext.master,
+        "conf": {k: v for k, v in settings.items() if not k.startswith(OWN_DRIVER_SETTINGS)},
+    }
 
 
 def open_spark(target: dict) -> Any:
@@ -150,25 +168,40 @@ def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = Non
     with os.fdopen(fd, "wb") as fh:
         fh.write(value_blobs.pickle_for_ranks(job))
     backend = "spark" if spark is not None else "local"
-    write_private(os.path.join(directory, OPTIONS_FILE),
-                  json.dumps(options_json(options.replace(detach=False, backend=backend))))
+    write_private(
+        os.path.join(directory, OPTIONS_FILE), json.dumps(options_json(options.replace(detach=False, backend=backend)))
+    )
     if spark is not None:  # read, then removed, by the supervising process: it may hold a token
         write_private(os.path.join(directory, SPARK_FILE), json.dumps(spark))
     write_private(os.path.join(directory, TOKEN_FILE), secrets.token_hex(32))
-    record = RunRecord(run_id=run_id, state="running", started=time.time(), job_name=job.name,
-                       options=options_json(options),
-                       backend="local processes" if spark is None else f"Spark ({spark['kind']})",
-                       num_processes=options.num_processes, detached=True, host=os.uname().nodename,
-                       control=control_path(run_id), directory=directory)
+    record = RunRecord(
+        run_id=run_id,
+        state="running",
+        started=time.time(),
+        job_name=job.name,
+        options=options_json(options),
+        backend="local processes" if spark is None else f"Spark ({spark['kind']})",
+        num_processes=options.num_processes,
+        detached=True,
+        host=os.uname().nodename,
+        control=control_path(run_id),
+        directory=directory,
+    )
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH", "")]))
     log = open_private(os.path.join(directory, LOG_FILE), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
         # a session of its own: a kernel's end (its process group signalled) does not reach it
-        process = subprocess.Popen([sys.executable, "-m", "torchdist_magic.driver.supervisor", directory],
-                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                                   start_new_session=True, close_fds=True)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "torchdist_magic.driver.supervisor", directory],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+        )
     finally:
         os.close(log)
     record.pid = process.pid
@@ -184,9 +217,11 @@ def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = Non
         if process.poll() is not None or time.monotonic() > deadline:
             if process.poll() is None:
                 process.kill()
-            raise RuntimeError(f"the supervising process of detached run {run_id} did not start it "
-                               f"(exit code {process.poll()}); its output is in "
-                               f"{os.path.join(directory, LOG_FILE)}:\n{_tail(directory)}")
+            raise RuntimeError(
+                f"the supervising process of detached run {run_id} did not start it "
+                f"(exit code {process.poll()}); its output is in "
+                f"{os.path.join(directory, LOG_FILE)}:\n{_tail(directory)}"
+            )
         time.sleep(0.01)
     return run_id
 
@@ -240,9 +275,11 @@ class Journal:
                     break
                 if self._size + len(line) > JOURNAL_MAX_BYTES:
                     self._full = True
-                    write_private(os.path.join(self.directory, JOURNAL_FULL_FILE),
-                                  f"the journal reached {JOURNAL_MAX_BYTES} bytes; later records are in the "
-                                  "run's record only (its state, the tails of its logs)")
+                    write_private(
+                        os.path.join(self.directory, JOURNAL_FULL_FILE),
+                        f"the journal reached {JOURNAL_MAX_BYTES} bytes; later records are in the "
+                        "run's record only (its state, the tails of its logs)",
+                    )
                     break
                 kept.append(line)
                 self._size += len(line)

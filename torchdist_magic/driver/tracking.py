@@ -64,8 +64,10 @@ STATUS = {"succeeded": "FINISHED", "failed": "FAILED"}  # anything else (cancell
 #: characters MLflow refuses in a metric name
 _METRIC_NAME_BAD = re.compile(r"[^\w\-. /]")
 
-MISSING_TEXT = ("mlflow=True (--mlflow) logs the run to MLflow, and the mlflow package is not installed "
-                "here: pip install mlflow (or torchdist_magic[mlflow]), or run without it")
+MISSING_TEXT = (
+    "mlflow=True (--mlflow) logs the run to MLflow, and the mlflow package is not installed "
+    "here: pip install mlflow (or torchdist_magic[mlflow]), or run without it"
+)
 
 
 class MlflowUnavailable(ImportError):
@@ -84,7 +86,7 @@ class TrackingLink:
     run_id: str
     experiment_id: str
     tracking_uri: str
-    url: str = ""   # the run's page, when the tracking server has a web UI (an http(s) URI)
+    url: str = ""  # the run's page, when the tracking server has a web UI (an http(s) URI)
 
     def text(self) -> str:
         """One line for a terminal: the run's page, else where it is."""
@@ -108,8 +110,7 @@ def launch_params(options: LaunchOptions, job_name: str) -> Dict[str, str]:
     """The run's params: ``num_processes``, ``backend``, ``use_gpu``, every other option that
     differs from its default (``env``: its names only), and ``job``."""
     defaults = LaunchOptions()
-    params = {"num_processes": str(options.num_processes), "backend": options.backend,
-              "use_gpu": str(options.use_gpu)}
+    params = {"num_processes": str(options.num_processes), "backend": options.backend, "use_gpu": str(options.use_gpu)}
     for f in option_fields():
         value = getattr(options, f.name)
         if f.name in params or f.name == "mlflow" or value == getattr(defaults, f.name):
@@ -145,7 +146,7 @@ def _import_mlflow():
 
 
 def _clip(text: str) -> str:
-    return text if len(text) <= TAG_CHARS else text[:TAG_CHARS - 1] + "…"
+    return text if len(text) <= TAG_CHARS else text[: TAG_CHARS - 1] + "…"
 
 
 class MlflowLogger:
@@ -175,30 +176,36 @@ class MlflowLogger:
             self.experiment_id = run.info.experiment_id
             params = list(launch_params(options, job_name).items())
             for i in range(0, len(params), BATCH_PARAMS):
-                self._client.log_batch(self.run_id, params=[Param(k, v) for k, v in params[i:i + BATCH_PARAMS]],
-                                       synchronous=True)
+                self._client.log_batch(
+                    self.run_id, params=[Param(k, v) for k, v in params[i : i + BATCH_PARAMS]], synchronous=True
+                )
         except Exception as exc:
             if self.run_id:  # made, and its params refused: it ends at once
                 try:
                     self._client.set_terminated(self.run_id, "FAILED")
                 except Exception:  # the error raised below says what went wrong first
                     pass
-            raise TrackingError(f"could not start an MLflow run at {self.tracking_uri}: "
-                                f"{type(exc).__name__}: {exc}") from exc
-        self.link = TrackingLink(self.run_id, self.experiment_id, self.tracking_uri,
-                                 run_url(self.tracking_uri, self.experiment_id, self.run_id))
+            raise TrackingError(
+                f"could not start an MLflow run at {self.tracking_uri}: {type(exc).__name__}: {exc}"
+            ) from exc
+        self.link = TrackingLink(
+            self.run_id,
+            self.experiment_id,
+            self.tracking_uri,
+            run_url(self.tracking_uri, self.experiment_id, self.run_id),
+        )
         self._lock = threading.Lock()
-        self._pending: List[Tuple[str, Any, float, int]] = []   # (name, value, time, step) as they came
-        self._names: Dict[str, str] = {}                        # a name as reported -> as MLflow takes it
+        self._pending: List[Tuple[str, Any, float, int]] = []  # (name, value, time, step) as they came
+        self._names: Dict[str, str] = {}  # a name as reported -> as MLflow takes it
         self._system_steps: Dict[int, int] = {}
         self._split_steps: Dict[int, int] = {}
         #: whose ``report()`` metrics are the job's: rank 0's, or on some ranks of a warm pool
         #: (``ranks``) the lowest chosen one's, as the job's value is
         self.metrics_rank = min(options.ranks) if options.ranks else 0
         self._attempt_logged = 0
-        self.dropped = 0            # points that found the buffer full
-        self.failed = 0             # points the tracking server refused
-        self.late = 0               # points still unwritten ``MLFLOW_CLOSE_WAIT`` after the run ended
+        self.dropped = 0  # points that found the buffer full
+        self.failed = 0  # points the tracking server refused
+        self.late = 0  # points still unwritten ``MLFLOW_CLOSE_WAIT`` after the run ended
         self.errors: List[str] = []
         self._stop = threading.Event()
         state.track(self.link)
@@ -225,15 +232,17 @@ class MlflowLogger:
             step = self._split_steps.get(record.rank, 0)
             self._split_steps[record.rank] = step + 1
             prefix = f"system/rank_{record.rank}/step_"
-            rows = [(f"{prefix}{name}_share", getattr(record, name), record.time, step)
-                    for name in ("data", "compute", "comm")]
+            rows = [
+                (f"{prefix}{name}_share", getattr(record, name), record.time, step)
+                for name in ("data", "compute", "comm")
+            ]
         else:
             return
         with self._lock:
             room = QUEUE_POINTS - len(self._pending)
             if len(rows) > room:
                 self.dropped += len(rows) - max(room, 0)
-                rows = rows[:max(room, 0)]
+                rows = rows[: max(room, 0)]
             self._pending += rows
 
     # -- the writer's thread -------------------------------------------------------------------
@@ -255,7 +264,7 @@ class MlflowLogger:
             if deadline is not None and time.monotonic() >= deadline:
                 self.late += len(rows) - i
                 return
-            self._write(rows[i:i + BATCH_METRICS])
+            self._write(rows[i : i + BATCH_METRICS])
 
     def _write(self, rows: List[Tuple[str, Any, float, int]]) -> None:
         from mlflow.entities import Metric
@@ -293,16 +302,26 @@ class MlflowLogger:
             tags["torchdist.message"] = _clip(snap.message)
         failure = snap.failure
         if failure is not None:
-            exception = failure.exc_type or (f"killed by {failure.signal_name}" if failure.signal_name else
-                                             f"exit code {failure.exit_code}")
-            tags.update({"torchdist.failed_rank": str(failure.rank), "torchdist.exception": exception,
-                         "torchdist.message": _clip(failure.message or failure.summary()),
-                         "torchdist.root_cause": _clip(failure.summary())})
+            exception = failure.exc_type or (
+                f"killed by {failure.signal_name}" if failure.signal_name else f"exit code {failure.exit_code}"
+            )
+            tags.update(
+                {
+                    "torchdist.failed_rank": str(failure.rank),
+                    "torchdist.exception": exception,
+                    "torchdist.message": _clip(failure.message or failure.summary()),
+                    "torchdist.root_cause": _clip(failure.summary()),
+                }
+            )
             if failure.host:
                 tags["torchdist.failed_host"] = failure.host
         if snap.verdict:  # which rank held the others up (``culprit``)
-            tags.update({"torchdist.culprit": _clip(snap.verdict.sentence),
-                         "torchdist.suspects": ",".join(map(str, snap.verdict.suspects))})
+            tags.update(
+                {
+                    "torchdist.culprit": _clip(snap.verdict.sentence),
+                    "torchdist.suspects": ",".join(map(str, snap.verdict.suspects)),
+                }
+            )
         for ended in snap.attempts:  # a run that restarted: what ended each earlier attempt
             if ended.failure is not None:
                 tags[f"torchdist.attempt_{ended.number}.root_cause"] = _clip(ended.failure.summary())
@@ -313,9 +332,12 @@ class MlflowLogger:
             from mlflow.entities import Metric, RunTag
 
             at = _ms(snap.ended or time.time())
-            self._client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()],
-                                   metrics=[Metric(f"goodput/{k}", v, at, 0) for k, v in snap.goodput.items()],
-                                   synchronous=True)
+            self._client.log_batch(
+                self.run_id,
+                tags=[RunTag(k, v) for k, v in tags.items()],
+                metrics=[Metric(f"goodput/{k}", v, at, 0) for k, v in snap.goodput.items()],
+                synchronous=True,
+            )
         except Exception as exc:
             self._error(f"tags: {type(exc).__name__}: {exc}")
         try:
@@ -357,11 +379,15 @@ class MlflowLogger:
         """What went unlogged, in one paragraph; ``""`` when everything was written."""
         parts = []
         if self.dropped:
-            parts.append(f"{_points(self.dropped)} not logged: they came faster than they could be written "
-                         f"(at most {QUEUE_POINTS} wait)")
+            parts.append(
+                f"{_points(self.dropped)} not logged: they came faster than they could be written "
+                f"(at most {QUEUE_POINTS} wait)"
+            )
         if self.late:
-            parts.append(f"{_points(self.late)} not written: the tracking store took more than "
-                         f"{MLFLOW_CLOSE_WAIT:g} s for the points still buffered when the run ended")
+            parts.append(
+                f"{_points(self.late)} not written: the tracking store took more than "
+                f"{MLFLOW_CLOSE_WAIT:g} s for the points still buffered when the run ended"
+            )
         if self.failed:
             parts.append(f"{_points(self.failed)} refused by the tracking server")
         if self.errors:

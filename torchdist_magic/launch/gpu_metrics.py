@@ -74,8 +74,11 @@ class NvmlGpuSource:
             utils.append(float(rates.gpu))
         if not utils:
             return {}
-        return {"gpu_memory_used_bytes": used, "gpu_memory_total_bytes": total,
-                "gpu_util_percent": sum(utils) / len(utils)}
+        return {
+            "gpu_memory_used_bytes": used,
+            "gpu_memory_total_bytes": total,
+            "gpu_util_percent": sum(utils) / len(utils),
+        }
 
     def close(self) -> None:
         try:

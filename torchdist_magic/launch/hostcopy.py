@@ -105,8 +105,10 @@ def fetch(run: RunSpec, copy: str, rank: int, stopped: Callable[[], bool]) -> st
         os.ftruncate(lock, 0)
         os.pwrite(lock, str(rank).encode("ascii"), 0)
         took = max(time.monotonic() - started, 1e-6)
-        return (f"[torchdist] notebook values: {size} fetched from the driver in {took:.1f} s "
-                f"({run.values_fetch_size / took / 2**20:.0f} MiB/s)")
+        return (
+            f"[torchdist] notebook values: {size} fetched from the driver in {took:.1f} s "
+            f"({run.values_fetch_size / took / 2**20:.0f} MiB/s)"
+        )
     finally:
         os.close(lock)
 
@@ -122,9 +124,15 @@ def file_connection(run: RunSpec, rank: int, failed: Callable[[str], Exception],
     host, _, port = run.channel_address.rpartition(":")
     context = tls.client_context(run.channel_cert) if run.channel_cert else None
     try:
-        return open_connection((host.strip("[]"), int(port)), rank_key(run.launcher_secret, "launcher", rank),
-                               run.run_id, rank,
-                               "launcher", context, **hello)
+        return open_connection(
+            (host.strip("[]"), int(port)),
+            rank_key(run.launcher_secret, "launcher", rank),
+            run.run_id,
+            rank,
+            "launcher",
+            context,
+            **hello,
+        )
     except Refused as exc:
         raise failed(f"the driver refused: {exc}") from None
     except NotTheDriver as exc:
@@ -158,7 +166,8 @@ def _fetch_into(run: RunSpec, rank: int, copy: str) -> None:
     def failed(cause: str) -> ValuesNotFetched:
         return ValuesNotFetched(
             f"rank {rank} could not fetch the notebook values ({mib_text(size)}) from the driver at "
-            f"{run.channel_address} onto {socket.gethostname()}: {cause}")
+            f"{run.channel_address} onto {socket.gethostname()}: {cause}"
+        )
 
     sock = file_connection(run, rank, failed, fetch=run.values_fetch)
     tmp = copy + ".tmp"
@@ -203,16 +212,17 @@ def _receive(sock, out: int, size: int, tmp: str, failed: Callable[[str], Values
     got = 0
     while got < size:
         try:
-            n = sock.recv_into(buffer[:min(len(buffer), size - got)])
+            n = sock.recv_into(buffer[: min(len(buffer), size - got)])
         except OSError as exc:
-            raise failed(f"the connection failed after {mib_text(got)} of {mib_text(size)} "
-                         f"({exc or type(exc).__name__})") from None
+            raise failed(
+                f"the connection failed after {mib_text(got)} of {mib_text(size)} ({exc or type(exc).__name__})"
+            ) from None
         if not n:
             raise failed(f"the connection was cut after {mib_text(got)} of {mib_text(size)}")
         part = buffer[:n]
         try:
             while part.nbytes:
-                part = part[os.write(out, part):]
+                part = part[os.write(out, part) :]
         except OSError as exc:
             cause = f"no room for it in {os.path.dirname(tmp)}" if exc.errno in _NO_ROOM else f"cannot write {tmp}"
             raise failed(f"{cause} after {mib_text(got)} ({exc})") from None
@@ -227,5 +237,7 @@ def _check(tmp: str, size: int, failed: Callable[[str], ValuesNotFetched]) -> No
     except ValueError:
         expected = -1
     if written != size or expected != size:
-        raise failed(f"what arrived is not the values the job names ({written} bytes written, "
-                     f"{expected} by its header, {size} expected)")
+        raise failed(
+            f"what arrived is not the values the job names ({written} bytes written, "
+            f"{expected} by its header, {size} expected)"
+        )

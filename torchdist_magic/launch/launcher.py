@@ -77,9 +77,18 @@ def write_job_file(path: str, job_bytes: bytes) -> None:
         fh.write(job_bytes)
 
 
-def start_rank(run: RunSpec, place: Placement, job_file: str, result_dir: str,
-               emit: Callable[[events.Event], None], *, data_file: str = "", value_file: str = "",
-               cleanup: Sequence[str] = (), gpu_source: Optional[GpuSource] = None) -> "RankProcess":
+def start_rank(
+    run: RunSpec,
+    place: Placement,
+    job_file: str,
+    result_dir: str,
+    emit: Callable[[events.Event], None],
+    *,
+    data_file: str = "",
+    value_file: str = "",
+    cleanup: Sequence[str] = (),
+    gpu_source: Optional[GpuSource] = None,
+) -> "RankProcess":
     """Start the worker of ``place.rank`` for ``run``, the way every backend does: its
     environment (``rankenv.rank_environment``), the files it removes itself if its launcher
     dies (``cleanup``), where it writes its value (``value_file``: a file the driver maps; else
@@ -88,8 +97,9 @@ def start_rank(run: RunSpec, place: Placement, job_file: str, result_dir: str,
     env[CLEANUP_ENV] = os.pathsep.join(cleanup)
     if value_file:
         env[VALUE_FILE_ENV] = value_file
-    return RankProcess(place.rank, job_file, result_dir, env, emit, system_metrics=run.system_metrics,
-                       gpu_source=gpu_source)
+    return RankProcess(
+        place.rank, job_file, result_dir, env, emit, system_metrics=run.system_metrics, gpu_source=gpu_source
+    )
 
 
 def open_gpus(run: RunSpec) -> Optional[GpuSource]:
@@ -129,9 +139,18 @@ class RankProcess:
     """One worker process.  Emits ``Log`` records while it runs and one ``Exit`` at the end,
     once what the rank left running (``mark``) has been ended too."""
 
-    def __init__(self, rank: int, job_file: str, result_dir: str, env: Dict[str, str],
-                 emit: Callable[[events.Event], None], python: str = sys.executable, *,
-                 system_metrics: bool = True, gpu_source: Optional[GpuSource] = None):
+    def __init__(
+        self,
+        rank: int,
+        job_file: str,
+        result_dir: str,
+        env: Dict[str, str],
+        emit: Callable[[events.Event], None],
+        python: str = sys.executable,
+        *,
+        system_metrics: bool = True,
+        gpu_source: Optional[GpuSource] = None,
+    ):
         """``system_metrics``: sample the rank's processes (and, with ``gpu_source``, the GPUs of
         its ``CUDA_VISIBLE_DEVICES``) and emit ``SystemMetrics``."""
         self.rank = rank
@@ -147,8 +166,11 @@ class RankProcess:
         os.makedirs(result_dir, exist_ok=True)
         self.proc = subprocess.Popen(
             [python, "-m", "torchdist_magic.rank.worker", job_file, result_dir],
-            env={**env, MARK_VARIABLE: self.mark}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True,
+            env={**env, MARK_VARIABLE: self.mark},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
         )
         self.pgid = self.proc.pid
         self._readers = [
@@ -178,8 +200,9 @@ class RankProcess:
                 values = {}
             if values and not self._ended.is_set():
                 self.emit(events.SystemMetrics(rank=self.rank, values=values, time=time.time()))
-            interval = (timing.SYSTEM_METRICS_FAST_INTERVAL if self.sampler.near_limit()
-                        else timing.SYSTEM_METRICS_INTERVAL)
+            interval = (
+                timing.SYSTEM_METRICS_FAST_INTERVAL if self.sampler.near_limit() else timing.SYSTEM_METRICS_INTERVAL
+            )
 
     def _forward(self, pipe, stream: str) -> None:
         fd = pipe.fileno()
@@ -217,7 +240,7 @@ class RankProcess:
         if mark >= 0:  # a warm rank's job ended; what it wrote before on the same line is a line
             if mark:
                 self._line(stream, text[:mark], False)
-            job_id = text[mark + len(_OUTPUT_END):].decode("utf-8", "replace")
+            job_id = text[mark + len(_OUTPUT_END) :].decode("utf-8", "replace")
             self.emit(events.OutputEnd(rank=self.rank, job_id=job_id, stream=stream))
             return
         self.emit(events.Log(rank=self.rank, stream=stream, line=text.decode("utf-8", "replace"), cr=cr))
@@ -236,12 +259,21 @@ class RankProcess:
             t.join(timeout=PIPE_DRAIN_WAIT)  # a grandchild holding the pipe must not delay the exit report
         failure = None
         if code != 0:
-            failure = events.Failure.from_exit(self.rank, code, host=self.host, time=when,
-                                               reported=read_failure(self.result_dir))
+            failure = events.Failure.from_exit(
+                self.rank, code, host=self.host, time=when, reported=read_failure(self.result_dir)
+            )
             if self.sampler is not None and not self.stopping:
                 failure = self._explain(failure, code)
-        self.emit(events.Exit(rank=self.rank, code=code, time=when, host=self.host,
-                              stopped=self.stopping and code != 0, failure=failure))
+        self.emit(
+            events.Exit(
+                rank=self.rank,
+                code=code,
+                time=when,
+                host=self.host,
+                stopped=self.stopping and code != 0,
+                failure=failure,
+            )
+        )
         self.exited.set()
 
     def _explain(self, failure: events.Failure, code: int) -> events.Failure:
@@ -295,8 +327,13 @@ class RankProcess:
             text = fh.read(size - start).decode("utf-8", "replace")
         if len(text) > MAX_STACKS_CHARS:
             text = text[:MAX_STACKS_CHARS] + "\n  ... (cut)\n"
-        return events.Stacks(rank=self.rank, text=text, main_thread=int(header[len(prefix):]),
-                             time=time.time(), note="" if text else "the rank did not answer")
+        return events.Stacks(
+            rank=self.rank,
+            text=text,
+            main_thread=int(header[len(prefix) :]),
+            time=time.time(),
+            note="" if text else "the rank did not answer",
+        )
 
     def signal_group(self, sig: int, why: str) -> bool:
         """Send ``sig`` to the rank's process group; whether it reached any process."""
@@ -312,8 +349,14 @@ class RankProcess:
                 except ProcessLookupError:
                     pass
             if members:
-                log.info("rank %d: sent %s to what is left of its process group %d (%s), %s", self.rank,
-                         name, self.pgid, ", ".join(map(str, sorted(members))), why)
+                log.info(
+                    "rank %d: sent %s to what is left of its process group %d (%s), %s",
+                    self.rank,
+                    name,
+                    self.pgid,
+                    ", ".join(map(str, sorted(members))),
+                    why,
+                )
             return bool(members)
         try:
             os.killpg(self.pgid, sig)
@@ -346,5 +389,9 @@ def stop_all(procs, grace: float) -> None:
         p.signal_group(signal.SIGKILL, f"what was left of it {grace:g} s after the stop began")
     for p in procs:
         if not p.exited.wait(timeout=REAP_WAIT + p.grace):  # its end: SIGKILL's, then its leftovers'
-            log.warning("rank %d: process %d has not ended (or not been reported) %g s after SIGKILL",
-                        p.rank, p.pgid, REAP_WAIT + p.grace)
+            log.warning(
+                "rank %d: process %d has not ended (or not been reported) %g s after SIGKILL",
+                p.rank,
+                p.pgid,
+                REAP_WAIT + p.grace,
+            )

@@ -185,8 +185,11 @@ def value_dir_mark(run_id: str) -> str:
 def value_dir_token(run: RunSpec) -> bytes:
     """What the mark of the driver's value directory of ``run`` holds: derived from the run's
     launcher secret, which the driver and the run's launchers know, and a rank's worker does not."""
-    return hmac.new(run.launcher_secret.encode(), f"torchdist value directory {run.run_id}".encode(),
-                    hashlib.sha256).hexdigest().encode()
+    return (
+        hmac.new(run.launcher_secret.encode(), f"torchdist value directory {run.run_id}".encode(), hashlib.sha256)
+        .hexdigest()
+        .encode()
+    )
 
 
 class RunStopped(Exception):
@@ -232,11 +235,11 @@ class TaskOutcome:
     """What a launcher returns to the driver, for the ranks whose channel may have been lost."""
 
     rank: int
-    value: Optional[bytes]          # the rank's value blob (``values``), when it is wanted
-    exit_json: dict                 # its ``Exit`` record, encoded
-    channel_lost: bool = False      # the driver heard nothing live from this task
+    value: Optional[bytes]  # the rank's value blob (``values``), when it is wanted
+    exit_json: dict  # its ``Exit`` record, encoded
+    channel_lost: bool = False  # the driver heard nothing live from this task
     log_tail: List[str] = field(default_factory=list)  # the rank's last lines of output
-    value_file: str = ""            # where the value is instead, in the driver's value directory
+    value_file: str = ""  # where the value is instead, in the driver's value directory
 
 
 class Site(abc.ABC):
@@ -274,9 +277,15 @@ def run_launcher(spec: RemoteSpec, site: Site) -> TaskOutcome:
     """One rank's launcher: run it, report it live over the channel, and return its outcome."""
     rank = site.rank
     driver = DriverMessages()
-    channel = ChannelClient(spec.run.channel_address, rank_key(spec.run.launcher_secret, "launcher", rank),
-                            spec.run.run_id, rank,
-                            role="launcher", on_message=driver.on_message, certificate=spec.run.channel_cert)
+    channel = ChannelClient(
+        spec.run.channel_address,
+        rank_key(spec.run.launcher_secret, "launcher", rank),
+        spec.run.run_id,
+        rank,
+        role="launcher",
+        on_message=driver.on_message,
+        certificate=spec.run.channel_cert,
+    )
     exits: List[events.Exit] = []
     tail: "collections.deque[str]" = collections.deque(maxlen=LOG_TAIL)
 
@@ -292,8 +301,16 @@ def run_launcher(spec: RemoteSpec, site: Site) -> TaskOutcome:
     except Exception as exc:  # the launcher's own failure (not the rank's): report it as this rank's
         value, value_file = None, ""
         host = socket.gethostname()
-        emit(events.Exit(rank=rank, code=1, time=time.time(), host=host, stopped=driver.stopped(),
-                         failure=events.Failure.from_exception(rank, exc, host=host, exit_code=1)))
+        emit(
+            events.Exit(
+                rank=rank,
+                code=1,
+                time=time.time(),
+                host=host,
+                stopped=driver.stopped(),
+                failure=events.Failure.from_exception(rank, exc, host=host, exit_code=1),
+            )
+        )
     lost = channel.lost
     channel.close()
     final = exits[-1]
@@ -301,8 +318,9 @@ def run_launcher(spec: RemoteSpec, site: Site) -> TaskOutcome:
         final = dataclasses.replace(final, failure=final.failure.for_rank(rank, log_tail=list(tail)))
     # the last lines go back with the outcome only when the channel did not carry them: at a
     # thousand ranks, long lines would otherwise fill spark.driver.maxResultSize with copies
-    return TaskOutcome(rank, value, events.encode(final), channel_lost=lost,
-                       log_tail=list(tail) if lost else [], value_file=value_file)
+    return TaskOutcome(
+        rank, value, events.encode(final), channel_lost=lost, log_tail=list(tail) if lost else [], value_file=value_file
+    )
 
 
 def rendezvous(site: Site, channel: ChannelClient, driver: DriverMessages, mine: events.Joined) -> List[events.Joined]:
@@ -315,10 +333,16 @@ def rendezvous(site: Site, channel: ChannelClient, driver: DriverMessages, mine:
         return peers.peers
     gathered = site.gather(mine)
     if gathered is None:
-        raise RunStopped(f"rank {mine.rank} could not meet the other ranks: " + (
-            "the driver's channel was lost" if channel.lost and not driver.stopped() else
-            "the run was stopped first" if driver.stopped() else
-            "not every rank reached the driver, and this backend has no other way to meet"))
+        raise RunStopped(
+            f"rank {mine.rank} could not meet the other ranks: "
+            + (
+                "the driver's channel was lost"
+                if channel.lost and not driver.stopped()
+                else "the run was stopped first"
+                if driver.stopped()
+                else "not every rank reached the driver, and this backend has no other way to meet"
+            )
+        )
     return gathered
 
 
@@ -334,8 +358,9 @@ def value_route(returns_value: bool, value_file: str, channel_lost: bool) -> str
     return "outcome" if channel_lost else "channel"
 
 
-def _run_rank(spec: RemoteSpec, site: Site, channel: ChannelClient,
-              emit: Callable[[events.Event], None], driver: DriverMessages) -> Tuple[Optional[bytearray], str]:
+def _run_rank(
+    spec: RemoteSpec, site: Site, channel: ChannelClient, emit: Callable[[events.Event], None], driver: DriverMessages
+) -> Tuple[Optional[bytearray], str]:
     """Start and watch the rank; its value blob, or the file in the driver's value directory
     that holds it (``RemoteSpec.value_path``), as ``value_route`` chose; the rank's ``Exit`` is
     held back until a value sent over the channel is there, and a value that could not be sent
@@ -348,9 +373,14 @@ def _run_rank(spec: RemoteSpec, site: Site, channel: ChannelClient,
     try:
         guard = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", guard_source(), workdir, str(STOP_GRACE), str(users), copy],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env=dict(os.environ, TORCHDIST_RUN_ID=run.run_id), start_new_session=True, text=True,
-            pass_fds=(users,) if users >= 0 else ())
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=dict(os.environ, TORCHDIST_RUN_ID=run.run_id),
+            start_new_session=True,
+            text=True,
+            pass_fds=(users,) if users >= 0 else (),
+        )
     finally:
         if users >= 0:
             os.close(users)  # the lock is the guard's now: it lets go of it when the launcher has ended
@@ -358,12 +388,17 @@ def _run_rank(spec: RemoteSpec, site: Site, channel: ChannelClient,
     proc: Optional[RankProcess] = None
     gpu_source = None
     try:
-        mine = events.Joined(rank=rank, host=site.host(), address=site.address(),
-                             gpus=site.gpus() if run.use_gpu else None,
-                             port=port.getsockname()[1] if port is not None else None)
+        mine = events.Joined(
+            rank=rank,
+            host=site.host(),
+            address=site.address(),
+            gpus=site.gpus() if run.use_gpu else None,
+            port=port.getsockname()[1] if port is not None else None,
+        )
         peers = rendezvous(site, channel, driver, mine)
-        place = place_spark_tasks([p.host for p in peers], peers[0].address, peers[0].port,
-                                  run.use_gpu, [p.gpus for p in peers])[rank]
+        place = place_spark_tasks(
+            [p.host for p in peers], peers[0].address, peers[0].port, run.use_gpu, [p.gpus for p in peers]
+        )[rank]
         data_file = site.data_file(workdir, driver.stopped)
         value_file = spec.value_file(rank)
         held: List[events.Exit] = []  # the rank's exit, until its value is with the driver
@@ -384,8 +419,17 @@ def _run_rank(spec: RemoteSpec, site: Site, channel: ChannelClient,
         job_file = os.path.join(workdir, "job.pkl")
         write_job_file(job_file, spec.job_bytes)
         gpu_source = open_gpus(run)
-        proc = start_rank(run, place, job_file, os.path.join(workdir, f"rank-{rank}"), rank_emit,
-                          data_file=data_file, value_file=value_file, cleanup=[workdir], gpu_source=gpu_source)
+        proc = start_rank(
+            run,
+            place,
+            job_file,
+            os.path.join(workdir, f"rank-{rank}"),
+            rank_emit,
+            data_file=data_file,
+            value_file=value_file,
+            cleanup=[workdir],
+            gpu_source=gpu_source,
+        )
         driver.dump_stacks = proc.dump_stacks
         guard.stdin.write(f"{proc.pgid} {proc.mark}\n")
         guard.stdin.flush()
@@ -425,6 +469,7 @@ def _run_rank(spec: RemoteSpec, site: Site, channel: ChannelClient,
 
 
 # -- a launcher started by a command line ---------------------------------------------------------
+
 
 def write_spec(path: str, spec: RemoteSpec) -> None:
     """Write ``spec`` where a command-line launcher reads it: a new file, its owner's only (it

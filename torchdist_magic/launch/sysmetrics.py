@@ -174,8 +174,9 @@ class RankSampler:
     ``gpu``: a ``gpu_metrics.GpuSource`` and the rank's device indices, for its GPU keys.
     Not thread-safe: one thread samples (the launcher's)."""
 
-    def __init__(self, pgid: int, gpu: Optional[Tuple[object, Sequence[str]]] = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, pgid: int, gpu: Optional[Tuple[object, Sequence[str]]] = None, clock: Callable[[], float] = time.monotonic
+    ):
         self.pgid = pgid
         self.gpu = gpu
         self.clock = clock
@@ -246,14 +247,17 @@ class RankSampler:
             kills = cgroup_oom_kills(self._cgroup)
             if kills is not None and kills > self._oom_kills_before:
                 peak = cgroup_peak(self._cgroup)
-                return (f"probably out of memory: RSS {gib(rss)} of {gib(limit)} when last sampled; the "
-                        f"kernel's OOM killer fired in its cgroup" + (f", whose memory reached {gib(peak)}" if peak else ""))
+                return (
+                    f"probably out of memory: RSS {gib(rss)} of {gib(limit)} when last sampled; the "
+                    f"kernel's OOM killer fired in its cgroup" + (f", whose memory reached {gib(peak)}" if peak else "")
+                )
         if limit and rss >= NEAR_LIMIT * limit:
             return f"probably out of memory: RSS {gib(rss)} of {gib(limit)} ({where})"
         available = self.last.get("host_memory_available_bytes", 0.0)
         if total and available < HOST_NEARLY_FULL * total:
-            return (f"probably out of memory: the machine had {gib(available)} of {gib(total)} available "
-                    f"(RSS {gib(rss)})")
+            return (
+                f"probably out of memory: the machine had {gib(available)} of {gib(total)} available (RSS {gib(rss)})"
+            )
         return ""
 
 
@@ -269,6 +273,6 @@ def explain_cuda_oom(message: str, sample: Dict[str, float]) -> str:
 def is_cuda_oom(exc_type: str, message: str) -> bool:
     """Whether a rank's exception is CUDA's out of memory (``torch.cuda.OutOfMemoryError``, or a
     ``RuntimeError`` of older torch saying so)."""
-    return exc_type.endswith("OutOfMemoryError") or (exc_type.endswith("RuntimeError")
-                                                     and "CUDA out of memory" in message)
-
+    return exc_type.endswith("OutOfMemoryError") or (
+        exc_type.endswith("RuntimeError") and "CUDA out of memory" in message
+    )

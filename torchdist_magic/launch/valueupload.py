@@ -53,7 +53,8 @@ def send(run: RunSpec, path: str, rank: int) -> str:
     def failed(cause: str) -> ValueNotSent:
         return ValueNotSent(
             f"rank {rank} could not send its value ({mib}) from {socket.gethostname()} to the driver "
-            f"at {run.channel_address}: {cause}")
+            f"at {run.channel_address}: {cause}"
+        )
 
     started = time.monotonic()
     sock = file_connection(run, rank, failed, upload=size)
@@ -65,14 +66,16 @@ def send(run: RunSpec, path: str, rank: int) -> str:
             try:
                 _send_file(sock, fh, size)
             except OSError as exc:  # the file's offset: what went (``sendfile`` leaves it there too)
-                raise failed(f"the connection failed after {mib_text(fh.tell())} of {mib} "
-                             f"({exc or type(exc).__name__})") from None
+                raise failed(
+                    f"the connection failed after {mib_text(fh.tell())} of {mib} ({exc or type(exc).__name__})"
+                ) from None
         _answer(sock, failed, "before the driver confirmed the value")
     finally:
         sock.close()
     took = max(time.monotonic() - started, 1e-6)
-    return (f"[torchdist] value of rank {rank}: {mib} sent to the driver in {took:.1f} s "
-            f"({size / took / 2**20:.0f} MiB/s)")
+    return (
+        f"[torchdist] value of rank {rank}: {mib} sent to the driver in {took:.1f} s ({size / took / 2**20:.0f} MiB/s)"
+    )
 
 
 def _send_file(sock, fh, size: int) -> None:
@@ -84,7 +87,7 @@ def _send_file(sock, fh, size: int) -> None:
     buffer = memoryview(bytearray(max(min(size, CHUNK), 1)))
     sent = 0
     while sent < size:
-        n = fh.readinto(buffer[:min(len(buffer), size - sent)])
+        n = fh.readinto(buffer[: min(len(buffer), size - sent)])
         if not n:
             return
         sock.sendall(buffer[:n])
@@ -100,5 +103,3 @@ def _answer(sock, failed, when: str) -> None:
         raise failed(f"the connection ended {when} ({exc or type(exc).__name__})") from None
     if "error" in head:
         raise failed(f"{head['error']!s:.500}")
-
-

@@ -28,12 +28,34 @@ FLIGHT_RECORDER_ENTRIES = 256
 #: the name of the default process group in a record (the Flight Recorder's is ``default_pg``)
 DEFAULT_GROUP = "default group"
 #: the functions of ``torch.distributed`` that a stack names as the collective a rank is in
-COLLECTIVE_FUNCTIONS = frozenset({
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
-    "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object",
-    "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list",
-    "monitored_barrier", "send", "recv", "batch_isend_irecv", "_all_gather_base",
-    "_reduce_scatter_base", "new_group", "init_process_group"})
+COLLECTIVE_FUNCTIONS = frozenset(
+    {
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "broadcast",
+        "broadcast_object_list",
+        "gather",
+        "gather_object",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "scatter",
+        "scatter_object_list",
+        "monitored_barrier",
+        "send",
+        "recv",
+        "batch_isend_irecv",
+        "_all_gather_base",
+        "_reduce_scatter_base",
+        "new_group",
+        "init_process_group",
+    }
+)
 _C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
 
 
@@ -87,8 +109,13 @@ def record(rank: int) -> events.Collectives:
     if trace is not None and trace.get("entries"):
         return events.Collectives(rank=rank, source="flight recorder", groups=groups_from_trace(trace), time=now)
     main = sys._current_frames().get(threading.main_thread().ident)
-    return events.Collectives(rank=rank, source="stack", in_collective=collective_in_stack(main), time=now,
-                              note="" if trace is not None else "torch keeps no Flight Recorder here")
+    return events.Collectives(
+        rank=rank,
+        source="stack",
+        in_collective=collective_in_stack(main),
+        time=now,
+        note="" if trace is not None else "torch keeps no Flight Recorder here",
+    )
 
 
 def _flight_recorder_trace() -> Optional[Dict[str, Any]]:

@@ -98,8 +98,11 @@ class Session:
         return text
 
     def _send(self, text: str = "", prompt: str = "", end: bool = False) -> None:
-        self._owner.client.send(events.DebugOutput(rank=_rank(), session=self.id, kind=self.kind, text=text,
-                                                   prompt=prompt, end=end, time=self.time))
+        self._owner.client.send(
+            events.DebugOutput(
+                rank=_rank(), session=self.id, kind=self.kind, text=text, prompt=prompt, end=end, time=self.time
+            )
+        )
 
     def flush(self) -> None:
         """Send the complete lines written so far; an unfinished one may be a prompt, which
@@ -127,8 +130,10 @@ class Session:
             record = self.lines.get(timeout=idle)
         except queue.Empty:
             self.ended = True
-            self._send(f"torchdist: no input for {idle:g} s: the debugger session on rank {_rank()} "
-                       "ends (--debug-idle-timeout)\n")
+            self._send(
+                f"torchdist: no input for {idle:g} s: the debugger session on rank {_rank()} "
+                "ends (--debug-idle-timeout)\n"
+            )
             return ""
         if record.end:
             self.ended = True
@@ -209,9 +214,12 @@ class RankDebugger:
         if not self.enabled or self.unreachable():
             if not self._warned:
                 self._warned = True
-                why = ("the notebook has no input to debug with (nbval, nbconvert --execute, a script, "
-                       "a run followed in the background, a warm pool)" if not self.enabled else
-                       "its task cannot reach the notebook's event channel")
+                why = (
+                    "the notebook has no input to debug with (nbval, nbconvert --execute, a script, "
+                    "a run followed in the background, a warm pool)"
+                    if not self.enabled
+                    else "its task cannot reach the notebook's event channel"
+                )
                 print(f"torchdist: breakpoint() skipped on rank {_rank()}: {why}", file=sys.stderr, flush=True)
             return
         import time
@@ -222,8 +230,12 @@ class RankDebugger:
         """Hold this rank in a post-mortem session on ``exc``'s frames until the user quits it,
         the driver ends it, or it sits idle."""
         if self.unreachable():
-            print(f"torchdist: --pdb: rank {_rank()} ({socket.gethostname()}) cannot reach the notebook's "
-                  "event channel, so its failure is not held for a debugger", file=sys.stderr, flush=True)
+            print(
+                f"torchdist: --pdb: rank {_rank()} ({socket.gethostname()}) cannot reach the notebook's "
+                "event channel, so its failure is not held for a debugger",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         session = self.open("post-mortem", time)
         debugger = RankPdb(session)
@@ -243,9 +255,12 @@ def install(client) -> Optional[RankDebugger]:
     ``sys.breakpointhook`` opens a session; the debugger, whose ``on_message`` takes the
     driver's ``DebugInput`` records."""
     global _debugger
-    _debugger = RankDebugger(client, enabled=os.environ.get(DEBUG_ENV) == "1",
-                             post_mortem=os.environ.get(PDB_ENV) == "1",
-                             idle=float(os.environ.get(IDLE_ENV) or 600.0))
+    _debugger = RankDebugger(
+        client,
+        enabled=os.environ.get(DEBUG_ENV) == "1",
+        post_mortem=os.environ.get(PDB_ENV) == "1",
+        idle=float(os.environ.get(IDLE_ENV) or 600.0),
+    )
     sys.breakpointhook = _breakpointhook
     return _debugger
 

@@ -93,21 +93,37 @@ class StepProfiler:
                         break
                     self._send(events.ProfilePiece(rank=self._rank(), data=piece))
             os.remove(path)
-        self._send(events.ProfileDone(rank=self._rank(), steps=self._counted, size=size, kept_at=kept_at,
-                                      top=top, peak_memory_bytes=_peak_memory(), peak_gpu_memory_bytes=_peak_gpu(),
-                                      time=time.time()))
+        self._send(
+            events.ProfileDone(
+                rank=self._rank(),
+                steps=self._counted,
+                size=size,
+                kept_at=kept_at,
+                top=top,
+                peak_memory_bytes=_peak_memory(),
+                peak_gpu_memory_bytes=_peak_gpu(),
+                time=time.time(),
+            )
+        )
 
     def _fail(self, exc: BaseException) -> None:
         self.done = True
         self._profiler = None
-        self._send(events.ProfileDone(rank=self._rank(), error="".join(
-            traceback.format_exception_only(type(exc), exc)).strip(), time=time.time()))
+        self._send(
+            events.ProfileDone(
+                rank=self._rank(),
+                error="".join(traceback.format_exception_only(type(exc), exc)).strip(),
+                time=time.time(),
+            )
+        )
 
 
 def _top_operators(profiler) -> List[events.ProfileOp]:
     averages = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)
-    return [events.ProfileOp(name=e.key, self_cpu_s=e.self_cpu_time_total / 1e6, calls=int(e.count))
-            for e in averages[:TOP_OPERATORS]]
+    return [
+        events.ProfileOp(name=e.key, self_cpu_s=e.self_cpu_time_total / 1e6, calls=int(e.count))
+        for e in averages[:TOP_OPERATORS]
+    ]
 
 
 def _peak_memory() -> float:

@@ -22,8 +22,12 @@ _split: Callable[[], Optional[stepsplit.StepSplit]]
 _bar_id: Callable[[], int]
 
 
-def install(emit: Callable[[events.Event], None], rank: Callable[[], int],
-            split: Callable[[], Optional[stepsplit.StepSplit]], bar_id: Callable[[], int]) -> None:
+def install(
+    emit: Callable[[events.Event], None],
+    rank: Callable[[], int],
+    split: Callable[[], Optional[stepsplit.StepSplit]],
+    bar_id: Callable[[], int],
+) -> None:
     """Make every tqdm bar and rich progress task of this process report as this rank's
     progress (each an ``events.Progress`` to ``emit``, of ``rank()``, its id numbered by
     ``bar_id()``), and torch's collectives and DDP time their waits for the step split
@@ -106,10 +110,18 @@ class _TqdmReport:
             return  # a placeholder bar (Lightning makes some) that never counted anything
         self.sent = True
         elapsed = bar._time() - bar.start_t if hasattr(bar, "start_t") else 0.0
-        _emit(events.Progress(rank=_rank(), bar=self.bar, desc=str(bar.desc or "").rstrip(": "),
-                              n=int(n), total=None if total is None else int(total),
-                              elapsed=max(float(elapsed), 0.0), state=state,
-                              postfix=str(bar.postfix or "")))
+        _emit(
+            events.Progress(
+                rank=_rank(),
+                bar=self.bar,
+                desc=str(bar.desc or "").rstrip(": "),
+                n=int(n),
+                total=None if total is None else int(total),
+                elapsed=max(float(elapsed), 0.0),
+                state=state,
+                postfix=str(bar.postfix or ""),
+            )
+        )
 
 
 def _patch_tqdm(cls) -> None:
@@ -189,9 +201,17 @@ def _send_rich_task(progress, task_id, state: str) -> None:
     from rich.text import Text
 
     desc = task.description if isinstance(task.description, str) else str(task.description)
-    _emit(events.Progress(rank=_rank(), bar=ids[task_id], desc=Text.from_markup(desc).plain.strip(),
-                          n=int(task.completed), total=None if total is None else int(total),
-                          elapsed=float(task.elapsed or 0.0), state=state))
+    _emit(
+        events.Progress(
+            rank=_rank(),
+            bar=ids[task_id],
+            desc=Text.from_markup(desc).plain.strip(),
+            n=int(task.completed),
+            total=None if total is None else int(total),
+            elapsed=float(task.elapsed or 0.0),
+            state=state,
+        )
+    )
 
 
 def _patch_rich(cls) -> None:
@@ -205,6 +225,7 @@ def _patch_rich(cls) -> None:
             result = method(self, *args, **kwargs)
             _send_rich_task(self, task_of(result, args, kwargs), "running")
             return result
+
         return wrapper
 
     def task_argument(_result, args, kwargs):

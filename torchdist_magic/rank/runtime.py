@@ -22,7 +22,14 @@ import time
 from typing import Any, Iterable, Iterator, List, Optional, Tuple
 
 from ..core import events
-from ..core.names import CHECKPOINT_DIR_ENV, HOST_RANKS_ENV, KEEP_CHECKPOINTS_ENV, RESTART_COUNT_ENV, RUN_ID_ENV, USE_GPU_ENV
+from ..core.names import (
+    CHECKPOINT_DIR_ENV,
+    HOST_RANKS_ENV,
+    KEEP_CHECKPOINTS_ENV,
+    RESTART_COUNT_ENV,
+    RUN_ID_ENV,
+    USE_GPU_ENV,
+)
 from . import profile as rankprofile, progress_hooks, stepsplit
 
 
@@ -48,8 +55,11 @@ def _install_sink(sink) -> None:
     global _sink, _split
     with _sink_lock:
         _sink = sink
-        _split = None if sink is None else stepsplit.StepSplit(
-            _emit, rank, profiler=lambda: rankprofile.from_env(_emit, rank))
+        _split = (
+            None
+            if sink is None
+            else stepsplit.StepSplit(_emit, rank, profiler=lambda: rankprofile.from_env(_emit, rank))
+        )
     _new_job()
     if sink is not None:
         progress_hooks.install(_emit, rank, lambda: _split, lambda: next(_bar_ids))
@@ -170,8 +180,7 @@ class progress:
     waits for each next item is the step's data wait (``stepsplit``: ``step_split``).
     """
 
-    def __init__(self, iterable: Optional[Iterable] = None, total: Optional[int] = None,
-                 desc: Optional[str] = None):
+    def __init__(self, iterable: Optional[Iterable] = None, total: Optional[int] = None, desc: Optional[str] = None):
         self.iterable = iterable
         if total is None and iterable is not None:
             try:
@@ -192,8 +201,17 @@ class progress:
         return self.total
 
     def _send(self, state: str) -> None:
-        _emit(events.Progress(rank=rank(), bar=self.bar, desc=self.desc, n=self.n, total=self.total,
-                              elapsed=time.time() - self._start, state=state))
+        _emit(
+            events.Progress(
+                rank=rank(),
+                bar=self.bar,
+                desc=self.desc,
+                n=self.n,
+                total=self.total,
+                elapsed=time.time() - self._start,
+                state=state,
+            )
+        )
 
     def update(self, n: int = 1) -> None:
         """Count ``n`` more steps."""
@@ -240,9 +258,18 @@ class progress:
 
 def cell_names() -> dict:
     """What a ``%%torchdist`` cell finds defined: the ``CELL_PROVIDED`` names."""
-    return dict(rank=rank(), local_rank=local_rank(), world_size=world_size(), progress=progress,
-                report=report, is_main=is_main(), device=device(), restart_count=restart_count,
-                save_checkpoint=save_checkpoint, load_checkpoint=load_checkpoint)
+    return dict(
+        rank=rank(),
+        local_rank=local_rank(),
+        world_size=world_size(),
+        progress=progress,
+        report=report,
+        is_main=is_main(),
+        device=device(),
+        restart_count=restart_count,
+        save_checkpoint=save_checkpoint,
+        load_checkpoint=load_checkpoint,
+    )
 
 
 # -- restarts and checkpoints -------------------------------------------------------------------
@@ -269,13 +296,15 @@ def _checkpoints(directory: str) -> List[Tuple[int, str]]:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
-    found = [(int(m.group(1)), os.path.join(directory, name))
-             for name, m in ((n, _CHECKPOINT.match(n)) for n in names) if m]
+    found = [
+        (int(m.group(1)), os.path.join(directory, name)) for name, m in ((n, _CHECKPOINT.match(n)) for n in names) if m
+    ]
     return sorted(found)
 
 
-def save_checkpoint(obj: Any, step: Optional[int] = None, *, rank: int = 0,
-                    directory: Optional[str] = None) -> Optional[str]:
+def save_checkpoint(
+    obj: Any, step: Optional[int] = None, *, rank: int = 0, directory: Optional[str] = None
+) -> Optional[str]:
     """Save ``obj`` (anything ``torch.save`` takes: state dicts, step counters) as the newest
     checkpoint, on rank ``rank`` only (rank 0 by default: other ranks return ``None`` at once).
 
@@ -293,12 +322,16 @@ def save_checkpoint(obj: Any, step: Optional[int] = None, *, rank: int = 0,
         return None
     directory = directory or checkpoint_dir()
     if not directory and os.environ.get(RUN_ID_ENV):
-        raise ValueError("save_checkpoint: this run has no checkpoint directory; give it one "
-                         "(--checkpoint-dir, checkpoint_dir=), or restarts (--max-restarts: the run "
-                         "then has one of its own), or pass directory=...")
+        raise ValueError(
+            "save_checkpoint: this run has no checkpoint directory; give it one "
+            "(--checkpoint-dir, checkpoint_dir=), or restarts (--max-restarts: the run "
+            "then has one of its own), or pass directory=..."
+        )
     if not directory:
-        raise ValueError("save_checkpoint needs a directory outside a run: pass "
-                         "directory=..., or run it under %%torchdist / Distributor")
+        raise ValueError(
+            "save_checkpoint needs a directory outside a run: pass "
+            "directory=..., or run it under %%torchdist / Distributor"
+        )
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"save_checkpoint: step must be a whole number of at least 0, got {step!r}")
     os.makedirs(directory, exist_ok=True)
@@ -344,7 +377,7 @@ def load_checkpoint(map_location: Any = "cpu", *, directory: Optional[str] = Non
 def _prune(directory: str, keep: int, attempt: int) -> None:
     """Keep the newest ``keep`` checkpoints; remove older ones and the temporary files of
     earlier attempts (a rank killed while writing leaves one)."""
-    for _step, path in _checkpoints(directory)[:-max(keep, 1)]:
+    for _step, path in _checkpoints(directory)[: -max(keep, 1)]:
         _remove(path)
     for name in os.listdir(directory):
         m = _CHECKPOINT_TMP.match(name)

@@ -23,8 +23,10 @@ from . import runtime
 
 FORMATS = ("torch", "pandas", "arrow")
 
-NO_DATA = ("shard() reads the DataFrame of a run started with one, and this {where} has none: "
-           "start the run with %%torchdist --data NAME, or Distributor(...).train_on_dataframe(fn, df)")
+NO_DATA = (
+    "shard() reads the DataFrame of a run started with one, and this {where} has none: "
+    "start the run with %%torchdist --data NAME, or Distributor(...).train_on_dataframe(fn, df)"
+)
 
 
 _counts_cache: dict = {}
@@ -41,9 +43,15 @@ def _row_counts(own: int) -> List[int]:
 
         # multi_tenant: the process group's own store on this port (rank 0 serves it) is shared
         # with this one, whichever of the two is made first
-        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, me == 0,
-                         timeout=datetime.timedelta(seconds=ROW_COUNTS_WAIT), wait_for_workers=False,
-                         multi_tenant=True)
+        store = TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            None,
+            me == 0,
+            timeout=datetime.timedelta(seconds=ROW_COUNTS_WAIT),
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
         store.set(f"torchdist/data/rows/{me}", str(own))
         store.wait([f"torchdist/data/rows/{r}" for r in range(n)])
         counts = [int(store.get(f"torchdist/data/rows/{r}")) for r in range(n)]
@@ -74,8 +82,15 @@ class shard:
     Each rank reports its rows read and rows/s to the run view (a bar named ``rows``).
     """
 
-    def __init__(self, batch_size: int, columns: Optional[Sequence[str]] = None, format: str = "torch",
-                 shuffle: bool = False, seed: int = 0, drop_last: bool = False):
+    def __init__(
+        self,
+        batch_size: int,
+        columns: Optional[Sequence[str]] = None,
+        format: str = "torch",
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+    ):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"shard(batch_size=...) must be a whole number of at least 1, got {batch_size!r}")
         if format not in FORMATS:
@@ -95,8 +110,10 @@ class shard:
         self.columns = list(available if columns is None else columns)
         missing = [c for c in self.columns if c not in available]
         if missing:
-            raise ValueError(f"shard(columns=...): the run's DataFrame has no column "
-                             f"{', '.join(map(repr, missing))}; its columns: {', '.join(available)}")
+            raise ValueError(
+                f"shard(columns=...): the run's DataFrame has no column "
+                f"{', '.join(map(repr, missing))}; its columns: {', '.join(available)}"
+            )
         self._table = self._table.select(self.columns)
         self.epoch = 0
         self._counts: Optional[List[int]] = None
@@ -115,7 +132,8 @@ class shard:
                 raise ValueError(
                     f"rank{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} got none of the "
                     f"DataFrame's rows (rows per rank: {self._counts}): Spark's repartition spreads "
-                    "tiny DataFrames unevenly; give the run more rows or fewer ranks")
+                    "tiny DataFrames unevenly; give the run more rows or fewer ranks"
+                )
         return self._counts
 
     def rows_per_epoch(self) -> int:
@@ -167,7 +185,7 @@ class shard:
         rows = self.rows_per_epoch()
         order = self._order(self.epoch)
         self.epoch += 1
-        bar = runtime.progress(total=rows, desc=ROWS_BAR)   # this epoch's rows, shown at once
+        bar = runtime.progress(total=rows, desc=ROWS_BAR)  # this epoch's rows, shown at once
         try:
             for start in range(0, rows, self.batch_size):
                 stop = min(start + self.batch_size, rows)
@@ -188,16 +206,19 @@ def _tensor(name: str, column):
 
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     if array.null_count:
-        raise ValueError(f"column {name!r} has {array.null_count} null value(s) in rank "
-                         f"{runtime.rank()}'s rows, and a tensor cannot hold them: fill or drop them first")
+        raise ValueError(
+            f"column {name!r} has {array.null_count} null value(s) in rank "
+            f"{runtime.rank()}'s rows, and a tensor cannot hold them: fill or drop them first"
+        )
     shape = [len(array)]
-    while pa.types.is_list(array.type) or pa.types.is_large_list(array.type) \
-            or pa.types.is_fixed_size_list(array.type):
+    while pa.types.is_list(array.type) or pa.types.is_large_list(array.type) or pa.types.is_fixed_size_list(array.type):
         lengths = pc.list_value_length(array)
         low, high = (pc.min_max(lengths)[k].as_py() for k in ("min", "max"))
         if len(array) and low != high:
-            raise ValueError(f"column {name!r} holds arrays of different lengths ({low} to {high}) in "
-                             f"rank {runtime.rank()}'s rows: a tensor needs one length")
+            raise ValueError(
+                f"column {name!r} holds arrays of different lengths ({low} to {high}) in "
+                f"rank {runtime.rank()}'s rows: a tensor needs one length"
+            )
         shape.append(low or 0)
         array = array.flatten()
         if array.null_count:

@@ -43,7 +43,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..core.names import RUN_ID_ENV
-from ..core.syntax import (EXPANDER, TIME_TAKES_NO_ARGUMENTS, TimeitOptions, parse_timeit, unsupported)
+from ..core.syntax import EXPANDER, TIME_TAKES_NO_ARGUMENTS, TimeitOptions, parse_timeit, unsupported
 from . import runtime
 from ..core.privdir import open_private, user_directory
 
@@ -156,9 +156,11 @@ class TimeitResult:
         return (math.fsum((t - mean) ** 2 for t in self.timings) / len(self.timings)) ** 0.5
 
     def __str__(self) -> str:
-        return (f"{_format_time(self.average, self._precision)} ± {_format_time(self.stdev, self._precision)} "
-                f"per loop (mean ± std. dev. of {self.repeat} run{'' if self.repeat == 1 else 's'}, "
-                f"{self.loops:,} loop{'' if self.loops == 1 else 's'} each)")
+        return (
+            f"{_format_time(self.average, self._precision)} ± {_format_time(self.stdev, self._precision)} "
+            f"per loop (mean ± std. dev. of {self.repeat} run{'' if self.repeat == 1 else 's'}, "
+            f"{self.loops:,} loop{'' if self.loops == 1 else 's'} each)"
+        )
 
     __repr__ = __str__
 
@@ -301,13 +303,16 @@ class RankShell:
             wall = time.perf_counter() - wall
             end = resource.getrusage(resource.RUSAGE_SELF)
             user, system = end.ru_utime - cpu.ru_utime, end.ru_stime - cpu.ru_stime
-            print(f"CPU times: user {_format_time(user)}, sys: {_format_time(system)}, "
-                  f"total: {_format_time(user + system)}")
+            print(
+                f"CPU times: user {_format_time(user)}, sys: {_format_time(system)}, "
+                f"total: {_format_time(user + system)}"
+            )
             print(f"Wall time: {_format_time(wall)}")
 
     @staticmethod
-    def _timeit(options: TimeitOptions, setup: str, setup_line: int, stmt: str, stmt_line: int,
-                frame) -> Optional[TimeitResult]:
+    def _timeit(
+        options: TimeitOptions, setup: str, setup_line: int, stmt: str, stmt_line: int, frame
+    ) -> Optional[TimeitResult]:
         if not stmt.strip():
             return None
         filename = frame.f_code.co_filename
@@ -323,12 +328,15 @@ class RankShell:
         number = options.number
         if not number:
             for power in range(10):
-                number = 10 ** power
+                number = 10**power
                 if _slowest_rank(_timed_loop(defined["inner"], number)) >= TIMEIT_AUTORANGE_SECONDS:
                     break
-        result = TimeitResult(number, options.repeat,
-                              [_timed_loop(defined["inner"], number) for _ in range(options.repeat)],
-                              options.precision)
+        result = TimeitResult(
+            number,
+            options.repeat,
+            [_timed_loop(defined["inner"], number) for _ in range(options.repeat)],
+            options.precision,
+        )
         if not options.quiet:
             print(result)
         return result if options.result else None
@@ -339,8 +347,10 @@ class RankShell:
         ``%env NAME=value`` or ``%env NAME value``: set it."""
         line = line.strip()
         if not line:
-            return {k: "<hidden>" if any(s in k.lower() for s in ("key", "token", "secret")) else v
-                    for k, v in os.environ.items()}
+            return {
+                k: "<hidden>" if any(s in k.lower() for s in ("key", "token", "secret")) else v
+                for k, v in os.environ.items()
+            }
         name, sep, value = line.partition("=" if "=" in line else " ")
         name, value = name.strip(), value.strip()
         if not sep:
@@ -348,8 +358,9 @@ class RankShell:
                 raise MagicError(f"%env {name}: rank {_rank()} has no environment variable {name}")
             return os.environ[name]
         if re.search(r"\s", name):
-            raise MagicError(f"%env {line}: an environment variable name has no spaces ({name!r}); "
-                             "write %env NAME=value")
+            raise MagicError(
+                f"%env {line}: an environment variable name has no spaces ({name!r}); write %env NAME=value"
+            )
         os.environ[name] = value
         print(f"env: {name}={value}")
         return None
@@ -381,8 +392,9 @@ class RankShell:
         site = (frame.f_code.co_filename, frame.f_lineno, line)
         self._pip_calls[site] = count = self._pip_calls.get(site, 0) + 1
         key = "\0".join(map(str, (os.environ.get(RUN_ID_ENV, ""), *site, count)))
-        path = os.path.join(user_directory(tempfile.gettempdir()),
-                            f"torchdist-pip-{hashlib.sha256(key.encode()).hexdigest()[:24]}")
+        path = os.path.join(
+            user_directory(tempfile.gettempdir()), f"torchdist-pip-{hashlib.sha256(key.encode()).hexdigest()[:24]}"
+        )
         with open(open_private(path, os.O_RDWR | os.O_CREAT | os.O_APPEND), "a+", encoding="utf-8") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             fh.seek(0)
@@ -401,7 +413,6 @@ class RankShell:
                 os.unlink(path)
         if code != "0":
             where = "above" if by == _rank() else f"in rank {by}'s log"
-            raise PipFailed(f"%pip {line} failed on {socket.gethostname()}: pip exited with code {code} "
-                            f"(its output is {where})")
-
-
+            raise PipFailed(
+                f"%pip {line} failed on {socket.gethostname()}: pip exited with code {code} (its output is {where})"
+            )

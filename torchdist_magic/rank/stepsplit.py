@@ -40,10 +40,25 @@ WINDOW = 3
 #: seconds between two reads of DDP's timers
 POLL_EVERY = 0.1
 #: the collectives of ``torch.distributed`` whose synchronous calls are timed
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
-               "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather",
-               "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
-               "scatter_object_list", "monitored_barrier")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "monitored_barrier",
+)
 
 _clock = time.perf_counter
 
@@ -68,8 +83,12 @@ class StepSplit:
     """One rank's split (see the module's docstring); ``send`` gets each ``events.StepSplit``.
     Called from the job's threads: a lost update under a race costs a step's share, no more."""
 
-    def __init__(self, send: Callable[[events.Event], None], rank: Callable[[], int],
-                 profiler: Optional[Callable[[], Any]] = None):
+    def __init__(
+        self,
+        send: Callable[[events.Event], None],
+        rank: Callable[[], int],
+        profiler: Optional[Callable[[], Any]] = None,
+    ):
         """``profiler`` makes each job's profiler (``rankprofile.StepProfiler``, or None): its
         ``step`` is called as each step of the innermost loop begins, its ``finish`` when the
         outermost loop ends."""
@@ -81,15 +100,15 @@ class StepSplit:
     def reset(self) -> None:
         """A new job: nothing measured yet."""
         self.profiler = self._make_profiler() if self._make_profiler is not None else None
-        self._depth = 0              # progress() loops iterating now
-        self._innermost = 0          # the deepest loop seen since the outermost one began
-        self._since: Optional[float] = None   # when the current run of loops began (or was last counted)
+        self._depth = 0  # progress() loops iterating now
+        self._innermost = 0  # the deepest loop seen since the outermost one began
+        self._since: Optional[float] = None  # when the current run of loops began (or was last counted)
         self._step_began: Optional[float] = None  # when the innermost loop's current step began
-        self._collective = 0         # collectives being called now (the outermost one is timed)
+        self._collective = 0  # collectives being called now (the outermost one is timed)
         self._interval = _Interval()
         self._window: Deque[_Interval] = deque(maxlen=WINDOW)
         self._sent = self._polled = _clock()
-        self._totals = [0.0, 0.0, 0.0]    # seconds of steps, data, comm
+        self._totals = [0.0, 0.0, 0.0]  # seconds of steps, data, comm
         self._seen: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
     def profile_now(self, profiler: Any) -> bool:
@@ -195,10 +214,20 @@ class StepSplit:
         seconds = sum(i.seconds for i in self._window)
         data = min(sum(i.data for i in self._window) / seconds, 1.0)
         comm_share = min(sum(i.comm_seconds() for i in self._window) / seconds, 1.0 - data)
-        self._send(events.StepSplit(
-            rank=self._rank(), data=data, compute=max(1.0 - data - comm_share, 0.0), comm=comm_share,
-            seconds=seconds, steps=sum(i.steps for i in self._window), step_s=self._totals[0],
-            data_s=self._totals[1], comm_s=self._totals[2], time=time.time()))
+        self._send(
+            events.StepSplit(
+                rank=self._rank(),
+                data=data,
+                compute=max(1.0 - data - comm_share, 0.0),
+                comm=comm_share,
+                seconds=seconds,
+                steps=sum(i.steps for i in self._window),
+                step_s=self._totals[0],
+                data_s=self._totals[1],
+                comm_s=self._totals[2],
+                time=time.time(),
+            )
+        )
 
 
 # -- what gets patched -----------------------------------------------------------------------------

@@ -127,13 +127,24 @@ def _format_exception(exc: BaseException) -> str:
     return "".join(te.format())
 
 
-def _failure(exc: BaseException, exc_type: str, message: str, exit_code: Optional[int] = None,
-             traceback_text: Optional[str] = None) -> events.Failure:
+def _failure(
+    exc: BaseException,
+    exc_type: str,
+    message: str,
+    exit_code: Optional[int] = None,
+    traceback_text: Optional[str] = None,
+) -> events.Failure:
     from torchdist_magic.rank import runtime
 
     return events.Failure.from_exception(
-        runtime.rank(), exc, host=socket.gethostname(), exit_code=exit_code, exc_type=exc_type, message=message,
-        traceback_text=_format_exception(exc) if traceback_text is None else traceback_text)
+        runtime.rank(),
+        exc,
+        host=socket.gethostname(),
+        exit_code=exit_code,
+        exc_type=exc_type,
+        message=message,
+        traceback_text=_format_exception(exc) if traceback_text is None else traceback_text,
+    )
 
 
 def execute(job, namespace: Optional[dict] = None) -> Tuple[int, Any, Optional[events.Failure]]:
@@ -165,8 +176,13 @@ def execute(job, namespace: Optional[dict] = None) -> Tuple[int, Any, Optional[e
         from torchdist_magic.rank import debugger as rank_debugger
 
         if isinstance(exc, BdbQuit):  # q (or an interrupt) in a breakpoint() session on this rank
-            return 1, None, _failure(exc, "BdbQuit", f"the debugger on rank {os.environ.get('RANK', '0')} "
-                                     "was quit, which stops the run")
+            return (
+                1,
+                None,
+                _failure(
+                    exc, "BdbQuit", f"the debugger on rank {os.environ.get('RANK', '0')} was quit, which stops the run"
+                ),
+            )
         failure = _failure(exc, type(exc).__qualname__, str(exc))
         _report_collectives()
         rank_debugger.post_mortem(exc, failure.time)  # with --pdb: held here until the user is done
@@ -200,8 +216,12 @@ def _report_collectives() -> None:
 def _unpicklable(value: Any, exc: Exception) -> events.Failure:
     from torchdist_magic.rank import runtime
 
-    return _failure(exc, "TypeError", f"the value of rank {runtime.rank()} (a "
-                    f"{type(value).__qualname__}) cannot be pickled: {exc}", traceback_text="")
+    return _failure(
+        exc,
+        "TypeError",
+        f"the value of rank {runtime.rank()} (a {type(value).__qualname__}) cannot be pickled: {exc}",
+        traceback_text="",
+    )
 
 
 def _pickled_value(value: Any) -> Tuple[Optional[bytes], Optional[events.Failure]]:
@@ -233,8 +253,15 @@ def run_job(job, result_dir: str) -> int:
                     os.remove(tmp)
                 if path != paths[-1]:
                     continue
-                failure, code = _failure(exc, "OSError", f"the value of rank {os.environ.get('RANK', '0')} "
-                                         f"could not be written to {path}: {exc}", traceback_text=""), 1
+                failure, code = (
+                    _failure(
+                        exc,
+                        "OSError",
+                        f"the value of rank {os.environ.get('RANK', '0')} could not be written to {path}: {exc}",
+                        traceback_text="",
+                    ),
+                    1,
+                )
             except Exception as exc:
                 with contextlib.suppress(OSError):
                     os.remove(tmp)
@@ -358,14 +385,23 @@ def serve(client, inbox: JobInbox, startup_env: Optional[Dict[str, Optional[str]
                     text = base64.b64encode(pickled).decode("ascii")
                     piece = 4 * VALUE_PIECE // 3
                     for i in range(0, len(text), piece):
-                        client.send(events.JobValue(rank=runtime.rank(), job_id=record.job_id,
-                                                    data=text[i:i + piece]))
+                        client.send(
+                            events.JobValue(rank=runtime.rank(), job_id=record.job_id, data=text[i : i + piece])
+                        )
                     has_value = True
                 else:
                     code = 1
             _end_output(record.job_id)
-            client.send(events.JobDone(rank=runtime.rank(), job_id=record.job_id, code=code,
-                                       time=time.time(), has_value=has_value, failure=failure))
+            client.send(
+                events.JobDone(
+                    rank=runtime.rank(),
+                    job_id=record.job_id,
+                    code=code,
+                    time=time.time(),
+                    has_value=has_value,
+                    failure=failure,
+                )
+            )
             if failure is not None and failure.exc_type == "RankStopped":
                 return 1
     return 1
@@ -457,13 +493,12 @@ def main(argv=None) -> int:
     startup_env = json.loads(os.environ.pop(ENV_BEFORE, "") or "{}")
     runtime._install_sink(client)
     if client is not None:
-        client.send(events.Started(rank=runtime.rank(), host=socket.gethostname(), pid=os.getpid(),
-                                   time=time.time()))
+        client.send(events.Started(rank=runtime.rank(), host=socket.gethostname(), pid=os.getpid(), time=time.time()))
     _listen_for_stack_requests(result_dir)
-    if client is not None and os.environ.get(USE_GPU_ENV) == "1" \
-            and os.environ.get(SYSTEM_METRICS_ENV, "1") == "1":
-        threading.Thread(target=_report_torch_memory, args=(client,), name="torchdist-torch-memory",
-                         daemon=True).start()
+    if client is not None and os.environ.get(USE_GPU_ENV) == "1" and os.environ.get(SYSTEM_METRICS_ENV, "1") == "1":
+        threading.Thread(
+            target=_report_torch_memory, args=(client,), name="torchdist-torch-memory", daemon=True
+        ).start()
     if inbox is not None:
         if client is None:
             print("a warm pool's rank needs the driver's event channel (TORCHDIST_CHANNEL)", file=sys.stderr)

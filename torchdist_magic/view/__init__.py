@@ -47,8 +47,11 @@ def make_view(run, kind: str = "auto", *, log_hint: Optional[str] = None):
 
             return WidgetView(run, log_hint=log_hint)
         if kind == "widget":
-            warnings.warn("the widget view needs a Jupyter kernel with ipywidgets; showing the run as text",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                "the widget view needs a Jupyter kernel with ipywidgets; showing the run as text",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     from .text import TextView
 
     return TextView(run.state)

@@ -35,9 +35,9 @@ from ..driver.logstore import LogLine
 from ..driver.snapshot import RankSnapshot, RunSnapshot
 from ..driver.state import RankState, RunState
 
-LOG_LINES = 300       # lines of a log pane; the complete logs stay on the run's ``logs(rank)``
-LOG_SCAN = 20_000     # lines looked at from the end of a rank's log to fill a pane
-PLOT_POINTS = 400     # points per line in a plot; longer histories are thinned
+LOG_LINES = 300  # lines of a log pane; the complete logs stay on the run's ``logs(rank)``
+LOG_SCAN = 20_000  # lines looked at from the end of a rank's log to fill a pane
+PLOT_POINTS = 400  # points per line in a plot; longer histories are thinned
 
 
 def is_problem(text: str) -> bool:
@@ -52,10 +52,9 @@ def is_problem(text: str) -> bool:
 #: run states after which nothing more happens but a message says why
 STOPPED_STATES = ("failed", "timed out", "hung", "cancelled")
 #: bar style of a rank (ipywidgets' ``bar_style`` names) by rank state
-BAR_STYLES = {"starting": "info", "running": "info", "done": "success", "failed": "danger",
-              "cancelled": "warning"}
+BAR_STYLES = {"starting": "info", "running": "info", "done": "success", "failed": "danger", "cancelled": "warning"}
 
-Series = Dict[int, List[Tuple[int, float]]]   # {rank: [(step, value), ...]}
+Series = Dict[int, List[Tuple[int, float]]]  # {rank: [(step, value), ...]}
 Rank = Union[RankState, RankSnapshot]
 State = Union[RunState, RunSnapshot]
 
@@ -155,20 +154,20 @@ class RunFacts:
     """The run as a whole, as the header shows it."""
 
     run_id: str
-    state: str                     # starting, running, succeeded, failed, cancelled, timed out
+    state: str  # starting, running, succeeded, failed, cancelled, timed out
     job_name: str
     backend: str
     num_processes: int
     use_gpu: bool
-    elapsed: float                 # seconds
+    elapsed: float  # seconds
     finished: bool
-    outcome: str                   # "root cause: rank 1 raised ...", or why it stopped; "" else
-    attempt: int = 1               # the current attempt, of ``max_attempts`` (1 + max_restarts)
+    outcome: str  # "root cause: rank 1 raised ...", or why it stopped; "" else
+    attempt: int = 1  # the current attempt, of ``max_attempts`` (1 + max_restarts)
     max_attempts: int = 1
-    earlier: List[str] = field(default_factory=list)   # "attempt 1: rank 1 was killed by SIGKILL"
-    tracking_url: str = ""         # the page of the run's MLflow run, when its server has a UI
-    tracking_text: str = ""        # "MLflow run <id>: <page, or where it is>"; "" when not tracked
-    refused_text: str = ""         # what the run's channel refused, "" when nothing
+    earlier: List[str] = field(default_factory=list)  # "attempt 1: rank 1 was killed by SIGKILL"
+    tracking_url: str = ""  # the page of the run's MLflow run, when its server has a UI
+    tracking_text: str = ""  # "MLflow run <id>: <page, or where it is>"; "" when not tracked
+    refused_text: str = ""  # what the run's channel refused, "" when nothing
     #: which rank held the others up, from their collective records ("rank 2 is behind: ...");
     #: "" when they were not compared or point at no rank (``culprit``)
     culprit: str = ""
@@ -190,15 +189,25 @@ def run_facts(state: State) -> RunFacts:
     else:
         outcome = ""
     earlier = [f"attempt {a.number}: {a.failure.summary() if a.failure else 'failed'}" for a in snap.attempts]
-    return RunFacts(run_id=snap.run_id, state=snap.state, job_name=snap.job_name, backend=snap.backend,
-                    num_processes=snap.num_processes, use_gpu=snap.use_gpu, elapsed=snap.elapsed(),
-                    finished=snap.finished, outcome=outcome, attempt=snap.attempt,
-                    max_attempts=snap.max_attempts, earlier=earlier,
-                    tracking_url=snap.tracking.url if snap.tracking is not None else "",
-                    tracking_text=snap.tracking.text() if snap.tracking is not None else "",
-                    refused_text=refused_text(snap),
-                    culprit=snap.verdict.sentence if snap.verdict else "",
-                    preflight=_preflight_lines(snap))
+    return RunFacts(
+        run_id=snap.run_id,
+        state=snap.state,
+        job_name=snap.job_name,
+        backend=snap.backend,
+        num_processes=snap.num_processes,
+        use_gpu=snap.use_gpu,
+        elapsed=snap.elapsed(),
+        finished=snap.finished,
+        outcome=outcome,
+        attempt=snap.attempt,
+        max_attempts=snap.max_attempts,
+        earlier=earlier,
+        tracking_url=snap.tracking.url if snap.tracking is not None else "",
+        tracking_text=snap.tracking.text() if snap.tracking is not None else "",
+        refused_text=refused_text(snap),
+        culprit=snap.verdict.sentence if snap.verdict else "",
+        preflight=_preflight_lines(snap),
+    )
 
 
 def _preflight_lines(snap: RunSnapshot) -> List[str]:
@@ -213,8 +222,9 @@ def refused_text(snap) -> str:
     if not snap.refusals:
         return ""
     total = sum(r.count for r in snap.refusals)
-    return (f"the run's channel refused {total} record{'s' if total > 1 else ''}: "
-            + "; ".join(r.text() for r in snap.refusals))
+    return f"the run's channel refused {total} record{'s' if total > 1 else ''}: " + "; ".join(
+        r.text() for r in snap.refusals
+    )
 
 
 # -- one row per rank -----------------------------------------------------------------------------
@@ -225,9 +235,9 @@ class BarView:
     desc: str
     n: int
     total: Optional[int]
-    fraction: Optional[float]      # 0..1 of the bar that is filled; None: no total known
-    text: str                      # tqdm-like "2/3 [00:04<00:02, 0.52 it/s]" (desc and % apart)
-    title: str                     # all of it: "epoch 2/3 (66%) [00:04<00:02, 0.52 it/s]"
+    fraction: Optional[float]  # 0..1 of the bar that is filled; None: no total known
+    text: str  # tqdm-like "2/3 [00:04<00:02, 0.52 it/s]" (desc and % apart)
+    title: str  # all of it: "epoch 2/3 (66%) [00:04<00:02, 0.52 it/s]"
 
 
 @dataclass
@@ -237,12 +247,12 @@ class RankRow:
     rank: int
     host: str
     state: str
-    bar_style: str                 # info (running), success, danger (failed), warning (cancelled)
-    bars: List[BarView]            # outer loop first; at most two (outer and innermost)
-    metrics: str                   # "loss=0.31 acc=0.9"
+    bar_style: str  # info (running), success, danger (failed), warning (cancelled)
+    bars: List[BarView]  # outer loop first; at most two (outer and innermost)
+    metrics: str  # "loss=0.31 acc=0.9"
     exit_code: Optional[int]
-    dropped: int                   # progress or metric events the rank could not send
-    system: str = ""               # "cpu 153% · rss 1.21 GiB · 120 ms/step" (``system_text``)
+    dropped: int  # progress or metric events the rank could not send
+    system: str = ""  # "cpu 153% · rss 1.21 GiB · 120 ms/step" (``system_text``)
 
 
 def bar_view(bar: dict) -> BarView:
@@ -251,8 +261,9 @@ def bar_view(bar: dict) -> BarView:
     text = progress_text(dict(bar, desc=""))
     if total:  # the bar itself shows the percentage
         text = text.replace(f" ({100 * n // total}%)", "", 1)
-    return BarView(desc=str(bar.get("desc") or ""), n=n, total=total, fraction=fraction, text=text,
-                   title=progress_text(bar))
+    return BarView(
+        desc=str(bar.get("desc") or ""), n=n, total=total, fraction=fraction, text=text, title=progress_text(bar)
+    )
 
 
 def rank_row(rs: Rank) -> RankRow:
@@ -260,10 +271,17 @@ def rank_row(rs: Rank) -> RankRow:
     if not bars and rs.state == "done":
         # finished without progress(): a full (green) bar says "done"
         bars = [BarView(desc="", n=0, total=None, fraction=1.0, text="", title="done")]
-    return RankRow(rank=rs.rank, host=rs.host, state=rs.state,
-                   bar_style=BAR_STYLES.get(rs.state, "info"), bars=bars,
-                   metrics=metrics_text(rs.metrics), exit_code=rs.exit_code, dropped=rs.dropped,
-                   system=system_text(rs))
+    return RankRow(
+        rank=rs.rank,
+        host=rs.host,
+        state=rs.state,
+        bar_style=BAR_STYLES.get(rs.state, "info"),
+        bars=bars,
+        metrics=metrics_text(rs.metrics),
+        exit_code=rs.exit_code,
+        dropped=rs.dropped,
+        system=system_text(rs),
+    )
 
 
 def rank_rows(state: State) -> List[RankRow]:
@@ -276,8 +294,8 @@ class RankStacks:
     """Where one rank was when a hang or a timeout stopped it."""
 
     rank: int
-    where: str                     # the main thread's innermost frames (``events.Stacks.where``)
-    text: str                      # every thread, as faulthandler wrote it ("" when there was none)
+    where: str  # the main thread's innermost frames (``events.Stacks.where``)
+    text: str  # every thread, as faulthandler wrote it ("" when there was none)
 
 
 def rank_stacks(state: State) -> List[RankStacks]:
@@ -311,8 +329,11 @@ def metric_series(state: RunState, limit: int = PLOT_POINTS) -> Dict[str, Series
 
 
 #: the system samples a small run plots, by the plot's name: (key of a sample, scale)
-SYSTEM_PLOTS = {"rss (GiB)": ("rss_bytes", 1 / (1 << 30)), "cpu %": ("cpu_percent", 1.0),
-                "gpu memory (GiB)": ("gpu_memory_used_bytes", 1 / (1 << 30))}
+SYSTEM_PLOTS = {
+    "rss (GiB)": ("rss_bytes", 1 / (1 << 30)),
+    "cpu %": ("cpu_percent", 1.0),
+    "gpu memory (GiB)": ("gpu_memory_used_bytes", 1 / (1 << 30)),
+}
 
 
 def system_series(state: RunState, limit: int = PLOT_POINTS) -> Dict[str, Series]:
@@ -336,8 +357,8 @@ class RankLog:
     rank: int
     state: str
     lines: List[LogLine]
-    total: int                     # lines the rank wrote in all (``\\r``-lines included)
-    traceback: str = ""            # a failed rank's traceback, when its lines do not hold it
+    total: int  # lines the rank wrote in all (``\\r``-lines included)
+    traceback: str = ""  # a failed rank's traceback, when its lines do not hold it
 
 
 def terminal_lines(tail: List[LogLine], limit: int = LOG_LINES) -> List[LogLine]:

@@ -54,8 +54,8 @@ class BarSummary:
     n_min: int
     n_median: float
     n_max: int
-    behind: int                    # ranks behind the median count (outer loop: inner ones restart)
-    rate_median: Optional[float]   # steps per second (n / elapsed), median across ranks
+    behind: int  # ranks behind the median count (outer loop: inner ones restart)
+    rate_median: Optional[float]  # steps per second (n / elapsed), median across ranks
 
     @property
     def fractions(self) -> Optional[Tuple[float, float, float]]:
@@ -84,7 +84,7 @@ class RankLook:
     host: str
     state: str
     why: str
-    kind: str                      # failed, straggler, silent, slowest, behind
+    kind: str  # failed, straggler, silent, slowest, behind
 
 
 @dataclass
@@ -92,8 +92,8 @@ class Overview:
     """A large run at one moment (``overview``)."""
 
     num_processes: int
-    states: List[Tuple[str, int]]          # (state, ranks), most common first
-    hosts: List[Tuple[str, List[int]]]     # (host, its ranks), by host name
+    states: List[Tuple[str, int]]  # (state, ranks), most common first
+    hosts: List[Tuple[str, List[int]]]  # (host, its ranks), by host name
     bars: List[BarSummary]
     look: List[RankLook]
     stragglers: List[int] = field(default_factory=list)
@@ -128,13 +128,21 @@ def bar_summaries(ranks: Sequence[RankSnapshot]) -> List[BarSummary]:
         rates = [r for r in map(_rate, bars) if r is not None]
         totals = Counter(b.get("total") for b in bars)
         descs = Counter(str(b.get("desc") or "") for b in bars)
-        out.append(BarSummary(
-            desc=descs.most_common(1)[0][0], ranks=len(bars), total=totals.most_common(1)[0][0],
-            n_min=counts[0], n_median=median, n_max=counts[-1],
-            # an inner loop's bar starts again every epoch: its count says nothing about who is behind
-            behind=0 if depth else sum(1 for n in counts if n < (1 - BEHIND_RATIO) * median
-                                       and median - n >= BEHIND_MIN_STEPS),
-            rate_median=statistics.median(rates) if rates else None))
+        out.append(
+            BarSummary(
+                desc=descs.most_common(1)[0][0],
+                ranks=len(bars),
+                total=totals.most_common(1)[0][0],
+                n_min=counts[0],
+                n_median=median,
+                n_max=counts[-1],
+                # an inner loop's bar starts again every epoch: its count says nothing about who is behind
+                behind=0
+                if depth
+                else sum(1 for n in counts if n < (1 - BEHIND_RATIO) * median and median - n >= BEHIND_MIN_STEPS),
+                rate_median=statistics.median(rates) if rates else None,
+            )
+        )
     return out
 
 
@@ -143,8 +151,8 @@ class SystemSummary:
     """One system number across the ranks that have it (the latest sample of each): min,
     median and max, the extremes named by rank."""
 
-    key: str                       # cpu_percent, rss_bytes, gpu_memory_used_bytes, step_time, data, compute, comm
-    label: str                     # "rss"
+    key: str  # cpu_percent, rss_bytes, gpu_memory_used_bytes, step_time, data, compute, comm
+    label: str  # "rss"
     ranks: int
     low: float
     low_rank: int
@@ -156,21 +164,37 @@ class SystemSummary:
     def text(self) -> str:
         """``rss: min 812 MiB (rank 7), median 1.1 GiB, max 2.3 GiB (rank 3), 1024 ranks``"""
         show = _SYSTEM_FORMATS[self.key]
-        return (f"{self.label}: min {show(self.low)} (rank {self.low_rank}), median {show(self.median)}, "
-                f"max {show(self.high)} (rank {self.high_rank}), {self.ranks} rank{'s' if self.ranks != 1 else ''}")
+        return (
+            f"{self.label}: min {show(self.low)} (rank {self.low_rank}), median {show(self.median)}, "
+            f"max {show(self.high)} (rank {self.high_rank}), {self.ranks} rank{'s' if self.ranks != 1 else ''}"
+        )
 
 
 def _share(value: float) -> str:
     return f"{value * 100:.0f}%"
 
 
-_SYSTEM_FORMATS = {"cpu_percent": lambda v: f"{v:.0f}%", "rss_bytes": format_bytes,
-                   "gpu_memory_used_bytes": format_bytes, "gpu_util_percent": lambda v: f"{v:.0f}%",
-                   "step_time": format_step_time, "data": _share, "compute": _share, "comm": _share}
-_SYSTEM_LABELS = {"cpu_percent": "cpu", "rss_bytes": "rss", "gpu_memory_used_bytes": "gpu memory",
-                  "gpu_util_percent": "gpu util", "step_time": "step time",
-                  # the step split's shares (``stepsplit``)
-                  "data": "waiting for data", "compute": "computing", "comm": "waiting in communication"}
+_SYSTEM_FORMATS = {
+    "cpu_percent": lambda v: f"{v:.0f}%",
+    "rss_bytes": format_bytes,
+    "gpu_memory_used_bytes": format_bytes,
+    "gpu_util_percent": lambda v: f"{v:.0f}%",
+    "step_time": format_step_time,
+    "data": _share,
+    "compute": _share,
+    "comm": _share,
+}
+_SYSTEM_LABELS = {
+    "cpu_percent": "cpu",
+    "rss_bytes": "rss",
+    "gpu_memory_used_bytes": "gpu memory",
+    "gpu_util_percent": "gpu util",
+    "step_time": "step time",
+    # the step split's shares (``stepsplit``)
+    "data": "waiting for data",
+    "compute": "computing",
+    "comm": "waiting in communication",
+}
 
 
 def _system_value(rs: RankSnapshot, key: str) -> Optional[float]:
@@ -187,8 +211,18 @@ def system_summaries(ranks: Sequence[RankSnapshot]) -> List[SystemSummary]:
     for key, label in _SYSTEM_LABELS.items():
         values = sorted((value, rs.rank) for rs in ranks for value in [_system_value(rs, key)] if value is not None)
         if values:
-            out.append(SystemSummary(key, label, len(values), values[0][0], values[0][1],
-                                     statistics.median(v for v, _ in values), values[-1][0], values[-1][1]))
+            out.append(
+                SystemSummary(
+                    key,
+                    label,
+                    len(values),
+                    values[0][0],
+                    values[0][1],
+                    statistics.median(v for v, _ in values),
+                    values[-1][0],
+                    values[-1][1],
+                )
+            )
     return out
 
 
@@ -210,8 +244,9 @@ def ranks_worth_a_look(snap: RunSnapshot, limit: int = LOOK_RANKS) -> List[RankL
         add(s.rank, f"\u26a0 straggler: {s.why}", "straggler")
     running = [rs for rs in snap.ranks if rs.state == "running"]
     quiet = snap.quiet or (None,) * len(snap.ranks)
-    silent = sorted((rs for rs in running if (quiet[rs.rank] or 0) >= SILENT_AFTER),
-                    key=lambda rs: -(quiet[rs.rank] or 0))
+    silent = sorted(
+        (rs for rs in running if (quiet[rs.rank] or 0) >= SILENT_AFTER), key=lambda rs: -(quiet[rs.rank] or 0)
+    )
     for rs in silent[:2]:
         add(rs.rank, f"silent for {format_duration(quiet[rs.rank])}", "silent")
     inner = [(rs, rs.shown_progress()[-1]) for rs in running if rs.shown_progress()]
@@ -252,9 +287,15 @@ def overview(state) -> Overview:
     for rs in snap.ranks:
         if rs.host:
             hosts.setdefault(rs.host, []).append(rs.rank)
-    return Overview(num_processes=snap.num_processes, states=states, hosts=sorted(hosts.items()),
-                    bars=bar_summaries(snap.ranks), look=ranks_worth_a_look(snap),
-                    stragglers=[s.rank for s in snap.stragglers], system=system_summaries(snap.ranks))
+    return Overview(
+        num_processes=snap.num_processes,
+        states=states,
+        hosts=sorted(hosts.items()),
+        bars=bar_summaries(snap.ranks),
+        look=ranks_worth_a_look(snap),
+        stragglers=[s.rank for s in snap.stragglers],
+        system=system_summaries(snap.ranks),
+    )
 
 
 # -- plots ----------------------------------------------------------------------------------------
@@ -267,7 +308,7 @@ class Band:
     low: List[float]
     median: List[float]
     high: List[float]
-    ranks: int                     # ranks that reported the metric
+    ranks: int  # ranks that reported the metric
     lines: Series
 
 
@@ -284,8 +325,7 @@ def metric_bands(state: RunState, lines: Iterable[int] = (), points: int = BAND_
             continue
         band.ranks = len(by_rank)
         chosen = state.metric_history(points, ranks=[r for r in lines if r in by_rank], names=[name])
-        band.lines = {r: [(x, y) for x, y in pts if math.isfinite(y)]
-                      for r, pts in chosen.get(name, {}).items()}
+        band.lines = {r: [(x, y) for x, y in pts if math.isfinite(y)] for r, pts in chosen.get(name, {}).items()}
         band.lines = {r: pts for r, pts in band.lines.items() if pts}
         bands[name] = band
     return bands
@@ -301,14 +341,23 @@ def _band(series: Iterable[List[Tuple[int, float]]], buckets: int) -> Optional[B
         return None
     xs, ys = pairs[:, 0], pairs[:, 1]
     x0, x1 = xs.min(), xs.max()
-    index = np.zeros(len(xs), dtype=int) if x1 == x0 else \
-        np.minimum(((xs - x0) / (x1 - x0) * buckets).astype(int), buckets - 1)
-    order = np.lexsort((ys, index))           # by bucket, then value: medians by position
+    index = (
+        np.zeros(len(xs), dtype=int)
+        if x1 == x0
+        else np.minimum(((xs - x0) / (x1 - x0) * buckets).astype(int), buckets - 1)
+    )
+    order = np.lexsort((ys, index))  # by bucket, then value: medians by position
     index, ys_sorted, xs_sorted = index[order], ys[order], xs[order]
     _, starts, counts = np.unique(index, return_index=True, return_counts=True)
     ends = starts + counts - 1
     middle_low, middle_high = starts + (counts - 1) // 2, starts + counts // 2
     median = (ys_sorted[middle_low] + ys_sorted[middle_high]) / 2
     steps = np.maximum.reduceat(xs_sorted, starts)
-    return Band(steps=steps.tolist(), low=ys_sorted[starts].tolist(), median=median.tolist(),
-                high=ys_sorted[ends].tolist(), ranks=0, lines={})
+    return Band(
+        steps=steps.tolist(),
+        low=ys_sorted[starts].tolist(),
+        median=median.tolist(),
+        high=ys_sorted[ends].tolist(),
+        ranks=0,
+        lines={},
+    )

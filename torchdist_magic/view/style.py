@@ -21,15 +21,28 @@ def _accent(hue: str) -> str:
 
 #: background of state pills (white text on them: at least 4.5:1 in either theme)
 STATE_COLOURS = {
-    "starting": "#616161", "running": "#1565c0", "done": "#2e7d32", "succeeded": "#2e7d32",
-    "failed": "#c62828", "cancelled": "#a84300", "timed out": "#a84300", "hung": "#a84300",
-    "restarting": "#6a1b9a", "idle": "#616161",
+    "starting": "#616161",
+    "running": "#1565c0",
+    "done": "#2e7d32",
+    "succeeded": "#2e7d32",
+    "failed": "#c62828",
+    "cancelled": "#a84300",
+    "timed out": "#a84300",
+    "hung": "#a84300",
+    "restarting": "#6a1b9a",
+    "idle": "#616161",
 }
 #: text in the colour of a state (an outcome line, a rank's state)
 STATE_TEXT = {
-    "starting": _accent("#9e9e9e"), "running": _accent("#1e88e5"), "done": _accent("#43a047"),
-    "succeeded": _accent("#43a047"), "failed": _accent("#e53935"), "cancelled": _accent("#fb8c00"),
-    "timed out": _accent("#fb8c00"), "hung": _accent("#fb8c00"), "restarting": _accent("#8e24aa"),
+    "starting": _accent("#9e9e9e"),
+    "running": _accent("#1e88e5"),
+    "done": _accent("#43a047"),
+    "succeeded": _accent("#43a047"),
+    "failed": _accent("#e53935"),
+    "cancelled": _accent("#fb8c00"),
+    "timed out": _accent("#fb8c00"),
+    "hung": _accent("#fb8c00"),
+    "restarting": _accent("#8e24aa"),
     "idle": _accent("#9e9e9e"),
 }
 #: colours of ``model.RankRow.bar_style`` (bar fills: graphics, beside their text)

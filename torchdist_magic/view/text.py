@@ -19,16 +19,28 @@ from typing import List, Optional, TextIO
 from ..driver.goodput import describe as describe_goodput
 from ..driver.snapshot import RunSnapshot
 from ..driver.state import RunState
-from .model import LogCursor, State, format_duration, metrics_text, rank_log, rank_logs, rank_progress_text, system_text, rank_stacks, run_facts, snapshot
+from .model import (
+    LogCursor,
+    State,
+    format_duration,
+    metrics_text,
+    rank_log,
+    rank_logs,
+    rank_progress_text,
+    system_text,
+    rank_stacks,
+    run_facts,
+    snapshot,
+)
 from .overview import LOOK_RANKS, is_large, overview
 
-PROGRESS_EVERY = 5.0   # seconds between progress summaries
-CR_EVERY = 5.0         # seconds between showings of a rank's \r-progress line
+PROGRESS_EVERY = 5.0  # seconds between progress summaries
+CR_EVERY = 5.0  # seconds between showings of a rank's \r-progress line
 SUMMARY_LOG_LINES = 5  # of each rank in ``summary_with_logs``
 SUMMARY_LINE_CHARS = 300  # longer lines are cut there
-READ_LINES = 2000      # of a rank's log read at once: the state's lock is never held for long
-FOLLOW_BACKLOG = 20    # lines of a large run's rank printed from before it failed or straggled
-STACK_GROUPS = 5       # of a large run's stacks: the most common places, with their ranks
+READ_LINES = 2000  # of a rank's log read at once: the state's lock is never held for long
+FOLLOW_BACKLOG = 20  # lines of a large run's rank printed from before it failed or straggled
+STACK_GROUPS = 5  # of a large run's stacks: the most common places, with their ranks
 
 __all__ = ["TextView", "header", "rank_progress_text", "summary", "summary_with_logs"]
 
@@ -83,8 +95,10 @@ def summary(state: State) -> str:
     snap = snapshot(state)
     facts = run_facts(snap)
     attempt = f", {facts.attempt_text}" if facts.attempt_text else ""
-    rows: List[str] = [f"torchdist: {facts.state} after {format_duration(facts.elapsed)}"
-                       f" ({facts.elapsed:.1f} s), np={facts.num_processes} on {facts.backend}{attempt}"]
+    rows: List[str] = [
+        f"torchdist: {facts.state} after {format_duration(facts.elapsed)}"
+        f" ({facts.elapsed:.1f} s), np={facts.num_processes} on {facts.backend}{attempt}"
+    ]
     large = is_large(snap.num_processes)
     if large:
         ov = overview(snap)
@@ -134,7 +148,7 @@ def summary_with_logs(state: RunState, log_hint: Optional[str] = None, lines: in
     (``_torchdist_run.logs(rank)``)."""
     snap = snapshot(state)
     if is_large(snap.num_processes):
-        chosen = list(dict.fromkeys([0] + [look.rank for look in overview(snap).look]))[:LOOK_RANKS + 1]
+        chosen = list(dict.fromkeys([0] + [look.rank for look in overview(snap).look]))[: LOOK_RANKS + 1]
         logs = [rank_log(state, r, lines) for r in chosen]
         title = "last lines of rank 0 and of the ranks worth a look"
     else:
@@ -143,8 +157,10 @@ def summary_with_logs(state: RunState, log_hint: Optional[str] = None, lines: in
     out = [summary(snap), title + (f" (full logs: {log_hint})" if log_hint else "") + ":"]
     for log in logs:
         texts = [line.text for line in log.lines] or ["(no output)"]
-        out += [f"  [rank {log.rank}] " + (text if len(text) <= SUMMARY_LINE_CHARS else text[:SUMMARY_LINE_CHARS] + " …")
-                for text in texts]
+        out += [
+            f"  [rank {log.rank}] " + (text if len(text) <= SUMMARY_LINE_CHARS else text[:SUMMARY_LINE_CHARS] + " …")
+            for text in texts
+        ]
     return "\n".join(out)
 
 
@@ -158,7 +174,7 @@ class TextView:
         self.out = out
         self.err = err
         snap = state.snapshot()
-        self._seen = -1                    # the state's version at the last update
+        self._seen = -1  # the state's version at the last update
         self._logs = LogCursor(snap.num_processes)
         self._attempt = snap.attempt
         self._pending_cr: List[Optional[str]] = [None] * snap.num_processes
@@ -166,7 +182,7 @@ class TextView:
         self._progress_shown = 0.0
         self._progress_seen = [None] * snap.num_processes
         self.large = is_large(snap.num_processes)
-        self._followed = {0}               # a large run's ranks whose lines are printed
+        self._followed = {0}  # a large run's ranks whose lines are printed
         self._closed = False
         self._print(header(snap))
 
@@ -209,8 +225,10 @@ class TextView:
             ended = snap.attempts[self._attempt - 1]
             cause = ended.failure.summary() if ended.failure else "a rank failed"
             self._attempt += 1
-            self._print(f"torchdist: attempt {ended.number} failed ({cause}); restarting: attempt "
-                        f"{self._attempt} of {snap.max_attempts}")
+            self._print(
+                f"torchdist: attempt {ended.number} failed ({cause}); restarting: attempt "
+                f"{self._attempt} of {snap.max_attempts}"
+            )
 
     def _drain_logs(self, r: int) -> None:
         """Print ``r``'s new finished lines; keep its newest \\r-line for ``_show_pending_cr``."""
@@ -251,7 +269,7 @@ class TextView:
         snap = self.state.snapshot(self._seen)
         self._seen = snap.version
         self._announce_restart(snap)
-        for r in (sorted(self._follow(snap)) if self.large else range(snap.num_processes)):
+        for r in sorted(self._follow(snap)) if self.large else range(snap.num_processes):
             self._drain_logs(r)
             self._flush_cr(r)
         self._print(summary(self.state))

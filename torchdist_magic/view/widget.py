@@ -30,20 +30,34 @@ from typing import Callable, Optional
 import ipywidgets as widgets
 
 from ..driver.state import RunState
-from .html import BORDER, MUTED, failure_html, header_html, large_rows_html, merged_log_html, problems_html, profile_html, rank_log_html, rows_html, stacks_html, straggler_notes, summary_html
+from .html import (
+    BORDER,
+    MUTED,
+    failure_html,
+    header_html,
+    large_rows_html,
+    merged_log_html,
+    problems_html,
+    profile_html,
+    rank_log_html,
+    rows_html,
+    stacks_html,
+    straggler_notes,
+    summary_html,
+)
 from .kernel_poll import KernelPoll
 from .model import MergedLog, metric_series, system_series, rank_log, rank_rows, rank_stacks, root_cause_rank, run_facts
 from .overview import LINE_RANKS, PAGE_RANKS, Overview, is_large, metric_bands, overview
 from .plots import bands_html, plots_html
 from .text import header, summary_with_logs
 
-UPDATE_EVERY = 0.1    # seconds between refreshes of the view (every part of it together)
-PLOT_EVERY = 0.5      # seconds between redraws of the metric plots
+UPDATE_EVERY = 0.1  # seconds between refreshes of the view (every part of it together)
+PLOT_EVERY = 0.5  # seconds between redraws of the metric plots
 VIEW_CPU_SHARE = 0.1  # of a core, at most, for the refreshes, and as much for the plots
-ALL_RANKS = -1        # log selector value for "all ranks"
-PROBLEMS = -2         # log selector value for every rank's errors and warnings
-WORTH_A_LOOK = ""     # host page value: no host's page, the ranks worth a look only
-PROFILE_STEPS = 5     # steps of every rank that the Profile button profiles
+ALL_RANKS = -1  # log selector value for "all ranks"
+PROBLEMS = -2  # log selector value for every rank's errors and warnings
+WORTH_A_LOOK = ""  # host page value: no host's page, the ranks worth a look only
+PROFILE_STEPS = 5  # steps of every rank that the Profile button profiles
 
 
 class WidgetView:
@@ -58,8 +72,16 @@ class WidgetView:
     None leaves that out.
     """
 
-    def __init__(self, run, *, display: bool = True, stop: bool = True, log_hint: Optional[str] = None,
-                 clock: Callable[[], float] = time.monotonic, cpu_clock: Callable[[], float] = time.thread_time):
+    def __init__(
+        self,
+        run,
+        *,
+        display: bool = True,
+        stop: bool = True,
+        log_hint: Optional[str] = None,
+        clock: Callable[[], float] = time.monotonic,
+        cpu_clock: Callable[[], float] = time.thread_time,
+    ):
         self.run = run
         self.state: RunState = run.state
         self.log_hint = log_hint
@@ -75,25 +97,34 @@ class WidgetView:
         self._plot_version = -1
         self._closed = False
         self._merged = MergedLog(self.state.num_processes)
-        self._selecting = False   # the view, not the user, is changing the log selector
+        self._selecting = False  # the view, not the user, is changing the log selector
         self._log_chosen = False  # the user picked a log; until then the root cause's log shows
         self.large = is_large(self.state.num_processes)
         self._overview: Optional[Overview] = None
-        self._typed: Optional[int] = None   # the rank typed in the rank box (a large run)
+        self._typed: Optional[int] = None  # the rank typed in the rank box (a large run)
 
         self.header = widgets.HTML(layout=widgets.Layout(flex="1 1 200px", min_width="0"))
-        self.stop_button = widgets.Button(description="Stop", icon="stop", button_style="danger",
-                                          tooltip="stop every rank (like interrupting the kernel)",
-                                          layout=widgets.Layout(width="auto", min_width="76px", height="28px",
-                                                                flex="0 0 auto", display="" if stop else "none"))
+        self.stop_button = widgets.Button(
+            description="Stop",
+            icon="stop",
+            button_style="danger",
+            tooltip="stop every rank (like interrupting the kernel)",
+            layout=widgets.Layout(
+                width="auto", min_width="76px", height="28px", flex="0 0 auto", display="" if stop else "none"
+            ),
+        )
         self.stop_button.add_class("torchdist-stop")
         self.stop_button.on_click(self._on_stop)
         # beside Stop, for a run of its own (a warm pool's ranks have no profiler)
         profiles = stop and hasattr(run, "start_profile") and not getattr(getattr(run, "options", None), "warm", True)
         self.profile_button = widgets.Button(
-            description="Profile", icon="tachometer", tooltip=f"profile every rank's next {PROFILE_STEPS} steps "
-            "(torch.profiler), merged into one trace", layout=widgets.Layout(
-                width="auto", min_width="76px", height="28px", flex="0 0 auto", display="" if profiles else "none"))
+            description="Profile",
+            icon="tachometer",
+            tooltip=f"profile every rank's next {PROFILE_STEPS} steps (torch.profiler), merged into one trace",
+            layout=widgets.Layout(
+                width="auto", min_width="76px", height="28px", flex="0 0 auto", display="" if profiles else "none"
+            ),
+        )
         self.profile_button.add_class("torchdist-profile")
         self.profile_button.on_click(self._on_profile)
         self.profile_note = widgets.HTML(layout=widgets.Layout(min_width="0"))
@@ -105,38 +136,63 @@ class WidgetView:
         self.stacks.add_class("torchdist-stacks-view")
         self.plots = widgets.HTML(layout=widgets.Layout(margin="6px 0 0 0", min_width="0"))
         self.plots.add_class("torchdist-plots-view")
-        self.log_select = widgets.Dropdown(options=self._log_options(None), value=0, description="logs",
-                                           layout=widgets.Layout(width="auto", max_width="260px", min_width="0"),
-                                           style={"description_width": "36px"})
+        self.log_select = widgets.Dropdown(
+            options=self._log_options(None),
+            value=0,
+            description="logs",
+            layout=widgets.Layout(width="auto", max_width="260px", min_width="0"),
+            style={"description_width": "36px"},
+        )
         self.log_select.add_class("torchdist-log-select")
         self.log_select.observe(self._on_log_select, "value")
         # a large run: any rank by its number, or a host's page of ranks
         last = self.state.num_processes - 1
-        self.rank_box = widgets.Text(placeholder=f"0 to {last}", description="rank", continuous_update=False,
-                                     layout=widgets.Layout(width="150px", min_width="0",
-                                                           display="" if self.large else "none"),
-                                     style={"description_width": "36px"})
+        self.rank_box = widgets.Text(
+            placeholder=f"0 to {last}",
+            description="rank",
+            continuous_update=False,
+            layout=widgets.Layout(width="150px", min_width="0", display="" if self.large else "none"),
+            style={"description_width": "36px"},
+        )
         self.rank_box.add_class("torchdist-rank-box")
         self.rank_box.observe(self._on_rank_typed, "value")
         self.rank_note = widgets.HTML(layout=widgets.Layout(min_width="0"))
-        self.host_page = widgets.Dropdown(options=[("ranks worth a look", WORTH_A_LOOK)], value=WORTH_A_LOOK,
-                                          description="page", style={"description_width": "36px"},
-                                          layout=widgets.Layout(width="auto", max_width="260px", min_width="0",
-                                                                display="" if self.large else "none"))
+        self.host_page = widgets.Dropdown(
+            options=[("ranks worth a look", WORTH_A_LOOK)],
+            value=WORTH_A_LOOK,
+            description="page",
+            style={"description_width": "36px"},
+            layout=widgets.Layout(width="auto", max_width="260px", min_width="0", display="" if self.large else "none"),
+        )
         self.host_page.add_class("torchdist-host-page")
         self.host_page.observe(self._on_host_page, "value")
         self.logs = widgets.HTML(layout=widgets.Layout(min_width="0"))
         self.logs.add_class("torchdist-logs-view")
         wrap = widgets.Layout(flex_flow="row wrap", align_items="center", min_width="0")
         self.widget = widgets.VBox(
-            [widgets.HBox([self.header, self.profile_button, self.stop_button],
-                          layout=widgets.Layout(flex_flow="row wrap", align_items="center",
-                                                justify_content="space-between", min_width="0")),
-             widgets.HBox([self.rank_box, self.host_page, self.rank_note], layout=wrap),
-             self.rows, self.profile_note, self.failure, self.stacks, self.plots,
-             widgets.VBox([self.log_select, self.logs], layout=widgets.Layout(margin="6px 0 0 0", min_width="0"))],
-            layout=widgets.Layout(border=f"1px solid {BORDER}", padding="6px 12px 8px 12px",
-                                  max_width="1100px", min_width="0", width="auto"))
+            [
+                widgets.HBox(
+                    [self.header, self.profile_button, self.stop_button],
+                    layout=widgets.Layout(
+                        flex_flow="row wrap", align_items="center", justify_content="space-between", min_width="0"
+                    ),
+                ),
+                widgets.HBox([self.rank_box, self.host_page, self.rank_note], layout=wrap),
+                self.rows,
+                self.profile_note,
+                self.failure,
+                self.stacks,
+                self.plots,
+                widgets.VBox([self.log_select, self.logs], layout=widgets.Layout(margin="6px 0 0 0", min_width="0")),
+            ],
+            layout=widgets.Layout(
+                border=f"1px solid {BORDER}",
+                padding="6px 12px 8px 12px",
+                max_width="1100px",
+                min_width="0",
+                width="auto",
+            ),
+        )
         self.widget.add_class("torchdist-view")
         self._render(self.clock(), force=True)
 
@@ -185,8 +241,10 @@ class WidgetView:
                 self._show_log(self._typed)
                 self._log_chosen = True  # typed by the user: a failure elsewhere does not take the pane
             else:
-                self.rank_note.value = (f'<span class="torchdist-rank-note" style="color:{MUTED};font-size:12px">'
-                                        f'no rank {html.escape(text)} in this run: ranks are 0 to {last}</span>')
+                self.rank_note.value = (
+                    f'<span class="torchdist-rank-note" style="color:{MUTED};font-size:12px">'
+                    f'no rank {html.escape(text)} in this run: ranks are 0 to {last}</span>'
+                )
             self._render(self.clock(), force=True)
 
     def _on_host_page(self, _change=None) -> None:
@@ -201,7 +259,9 @@ class WidgetView:
         if not self.large:
             ranks = range(self.state.num_processes)
         else:
-            chosen = ([self._typed] if self._typed is not None else []) + [look.rank for look in (ov.look if ov else [])]
+            chosen = ([self._typed] if self._typed is not None else []) + [
+                look.rank for look in (ov.look if ov else [])
+            ]
             ranks = sorted(set([0] + chosen))
         return [(f"rank {r}", r) for r in ranks] + [("all ranks", ALL_RANKS), ("errors and warnings", PROBLEMS)]
 
@@ -262,7 +322,9 @@ class WidgetView:
             self._render_logs(facts.finished)
         drawn = self.cpu_clock()
         self.update_every = max(UPDATE_EVERY, (drawn - started) / VIEW_CPU_SHARE)
-        if self._plot_version != version and (force or self._last_plot is None or now - self._last_plot >= self.plot_every):
+        if self._plot_version != version and (
+            force or self._last_plot is None or now - self._last_plot >= self.plot_every
+        ):
             self._last_plot = now
             self._plot_version = version
             if self.large:
@@ -278,8 +340,9 @@ class WidgetView:
 
     def _update_pickers(self, ov: Overview) -> None:
         """The host pages and the log choices of a large run, sent only when they change."""
-        hosts = [("ranks worth a look", WORTH_A_LOOK)] + [(f"{host} ({len(ranks)} ranks)", host)
-                                                          for host, ranks in ov.hosts]
+        hosts = [("ranks worth a look", WORTH_A_LOOK)] + [
+            (f"{host} ({len(ranks)} ranks)", host) for host, ranks in ov.hosts
+        ]
         if list(self.host_page.options) != hosts:
             chosen = self.host_page.value
             self.host_page.options = hosts
@@ -339,14 +402,17 @@ class WidgetView:
             self._poll.poll()
             self._poll.close()
         if self._handle is not None:
-            self._handle.update({"text/html": self.snapshot_html(),
-                                 "text/plain": summary_with_logs(self.state, self.log_hint)}, raw=True)
+            self._handle.update(
+                {"text/html": self.snapshot_html(), "text/plain": summary_with_logs(self.state, self.log_hint)},
+                raw=True,
+            )
             close_tree(self.widget)
 
     def _repr_mimebundle_(self, **kwargs):
         bundle = self.widget._repr_mimebundle_(**kwargs)
-        bundle["text/plain"] = summary_with_logs(self.state, self.log_hint) if self.state.finished \
-            else header(self.state)
+        bundle["text/plain"] = (
+            summary_with_logs(self.state, self.log_hint) if self.state.finished else header(self.state)
+        )
         return bundle
 
 

@@ -30,13 +30,16 @@ def encode_batch(records: List[events.Event], rank: int, dropped: int = 0) -> by
     for record in merge_logs(_merge_metrics(_coalesce(records))):
         part = _encoded(record)
         if part is None and type(record) is events.Metrics and record.more:  # only the bad points are lost
-            pieces = [_encoded(events.Metrics(rank=record.rank, step=p.step, values=p.values, time=p.time))
-                      for p in record.points()]
+            pieces = [
+                _encoded(events.Metrics(rank=record.rank, step=p.step, values=p.values, time=p.time))
+                for p in record.points()
+            ]
             dropped += pieces.count(None)
             parts += [piece for piece in pieces if piece is not None]
         elif part is None and type(record) is events.Log and record.more:  # only the lines too long to send
-            pieces = [_encoded(events.Log(rank=record.rank, stream=o.stream, line=o.line, cr=o.cr))
-                      for o in record.lines()]
+            pieces = [
+                _encoded(events.Log(rank=record.rank, stream=o.stream, line=o.line, cr=o.cr)) for o in record.lines()
+            ]
             dropped += pieces.count(None)
             parts += [piece for piece in pieces if piece is not None]
         elif part is None:
@@ -83,8 +86,7 @@ def _coalesce(records: List[events.Event]) -> List[events.Event]:
     for i, record in enumerate(records):
         if isinstance(record, events.Progress):
             newest[(record.rank, record.bar)] = i
-    return [r for i, r in enumerate(records)
-            if not isinstance(r, events.Progress) or newest[(r.rank, r.bar)] == i]
+    return [r for i, r in enumerate(records) if not isinstance(r, events.Progress) or newest[(r.rank, r.bar)] == i]
 
 
 def _merge_metrics(records: List[events.Event]) -> List[events.Event]:
@@ -92,8 +94,8 @@ def _merge_metrics(records: List[events.Event]) -> List[events.Event]:
     the order they were reported, in ``more``): the driver decodes and applies one record per
     flush, not one per ``report()``.  Metrics only move ahead of other records, never behind."""
     out: List[events.Event] = []
-    heads: Dict[int, int] = {}           # rank: index in out of its first Metrics
-    copied = set()                       # indices in out of merged copies (the sender's records stay as they were)
+    heads: Dict[int, int] = {}  # rank: index in out of its first Metrics
+    copied = set()  # indices in out of merged copies (the sender's records stay as they were)
     for record in records:
         if type(record) is not events.Metrics:
             out.append(record)
@@ -121,8 +123,8 @@ def merge_logs(records: List[events.Event]) -> List[events.Event]:
     line.  A line moves ahead only of progress and metrics records; any other record (a warm
     job's ``OutputEnd``, an ``Exit``) ends the run, so no line ever crosses it."""
     out: List[events.Event] = []
-    heads: Dict[int, Tuple[int, int]] = {}   # rank: (index in out of its open Log, its text so far)
-    copied = set()                           # indices in out of merged copies (the sender's records stay as they were)
+    heads: Dict[int, Tuple[int, int]] = {}  # rank: (index in out of its open Log, its text so far)
+    copied = set()  # indices in out of merged copies (the sender's records stay as they were)
     for record in records:
         kind = type(record)
         if kind is not events.Log:

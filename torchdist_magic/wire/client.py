@@ -39,9 +39,18 @@ class ChannelClient:
     certificate; a server that does not is not the driver, and nothing is sent to it.
     """
 
-    def __init__(self, address: str, secret: str, run_id: str, rank: int, *, role: str = "worker",
-                 on_message: Optional[Callable[[events.Event], None]] = None, maxsize: int = 100_000,
-                 certificate: str = ""):
+    def __init__(
+        self,
+        address: str,
+        secret: str,
+        run_id: str,
+        rank: int,
+        *,
+        role: str = "worker",
+        on_message: Optional[Callable[[events.Event], None]] = None,
+        maxsize: int = 100_000,
+        certificate: str = "",
+    ):
         if role not in events.SENDERS:
             raise ValueError(f"role is one of {sorted(events.SENDERS)}, not {role!r}")
         self._tls = tls.client_context(certificate) if certificate else None
@@ -54,13 +63,13 @@ class ChannelClient:
         self._on_message = on_message
         self._queue: "queue.Queue[Optional[events.Event]]" = queue.Queue(maxsize=maxsize)
         self._lock = threading.Lock()
-        self._dropped = 0                      # records not sent since the last Dropped record
-        self._lost = False                     # no driver to send to: drop everything
+        self._dropped = 0  # records not sent since the last Dropped record
+        self._lost = False  # no driver to send to: drop everything
         self._closed = False
-        self._flush_now = threading.Event()    # a record not to wait for, or close(): send what is queued
+        self._flush_now = threading.Event()  # a record not to wait for, or close(): send what is queued
         self._sock: Optional[Union[framemac.MacSocket, TlsSocket]] = None
         self._reader: Optional[threading.Thread] = None
-        self._settled = threading.Event()      # the first connection was made, or given up
+        self._settled = threading.Event()  # the first connection was made, or given up
         self._sender = threading.Thread(target=self._run, name=f"torchdist-channel-rank{rank}", daemon=True)
         self._sender.start()
 
@@ -107,8 +116,9 @@ class ChannelClient:
         if reader is not None and reader is not threading.current_thread():  # on_message may close
             reader.join(max(0.0, deadline - time.monotonic()))
         if self._sender.is_alive():
-            self._give_up(f"the events of rank {self._rank} were not all sent within {timeout:g} s; "
-                          "the rest are dropped")
+            self._give_up(
+                f"the events of rank {self._rank} were not all sent within {timeout:g} s; the rest are dropped"
+            )
         with self._lock:
             self._lost = True
             sock, self._sock = self._sock, None
@@ -141,8 +151,9 @@ class ChannelClient:
             if not keep:
                 sock.close()
             elif self._on_message is not None:
-                self._reader = threading.Thread(target=self._read, args=(sock,),
-                                                name=f"torchdist-channel-rank{self._rank}-in", daemon=True)
+                self._reader = threading.Thread(
+                    target=self._read, args=(sock,), name=f"torchdist-channel-rank{self._rank}-in", daemon=True
+                )
                 self._reader.start()
         while True:
             batch = [self._queue.get()]
@@ -169,11 +180,13 @@ class ChannelClient:
         except Refused as exc:
             self._give_up(f"the driver at {where} refused the event channel of rank {self._rank}: {exc}")
         except NotTheDriver as exc:
-            self._give_up(f"the server at {where} is not this run's driver: {exc}; events of rank "
-                          f"{self._rank} are not sent to it")
+            self._give_up(
+                f"the server at {where} is not this run's driver: {exc}; events of rank {self._rank} are not sent to it"
+            )
         except (OSError, EOFError, FrameError) as exc:
-            self._give_up(f"cannot reach the driver's event channel at {where} ({exc}); "
-                          f"events of rank {self._rank} are dropped")
+            self._give_up(
+                f"cannot reach the driver's event channel at {where} ({exc}); events of rank {self._rank} are dropped"
+            )
         return None
 
     def _write(self, records: List[events.Event]) -> None:
@@ -187,8 +200,10 @@ class ChannelClient:
         try:
             self._sock.sendall(data)
         except OSError as exc:
-            self._give_up(f"the event channel of rank {self._rank} to the driver was lost ({exc}); "
-                          "its events are dropped from now on")
+            self._give_up(
+                f"the event channel of rank {self._rank} to the driver was lost ({exc}); "
+                "its events are dropped from now on"
+            )
 
     def _finish(self) -> None:
         """Half-close and wait for the driver to close its side: it closes a connection only
@@ -211,9 +226,11 @@ class ChannelClient:
             try:
                 frame = read_frame(sock, MAX_FRAME)
             except framemac.ForgedRecord as exc:
-                self._give_up(f"a record to rank {self._rank} on the event channel failed its authentication "
-                              f"({exc}): someone on the network may have written into it; nothing of it was "
-                              "used, and the rank's events are dropped from now on")
+                self._give_up(
+                    f"a record to rank {self._rank} on the event channel failed its authentication "
+                    f"({exc}): someone on the network may have written into it; nothing of it was "
+                    "used, and the rank's events are dropped from now on"
+                )
                 return
             except (OSError, EOFError, FrameError):  # the driver, or close(), ended the connection
                 return
@@ -225,8 +242,11 @@ class ChannelClient:
                 try:
                     self._on_message(record)
                 except Exception as exc:  # noqa: BLE001  one bad message must not deafen the rank
-                    print(f"torchdist_magic: rank {self._rank} could not handle {record.type!r} from "
-                          f"the driver: {exc!r}", file=sys.__stderr__, flush=True)
+                    print(
+                        f"torchdist_magic: rank {self._rank} could not handle {record.type!r} from the driver: {exc!r}",
+                        file=sys.__stderr__,
+                        flush=True,
+                    )
 
 
 def client_from_env(on_message: Optional[Callable[[events.Event], None]] = None) -> Optional[ChannelClient]:
@@ -237,6 +257,11 @@ def client_from_env(on_message: Optional[Callable[[events.Event], None]] = None)
     address = os.environ.get(CHANNEL_ENV)
     if not address:
         return None
-    return ChannelClient(address, os.environ.get(SECRET_ENV, ""),
-                         os.environ.get(RUN_ID_ENV, ""), int(os.environ.get("RANK", "0")),
-                         on_message=on_message, certificate=os.environ.get(CHANNEL_CERT_ENV, ""))
+    return ChannelClient(
+        address,
+        os.environ.get(SECRET_ENV, ""),
+        os.environ.get(RUN_ID_ENV, ""),
+        int(os.environ.get("RANK", "0")),
+        on_message=on_message,
+        certificate=os.environ.get(CHANNEL_CERT_ENV, ""),
+    )

@@ -42,29 +42,46 @@ from .frames import LENGTH, MAX_HELLO, RECV_CHUNK
 #: size first, and 256 KiB costs over ten times what 64 KiB does
 READ_CHUNK = 64 * 1024
 #: the most plaintext one TLS record holds: what the server takes out of TLS at once
-TLS_PLAINTEXT = 2 ** 14
+TLS_PLAINTEXT = 2**14
 #: the largest TLS 1.3 record on the wire (header, 16 KiB of data, padding and tag): what the
 #: server reads at once from a connection that has not authenticated
-TLS_RECORD = 5 + 2 ** 14 + 256
+TLS_RECORD = 5 + 2**14 + 256
 
 
 class Connection:
     """One accepted connection, as the server thread sees it."""
 
-    __slots__ = ("sock", "deadline", "nonce", "inbuf", "outbox", "mask", "role", "rank", "open",
-                 "tls", "tls_in", "tls_out", "wire", "secure", "heard", "sealer", "opener")
+    __slots__ = (
+        "sock",
+        "deadline",
+        "nonce",
+        "inbuf",
+        "outbox",
+        "mask",
+        "role",
+        "rank",
+        "open",
+        "tls",
+        "tls_in",
+        "tls_out",
+        "wire",
+        "secure",
+        "heard",
+        "sealer",
+        "opener",
+    )
 
     def __init__(self, sock: socket.socket, deadline: float, context: Optional[ssl.SSLContext]):
         self.sock = sock
         self.deadline = deadline
         self.nonce = secrets.token_hex(16)
-        self.inbuf = bytearray()           # plaintext read, not parsed yet
-        self.outbox = bytearray()          # plaintext to send; guarded by the server's lock
+        self.inbuf = bytearray()  # plaintext read, not parsed yet
+        self.outbox = bytearray()  # plaintext to send; guarded by the server's lock
         self.mask = selectors.EVENT_READ
-        self.role: Optional[str] = None    # set once authenticated
+        self.role: Optional[str] = None  # set once authenticated
         self.rank = -1
         self.open = True
-        self.heard = False                 # a frame came after the handshake
+        self.heard = False  # a frame came after the handshake
         # with TLS: ciphertext arrives in tls_in, leaves from tls_out into wire (what the socket
         # has not taken yet); secure once the TLS handshake is done
         self.tls: Optional[ssl.SSLObject] = None
@@ -105,7 +122,7 @@ class Connection:
             while self.outbox and len(self.wire) < RECV_CHUNK:  # a chunk at a time, as with TLS
                 chunk = self.outbox[:RECV_CHUNK]
                 self.wire += self.sealer.seal(chunk)
-                del self.outbox[:len(chunk)]
+                del self.outbox[: len(chunk)]
             return self.wire, True
         return self.outbox, True
 

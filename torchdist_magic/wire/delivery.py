@@ -19,8 +19,13 @@ class Delivery:
     authenticated one) and refusals to ``on_refusal(kind, rank, detail)``, counting both in
     ``stats`` (the ``ChannelServer``'s).  Used on the server's one thread."""
 
-    def __init__(self, on_event: Callable[[events.Event], None],
-                 on_refusal: Optional[Callable[[str, int, str], None]], stats: Dict[str, int], run_id: str):
+    def __init__(
+        self,
+        on_event: Callable[[events.Event], None],
+        on_refusal: Optional[Callable[[str, int, str], None]],
+        stats: Dict[str, int],
+        run_id: str,
+    ):
         #: where delivered records go (the run's state)
         self.on_event = on_event
         self._on_refusal = on_refusal
@@ -42,13 +47,16 @@ class Delivery:
         while len(buf) - offset >= LENGTH.size:
             (length,) = LENGTH.unpack_from(buf, offset)
             if length > MAX_FRAME:  # the stream can no longer be split into frames
-                self.refuse("malformed", conn, f"a frame of {length} bytes, over the channel's {MAX_FRAME}; "
-                                                f"the connection was closed")
+                self.refuse(
+                    "malformed",
+                    conn,
+                    f"a frame of {length} bytes, over the channel's {MAX_FRAME}; the connection was closed",
+                )
                 return False
             end = offset + LENGTH.size + length
             if len(buf) < end:
                 break
-            body = bytes(buf[offset + LENGTH.size:end])
+            body = bytes(buf[offset + LENGTH.size : end])
             offset = end
             self._deliver(conn, body)
         del buf[:offset]
@@ -75,9 +83,12 @@ class Delivery:
                 try:
                     self.on_event(record)
                 except Exception as exc:  # noqa: BLE001  the driver's handler must not stop the channel
-                    self.refuse("callback_errors", conn,
-                                 f"a {type(record).__name__} record that the run's state could not take "
-                                 f"({type(exc).__name__}: {exc})"[:300])
+                    self.refuse(
+                        "callback_errors",
+                        conn,
+                        f"a {type(record).__name__} record that the run's state could not take "
+                        f"({type(exc).__name__}: {exc})"[:300],
+                    )
                 else:
                     self._stats["delivered"] += 1
 
@@ -87,8 +98,14 @@ class Delivery:
         self._stats[kind] += 1
         if kind not in self._refusals_logged:
             self._refusals_logged.add(kind)
-            _log.warning("run %s: the channel refused %s from rank %s's %s (further refusals of this kind "
-                        "are counted in run.state.refusals)", self._run_id, detail, conn.rank, conn.role)
+            _log.warning(
+                "run %s: the channel refused %s from rank %s's %s (further refusals of this kind "
+                "are counted in run.state.refusals)",
+                self._run_id,
+                detail,
+                conn.rank,
+                conn.role,
+            )
         if self._on_refusal is not None:
             try:
                 self._on_refusal(kind, conn.rank, detail)

@@ -43,8 +43,11 @@ class ForgedRecord(ConnectionError):
 def session_key(key: str, server_nonce: str, client_nonce: str) -> bytes:
     """The key of one connection's records: from the key its client authenticated with and the
     nonces of both ends' challenges."""
-    return hmac.new(key.encode(), f"torchdist records {server_nonce} {client_nonce}".encode("utf-8", "surrogatepass"),
-                    hashlib.sha256).digest()
+    return hmac.new(
+        key.encode(),
+        f"torchdist records {server_nonce} {client_nonce}".encode("utf-8", "surrogatepass"),
+        hashlib.sha256,
+    ).digest()
 
 
 def _tag(key: bytes, direction: bytes, sequence: int, head: bytes, payload) -> bytes:
@@ -66,7 +69,7 @@ class Sealer:
         view = memoryview(data)
         out = bytearray()
         for start in range(0, len(view), MAX_RECORD):
-            payload = view[start:start + MAX_RECORD]
+            payload = view[start : start + MAX_RECORD]
             head = _LEN.pack(len(payload))
             out += head
             out += payload
@@ -96,11 +99,11 @@ class Opener:
             end = offset + _LEN.size + length + TAG
             if len(buffer) < end:
                 break
-            head = bytes(buffer[offset:offset + _LEN.size])
-            payload = memoryview(buffer)[offset + _LEN.size:end - TAG]
+            head = bytes(buffer[offset : offset + _LEN.size])
+            payload = memoryview(buffer)[offset + _LEN.size : end - TAG]
             try:
                 expected = _tag(self._key, self._direction, self._sequence, head, payload)
-                if not hmac.compare_digest(expected, bytes(buffer[end - TAG:end])):
+                if not hmac.compare_digest(expected, bytes(buffer[end - TAG : end])):
                     raise ForgedRecord(f"record {self._sequence} failed its authentication")
                 out += payload
             finally:
@@ -120,7 +123,7 @@ class MacSocket:
         self._sock = sock
         self._sealer = Sealer(key, FROM_CLIENT)
         self._opener = Opener(key, FROM_DRIVER)
-        self._plain = bytearray()     # payload taken, not yet read
+        self._plain = bytearray()  # payload taken, not yet read
         self._send_lock = threading.Lock()
 
     def sendall(self, data) -> None:

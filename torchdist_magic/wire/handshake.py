@@ -34,9 +34,16 @@ _RETRY_PAUSE, _RETRY_PAUSE_MAX = 0.05, 2.0
 CONNECT_ATTEMPTS = 6
 
 
-def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: int, role: str,
-                    context: Optional[ssl.SSLContext] = None, fetch: str = "",
-                    upload: Optional[int] = None) -> Union[framemac.MacSocket, TlsSocket]:
+def open_connection(
+    address: Tuple[str, int],
+    secret: str,
+    run_id: str,
+    rank: int,
+    role: str,
+    context: Optional[ssl.SSLContext] = None,
+    fetch: str = "",
+    upload: Optional[int] = None,
+) -> Union[framemac.MacSocket, TlsSocket]:
     """An authenticated connection to the driver at ``address`` as ``role`` of ``rank`` (TLS
     with ``context``; ``fetch``: to fetch the file of that name; ``upload``: to send the rank's
     value of that many bytes; see ``transfers``): each
@@ -50,9 +57,16 @@ def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: in
     while True:
         attempt = time.monotonic()
         try:
-            return _handshake(address, secret, run_id, rank, role, context,
-                              min(attempt + HANDSHAKE_DEADLINE, give_up), fetch, upload)
-        except (EOFError, ConnectionResetError, BrokenPipeError, TimeoutError, socket.timeout) as exc:  # 3.9: not the same
+            return _handshake(
+                address, secret, run_id, rank, role, context, min(attempt + HANDSHAKE_DEADLINE, give_up), fetch, upload
+            )
+        except (
+            EOFError,
+            ConnectionResetError,
+            BrokenPipeError,
+            TimeoutError,
+            socket.timeout,
+        ) as exc:  # 3.9: not the same
             wait = pause * random.uniform(0.5, 1.5)
             if time.monotonic() + wait >= give_up:
                 if isinstance(exc, (TimeoutError, socket.timeout)):  # a read's own says only "timed out"
@@ -62,9 +76,17 @@ def open_connection(address: Tuple[str, int], secret: str, run_id: str, rank: in
             pause = min(2 * pause, _RETRY_PAUSE_MAX)
 
 
-def _handshake(address: Tuple[str, int], secret: str, run_id: str, rank: int, role: str,
-               context: Optional[ssl.SSLContext], deadline: float, fetch: str = "",
-               upload: Optional[int] = None) -> Union[framemac.MacSocket, TlsSocket]:
+def _handshake(
+    address: Tuple[str, int],
+    secret: str,
+    run_id: str,
+    rank: int,
+    role: str,
+    context: Optional[ssl.SSLContext],
+    deadline: float,
+    fetch: str = "",
+    upload: Optional[int] = None,
+) -> Union[framemac.MacSocket, TlsSocket]:
     def left() -> float:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -78,16 +100,23 @@ def _handshake(address: Tuple[str, int], secret: str, run_id: str, rank: int, ro
             try:
                 sock.handshake()
             except ssl.SSLCertVerificationError as exc:
-                raise NotTheDriver(f"its TLS certificate is not the one this run pinned "
-                                    f"({exc.verify_message})") from None
+                raise NotTheDriver(
+                    f"its TLS certificate is not the one this run pinned ({exc.verify_message})"
+                ) from None
             sock.settimeout(left())
         nonce = read_frame(sock, MAX_HELLO).get("nonce")
         if not isinstance(nonce, str):
             raise FrameError("the driver sent no challenge")
         own_nonce = secrets.token_hex(16)
         sock.settimeout(left())
-        hello = {"mac": hello_mac(secret, nonce).decode(), "nonce": own_nonce, "run_id": run_id, "rank": rank,
-                 "role": role, "protocol": events.PROTOCOL_VERSION}
+        hello = {
+            "mac": hello_mac(secret, nonce).decode(),
+            "nonce": own_nonce,
+            "run_id": run_id,
+            "rank": rank,
+            "role": role,
+            "protocol": events.PROTOCOL_VERSION,
+        }
         if fetch:
             hello["fetch"] = fetch
         if upload is not None:
@@ -108,16 +137,25 @@ def _handshake(address: Tuple[str, int], secret: str, run_id: str, rank: int, ro
         raise
 
 
-def check_hello(hello: dict, challenge: str, *, run_id: str, ranks: Optional[int],
-                role_secrets: Dict[str, str], files: "FileTransfers") -> Optional[str]:
+def check_hello(
+    hello: dict,
+    challenge: str,
+    *,
+    run_id: str,
+    ranks: Optional[int],
+    role_secrets: Dict[str, str],
+    files: "FileTransfers",
+) -> Optional[str]:
     """Why ``hello`` (answering the nonce ``challenge``) does not open the channel of run
     ``run_id`` of ``ranks`` ranks (``None``: any number), whose roles have ``role_secrets``,
     serving ``files``; ``None`` when it does."""
     protocol = hello.get("protocol")
     if type(protocol) is not int or protocol != events.PROTOCOL_VERSION:
-        return (f"event protocol version mismatch: the rank speaks version {protocol!r:.20}, "
-                f"the driver speaks version {events.PROTOCOL_VERSION}; the driver and the "
-                "executors need the same torchdist_magic version")
+        return (
+            f"event protocol version mismatch: the rank speaks version {protocol!r:.20}, "
+            f"the driver speaks version {events.PROTOCOL_VERSION}; the driver and the "
+            "executors need the same torchdist_magic version"
+        )
     role = hello.get("role")
     if not isinstance(role, str) or role not in role_secrets:
         return f"unknown role {role!r:.20}"

@@ -92,10 +92,19 @@ class ChannelServer:
     (the first, ``claims_refused`` counts the others), a run has at most two per rank.
     """
 
-    def __init__(self, on_event: Callable[[events.Event], None], run_id: str, *,
-                 host: str = "127.0.0.1", secret: str, launcher_secret: str,
-                 identity: Optional[tls.ChannelIdentity] = None, files: Optional[Dict[str, str]] = None,
-                 ranks: Optional[int] = None, on_refusal: Optional[Callable[[str, int, str], None]] = None):
+    def __init__(
+        self,
+        on_event: Callable[[events.Event], None],
+        run_id: str,
+        *,
+        host: str = "127.0.0.1",
+        secret: str,
+        launcher_secret: str,
+        identity: Optional[tls.ChannelIdentity] = None,
+        files: Optional[Dict[str, str]] = None,
+        ranks: Optional[int] = None,
+        on_refusal: Optional[Callable[[str, int, str], None]] = None,
+    ):
         self._run_id = run_id
         self._ranks = ranks
         self._secrets = {"worker": secret, "launcher": launcher_secret}
@@ -103,9 +112,25 @@ class ChannelServer:
         #: whether every connection speaks TLS (``identity`` was given)
         self.encrypted = self._tls is not None
         self.stats: Dict[str, int] = dict.fromkeys(
-            ("accepted", "authenticated", "rejected", "evicted", "frames", "delivered",
-             "malformed", "forbidden", "callback_errors", "files_sent", "values_received",
-             "accept_failed", "out_of_files", "claims_refused", "forged"), 0)
+            (
+                "accepted",
+                "authenticated",
+                "rejected",
+                "evicted",
+                "frames",
+                "delivered",
+                "malformed",
+                "forbidden",
+                "callback_errors",
+                "files_sent",
+                "values_received",
+                "accept_failed",
+                "out_of_files",
+                "claims_refused",
+                "forged",
+            ),
+            0,
+        )
         self._delivery = Delivery(on_event, on_refusal, self.stats, run_id)
         self._files = FileTransfers(dict(files or {}), self.stats)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -128,12 +153,12 @@ class ChannelServer:
         self._authed: set = set()
         # shared with send(); the outboxes too
         self._lock = threading.Lock()
-        self._routes: Dict[Tuple[str, int], Connection] = {}   # the connection of each role and rank
+        self._routes: Dict[Tuple[str, int], Connection] = {}  # the connection of each role and rank
         # the connection that owns each role and rank (server thread only): the first to
         # authenticate as it; it lets go only if it ends before it sent a single frame (its client
         # gave up on a slow reply and tries again)
         self._claims: Dict[Tuple[str, int], Connection] = {}
-        self._dirty: set = set()                          # connections with new output
+        self._dirty: set = set()  # connections with new output
         self._close_deadline: Optional[float] = None
         self._thread = threading.Thread(target=self._serve, name="torchdist-channel", daemon=True)
         self._thread.start()
@@ -168,9 +193,11 @@ class ChannelServer:
         if threading.current_thread() is not self._thread:  # on_event may close the channel
             self._thread.join(CHANNEL_CLOSE_WAIT + CHANNEL_THREAD_WAIT)
             if self._thread.is_alive():
-                _log.warning("run %s: the event channel's thread was still delivering a record "
-                             "%g s after close; left behind", self._run_id,
-                             CHANNEL_CLOSE_WAIT + CHANNEL_THREAD_WAIT)
+                _log.warning(
+                    "run %s: the event channel's thread was still delivering a record %g s after close; left behind",
+                    self._run_id,
+                    CHANNEL_CLOSE_WAIT + CHANNEL_THREAD_WAIT,
+                )
 
     # -- server thread --------------------------------------------------------------------
 
@@ -281,10 +308,14 @@ class ChannelServer:
         ``ACCEPT_PAUSE``.  Said once per channel, in the log."""
         self.stats["accept_failed"] += 1
         if not self.stats["out_of_files"]:
-            _log.warning("run %s: this process is out of open files (%s): the event channel drops "
-                         "the oldest connection still in its handshake, or stops accepting for "
-                         "%g s at a time; raise the limit (ulimit -n) if ranks cannot connect",
-                         self._run_id, exc.strerror, ACCEPT_PAUSE)
+            _log.warning(
+                "run %s: this process is out of open files (%s): the event channel drops "
+                "the oldest connection still in its handshake, or stops accepting for "
+                "%g s at a time; raise the limit (ulimit -n) if ranks cannot connect",
+                self._run_id,
+                exc.strerror,
+                ACCEPT_PAUSE,
+            )
         self.stats["out_of_files"] += 1
         if self._pending:
             oldest, _ = self._pending.popitem(last=False)
@@ -418,12 +449,13 @@ class ChannelServer:
             return self._reject(conn)
         if len(buf) < LENGTH.size + length:
             return
-        hello = parse_object(bytes(buf[LENGTH.size:LENGTH.size + length]))
-        del buf[:LENGTH.size + length]
+        hello = parse_object(bytes(buf[LENGTH.size : LENGTH.size + length]))
+        del buf[: LENGTH.size + length]
         if hello is None:
             return self._reject(conn)
-        reason = check_hello(hello, conn.nonce, run_id=self._run_id, ranks=self._ranks,
-                             role_secrets=self._secrets, files=self._files)
+        reason = check_hello(
+            hello, conn.nonce, run_id=self._run_id, ranks=self._ranks, role_secrets=self._secrets, files=self._files
+        )
         if reason is not None:
             return self._reject(conn, reason)
         if "fetch" in hello or "upload" in hello:
@@ -460,9 +492,11 @@ class ChannelServer:
         """A record that failed its authentication: someone on the path wrote into the
         connection.  It ends; the rank's log says so."""
         self.stats["forged"] += 1
-        line = (f"torchdist: the event channel of rank {conn.rank}'s {conn.role} carried a record that failed its "
-                f"authentication ({exc}); someone on the network may have written into it. The connection "
-                "was closed, and nothing of that record was used")
+        line = (
+            f"torchdist: the event channel of rank {conn.rank}'s {conn.role} carried a record that failed its "
+            f"authentication ({exc}); someone on the network may have written into it. The connection "
+            "was closed, and nothing of that record was used"
+        )
         _log.warning("run %s: %s", self._run_id, line)
         rank = conn.rank
         self._drop(conn)
@@ -480,8 +514,10 @@ class ChannelServer:
             peer = f"{host}:{port}"
         except OSError:
             peer = "a peer that has gone"
-        line = (f"torchdist: refused a second connection as rank {rank}'s {role} (from {peer}): "
-                f"another one already speaks for it; only the first is heard")
+        line = (
+            f"torchdist: refused a second connection as rank {rank}'s {role} (from {peer}): "
+            f"another one already speaks for it; only the first is heard"
+        )
         _log.warning("run %s: %s", self._run_id, line)
         self._reject(conn, f"rank {rank}'s {role} is already connected to this run")
         self._delivery.tell(rank, line)

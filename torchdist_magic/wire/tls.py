@@ -63,8 +63,10 @@ class ChannelIdentity:
 
         password = secrets.token_bytes(32)
         key = serialization.load_pem_private_key(self.private_key, None).private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-            serialization.BestAvailableEncryption(password))
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(password),
+        )
         fd, path = tempfile.mkstemp(prefix="torchdist-channel-", suffix=".pem")
         try:
             with os.fdopen(fd, "wb") as fh:
@@ -88,13 +90,27 @@ def new_identity() -> ChannelIdentity:
     public = key.public_key()
     certificate = (
         x509.CertificateBuilder()
-        .subject_name(name).issuer_name(name).public_key(public)
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(public)
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - _CLOCK_SKEW).not_valid_after(now + _LIFETIME)
+        .not_valid_before(now - _CLOCK_SKEW)
+        .not_valid_after(now + _LIFETIME)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                                     crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(public), critical=False)
@@ -102,8 +118,10 @@ def new_identity() -> ChannelIdentity:
     )
     return ChannelIdentity(
         certificate=certificate.public_bytes(serialization.Encoding.PEM).decode("ascii"),
-        private_key=key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                      serialization.NoEncryption()))
+        private_key=key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ),
+    )
 
 
 def client_context(certificate: str) -> ssl.SSLContext:
@@ -125,8 +143,8 @@ class TlsSocket:
         self._sock = sock
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._in, self._out, server_side=False)
-        self._lock = threading.Lock()   # the TLS object
-        self._wire = threading.Lock()   # the socket's write side
+        self._lock = threading.Lock()  # the TLS object
+        self._wire = threading.Lock()  # the socket's write side
 
     def handshake(self) -> None:
         while True:
@@ -139,7 +157,7 @@ class TlsSocket:
     def sendall(self, data: bytes) -> None:
         view = memoryview(data)
         for start in range(0, len(view), RECV_CHUNK):
-            self._locked(functools.partial(self._tls.write, view[start:start + RECV_CHUNK]))
+            self._locked(functools.partial(self._tls.write, view[start : start + RECV_CHUNK]))
 
     def recv(self, n: int) -> bytes:
         while True:

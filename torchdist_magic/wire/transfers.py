@@ -58,7 +58,7 @@ class FileTransfers:
         self._stats = stats
         self._lock = threading.Lock()
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._sockets: set = set()   # of transfers started and not ended
+        self._sockets: set = set()  # of transfers started and not ended
         self._closed = False
         self._values: Dict[int, str] = {}  # where each rank's value goes
 
@@ -122,8 +122,12 @@ class FileTransfers:
         except framemac.ForgedRecord as exc:  # the file is not taken: the rank says what it saw
             with self._lock:
                 self._stats["forged"] += 1
-            _log.warning("rank %d's file transfer carried a record that failed its authentication (%s); "
-                         "someone on the network may have written into it. It was dropped", conn.rank, exc)
+            _log.warning(
+                "rank %d's file transfer carried a record that failed its authentication (%s); "
+                "someone on the network may have written into it. It was dropped",
+                conn.rank,
+                exc,
+            )
         except (OSError, ssl.SSLError):  # the peer went, stalled, or close(): it says what it saw
             pass
         finally:
@@ -155,11 +159,18 @@ class FileTransfers:
             room = os.statvfs(folder)
             free = room.f_bavail * room.f_frsize
             if size > free:
-                return self._sendall(conn, bytes(conn.outbox) + pack_frame({"error": (
-                    f"no room for it on the driver: {folder} has {free / 2**20:.1f} MiB free")}))
+                return self._sendall(
+                    conn,
+                    bytes(conn.outbox)
+                    + pack_frame(
+                        {"error": (f"no room for it on the driver: {folder} has {free / 2**20:.1f} MiB free")}
+                    ),
+                )
             out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError as exc:
-            return self._sendall(conn, bytes(conn.outbox) + pack_frame({"error": f"the driver cannot write {tmp}: {exc}"}))
+            return self._sendall(
+                conn, bytes(conn.outbox) + pack_frame({"error": f"the driver cannot write {tmp}: {exc}"})
+            )
         written = False
         try:
             self._sendall(conn, bytes(conn.outbox) + pack_frame({"ready": True}))
@@ -167,14 +178,14 @@ class FileTransfers:
             wire = memoryview(bytearray(_FILE_CHUNK)) if conn.tls is not None or conn.opener is not None else buffer
             got, failure = 0, ""
             while got < size:
-                n = self._recv_into(conn, buffer[:min(len(buffer), size - got)], wire)
+                n = self._recv_into(conn, buffer[: min(len(buffer), size - got)], wire)
                 if not n:
                     return  # the rank went: it says what it saw
                 if not failure:
                     try:
                         part = buffer[:n]
                         while part.nbytes:
-                            part = part[os.write(out, part):]
+                            part = part[os.write(out, part) :]
                     except OSError as exc:
                         cause = f"no room for it in {folder}" if exc.errno in _NO_ROOM else f"cannot write {tmp}"
                         failure = f"{cause} on the driver after {got / 2**20:.1f} MiB ({exc})"
