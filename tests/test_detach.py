@@ -74,9 +74,13 @@ def test_a_detached_run_returns_at_once_and_any_handle_gets_its_value_and_lines(
     assert record.run_id == handle.run_id and record.state == "running" and record.detached
     touch(marker)
     assert handle.result(60) == {"rank": 0, "value": 42}
-    later = torchdist_magic.attach(handle.run_id)  # after the end: everything is there
-    assert later.result(10) == {"rank": 0, "value": 42}
-    assert later.logs(1) == "rank 1 started\nrank 1 went on\n"
+    assert torchdist_magic.attach(handle.run_id) is handle  # this process's own handle, value and all
+    later = attaching.AttachedRun(handle.run_id)  # another kernel's, after the end: everything is there
+    assert later.wait(30) and later.logs(1) == "rank 1 started\nrank 1 went on\n"
+    with pytest.raises(history.ValueGone, match=f"^rank 0's value of run {handle.run_id} was taken by process "
+                                                f"{os.getpid()} at "):
+        later.result(10)  # taken out of the record by this kernel's handle, which keeps it
+    assert handle.result(0) == {"rank": 0, "value": 42}
     record = history.read_record(handle.run_id)
     assert record.state == "succeeded" and record.has_value and record.pid == handle.record.pid
     assert record.log(0) == "rank 0 started\nrank 0 went on\n"
@@ -394,3 +398,24 @@ def test_attach_and_stop_take_one_run_id(home, ip):
         UsageError, match="%torchdist stop needs one run id \\(%torchdist runs lists them\\), got 'a b'"
     ):
         ip.run_line_magic("torchdist", "stop a b")
+
+
+def returns_seven():
+    return 7
+
+
+def test_a_value_nobody_took_expires_and_the_record_says_when(home, monkeypatch):
+    handle = detached().submit(returns_seven)
+    assert handle.wait(60)
+    record = history.read_record(handle.run_id)
+    assert record.has_value and os.path.exists(os.path.join(record.directory, history.VALUE_FILE))
+    monkeypatch.setenv(history.VALUE_DAYS_ENV, "2")
+    assert history.prune(now=record.ended + 86400) == []  # a day on: still there
+    assert os.path.exists(os.path.join(record.directory, history.VALUE_FILE))
+    assert history.prune(now=record.ended + 3 * 86400) == []  # the record stays, its value goes
+    assert not os.path.exists(os.path.join(record.directory, history.VALUE_FILE))
+    with pytest.raises(history.ValueGone, match=f"^rank 0's value of run {handle.run_id} expired at .*, "
+                                                "TORCHDIST_VALUE_DAYS after the run ended$"):
+        attaching.AttachedRun(handle.run_id).result(10)
+    assert_nothing_survives(handle)
+

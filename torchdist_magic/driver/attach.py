@@ -19,28 +19,30 @@ import os
 import socket
 import threading
 import time
+import weakref
 from typing import Any, List, Optional
 
 from ..core import events
-from ..core import values as value_blobs
 from ..core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
 from ..backends.spark import active_spark_session
 from ..core.options import LaunchOptions
 from ..core.job import build_job
-from .history import RunRecord, process_alive, read_record
+from .history import RunRecord, process_alive, read_record, take_value
 from .state import RunState
 from .supervisor import (
     DONE_FILE,
     JOURNAL_FILE,
     JOURNAL_FULL_FILE,
     TOKEN_FILE,
-    VALUE_FILE,
     check_detachable,
     start_detached,
 )
 
 #: how often the journal is read for what came
 FOLLOW_INTERVAL = 0.05
+#: this process's handles by run id, while something holds them
+_handles: "weakref.WeakValueDictionary[str, AttachedRun]" = weakref.WeakValueDictionary()
+_handles_lock = threading.Lock()
 
 
 class RunLost(RuntimeError):
@@ -64,13 +66,21 @@ def submit_detached(target: Any, args: tuple, kwargs: dict, options: LaunchOptio
     (``options.detach``) and return its handle once it started; what cannot be detached here
     raises ``ValueError`` before anything starts."""
     spark = check_detachable(options, active_spark_session(), data)
-    return AttachedRun(start_detached(build_job(target, tuple(args), dict(kwargs)), options, spark))
+    handle = AttachedRun(start_detached(build_job(target, tuple(args), dict(kwargs)), options, spark))
+    with _handles_lock:
+        _handles[handle.run_id] = handle
+    return handle
 
 
 def attach(run_id: str) -> "AttachedRun":
     """The handle of detached run ``run_id`` (``KeyError`` when there is no such run,
-    ``ValueError`` when it was not detached)."""
-    return AttachedRun(run_id)
+    ``ValueError`` when it was not detached): this process's own while it holds one (it may
+    have taken rank 0's value out of the run's record already), else a new one."""
+    with _handles_lock:
+        handle = _handles.get(run_id)
+        if handle is None or handle.detached:
+            handle = _handles[run_id] = AttachedRun(run_id)
+        return handle
 
 
 def stop(run_id: str, by: str = "stop()") -> bool:
@@ -158,6 +168,7 @@ class AttachedRun:
         self._error: Optional[BaseException] = None
         self._value: Any = None
         self._value_read = False
+        self._taking = threading.Lock()
         self._stopping = threading.Event()
         self.notes: List[str] = []  # what the journal could not hold, said once by the view
         self._thread = threading.Thread(target=self._follow, name=f"torchdist-attach-{run_id}", daemon=True)
@@ -172,9 +183,10 @@ class AttachedRun:
             raise ResultTimeout(timeout)
         if self._error is not None:
             raise self._error
-        if not self._value_read:
-            self._value = value_blobs.loads(value_blobs.read(os.path.join(self.directory, VALUE_FILE)))
-            self._value_read = True
+        with self._taking:
+            if not self._value_read:  # taken out of the record: this handle keeps it
+                self._value = take_value(self.directory, self.run_id)
+                self._value_read = True
         return self._value
 
     def cancel(self, by: str = "cancel()") -> None:

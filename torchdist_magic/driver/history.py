@@ -13,6 +13,11 @@ checks any directory a run keeps files in; each run is ``runs/<run_id>/`` in it:
   and rank) and system history, when the run ended;
 - for a detached run also its journal, its value and its control socket's token (``supervisor``).
 
+Rank 0's value.  A detached run's record keeps it until a kernel takes it (``take_value``: the
+first ``attach(run_id).result()``; the kernel that took it keeps it in that handle) or it
+expires, ``TORCHDIST_VALUE_DAYS`` (default 7) after the run ended; a record then says which, and
+when, to whoever asks for the value again (``ValueGone``).
+
 Bounds.  When a run starts, the records of finished runs beyond the newest
 ``TORCHDIST_HISTORY_RUNS`` (default 100) or older than ``TORCHDIST_HISTORY_DAYS`` (default 30)
 are removed; a record whose run is still going is never removed.
@@ -32,14 +37,21 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from ..core import values as value_blobs
 from ..core.events import Failure, failure_from_json, failure_to_json
 from ..core.privdir import check_private, open_private, private_directory
 
 HOME_ENV = "TORCHDIST_HOME"
 RUNS_ENV = "TORCHDIST_HISTORY_RUNS"
 DAYS_ENV = "TORCHDIST_HISTORY_DAYS"
+VALUE_DAYS_ENV = "TORCHDIST_VALUE_DAYS"
 DEFAULT_RUNS = 100
 DEFAULT_DAYS = 30.0
+DEFAULT_VALUE_DAYS = 7.0
+#: a detached run's rank 0 value in its record, and what is left once it was taken or expired
+VALUE_FILE = "value.blob"
+VALUE_TAKEN_FILE = "value-taken"
+VALUE_EXPIRED_FILE = "value-expired"
 #: a rank's output a record keeps (its newest lines, and of those the newest characters), and a
 #: run's, all ranks together: each rank keeps its share, at least ``MIN_LOG_KEEP_CHARS``
 LOG_KEEP_LINES = 20_000
@@ -241,16 +253,68 @@ def runs_table(records: Optional[List[RunRecord]] = None) -> str:
 
 
 def prune(now: Optional[float] = None) -> List[str]:
-    """Remove the finished records beyond ``bounds()``; the ids removed."""
+    """Remove the finished records beyond ``bounds()``, and the values older than
+    ``TORCHDIST_VALUE_DAYS`` from the others; the ids of the records removed."""
     keep, days = bounds()
+    value_days = _limit(VALUE_DAYS_ENV, DEFAULT_VALUE_DAYS, float)
     now = time.time() if now is None else now
     removed = []
     finished = [r for r in runs() if r.state != "running"]
     for index, record in enumerate(finished):
-        if index >= keep or now - (record.ended or record.started) > days * 86400:
+        age = now - (record.ended or record.started)
+        if index >= keep or age > days * 86400:
             shutil.rmtree(record.directory, ignore_errors=True)
             removed.append(record.run_id)
+        elif age > value_days * 86400 and os.path.exists(os.path.join(record.directory, VALUE_FILE)):
+            _mark_value_gone(record.directory, VALUE_EXPIRED_FILE, now)
+            try:
+                os.unlink(os.path.join(record.directory, VALUE_FILE))
+            except FileNotFoundError:  # taken meanwhile
+                os.unlink(os.path.join(record.directory, VALUE_EXPIRED_FILE))
     return removed
+
+
+class ValueGone(RuntimeError):
+    """Rank 0's value of a detached run is no longer in its record: taken by a kernel, or expired."""
+
+
+def take_value(directory: str, run_id: str) -> Any:
+    """Rank 0's value of the detached run recorded in ``directory``, taken out of the record:
+    the first caller gets it, every later one ``ValueGone`` saying when it was taken (or that it
+    expired).  A value that cannot be read stays for the next caller."""
+    path = os.path.join(directory, VALUE_FILE)
+    taking = f"{path}.taking-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        os.rename(path, taking)  # atomic: of two kernels taking it at once, one gets it
+    except FileNotFoundError:
+        raise ValueGone(value_gone(directory, run_id)) from None
+    try:
+        value = value_blobs.loads(value_blobs.read(taking))
+    except BaseException:
+        os.rename(taking, path)
+        raise
+    _mark_value_gone(directory, VALUE_TAKEN_FILE, time.time())
+    os.unlink(taking)
+    return value
+
+
+def _mark_value_gone(directory: str, marker: str, when: float) -> None:
+    write_private(os.path.join(directory, marker), json.dumps({"time": when, "pid": os.getpid()}))
+
+
+def value_gone(directory: str, run_id: str) -> str:
+    """Why the record in ``directory`` holds no value of rank 0."""
+    for marker, how in ((VALUE_TAKEN_FILE, "was taken by process {pid} at {when} (a record keeps it until a "
+                                           "kernel takes it; that kernel's handle has it)"),
+                        (VALUE_EXPIRED_FILE, f"expired at {{when}}, {VALUE_DAYS_ENV} after the run ended")):
+        try:
+            with open(os.path.join(directory, marker), encoding="utf-8") as fh:
+                said = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(said.get("time", 0)))
+        return f"rank 0's value of run {run_id} " + how.format(pid=said.get("pid", "?"), when=when)
+    return f"run {run_id}'s record holds no value of rank 0"
 
 
 def job_source(job: Any) -> str:

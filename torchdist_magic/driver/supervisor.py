@@ -42,14 +42,13 @@ from ..core import events
 from ..core import values as value_blobs
 from ..core.options import LaunchOptions
 from ..core.privdir import open_private, user_directory
-from .history import RunRecord, options_json, read_record, record_directory, write_private
+from .history import VALUE_FILE, RunRecord, options_json, read_record, record_directory, write_private
 
 JOB_FILE = "job.bin"
 OPTIONS_FILE = "options.json"
 TOKEN_FILE = "token"
 JOURNAL_FILE = "journal.jsonl"
 JOURNAL_FULL_FILE = "journal-full"
-VALUE_FILE = "value.blob"
 READY_FILE = "ready"
 REFUSED_FILE = "refused"
 DONE_FILE = "done"
