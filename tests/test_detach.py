@@ -77,8 +77,9 @@ def test_a_detached_run_returns_at_once_and_any_handle_gets_its_value_and_lines(
     assert torchdist_magic.attach(handle.run_id) is handle  # this process's own handle, value and all
     later = attaching.AttachedRun(handle.run_id)  # another kernel's, after the end: everything is there
     assert later.wait(30) and later.logs(1) == "rank 1 started\nrank 1 went on\n"
-    with pytest.raises(history.ValueGone, match=f"^rank 0's value of run {handle.run_id} was taken by process "
-                                                f"{os.getpid()} at "):
+    with pytest.raises(
+        history.ValueGone, match=f"^rank 0's value of run {handle.run_id} was taken by process {os.getpid()} at "
+    ):
         later.result(10)  # taken out of the record by this kernel's handle, which keeps it
     assert handle.result(0) == {"rank": 0, "value": 42}
     record = history.read_record(handle.run_id)
@@ -414,8 +415,9 @@ def test_a_value_nobody_took_expires_and_the_record_says_when(home, monkeypatch)
     assert os.path.exists(os.path.join(record.directory, history.VALUE_FILE))
     assert history.prune(now=record.ended + 3 * 86400) == []  # the record stays, its value goes
     assert not os.path.exists(os.path.join(record.directory, history.VALUE_FILE))
-    with pytest.raises(history.ValueGone, match=f"^rank 0's value of run {handle.run_id} expired at .*, "
-                                                "TORCHDIST_VALUE_DAYS after the run ended$"):
+    with pytest.raises(
+        history.ValueGone,
+        match=f"^rank 0's value of run {handle.run_id} expired at .*, TORCHDIST_VALUE_DAYS after the run ended$",
+    ):
         attaching.AttachedRun(handle.run_id).result(10)
     assert_nothing_survives(handle)
-

@@ -304,9 +304,14 @@ def _mark_value_gone(directory: str, marker: str, when: float) -> None:
 
 def value_gone(directory: str, run_id: str) -> str:
     """Why the record in ``directory`` holds no value of rank 0."""
-    for marker, how in ((VALUE_TAKEN_FILE, "was taken by process {pid} at {when} (a record keeps it until a "
-                                           "kernel takes it; that kernel's handle has it)"),
-                        (VALUE_EXPIRED_FILE, f"expired at {{when}}, {VALUE_DAYS_ENV} after the run ended")):
+    for marker, how in (
+        (
+            VALUE_TAKEN_FILE,
+            "was taken by process {pid} at {when} (a record keeps it until a "
+            "kernel takes it; that kernel's handle has it)",
+        ),
+        (VALUE_EXPIRED_FILE, f"expired at {{when}}, {VALUE_DAYS_ENV} after the run ended"),
+    ):
         try:
             with open(os.path.join(directory, marker), encoding="utf-8") as fh:
                 said = json.load(fh)
