@@ -126,7 +126,8 @@ def _flag_text(kwargs: dict, flag: str) -> str:
 def flags_reference() -> str:
     """The reference page of every way to set a launch option: the magic's flags (with
     ``%%torchdist?``'s text), ``Distributor``'s keywords and ``%config TorchdistMagics``."""
-    from torchdist_magic.core.options import flag_specs, option_fields
+    from torchdist_magic.core.options import option_fields
+    from torchdist_magic.core.flags import flag_specs
     from torchdist_magic.magic import TorchdistMagics
 
     specs = {args[0]: kwargs for args, kwargs in flag_specs()}

@@ -62,7 +62,8 @@ def test_readme_links_point_at_files_of_the_repository():
 def test_flags_reference_has_every_flag_and_setting(generate):
     """The page replaces the pasted ``%%torchdist?`` the README used to carry: every flag of the
     magic's parser and every ``%config`` trait is on it, with the help the magic shows."""
-    from torchdist_magic.core.options import flag_specs, option_fields
+    from torchdist_magic.core.options import option_fields
+    from torchdist_magic.core.flags import flag_specs
     from torchdist_magic.magic import TorchdistMagics
 
     page = generate.flags_reference()

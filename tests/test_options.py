@@ -9,14 +9,8 @@ import pytest
 from torchdist_magic import LaunchOptions, is_main, local_rank, progress, rank, report, world_size
 from torchdist_magic.core.errors import RankFailure
 from torchdist_magic.core.failure import Failure
-from torchdist_magic.core.options import (
-    FlagError,
-    OptionError,
-    flag_parser,
-    option_fields,
-    options_from_flags,
-    parse_flags,
-)
+from torchdist_magic.core.flags import FlagError, flag_parser, options_from_flags, parse_flags
+from torchdist_magic.core.options import OptionError, option_fields
 
 
 def test_defaults_and_no_environment_probe(monkeypatch):

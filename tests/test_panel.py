@@ -8,7 +8,8 @@ import ipywidgets as widgets
 import pytest
 
 from helpers import assert_no_survivors, wait_until
-from torchdist_magic.core.options import LaunchOptions, flag_parser, option_fields, options_from_flags, parse_flags
+from torchdist_magic.core.options import LaunchOptions, option_fields
+from torchdist_magic.core.flags import flag_parser, options_from_flags, parse_flags
 from torchdist_magic import panel as P
 from torchdist_magic.view.model import rank_rows
 

@@ -13,7 +13,8 @@ from helpers import assert_no_survivors
 from test_stepsplit import ddp_train
 from torchdist_magic import Distributor
 from torchdist_magic.core import events
-from torchdist_magic.core.options import LaunchOptions, OptionError, options_from_flags, parse_flags
+from torchdist_magic.core.options import LaunchOptions, OptionError
+from torchdist_magic.core.flags import options_from_flags, parse_flags
 from torchdist_magic.rank import profile as rankprofile
 from torchdist_magic.driver.profiles import ProfileCollector, merge_traces
 from torchdist_magic.view.text import summary

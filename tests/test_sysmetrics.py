@@ -20,7 +20,8 @@ from torchdist_magic.core import events, timing
 from torchdist_magic.launch import sysmetrics
 from torchdist_magic.core.job import function_job
 from torchdist_magic.launch.launcher import RankProcess
-from torchdist_magic.core.options import FlagError, OptionTypeError, options_from_flags, parse_flags
+from torchdist_magic.core.options import OptionTypeError
+from torchdist_magic.core.flags import FlagError, options_from_flags, parse_flags
 from torchdist_magic.driver.state import RunState
 from torchdist_magic.driver.stragglers import SLOW_FOR, Pace, Straggler
 

@@ -1,6 +1,6 @@
 """The IPython layer: ``%%torchdist`` / ``%torchdist script.py`` and ``%torchdist_panel``.
 
-Thin by design: parse the flags (``options.parse_flags``, generated from ``LaunchOptions``),
+Thin by design: parse the flags (``flags.parse_flags``, generated from ``LaunchOptions``),
 capture the cell, ``distributor.submit`` the job, render the run with a view.  Everything it
 does is reachable from Python without IPython.  The handle of the latest cell's run is kept in
 the notebook variable ``_torchdist_run`` (its ``logs(rank)``, ``state``, ...).
@@ -16,7 +16,8 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from traitlets import Bool, CaselessStrEnum, Float, Int, TraitError, Unicode, validate
 
 from .core.registry import backend_names, unknown_backend
-from .core.options import FlagError, LaunchOptions, OptionError, flag_specs, options_from_flags, parse_flags
+from .core.options import LaunchOptions, OptionError
+from .core.flags import FlagError, flag_specs, options_from_flags, parse_flags
 
 RUN_VARIABLE = "_torchdist_run"
 #: ``%torchdist WORD ...``: the history of runs and detached runs, not a script to run
