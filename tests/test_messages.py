@@ -310,3 +310,64 @@ def test_a_driver_that_ends_the_upload_before_the_value_began_fails_the_sending(
         f"driver at {driver.address}: the connection ended before the value began "
         "(connection closed)"
     ), str(info.value)
+
+
+# -- a launcher meeting the other ranks ---------------------------------------------------------------
+def meet(client, driver):
+    from torchdist_magic.launch import remote
+
+    mine = events.Joined(rank=0, host="h", address="127.0.0.1", port=1)
+    with pytest.raises(remote.RunStopped) as info:
+        remote.rendezvous(remote.CommandLineSite(0, "127.0.0.1"), client, driver, mine)
+    return str(info.value)
+
+
+def launcher_client(driver, messages):
+    return ChannelClient(driver.address, "s", "r", 0, role="launcher", on_message=messages.on_message)
+
+
+def test_a_launcher_whose_channel_is_lost_before_the_peers_cannot_meet_the_others_and_says_why():
+    from torchdist_magic.launch.remote import DriverMessages
+
+    driver, messages = StalledDriver("s"), DriverMessages()
+    client = launcher_client(driver, messages)
+    client.send(events.Log(rank=0, line="x"))
+    conn = driver.handshake()
+    conn._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    conn._sock.close()  # a reset, as when the driver's process is killed
+    driver.close()
+
+    def lost():
+        client.send(events.Log(rank=0, line="x"))
+        return client.lost
+
+    wait_until(lost, 30, "the client to find its channel lost", interval=0.1)
+    text = meet(client, messages)
+    client.close()
+    assert text == "rank 0 could not meet the other ranks: the driver's channel was lost", text
+
+
+@pytest.mark.parametrize(
+    "record, reason",
+    [
+        (events.Stop(rank=0), "the run was stopped first"),
+        (
+            events.Peers(rank=0, use_barrier=True),
+            "not every rank reached the driver, and this backend has no other way to meet",
+        ),
+    ],
+)
+def test_a_launcher_the_driver_stops_or_sends_to_a_barrier_it_lacks_cannot_meet_the_others(record, reason):
+    from torchdist_magic.launch.remote import DriverMessages
+
+    driver, messages = StalledDriver("s"), DriverMessages()
+    client = launcher_client(driver, messages)
+    client.send(events.Log(rank=0, line="x"))
+    conn = driver.handshake()
+    conn.sendall(frames.pack_frame({"events": [events.encode(record)]}))
+    wait_until(lambda: messages.stopped() or messages.peer_list is not None, 30, "the driver's record")
+    text = meet(client, messages)
+    client.close()
+    conn.close()
+    driver.close()
+    assert text == f"rank 0 could not meet the other ranks: {reason}", text
