@@ -371,3 +371,30 @@ def test_a_launcher_the_driver_stops_or_sends_to_a_barrier_it_lacks_cannot_meet_
     conn.close()
     driver.close()
     assert text == f"rank 0 could not meet the other ranks: {reason}", text
+
+
+def test_a_warm_pool_whose_backend_cannot_start_is_stopped_saying_so(local_distributor, monkeypatch):
+    from torchdist_magic.backends import local, warm
+    from torchdist_magic.backends.pool import pools
+
+    def cannot_start(self, ctx):
+        raise OSError("no room for the ranks")
+
+    starts = []
+    first_start = warm.WarmBackend.start
+
+    def recorded(self, ctx):
+        starts.append((self, ctx))
+        return first_start(self, ctx)
+
+    monkeypatch.setattr(local.LocalProcessBackend, "start", cannot_start)
+    monkeypatch.setattr(warm.WarmBackend, "start", recorded)
+    run = local_distributor(2, warm=True).submit(time.time)
+    with pytest.raises(OSError, match="no room for the ranks"):
+        run.result(timeout=60)
+    assert pools() == []
+    ((backend, ctx),) = starts
+    # what a run that still held the pool is told when it starts on it
+    with pytest.raises(RuntimeError) as info:
+        first_start(backend, ctx)
+    assert str(info.value) == f"warm {backend.pool.id} was stopped: it could not start"
