@@ -398,3 +398,42 @@ def test_a_warm_pool_whose_backend_cannot_start_is_stopped_saying_so(local_distr
     with pytest.raises(RuntimeError) as info:
         first_start(backend, ctx)
     assert str(info.value) == f"warm {backend.pool.id} was stopped: it could not start"
+
+
+# -- what a rank left running -------------------------------------------------------------------------
+def test_processes_a_rank_left_that_cannot_be_signalled_or_do_not_end_are_logged(monkeypatch, caplog):
+    import signal
+    import subprocess
+    import uuid
+
+    from helpers import alive
+    from torchdist_magic.core import procs
+
+    mark = f"{uuid.uuid4().hex}:0:1"
+    sleeper = subprocess.Popen(
+        ["sleep", "600"], start_new_session=True, env=dict(os.environ, **{procs.MARK_VARIABLE: mark})
+    )
+    real_kill = os.kill
+
+    def kill(pid, sig):  # forced: a SIGTERM refused, a SIGKILL the kernel has not acted on yet
+        if pid != sleeper.pid:
+            return real_kill(pid, sig)
+        if sig == signal.SIGTERM:
+            raise PermissionError(1, "Operation not permitted")
+
+    try:
+        wait_until(lambda: procs.marked_processes(mark) == [sleeper.pid], 10, "the sleeper's mark")
+        monkeypatch.setattr(procs.os, "kill", kill)
+        with caplog.at_level("WARNING", logger="torchdist_magic"):
+            assert procs.end_marked_processes(mark, grace=0.0, reap=0.2) == [sleeper.pid]
+        monkeypatch.undo()
+        assert alive(sleeper.pid)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    described = f"process {sleeper.pid} (sleep 600)"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"rank {mark}: could not send SIGTERM to {described}: [Errno 1] Operation not permitted",
+        f"rank {mark}: {described} did not end within 0.2 s of SIGKILL",
+    ]
+    assert not alive(sleeper.pid)
