@@ -437,3 +437,31 @@ def test_processes_a_rank_left_that_cannot_be_signalled_or_do_not_end_are_logged
         f"rank {mark}: {described} did not end within 0.2 s of SIGKILL",
     ]
     assert not alive(sleeper.pid)
+
+
+def test_a_rank_whose_group_cannot_be_signalled_is_logged_and_so_is_its_missing_end(
+    local_distributor, monkeypatch, caplog
+):
+    from torchdist_magic.launch import launcher
+
+    def refused(pgid, sig):  # forced: the group may not be signalled (another user's, a container's rule)
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(launcher, "REAP_WAIT", 0.2)
+    run = local_distributor(1).submit(say_then_sleep)
+    wait_until(lambda: "sleeping" in run.logs(0), 60, "the rank in its job")
+    (pgid,) = {rs.pid for rs in run.state.ranks}  # the worker leads a session, and so its group, of its own
+    monkeypatch.setattr(launcher.os, "killpg", refused)
+    with caplog.at_level("WARNING", logger="torchdist_magic"):
+        run.cancel()
+        wait_until(lambda: any("after SIGKILL" in r.getMessage() for r in caplog.records), 60, "the stop to end")
+    monkeypatch.undo()
+    os.killpg(pgid, 9)  # what the refused stop could not do
+    run.wait(60)
+    # (the run's close, which may come before the undo, tries once more)
+    assert [r.getMessage() for r in caplog.records][:3] == [
+        f"rank 0: could not send SIGTERM to its process group {pgid}: [Errno 1] Operation not permitted",
+        f"rank 0: could not send SIGKILL to its process group {pgid}: [Errno 1] Operation not permitted",
+        f"rank 0: process {pgid} has not ended (or not been reported) 2.2 s after SIGKILL",
+    ]
+    assert_no_survivors(run)
