@@ -465,3 +465,48 @@ def test_a_rank_whose_group_cannot_be_signalled_is_logged_and_so_is_its_missing_
         f"rank 0: process {pgid} has not ended (or not been reported) 2.2 s after SIGKILL",
     ]
     assert_no_survivors(run)
+
+
+# -- a kernel's widget messages while a cell blocks ---------------------------------------------------
+#: a handler in the kernel that keeps what the package logs, and the error each record carries
+CATCH_LOG = """
+import logging
+caught = []
+
+class Keep(logging.Handler):
+    def emit(self, record):
+        caught.append((record.name, record.getMessage(), repr(record.exc_info[1]) if record.exc_info else ""))
+
+logging.getLogger("torchdist_magic").addHandler(Keep())
+"""
+
+
+@pytest.mark.kernel
+def test_a_widget_message_the_kernel_cannot_handle_while_a_cell_blocks_is_logged_and_the_wait_goes_on():
+    pytest.importorskip("ipykernel")
+    from helpers import alive
+    from test_kernel_poll import SETUP, Kernel, comm_with_class, send_comm
+
+    kernel = Kernel()
+    try:
+        kernel.run(SETUP)
+        kernel.run(CATCH_LOG)
+        kc = kernel.kc
+        blocking = kc.execute("try:\n    wait_for(WaitingRun(2), 60)\nexcept RuntimeError:\n    pass")
+        stop, deadline = None, time.monotonic() + 60
+        while stop is None and time.monotonic() < deadline:
+            msg = kernel.iopub()
+            if msg["parent_header"].get("msg_id") == blocking:
+                stop = comm_with_class(msg, "torchdist-stop")
+        assert stop, "the view's Stop button never opened"
+        kc.shell_channel.send(kc.session.msg("comm_msg", {"data": {}}))  # a frontend's message without its comm
+        send_comm(kc, stop, {"method": "custom", "content": {"event": "click"}})  # still heard: the wait went on
+        reply = kc.get_shell_msg(timeout=60)
+        assert reply["parent_header"]["msg_id"] == blocking and reply["content"]["status"] == "ok"
+        kernel.run(
+            "assert caught == [('torchdist_magic.view.kernel_poll', "
+            "'torchdist: error in a widget message handler', \"KeyError('comm_id')\")], caught"
+        )
+    finally:
+        kernel.close()
+    wait_until(lambda: not alive(kernel.pid), 10, "the kernel to end")
