@@ -510,3 +510,23 @@ def test_a_widget_message_the_kernel_cannot_handle_while_a_cell_blocks_is_logged
     finally:
         kernel.close()
     wait_until(lambda: not alive(kernel.pid), 10, "the kernel to end")
+
+
+# -- a Spark task's rows of the run's DataFrame ---------------------------------------------------------
+def test_a_task_stopped_while_it_reads_its_rows_stops_reading_and_says_so(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    from torchdist_magic.launch.partitions import DataStopped, write_batches
+
+    batch = pa.record_batch({"x": [1, 2, 3]})
+    taken = []
+
+    def batches():  # a mapInArrow task's input; the driver stops the run after the first batch
+        for i in range(3):
+            taken.append(i)
+            yield batch
+
+    path = str(tmp_path / "rows.arrow")
+    with pytest.raises(DataStopped) as info:
+        write_batches(path, batches(), batch.schema.serialize().to_pybytes(), lambda: len(taken) > 1)
+    assert str(info.value) == "the run was stopped while this task was reading its rows"
+    assert taken == [0, 1]  # the rest are not read
