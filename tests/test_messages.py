@@ -14,6 +14,7 @@ import pytest
 from helpers import assert_no_survivors, wait_until
 from test_channel import StalledDriver
 from torchdist_magic.core import events
+from torchdist_magic.launch.remote import CommandLineSite
 from torchdist_magic.wire import frames, handshake, server as channel_server, tls
 from torchdist_magic.wire.client import ChannelClient
 
@@ -512,6 +513,60 @@ def test_a_widget_message_the_kernel_cannot_handle_while_a_cell_blocks_is_logged
     wait_until(lambda: not alive(kernel.pid), 10, "the kernel to end")
 
 
+class RowsUntilStopped(CommandLineSite):
+    """A launcher's site whose rows take until the driver stops the run (``Site.data_file`` is
+    given the stop)."""
+
+    def data_file(self, workdir, stopped):
+        wait_until(stopped, 30, "the driver's stop")
+        return ""
+
+
+def test_a_launcher_the_driver_stops_before_its_rank_started_reports_it_and_starts_nothing():
+    import uuid
+
+    from helpers import pids_of_run
+    from torchdist_magic.core.rankenv import RunSpec, rank_key
+    from torchdist_magic.launch import remote
+    from torchdist_magic.wire.frames import new_secret
+
+    run_id, launcher_secret = f"stopped-{uuid.uuid4().hex}", new_secret()
+    driver = StalledDriver(rank_key(launcher_secret, "launcher", 0))
+    spec = RunSpec(
+        run_id,
+        1,
+        False,
+        False,
+        {},
+        None,
+        channel_address=driver.address,
+        secret=new_secret(),
+        launcher_secret=launcher_secret,
+    )
+    outcomes = []
+    launcher = threading.Thread(
+        target=lambda: outcomes.append(
+            remote.run_launcher(remote.RemoteSpec(spec, b""), RowsUntilStopped(0, "127.0.0.1"))
+        )
+    )
+    launcher.start()
+    conn = driver.handshake()
+    joined = events.Joined(rank=0, host="h", address="127.0.0.1", port=1)
+    conn.sendall(frames.pack_frame({"events": [events.encode(events.Peers(rank=0, peers=[joined]))]}))
+    conn.sendall(frames.pack_frame({"events": [events.encode(events.Stop(rank=0))]}))
+    launcher.join(60)
+    conn.close()
+    driver.close()
+    (outcome,) = outcomes
+    final = events.decode(outcome.exit_json)
+    assert (final.code, final.stopped) == (1, True)
+    assert (final.failure.exc_type, final.failure.message) == (
+        "RunStopped",
+        "the run was stopped before rank 0 started",
+    ), final.failure
+    assert pids_of_run(run_id) == []  # its guard is gone too, and no worker was started
+
+
 # -- a Spark task's rows of the run's DataFrame ---------------------------------------------------------
 def test_a_task_stopped_while_it_reads_its_rows_stops_reading_and_says_so(tmp_path):
     pa = pytest.importorskip("pyarrow")
@@ -530,3 +585,47 @@ def test_a_task_stopped_while_it_reads_its_rows_stops_reading_and_says_so(tmp_pa
         write_batches(path, batches(), batch.schema.serialize().to_pybytes(), lambda: len(taken) > 1)
     assert str(info.value) == "the run was stopped while this task was reading its rows"
     assert taken == [0, 1]  # the rest are not read
+
+
+# -- stopping a Spark stage ----------------------------------------------------------------------------
+@pytest.mark.spark
+def test_a_spark_stage_stopped_by_interrupts_logs_each_one_and_what_failed(spark_local2, monkeypatch, caplog):
+    import pyspark
+
+    from helpers import assert_nothing_left
+    from torchdist_magic import Distributor, RunCancelled
+    from torchdist_magic.backends import spark_classic, spark_stage
+
+    interrupt = spark_classic.SparkRun._interrupt
+    interrupts = []
+
+    def first_fails(self):  # forced: the first interrupt finds the session gone, the next ones do not
+        interrupts.append(self.job_tag)
+        if len(interrupts) == 1:
+            raise RuntimeError("the Java gateway is gone")
+        interrupt(self)
+
+    def gone(self, tag):
+        raise RuntimeError("the SparkContext was stopped")
+
+    monkeypatch.setattr(spark_stage, "SPARK_STAGE_END_WAIT", -60.0)  # no wait for the tasks: interrupt at once
+    monkeypatch.setattr(spark_classic.SparkRun, "_interrupt", first_fails)
+    monkeypatch.setattr(pyspark.SparkContext, "removeJobTag", gone)
+    run = Distributor(2, local_mode=False, show=None).submit(say_then_sleep)
+    wait_until(lambda: all("sleeping" in run.logs(r) for r in (0, 1)), 120, "both ranks in the job")
+    with caplog.at_level("INFO", logger="torchdist_magic"):
+        run.cancel()
+        with pytest.raises(RunCancelled):
+            run.result(timeout=120)
+    said = [r.getMessage() for r in caplog.records if "job tag" in r.getMessage()]
+    tag = interrupts[0]
+    prefix = f"run {run.run_id}:"
+    assert said[:3] == [
+        f"{prefix} interrupting Spark job tag {tag}",
+        f"{prefix} could not interrupt job tag {tag} (RuntimeError: the Java gateway is gone); the session is gone",
+        f"{prefix} the stage of job tag {tag} was still running 30 s after it was interrupted",
+    ], said
+    # the run's close stops it again, and this time the interrupt ends the stage
+    assert said[3:-1] and set(said[3:-1]) == {f"{prefix} interrupting Spark job tag {tag}"}, said
+    assert said[-1] == f"{prefix} could not remove job tag {tag} (RuntimeError: the SparkContext was stopped)"
+    assert_nothing_left(run)
