@@ -56,6 +56,9 @@ class SparkSessions:
 
     def get(self, master: str, **conf: str):
         if self.session is not None and self.master == master and self.conf == conf and self.session.sparkContext._jsc:
+            # the active one again, as a notebook's session is: an earlier test may have made
+            # another session of this context active in this thread, or cleared it
+            self.session.sparkContext._jvm.SparkSession.setActiveSession(self.session._jsparkSession)
             return self.session  # (a test that stopped the session leaves _jsc None)
         self.stop()
         from pyspark.sql import SparkSession
