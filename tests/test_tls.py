@@ -113,6 +113,9 @@ def test_spark_ssl_enabled_refuses_an_unencrypted_channel_unless_ignore_ssl(spar
     conf = spark_local2.sparkContext._conf  # as TorchDistributor's own tests set it
     try:
         conf.set("spark.ssl.enabled", "true")
+        # and in the session's own conf, as a cluster's spark-defaults put it there too: what the
+        # session's conf takes over from its context at some point is not this test's to decide
+        spark_local2.conf.set("spark.ssl.enabled", "true")
         with pytest.raises(ValueError, match=f"^{REFUSAL}$"):
             Distributor(2, local_mode=False, show=None, tls=False).submit(one)
         assert make_backend(LaunchOptions(backend="spark")).check(LaunchOptions(backend="spark")).tls
