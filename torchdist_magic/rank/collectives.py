@@ -21,6 +21,7 @@ from types import FrameType
 from typing import Any, Dict, List, Optional
 
 from ..core import events
+from .stepsplit import COLLECTIVES
 
 #: what turns torch's Flight Recorder on, and how many collectives it keeps per rank
 FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
@@ -29,24 +30,8 @@ FLIGHT_RECORDER_ENTRIES = 256
 DEFAULT_GROUP = "default group"
 #: the functions of ``torch.distributed`` that a stack names as the collective a rank is in
 COLLECTIVE_FUNCTIONS = frozenset(
-    {
-        "all_reduce",
-        "all_gather",
-        "all_gather_into_tensor",
-        "all_gather_object",
-        "all_to_all",
-        "all_to_all_single",
-        "barrier",
-        "broadcast",
-        "broadcast_object_list",
-        "gather",
-        "gather_object",
-        "reduce",
-        "reduce_scatter",
-        "reduce_scatter_tensor",
-        "scatter",
-        "scatter_object_list",
-        "monitored_barrier",
+    COLLECTIVES
+    + (
         "send",
         "recv",
         "batch_isend_irecv",
@@ -54,7 +39,7 @@ COLLECTIVE_FUNCTIONS = frozenset(
         "_reduce_scatter_base",
         "new_group",
         "init_process_group",
-    }
+    )
 )
 _C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
 
