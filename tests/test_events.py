@@ -101,7 +101,7 @@ def test_every_record_type_is_in_the_contract_and_handled():
     assert events.SENDERS["worker"] < events.SENDERS["launcher"]
     assert events.Exit not in events.SENDERS["worker"] and events.Log not in events.SENDERS["worker"]
     # a rank can never stop a detached run through its channel, nor a kernel send a rank's record
-    assert events.StopRun not in events.SENDERS["launcher"] and events.SENDERS["kernel"] == {events.StopRun}
+    assert events.StopRun not in events.SENDERS["launcher"] and events.SENDERS["kernel"] == {events.StopRun, events.ReadState}
     assert not any(events.AttemptBegan in senders for senders in events.SENDERS.values())  # a journal's only
 
 

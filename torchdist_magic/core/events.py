@@ -490,6 +490,27 @@ class StopRun(Event):
 
 
 @dataclass
+class ReadState(Event):
+    """A kernel to the process that holds a run's state (its view feed, ``driver.feed``): one
+    read of that state, ``read`` one of ``feed.READS``, with that read's arguments (``at``: the
+    rank read, for a rank's log or system samples).  ``token`` is the run's own.  ``rank`` is
+    unused (-1)."""
+
+    type: ClassVar[str] = "read_state"
+    token: str = ""
+    read: str = ""
+    at: int = -1
+    since: Optional[int] = None
+    start: int = 0
+    limit: Optional[int] = None
+    newest: bool = False
+    points: Optional[int] = None
+    ranks: Optional[List[int]] = None
+    names: Optional[List[str]] = None
+    attempt: Optional[int] = None
+
+
+@dataclass
 class AttemptBegan(Event):
     """In a detached run's journal (``supervisor``), never on a socket: the records after it are
     of attempt ``attempt`` (the run restarted).  ``rank`` is unused (-1)."""
@@ -522,7 +543,7 @@ DEBUG_TO_DRIVER = (DebugOutput,)
 #: records that the run's profile takes for itself (``profiles``), never a RunState
 PROFILE_TO_DRIVER = (ProfilePiece, ProfileDone)
 #: records a kernel sends a detached run's supervising process on its control socket
-KERNEL_TO_SUPERVISOR = (StopRun,)
+KERNEL_TO_SUPERVISOR = (StopRun, ReadState)
 #: records a detached run's supervising process writes in its journal for the kernels that attach
 SUPERVISOR_TO_KERNEL = (AttemptBegan,)
 RECORDS: Dict[str, Type[Event]] = {

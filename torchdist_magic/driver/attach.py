@@ -1,13 +1,14 @@
 """A detached run seen from any kernel of its machine: ``attach(run_id)`` gives its handle,
 ``stop(run_id)`` stops it.
 
-The handle (``AttachedRun``) has the ``Run`` API a notebook uses: ``state`` (a ``RunState``
-that every view reads), ``result(timeout)``, ``logs(rank)``, ``cancel()``, ``done()``,
-``wait(timeout)``.  Its state is rebuilt from the run's journal (``supervisor``): everything so
-far at once, then what comes, by a thread that reads the file as it grows, so the lines printed
-while no kernel was attached are all there.  Records are decoded as ``events`` records (typed,
-validated); the journal is in the user's private record directory, written by the supervising
-process.  The value is read from the same directory when the run has ended.
+The handle (``AttachedRun``) has the ``Run`` API a notebook uses: ``state`` (what every view
+reads), ``result(timeout)``, ``logs(rank)``, ``cancel()``, ``done()``, ``wait(timeout)``.  While
+the supervising process runs, its ``state`` is a ``feed.HostedState``: each read a round trip to
+that process, which holds the run's state, so the kernel gets what its view shows and never
+every record.  Once that process has gone, the state is rebuilt from the run's journal
+(``supervisor``; records decoded as ``events`` records, typed and validated; in the user's
+private record directory), once, when something reads it.  The value is read from the same
+directory when the run has ended.
 
 Detaching is the end of a handle, never of the run: an interrupted ``%torchdist attach`` (or a
 kernel that dies) leaves the run going.
@@ -28,6 +29,7 @@ from ..backends.spark import active_spark_session
 from ..core.options import LaunchOptions
 from ..core.job import build_job
 from .history import RunRecord, process_alive, read_record, take_value
+from .feed import HostedState
 from .state import RunState
 from .supervisor import (
     DONE_FILE,
@@ -38,7 +40,7 @@ from .supervisor import (
     start_detached,
 )
 
-#: how often the journal is read for what came
+#: how often the handle looks whether the run has ended
 FOLLOW_INTERVAL = 0.05
 #: this process's handles by run id, while something holds them
 _handles: "weakref.WeakValueDictionary[str, AttachedRun]" = weakref.WeakValueDictionary()
@@ -120,6 +122,7 @@ def follow_attached(run: "AttachedRun", observer: Any = None, interval: float = 
         run.detach()
         if observer is not None:
             observer.close()
+        run.release()
         print(
             f"torchdist: stopped following run {run.run_id}, which goes on "
             f"(%torchdist attach {run.run_id} follows it again, %torchdist stop {run.run_id} stops it)"
@@ -127,6 +130,7 @@ def follow_attached(run: "AttachedRun", observer: Any = None, interval: float = 
         raise
     if observer is not None:
         observer.close()
+    run.release()
     for note in run.notes:
         print(f"torchdist: {note}")
     return run.result()
@@ -142,6 +146,7 @@ def follow_in_thread(run: "AttachedRun", observer: Any, interval: float = 0.1) -
                 observer.update()
         finally:
             observer.close()
+            run.release()
 
     thread = threading.Thread(target=loop, name=f"torchdist-view-{run.run_id}", daemon=True)
     thread.start()
@@ -156,14 +161,14 @@ class AttachedRun:
         self.run_id = run_id
         self.options = self.record.options
         self.directory = self.record.directory
-        self.state = RunState(
-            run_id,
-            self.record.num_processes,
-            self.record.backend or "local processes",
-            bool(self.options.get("use_gpu")),
-            self.record.job_name,
-        )
-        self.state.started = self.record.started
+        try:
+            with open(os.path.join(self.directory, TOKEN_FILE), encoding="utf-8") as fh:
+                token = fh.read().strip()
+        except FileNotFoundError:  # a record without one: its journal alone tells its state
+            token = ""
+        control = self.record.control if token else None
+        self.state = HostedState(control, token, self.record.num_processes, self._replay)
+        self._ending: Optional[tuple] = None  # (outcome, root cause, message) once it ended
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
         self._value: Any = None
@@ -207,6 +212,11 @@ class AttachedRun:
         """Stop following the run here (the run goes on)."""
         self._stopping.set()
 
+    def release(self) -> None:
+        """Close this kernel's feed from the supervising process (a view took its last look);
+        a later read opens it again while that process runs."""
+        self.state.close()
+
     @property
     def detached(self) -> bool:
         """Whether this handle stopped following the run (``detach``)."""
@@ -220,45 +230,57 @@ class AttachedRun:
         )
 
     def __repr__(self) -> str:
+        state = self.record.state if self.done() else "running"
         return (
-            f"<torchdist detached Run {self.run_id} {self.state.state} np={self.record.num_processes} "
-            f"on {self.state.backend}: %torchdist attach {self.run_id} follows it, "
+            f"<torchdist detached Run {self.run_id} {state} np={self.record.num_processes} "
+            f"on {self.record.backend}: %torchdist attach {self.run_id} follows it, "
             f"%torchdist stop {self.run_id} stops it>"
         )
 
-    # -- following the journal --------------------------------------------------------------
-    def _follow(self) -> None:
-        path = os.path.join(self.directory, JOURNAL_FILE)
-        done = os.path.join(self.directory, DONE_FILE)
+    # -- the run's end, and its state once its supervising process has gone -----------------
+    def _replay(self) -> RunState:
+        """The run's state rebuilt from its journal, as it ended when it has."""
+        state = RunState(
+            self.run_id,
+            self.record.num_processes,
+            self.record.backend or "local processes",
+            bool(self.options.get("use_gpu")),
+            self.record.job_name,
+        )
+        state.started = self.record.started
         pending = b""
-        position = 0
+        try:
+            with open(os.path.join(self.directory, JOURNAL_FILE), "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    lines = (pending + chunk).split(b"\n")
+                    pending = lines.pop()
+                    for line in lines:
+                        record = events.loads(line)
+                        if isinstance(record, events.AttemptBegan):
+                            state.restart()
+                        else:
+                            state.apply(record)
+        except FileNotFoundError:
+            pass
+        if self._ending is not None:
+            outcome, cause, message = self._ending
+            state.finish(outcome, cause, message)
+        return state
+
+    def _follow(self) -> None:
+        done = os.path.join(self.directory, DONE_FILE)
         try:
             while not self._stopping.is_set():
-                finished = os.path.exists(done)  # before the last read: nothing comes after it
-                alive = finished or process_alive(self.record.pid)
-                try:
-                    with open(path, "rb") as fh:
-                        fh.seek(position)
-                        chunk = fh.read()
-                except FileNotFoundError:
-                    chunk = b""
-                position += len(chunk)
-                lines = (pending + chunk).split(b"\n")
-                pending = lines.pop()
-                for line in lines:
-                    record = events.loads(line)
-                    if isinstance(record, events.AttemptBegan):
-                        self.state.restart()
-                    else:
-                        self.state.apply(record)
-                if finished:
+                if os.path.exists(done):
                     return self._finish()
-                if not alive:
+                if not process_alive(self.record.pid):
+                    if os.path.exists(done):  # it ended between the two looks
+                        return self._finish()
                     return self._lost()
                 time.sleep(FOLLOW_INTERVAL)
         except BaseException as exc:  # reported through result(), never lost in this thread
             self._error = exc
-            self.state.finish("failed", message=f"could not follow the run: {exc}")
+            self._ending = ("failed", None, f"could not follow the run: {exc}")
             self._done.set()
 
     def _finish(self) -> None:
@@ -269,7 +291,7 @@ class AttachedRun:
             )
         record = self.record = read_record(self.run_id)
         outcome = record.outcome or record.state
-        self.state.finish(outcome, record.root_cause, record.failure)
+        self._ending = (outcome, record.root_cause, record.failure)
         if outcome == "failed" and record.root_cause is not None:
             self._error = RankFailure(record.root_cause)
         elif outcome == "cancelled":
@@ -288,5 +310,5 @@ class AttachedRun:
             "before the run did: it was killed, and the run's ranks ended with it"
         )
         self._error = RunLost(message)
-        self.state.finish("failed", message=message)
+        self._ending = ("failed", None, message)
         self._done.set()

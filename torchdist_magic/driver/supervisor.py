@@ -13,23 +13,23 @@ once the run has started (or raises what refused it).  The supervising process t
 - ``value.blob``: rank 0's value (``core.values``' format), when the run succeeded;
 - ``done``: once the journal, the value and the record are complete.
 
-Its control socket (a Unix socket in this user's private directory of the temporary directory,
-named in the record) takes one ``events.StopRun`` a connection, from a process of this user
-(its peer's uid is checked) that knows the run's token; anything else is refused.  SIGTERM,
+Its control socket (``feed.FeedServer``: a Unix socket in this user's private directory of the
+temporary directory, named in the record) takes, from a process of this user (its peer's uid is
+checked) that knows the run's token, one ``events.StopRun`` a connection, or the reads of a
+kernel that shows the run (``feed.HostedState``: the kernel gets what its view shows, never
+every record); anything else is refused.  Once the run has ended it waits for those kernels'
+last reads (``FEED_LINGER`` at most).  SIGTERM,
 SIGINT or SIGHUP to the supervising process stop the run too.  When it ends, however it ends,
 its ranks end with it (a local rank watches its launcher, which is this process).
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
 import queue
 import secrets
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -42,6 +42,7 @@ from ..core import events
 from ..core import values as value_blobs
 from ..core.options import LaunchOptions
 from ..core.privdir import open_private, user_directory
+from .feed import FeedServer
 from .history import VALUE_FILE, RunRecord, options_json, read_record, record_directory, write_private
 
 JOB_FILE = "job.bin"
@@ -57,8 +58,9 @@ LOG_FILE = "supervisor.log"
 JOURNAL_MAX_BYTES = 1 << 30
 #: how long ``start_detached`` waits for the supervising process to start the run
 START_WAIT = 120.0
-#: a control request's largest size
-REQUEST_MAX_BYTES = 4096
+#: how long a run's supervising process, its run ended, waits for the kernels that show it to
+#: read the state a last time (``feed.FeedServer.linger``)
+FEED_LINGER = 30.0
 
 SPARK_FILE = "spark.json"
 NOTEBOOK_OWNS_SPARK = (
@@ -295,62 +297,6 @@ class Journal:
         self._thread.join()
 
 
-class ControlServer:
-    """The control socket: one ``StopRun`` a connection, from this user with the run's token."""
-
-    def __init__(self, path: str, token: str, stop):
-        self.path = path
-        self._token = token
-        self._stop = stop
-        if os.path.lexists(path):
-            os.unlink(path)
-        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._socket.bind(path)
-        os.chmod(path, 0o600)
-        self._socket.listen(8)
-        self._thread = threading.Thread(target=self._serve, name="torchdist-control", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._socket.accept()
-            except OSError:
-                return  # closed
-            with conn:
-                conn.settimeout(5.0)
-                try:
-                    conn.sendall(b"ok\n" if self._handle(conn) else b"refused\n")
-                except OSError:
-                    pass
-
-    def _handle(self, conn: socket.socket) -> bool:
-        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
-        if uid != os.geteuid():
-            return False
-        data = b""
-        while not data.endswith(b"\n") and len(data) < REQUEST_MAX_BYTES:
-            chunk = conn.recv(REQUEST_MAX_BYTES)
-            if not chunk:
-                break
-            data += chunk
-        try:
-            record = events.loads(data)
-        except events.MalformedEvent:
-            return False
-        if type(record) not in events.SENDERS["kernel"] or not hmac.compare_digest(record.token, self._token):
-            return False
-        self._stop(record.by or "%torchdist stop")
-        return True
-
-    def close(self) -> None:
-        self._socket.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
 def supervise(directory: str) -> int:
     """The supervising process's work: start the run, serve its control socket, keep its
     journal, value and record until it ends.  The exit code: 0 once the run ended, whatever its
@@ -383,10 +329,10 @@ def supervise(directory: str) -> int:
         if run is not None:
             run.cancel(by=by)
 
-    control = ControlServer(record.control, token, stop)
+    control = FeedServer(record.control, token, None, stop)
     try:
         run = submit(job, (), {}, options, run_id=run_id, listener=journal.put)
-        journal.state = run.state  # the first attempt's records need no mark
+        journal.state = control.state = run.state  # the first attempt's records need no mark
     except (TypeError, ValueError) as exc:
         control.close()
         if session is not None:
@@ -411,8 +357,9 @@ def supervise(directory: str) -> int:
         journal.close()
         run.record.end(has_value=has_value)
     finally:
-        control.close()
         write_private(os.path.join(directory, DONE_FILE), run.state.state)
+        control.linger(FEED_LINGER)  # the kernels' views take their last look at the state
+        control.close()
         if session is not None:
             session.stop()
     return 0

@@ -1,0 +1,174 @@
+"""The view's feed (driver/feed.py): a run's state read from the process that holds it, over a
+real Unix socket in this user's private directory, against a real ``RunState`` fed records."""
+
+import os
+import socket
+import threading
+
+import pytest
+
+from torchdist_magic.core import events
+from torchdist_magic.core.privdir import user_directory
+from torchdist_magic.driver.feed import FACTS, FeedServer, HostedState
+from torchdist_magic.driver.state import RunState
+
+TOKEN = "feed-test-token"
+
+
+def fed_state(ranks=3):
+    state = RunState("feed-run", ranks, "local processes")
+    for rank in range(ranks):
+        state.apply(events.Started(rank=rank, host="h", pid=100 + rank))
+        for step in range(1, 6):
+            state.apply(events.Metrics(rank=rank, step=step, time=float(step), values={"loss": 1.0 / step}))
+            state.apply(events.Log(rank=rank, stream="stdout", line=f"rank {rank} step {step}"))
+    return state
+
+
+@pytest.fixture
+def socket_path(tmp_path):
+    path = os.path.join(user_directory(str(tmp_path)), "feed.sock")
+    yield path
+    if os.path.lexists(path):
+        os.unlink(path)
+
+
+@pytest.fixture
+def served(socket_path):
+    state = fed_state()
+    stops = []
+    server = FeedServer(socket_path, TOKEN, state, stops.append)
+    yield state, server, stops
+    server.close()
+
+
+def never(_=None):
+    raise AssertionError("the fallback was not to be used while the feed serves")
+
+
+def test_reads_through_the_feed_are_the_states_own(served, socket_path):
+    state, server, _ = served
+    hosted = HostedState(socket_path, TOKEN, 3, never)
+    snap = hosted.snapshot()
+    assert snap.run_id == "feed-run" and [rs.pid for rs in snap.ranks] == [100, 101, 102]
+    assert snap.ranks == state.snapshot().ranks
+    assert hosted.snapshot(snap.version).changed == frozenset()
+    assert hosted.read_log(1, start=3).lines == state.read_log(1, start=3).lines
+    assert [line.text for line in hosted.recent_log(2, 2).lines] == ["rank 2 step 4", "rank 2 step 5"]
+    assert hosted.metric_history(points=2, ranks=[0]) == state.metric_history(points=2, ranks=[0])
+    assert hosted.logs(0) == state.logs(0)
+    assert hosted.failures() == [] and hosted.running() == [0, 1, 2]
+    assert hosted.state == state.state and hosted.started == state.started and not hosted.finished
+    assert hosted.ranks == snap.ranks  # a snapshot's field
+    assert server.readers() == 1 and hosted.hosted
+    hosted.close()
+    assert server.linger(5.0)
+
+
+def test_a_reads_error_is_raised_in_the_kernel(served, socket_path):
+    hosted = HostedState(socket_path, TOKEN, 3, never)
+    with pytest.raises(IndexError, match="rank 7 is not in this run"):
+        hosted.read_log(7)
+    with pytest.raises(AttributeError, match="'no_such': not a read of a run's state held by another process"):
+        hosted.no_such
+    assert hosted.snapshot().num_processes == 3  # the connection goes on after an error
+    hosted.close()
+
+
+def test_a_wrong_token_is_refused(served, socket_path):
+    hosted = HostedState(socket_path, "not-the-token", 3, never)
+    with pytest.raises(PermissionError, match="refused a read: not the run's token"):
+        hosted.snapshot()
+
+
+def test_an_unknown_read_is_refused(served, socket_path):
+    hosted = HostedState(socket_path, TOKEN, 3, never)
+    with pytest.raises(PermissionError, match="the process that holds the run's state refused a read: no read 'nothing'"):
+        hosted._ask("nothing")
+    hosted.close()
+
+
+def test_stop_takes_the_runs_token(served, socket_path):
+    _, _, stops = served
+
+    def send(record):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(socket_path)
+            conn.sendall((events.dumps(record) + "\n").encode())
+            return conn.recv(64)
+
+    assert send(events.StopRun(rank=-1, token="wrong", by="x")) == b"refused\n" and stops == []
+    assert send(events.StopRun(rank=-1, token=TOKEN, by="a test")) == b"ok\n" and stops == ["a test"]
+
+
+def test_once_the_holder_has_gone_reads_go_to_the_fallback(socket_path):
+    state = fed_state()
+    server = FeedServer(socket_path, TOKEN, state, lambda by: None)
+    rebuilt = []
+
+    def fallback():
+        local = fed_state()
+        local.finish("succeeded")
+        rebuilt.append(local)
+        return local
+
+    hosted = HostedState(socket_path, TOKEN, 3, fallback)
+    assert not hosted.finished and hosted.hosted
+    server.close()  # the supervising process ended: its socket is gone
+    hosted.close()
+    assert hosted.finished and not hosted.hosted and len(rebuilt) == 1
+    assert hosted.logs(2) == state.logs(2) and hosted.ranks is rebuilt[0].ranks  # its own attributes
+    assert len(rebuilt) == 1  # made once
+
+
+def test_without_a_socket_the_fallback_is_read():
+    hosted = HostedState(None, "", 3, fed_state)
+    assert hosted.snapshot().num_processes == 3 and not hosted.hosted
+
+
+def test_linger_waits_for_a_reader_that_stays_quiet(served, socket_path):
+    _, server, _ = served
+    hosted = HostedState(socket_path, TOKEN, 3, never)
+    hosted.snapshot()
+    assert not server.linger(0.2, quiet=10.0)  # a reader that read just now, its feed open
+    assert server.linger(5.0, quiet=0.3)  # quiet for long enough: its view took its last look
+    done = threading.Event()
+    threading.Thread(target=lambda: (server.linger(30.0, quiet=30.0), done.set()), daemon=True).start()
+    hosted.close()
+    assert done.wait(10.0)  # the reader closed its feed
+
+
+def test_facts_are_attributes_of_the_state():
+    state = fed_state()
+    assert all(hasattr(state, name) for name in FACTS)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a process of another user that listens")
+def test_a_socket_another_user_listens_on_is_not_read():
+    import tempfile
+
+    from helpers import wait_until
+
+    directory = tempfile.mkdtemp(dir="/tmp")
+    os.chmod(directory, 0o777)
+    path = os.path.join(directory, "feed.sock")
+    child = os.fork()
+    if child == 0:  # another user's process that listens where a run's socket would be
+        try:
+            os.setuid(65534)
+            listener = socket.socket(socket.AF_UNIX)
+            listener.bind(path)
+            listener.listen(1)
+            listener.accept()[0].recv(100)
+        finally:
+            os._exit(0)
+    try:
+        wait_until(lambda: os.path.exists(path), 30, "the other user's socket")
+        hosted = HostedState(path, TOKEN, 1, never)
+        with pytest.raises(PermissionError, match=r"feed.sock is not this user's: the run's state is not read from it"):
+            hosted.snapshot()
+    finally:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+        os.unlink(path)
+        os.rmdir(directory)

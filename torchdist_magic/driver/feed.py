@@ -1,0 +1,348 @@
+"""A run's state read from the process that holds it (the view's feed): ``FeedServer`` in that
+process, ``HostedState`` in a kernel that shows the run.
+
+A run whose channel is off the kernel (``--channel process``, ``--detach``) has its channel and
+its state in its supervising process: that process receives, decodes and applies every record,
+and a kernel asks it only for what its view shows, one round trip a read (``READS``: a snapshot,
+some of a rank's log lines, the plots' history).  So the kernel's CPU is its view's own, and a
+refresh never delays a record.  ``HostedState`` has the reading side of ``RunState`` (what
+views, ``Run.logs`` and the summary read); once the process that held the state has gone, it
+reads a state rebuilt in the kernel instead (``fallback``: the run's journal replayed).
+
+The socket is the run's control socket, in this user's private directory; it also takes the
+``events.StopRun`` of ``%torchdist stop``.  A request is one JSON line, an ``events`` record of
+role ``kernel`` with the run's token; each side checks that the other is a process of this user
+(``SO_PEERCRED``).  The answers of reads are pickles, which only a process of this user can
+have written: this socket is never a run's channel, where ranks' records are JSON only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import pickle
+import socket
+import struct
+import threading
+import time
+from typing import Any, Callable, Dict, Optional
+
+from ..core import events
+
+#: a request line's largest size
+REQUEST_MAX_BYTES = 4096
+#: an answer's header: its kind (``b"v"`` a value, ``b"e"`` an exception, ``b"r"`` refused) and
+#: its length
+ANSWER = struct.Struct("!cQ")
+#: how long a read may take before the kernel gives up on the process that holds the state
+READ_TIMEOUT = 60.0
+#: the attributes of a run's state a kernel reads as they are (``facts``)
+FACTS = (
+    "run_id",
+    "num_processes",
+    "backend",
+    "use_gpu",
+    "job_name",
+    "state",
+    "started",
+    "ended",
+    "failure",
+    "message",
+    "attempt",
+    "max_attempts",
+    "attempts",
+    "version",
+    "finished",
+)
+#: what a kernel reads of a snapshot (``RunSnapshot``) when it asks the state for these
+SNAPSHOT_FIELDS = ("ranks", "stacks", "verdict", "preflight", "tracking", "refusals", "changed")
+#: the reads a kernel may ask, each a function of the state and the request
+READS: Dict[str, Callable[[Any, events.ReadState], Any]] = {
+    "snapshot": lambda state, q: state.snapshot(q.since),
+    "read_log": lambda state, q: state.read_log(q.at, q.start, q.limit, q.newest),
+    "recent_log": lambda state, q: state.recent_log(q.at, q.limit if q.limit is not None else 0),
+    "metric_history": lambda state, q: state.metric_history(q.points, q.ranks, q.names),
+    "system_history": lambda state, q: state.system_history(q.at, q.points),
+    "logs": lambda state, q: state.logs(q.at, q.attempt),
+    "profile": lambda state, q: state.profile(),
+    "failures": lambda state, q: state.failures(),
+    "goodput": lambda state, q: state.goodput(),
+    "stragglers": lambda state, q: state.stragglers(),
+    "running": lambda state, q: state.running(),
+    "elapsed": lambda state, q: state.elapsed(),
+    "idle": lambda state, q: state.idle(),
+    "facts": lambda state, q: {name: getattr(state, name) for name in FACTS},
+}
+
+
+class FeedGone(ConnectionError):
+    """The process that held a run's state is gone (it ended, or never listened)."""
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket."""
+    return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+
+
+def _read_line(conn: socket.socket, pending: bytearray) -> Optional[bytes]:
+    """The next request line (``None`` at the end of the connection, or past
+    ``REQUEST_MAX_BYTES`` without a line's end)."""
+    while b"\n" not in pending:
+        if len(pending) > REQUEST_MAX_BYTES:
+            return None
+        chunk = conn.recv(REQUEST_MAX_BYTES)
+        if not chunk:
+            return None
+        pending += chunk
+    line, _, rest = bytes(pending).partition(b"\n")
+    pending[:] = rest
+    return line
+
+
+class FeedServer:
+    """The run's control socket at ``path``, in the process that holds its ``state``: reads
+    (``events.ReadState``) on connections that stay open, and one ``events.StopRun`` a
+    connection, which calls ``stop(by)``; from processes of this user with the run's ``token``.
+    A thread per connection (a few kernels at most)."""
+
+    def __init__(self, path: str, token: str, state: Any, stop: Callable[[str], None]):
+        self.path = path
+        self.state = state
+        self._token = token
+        self._stop = stop
+        self._open = 0  # connections that read, open now
+        self._last_read = time.monotonic()
+        self._changed = threading.Condition()
+        if os.path.lexists(path):
+            os.unlink(path)
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._socket.bind(path)
+        os.chmod(path, 0o600)
+        self._socket.listen(16)
+        self._thread = threading.Thread(target=self._accept, name="torchdist-feed", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._socket.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn,), name="torchdist-feed-reader", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        reading = False
+        try:
+            with conn:
+                conn.settimeout(None)
+                if peer_uid(conn) != os.geteuid():
+                    conn.sendall(b"refused\n")
+                    return
+                pending = bytearray()
+                while True:
+                    line = _read_line(conn, pending)
+                    if line is None:
+                        return
+                    try:
+                        record = events.loads(line)
+                    except events.MalformedEvent:
+                        record = None
+                    if record is None or not hmac.compare_digest(getattr(record, "token", ""), self._token):
+                        if type(record) is events.ReadState:
+                            refusal = b"not the run's token"
+                            conn.sendall(ANSWER.pack(b"r", len(refusal)) + refusal)
+                        else:
+                            conn.sendall(b"refused\n")
+                        return
+                    if type(record) is events.StopRun:
+                        self._stop(record.by or "%torchdist stop")
+                        conn.sendall(b"ok\n")
+                        return
+                    if not reading:
+                        reading = True
+                        with self._changed:
+                            self._open += 1
+                    self._answer(conn, record)
+        except OSError:
+            pass  # the kernel went away mid-read: nothing to tell anyone
+        finally:
+            if reading:
+                with self._changed:
+                    self._open -= 1
+                    self._changed.notify_all()
+
+    def _answer(self, conn: socket.socket, request: events.ReadState) -> None:
+        self._last_read = time.monotonic()
+        read = READS.get(request.read)
+        if read is None:
+            kind, body = b"r", f"no read {request.read!r:.40}".encode()
+        else:
+            try:
+                kind, body = b"v", pickle.dumps(read(self.state, request), protocol=5)
+            except Exception as exc:  # the reader's error (a rank out of range), raised in the kernel
+                kind, body = b"e", pickle.dumps(exc, protocol=5)
+        conn.sendall(ANSWER.pack(kind, len(body)) + body)
+
+    def readers(self) -> int:
+        """Connections of kernels that read the state, open now."""
+        with self._changed:
+            return self._open
+
+    def linger(self, seconds: float, quiet: float = 1.0) -> bool:
+        """Wait until no kernel reads the state any more (each closed its feed, or none read
+        for ``quiet`` seconds: their views took their last look), at most ``seconds``; True
+        when none does."""
+        deadline = time.monotonic() + seconds
+        with self._changed:
+            while self._open:
+                now = time.monotonic()
+                if now - self._last_read >= quiet:
+                    return True
+                if now >= deadline:
+                    return False
+                self._changed.wait(min(deadline - now, quiet))
+        return True
+
+    def close(self) -> None:
+        self._socket.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class HostedState:
+    """A run's state held by another process (``FeedServer`` at ``path``), read through its
+    feed: the reading side of ``RunState`` that views use, each read a round trip.  Once that
+    process is gone, every read goes to ``fallback()``'s ``RunState`` (made once, when first
+    needed)."""
+
+    def __init__(self, path: Optional[str], token: str, num_processes: int, fallback: Callable[[], Any]):
+        self.path = path
+        self.num_processes = num_processes
+        self._token = token
+        self._fallback = fallback
+        self._local: Any = None
+        self._conn: Optional[socket.socket] = None
+        self._lock = threading.Lock()
+
+    def _ask(self, read: str, **args: Any) -> Any:
+        request = events.ReadState(rank=-1, token=self._token, read=read, **args)
+        with self._lock:
+            if self._local is None:
+                try:
+                    return self._remote(request)
+                except FeedGone:
+                    self._drop()
+                    self._local = self._fallback()
+            local = self._local
+        return READS[read](local, request)
+
+    def _remote(self, request: events.ReadState) -> Any:
+        if self.path is None:
+            raise FeedGone("no process holds the run's state")
+        try:
+            if self._conn is None:
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conn.settimeout(READ_TIMEOUT)
+                try:
+                    conn.connect(self.path)
+                    if peer_uid(conn) != os.geteuid():
+                        raise PermissionError(f"{self.path} is not this user's: the run's state is not read from it")
+                except BaseException:
+                    conn.close()
+                    raise
+                self._conn = conn
+            self._conn.sendall((events.dumps(request) + "\n").encode())
+            kind, size = ANSWER.unpack(self._receive(ANSWER.size))
+            body = self._receive(size)
+        except (FileNotFoundError, ConnectionError, socket.timeout, struct.error) as exc:
+            raise FeedGone(str(exc)) from None
+        if kind == b"v":
+            return pickle.loads(body)
+        if kind == b"e":
+            raise pickle.loads(body)
+        raise PermissionError(f"the process that holds the run's state refused a read: {body.decode(errors='replace')}")
+
+    def _receive(self, size: int) -> bytes:
+        view = memoryview(bytearray(size))
+        got = 0
+        while got < size:
+            n = self._conn.recv_into(view[got:])
+            if not n:
+                raise ConnectionResetError("the process that held the run's state closed the feed")
+            got += n
+        return view.obj
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def close(self) -> None:
+        """Close the feed (the process that holds the state may end); a later read opens it
+        again, or reads the fallback once that process has gone."""
+        with self._lock:
+            self._drop()
+
+    @property
+    def hosted(self) -> bool:
+        """Whether reads still go to the process that holds the state."""
+        return self._local is None
+
+    # -- the reads of ``RunState`` (``reading.RunStateReads``) --------------------------------
+    def snapshot(self, since: Optional[int] = None):
+        return self._ask("snapshot", since=since)
+
+    def read_log(self, rank: int, start: int = 0, limit: Optional[int] = None, newest: bool = False):
+        return self._ask("read_log", at=rank, start=start, limit=limit, newest=newest)
+
+    def recent_log(self, rank: int, limit: int):
+        return self._ask("recent_log", at=rank, limit=limit)
+
+    def metric_history(self, points: Optional[int] = None, ranks=None, names=None):
+        return self._ask(
+            "metric_history",
+            points=points,
+            ranks=None if ranks is None else list(ranks),
+            names=None if names is None else list(names),
+        )
+
+    def system_history(self, rank: int, points: Optional[int] = None):
+        return self._ask("system_history", at=rank, points=points)
+
+    def logs(self, rank: int, attempt: Optional[int] = None) -> str:
+        return self._ask("logs", at=rank, attempt=attempt)
+
+    def profile(self):
+        return self._ask("profile")
+
+    def failures(self):
+        return self._ask("failures")
+
+    def goodput(self):
+        return self._ask("goodput")
+
+    def stragglers(self):
+        return self._ask("stragglers")
+
+    def running(self):
+        return self._ask("running")
+
+    def elapsed(self) -> float:
+        return self._ask("elapsed")
+
+    def idle(self) -> float:
+        return self._ask("idle")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        local = self.__dict__.get("_local")
+        if local is not None:  # the run's state itself, rebuilt here
+            return getattr(local, name)
+        if name in FACTS:
+            return self._ask("facts")[name]
+        if name in SNAPSHOT_FIELDS:
+            return getattr(self.snapshot(), name)
+        raise AttributeError(f"{name!r}: not a read of a run's state held by another process")
