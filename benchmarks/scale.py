@@ -4,7 +4,8 @@ ranks, each rank with two real authenticated connections (role worker and role l
 Spark task and its worker have).
 
     python benchmarks/scale.py --ranks 1024 --rate 100 --seconds 60 --view widget
-                               [--tls/--no-tls] [--generators 3] [--json benchmarks/results/scale.json]
+                               [--tls/--no-tls] [--generators 3] [--driver process|kernel]
+                               [--repeat N] [--busy both|off|on] [--json benchmarks/results/scale.json]
 
 Every simulated rank sends the project's own records at ``--rate`` records/s: per 10 records, 1
 progress update, 5 metrics of 3 values and 4 log lines; progress and metrics on its worker
@@ -14,15 +15,20 @@ every ``batching.FLUSH_EVERY`` seconds as a rank's client does, but written from
 (``batch_bytes``): they stand in for a thousand machines on a few cores, so they must cost
 little.  In their first flushes they check their bytes against ``encode_batch``'s, byte for byte.
 
-Measured in the driver, which is this process:
+Measured in the driver: by default (``--driver process``) a process of its own that holds the
+run's channel and state, as a run's supervising process does (``--channel process``,
+``--detach``: it also keeps the run's journal and serves the run's feed), this process being the
+kernel, whose view reads the state through the feed (``feed.HostedState``); with ``--driver
+kernel`` this process, as a run in the kernel.
 
 * ``lost`` / ``out_of_order``: every log line and every metric point carries its rank's sequence
   number; progress updates are coalesced by design (only a bar's newest state counts), so they
   are counted apart (``progress_sent`` / ``progress_received``);
 * latency: each log line and metric point carries the time it was made; the time from then to
   the moment ``RunState.apply`` returned (one clock: the generators run on this machine);
-* ``driver_cpu_pct``: this process's CPU time over the window (from the start signal to the last
-  record applied), 100 = one core; ``rss_mb_start`` / ``rss_mb_end`` around it;
+* ``driver_cpu_pct``: the driver's CPU time over the window (from the start signal to the last
+  record applied), 100 = one core; ``kernel_cpu_pct``: this process's (the view's, with
+  ``--driver process``); ``rss_mb_start`` / ``rss_mb_end``: the driver's, around it;
 * the view: ``widget`` is ``view.widget.WidgetView`` with its own throttles, updated every
   ``SUPERVISE_POLL`` as a run's supervisor does, over a comm that serialises every message as
   ipykernel does (the JSON of the comm message): ``frame_bytes_max`` is the largest message it
@@ -49,8 +55,10 @@ import json
 import multiprocessing
 import os
 import resource
+import shutil
 import socket
 import sys
+import tempfile
 import time
 import uuid
 
@@ -393,28 +401,152 @@ def make_view(kind: str, state: RunState):
     return None, None
 
 
-def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: bool, generators: int) -> dict:
-    run_id = f"scale-{uuid.uuid4().hex[:8]}"
-    identity = tls.new_identity() if use_tls else None
-    state = RunState(run_id, ranks, backend="simulated")
-    meter = Meter(state)
-    nofile_before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    fdlimit.make_room(ranks, local=False)  # as a run does before its channel listens
-    nofile_run = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    server = ChannelServer(
-        meter, run_id, secret=WORKER_SECRET, launcher_secret=LAUNCHER_SECRET, identity=identity, ranks=ranks
-    )
-    view, sink = make_view(view_kind, state)
-    address = f"{server.address[0]}:{server.address[1]}"
-    certificate = identity.certificate if identity is not None else ""
+class Host:
+    """The driver's side that holds the run: a real ``ChannelServer`` whose records a real
+    ``RunState`` takes (through the ``Meter``), the journal a supervising process keeps
+    (``supervisor.Journal``) and the run's feed (``feed.FeedServer``), as a run's supervising
+    process has them (``--driver process``: in a process of its own) or as a run in the kernel
+    has them (``--driver kernel``: this process, no journal, no feed)."""
+
+    def __init__(self, ranks: int, use_tls: bool, hosted: bool):
+        self.run_id = f"scale-{uuid.uuid4().hex[:8]}"
+        self.identity = tls.new_identity() if use_tls else None
+        self.state = RunState(self.run_id, ranks, backend="simulated")
+        self.meter = Meter(self.state)
+        self.nofile_before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        fdlimit.make_room(ranks, local=False)  # as a run does before its channel listens
+        self.nofile_run = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.server = ChannelServer(
+            self.meter,
+            self.run_id,
+            secret=WORKER_SECRET,
+            launcher_secret=LAUNCHER_SECRET,
+            identity=self.identity,
+            ranks=ranks,
+        )
+        self.directory = self.journal = self.feed = None
+        self.token = uuid.uuid4().hex
+        if hosted:
+            from torchdist_magic.driver.feed import FeedServer
+            from torchdist_magic.driver.supervisor import Journal
+
+            self.directory = tempfile.mkdtemp(prefix="torchdist-scale-")
+            self.journal = Journal(self.directory)
+            self.journal.state = self.state
+            self.state.listen(self.journal.put)
+            self.feed = FeedServer(os.path.join(self.directory, "feed.sock"), self.token, self.state, lambda by: None)
+
+    def where(self) -> dict:
+        return {
+            "address": f"{self.server.address[0]}:{self.server.address[1]}",
+            "certificate": self.identity.certificate if self.identity is not None else "",
+            "run_id": self.run_id,
+            "feed": self.feed.path if self.feed is not None else None,
+            "token": self.token,
+        }
+
+    def begin(self) -> None:
+        self.authenticated = self.server.stats["authenticated"]
+        self.rss_start = _rss_mb()
+        self.cpu0 = _cpu_seconds()
+        self.t0 = time.time()
+
+    def caught_up(self, expected: int, sent_at: float) -> bool:
+        return self.meter.logs + self.meter.points >= expected or time.time() - sent_at > CATCH_UP_LIMIT
+
+    def results(self, sent_at: float) -> dict:
+        """What the driver measured, once the records are in."""
+        meter = self.meter
+        done = max(meter.last_applied, self.t0)
+        window = done - self.t0
+        cpu = _cpu_seconds() - self.cpu0
+        received = meter.logs + meter.points
+        return {
+            "received": received,
+            "out_of_order": meter.out_of_order,
+            "progress_received": meter.progress,
+            "p50_ms": meter.percentile(0.5),
+            "p99_ms": meter.percentile(0.99),
+            "window_s": window,
+            "t0": self.t0,
+            "catch_up_s": max(0.0, done - sent_at),
+            "driver_cpu_pct": 100 * cpu / window if window else 0.0,
+            "driver_us_per_record": 1e6 * cpu / max(received + meter.progress, 1),
+            "rss_mb_start": self.rss_start,
+            "rss_mb_end": _rss_mb(),
+            "authenticated": self.authenticated,
+            "evicted": self.server.stats["evicted"],
+            "malformed": self.server.stats["malformed"],
+            "forbidden": self.server.stats["forbidden"],
+            "nofile_soft_before": self.nofile_before,
+            "nofile_soft_run": self.nofile_run,
+        }
+
+    def close(self) -> None:
+        self.server.close()
+        if self.feed is not None:
+            self.feed.linger(5.0, quiet=0.5)  # the kernel's view takes its last look
+            self.feed.close()
+            self.journal.close()
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def host_process(ranks: int, use_tls: bool, pipe) -> None:
+    """A run's supervising process, simulated: a ``Host`` that answers the benchmark's
+    questions on ``pipe`` (``begin``, ``finish EXPECTED SENT_AT``, ``close``)."""
+    host = Host(ranks, use_tls, hosted=True)
+    try:
+        pipe.send(host.where())
+        while True:
+            ask = pipe.recv()
+            if ask[0] == "begin":
+                host.begin()
+            elif ask[0] == "finish":
+                while not host.caught_up(ask[1], ask[2]):
+                    time.sleep(0.01)
+                pipe.send(host.results(ask[2]))
+            elif ask[0] == "close":
+                break
+    finally:
+        host.close()
+        pipe.send("closed")
+
+
+def simulate(
+    ranks: int, rate: float, seconds: float, view_kind: str, use_tls: bool, generators: int, driver: str = "process"
+) -> dict:
     context = multiprocessing.get_context("spawn")
+    host = hosting = None
+    if driver == "process":
+        pipe, child_end = context.Pipe()
+        hosting = context.Process(target=host_process, args=(ranks, use_tls, child_end), daemon=True)
+        hosting.start()
+        where = pipe.recv()
+        from torchdist_magic.driver.feed import HostedState
+
+        state = HostedState(where["feed"], where["token"], ranks, fallback=_no_fallback)
+    else:
+        host = Host(ranks, use_tls, hosted=False)
+        where = host.where()
+        state = host.state
+    view, sink = make_view(view_kind, state)
     go, results = context.Event(), context.Queue()
     shares = [list(range(ranks))[i::generators] for i in range(generators)]
     flush_every = FLUSH_EVERY
     procs = [
         context.Process(
             target=generate,
-            args=(address, certificate, run_id, share, rate, seconds, flush_every, go, results),
+            args=(
+                where["address"],
+                where["certificate"],
+                where["run_id"],
+                share,
+                rate,
+                seconds,
+                flush_every,
+                go,
+                results,
+            ),
             daemon=True,
         )
         for share in shares
@@ -427,13 +559,15 @@ def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: b
             p.start()
         connects = [results.get(timeout=CONNECT_LIMIT)[1] for _ in procs]
         connect_s = time.monotonic() - started
-        authenticated = server.stats["authenticated"]
-        rss_start = _rss_mb()
-        cpu0 = _cpu_seconds()
-        t0 = time.time()
+        if host is not None:
+            host.begin()
+        else:
+            pipe.send(("begin",))
+        kernel_cpu0 = _cpu_seconds()
         go.set()
         sent = None
         expected = None
+        measured = None
         reports = []
         while True:
             if view is not None:
@@ -449,24 +583,37 @@ def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: b
                 sent = {k: sum(r[k] for r in reports) for k in ("logs", "points", "progress")}
                 expected = sent["logs"] + sent["points"]
                 sent_at = time.time()
-            if expected is not None and (
-                meter.logs + meter.points >= expected or time.time() - sent_at > CATCH_UP_LIMIT
-            ):
-                break
+                if host is None:
+                    pipe.send(("finish", expected, sent_at))
+            if expected is not None:
+                if host is not None and host.caught_up(expected, sent_at):
+                    measured = host.results(sent_at)
+                    break
+                if host is None and pipe.poll():
+                    measured = pipe.recv()
+                    break
+            if hosting is not None and hosting.exitcode is not None:
+                raise RuntimeError("the simulated supervising process failed (its traceback is above)")
             time.sleep(SUPERVISE_POLL)
-        done = max(meter.last_applied, t0)
-        window = done - t0
-        cpu = _cpu_seconds() - cpu0
-        rss_end = _rss_mb()
+        kernel_cpu = _cpu_seconds() - kernel_cpu0
         if view is not None:
             view.update()
     finally:
         end_processes(procs, 30)
-        server.close()
         if view is not None:
             view.close()
-    received = meter.logs + meter.points
+        if host is not None:
+            host.close()
+        else:
+            state.close()
+            with contextlib.suppress(OSError, EOFError):
+                pipe.send(("close",))
+                pipe.recv()
+            end_processes([hosting], 30)
+    window = measured["window_s"]
+    received = measured["received"]
     frames = IopubComm.sizes if view_kind == "widget" else []
+    IopubComm.sizes = []
     view_bytes = sum(frames) if view_kind == "widget" else (sink.bytes if sink else 0)
     return {
         "ranks": ranks,
@@ -474,31 +621,19 @@ def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: b
         "seconds": seconds,
         "view": view_kind,
         "tls": use_tls,
-        "nofile_soft_before": nofile_before,
-        "nofile_soft_run": nofile_run,
+        "driver": driver,
         "generators": len(procs),
         "connections": 2 * ranks,
-        "authenticated": authenticated,
-        "evicted": server.stats["evicted"],
         "connect_s": connect_s,
         "gen_connect_s_max": max(connects),
         "sent": expected,
-        "received": received,
         "lost": expected - received,
-        "out_of_order": meter.out_of_order,
         "progress_sent": sent["progress"],
-        "progress_received": meter.progress,
         "offered_rate": (expected + sent["progress"]) / ranks / max(max(r["send_s"] for r in reports), 1e-9),
-        "p50_ms": meter.percentile(0.5),
-        "p99_ms": meter.percentile(0.99),
-        "window_s": window,
-        "catch_up_s": max(0.0, done - sent_at),
-        "driver_cpu_pct": 100 * cpu / window if window else 0.0,
-        "driver_us_per_record": 1e6 * cpu / max(received + meter.progress, 1),
+        **measured,
+        "kernel_cpu_pct": 100 * kernel_cpu / window if window else 0.0,
         "gen_cpu_pct": 100 * sum(r["send_cpu_s"] for r in reports) / window if window else 0.0,
         "gen_behind_s": max(r["behind_s"] for r in reports),
-        "rss_mb_start": rss_start,
-        "rss_mb_end": rss_end,
         "frame_bytes_max": max(frames, default=0),
         "view_messages": len(frames),
         "view_mb_per_s": view_bytes / 1e6 / window if window else 0.0,
@@ -508,9 +643,11 @@ def simulate(ranks: int, rate: float, seconds: float, view_kind: str, use_tls: b
         # the refreshes' own (update() calls that found the view's period not yet over cost ~nothing)
         "render_cpu_ms_p50": _median([ms for ms in render_cpu_ms if ms >= 1.0]),
         "view_refresh_s": getattr(view, "update_every", None),
-        "malformed": server.stats["malformed"],
-        "forbidden": server.stats["forbidden"],
     }
+
+
+def _no_fallback():
+    raise RuntimeError("the simulated supervising process went away while the view read its state")
 
 
 def main() -> None:
@@ -526,6 +663,14 @@ def main() -> None:
         help="the channel over TLS, as on Spark (default), or plain, as locally",
     )
     parser.add_argument("--generators", type=int, default=3, help="load-generator processes")
+    parser.add_argument(
+        "--driver",
+        choices=("process", "kernel"),
+        default="process",
+        help="the run's channel and state in a supervising process of their own, the kernel's view "
+        "reading them through the run's feed, as --channel process runs (default); or all in this "
+        "process, as a run in the kernel (--channel kernel)",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="runs in a row (a goal holds when it holds three)")
     parser.add_argument(
         "--busy",
@@ -552,20 +697,22 @@ def main() -> None:
         for busy in (False, True) if args.busy == "both" else (args.busy == "on",):
             load_before = load()
             with BusyCore() if busy else contextlib.nullcontext():
-                r = simulate(args.ranks, args.rate, args.seconds, args.view, args.tls, args.generators)
+                r = simulate(args.ranks, args.rate, args.seconds, args.view, args.tls, args.generators, args.driver)
             runs.append({**r, "busy_core": busy, "load_before": load_before, "load_after": load()})
     print(f"\n{describe_machine(m)}; load average {m['load']:g} at the start")
     print(
-        f"\n{'busy':>4} {'load':>9} {'ranks':>5} {'rate':>5} {'view':>6} {'tls':>3} {'sent':>9} {'lost':>5} "
-        f"{'ooo':>4} {'p50 ms':>8} {'p99 ms':>8} {'catch-up':>8} {'cpu %':>6} {'gen %':>6} {'rss MB':>13} "
+        f"\n{'busy':>4} {'load':>9} {'driver':>7} {'ranks':>5} {'rate':>5} {'view':>6} {'tls':>3} {'sent':>9} "
+        f"{'lost':>5} {'ooo':>4} {'p50 ms':>8} {'p99 ms':>8} {'catch-up':>8} {'cpu %':>6} {'kern %':>6} {'gen %':>6} "
+        f"{'rss MB':>13} "
         f"{'frame KB':>8} {'render ms':>13} {'conn s':>6} {'us/rec':>6}"
     )
     for r in runs:
         print(
             f"{'yes' if r['busy_core'] else 'no':>4} {r['load_before']:>4.1f}>{r['load_after']:<4.1f} "
-            f"{r['ranks']:>5} {r['rate']:>5g} {r['view']:>6} {'on' if r['tls'] else 'off':>3} {r['sent']:>9,} "
-            f"{r['lost']:>5} {r['out_of_order']:>4} {r['p50_ms']:>8.0f} {r['p99_ms']:>8.0f} {r['catch_up_s']:>7.1f}s "
-            f"{r['driver_cpu_pct']:>6.0f} {r['gen_cpu_pct']:>6.0f} {r['rss_mb_start']:>6.0f}->{r['rss_mb_end']:<6.0f} "
+            f"{r['driver']:>7} {r['ranks']:>5} {r['rate']:>5g} {r['view']:>6} {'on' if r['tls'] else 'off':>3} "
+            f"{r['sent']:>9,} {r['lost']:>5} {r['out_of_order']:>4} {r['p50_ms']:>8.0f} {r['p99_ms']:>8.0f} "
+            f"{r['catch_up_s']:>7.1f}s {r['driver_cpu_pct']:>6.0f} {r['kernel_cpu_pct']:>6.0f} "
+            f"{r['gen_cpu_pct']:>6.0f} {r['rss_mb_start']:>6.0f}->{r['rss_mb_end']:<6.0f} "
             f"{r['frame_bytes_max'] / 1e3:>8.1f} {r['render_ms_max']:>6.0f}/{r['render_cpu_ms_max']:<3.0f}cpu "
             f"{r['connect_s']:>6.1f} "
             f"{r['driver_us_per_record']:>6.1f}"

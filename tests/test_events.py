@@ -101,7 +101,10 @@ def test_every_record_type_is_in_the_contract_and_handled():
     assert events.SENDERS["worker"] < events.SENDERS["launcher"]
     assert events.Exit not in events.SENDERS["worker"] and events.Log not in events.SENDERS["worker"]
     # a rank can never stop a detached run through its channel, nor a kernel send a rank's record
-    assert events.StopRun not in events.SENDERS["launcher"] and events.SENDERS["kernel"] == {events.StopRun, events.ReadState}
+    assert events.StopRun not in events.SENDERS["launcher"] and events.SENDERS["kernel"] == {
+        events.StopRun,
+        events.ReadState,
+    }
     assert not any(events.AttemptBegan in senders for senders in events.SENDERS.values())  # a journal's only
 
 
@@ -601,3 +604,40 @@ def test_a_run_state_names_where_it_is_tracked_once_told():
     link = TrackingLink("abc", "7", "sqlite:////tmp/m.db")
     state.track(link)
     assert state.tracking is link and state.snapshot().tracking is link and state.version > before
+
+
+def _fields_as_json(value):
+    """What a record's JSON object is, written the slow way: field by field, recursively."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(value):
+        return {f.name: _fields_as_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {k: _fields_as_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_fields_as_json(v) for v in value]
+    return value
+
+
+def test_each_record_types_encoder_gives_its_fields_as_json():
+    """The encoders written once per type (``recordcheck._encoder``) against the fields read
+    one by one, for every record type and for records with nested points, lines and failures."""
+    samples = [cls(rank=2) for cls in events.RECORDS.values()]
+    samples += [
+        events.Metrics(
+            rank=1,
+            step=3,
+            values={"loss": 0.5, "note": "nan"},
+            time=1.5,
+            more=[events.MetricPoint(step=4, values={"loss": 0.25}, time=2.0)],
+        ),
+        events.Log(rank=0, line="a", more=[events.OutputLine(stream="stderr", line="b", cr=True)]),
+        events.Exit(rank=1, code=3, failure=events.Failure(rank=1, exc_type="KeyError", message="x")),
+    ]
+    for record in samples:
+        encoded = events.encode(record)
+        assert encoded == {**_fields_as_json(record), "type": record.type}
+        assert events.decode(encoded) == record
+    values = {"loss": 1.0}
+    record = events.Metrics(rank=0, values=values)
+    assert events.encode(record)["values"] is not values  # a copy: the record may change later

@@ -83,7 +83,9 @@ def test_a_wrong_token_is_refused(served, socket_path):
 
 def test_an_unknown_read_is_refused(served, socket_path):
     hosted = HostedState(socket_path, TOKEN, 3, never)
-    with pytest.raises(PermissionError, match="the process that holds the run's state refused a read: no read 'nothing'"):
+    with pytest.raises(
+        PermissionError, match="the process that holds the run's state refused a read: no read 'nothing'"
+    ):
         hosted._ask("nothing")
     hosted.close()
 

@@ -15,13 +15,66 @@ class MalformedEvent(ValueError):
 
 
 def to_json_value(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return {f.name: to_json_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    """``value`` as JSON values: a dataclass (a record, a failure) as the object of its fields,
+    by its type's encoder (``_encoder``, made once per type); lists and dicts copied, each item
+    so; anything else as it is (``json`` refuses what it cannot carry)."""
+    encode = _ENCODERS.get(type(value))
+    if encode is not None:
+        return encode(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        encode = _ENCODERS[type(value)] = _encoder(type(value))
+        return encode(value)
     if isinstance(value, dict):
         return {k: to_json_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [to_json_value(v) for v in value]
     return value
+
+
+#: field types whose values are JSON values as they are (or are refused by ``json`` as they are)
+_PLAIN = {int, float, str, bool, typing.Optional[int], typing.Optional[float], typing.Optional[str]}
+#: field types whose values are copied with one call (their items are plain)
+_COPIED = {
+    Dict[str, float]: "dict",
+    Dict[str, int]: "dict",
+    Dict[str, str]: "dict",
+    Dict[str, Union[float, str]]: "dict",
+    typing.List[str]: "list",
+    typing.List[int]: "list",
+    typing.List[float]: "list",
+}
+_ENCODERS: Dict[type, Callable[[Any], dict]] = {}
+
+
+def _encoder(cls: type) -> Callable[[Any], dict]:
+    """The function that makes a ``cls`` into the JSON object of its fields, written as code for
+    ``cls`` (as ``_builder``): a plain field taken as it is, a dict of plain values copied, any
+    other by ``to_json_value``.  Every rank encodes every record it sends with it, and a
+    detached run's supervising process every record it journals."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):  # a dataclass whose annotations do not resolve: field by field
+        hints = {}
+    names = {"convert": to_json_value}
+    items = []
+    for f in dataclasses.fields(cls):
+        hint = hints.get(f.name)
+        if hint in _PLAIN:
+            items.append(f"{f.name!r}: value.{f.name}")
+        elif hint in _COPIED:
+            copy = _COPIED[hint]
+            items.append(
+                f"{f.name!r}: {copy}(value.{f.name}) if type(value.{f.name}) is {copy} else convert(value.{f.name})"
+            )
+        elif typing.get_origin(hint) is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+            items.append(
+                f"{f.name!r}: [convert(item) for item in value.{f.name}] "
+                f"if type(value.{f.name}) is list else convert(value.{f.name})"
+            )
+        else:
+            items.append(f"{f.name!r}: convert(value.{f.name})")
+    exec(f"def encode(value):\n    return {{{', '.join(items)}}}", names)  # noqa: S102  code made from the fields
+    return names["encode"]
 
 
 #: the JSON values each plain annotation takes
