@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from .driver.attach import supervised
 from .driver.console import stdin_available
 from .driver.distributor import Run, submit
 from .driver.follow import follow
@@ -90,7 +91,7 @@ class Distributor:
     def submit(self, train_object: Any, *args: Any, **kwargs: Any) -> Run:
         """Start the run and return its ``Run`` handle at once (with ``detach=True`` a detached
         run's handle, ``attach.AttachedRun``)."""
-        if self.options.detach:
+        if supervised(self.options):
             return self._detached(train_object, args, kwargs)
         return submit(train_object, args, kwargs, self.options)
 
@@ -102,6 +103,8 @@ class Distributor:
         from any process of this machine)."""
         if self.options.detach:
             return self._detached(train_object, args, kwargs)
+        if supervised(self.options):  # channel="process": its channel off this kernel
+            return self._follow_own(self._detached(train_object, args, kwargs))
         return self._follow(submit(train_object, args, kwargs, self.options, debug_input=stdin_available()))
 
     def _detached(self, train_object: Any, args: tuple, kwargs: dict, data: Any = None) -> Any:
@@ -123,12 +126,24 @@ class Distributor:
         anything starts."""
         if self.options.detach:
             return self._detached(train_function, args, kwargs, data=spark_dataframe)
+        if supervised(self.options, spark_dataframe):  # channel="process": refused with a DataFrame
+            return self._follow_own(self._detached(train_function, args, kwargs, data=spark_dataframe))
         return self._follow(
             submit(train_function, args, kwargs, self.options, data=spark_dataframe, debug_input=stdin_available())
         )
 
     #: TorchDistributor's private name for it, which code written for TorchDistributor calls
     _train_on_dataframe = train_on_dataframe
+
+    def _follow_own(self, run: Any) -> Any:
+        from .driver.attach import follow_attached
+
+        observer = None
+        if self.show is not None:
+            from .view import make_view
+
+            observer = make_view(run, self.show)
+        return follow_attached(run, observer, own=True)
 
     def _follow(self, run: Run) -> Any:
         observer = None

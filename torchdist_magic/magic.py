@@ -238,6 +238,19 @@ class TorchdistMagics(Magics):
                 if kernel_with_widgets() and self.view != "text":  # a text view would print into later cells
                     follow_in_thread(run, make_view(run, "widget", log_hint=f"{RUN_VARIABLE}.logs(rank)"))
             return run
+        from .driver.attach import supervised
+
+        if supervised(options, data):  # --channel process: the run's channel off this kernel
+            from .driver.attach import follow_attached, submit_detached
+            from .view import make_view
+
+            try:
+                run = submit_detached(target, target_args, {}, options, data=data)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+            self.shell.user_ns[RUN_VARIABLE] = run
+            observer = None if quiet else make_view(run, self.view, log_hint=f"{RUN_VARIABLE}.logs(rank)")
+            return follow_attached(run, observer, own=True)
         try:
             run = submit(target, target_args, {}, options, data=data, columns=columns, debug_input=stdin_available())
         except (TypeError, ValueError, MlflowUnavailable, TrackingError) as exc:

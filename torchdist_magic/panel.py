@@ -478,9 +478,9 @@ class LaunchPanel:
             options = self.options()
             try:
                 target, args, kwargs = self._target()
-                if options.detach:
-                    from .driver.attach import submit_detached
+                from .driver.attach import submit_detached, supervised
 
+                if supervised(options):  # --detach, --channel process
                     run = submit_detached(target, args, kwargs, options)
                 else:
                     run = submit(target, args, kwargs, options)

@@ -62,6 +62,14 @@ GPU_HELP = (
 )
 
 
+#: where a run's channel and state live (``LaunchOptions.channel``)
+CHANNELS = ("auto", "process", "kernel")
+#: from this many ranks, ``channel="auto"`` puts a run's channel in a process of its own: the
+#: records of a few hundred ranks keep a core busy, and a view's refresh in the same
+#: interpreter would delay them (``benchmarks/scale.py``)
+PROCESS_CHANNEL_RANKS = 256
+
+
 @dataclass
 class LaunchOptions:
     """Every setting of one distributed launch.
@@ -282,6 +290,21 @@ class LaunchOptions:
         ),
     )
 
+    channel: str = field(
+        default="auto",
+        metadata=_flag(
+            "--channel",
+            "where the run's channel and state live: 'process', a supervising process of the run's "
+            "own that receives and applies every rank's records while this kernel's view reads only "
+            "what it shows (the cell still waits and returns rank 0's value; Ctrl-C stops the run; "
+            "if the kernel dies the run goes on, as with --detach); 'kernel', this kernel; 'auto' "
+            f"(the default), 'process' from {PROCESS_CHANNEL_RANKS} ranks where nothing keeps the "
+            "run in the kernel (--data, --warm, --pdb, a classic Spark session only the notebook can "
+            "use), 'kernel' otherwise",
+            choices=CHANNELS,
+        ),
+    )
+
     def __post_init__(self) -> None:
         _check_count("num_processes", self.num_processes, 1)
         _check_bool("use_gpu", self.use_gpu)
@@ -330,6 +353,22 @@ class LaunchOptions:
                 "pdb",
                 "{name} holds a failing rank for a debugger, which a warm pool's "
                 "ranks cannot do yet: run it without --warm/warm=True",
+            )
+        if self.channel not in CHANNELS:
+            raise OptionValueError(
+                "channel", f"{{name}} must be one of {', '.join(map(repr, CHANNELS))}, got {self.channel!r}"
+            )
+        if self.channel == "process" and self.warm:
+            raise OptionValueError(
+                "channel",
+                "{name} 'process' puts the run under a process of its own, and a warm pool's "
+                "ranks belong to this kernel: use one or the other",
+            )
+        if self.channel == "process" and self.pdb:
+            raise OptionValueError(
+                "pdb",
+                "{name} holds a failing rank for a debugger in this cell, which a run whose "
+                "channel is in a process of its own cannot reach: run it with --channel kernel",
             )
         _check_bool("detach", self.detach)
         if self.detach and self.warm:

@@ -26,7 +26,7 @@ from typing import Any, List, Optional
 from ..core import events
 from ..core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
 from ..backends.spark import active_spark_session
-from ..core.options import LaunchOptions
+from ..core.options import PROCESS_CHANNEL_RANKS, LaunchOptions
 from ..core.job import build_job
 from .history import RunRecord, process_alive, read_record, take_value
 from .feed import HostedState
@@ -61,6 +61,24 @@ def _detached_record(run_id: str) -> RunRecord:
             "(state, failure, each rank's log when it ended)"
         )
     return record
+
+
+def supervised(options: LaunchOptions, data: Any = None) -> bool:
+    """Whether a run with ``options`` runs under a supervising process of its own: detached
+    (``detach``), ``channel="process"``, or ``channel="auto"`` from ``PROCESS_CHANNEL_RANKS``
+    ranks where nothing keeps it in the kernel (a DataFrame, a warm pool, a rank's debugger, a
+    classic Spark session that only the notebook can use)."""
+    if options.detach or options.channel == "process":
+        return True
+    if options.channel != "auto" or options.num_processes < PROCESS_CHANNEL_RANKS:
+        return False
+    if options.warm or options.pdb or data is not None:
+        return False
+    try:
+        check_detachable(options, active_spark_session(), data)
+    except ValueError:
+        return False
+    return True
 
 
 def submit_detached(target: Any, args: tuple, kwargs: dict, options: LaunchOptions, data: Any = None) -> "AttachedRun":
@@ -110,15 +128,19 @@ def stop(run_id: str, by: str = "stop()") -> bool:
     return True
 
 
-def follow_attached(run: "AttachedRun", observer: Any = None, interval: float = 0.1) -> Any:
+def follow_attached(run: "AttachedRun", observer: Any = None, interval: float = 0.1, own: bool = False) -> Any:
     """Wait for ``run`` here, calling ``observer.update()`` every ``interval`` seconds and
     ``observer.close()`` at the end; rank 0's value, or the run's error.  Ctrl-C (the kernel's
-    interrupt) stops following, not the run: it says so and re-raises."""
+    interrupt) stops following, not the run: it says so and re-raises; with ``own`` (a run this
+    cell started with its channel in a process of its own, ``--channel process``) it stops the
+    run, as for a run in the kernel, and re-raises once the run has ended."""
     try:
         while not run.wait(interval):
             if observer is not None:
                 observer.update()
     except KeyboardInterrupt:
+        if own:
+            return _stop_followed(run, observer)
         run.detach()
         if observer is not None:
             observer.close()
@@ -134,6 +156,20 @@ def follow_attached(run: "AttachedRun", observer: Any = None, interval: float = 
     for note in run.notes:
         print(f"torchdist: {note}")
     return run.result()
+
+
+def _stop_followed(run: "AttachedRun", observer: Any) -> Any:
+    """Ctrl-C in a cell that follows its own run: stop every rank, show the end, re-raise."""
+    run.cancel(by="Ctrl-C")
+    try:
+        while not run.wait(0.1):
+            if observer is not None:
+                observer.update()
+    finally:
+        if observer is not None:
+            observer.close()
+        run.release()
+    raise KeyboardInterrupt
 
 
 def follow_in_thread(run: "AttachedRun", observer: Any, interval: float = 0.1) -> threading.Thread:

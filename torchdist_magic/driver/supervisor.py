@@ -88,6 +88,15 @@ NO_DATA = (
     "--detach cannot train on a DataFrame (--data): its ranks would read the data from this "
     "kernel; run it without --detach/detach=True"
 )
+NO_DATA_IN_PROCESS = (
+    "--channel process cannot train on a DataFrame (--data): the run's supervising process "
+    "cannot read the data from this kernel; run it with --channel kernel"
+)
+NOTEBOOK_OWNS_SPARK_IN_PROCESS = (
+    "--channel process cannot run here on classic Spark: this cluster's one SparkContext belongs "
+    "to the notebook, and the run's supervising process cannot start a session of its own on it; "
+    "run it with --channel kernel, or connect with Spark Connect"
+)
 
 
 #: the longest path a Unix socket may have (108 bytes on Linux, with its terminating NUL)
@@ -146,7 +155,7 @@ def check_detachable(options: LaunchOptions, session: Any, data: Any = None) -> 
     ``ValueError`` saying why it cannot be, before anything starts.  ``session``: the active
     Spark session, or None."""
     if data is not None:
-        raise ValueError(NO_DATA)
+        raise ValueError(NO_DATA if options.detach else NO_DATA_IN_PROCESS)
     kind = options.backend
     if kind == "auto":
         kind = "spark" if session is not None else "local"
@@ -156,7 +165,12 @@ def check_detachable(options: LaunchOptions, session: Any, data: Any = None) -> 
         from ..backends.spark import NO_SESSION
 
         raise ValueError(NO_SESSION)
-    return spark_target(session)
+    try:
+        return spark_target(session)
+    except ValueError:
+        if options.detach:
+            raise
+        raise ValueError(NOTEBOOK_OWNS_SPARK_IN_PROCESS) from None
 
 
 def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = None) -> str:
@@ -170,7 +184,8 @@ def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = Non
         fh.write(value_blobs.pickle_for_ranks(job))
     backend = "spark" if spark is not None else "local"
     write_private(
-        os.path.join(directory, OPTIONS_FILE), json.dumps(options_json(options.replace(detach=False, backend=backend)))
+        os.path.join(directory, OPTIONS_FILE),
+        json.dumps(options_json(options.replace(detach=False, backend=backend, channel="kernel"))),
     )
     if spark is not None:  # read, then removed, by the supervising process: it may hold a token
         write_private(os.path.join(directory, SPARK_FILE), json.dumps(spark))

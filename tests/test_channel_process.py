@@ -1,0 +1,157 @@
+"""A run whose channel is off the kernel (``--channel process``, ``channel="process"``, and
+``"auto"`` from ``PROCESS_CHANNEL_RANKS`` ranks): its supervising process receives and applies
+the records, the cell waits, shows the run through the feed (``feed.HostedState``) and returns
+rank 0's value; Ctrl-C stops the run.  Real processes, real sockets."""
+
+import os
+import signal
+import threading
+
+import pytest
+
+import torchdist_magic
+from torchdist_magic import Distributor, RankFailure
+from torchdist_magic.core.options import PROCESS_CHANNEL_RANKS, LaunchOptions, OptionValueError
+from torchdist_magic.driver import attach as attaching
+from torchdist_magic.driver import history
+from torchdist_magic.driver.feed import HostedState
+
+from helpers import alive, pids_of_run, touch, wait_until
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv(history.HOME_ENV, str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def assert_nothing_survives(run_id, pid):
+    wait_until(
+        lambda: not alive(pid) and not pids_of_run(run_id),
+        30,
+        f"run {run_id}'s supervising process and ranks to end",
+    )
+
+
+def waits_for(marker):
+    import os
+    import time
+
+    from torchdist_magic import rank
+
+    print(f"rank {rank()} waiting", flush=True)
+    while not os.path.exists(marker):
+        time.sleep(0.05)
+    return rank() * 10 + 7
+
+
+def sleeps():
+    import time
+
+    print("sleeping", flush=True)
+    time.sleep(600)
+
+
+def fails_on_rank_1():
+    from torchdist_magic import rank
+
+    if rank() == 1:
+        raise KeyError("no such shard")
+    return 1
+
+
+def test_the_cell_waits_for_a_run_whose_channel_is_in_a_process_of_its_own(home, tmp_path):
+    marker = str(tmp_path / "go")
+    run = Distributor(num_processes=2, local_mode=True, show=None, channel="process").submit(waits_for, marker)
+    assert isinstance(run, attaching.AttachedRun) and isinstance(run.state, HostedState)
+    wait_until(lambda: "rank 1 waiting" in run.logs(1), 60, "rank 1 to start")
+    snap = run.state.snapshot()
+    assert run.state.hosted and snap.num_processes == 2 and snap.state == "running"
+    assert [rs.state for rs in snap.ranks] == ["running", "running"]
+    assert run.record.pid != os.getpid() and alive(run.record.pid)  # the records go there, not here
+    touch(marker)
+    assert attaching.follow_attached(run, own=True) == 7
+    record = history.read_record(run.run_id)
+    assert record.state == "succeeded"
+    assert_nothing_survives(run.run_id, run.record.pid)
+    assert run.logs(0) == "rank 0 waiting\n"  # the journal, once the supervising process has gone
+    assert not run.state.hosted
+
+
+def test_run_returns_rank_0s_value_and_raises_a_ranks_failure(home):
+    assert Distributor(num_processes=2, local_mode=True, show="text", channel="process").run(waits_for, "/") == 7
+    with pytest.raises(RankFailure, match="KeyError"):
+        Distributor(num_processes=2, local_mode=True, show=None, channel="process").run(fails_on_rank_1)
+    for record in torchdist_magic.runs():
+        assert_nothing_survives(record.run_id, record.pid)
+
+
+def test_ctrl_c_stops_a_run_whose_channel_is_in_a_process_of_its_own(home):
+    """The kernel's interrupt (SIGINT to this process's main thread) while the cell waits: every
+    rank is stopped, as for a run in the kernel, and the interrupt goes on."""
+    started = threading.Event()
+
+    def interrupt_when_started():
+        wait_until(lambda: any(pids_of_run(r.run_id) for r in torchdist_magic.runs()), 60, "the ranks to start")
+        started.set()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_when_started, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        Distributor(num_processes=2, local_mode=True, show=None, channel="process").run(sleeps)
+    assert started.is_set()
+    [record] = torchdist_magic.runs()
+    assert record.state == "cancelled" and record.failure.startswith("stopped by Ctrl-C")
+    assert_nothing_survives(record.run_id, record.pid)
+
+
+def test_the_magic_runs_a_cell_with_its_channel_in_a_process_of_its_own(home, ip, capsys):
+    from IPython.core.error import UsageError
+
+    from helpers import cell
+
+    ip.user_ns["offset"] = 5
+    assert cell(ip, "%%torchdist --np 2 --local --channel process\nrank * 10 + offset").result == 5
+    run = ip.user_ns["_torchdist_run"]
+    assert isinstance(run, attaching.AttachedRun) and "detached run" not in capsys.readouterr().out
+    assert_nothing_survives(run.run_id, run.record.pid)
+    with pytest.raises(UsageError, match="argument --channel: invalid choice: 'nowhere'"):
+        cell(ip, "%%torchdist --np 1 --channel nowhere\n1").raise_error()
+
+
+def test_auto_puts_large_runs_in_a_process_of_their_own_where_nothing_keeps_them_here():
+    supervised = attaching.supervised
+    assert supervised(LaunchOptions(num_processes=PROCESS_CHANNEL_RANKS, backend="local"))
+    assert not supervised(LaunchOptions(num_processes=PROCESS_CHANNEL_RANKS - 1, backend="local"))
+    assert not supervised(LaunchOptions(num_processes=PROCESS_CHANNEL_RANKS, backend="local", channel="kernel"))
+    assert not supervised(LaunchOptions(num_processes=PROCESS_CHANNEL_RANKS, backend="local", warm=True))
+    assert not supervised(LaunchOptions(num_processes=PROCESS_CHANNEL_RANKS, backend="local", pdb=True))
+    assert not supervised(LaunchOptions(num_processes=PROCESS_CHANNEL_RANKS, backend="local"), data=[1])
+    # a Spark run with no session: the kernel's path says so
+    assert not supervised(LaunchOptions(num_processes=PROCESS_CHANNEL_RANKS, backend="spark"))
+    assert supervised(LaunchOptions(num_processes=2, channel="process"))
+    assert supervised(LaunchOptions(num_processes=2, detach=True))
+
+
+def test_what_keeps_a_run_in_the_kernel_refuses_channel_process(home):
+    pandas = pytest.importorskip("pandas")
+    with pytest.raises(OptionValueError, match="channel must be one of 'auto', 'process', 'kernel', got 'x'"):
+        LaunchOptions(channel="x")
+    with pytest.raises(OptionValueError, match="a warm pool's ranks belong to this kernel"):
+        LaunchOptions(channel="process", warm=True)
+    with pytest.raises(OptionValueError, match="which a run whose channel is in a process of its own cannot reach"):
+        LaunchOptions(channel="process", pdb=True)
+    with pytest.raises(ValueError, match="--channel process cannot train on a DataFrame .*--channel kernel"):
+        Distributor(num_processes=1, local_mode=True, show=None, channel="process").train_on_dataframe(
+            sleeps, pandas.DataFrame({"x": [1.0, 2.0]})
+        )
+    assert torchdist_magic.runs() == []
+
+
+@pytest.mark.spark
+def test_classic_spark_that_only_the_notebook_can_use_keeps_the_channel_here(home, spark_local2, monkeypatch):
+    monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "15.4")
+    with pytest.raises(ValueError, match="--channel process cannot run here on classic Spark.*--channel kernel"):
+        Distributor(num_processes=1, local_mode=False, show=None, channel="process").submit(sleeps)
+    assert not attaching.supervised(LaunchOptions(num_processes=PROCESS_CHANNEL_RANKS, backend="spark"))
+    assert torchdist_magic.runs() == []
