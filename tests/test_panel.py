@@ -83,6 +83,7 @@ def test_control_kinds_follow_the_field_metadata(panel):
         "mlflow": widgets.Checkbox,
         "preflight": widgets.Checkbox,
         "detach": widgets.Checkbox,
+        "channel": widgets.Dropdown,
     }
     assert panel.controls["backend"].options[:3] == ("auto", "local", "spark")  # and those registered
     assert panel.options() == LaunchOptions()
