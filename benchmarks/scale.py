@@ -493,7 +493,11 @@ class Host:
 
 def host_process(ranks: int, use_tls: bool, pipe) -> None:
     """A run's supervising process, simulated: a ``Host`` that answers the benchmark's
-    questions on ``pipe`` (``begin``, ``finish EXPECTED SENT_AT``, ``close``)."""
+    questions on ``pipe`` (``begin``, ``finish EXPECTED SENT_AT``, ``close``).  In a session of
+    its own, as ``supervisor.start_detached`` starts the real one (``start_new_session``): the
+    kernel's signals and job control do not reach it, and Linux's scheduler (with autogroups)
+    shares the cores between it and the kernel's session as between two programs."""
+    os.setsid()
     host = Host(ranks, use_tls, hosted=True)
     try:
         pipe.send(host.where())
