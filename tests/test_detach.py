@@ -162,7 +162,7 @@ def test_the_control_socket_takes_only_a_stop_with_the_runs_token(home):
         assert not handle.done()
     finally:
         os.kill(handle.record.pid, signal.SIGTERM)
-        handle.wait(60)
+        assert handle.wait(60)  # a handle that stopped following still says when the run ends
     assert_nothing_survives(handle)
 
 
@@ -388,7 +388,7 @@ def test_an_interrupted_attach_stops_following_not_the_run(home, capsys):
         assert history.read_record(handle.run_id).state == "running"
     finally:
         handle.cancel()
-        handle.wait(60)
+        assert handle.wait(60)  # a handle that stopped following still says when the run ends
     assert_nothing_survives(handle)
 
 

@@ -245,7 +245,8 @@ class AttachedRun:
         return self.state.logs(rank, attempt)
 
     def detach(self) -> None:
-        """Stop following the run here (the run goes on)."""
+        """Stop following the run here (the run goes on): the views that follow it stop; the
+        handle still says when the run ends (``wait``, ``result``)."""
         self._stopping.set()
 
     def release(self) -> None:
@@ -306,7 +307,7 @@ class AttachedRun:
     def _follow(self) -> None:
         done = os.path.join(self.directory, DONE_FILE)
         try:
-            while not self._stopping.is_set():
+            while True:  # a look at two files: cheap enough to go on after ``detach``
                 if os.path.exists(done):
                     return self._finish()
                 if not process_alive(self.record.pid):
