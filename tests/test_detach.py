@@ -162,7 +162,7 @@ def test_the_control_socket_takes_only_a_stop_with_the_runs_token(home):
         assert not handle.done()
     finally:
         os.kill(handle.record.pid, signal.SIGTERM)
-        assert handle.wait(60)  # a handle that stopped following still says when the run ends
+        assert handle.wait(60)
     assert_nothing_survives(handle)
 
 
