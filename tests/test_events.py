@@ -19,7 +19,7 @@ SAMPLES = [
     events.AttemptBegan(rank=-1, attempt=2),
     Log(rank=0, stream="stderr", line="héllo \x1b[0m", cr=True),
     Progress(rank=0, bar="epoch#0", desc="epoch", n=2, total=None, elapsed=0.5, state="done"),
-    Metrics(rank=1, step=3, values={"loss": 0.25, "bad": "nan"}, time=2.0),
+    Metrics.point(rank=1, step=3, values={"loss": 0.25, "bad": "nan"}, time=2.0),
     Dropped(rank=0, count=7),
     Exit(
         rank=1,
@@ -117,20 +117,35 @@ def test_every_record_type_is_in_the_contract_and_handled():
         ({"type": "exit", "rank": 0, "code": 1.5}, r"^exit\.code: expected int, got 1\.5$"),
         ({"type": "exit", "rank": 0, "failure": {"rank": "x"}}, "exit.failure.rank: expected int"),
         ({"type": "exit", "rank": 0, "failure": "boom"}, r"^exit\.failure: expected Failure, got 'boom'$"),
-        ({"type": "metrics", "rank": 0, "values": {"a": [1]}}, r"^metrics\.values\['a'\]: \[1\] is none of "),
-        ({"type": "metrics", "rank": 0, "values": [1]}, "metrics.values: expected dict"),
+        (
+            {"type": "metrics", "rank": 0, "names": ["a"], "steps": [1], "times": [1.0], "values": [[[1]]]},
+            r"^metrics\.values\[\]\[\]: \[1\] is none of ",
+        ),
+        ({"type": "metrics", "rank": 0, "values": [1]}, r"^metrics\.values\[\]: expected list, got 1$"),
+        ({"type": "metrics", "rank": 0, "values": {"a": 1.0}}, "metrics.values: expected list"),
         ({"type": "progress", "rank": 0, "elapsed": float("inf")}, "progress.elapsed: expected float"),
         ({"type": "progress", "rank": 0, "elapsed": 10**400}, "progress.elapsed: expected float"),
         (
             {"type": "exit", "rank": 0, "failure": {"log_tail": ["a", 1]}},
             r"^exit\.failure\.log_tail\[\]: expected str, got 1$",
         ),
-        ({"type": "metrics", "rank": 0, "more": [{"step": "1"}]}, r"metrics.more\[\].step: expected int"),
+        ({"type": "metrics", "rank": 0, "steps": ["1"], "times": [1.0]}, r"^metrics\.steps\[\]: expected int"),
         (
-            {"type": "metrics", "rank": 0, "more": [{"values": {"a": float("nan")}}]},
-            r"^metrics\.more\[\]\.values\['a'\]: nan is none of ",
+            {"type": "metrics", "rank": 0, "names": ["a"], "steps": [1], "times": [1.0], "values": [[float("nan")]]},
+            r"^metrics\.values\[\]\[\]: nan is none of ",
         ),
-        ({"type": "metrics", "rank": 0, "more": {"step": 1}}, "metrics.more: expected list"),
+        ({"type": "metrics", "rank": 0, "names": [1]}, r"^metrics\.names\[\]: expected str, got 1$"),
+        # the columns must line up: a time per step, a column per name, a value per point
+        ({"type": "metrics", "rank": 0, "steps": [1, 2], "times": [1.0]}, r"^metrics: 2 steps but 1 times$"),
+        ({"type": "metrics", "rank": 0, "names": ["a"]}, r"^metrics: 1 names but 0 columns of values$"),
+        (
+            {"type": "metrics", "rank": 0, "names": ["a", "a"], "values": [[], []]},
+            r"^metrics: a metric name twice$",
+        ),
+        (
+            {"type": "metrics", "rank": 0, "names": ["a"], "steps": [1], "times": [1.0], "values": [[1.0, 2.0]]},
+            r"^metrics: 2 values of 'a' for 1 points$",
+        ),
     ],
 )
 def test_malformed_records_are_refused(data, text):
@@ -279,7 +294,7 @@ def test_failure_for_rank_is_a_changed_copy():
 def test_metrics_history_is_bounded_and_non_finite_values_are_not_plotted():
     state = RunState("r", 1)
     for step in range(MAX_POINTS + 1):
-        state.apply(Metrics(rank=0, step=step, values={"loss": 1.0, "odd": "nan"}))
+        state.apply(Metrics.point(rank=0, step=step, values={"loss": 1.0, "odd": "nan"}))
     points = state.ranks[0].history["loss"]
     assert len(points) <= MAX_POINTS and points[0][0] == 0 and points[-1][0] == MAX_POINTS
     assert "odd" not in state.ranks[0].history
@@ -288,12 +303,17 @@ def test_metrics_history_is_bounded_and_non_finite_values_are_not_plotted():
 def test_the_points_of_one_metrics_record_are_applied_in_order():
     record = Metrics(
         rank=0,
-        step=1,
-        values={"loss": 1.0},
-        time=1.0,
-        more=[events.MetricPoint(2, {"loss": 0.5}, 2.0), events.MetricPoint(3, {"loss": 0.25, "acc": 0.9}, 3.0)],
+        names=["loss", "acc", "odd"],
+        steps=[1, 2, 3],
+        times=[1.0, 2.0, 3.0],
+        values=[[1.0, 0.5, 0.25], [None, None, 0.9], ["nan", None, None]],
     )
     assert events.decode(json.loads(events.dumps(record))) == record
+    assert record.points() == [
+        events.MetricPoint(1, {"loss": 1.0, "odd": "nan"}, 1.0),
+        events.MetricPoint(2, {"loss": 0.5}, 2.0),
+        events.MetricPoint(3, {"loss": 0.25, "acc": 0.9}, 3.0),
+    ]
     state = RunState("r", 1)
     state.apply(record)
     rs = state.ranks[0]
@@ -316,7 +336,7 @@ def test_a_run_of_many_ranks_keeps_a_share_of_the_runs_memory_for_each():
     for i in range(2 * share):
         state.apply(Log(rank=7, line=f"line {i}"))
     for step in range(2 * state.max_points):
-        state.apply(Metrics(rank=7, step=step, values={"loss": 1.0}))
+        state.apply(Metrics.point(rank=7, step=step, values={"loss": 1.0}))
     assert state.ranks[7].logs.spilled > 0 and len(state.ranks[7].logs.recent(10**6)) <= share
     assert state.logs(7) == "".join(f"line {i}\n" for i in range(2 * share))  # all of it, in order
     points = state.ranks[7].history["loss"]
@@ -548,7 +568,7 @@ def test_activity_is_output_progress_and_metrics():
     state.last_activity -= 100
     state.apply(Dropped(rank=0, count=1))
     assert state.idle() >= 100
-    for record in (Log(rank=0, line="x"), Progress(rank=0, bar="b"), Metrics(rank=0, values={"a": 1.0})):
+    for record in (Log(rank=0, line="x"), Progress(rank=0, bar="b"), Metrics.point(rank=0, values={"a": 1.0})):
         state.last_activity -= 100
         state.apply(record)
         assert state.idle() < 100
@@ -567,7 +587,6 @@ def test_a_cleared_bar_is_gone():
         ({"loss": 0.5, "note": "nan"}, True),  # the common case passes as it came
         ({"loss": 1}, True),  # an integer is made a float
         ({"loss": True}, False),
-        ({"loss": None}, False),
         ({"loss": [1.0]}, False),
         ({3: 1.0}, False),
         ({"loss": float("nan")}, False),
@@ -575,9 +594,17 @@ def test_a_cleared_bar_is_gone():
     ],
 )
 def test_metric_values_are_checked_whatever_path_they_take(values, ok):
-    data = {"type": "metrics", "rank": 0, "step": 1, "values": values}
+    names = list(values)
+    data = {
+        "type": "metrics",
+        "rank": 0,
+        "names": names,
+        "steps": [1],
+        "times": [1.0],
+        "values": [[v] for v in values.values()],
+    }
     if ok:
-        got = events.decode(data).values
+        got = events.decode(data).points()[0].values
         assert got == {k: float(v) if isinstance(v, int) else v for k, v in values.items()}
         assert all(type(v) in (float, str) for v in got.values())
     else:

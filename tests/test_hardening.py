@@ -534,7 +534,7 @@ def test_distinct_metric_names_and_open_bars_are_capped_per_run_with_a_line_each
 
     state = run_state.RunState("run-1", 2)
     for i in range(run_state.MAX_METRIC_NAMES + 10):  # a name per step, on both ranks
-        state.apply(events.Metrics(rank=i % 2, step=i, values={f"loss_{i}": 1.0, "loss": 2.0}))
+        state.apply(events.Metrics.point(rank=i % 2, step=i, values={f"loss_{i}": 1.0, "loss": 2.0}))
     for i in range(run_state.MAX_BARS + 5):
         state.apply(events.Progress(rank=0, bar=f"bar{i}", n=1, total=10))
     names = set(state.ranks[0].metrics) | set(state.ranks[1].metrics)
