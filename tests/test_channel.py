@@ -343,7 +343,10 @@ def test_records_json_cannot_carry_are_counted_as_dropped(server):
     client.send(events.Metrics.point(rank=0, step=1, values={"loss": float("nan")}))
     client.send(events.Metrics.point(rank=0, step=2, values={"loss": 1.0}))
     client.close()
-    assert server.got.records == [events.Metrics.point(rank=0, step=2, values={"loss": 1.0}), events.Dropped(rank=0, count=1)]
+    assert server.got.records == [
+        events.Metrics.point(rank=0, step=2, values={"loss": 1.0}),
+        events.Dropped(rank=0, count=1),
+    ]
 
 
 def test_send_takes_only_records(server):

@@ -359,7 +359,14 @@ def test_after_authentication_bad_records_are_counted_and_good_ones_delivered(ca
     sock = authenticate(server, "worker", rank=3)
 
     crafted = [
-        {"type": "metrics", "rank": 0, "names": ["a"], "steps": [1], "times": [0.0], "values": [[10**400]]},  # OverflowError
+        {
+            "type": "metrics",
+            "rank": 0,
+            "names": ["a"],
+            "steps": [1],
+            "times": [0.0],
+            "values": [[10**400]],
+        },  # OverflowError
         {"type": "progress", "rank": 0, "elapsed": 10**400},
         {"type": "exit", "rank": 0, "code": 0},  # forbidden
         {"type": "log", "rank": 0, "line": "forged"},  # forbidden

@@ -504,6 +504,28 @@ def test_log_store_spills_and_reads_back_every_line_in_order(tmp_path, monkeypat
     assert os.listdir(tmp_path / "logs") == ["rank-0.log"]
 
 
+def test_log_store_spills_lines_of_one_stream_and_redrawn_lines_alike(tmp_path, monkeypatch):
+    """A spill writes its lines at once, one stream's plain lines joined whole, others line by
+    line: every line, its stream and its redrawn mark come back, from any index."""
+    from torchdist_magic.driver import logstore as S
+
+    monkeypatch.setattr(S, "SPILL_INDEX_EVERY", 16)
+    store = S.LogStore(lambda: str(tmp_path), "rank-0", max_lines=50, max_chars=10_000)
+    expected = [S.LogLine("stdout", f"step {i}") for i in range(130)]  # one stream: joined whole
+    expected.append(S.LogLine("stdout", "bar 50%", True))  # a redrawn line nothing replaces...
+    expected += [S.LogLine("stderr", f"warn {i}") for i in range(100)]  # ...spilled among others
+    expected += [S.LogLine("stdout", "x" * 3000) for _ in range(4)]  # long lines: spilled by size
+    for line in expected:
+        store.append(line)
+    assert store.spilled > 200 and sum(len(line.text) for line in store.recent(100)) <= 10_000
+    assert list(store) == expected
+    assert [store[i] for i in (0, 15, 16, 17, 129, 130, 131, 233)] == [
+        expected[i] for i in (0, 15, 16, 17, 129, 130, 131, 233)
+    ]
+    assert store[40:75] == expected[40:75]
+    assert store.text(128, 132) == "step 128\nstep 129\nbar 50%\rwarn 0\n"
+
+
 def test_lines_kept_in_memory_give_the_garbage_collector_nothing_to_follow():
     """A thousand ranks keep some 400,000 lines in the driver: as objects the collector tracks,
     every full collection walked them all (four tenths of the driver's CPU at 1024 ranks)."""

@@ -6,10 +6,11 @@ pile up."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 #: a rank's log keeps at most this many lines (and ``LOG_MEMORY_CHARS`` characters) in memory;
 #: past that the older half goes to the rank's file
@@ -45,6 +46,19 @@ class LogLine:
 def _escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
 
+
+class _Heads(dict):
+    """The head of a spilled line by ``(stream, cr)``: ``r`` or ``n``, the stream (no tab), a tab."""
+
+    def __missing__(self, key: Tuple[str, bool]) -> str:
+        stream, cr = key
+        head = self[key] = f"{'r' if cr else 'n'}{stream.replace(chr(9), ' ')}\t"
+        return head
+
+
+#: a spilled line's head, text and end, one after the other (``zip`` stops at the shortest)
+_chain = itertools.chain.from_iterable
+_NEWLINES = itertools.repeat("\n")
 
 _ESCAPED = re.compile(r"\\(.)")
 _UNESCAPE = {"n": "\n", "r": "\r", "\\": "\\"}
@@ -92,6 +106,7 @@ class LogStore:
         self._file_size = 0
         self._sealed = False
         self._open_cr: Dict[str, int] = {}  # per stream: its last line's index, when it ended with \r
+        self._heads = _Heads()
 
     def __len__(self) -> int:
         return self._first + len(self._memory)
@@ -130,30 +145,46 @@ class LogStore:
         self._sealed = True
 
     def _spill(self) -> None:
-        """Move the older half of the lines in memory (by count and size) to the file."""
-        count = 0
-        chars = 0
-        while count < len(self._memory) - 1 and (
-            count < len(self._memory) // 2 or self._chars - chars > self._max_chars // 2
-        ):
-            chars += len(self._memory[count][1])
-            count += 1
+        """Move the older half of the lines in memory (by count and size) to the file, in one
+        write: the lines are joined and encoded together, not one by one, and escaped only
+        when some line of them needs it (a spill is most of what a line costs the driver)."""
+        memory = self._memory
+        count = len(memory) // 2
+        streams, texts, crs = zip(*memory[:count])
+        chars = sum(map(len, texts))
+        if self._chars - chars > self._max_chars // 2:  # long lines: spill on, to half the size
+            for _stream, text, _cr in memory[count:-1]:
+                if self._chars - chars <= self._max_chars // 2:
+                    break
+                chars += len(text)
+                count += 1
+            streams, texts, crs = zip(*memory[:count])
+        joined = "\n".join(texts)
+        if "\\" in joined or "\r" in joined or joined.count("\n") != count - 1:
+            texts = [_escape(text) for text in texts]  # a line that holds \\, \r or \n
         if self._file is None:
             self._path = os.path.join(self._directory(), f"{self._name}.log")
             self._file = open(self._path, "ab")
+        # encoded in pieces, each from a line whose offset the index keeps to the next
+        edges = sorted({0, count, *range(-self._first % SPILL_INDEX_EVERY, count, SPILL_INDEX_EVERY)})
         parts = []
-        for i, (stream, text, cr) in enumerate(self._memory[:count], start=self._first):
-            if i % SPILL_INDEX_EVERY == 0:
+        for begin, stop in zip(edges, edges[1:]):
+            if (self._first + begin) % SPILL_INDEX_EVERY == 0:
                 self._offsets.append(self._file_size)
-            data = f"{'r' if cr else 'n'}{stream.replace(chr(9), ' ')}\t{_escape(text)}\n".encode(
-                "utf-8", "surrogatepass"
-            )
-            self._file_size += len(data)
-            parts.append(data)
+            text = self._spilled_text(streams[begin:stop], texts[begin:stop], crs[begin:stop])
+            parts.append(text.encode("utf-8", "surrogatepass"))
+            self._file_size += len(parts[-1])
         self._file.write(b"".join(parts))
-        del self._memory[:count]
+        del memory[:count]
         self._first += count
         self._chars -= chars
+
+    def _spilled_text(self, streams: Sequence[str], texts: Sequence[str], crs: Sequence[bool]) -> str:
+        """Lines as the file keeps them: each its head (``_Heads``), its escaped text and ``\n``."""
+        if streams.count(streams[0]) == len(streams) and True not in crs:  # one stream, no redraws
+            head = self._heads[(streams[0], False)]
+            return head + ("\n" + head).join(texts) + "\n"
+        return "".join(_chain(zip(map(self._heads.__getitem__, zip(streams, crs)), texts, _NEWLINES)))
 
     def _read_spilled(self, start: int, stop: int) -> Iterator[Tuple[str, str, bool]]:
         """``(stream, text, cr)`` of the spilled lines ``start <= i < stop``."""
