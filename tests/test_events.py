@@ -526,6 +526,36 @@ def test_log_store_spills_lines_of_one_stream_and_redrawn_lines_alike(tmp_path, 
     assert store.text(128, 132) == "step 128\nstep 129\nbar 50%\rwarn 0\n"
 
 
+def test_the_logs_of_many_ranks_spill_to_one_file_and_each_reads_back_its_own(tmp_path, monkeypatch):
+    """A run's ranks share one spill file (making a file per rank cost the channel's thread a
+    millisecond each at a thousand ranks): each spill is a block, blocks of ranks interleave."""
+    from torchdist_magic.driver import logstore as S
+    from torchdist_magic.driver.state import SPILL_FILE
+
+    monkeypatch.setattr(S, "SPILL_INDEX_EVERY", 4)
+    (tmp_path / "logs").mkdir()
+    spill = S.SpillFile(lambda: str(tmp_path / "logs"), "shared.spill")
+    stores = [
+        S.LogStore(lambda: pytest.fail("a store of its own"), f"rank-{r}", max_lines=10, spill=spill) for r in range(3)
+    ]
+    expected = [[S.LogLine("stdout" if i % 5 else "stderr", f"r{r} line {i}") for i in range(97)] for r in range(3)]
+    for i in range(97):
+        for r, store in enumerate(stores):
+            store.append(expected[r][i])
+    assert os.listdir(tmp_path / "logs") == ["shared.spill"]
+    for r, store in enumerate(stores):
+        assert store.spilled > 80 and list(store) == expected[r]
+        assert store[3:29] == expected[r][3:29] and store[50] == expected[r][50]
+        assert store.text(90) == "".join(line.text + "\n" for line in expected[r][90:])
+    state = RunState("r", 1024, spill_dir=lambda: str(tmp_path / "run"))  # 390 lines in memory each
+    (tmp_path / "run").mkdir()
+    for i in range(600):
+        for r in (0, 1023):
+            state.apply(Log(rank=r, line=f"{r}:{i}"))
+    assert os.listdir(tmp_path / "run") == [SPILL_FILE]
+    assert state.ranks[1023].logs.spilled and state.logs(1023) == "".join(f"1023:{i}\n" for i in range(600))
+
+
 def test_lines_kept_in_memory_give_the_garbage_collector_nothing_to_follow():
     """A thousand ranks keep some 400,000 lines in the driver: as objects the collector tracks,
     every full collection walked them all (four tenths of the driver's CPU at 1024 ranks)."""

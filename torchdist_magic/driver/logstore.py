@@ -1,11 +1,13 @@
 """One rank's output lines on the driver, complete and in order across attempts (``LogStore``): the
-newest lines in memory and older ones spilled to a file in the run's directory, so that the
-driver's memory stays flat however much a rank prints.  A line that ends with ``\\r`` (a redrawn
+newest lines in memory and older ones spilled to a file in the run's directory (``SpillFile``, one
+for all of a run's ranks), so that the driver's memory stays flat however much a rank prints.  A line that ends with ``\\r`` (a redrawn
 progress line) is replaced by the next line of its stream, as on a terminal, so redraws do not
 pile up."""
 
 from __future__ import annotations
 
+import array
+import bisect
 import itertools
 import os
 import re
@@ -68,10 +70,46 @@ def _unescape(text: str) -> str:
     return _ESCAPED.sub(lambda m: _UNESCAPE.get(m.group(1), m.group(1)), text) if "\\" in text else text
 
 
+class SpillFile:
+    """The file that one or more ``LogStore`` spill to (a run's ranks share one: ``RunState``),
+    made under ``directory()`` when first written: a thousand ranks make one file, not a
+    thousand (making a file cost the driver's channel thread a millisecond each).  Each spill
+    is one block of lines; the store that wrote it keeps where it is."""
+
+    def __init__(self, directory: Callable[[], str], name: str):
+        self._directory = directory
+        self._name = name
+        self._file = None
+        #: where the file is, once made
+        self.path: Optional[str] = None
+        self._size = 0
+
+    def write(self, data: bytes) -> int:
+        """Append ``data``; the offset it starts at."""
+        if self._file is None:
+            self.path = os.path.join(self._directory(), self._name)
+            self._file = open(self.path, "ab")
+            self._size = self._file.tell()
+        at = self._size
+        self._file.write(data)
+        self._size += len(data)
+        return at
+
+    def reader(self):
+        """A binary file to read what was written so far (``write`` is flushed first)."""
+        self._file.flush()
+        return open(self.path, "rb")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
 class LogStore:
     """One rank's output lines in order, as a read-only sequence of ``LogLine`` (``len``,
-    indexing, slicing, iteration).  Recent lines are in memory; older ones are in a file under
-    ``directory()`` (called on the first spill), read back when asked for.
+    indexing, slicing, iteration).  Recent lines are in memory; older ones are in ``spill`` (a
+    ``SpillFile`` other stores may share), else in a file of its own, ``<name>.log`` under
+    ``directory()`` (called on the first spill); read back when asked for.
 
     ``append`` replaces the stream's last line instead when that line ended with ``\\r`` (also
     when the other stream wrote in between): only a bar's latest state is kept.  A reader that
@@ -90,9 +128,9 @@ class LogStore:
         *,
         max_lines: Optional[int] = None,
         max_chars: Optional[int] = None,
+        spill: Optional[SpillFile] = None,
     ):
-        self._directory = directory
-        self._name = name
+        self._spill_file = SpillFile(directory, f"{name}.log") if spill is None else spill
         # lines and characters in memory at most; past that the older half spills (a RunState
         # gives each rank its share of the run's)
         self._max_lines = LOG_MEMORY_LINES if max_lines is None else max_lines
@@ -100,10 +138,11 @@ class LogStore:
         self._memory: List[Tuple[str, str, bool]] = []
         self._first = 0  # index of _memory[0]
         self._chars = 0  # characters of the lines in memory
-        self._file = None
-        self._path: Optional[str] = None
-        self._offsets: List[int] = []  # file offset of spilled line k * SPILL_INDEX_EVERY
-        self._file_size = 0
+        # where spilled lines are in the file: the line index and file offset of each block's
+        # first line and of every SPILL_INDEX_EVERY-th line (the lines from one to the next are
+        # one after the other in the file)
+        self._mark_lines = array.array("q")
+        self._mark_offsets = array.array("q")
         self._sealed = False
         self._open_cr: Dict[str, int] = {}  # per stream: its last line's index, when it ended with \r
         self._heads = _Heads()
@@ -162,19 +201,18 @@ class LogStore:
         joined = "\n".join(texts)
         if "\\" in joined or "\r" in joined or joined.count("\n") != count - 1:
             texts = [_escape(text) for text in texts]  # a line that holds \\, \r or \n
-        if self._file is None:
-            self._path = os.path.join(self._directory(), f"{self._name}.log")
-            self._file = open(self._path, "ab")
         # encoded in pieces, each from a line whose offset the index keeps to the next
         edges = sorted({0, count, *range(-self._first % SPILL_INDEX_EVERY, count, SPILL_INDEX_EVERY)})
-        parts = []
+        parts, size = [], 0
         for begin, stop in zip(edges, edges[1:]):
-            if (self._first + begin) % SPILL_INDEX_EVERY == 0:
-                self._offsets.append(self._file_size)
+            self._mark_lines.append(self._first + begin)
+            self._mark_offsets.append(size)
             text = self._spilled_text(streams[begin:stop], texts[begin:stop], crs[begin:stop])
             parts.append(text.encode("utf-8", "surrogatepass"))
-            self._file_size += len(parts[-1])
-        self._file.write(b"".join(parts))
+            size += len(parts[-1])
+        at = self._spill_file.write(b"".join(parts))
+        for k in range(len(self._mark_offsets) - len(parts), len(self._mark_offsets)):
+            self._mark_offsets[k] += at
         del memory[:count]
         self._first += count
         self._chars -= chars
@@ -191,19 +229,21 @@ class LogStore:
         stop = min(stop, self._first)
         if start >= stop:
             return
-        self._file.flush()
-        chunk = start // SPILL_INDEX_EVERY
-        with open(self._path, "rb") as fh:
-            fh.seek(self._offsets[chunk])
-            i = chunk * SPILL_INDEX_EVERY
-            for raw in fh:
-                if i >= stop:
-                    break
-                if i >= start:
-                    line = raw.decode("utf-8", "surrogatepass")
-                    stream, _, body = line[1:-1].partition("\t")
-                    yield stream, _unescape(body), line[0] == "r"
-                i += 1
+        marks = self._mark_lines
+        k = bisect.bisect_right(marks, start) - 1
+        with self._spill_file.reader() as fh:
+            while k < len(marks) and marks[k] < stop:
+                fh.seek(self._mark_offsets[k])
+                i = marks[k]
+                until = min(marks[k + 1] if k + 1 < len(marks) else self._first, stop)
+                while i < until:
+                    raw = fh.readline()
+                    if i >= start:
+                        line = raw.decode("utf-8", "surrogatepass")
+                        stream, _, body = line[1:-1].partition("\t")
+                        yield stream, _unescape(body), line[0] == "r"
+                    i += 1
+                k += 1
 
     def __getitem__(self, key: Union[int, slice]):
         if isinstance(key, slice):
@@ -247,8 +287,8 @@ class LogStore:
         return "".join(chunks)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        """Close the file this store spills to (a shared one: for every store)."""
+        self._spill_file.close()
 
 
 @dataclass(frozen=True)

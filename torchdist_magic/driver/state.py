@@ -28,7 +28,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 from ..core import events
 from ..core.culprit import Verdict
 from ..core.failure import Failure
-from .logstore import LogLine, LogStore, memory_share
+from .logstore import LogLine, LogStore, SpillFile, memory_share
 from .reading import RunStateReads
 from .rundir import RunDirectory
 from .snapshot import SYSTEM_HISTORY_KEYS, Attempt, Refusal, ShownBars
@@ -56,6 +56,8 @@ MAX_BARS = 256
 #: are counted (``RankState.log_dropped``), not kept, and its log says so once
 MAX_RUN_LOG_CHARS = 16 * 1024**3
 MIN_RANK_LOG_CHARS = 64 * 1024**2
+#: the file in ``spill_dir`` that every rank's older lines spill to
+SPILL_FILE = "logs.spill"
 #: the item types of a column of metric values that has a number at every point
 _ONLY_FLOATS = {float}
 
@@ -98,8 +100,8 @@ class RunState(RunStateReads):
     methods, which return copies (``snapshot``, ``read_log``, ``recent_log``,
     ``metric_history``, ``failures``, ``logs``); every change bumps ``version``.
 
-    ``spill_dir`` gives the directory where logs spill (made when first needed); by default a
-    directory of this state's own, removed with it.  ``max_attempts``: 1 plus the run's
+    ``spill_dir`` gives the directory where logs spill (made when first needed), every rank's
+    to one file (``SPILL_FILE``); by default a directory of this state's own, removed with it.  ``max_attempts``: 1 plus the run's
     ``max_restarts``.  ``clock`` (monotonic seconds) times the ranks' pace (``stragglers``).
     """
 
@@ -148,7 +150,11 @@ class RunState(RunStateReads):
         #: characters of output each rank may keep (its share of ``MAX_RUN_LOG_CHARS``)
         self.max_rank_log_chars = max(MIN_RANK_LOG_CHARS, MAX_RUN_LOG_CHARS // share)
         lines, chars = memory_share(num_processes)
-        self._logs = [LogStore(spill_dir, f"rank-{r}", max_lines=lines, max_chars=chars) for r in range(num_processes)]
+        spill = SpillFile(spill_dir, SPILL_FILE)  # one file for every rank's log
+        self._logs = [
+            LogStore(spill_dir, f"rank-{r}", max_lines=lines, max_chars=chars, spill=spill)
+            for r in range(num_processes)
+        ]
         #: points of one metric a rank's history keeps
         self.max_points = min(MAX_POINTS, max(MIN_POINTS, RUN_POINTS // share))
         #: system samples a rank's history keeps
