@@ -253,7 +253,7 @@ def batch_bytes(made, r: int, now: float, start: float, total: int):
     launcher = b""
     if lines:
         texts = [_line(item[1], now, item[2]) for item in lines]
-        more = ",".join(f'{{"stream":"stdout","line":"{t}","cr":false}}' for t in texts[1:])
+        more = ",".join(f'"{t}"' for t in texts[1:])
         launcher = _frame(
             [f'{{"rank":{r},"stream":"stdout","line":"{texts[0]}","cr":false,"more":[{more}],"type":"log"}}']
         )

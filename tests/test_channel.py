@@ -177,16 +177,39 @@ def test_progress_updates_of_a_bar_are_coalesced_to_the_newest():
 
 
 def test_the_lines_of_a_flush_travel_as_one_record_and_never_cross_a_job_end():
-    a, b = events.Log(rank=0, line="a"), events.Log(rank=0, stream="stderr", line="b", cr=True)
+    a, b = events.Log(rank=0, line="a"), events.Log(rank=0, line="b")
     bar, point = events.Progress(rank=0, bar="x", n=1), events.Metrics.point(rank=0, step=1, values={"l": 1.0})
     end = events.OutputEnd(rank=0, job_id="j1")
     c, d = events.Log(rank=0, line="c"), events.Log(rank=1, line="d")
     merged = merge_logs([a, bar, b, point, end, c, d])
     # b moves ahead of the progress and metrics records, into a's record; c stays after the job's end
     assert [type(r).__name__ for r in merged] == ["Log", "Progress", "Metrics", "OutputEnd", "Log", "Log"]
-    assert merged[0].lines() == [events.OutputLine("stdout", "a", False), events.OutputLine("stderr", "b", True)]
+    assert merged[0] == events.Log(rank=0, line="a", more=["b"])
     assert merged[4] is c and merged[5] is d  # rank 1's line is its own record
     assert a.more == []  # the sender's record is not changed
+
+
+def test_a_record_of_merged_lines_holds_one_stream_and_a_redrawn_line_only_first():
+    lines = [
+        events.Log(rank=0, line="a"),
+        events.Log(rank=0, stream="stderr", line="b"),
+        events.Log(rank=0, stream="stderr", line="c"),
+        events.Log(rank=0, stream="stderr", line="50%", cr=True),
+        events.Log(rank=0, stream="stderr", line="100%"),
+        events.Log(rank=0, line="d"),
+    ]
+    merged = merge_logs(lines)
+    assert merged == [
+        events.Log(rank=0, line="a"),
+        events.Log(rank=0, stream="stderr", line="b", more=["c"]),
+        events.Log(rank=0, stream="stderr", line="50%", cr=True, more=["100%"]),
+        events.Log(rank=0, line="d"),
+    ]
+    assert [line for r in merged for line in r.lines()] == [events.OutputLine(r.stream, r.line, r.cr) for r in lines]
+    state = RunState("r", 1)
+    for record in merged:
+        state.apply(record)
+    assert state.logs(0) == "a\nb\nc\n100%\nd\n"  # the redrawn line replaced, as on a terminal
 
 
 def test_the_points_of_a_flush_travel_as_one_record_column_by_column():

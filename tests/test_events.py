@@ -322,10 +322,15 @@ def test_the_points_of_one_metrics_record_are_applied_in_order():
 
 
 def test_a_log_record_with_more_lines_round_trips():
-    record = events.Log(rank=2, line="a", more=[events.OutputLine("stderr", "b", True)])
+    record = events.Log(rank=2, stream="stderr", line="a", cr=True, more=["b", "c"])
     assert events.decode(json.loads(events.dumps(record))) == record
-    with pytest.raises(events.MalformedEvent):
-        events.decode({"type": "log", "rank": 0, "line": "a", "more": [{"stream": "stdout", "line": 3}]})
+    assert record.lines() == [
+        events.OutputLine("stderr", "a", True),
+        events.OutputLine("stderr", "b", False),
+        events.OutputLine("stderr", "c", False),
+    ]
+    with pytest.raises(events.MalformedEvent, match=r"^log\.more\[\]: expected str, got 3$"):
+        events.decode({"type": "log", "rank": 0, "line": "a", "more": ["b", 3]})
 
 
 def test_a_run_of_many_ranks_keeps_a_share_of_the_runs_memory_for_each():

@@ -71,7 +71,7 @@ class Started(Event):
 
 @dataclass
 class OutputLine:
-    """One line of a rank's output after the first of a ``Log`` record."""
+    """One line of a rank's output, as ``Log.lines`` gives it."""
 
     stream: str = "stdout"
     line: str = ""
@@ -81,18 +81,19 @@ class OutputLine:
 @dataclass
 class Log(Event):
     """One line of a rank's output; ``cr`` when it ended with ``\\r`` (a redrawn progress line).
-    ``more``: the lines that followed it, in order, sent in the same record (a client puts the
-    lines of one flush into one record: ``wire.batching.merge_logs``)."""
+    ``more``: the lines that followed it on the same stream, in order, none of them redrawn, sent
+    in the same record as plain texts (a client puts such lines of one flush into one record:
+    ``wire.batching.merge_logs``; the driver decodes a flush's lines as one list of texts)."""
 
     type: ClassVar[str] = "log"
     stream: str = "stdout"
     line: str = ""
     cr: bool = False
-    more: List[OutputLine] = field(default_factory=list)
+    more: List[str] = field(default_factory=list)
 
     def lines(self) -> List[OutputLine]:
         """Every line this record carries, in the order the rank wrote them."""
-        return [OutputLine(self.stream, self.line, self.cr), *self.more]
+        return [OutputLine(self.stream, self.line, self.cr), *(OutputLine(self.stream, text) for text in self.more)]
 
 
 @dataclass

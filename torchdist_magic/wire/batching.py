@@ -137,10 +137,12 @@ MERGED_LOG_CHARS = 64 * 1024
 
 
 def merge_logs(records: List[events.Event]) -> List[events.Event]:
-    """Each run of a rank's ``Log`` records as one (its lines in order, in ``more``), at the
-    place of the run's first: the driver decodes and applies one record per flush, not one per
-    line.  A line moves ahead only of progress and metrics records; any other record (a warm
-    job's ``OutputEnd``, an ``Exit``) ends the run, so no line ever crosses it."""
+    """Each run of a rank's ``Log`` records on one stream as one (its lines in order, the later
+    ones in ``more``), at the place of the run's first: the driver decodes and applies one record
+    per flush, not one per line.  A run ends at a line of the rank's other stream, at a redrawn
+    line (``cr``: it starts the next run), at ``MERGED_LOG_CHARS``, and at any record but
+    progress and metrics (a warm job's ``OutputEnd``, an ``Exit``), so no line ever crosses
+    another line of the rank, nor such a record."""
     out: List[events.Event] = []
     heads: Dict[int, Tuple[int, int]] = {}  # rank: (index in out of its open Log, its text so far)
     copied = set()  # indices in out of merged copies (the sender's records stay as they were)
@@ -152,8 +154,8 @@ def merge_logs(records: List[events.Event]) -> List[events.Event]:
             out.append(record)
             continue
         head = heads.get(record.rank)
-        size = len(record.line)
-        if head is None or head[1] + size > MERGED_LOG_CHARS:
+        size = len(record.line) + sum(map(len, record.more))
+        if head is None or record.cr or out[head[0]].stream != record.stream or head[1] + size > MERGED_LOG_CHARS:
             heads[record.rank] = (len(out), size)
             out.append(record)
             continue
@@ -162,7 +164,7 @@ def merge_logs(records: List[events.Event]) -> List[events.Event]:
             copied.add(at)
             out[at] = dataclasses.replace(out[at], more=list(out[at].more))
         merged = out[at]
-        merged.more.append(events.OutputLine(record.stream, record.line, record.cr))
-        merged.more.extend(record.more)
-        heads[record.rank] = (at, text + size + sum(len(o.line) for o in record.more))
+        merged.more.append(record.line)
+        merged.more += record.more
+        heads[record.rank] = (at, text + size)
     return out
