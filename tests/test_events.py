@@ -561,6 +561,32 @@ def test_the_logs_of_many_ranks_spill_to_one_file_and_each_reads_back_its_own(tm
     assert state.ranks[1023].logs.spilled and state.logs(1023) == "".join(f"1023:{i}\n" for i in range(600))
 
 
+def test_a_log_store_keeps_the_plain_lines_of_a_record_at_once_as_one_by_one(tmp_path):
+    """``extend`` (a record's ``more``) keeps what ``add`` of each line would: its first line
+    takes the place of the stream's redrawn line, a new attempt's does not, and it spills."""
+    from torchdist_magic.driver.logstore import LogLine, LogStore
+
+    store = LogStore(lambda: str(tmp_path), "rank-0", max_lines=8)
+    store.add("stderr", "bar 10%", True)
+    store.extend("stdout", ["a", "b"])  # the other stream: the bar stays
+    store.extend("stderr", ["bar done", "c"])  # takes the bar's place
+    store.add("stderr", "bar 20%", True)
+    store.seal()
+    store.extend("stderr", ["d"])  # a new attempt: the bar stays
+    store.extend("stdout", [f"{i}" for i in range(20)])  # past max_lines: spills
+    store.extend("stdout", [])
+    assert store.spilled and len(store.recent(100)) <= 8
+    assert store[:6] == [
+        LogLine("stderr", "bar done"),  # in the redrawn line's place
+        LogLine("stdout", "a"),
+        LogLine("stdout", "b"),
+        LogLine("stderr", "c"),
+        LogLine("stderr", "bar 20%", True),
+        LogLine("stderr", "d"),
+    ]
+    assert [line.text for line in store[6:]] == [f"{i}" for i in range(20)]
+
+
 def test_lines_kept_in_memory_give_the_garbage_collector_nothing_to_follow():
     """A thousand ranks keep some 400,000 lines in the driver: as objects the collector tracks,
     every full collection walked them all (four tenths of the driver's CPU at 1024 ranks)."""

@@ -563,8 +563,9 @@ def test_the_output_a_run_keeps_is_capped_per_rank_with_a_line_and_a_count(monke
     monkeypatch.setattr(run_state, "MIN_RANK_LOG_CHARS", 100)
     state = run_state.RunState("run-1", 2)
     assert state.max_rank_log_chars == 1000  # each rank's share of the run's
-    for i in range(30):  # 30 lines of 50 characters on rank 0
-        state.apply(events.Log(rank=0, line=f"{i:02d}" + "x" * 48))
+    lines = [f"{i:02d}" + "x" * 48 for i in range(30)]  # 30 lines of 50 characters on rank 0
+    state.apply(events.Log(rank=0, line=lines[0], more=lines[1:12]))  # within its share: kept at once
+    state.apply(events.Log(rank=0, line=lines[12], more=lines[13:]))  # past it part of the way
     for i in range(100):  # a bar redrawn in place is not counted
         state.apply(events.Log(rank=1, line=f"bar {i}%" + " " * 40, cr=True))
     state.apply(events.Log(rank=1, line="done"))

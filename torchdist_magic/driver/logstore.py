@@ -179,6 +179,19 @@ class LogStore:
         if len(self._memory) > self._max_lines or self._chars > self._max_chars:
             self._spill()
 
+    def extend(self, stream: str, texts: List[str]) -> None:
+        """``add`` of each of ``texts`` on ``stream``, in order, none of them redrawn (a ``Log``
+        record's ``more``): kept in one step, not a line at a time."""
+        if not texts:
+            return
+        if self._sealed or stream in self._open_cr:  # the first line may replace a redrawn one
+            self.add(stream, texts[0])
+            texts = texts[1:]
+        self._memory += zip(itertools.repeat(stream), texts, itertools.repeat(False))
+        self._chars += sum(map(len, texts))
+        while (len(self._memory) > self._max_lines or self._chars > self._max_chars) and len(self._memory) > 1:
+            self._spill()
+
     def seal(self) -> None:
         """The next line starts afresh (a new attempt): it never replaces the last one."""
         self._sealed = True

@@ -256,8 +256,15 @@ class RunState(RunStateReads):
     def _on_log(self, rs: RankState, e: events.Log) -> None:
         self._alive()
         self._keep_line(rs, e.stream, e.line, e.cr)
-        for text in e.more:  # the lines that followed on its stream in one flush, in order
-            self._keep_line(rs, e.stream, text, False)
+        more = e.more  # the lines that followed on its stream in one flush, in order
+        if more:
+            chars = sum(map(len, more))
+            if rs.log_chars + chars <= self.max_rank_log_chars:  # all of them kept, at once
+                rs.log_chars += chars
+                rs.logs.extend(e.stream, more)
+            else:
+                for text in more:
+                    self._keep_line(rs, e.stream, text, False)
 
     def _keep_line(self, rs: RankState, stream: str, text: str, cr: bool) -> None:
         """Keep one line of ``rs``'s output within its share of ``MAX_RUN_LOG_CHARS``; a line that
