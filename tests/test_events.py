@@ -587,6 +587,17 @@ def test_a_log_store_keeps_the_plain_lines_of_a_record_at_once_as_one_by_one(tmp
     assert [line.text for line in store[6:]] == [f"{i}" for i in range(20)]
 
 
+def test_a_line_longer_than_a_log_keeps_in_memory_stays_until_the_next(tmp_path):
+    from torchdist_magic.driver.logstore import LogStore
+
+    store = LogStore(lambda: str(tmp_path), "rank-0", max_chars=100)
+    store.add("stdout", "x" * 500)
+    assert store.spilled == 0 and len(store) == 1
+    store.extend("stdout", ["y" * 300, "z"])
+    store.add("stdout", "w" * 200)
+    assert store.spilled == 3 and [line.text for line in store] == ["x" * 500, "y" * 300, "z", "w" * 200]
+
+
 def test_lines_kept_in_memory_give_the_garbage_collector_nothing_to_follow():
     """A thousand ranks keep some 400,000 lines in the driver: as objects the collector tracks,
     every full collection walked them all (four tenths of the driver's CPU at 1024 ranks)."""

@@ -1,8 +1,8 @@
 """One rank's output lines on the driver, complete and in order across attempts (``LogStore``): the
-newest lines in memory and older ones spilled to a file in the run's directory (``SpillFile``, one
-for all of a run's ranks), so that the driver's memory stays flat however much a rank prints.  A line that ends with ``\\r`` (a redrawn
-progress line) is replaced by the next line of its stream, as on a terminal, so redraws do not
-pile up."""
+newest lines in memory and older ones spilled to a file in the run's directory (``SpillFile``,
+one for all of a run's ranks), so that the driver's memory stays flat however much a rank
+prints.  A line that ends with ``\\r`` (a redrawn progress line) is replaced by the next line of
+its stream, as on a terminal, so redraws do not pile up."""
 
 from __future__ import annotations
 
@@ -202,6 +202,8 @@ class LogStore:
         when some line of them needs it (a spill is most of what a line costs the driver)."""
         memory = self._memory
         count = len(memory) // 2
+        if not count:  # one line alone over max_chars: it stays, as the newest line always does
+            return
         streams, texts, crs = zip(*memory[:count])
         chars = sum(map(len, texts))
         if self._chars - chars > self._max_chars // 2:  # long lines: spill on, to half the size
@@ -231,7 +233,7 @@ class LogStore:
         self._chars -= chars
 
     def _spilled_text(self, streams: Sequence[str], texts: Sequence[str], crs: Sequence[bool]) -> str:
-        """Lines as the file keeps them: each its head (``_Heads``), its escaped text and ``\n``."""
+        """Lines as the file keeps them: each its head (``_Heads``), its escaped text and ``\\n``."""
         if streams.count(streams[0]) == len(streams) and True not in crs:  # one stream, no redraws
             head = self._heads[(streams[0], False)]
             return head + ("\n" + head).join(texts) + "\n"
