@@ -101,8 +101,9 @@ class RunState(RunStateReads):
     ``metric_history``, ``failures``, ``logs``); every change bumps ``version``.
 
     ``spill_dir`` gives the directory where logs spill (made when first needed), every rank's
-    to one file (``SPILL_FILE``); by default a directory of this state's own, removed with it.  ``max_attempts``: 1 plus the run's
-    ``max_restarts``.  ``clock`` (monotonic seconds) times the ranks' pace (``stragglers``).
+    to one file (``SPILL_FILE``); by default a directory of this state's own, removed with it.
+    ``max_attempts``: 1 plus the run's ``max_restarts``.  ``clock`` (monotonic seconds) times
+    the ranks' pace (``stragglers``).
     """
 
     def __init__(
