@@ -60,7 +60,7 @@ def _client(address: str, certificate: str, rank: int, go, kind: str, count: int
             client.send(events.Log(rank=rank, line=line.format(i, i)))
     else:
         for i in range(count):
-            client.send(events.Metrics(rank=rank, step=i, time=time.monotonic()))
+            client.send(events.Metrics.point(rank, i, time=time.monotonic()))
             time.sleep(LATENCY_INTERVAL)
     client.close(timeout=300)
 
@@ -80,9 +80,8 @@ class Sink:
     def __call__(self, record) -> None:
         now = time.monotonic()
         if isinstance(record, events.Metrics):
-            points = record.points()
-            self.latencies += [now - point.time for point in points]
-            self.count += len(points)
+            self.latencies += [now - when for when in record.times]
+            self.count += len(record.steps)
         elif isinstance(record, events.Log):  # the lines of one flush travel as one record
             self.count += len(record.lines())
         else:

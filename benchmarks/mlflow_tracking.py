@@ -45,12 +45,15 @@ def metrics_records(count: int, points: int):
 
     out = []
     for i in range(count):
-        more = [
-            events.MetricPoint(step=i * points + k, values={"loss": 0.5, "lr": 0.1}, time=time.time())
-            for k in range(1, points)
-        ]
+        now = time.time()
         out.append(
-            events.Metrics(rank=0, step=i * points, values={"loss": 0.5, "lr": 0.1}, time=time.time(), more=more)
+            events.Metrics(
+                rank=0,
+                names=["loss", "lr"],
+                steps=list(range(i * points, (i + 1) * points)),
+                times=[now] * points,
+                values=[[0.5] * points, [0.1] * points],
+            )
         )
     return out
 

@@ -209,7 +209,7 @@ def client_records(made, r: int, now: float, start: float, total: int):
                 events.Progress(rank=r, bar="train#0", desc="train", n=item[1], total=total, elapsed=now - start)
             )
         elif item[0] == "M":
-            worker.append(events.Metrics(rank=r, step=item[1], time=now, values=_values(r, item[1])))
+            worker.append(events.Metrics.point(r, item[1], _values(r, item[1]), now))
         else:
             launcher.append(events.Log(rank=r, line=_line(item[1], now, item[2])))
     return worker, launcher
@@ -247,25 +247,21 @@ def batch_bytes(made, r: int, now: float, start: float, total: int):
             f'{{"rank":{r},"bar":"train#0","desc":"train","n":{progress},"total":{total},'
             f'"elapsed":{float.__repr__(now - start)},"state":"running","postfix":"","type":"progress"}}'
         )
-    if points:
+    if points:  # column by column: the names once, then the steps, the times, each name's values
         when = float.__repr__(now)
-
-        def values(step):
-            return (
-                f'{{"loss":{float.__repr__(1.0 / step)},"lr":{float.__repr__(3e-4)},'
-                f'"tokens_per_s":{float.__repr__(12345.0 + r)}}}'
-            )
-
-        more = ",".join(f'{{"step":{p},"values":{values(p)},"time":{when}}}' for p in points[1:])
+        losses = ",".join(float.__repr__(1.0 / p) for p in points)
+        count = len(points)
         metrics = (
-            f'{{"rank":{r},"step":{points[0]},"values":{values(points[0])},"time":{when},'
-            f'"more":[{more}],"type":"metrics"}}'
+            f'{{"rank":{r},"names":["loss","lr","tokens_per_s"],"steps":[{",".join(map(str, points))}],'
+            f'"times":[{",".join([when] * count)}],"values":[[{losses}],'
+            f'[{",".join([float.__repr__(3e-4)] * count)}],[{",".join([float.__repr__(12345.0 + r)] * count)}]],'
+            f'"type":"metrics"}}'
         )
         worker.insert(0 if metrics_at < progress_at else len(worker), metrics)
     launcher = b""
     if lines:
         texts = [_line(item[1], now, item[2]) for item in lines]
-        more = ",".join(f'{{"stream":"stdout","line":"{t}","cr":false}}' for t in texts[1:])
+        more = ",".join(f'"{t}"' for t in texts[1:])
         launcher = _frame(
             [f'{{"rank":{r},"stream":"stdout","line":"{texts[0]}","cr":false,"more":[{more}],"type":"log"}}']
         )
@@ -330,9 +326,7 @@ def _median(values) -> float:
 
 def _points(record):
     """``(step, time)`` of every metric point a ``Metrics`` record carries."""
-    yield record.step, record.time
-    for point in record.more:
-        yield point.step, point.time
+    return zip(record.steps, record.times)
 
 
 class IopubComm:

@@ -16,7 +16,7 @@ from helpers import Collector, wait_until
 from torchdist_magic.wire import framemac, handshake, tls
 from torchdist_magic.wire import server as server_module
 from torchdist_magic.core import events
-from torchdist_magic.wire.batching import MERGED_LOG_CHARS, _coalesce, merge_logs
+from torchdist_magic.wire.batching import MERGED_LOG_CHARS, _coalesce, _merge_metrics, encode_batch, merge_logs
 from torchdist_magic.wire.client import ChannelClient, client_from_env
 from torchdist_magic.core.rankenv import rank_key
 from torchdist_magic.wire.frames import MAX_FRAME, MAX_HELLO, hello_mac, new_secret, pack_frame, read_frame
@@ -71,7 +71,7 @@ EVERY_RANK_RECORD = [
     events.Started(rank=99, host="h", pid=12, time=1.5),
     events.Log(rank=99, stream="stderr", line="épsilon ☃", cr=True),
     events.Progress(rank=99, bar="b", desc="epoch", n=3, total=10, elapsed=0.5, state="done"),
-    events.Metrics(rank=99, step=7, values={"loss": 0.25, "acc": "nan"}, time=2.0),
+    events.Metrics.point(rank=99, step=7, values={"loss": 0.25, "acc": "nan"}, time=2.0),
     events.Dropped(rank=99, count=4),
     events.Exit(
         rank=99,
@@ -114,9 +114,9 @@ def test_a_worker_may_not_send_what_only_its_launcher_may(server):
     client = worker(server, rank=2)
     client.send(events.Exit(rank=2, code=0))
     client.send(events.Log(rank=2, line="forged output"))
-    client.send(events.Metrics(rank=2, step=1, values={"x": 1.0}))
+    client.send(events.Metrics.point(rank=2, step=1, values={"x": 1.0}))
     client.close()
-    assert server.got.records == [events.Metrics(rank=2, step=1, values={"x": 1.0})]
+    assert server.got.records == [events.Metrics.point(rank=2, step=1, values={"x": 1.0})]
     assert server.stats["forbidden"] == 2
 
 
@@ -177,16 +177,62 @@ def test_progress_updates_of_a_bar_are_coalesced_to_the_newest():
 
 
 def test_the_lines_of_a_flush_travel_as_one_record_and_never_cross_a_job_end():
-    a, b = events.Log(rank=0, line="a"), events.Log(rank=0, stream="stderr", line="b", cr=True)
-    bar, point = events.Progress(rank=0, bar="x", n=1), events.Metrics(rank=0, step=1, values={"l": 1.0})
+    a, b = events.Log(rank=0, line="a"), events.Log(rank=0, line="b")
+    bar, point = events.Progress(rank=0, bar="x", n=1), events.Metrics.point(rank=0, step=1, values={"l": 1.0})
     end = events.OutputEnd(rank=0, job_id="j1")
     c, d = events.Log(rank=0, line="c"), events.Log(rank=1, line="d")
     merged = merge_logs([a, bar, b, point, end, c, d])
     # b moves ahead of the progress and metrics records, into a's record; c stays after the job's end
     assert [type(r).__name__ for r in merged] == ["Log", "Progress", "Metrics", "OutputEnd", "Log", "Log"]
-    assert merged[0].lines() == [events.OutputLine("stdout", "a", False), events.OutputLine("stderr", "b", True)]
+    assert merged[0] == events.Log(rank=0, line="a", more=["b"])
     assert merged[4] is c and merged[5] is d  # rank 1's line is its own record
     assert a.more == []  # the sender's record is not changed
+
+
+def test_a_record_of_merged_lines_holds_one_stream_and_a_redrawn_line_only_first():
+    lines = [
+        events.Log(rank=0, line="a"),
+        events.Log(rank=0, stream="stderr", line="b"),
+        events.Log(rank=0, stream="stderr", line="c"),
+        events.Log(rank=0, stream="stderr", line="50%", cr=True),
+        events.Log(rank=0, stream="stderr", line="100%"),
+        events.Log(rank=0, line="d"),
+    ]
+    merged = merge_logs(lines)
+    assert merged == [
+        events.Log(rank=0, line="a"),
+        events.Log(rank=0, stream="stderr", line="b", more=["c"]),
+        events.Log(rank=0, stream="stderr", line="50%", cr=True, more=["100%"]),
+        events.Log(rank=0, line="d"),
+    ]
+    assert [line for r in merged for line in r.lines()] == [events.OutputLine(r.stream, r.line, r.cr) for r in lines]
+    state = RunState("r", 1)
+    for record in merged:
+        state.apply(record)
+    assert state.logs(0) == "a\nb\nc\n100%\nd\n"  # the redrawn line replaced, as on a terminal
+
+
+def test_the_points_of_a_flush_travel_as_one_record_column_by_column():
+    a = events.Metrics.point(rank=0, step=1, values={"loss": 1.0}, time=1.0)
+    b = events.Metrics.point(rank=0, step=2, values={"loss": 0.5, "acc": "nan"}, time=2.0)
+    c = events.Metrics.point(rank=0, step=3, values={"acc": 0.9}, time=3.0)
+    other, bar = events.Metrics.point(rank=1, step=7, values={"x": 2.0}), events.Progress(rank=0, bar="b")
+    merged = _merge_metrics([a, bar, b, other, c])
+    assert merged[1:] == [bar, other]
+    # each name once, in the order it first came; None where a point did not report it
+    assert merged[0] == events.Metrics(
+        rank=0,
+        names=["loss", "acc"],
+        steps=[1, 2, 3],
+        times=[1.0, 2.0, 3.0],
+        values=[[1.0, 0.5, None], [None, "nan", 0.9]],
+    )
+    assert [p.values for p in merged[0].points()] == [{"loss": 1.0}, {"loss": 0.5, "acc": "nan"}, {"acc": 0.9}]
+    assert a == events.Metrics.point(rank=0, step=1, values={"loss": 1.0}, time=1.0)  # the sender's, unchanged
+    # a point JSON cannot carry is dropped alone, counted; the others still go
+    body = encode_batch([a, events.Metrics.point(rank=0, step=2, values={"loss": object()}), c], rank=0)
+    got = [events.decode(record) for record in json.loads(body[4:])["events"]]
+    assert got == [a, c, events.Dropped(rank=0, count=1)]
 
 
 def test_merged_lines_stay_below_the_size_of_one_record():
@@ -244,7 +290,7 @@ def test_a_full_queue_drops_and_reports_how_many():
     driver = StalledDriver("s")
     client = ChannelClient(driver.address, "s", "r", 5, maxsize=10)
     for i in range(1000):  # far more than the queue holds, and nothing drains it yet: never blocks
-        client.send(events.Metrics(rank=5, step=i))
+        client.send(events.Metrics.point(rank=5, step=i))
     conn = driver.handshake()
     closing = threading.Thread(target=client.close)
     closing.start()
@@ -317,10 +363,13 @@ def test_a_driver_that_cannot_prove_the_secret_is_not_obeyed(capfd):
 
 def test_records_json_cannot_carry_are_counted_as_dropped(server):
     client = worker(server, rank=0)
-    client.send(events.Metrics(rank=0, step=1, values={"loss": float("nan")}))
-    client.send(events.Metrics(rank=0, step=2, values={"loss": 1.0}))
+    client.send(events.Metrics.point(rank=0, step=1, values={"loss": float("nan")}))
+    client.send(events.Metrics.point(rank=0, step=2, values={"loss": 1.0}))
     client.close()
-    assert server.got.records == [events.Metrics(rank=0, step=2, values={"loss": 1.0}), events.Dropped(rank=0, count=1)]
+    assert server.got.records == [
+        events.Metrics.point(rank=0, step=2, values={"loss": 1.0}),
+        events.Dropped(rank=0, count=1),
+    ]
 
 
 def test_send_takes_only_records(server):
@@ -355,7 +404,7 @@ def test_send_takes_only_records(server):
 def test_refused_clients_say_why_once_and_deliver_nothing(server, capfd, make, reason):
     client = make(server)
     for i in range(3):
-        client.send(events.Metrics(rank=0, step=i))
+        client.send(events.Metrics.point(rank=0, step=i))
     client.close()
     err = capfd.readouterr().err
     assert err.count("torchdist_magic:") == 1 and reason in err and "refused" in err, err
@@ -369,7 +418,7 @@ def test_a_peer_of_another_protocol_version_is_told_both_versions(server):
         f"events.PROTOCOL_VERSION = {other}\n"
         f"c = ChannelClient({address(server)!r}, {key(server, 'worker')!r}, 'run-1', 0, "
         f"certificate={server.cert!r})\n"
-        f"c.send(events.Metrics(rank=0))\n"
+        f"c.send(events.Metrics.point(rank=0))\n"
         f"c.close()\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -388,7 +437,7 @@ def test_an_unreachable_driver_costs_one_line_and_never_blocks(capfd):
     dead.close()
     client = ChannelClient(f"127.0.0.1:{port}", "s", "r", rank=0, maxsize=10)
     for i in range(1000):
-        client.send(events.Metrics(rank=0, step=i))
+        client.send(events.Metrics.point(rank=0, step=i))
     client.close(timeout=5)
     err = capfd.readouterr().err
     # one line that says where, why, and that the records (sent or still to come) are dropped
@@ -479,7 +528,7 @@ def tls_server(identity, **kwargs):
 def test_a_client_pinned_to_another_certificate_is_refused_and_sends_nothing(identity, other_identity, capfd):
     srv = tls_server(identity)
     client = ChannelClient(address(srv), "s", "run-1", 0, certificate=other_identity.certificate)
-    client.send(events.Metrics(rank=0, step=1))
+    client.send(events.Metrics.point(rank=0, step=1))
     client.close()
     wait_until(lambda: srv.stats["rejected"] == 1)  # the client's TLS alert ends the handshake
     srv.close()
@@ -518,7 +567,7 @@ def test_a_server_with_another_certificate_for_the_same_key_is_refused(identity,
     )
     srv = tls_server(tls.ChannelIdentity(twin.public_bytes(serialization.Encoding.PEM).decode(), identity.private_key))
     client = ChannelClient(address(srv), "s", "run-1", 0, certificate=identity.certificate)
-    client.send(events.Metrics(rank=0, step=1))
+    client.send(events.Metrics.point(rank=0, step=1))
     client.close()
     srv.close()
     err = capfd.readouterr().err
@@ -538,7 +587,7 @@ def test_a_plaintext_client_is_refused_by_a_tls_server_within_the_handshake_dead
     # our own client without the certificate waits for a challenge that never comes, and the
     # server lets its pending slot go at the deadline
     client = ChannelClient(address(srv), "s", "run-1", 0)
-    client.send(events.Metrics(rank=0, step=1))
+    client.send(events.Metrics.point(rank=0, step=1))
     client.close()
     wait_until(lambda: not srv._pending, what="the pending table to be empty")
     srv.close()
@@ -550,7 +599,7 @@ def test_a_plaintext_client_is_refused_by_a_tls_server_within_the_handshake_dead
 def test_a_tls_client_of_a_plaintext_server_gives_up_with_one_line(identity, capfd):
     srv = ChannelServer(Collector(), run_id="run-1", secret="s", launcher_secret="l")
     client = ChannelClient(address(srv), "s", "run-1", 0, certificate=identity.certificate)
-    client.send(events.Metrics(rank=0, step=1))
+    client.send(events.Metrics.point(rank=0, step=1))
     client.close()
     srv.close()
     err = capfd.readouterr().err

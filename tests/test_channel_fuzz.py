@@ -175,7 +175,7 @@ def test_a_flood_of_strangers_costs_bounded_threads_and_memory_and_loses_no_reco
         step = 0
         while not flood_done.is_set() or step < 2000:
             for _ in range(10):
-                rank0.send(events.Metrics(rank=0, step=step, values={"loss": 1.0 / (step + 1)}))
+                rank0.send(events.Metrics.point(rank=0, step=step, values={"loss": 1.0 / (step + 1)}))
                 step += 1
             time.sleep(0.002)
         sent_steps.extend(range(step))
@@ -319,7 +319,7 @@ def mutated_items(rng: random.Random, n: int) -> list:
             events.Started(rank=0, host="h", pid=1),
             events.Log(rank=0, line="x"),
             events.Progress(rank=0, bar="b", n=1, total=2),
-            events.Metrics(rank=0, step=1, values={"a": 1.0}),
+            events.Metrics.point(rank=0, step=1, values={"a": 1.0}),
             events.Dropped(rank=0, count=1),
             events.Exit(rank=0, code=1, failure=events.Failure(rank=0)),
             events.Stop(rank=0),
@@ -359,7 +359,14 @@ def test_after_authentication_bad_records_are_counted_and_good_ones_delivered(ca
     sock = authenticate(server, "worker", rank=3)
 
     crafted = [
-        {"type": "metrics", "rank": 0, "step": 1, "values": {"a": 10**400}},  # OverflowError
+        {
+            "type": "metrics",
+            "rank": 0,
+            "names": ["a"],
+            "steps": [1],
+            "times": [0.0],
+            "values": [[10**400]],
+        },  # OverflowError
         {"type": "progress", "rank": 0, "elapsed": 10**400},
         {"type": "exit", "rank": 0, "code": 0},  # forbidden
         {"type": "log", "rank": 0, "line": "forged"},  # forbidden
@@ -377,7 +384,7 @@ def test_after_authentication_bad_records_are_counted_and_good_ones_delivered(ca
     body_frames = []
     for i in range(0, len(items), 37):
         chunk = items[i : i + 37]
-        good = events.Metrics(rank=99, step=i)
+        good = events.Metrics.point(rank=99, step=i)
         chunk.append(events.encode(good))
         for item in chunk:
             outcome = expected_outcome(item, "worker")

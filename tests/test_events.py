@@ -19,7 +19,7 @@ SAMPLES = [
     events.AttemptBegan(rank=-1, attempt=2),
     Log(rank=0, stream="stderr", line="héllo \x1b[0m", cr=True),
     Progress(rank=0, bar="epoch#0", desc="epoch", n=2, total=None, elapsed=0.5, state="done"),
-    Metrics(rank=1, step=3, values={"loss": 0.25, "bad": "nan"}, time=2.0),
+    Metrics.point(rank=1, step=3, values={"loss": 0.25, "bad": "nan"}, time=2.0),
     Dropped(rank=0, count=7),
     Exit(
         rank=1,
@@ -120,20 +120,35 @@ def test_every_record_type_is_in_the_contract_and_handled():
         ({"type": "exit", "rank": 0, "code": 1.5}, r"^exit\.code: expected int, got 1\.5$"),
         ({"type": "exit", "rank": 0, "failure": {"rank": "x"}}, "exit.failure.rank: expected int"),
         ({"type": "exit", "rank": 0, "failure": "boom"}, r"^exit\.failure: expected Failure, got 'boom'$"),
-        ({"type": "metrics", "rank": 0, "values": {"a": [1]}}, r"^metrics\.values\['a'\]: \[1\] is none of "),
-        ({"type": "metrics", "rank": 0, "values": [1]}, "metrics.values: expected dict"),
+        (
+            {"type": "metrics", "rank": 0, "names": ["a"], "steps": [1], "times": [1.0], "values": [[[1]]]},
+            r"^metrics\.values\[\]\[\]: \[1\] is none of ",
+        ),
+        ({"type": "metrics", "rank": 0, "values": [1]}, r"^metrics\.values\[\]: expected list, got 1$"),
+        ({"type": "metrics", "rank": 0, "values": {"a": 1.0}}, "metrics.values: expected list"),
         ({"type": "progress", "rank": 0, "elapsed": float("inf")}, "progress.elapsed: expected float"),
         ({"type": "progress", "rank": 0, "elapsed": 10**400}, "progress.elapsed: expected float"),
         (
             {"type": "exit", "rank": 0, "failure": {"log_tail": ["a", 1]}},
             r"^exit\.failure\.log_tail\[\]: expected str, got 1$",
         ),
-        ({"type": "metrics", "rank": 0, "more": [{"step": "1"}]}, r"metrics.more\[\].step: expected int"),
+        ({"type": "metrics", "rank": 0, "steps": ["1"], "times": [1.0]}, r"^metrics\.steps\[\]: expected int"),
         (
-            {"type": "metrics", "rank": 0, "more": [{"values": {"a": float("nan")}}]},
-            r"^metrics\.more\[\]\.values\['a'\]: nan is none of ",
+            {"type": "metrics", "rank": 0, "names": ["a"], "steps": [1], "times": [1.0], "values": [[float("nan")]]},
+            r"^metrics\.values\[\]\[\]: nan is none of ",
         ),
-        ({"type": "metrics", "rank": 0, "more": {"step": 1}}, "metrics.more: expected list"),
+        ({"type": "metrics", "rank": 0, "names": [1]}, r"^metrics\.names\[\]: expected str, got 1$"),
+        # the columns must line up: a time per step, a column per name, a value per point
+        ({"type": "metrics", "rank": 0, "steps": [1, 2], "times": [1.0]}, r"^metrics: 2 steps but 1 times$"),
+        ({"type": "metrics", "rank": 0, "names": ["a"]}, r"^metrics: 1 names but 0 columns of values$"),
+        (
+            {"type": "metrics", "rank": 0, "names": ["a", "a"], "values": [[], []]},
+            r"^metrics: a metric name twice$",
+        ),
+        (
+            {"type": "metrics", "rank": 0, "names": ["a"], "steps": [1], "times": [1.0], "values": [[1.0, 2.0]]},
+            r"^metrics: 2 values of 'a' for 1 points$",
+        ),
     ],
 )
 def test_malformed_records_are_refused(data, text):
@@ -282,7 +297,7 @@ def test_failure_for_rank_is_a_changed_copy():
 def test_metrics_history_is_bounded_and_non_finite_values_are_not_plotted():
     state = RunState("r", 1)
     for step in range(MAX_POINTS + 1):
-        state.apply(Metrics(rank=0, step=step, values={"loss": 1.0, "odd": "nan"}))
+        state.apply(Metrics.point(rank=0, step=step, values={"loss": 1.0, "odd": "nan"}))
     points = state.ranks[0].history["loss"]
     assert len(points) <= MAX_POINTS and points[0][0] == 0 and points[-1][0] == MAX_POINTS
     assert "odd" not in state.ranks[0].history
@@ -291,12 +306,17 @@ def test_metrics_history_is_bounded_and_non_finite_values_are_not_plotted():
 def test_the_points_of_one_metrics_record_are_applied_in_order():
     record = Metrics(
         rank=0,
-        step=1,
-        values={"loss": 1.0},
-        time=1.0,
-        more=[events.MetricPoint(2, {"loss": 0.5}, 2.0), events.MetricPoint(3, {"loss": 0.25, "acc": 0.9}, 3.0)],
+        names=["loss", "acc", "odd"],
+        steps=[1, 2, 3],
+        times=[1.0, 2.0, 3.0],
+        values=[[1.0, 0.5, 0.25], [None, None, 0.9], ["nan", None, None]],
     )
     assert events.decode(json.loads(events.dumps(record))) == record
+    assert record.points() == [
+        events.MetricPoint(1, {"loss": 1.0, "odd": "nan"}, 1.0),
+        events.MetricPoint(2, {"loss": 0.5}, 2.0),
+        events.MetricPoint(3, {"loss": 0.25, "acc": 0.9}, 3.0),
+    ]
     state = RunState("r", 1)
     state.apply(record)
     rs = state.ranks[0]
@@ -305,10 +325,15 @@ def test_the_points_of_one_metrics_record_are_applied_in_order():
 
 
 def test_a_log_record_with_more_lines_round_trips():
-    record = events.Log(rank=2, line="a", more=[events.OutputLine("stderr", "b", True)])
+    record = events.Log(rank=2, stream="stderr", line="a", cr=True, more=["b", "c"])
     assert events.decode(json.loads(events.dumps(record))) == record
-    with pytest.raises(events.MalformedEvent):
-        events.decode({"type": "log", "rank": 0, "line": "a", "more": [{"stream": "stdout", "line": 3}]})
+    assert record.lines() == [
+        events.OutputLine("stderr", "a", True),
+        events.OutputLine("stderr", "b", False),
+        events.OutputLine("stderr", "c", False),
+    ]
+    with pytest.raises(events.MalformedEvent, match=r"^log\.more\[\]: expected str, got 3$"):
+        events.decode({"type": "log", "rank": 0, "line": "a", "more": ["b", 3]})
 
 
 def test_a_run_of_many_ranks_keeps_a_share_of_the_runs_memory_for_each():
@@ -319,7 +344,7 @@ def test_a_run_of_many_ranks_keeps_a_share_of_the_runs_memory_for_each():
     for i in range(2 * share):
         state.apply(Log(rank=7, line=f"line {i}"))
     for step in range(2 * state.max_points):
-        state.apply(Metrics(rank=7, step=step, values={"loss": 1.0}))
+        state.apply(Metrics.point(rank=7, step=step, values={"loss": 1.0}))
     assert state.ranks[7].logs.spilled > 0 and len(state.ranks[7].logs.recent(10**6)) <= share
     assert state.logs(7) == "".join(f"line {i}\n" for i in range(2 * share))  # all of it, in order
     points = state.ranks[7].history["loss"]
@@ -487,6 +512,95 @@ def test_log_store_spills_and_reads_back_every_line_in_order(tmp_path, monkeypat
     assert os.listdir(tmp_path / "logs") == ["rank-0.log"]
 
 
+def test_log_store_spills_lines_of_one_stream_and_redrawn_lines_alike(tmp_path, monkeypatch):
+    """A spill writes its lines at once, one stream's plain lines joined whole, others line by
+    line: every line, its stream and its redrawn mark come back, from any index."""
+    from torchdist_magic.driver import logstore as S
+
+    monkeypatch.setattr(S, "SPILL_INDEX_EVERY", 16)
+    store = S.LogStore(lambda: str(tmp_path), "rank-0", max_lines=50, max_chars=10_000)
+    expected = [S.LogLine("stdout", f"step {i}") for i in range(130)]  # one stream: joined whole
+    expected.append(S.LogLine("stdout", "bar 50%", True))  # a redrawn line nothing replaces...
+    expected += [S.LogLine("stderr", f"warn {i}") for i in range(100)]  # ...spilled among others
+    expected += [S.LogLine("stdout", "x" * 3000) for _ in range(4)]  # long lines: spilled by size
+    for line in expected:
+        store.append(line)
+    assert store.spilled > 200 and sum(len(line.text) for line in store.recent(100)) <= 10_000
+    assert list(store) == expected
+    assert [store[i] for i in (0, 15, 16, 17, 129, 130, 131, 233)] == [
+        expected[i] for i in (0, 15, 16, 17, 129, 130, 131, 233)
+    ]
+    assert store[40:75] == expected[40:75]
+    assert store.text(128, 132) == "step 128\nstep 129\nbar 50%\rwarn 0\n"
+
+
+def test_the_logs_of_many_ranks_spill_to_one_file_and_each_reads_back_its_own(tmp_path, monkeypatch):
+    """A run's ranks share one spill file (making a file per rank cost the channel's thread a
+    millisecond each at a thousand ranks): each spill is a block, blocks of ranks interleave."""
+    from torchdist_magic.driver import logstore as S
+    from torchdist_magic.driver.state import SPILL_FILE
+
+    monkeypatch.setattr(S, "SPILL_INDEX_EVERY", 4)
+    (tmp_path / "logs").mkdir()
+    spill = S.SpillFile(lambda: str(tmp_path / "logs"), "shared.spill")
+    stores = [
+        S.LogStore(lambda: pytest.fail("a store of its own"), f"rank-{r}", max_lines=10, spill=spill) for r in range(3)
+    ]
+    expected = [[S.LogLine("stdout" if i % 5 else "stderr", f"r{r} line {i}") for i in range(97)] for r in range(3)]
+    for i in range(97):
+        for r, store in enumerate(stores):
+            store.append(expected[r][i])
+    assert os.listdir(tmp_path / "logs") == ["shared.spill"]
+    for r, store in enumerate(stores):
+        assert store.spilled > 80 and list(store) == expected[r]
+        assert store[3:29] == expected[r][3:29] and store[50] == expected[r][50]
+        assert store.text(90) == "".join(line.text + "\n" for line in expected[r][90:])
+    state = RunState("r", 1024, spill_dir=lambda: str(tmp_path / "run"))  # 390 lines in memory each
+    (tmp_path / "run").mkdir()
+    for i in range(600):
+        for r in (0, 1023):
+            state.apply(Log(rank=r, line=f"{r}:{i}"))
+    assert os.listdir(tmp_path / "run") == [SPILL_FILE]
+    assert state.ranks[1023].logs.spilled and state.logs(1023) == "".join(f"1023:{i}\n" for i in range(600))
+
+
+def test_a_log_store_keeps_the_plain_lines_of_a_record_at_once_as_one_by_one(tmp_path):
+    """``extend`` (a record's ``more``) keeps what ``add`` of each line would: its first line
+    takes the place of the stream's redrawn line, a new attempt's does not, and it spills."""
+    from torchdist_magic.driver.logstore import LogLine, LogStore
+
+    store = LogStore(lambda: str(tmp_path), "rank-0", max_lines=8)
+    store.add("stderr", "bar 10%", True)
+    store.extend("stdout", ["a", "b"])  # the other stream: the bar stays
+    store.extend("stderr", ["bar done", "c"])  # takes the bar's place
+    store.add("stderr", "bar 20%", True)
+    store.seal()
+    store.extend("stderr", ["d"])  # a new attempt: the bar stays
+    store.extend("stdout", [f"{i}" for i in range(20)])  # past max_lines: spills
+    store.extend("stdout", [])
+    assert store.spilled and len(store.recent(100)) <= 8
+    assert store[:6] == [
+        LogLine("stderr", "bar done"),  # in the redrawn line's place
+        LogLine("stdout", "a"),
+        LogLine("stdout", "b"),
+        LogLine("stderr", "c"),
+        LogLine("stderr", "bar 20%", True),
+        LogLine("stderr", "d"),
+    ]
+    assert [line.text for line in store[6:]] == [f"{i}" for i in range(20)]
+
+
+def test_a_line_longer_than_a_log_keeps_in_memory_stays_until_the_next(tmp_path):
+    from torchdist_magic.driver.logstore import LogStore
+
+    store = LogStore(lambda: str(tmp_path), "rank-0", max_chars=100)
+    store.add("stdout", "x" * 500)
+    assert store.spilled == 0 and len(store) == 1
+    store.extend("stdout", ["y" * 300, "z"])
+    store.add("stdout", "w" * 200)
+    assert store.spilled == 3 and [line.text for line in store] == ["x" * 500, "y" * 300, "z", "w" * 200]
+
+
 def test_lines_kept_in_memory_give_the_garbage_collector_nothing_to_follow():
     """A thousand ranks keep some 400,000 lines in the driver: as objects the collector tracks,
     every full collection walked them all (four tenths of the driver's CPU at 1024 ranks)."""
@@ -551,7 +665,7 @@ def test_activity_is_output_progress_and_metrics():
     state.last_activity -= 100
     state.apply(Dropped(rank=0, count=1))
     assert state.idle() >= 100
-    for record in (Log(rank=0, line="x"), Progress(rank=0, bar="b"), Metrics(rank=0, values={"a": 1.0})):
+    for record in (Log(rank=0, line="x"), Progress(rank=0, bar="b"), Metrics.point(rank=0, values={"a": 1.0})):
         state.last_activity -= 100
         state.apply(record)
         assert state.idle() < 100
@@ -570,7 +684,6 @@ def test_a_cleared_bar_is_gone():
         ({"loss": 0.5, "note": "nan"}, True),  # the common case passes as it came
         ({"loss": 1}, True),  # an integer is made a float
         ({"loss": True}, False),
-        ({"loss": None}, False),
         ({"loss": [1.0]}, False),
         ({3: 1.0}, False),
         ({"loss": float("nan")}, False),
@@ -578,9 +691,17 @@ def test_a_cleared_bar_is_gone():
     ],
 )
 def test_metric_values_are_checked_whatever_path_they_take(values, ok):
-    data = {"type": "metrics", "rank": 0, "step": 1, "values": values}
+    names = list(values)
+    data = {
+        "type": "metrics",
+        "rank": 0,
+        "names": names,
+        "steps": [1],
+        "times": [1.0],
+        "values": [[v] for v in values.values()],
+    }
     if ok:
-        got = events.decode(data).values
+        got = events.decode(data).points()[0].values
         assert got == {k: float(v) if isinstance(v, int) else v for k, v in values.items()}
         assert all(type(v) in (float, str) for v in got.values())
     else:

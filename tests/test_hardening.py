@@ -534,7 +534,7 @@ def test_distinct_metric_names_and_open_bars_are_capped_per_run_with_a_line_each
 
     state = run_state.RunState("run-1", 2)
     for i in range(run_state.MAX_METRIC_NAMES + 10):  # a name per step, on both ranks
-        state.apply(events.Metrics(rank=i % 2, step=i, values={f"loss_{i}": 1.0, "loss": 2.0}))
+        state.apply(events.Metrics.point(rank=i % 2, step=i, values={f"loss_{i}": 1.0, "loss": 2.0}))
     for i in range(run_state.MAX_BARS + 5):
         state.apply(events.Progress(rank=0, bar=f"bar{i}", n=1, total=10))
     names = set(state.ranks[0].metrics) | set(state.ranks[1].metrics)
@@ -563,8 +563,9 @@ def test_the_output_a_run_keeps_is_capped_per_rank_with_a_line_and_a_count(monke
     monkeypatch.setattr(run_state, "MIN_RANK_LOG_CHARS", 100)
     state = run_state.RunState("run-1", 2)
     assert state.max_rank_log_chars == 1000  # each rank's share of the run's
-    for i in range(30):  # 30 lines of 50 characters on rank 0
-        state.apply(events.Log(rank=0, line=f"{i:02d}" + "x" * 48))
+    lines = [f"{i:02d}" + "x" * 48 for i in range(30)]  # 30 lines of 50 characters on rank 0
+    state.apply(events.Log(rank=0, line=lines[0], more=lines[1:12]))  # within its share: kept at once
+    state.apply(events.Log(rank=0, line=lines[12], more=lines[13:]))  # past it part of the way
     for i in range(100):  # a bar redrawn in place is not counted
         state.apply(events.Log(rank=1, line=f"bar {i}%" + " " * 40, cr=True))
     state.apply(events.Log(rank=1, line="done"))

@@ -56,7 +56,7 @@ def bar(state, rank, n, total, desc="epoch", bar_id=None, state_="running", elap
 
 
 def metrics(state, rank, step, **values):
-    feed(state, events.Metrics(rank=rank, step=step, values=values))
+    feed(state, events.Metrics.point(rank=rank, step=step, values=values))
 
 
 def log(state, rank, text, cr=False, stream="stdout"):
@@ -118,7 +118,7 @@ def simulated_run(ranks, steps=100, lines=20, per_host=8):
             noise = ((r * 7919 + step * 104729) % 1000) / 1000
             feed(
                 state,
-                events.Metrics(
+                events.Metrics.point(
                     rank=r,
                     step=step,
                     values={

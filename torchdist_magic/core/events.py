@@ -44,7 +44,7 @@ from .recordcheck import MalformedEvent, build, check, to_json_value
 from .stacks import ThreadStack, is_library_file, parse_stacks
 
 #: bumped whenever a record changes shape; the channel refuses a peer with another version
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 # -- records ----------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ class Started(Event):
 
 @dataclass
 class OutputLine:
-    """One line of a rank's output after the first of a ``Log`` record."""
+    """One line of a rank's output, as ``Log.lines`` gives it."""
 
     stream: str = "stdout"
     line: str = ""
@@ -81,18 +81,19 @@ class OutputLine:
 @dataclass
 class Log(Event):
     """One line of a rank's output; ``cr`` when it ended with ``\\r`` (a redrawn progress line).
-    ``more``: the lines that followed it, in order, sent in the same record (a client puts the
-    lines of one flush into one record: ``wire.batching.merge_logs``)."""
+    ``more``: the lines that followed it on the same stream, in order, none of them redrawn, sent
+    in the same record as plain texts (a client puts such lines of one flush into one record:
+    ``wire.batching.merge_logs``; the driver decodes a flush's lines as one list of texts)."""
 
     type: ClassVar[str] = "log"
     stream: str = "stdout"
     line: str = ""
     cr: bool = False
-    more: List[OutputLine] = field(default_factory=list)
+    more: List[str] = field(default_factory=list)
 
     def lines(self) -> List[OutputLine]:
         """Every line this record carries, in the order the rank wrote them."""
-        return [OutputLine(self.stream, self.line, self.cr), *self.more]
+        return [OutputLine(self.stream, self.line, self.cr), *(OutputLine(self.stream, text) for text in self.more)]
 
 
 @dataclass
@@ -111,7 +112,8 @@ class Progress(Event):
 
 @dataclass
 class MetricPoint:
-    """One ``report()``: its step, its named numbers and when it was made."""
+    """One ``report()`` as a reader sees it: its step, its named numbers and when it was made
+    (``Metrics.points``)."""
 
     step: int = 0
     values: Dict[str, Union[float, str]] = field(default_factory=dict)
@@ -120,19 +122,52 @@ class MetricPoint:
 
 @dataclass
 class Metrics(Event):
-    """Named numbers from ``report()``; non-finite values travel as their text (``"nan"``).
-    ``more``: the points reported after this one, in order, sent in the same record (a rank's
-    client puts every point of one flush into one record: ``merge_metrics``)."""
+    """Named numbers from ``report()``, the points of one or more calls column by column: each
+    name once (``names``), each point's ``steps[i]`` and ``times[i]``, and per name its value
+    at each point (``values[j][i]`` is name ``j`` at point ``i``): a number, its text where it
+    is not finite (``"nan"``), or ``None`` where that point did not report that name.  One
+    ``report()`` is one point (``Metrics.point``); a rank's client puts every point of one flush
+    into one record (``batching``), so the driver decodes each name once per flush and checks a
+    column of numbers in one loop.  A record whose columns do not line up is malformed
+    (``malformed``, checked as it is decoded)."""
 
     type: ClassVar[str] = "metrics"
-    step: int = 0
-    values: Dict[str, Union[float, str]] = field(default_factory=dict)
-    time: float = 0.0
-    more: List[MetricPoint] = field(default_factory=list)
+    names: List[str] = field(default_factory=list)
+    steps: List[int] = field(default_factory=list)
+    times: List[float] = field(default_factory=list)
+    values: List[List[Optional[Union[float, str]]]] = field(default_factory=list)
+
+    @classmethod
+    def point(
+        cls, rank: int, step: int = 0, values: Optional[Dict[str, Union[float, str]]] = None, time: float = 0.0
+    ) -> "Metrics":
+        """The record of one ``report()``: ``values`` at ``step``, made at ``time``."""
+        values = values or {}
+        return cls(rank=rank, names=list(values), steps=[step], times=[time], values=[[v] for v in values.values()])
 
     def points(self) -> List[MetricPoint]:
-        """Every point this record carries, in the order they were reported."""
-        return [MetricPoint(self.step, self.values, self.time), *self.more]
+        """Every point this record carries, in the order they were reported, each with the
+        values it has."""
+        rows = zip(*self.values) if self.values else ((),) * len(self.steps)
+        return [
+            MetricPoint(step, {name: v for name, v in zip(self.names, row) if v is not None}, time)
+            for step, time, row in zip(self.steps, self.times, rows)
+        ]
+
+    def malformed(self) -> str:
+        """What makes the columns not line up ("" for nothing): a time per step, a column per
+        name, each name once, a value (or ``None``) per point in every column."""
+        count = len(self.steps)
+        if len(self.times) != count:
+            return f"{count} steps but {len(self.times)} times"
+        if len(self.values) != len(self.names):
+            return f"{len(self.names)} names but {len(self.values)} columns of values"
+        if len(set(self.names)) != len(self.names):
+            return "a metric name twice"
+        for name, column in zip(self.names, self.values):
+            if len(column) != count:
+                return f"{len(column)} values of {name!r:.60} for {count} points"
+        return ""
 
 
 @dataclass

@@ -1,15 +1,18 @@
 """One rank's output lines on the driver, complete and in order across attempts (``LogStore``): the
-newest lines in memory and older ones spilled to a file in the run's directory, so that the
-driver's memory stays flat however much a rank prints.  A line that ends with ``\\r`` (a redrawn
-progress line) is replaced by the next line of its stream, as on a terminal, so redraws do not
-pile up."""
+newest lines in memory and older ones spilled to a file in the run's directory (``SpillFile``,
+one for all of a run's ranks), so that the driver's memory stays flat however much a rank
+prints.  A line that ends with ``\\r`` (a redrawn progress line) is replaced by the next line of
+its stream, as on a terminal, so redraws do not pile up."""
 
 from __future__ import annotations
 
+import array
+import bisect
+import itertools
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 #: a rank's log keeps at most this many lines (and ``LOG_MEMORY_CHARS`` characters) in memory;
 #: past that the older half goes to the rank's file
@@ -46,6 +49,19 @@ def _escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
 
 
+class _Heads(dict):
+    """The head of a spilled line by ``(stream, cr)``: ``r`` or ``n``, the stream (no tab), a tab."""
+
+    def __missing__(self, key: Tuple[str, bool]) -> str:
+        stream, cr = key
+        head = self[key] = f"{'r' if cr else 'n'}{stream.replace(chr(9), ' ')}\t"
+        return head
+
+
+#: a spilled line's head, text and end, one after the other (``zip`` stops at the shortest)
+_chain = itertools.chain.from_iterable
+_NEWLINES = itertools.repeat("\n")
+
 _ESCAPED = re.compile(r"\\(.)")
 _UNESCAPE = {"n": "\n", "r": "\r", "\\": "\\"}
 
@@ -54,10 +70,46 @@ def _unescape(text: str) -> str:
     return _ESCAPED.sub(lambda m: _UNESCAPE.get(m.group(1), m.group(1)), text) if "\\" in text else text
 
 
+class SpillFile:
+    """The file that one or more ``LogStore`` spill to (a run's ranks share one: ``RunState``),
+    made under ``directory()`` when first written: a thousand ranks make one file, not a
+    thousand (making a file cost the driver's channel thread a millisecond each).  Each spill
+    is one block of lines; the store that wrote it keeps where it is."""
+
+    def __init__(self, directory: Callable[[], str], name: str):
+        self._directory = directory
+        self._name = name
+        self._file = None
+        #: where the file is, once made
+        self.path: Optional[str] = None
+        self._size = 0
+
+    def write(self, data: bytes) -> int:
+        """Append ``data``; the offset it starts at."""
+        if self._file is None:
+            self.path = os.path.join(self._directory(), self._name)
+            self._file = open(self.path, "ab")
+            self._size = self._file.tell()
+        at = self._size
+        self._file.write(data)
+        self._size += len(data)
+        return at
+
+    def reader(self):
+        """A binary file to read what was written so far (``write`` is flushed first)."""
+        self._file.flush()
+        return open(self.path, "rb")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
 class LogStore:
     """One rank's output lines in order, as a read-only sequence of ``LogLine`` (``len``,
-    indexing, slicing, iteration).  Recent lines are in memory; older ones are in a file under
-    ``directory()`` (called on the first spill), read back when asked for.
+    indexing, slicing, iteration).  Recent lines are in memory; older ones are in ``spill`` (a
+    ``SpillFile`` other stores may share), else in a file of its own, ``<name>.log`` under
+    ``directory()`` (called on the first spill); read back when asked for.
 
     ``append`` replaces the stream's last line instead when that line ended with ``\\r`` (also
     when the other stream wrote in between): only a bar's latest state is kept.  A reader that
@@ -76,9 +128,9 @@ class LogStore:
         *,
         max_lines: Optional[int] = None,
         max_chars: Optional[int] = None,
+        spill: Optional[SpillFile] = None,
     ):
-        self._directory = directory
-        self._name = name
+        self._spill_file = SpillFile(directory, f"{name}.log") if spill is None else spill
         # lines and characters in memory at most; past that the older half spills (a RunState
         # gives each rank its share of the run's)
         self._max_lines = LOG_MEMORY_LINES if max_lines is None else max_lines
@@ -86,12 +138,14 @@ class LogStore:
         self._memory: List[Tuple[str, str, bool]] = []
         self._first = 0  # index of _memory[0]
         self._chars = 0  # characters of the lines in memory
-        self._file = None
-        self._path: Optional[str] = None
-        self._offsets: List[int] = []  # file offset of spilled line k * SPILL_INDEX_EVERY
-        self._file_size = 0
+        # where spilled lines are in the file: the line index and file offset of each block's
+        # first line and of every SPILL_INDEX_EVERY-th line (the lines from one to the next are
+        # one after the other in the file)
+        self._mark_lines = array.array("q")
+        self._mark_offsets = array.array("q")
         self._sealed = False
         self._open_cr: Dict[str, int] = {}  # per stream: its last line's index, when it ended with \r
+        self._heads = _Heads()
 
     def __len__(self) -> int:
         return self._first + len(self._memory)
@@ -125,54 +179,86 @@ class LogStore:
         if len(self._memory) > self._max_lines or self._chars > self._max_chars:
             self._spill()
 
+    def extend(self, stream: str, texts: List[str]) -> None:
+        """``add`` of each of ``texts`` on ``stream``, in order, none of them redrawn (a ``Log``
+        record's ``more``): kept in one step, not a line at a time."""
+        if not texts:
+            return
+        if self._sealed or stream in self._open_cr:  # the first line may replace a redrawn one
+            self.add(stream, texts[0])
+            texts = texts[1:]
+        self._memory += zip(itertools.repeat(stream), texts, itertools.repeat(False))
+        self._chars += sum(map(len, texts))
+        while (len(self._memory) > self._max_lines or self._chars > self._max_chars) and len(self._memory) > 1:
+            self._spill()
+
     def seal(self) -> None:
         """The next line starts afresh (a new attempt): it never replaces the last one."""
         self._sealed = True
 
     def _spill(self) -> None:
-        """Move the older half of the lines in memory (by count and size) to the file."""
-        count = 0
-        chars = 0
-        while count < len(self._memory) - 1 and (
-            count < len(self._memory) // 2 or self._chars - chars > self._max_chars // 2
-        ):
-            chars += len(self._memory[count][1])
-            count += 1
-        if self._file is None:
-            self._path = os.path.join(self._directory(), f"{self._name}.log")
-            self._file = open(self._path, "ab")
-        parts = []
-        for i, (stream, text, cr) in enumerate(self._memory[:count], start=self._first):
-            if i % SPILL_INDEX_EVERY == 0:
-                self._offsets.append(self._file_size)
-            data = f"{'r' if cr else 'n'}{stream.replace(chr(9), ' ')}\t{_escape(text)}\n".encode(
-                "utf-8", "surrogatepass"
-            )
-            self._file_size += len(data)
-            parts.append(data)
-        self._file.write(b"".join(parts))
-        del self._memory[:count]
+        """Move the older half of the lines in memory (by count and size) to the file, in one
+        write: the lines are joined and encoded together, not one by one, and escaped only
+        when some line of them needs it (a spill is most of what a line costs the driver)."""
+        memory = self._memory
+        count = len(memory) // 2
+        if not count:  # one line alone over max_chars: it stays, as the newest line always does
+            return
+        streams, texts, crs = zip(*memory[:count])
+        chars = sum(map(len, texts))
+        if self._chars - chars > self._max_chars // 2:  # long lines: spill on, to half the size
+            for _stream, text, _cr in memory[count:-1]:
+                if self._chars - chars <= self._max_chars // 2:
+                    break
+                chars += len(text)
+                count += 1
+            streams, texts, crs = zip(*memory[:count])
+        joined = "\n".join(texts)
+        if "\\" in joined or "\r" in joined or joined.count("\n") != count - 1:
+            texts = [_escape(text) for text in texts]  # a line that holds \\, \r or \n
+        # encoded in pieces, each from a line whose offset the index keeps to the next
+        edges = sorted({0, count, *range(-self._first % SPILL_INDEX_EVERY, count, SPILL_INDEX_EVERY)})
+        parts, size = [], 0
+        for begin, stop in zip(edges, edges[1:]):
+            self._mark_lines.append(self._first + begin)
+            self._mark_offsets.append(size)
+            text = self._spilled_text(streams[begin:stop], texts[begin:stop], crs[begin:stop])
+            parts.append(text.encode("utf-8", "surrogatepass"))
+            size += len(parts[-1])
+        at = self._spill_file.write(b"".join(parts))
+        for k in range(len(self._mark_offsets) - len(parts), len(self._mark_offsets)):
+            self._mark_offsets[k] += at
+        del memory[:count]
         self._first += count
         self._chars -= chars
+
+    def _spilled_text(self, streams: Sequence[str], texts: Sequence[str], crs: Sequence[bool]) -> str:
+        """Lines as the file keeps them: each its head (``_Heads``), its escaped text and ``\\n``."""
+        if streams.count(streams[0]) == len(streams) and True not in crs:  # one stream, no redraws
+            head = self._heads[(streams[0], False)]
+            return head + ("\n" + head).join(texts) + "\n"
+        return "".join(_chain(zip(map(self._heads.__getitem__, zip(streams, crs)), texts, _NEWLINES)))
 
     def _read_spilled(self, start: int, stop: int) -> Iterator[Tuple[str, str, bool]]:
         """``(stream, text, cr)`` of the spilled lines ``start <= i < stop``."""
         stop = min(stop, self._first)
         if start >= stop:
             return
-        self._file.flush()
-        chunk = start // SPILL_INDEX_EVERY
-        with open(self._path, "rb") as fh:
-            fh.seek(self._offsets[chunk])
-            i = chunk * SPILL_INDEX_EVERY
-            for raw in fh:
-                if i >= stop:
-                    break
-                if i >= start:
-                    line = raw.decode("utf-8", "surrogatepass")
-                    stream, _, body = line[1:-1].partition("\t")
-                    yield stream, _unescape(body), line[0] == "r"
-                i += 1
+        marks = self._mark_lines
+        k = bisect.bisect_right(marks, start) - 1
+        with self._spill_file.reader() as fh:
+            while k < len(marks) and marks[k] < stop:
+                fh.seek(self._mark_offsets[k])
+                i = marks[k]
+                until = min(marks[k + 1] if k + 1 < len(marks) else self._first, stop)
+                while i < until:
+                    raw = fh.readline()
+                    if i >= start:
+                        line = raw.decode("utf-8", "surrogatepass")
+                        stream, _, body = line[1:-1].partition("\t")
+                        yield stream, _unescape(body), line[0] == "r"
+                    i += 1
+                k += 1
 
     def __getitem__(self, key: Union[int, slice]):
         if isinstance(key, slice):
@@ -216,8 +302,8 @@ class LogStore:
         return "".join(chunks)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        """Close the file this store spills to (a shared one: for every store)."""
+        self._spill_file.close()
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from ..core import events
 from ..core.culprit import Verdict
 from ..core.failure import Failure
-from .logstore import LogLine, LogStore, memory_share
+from .logstore import LogLine, LogStore, SpillFile, memory_share
 from .reading import RunStateReads
 from .rundir import RunDirectory
 from .snapshot import SYSTEM_HISTORY_KEYS, Attempt, Refusal, ShownBars
@@ -56,6 +56,10 @@ MAX_BARS = 256
 #: are counted (``RankState.log_dropped``), not kept, and its log says so once
 MAX_RUN_LOG_CHARS = 16 * 1024**3
 MIN_RANK_LOG_CHARS = 64 * 1024**2
+#: the file in ``spill_dir`` that every rank's older lines spill to
+SPILL_FILE = "logs.spill"
+#: the item types of a column of metric values that has a number at every point
+_ONLY_FLOATS = {float}
 
 
 @dataclass
@@ -96,9 +100,10 @@ class RunState(RunStateReads):
     methods, which return copies (``snapshot``, ``read_log``, ``recent_log``,
     ``metric_history``, ``failures``, ``logs``); every change bumps ``version``.
 
-    ``spill_dir`` gives the directory where logs spill (made when first needed); by default a
-    directory of this state's own, removed with it.  ``max_attempts``: 1 plus the run's
-    ``max_restarts``.  ``clock`` (monotonic seconds) times the ranks' pace (``stragglers``).
+    ``spill_dir`` gives the directory where logs spill (made when first needed), every rank's
+    to one file (``SPILL_FILE``); by default a directory of this state's own, removed with it.
+    ``max_attempts``: 1 plus the run's ``max_restarts``.  ``clock`` (monotonic seconds) times
+    the ranks' pace (``stragglers``).
     """
 
     def __init__(
@@ -146,7 +151,11 @@ class RunState(RunStateReads):
         #: characters of output each rank may keep (its share of ``MAX_RUN_LOG_CHARS``)
         self.max_rank_log_chars = max(MIN_RANK_LOG_CHARS, MAX_RUN_LOG_CHARS // share)
         lines, chars = memory_share(num_processes)
-        self._logs = [LogStore(spill_dir, f"rank-{r}", max_lines=lines, max_chars=chars) for r in range(num_processes)]
+        spill = SpillFile(spill_dir, SPILL_FILE)  # one file for every rank's log
+        self._logs = [
+            LogStore(spill_dir, f"rank-{r}", max_lines=lines, max_chars=chars, spill=spill)
+            for r in range(num_processes)
+        ]
         #: points of one metric a rank's history keeps
         self.max_points = min(MAX_POINTS, max(MIN_POINTS, RUN_POINTS // share))
         #: system samples a rank's history keeps
@@ -248,8 +257,15 @@ class RunState(RunStateReads):
     def _on_log(self, rs: RankState, e: events.Log) -> None:
         self._alive()
         self._keep_line(rs, e.stream, e.line, e.cr)
-        for more in e.more:  # the lines of one flush, in order
-            self._keep_line(rs, more.stream, more.line, more.cr)
+        more = e.more  # the lines that followed on its stream in one flush, in order
+        if more:
+            chars = sum(map(len, more))
+            if rs.log_chars + chars <= self.max_rank_log_chars:  # all of them kept, at once
+                rs.log_chars += chars
+                rs.logs.extend(e.stream, more)
+            else:
+                for text in more:
+                    self._keep_line(rs, e.stream, text, False)
 
     def _keep_line(self, rs: RankState, stream: str, text: str, cr: bool) -> None:
         """Keep one line of ``rs``'s output within its share of ``MAX_RUN_LOG_CHARS``; a line that
@@ -334,34 +350,41 @@ class RunState(RunStateReads):
         self.last_checkpoint = time.time()  # the driver's clock, as the attempts' times
 
     def _on_metrics(self, rs: RankState, e: events.Metrics) -> None:
+        """The points of one record (a rank's flush), a column at a time: each name is looked
+        up once per record, and a column of numbers joins its history in one ``extend``."""
         self._alive()
         self._worked()
-        self._metric_point(rs, e.step, e.values)
-        for point in e.more:  # the points of one flush, in order
-            self._metric_point(rs, point.step, point.values)
-
-    def _metric_point(self, rs: RankState, step: int, values: Dict[str, Union[float, str]]) -> None:
-        for name, value in values.items():
-            if name not in self._metric_names:
-                if len(self._metric_names) >= MAX_METRIC_NAMES:
-                    self._over(
-                        rs,
-                        "metrics",
-                        f"torchdist: this run has {MAX_METRIC_NAMES} distinct metric names "
-                        f"already; rank {rs.rank}'s {name!r:.60} and any newer names are not "
-                        "kept (report() a name per quantity, with the step as step=)",
-                    )
-                    continue
-                self._metric_names.add(name)
-            if isinstance(value, str):  # a non-finite value: shown, not plotted
+        steps = e.steps
+        for name, column in zip(e.names, e.values):
+            if name not in self._metric_names and not self._new_metric_name(rs, name):
                 continue
-            rs.metrics[name] = value
+            if {*map(type, column)} == _ONLY_FLOATS:  # the common case: every point has a number
+                pairs = list(zip(steps, column))
+            else:  # a non-finite value (text) is shown, not plotted; None: the point lacks it
+                pairs = [(step, v) for step, v in zip(steps, column) if type(v) is float]
+                if not pairs:
+                    continue
+            rs.metrics[name] = pairs[-1][1]
             points = rs.history.get(name)
             if points is None:
-                points = rs.history[name] = []
-            points.append((step, value))
-            if len(points) > self.max_points:
-                del points[-2::-2]  # halve the resolution; keep the first and newest points
+                rs.history[name] = points = []
+            points += pairs
+            while len(points) > self.max_points:
+                del points[-2:0:-2]  # halve the resolution; keep the first and newest points
+
+    def _new_metric_name(self, rs: RankState, name: str) -> bool:
+        """Whether the run keeps ``name``, a name it has not seen: not past ``MAX_METRIC_NAMES``."""
+        if len(self._metric_names) >= MAX_METRIC_NAMES:
+            self._over(
+                rs,
+                "metrics",
+                f"torchdist: this run has {MAX_METRIC_NAMES} distinct metric names "
+                f"already; rank {rs.rank}'s {name!r:.60} and any newer names are not "
+                "kept (report() a name per quantity, with the step as step=)",
+            )
+            return False
+        self._metric_names.add(name)
+        return True
 
     def _over(self, rs: RankState, what: str, line: str) -> None:
         """A cap of the run's reached by ``rs``: said once per rank and cap, in its log."""

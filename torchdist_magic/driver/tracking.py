@@ -220,9 +220,12 @@ class MlflowLogger:
         if isinstance(record, events.Metrics):
             if record.rank != self.metrics_rank:
                 return
-            rows = [(name, value, record.time, record.step) for name, value in record.values.items()]
-            for point in record.more:
-                rows += [(name, value, point.time, point.step) for name, value in point.values.items()]
+            rows = [
+                (name, value, when, step)
+                for step, when, row in zip(record.steps, record.times, zip(*record.values))
+                for name, value in zip(record.names, row)
+                if value is not None  # a point that did not report this name
+            ]
         elif isinstance(record, events.SystemMetrics):
             step = self._system_steps.get(record.rank, 0)
             self._system_steps[record.rank] = step + 1

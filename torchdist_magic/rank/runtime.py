@@ -167,7 +167,7 @@ def report(step: Optional[int] = None, **metrics: Any) -> None:
     if step is None:
         step = next(_report_step)
     clean = {k: (v if math.isfinite(v) else str(v)) for k, v in values.items()}
-    _emit(events.Metrics(rank=rank(), step=int(step), values=clean, time=time.time()))
+    _emit(events.Metrics.point(rank(), int(step), clean, time.time()))
 
 
 class progress:

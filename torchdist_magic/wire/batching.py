@@ -29,11 +29,8 @@ def encode_batch(records: List[events.Event], rank: int, dropped: int = 0) -> by
     parts = []
     for record in merge_logs(_merge_metrics(_coalesce(records))):
         part = _encoded(record)
-        if part is None and type(record) is events.Metrics and record.more:  # only the bad points are lost
-            pieces = [
-                _encoded(events.Metrics(rank=record.rank, step=p.step, values=p.values, time=p.time))
-                for p in record.points()
-            ]
+        if part is None and type(record) is events.Metrics and len(record.steps) > 1:  # only the bad points are lost
+            pieces = [_encoded(events.Metrics.point(record.rank, p.step, p.values, p.time)) for p in record.points()]
             dropped += pieces.count(None)
             parts += [piece for piece in pieces if piece is not None]
         elif part is None and type(record) is events.Log and record.more:  # only the lines too long to send
@@ -91,11 +88,13 @@ def _coalesce(records: List[events.Event]) -> List[events.Event]:
 
 def _merge_metrics(records: List[events.Event]) -> List[events.Event]:
     """The ``Metrics`` records of each rank as one, at the place of its first (its points in
-    the order they were reported, in ``more``): the driver decodes and applies one record per
-    flush, not one per ``report()``.  Metrics only move ahead of other records, never behind."""
+    the order they were reported, its names in the order they first came, ``None`` where a point
+    lacks a name): the driver decodes and applies one record per flush, not one per
+    ``report()``.  Metrics only move ahead of other records, never behind."""
     out: List[events.Event] = []
     heads: Dict[int, int] = {}  # rank: index in out of its first Metrics
-    copied = set()  # indices in out of merged copies (the sender's records stay as they were)
+    # index in out of a merged copy (the sender's records stay as they were): its columns by name
+    columns: Dict[int, Dict[str, list]] = {}
     for record in records:
         if type(record) is not events.Metrics:
             out.append(record)
@@ -105,11 +104,31 @@ def _merge_metrics(records: List[events.Event]) -> List[events.Event]:
             heads[record.rank] = len(out)
             out.append(record)
             continue
-        if at not in copied:
-            copied.add(at)
-            out[at] = dataclasses.replace(out[at], more=list(out[at].more))
-        out[at].more.append(events.MetricPoint(record.step, record.values, record.time))
-        out[at].more.extend(record.more)
+        merged = out[at]
+        by_name = columns.get(at)
+        if by_name is None:
+            merged = out[at] = dataclasses.replace(
+                merged,
+                names=list(merged.names),
+                steps=list(merged.steps),
+                times=list(merged.times),
+                values=[list(column) for column in merged.values],
+            )
+            by_name = columns[at] = dict(zip(merged.names, merged.values))
+        before = len(merged.steps)
+        merged.steps += record.steps
+        merged.times += record.times
+        for name, column in zip(record.names, record.values):
+            into = by_name.get(name)
+            if into is None:  # a name the earlier points lack
+                into = by_name[name] = [None] * before
+                merged.names.append(name)
+                merged.values.append(into)
+            into += column
+        after = len(merged.steps)
+        for into in merged.values:  # a name these points lack
+            if len(into) < after:
+                into += [None] * (after - len(into))
     return out
 
 
@@ -118,10 +137,12 @@ MERGED_LOG_CHARS = 64 * 1024
 
 
 def merge_logs(records: List[events.Event]) -> List[events.Event]:
-    """Each run of a rank's ``Log`` records as one (its lines in order, in ``more``), at the
-    place of the run's first: the driver decodes and applies one record per flush, not one per
-    line.  A line moves ahead only of progress and metrics records; any other record (a warm
-    job's ``OutputEnd``, an ``Exit``) ends the run, so no line ever crosses it."""
+    """Each run of a rank's ``Log`` records on one stream as one (its lines in order, the later
+    ones in ``more``), at the place of the run's first: the driver decodes and applies one record
+    per flush, not one per line.  A run ends at a line of the rank's other stream, at a redrawn
+    line (``cr``: it starts the next run), at ``MERGED_LOG_CHARS``, and at any record but
+    progress and metrics (a warm job's ``OutputEnd``, an ``Exit``), so no line ever crosses
+    another line of the rank, nor such a record."""
     out: List[events.Event] = []
     heads: Dict[int, Tuple[int, int]] = {}  # rank: (index in out of its open Log, its text so far)
     copied = set()  # indices in out of merged copies (the sender's records stay as they were)
@@ -133,8 +154,8 @@ def merge_logs(records: List[events.Event]) -> List[events.Event]:
             out.append(record)
             continue
         head = heads.get(record.rank)
-        size = len(record.line)
-        if head is None or head[1] + size > MERGED_LOG_CHARS:
+        size = len(record.line) + sum(map(len, record.more))
+        if head is None or record.cr or out[head[0]].stream != record.stream or head[1] + size > MERGED_LOG_CHARS:
             heads[record.rank] = (len(out), size)
             out.append(record)
             continue
@@ -143,7 +164,7 @@ def merge_logs(records: List[events.Event]) -> List[events.Event]:
             copied.add(at)
             out[at] = dataclasses.replace(out[at], more=list(out[at].more))
         merged = out[at]
-        merged.more.append(events.OutputLine(record.stream, record.line, record.cr))
-        merged.more.extend(record.more)
-        heads[record.rank] = (at, text + size + sum(len(o.line) for o in record.more))
+        merged.more.append(record.line)
+        merged.more += record.more
+        heads[record.rank] = (at, text + size)
     return out
