@@ -746,19 +746,15 @@ def test_each_record_types_encoder_gives_its_fields_as_json():
     samples = [cls(rank=2) for cls in events.RECORDS.values()]
     samples += [
         events.Metrics(
-            rank=1,
-            step=3,
-            values={"loss": 0.5, "note": "nan"},
-            time=1.5,
-            more=[events.MetricPoint(step=4, values={"loss": 0.25}, time=2.0)],
+            rank=1, names=["loss", "note"], steps=[3, 4], times=[1.5, 2.0], values=[[0.5, 0.25], ["nan", None]]
         ),
-        events.Log(rank=0, line="a", more=[events.OutputLine(stream="stderr", line="b", cr=True)]),
+        events.Log(rank=0, line="a", more=["b", "c"]),
         events.Exit(rank=1, code=3, failure=events.Failure(rank=1, exc_type="KeyError", message="x")),
     ]
     for record in samples:
         encoded = events.encode(record)
         assert encoded == {**_fields_as_json(record), "type": record.type}
         assert events.decode(encoded) == record
-    values = {"loss": 1.0}
-    record = events.Metrics(rank=0, values=values)
-    assert events.encode(record)["values"] is not values  # a copy: the record may change later
+    record = events.Metrics.point(0, 1, {"loss": 1.0}, 2.0)
+    encoded = events.encode(record)
+    assert encoded["values"] == [[1.0]] and encoded["values"][0] is not record.values[0]  # copies

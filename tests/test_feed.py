@@ -20,7 +20,7 @@ def fed_state(ranks=3):
     for rank in range(ranks):
         state.apply(events.Started(rank=rank, host="h", pid=100 + rank))
         for step in range(1, 6):
-            state.apply(events.Metrics(rank=rank, step=step, time=float(step), values={"loss": 1.0 / step}))
+            state.apply(events.Metrics.point(rank, step, {"loss": 1.0 / step}, float(step)))
             state.apply(events.Log(rank=rank, stream="stdout", line=f"rank {rank} step {step}"))
     return state
 

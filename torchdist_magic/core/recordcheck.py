@@ -42,6 +42,7 @@ _COPIED = {
     typing.List[str]: "list",
     typing.List[int]: "list",
     typing.List[float]: "list",
+    typing.List[typing.List[typing.Optional[Union[float, str]]]]: "rows",
 }
 _ENCODERS: Dict[type, Callable[[Any], dict]] = {}
 
@@ -61,6 +62,11 @@ def _encoder(cls: type) -> Callable[[Any], dict]:
         hint = hints.get(f.name)
         if hint in _PLAIN:
             items.append(f"{f.name!r}: value.{f.name}")
+        elif _COPIED.get(hint) == "rows":  # a list of lists of plain values: each row copied
+            items.append(
+                f"{f.name!r}: [list(row) for row in value.{f.name}] "
+                f"if type(value.{f.name}) is list else convert(value.{f.name})"
+            )
         elif hint in _COPIED:
             copy = _COPIED[hint]
             items.append(
