@@ -444,6 +444,8 @@ def test_a_notebook_tensor_changed_once_the_run_started_reaches_the_ranks_as_it_
 def test_the_values_files_memory_is_given_back_once_its_name_is_gone(tmp_path):
     """``SentValues.remove``: the name at once, the memory by a thread of its own, which lets go
     of the file it held open."""
+    import shutil
+
     from helpers import wait_until
     from torchdist_magic.backends.local import LocalProcessBackend
     from torchdist_magic.core.job import build_job
@@ -469,6 +471,14 @@ def test_the_values_files_memory_is_given_back_once_its_name_is_gone(tmp_path):
     sent.remove()
     assert not os.path.exists(directory) and sent.directory == ""
     wait_until(lambda: not held(), 30, "the thread that gives the file's memory back to close it")
+    sent.remove()  # idempotent
+
+    again = SentValues("test", LocalProcessBackend())
+    again.pickle(build_job(sum_of, (torch.ones(2**20),), {}))
+    again.wait()
+    shutil.rmtree(again.directory)  # by someone else
+    again.remove()
+    assert again.directory == ""
 
 
 FULL_SHM_OUT = """

@@ -74,7 +74,11 @@ class SentValues:
         self._writer = None
         if self.directory:
             held = []
-            for name in os.listdir(self.directory):
+            try:
+                names = os.listdir(self.directory)
+            except OSError:  # removed already
+                names = []
+            for name in names:
                 try:
                     held.append(os.open(os.path.join(self.directory, name), os.O_RDONLY | os.O_NOFOLLOW))
                 except OSError:  # a link: nothing of it to give back
