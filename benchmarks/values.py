@@ -10,7 +10,8 @@ mode, and on the same Spark sessions) in the same process.
                                 [--connect-driver-memory 4g] [--directions back out]
 
 Every figure is the whole run's wall time (start 2 ranks, train nothing, move the value,
-return), the median of ``--repeat``; "MiB/s" is the largest size over its time beyond the
+return), the median of ``--repeat`` (each run's is printed, and kept in the JSON as
+``each_seconds``: on a busy machine a trivial run alone varies by a second or more); "MiB/s" is the largest size over its time beyond the
 smallest size's, i.e. what the value itself costs; "MiB per CPU s" is the same by CPU time (this
 process's and that of the children it waited for: the local ranks, torchrun's; not Spark's
 executors), which a busy machine changes less.  "out" is a cell that uses a notebook tensor
