@@ -7,11 +7,14 @@ mode, and on the same Spark sessions) in the same process.
                                 [--no-connect] [--no-torchdistributor] [--max-spark-mib N]
                                 [--fetch-sizes 1 64 512 2048] [--only-fetch]
                                 [--max-torchdistributor-mib N] [--torchdistributor-repeat N]
-                                [--connect-driver-memory 4g]
+                                [--connect-driver-memory 4g] [--directions back out]
 
 Every figure is the whole run's wall time (start 2 ranks, train nothing, move the value,
-return), the median of ``--repeat``; "MiB/s" is the largest size over its time beyond the
-smallest size's, i.e. what the value itself costs.  "out" is a cell that uses a notebook tensor
+return), the median of ``--repeat`` (each run's is printed, and kept in the JSON as
+``each_seconds``: on a busy machine a trivial run alone varies by a second or more); "MiB/s" is the largest size over its time beyond the
+smallest size's, i.e. what the value itself costs; "MiB per CPU s" is the same by CPU time (this
+process's and that of the children it waited for: the local ranks, torchrun's; not Spark's
+executors), which a busy machine changes less.  "out" is a cell that uses a notebook tensor
 (``capture_cell``, as ``%%torchdist`` does) for torchdist_magic, and the function's argument for
 TorchDistributor, which has no other way.  The driver's peak resident memory above what it held
 before (``/proc/self/status`` VmHWM, reset before each size) is in units of the value.  Spark
@@ -24,6 +27,11 @@ are not tried.  The Connect rows run last (a Connect session makes this process 
 for good), on a server with ``--connect-driver-memory`` of heap: at Spark's default of 1 GiB
 TorchDistributor's 512 MiB value back exhausts it (``OutOfMemoryError`` serializing the task's
 result; the server stops), where torchdist_magic's value never enters the JVM.
+
+"out file alone", for torchdist's local out rows: what the file of the largest notebook tensor
+costs the driver by itself, timed apart from any run (the median of ``--repeat``): writing it into
+shared memory, as a run does while its ranks start, and giving its memory back (removing it), as
+a run does after its result is known.
 
 The "fetch" rows move the values the way a multi-host cluster does (``TORCHDIST_VALUES_FETCH=1``
 on ``local[2]``), with the channel's TLS (the default on Spark) and without: out, one task fetches
@@ -41,6 +49,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -93,13 +102,42 @@ def _rss_bytes() -> int:
     return _status_bytes("VmRSS")
 
 
-def time_runs(call, repeat: int) -> float:
-    times = []
+def time_runs(call, repeat: int, times: list) -> Tuple[float, float]:
+    """The median wall time of ``repeat`` calls (each appended to ``times``), and of their CPU
+    time: this process's and that of the children it waited for (local ranks, torchrun's; not
+    Spark's executors)."""
+    cpu = []
     for _ in range(repeat):
+        before = os.times()
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        after = os.times()
+        cpu.append(sum(after[i] - before[i] for i in range(4)))  # user, system, children's both
+    return statistics.median(times), statistics.median(cpu)
+
+
+def out_file_alone(tensor, repeat: int) -> Tuple[float, float]:
+    """The medians of what the file of ``tensor`` out to the ranks costs the driver by itself:
+    writing it where a run writes it (``Buffers.in_file`` into a ``value_directory``), and giving
+    its memory back (removing it).  A run overlaps the first with its ranks' start."""
+    import shutil
+
+    from torchdist_magic.core import values
+
+    writes, frees = [], []
+    for _ in range(repeat):
+        _, buffers = values.pickled_apart({"tensor": tensor})
+        directory = values.value_directory("torchdist-bench-values-", buffers.nbytes)
+        try:
+            start = time.perf_counter()
+            buffers.in_file(directory)
+            writes.append(time.perf_counter() - start)
+        finally:
+            start = time.perf_counter()
+            shutil.rmtree(directory)
+            frees.append(time.perf_counter() - start)
+    return statistics.median(writes), statistics.median(frees)
 
 
 def torchdist_runner(local_mode: bool, **options):
@@ -146,7 +184,7 @@ def channel_rate(direction: str) -> float:
     raise RuntimeError(f"no rank of run {run.run_id} says it moved values {direction} over the channel")
 
 
-def measure(name: str, runner, sizes, repeat: int, rows: list, directions=("back", "out")) -> None:
+def measure(name: str, runner, sizes, repeat: int, rows: list, directions) -> None:
     import torch
 
     run_back, run_out = runner
@@ -156,39 +194,51 @@ def measure(name: str, runner, sizes, repeat: int, rows: list, directions=("back
             tensor = torch.ones(mib * 2**18) if direction == "out" else None
             _reset_peak()
             before = _rss_bytes()
-            row = {"runner": name, "direction": direction, "mib": mib}
+            row = {"runner": name, "direction": direction, "mib": mib, "each_seconds": []}
             fetches: list = []
             call = (lambda: run_back(mib)) if direction == "back" else (lambda: run_out(tensor))
             try:
                 if "fetch" in name:  # each run's transfer as its rank's log says
-                    row["seconds"] = time_runs(lambda: (call(), fetches.append(channel_rate(direction))), repeat)
+                    timed = time_runs(
+                        lambda: (call(), fetches.append(channel_rate(direction))), repeat, row["each_seconds"]
+                    )
                 else:
-                    row["seconds"] = time_runs(call, repeat)
+                    timed = time_runs(call, repeat, row["each_seconds"])
+                row["seconds"], row["cpu_seconds"] = timed
             except Exception as exc:  # a runner's limit: recorded, its larger sizes not tried
                 row.update(seconds=None, error=f"{type(exc).__name__}: {str(exc)[:500]}")
             row["driver_peak_per_value"] = (_peak_bytes() - before) / (mib * 2**20)
             if fetches:
                 row["fetch_mib_per_s"] = statistics.median(fetches)
+            if direction == "out" and name == "torchdist local" and row["seconds"] is not None:
+                row["file_write_seconds"], row["file_free_seconds"] = out_file_alone(tensor, repeat)
             tensor = None  # its memory goes before the next size
             rows.append(row)
             if row["seconds"] is None:
                 print(f"{name:28s} {direction:4s} {mib:5d} MiB  failed: {row['error'][:200]}", flush=True)
                 break
             print(
-                f"{name:28s} {direction:4s} {mib:5d} MiB  {row['seconds']:7.2f} s  "
+                f"{name:28s} {direction:4s} {mib:5d} MiB  {row['seconds']:7.2f} s "
+                f"({' '.join(f'{t:.2f}' for t in row['each_seconds'])})  CPU {row['cpu_seconds']:6.2f} s  "
                 f"driver peak +{row['driver_peak_per_value']:.2f}x"
-                + (f"  channel {row['fetch_mib_per_s']:.0f} MiB/s" if "fetch_mib_per_s" in row else ""),
+                + (f"  channel {row['fetch_mib_per_s']:.0f} MiB/s" if "fetch_mib_per_s" in row else "")
+                + (
+                    f"  file alone: written in {row['file_write_seconds']:.2f} s, freed in "
+                    f"{row['file_free_seconds']:.2f} s"
+                    if "file_write_seconds" in row
+                    else ""
+                ),
                 flush=True,
             )
 
 
-def rate(mine: list):
-    """MiB/s of the largest size measured beyond the smallest (``None`` when not measurably
-    slower)."""
+def rate(mine: list, key: str = "seconds"):
+    """MiB/s of the largest size measured beyond the smallest, by wall time (or by ``key``:
+    ``"cpu_seconds"``); ``None`` when not measurably slower."""
     mine = [r for r in mine if r["seconds"] is not None]
     if len(mine) < 2:
         return None
-    extra = mine[-1]["seconds"] - mine[0]["seconds"]
+    extra = mine[-1][key] - mine[0][key]
     return (mine[-1]["mib"] - mine[0]["mib"]) / extra if extra > 0 else None
 
 
@@ -197,9 +247,10 @@ def print_table(rows: list, sizes) -> None:
     print(
         "| runner | direction | "
         + " | ".join(f"{m} MiB" for m in sizes)
-        + " | MiB/s beyond a trivial run | driver peak (x value) | channel MiB/s |"
+        + " | MiB/s beyond a trivial run | MiB per CPU s beyond it | driver peak (x value) | channel MiB/s "
+        "| out file alone: write s, free s |"
     )
-    print("|" + "---|" * (5 + len(sizes)))
+    print("|" + "---|" * (7 + len(sizes)))
     seen = []
     for r in rows:
         if (r["runner"], r["direction"]) not in seen:
@@ -211,12 +262,16 @@ def print_table(rows: list, sizes) -> None:
             ("failed" if by_size[m]["seconds"] is None else f"{by_size[m]['seconds']:.2f}") if m in by_size else "-"
             for m in sizes
         ]
-        speed = rate(mine)
+        speed, cpu = rate(mine), rate(mine, "cpu_seconds")
         largest = [r for r in mine if r["seconds"] is not None][-1:] or mine
         fetch = largest[0].get("fetch_mib_per_s")
+        alone = largest[0].get("file_write_seconds")
         print(
             f"| {name} | {direction} | " + " | ".join(cells) + f" | {f'{speed:,.0f}' if speed else '-'} | "
-            f"{largest[0]['driver_peak_per_value']:.2f} | {f'{fetch:,.0f}' if fetch else '-'} |"
+            f"{f'{cpu:,.0f}' if cpu else '-'} | "
+            f"{largest[0]['driver_peak_per_value']:.2f} | {f'{fetch:,.0f}' if fetch else '-'} | "
+            + (f"{alone:.2f}, {largest[0]['file_free_seconds']:.2f}" if alone is not None else "-")
+            + " |"
         )
 
 
@@ -253,6 +308,7 @@ def main() -> None:
     parser.add_argument("--max-torchdistributor-mib", type=int, default=512)
     parser.add_argument("--torchdistributor-repeat", type=int, default=1)
     parser.add_argument("--connect-driver-memory", default="4g")
+    parser.add_argument("--directions", nargs="+", choices=["back", "out"], default=["back", "out"])
     args = parser.parse_args()
     import pyspark
     import torch
@@ -266,13 +322,22 @@ def main() -> None:
     # TorchDistributor's tasks run Spark's interpreter: the notebook's, as torchdist_magic picks
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     if not args.only_fetch:
-        measure("torchdist local", torchdist_runner(True), args.sizes, args.repeat, rows)
+        measure("torchdist local", torchdist_runner(True), args.sizes, args.repeat, rows, args.directions)
     if not args.no_spark:
         spark = spark_session("torchdist_magic values benchmark")
         if not args.no_torchdistributor and not args.only_fetch:  # it wants an active session even in local mode
-            measure("TorchDistributor local", torchdistributor_runner(True), td_local_sizes, td_repeat, rows)
+            measure(
+                "TorchDistributor local",
+                torchdistributor_runner(True),
+                td_local_sizes,
+                td_repeat,
+                rows,
+                args.directions,
+            )
         if not args.only_fetch:
-            measure("torchdist spark local[2]", torchdist_runner(False), spark_sizes, args.repeat, rows)
+            measure(
+                "torchdist spark local[2]", torchdist_runner(False), spark_sizes, args.repeat, rows, args.directions
+            )
         from torchdist_magic.core.names import VALUES_FETCH_ENV
 
         os.environ[VALUES_FETCH_ENV] = "1"
@@ -283,26 +348,42 @@ def main() -> None:
                 args.fetch_sizes,
                 args.repeat,
                 rows,
+                args.directions,
             )
         del os.environ[VALUES_FETCH_ENV]
         if not args.no_torchdistributor and not args.only_fetch:
-            measure("TorchDistributor spark local[2]", torchdistributor_runner(False), td_sizes, td_repeat, rows)
+            measure(
+                "TorchDistributor spark local[2]",
+                torchdistributor_runner(False),
+                td_sizes,
+                td_repeat,
+                rows,
+                args.directions,
+            )
         spark.stop()
         if not args.no_connect and not args.only_fetch:
 
             def measure_connect():
-                measure("torchdist connect", torchdist_runner(False), spark_sizes, args.repeat, rows)
+                measure("torchdist connect", torchdist_runner(False), spark_sizes, args.repeat, rows, args.directions)
                 if not args.no_torchdistributor:
-                    measure("TorchDistributor connect", torchdistributor_runner(False), td_sizes, td_repeat, rows)
+                    measure(
+                        "TorchDistributor connect",
+                        torchdistributor_runner(False),
+                        td_sizes,
+                        td_repeat,
+                        rows,
+                        args.directions,
+                    )
 
             on_connect(measure_connect, args.connect_driver_memory)
     print_table(rows, args.sizes)
     for r in rows:
-        r["mib_per_s_beyond_smallest"] = None
+        r["mib_per_s_beyond_smallest"] = r["mib_per_cpu_s_beyond_smallest"] = None
     for name, direction in {(r["runner"], r["direction"]) for r in rows}:
         mine = [r for r in rows if r["runner"] == name and r["direction"] == direction and r["seconds"] is not None]
         if mine:
             mine[-1]["mib_per_s_beyond_smallest"] = rate(mine)
+            mine[-1]["mib_per_cpu_s_beyond_smallest"] = rate(mine, "cpu_seconds")
     write_json(
         args.json,
         {

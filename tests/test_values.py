@@ -320,3 +320,207 @@ def test_a_512_mib_notebook_tensor_reaches_spark_tasks_through_the_file(session,
     assert run.result(timeout=600) == [(0, float(tensor.numel()), 0), (1, float(tensor.numel()), 0)]
     assert_nothing_left(run)
     assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"torchdist-{run.run_id}-")]
+
+
+# -- values out to the ranks: written while the ranks start --------------------------------
+
+
+def _blob_file(directory, value):
+    """``value``'s buffers as the ranks read them: the file's path, the pickle stream, the
+    whole file's bytes and the ``Buffers`` that name it."""
+    stream, buffers = values.pickled_apart(value)
+    in_file = buffers.in_file(str(directory))
+    with open(in_file.path, "rb") as fh:
+        return in_file.path, stream, fh.read(), in_file
+
+
+def _waiting_for_lock_on(path: str) -> bool:
+    """Whether a ``flock`` of this process waits for the file at ``path`` (``/proc/locks``
+    lists a waiter with ``->``)."""
+    inode = os.stat(path).st_ino
+    with open("/proc/locks") as fh:
+        return any(
+            "->" in line and f" {os.getpid()} " in line and line.split()[-3].endswith(f":{inode}") for line in fh
+        )
+
+
+def test_a_rank_that_loads_the_values_while_the_driver_writes_them_waits_for_the_whole_file(tmp_path):
+    """The driver holds the file's lock while it writes (``FileWriter``): a rank that maps it
+    meanwhile waits, and then reads every byte, never a part."""
+    import fcntl
+    import threading
+
+    from helpers import wait_until
+
+    value = {"t": torch.arange(2**20, dtype=torch.float64)}
+    os.makedirs(tmp_path / "whole")
+    os.makedirs(tmp_path / "being-written")
+    path, stream, whole, in_file = _blob_file(tmp_path / "whole", value)
+    half = str(tmp_path / "being-written" / values.SENT_FILE)
+    with open(half, "wb", buffering=0) as writer:
+        fcntl.flock(writer.fileno(), fcntl.LOCK_EX)
+        writer.write(whole[: len(whole) // 2])
+        loaded = []
+        reader = threading.Thread(target=lambda: loaded.append(values.loads_apart(stream, in_file._named(half))))
+        reader.start()
+        wait_until(lambda: _waiting_for_lock_on(half), 30, "the rank to wait for the file's lock")
+        assert not loaded
+        writer.write(whole[len(whole) // 2 :])
+    reader.join(30)
+    assert torch.equal(loaded[0]["t"], value["t"])
+
+
+def test_a_values_file_the_driver_could_not_write_names_its_reason_on_the_rank(tmp_path):
+    """``FileWriter`` leaves the reason in the file (here a file size limit, as a full disk
+    does): the driver's ``error`` has it, and a rank that loads the file raises it."""
+    import subprocess
+    import sys
+
+    script = """
+import os, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+import numpy as np
+from torchdist_magic.core import values
+stream, buffers = values.pickled_apart({"a": np.ones(1 << 20)})
+writer = values.FileWriter(buffers, sys.argv[1])
+writer.wait()
+print(writer.error)
+try:
+    values.loads_apart(stream, writer.buffers)
+except OSError as exc:
+    print(exc)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120, env=os.environ
+    )
+    assert done.returncode == 0, done.stderr
+    error, message = done.stdout.splitlines()
+    assert error == "[Errno 27] File too large"
+    assert message == (
+        f"the driver could not write the notebook values sent to the ranks into "
+        f"{tmp_path / values.SENT_FILE}: [Errno 27] File too large"
+    )
+
+
+def test_a_values_file_that_is_not_whole_is_refused_by_the_rank(tmp_path):
+    """What a driver stopped while it wrote leaves: a part of the file, or nothing."""
+    path, stream, whole, in_file = _blob_file(tmp_path, {"t": torch.ones(2**18)})
+    with open(path, "wb") as fh:
+        fh.write(whole[: len(whole) - 4096])
+    with pytest.raises(
+        OSError,
+        match=rf"^the notebook values sent to the ranks in {path} are not whole: not a whole torchdist value: "
+        rf"it ends after {len(whole) - 4096} of its {len(whole)} bytes$",
+    ):
+        values.loads_apart(stream, in_file)
+    open(path, "wb").close()
+    with pytest.raises(
+        OSError,
+        match=rf"^the notebook values sent to the ranks in {path} are not whole: it does not start with a "
+        r"value's mark$",
+    ):
+        values.loads_apart(stream, in_file)
+
+
+def test_a_blob_cut_short_is_refused():
+    blob = values.dumps({"t": torch.ones(1000)})
+    with pytest.raises(
+        ValueError, match=rf"^not a whole torchdist value: it ends after {len(blob) - 8} of its {len(blob)} bytes$"
+    ):
+        values.loads(blob[:-8])
+
+
+def test_a_notebook_tensor_changed_once_the_run_started_reaches_the_ranks_as_it_was():
+    """``submit`` returns once the file the ranks map is written: what the notebook does to the
+    tensor after that is not what the ranks read."""
+    tensor = torch.zeros(64 * 2**20 // 4)
+    run = Distributor(2, local_mode=True, show=None, all_ranks=True).submit(sum_of, tensor)
+    tensor.fill_(1.0)
+    assert run.result(timeout=300) == [(0, 0.0), (1, 0.0)]
+    assert_no_survivors(run)
+
+
+def test_the_values_files_memory_is_given_back_once_its_name_is_gone(tmp_path):
+    """``SentValues.remove``: the name at once, the memory by a thread of its own, which lets go
+    of the file it held open."""
+    import shutil
+
+    from helpers import wait_until
+    from torchdist_magic.backends.local import LocalProcessBackend
+    from torchdist_magic.core.job import build_job
+    from torchdist_magic.driver.sent import SentValues
+
+    def held():
+        found = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(os.path.join("/proc/self/fd", fd))
+            except OSError:
+                continue
+            if values.SENT_FILE in target and "torchdist-test-values" in target:
+                found.append(target)
+        return found
+
+    sent = SentValues("test", LocalProcessBackend())
+    job_bytes = sent.pickle(build_job(sum_of, (torch.ones(2**20),), {}))
+    directory = sent.directory
+    sent.wait()
+    job = pickle.loads(job_bytes)
+    assert job.buffers.path == os.path.join(directory, values.SENT_FILE) and os.path.exists(job.buffers.path)
+    sent.remove()
+    assert not os.path.exists(directory) and sent.directory == ""
+    wait_until(lambda: not held(), 30, "the thread that gives the file's memory back to close it")
+    sent.remove()  # idempotent
+
+    again = SentValues("test", LocalProcessBackend())
+    again.pickle(build_job(sum_of, (torch.ones(2**20),), {}))
+    again.wait()
+    shutil.rmtree(again.directory)  # by someone else
+    again.remove()
+    assert again.directory == ""
+
+
+FULL_SHM_OUT = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from helpers import assert_no_survivors
+from torchdist_magic import Distributor
+from torchdist_magic.core.errors import RankFailure
+
+with open("/dev/shm/filler", "wb") as fh:  # leaves 2 MiB of the mount's 8
+    fh.write(b"x" * (6 * 2**20))
+run = Distributor(2, local_mode=True, show=None).submit(len, torch.ones(3 * 2**20 // 4))
+try:
+    run.result(timeout=300)
+except RankFailure as exc:
+    print(exc.exc_type, exc.message, sep="\\n")
+assert_no_survivors(run)
+"""
+
+
+@pytest.mark.skipif(UNSHARE is None, reason="a full /dev/shm needs a mount of its own (unshare)")
+def test_notebook_values_that_fill_shared_memory_fail_the_ranks_with_the_drivers_reason():
+    """The values' file is written while the ranks start: where /dev/shm fills up, each rank
+    that maps it fails with what the driver's write raised."""
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = f'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec {sys.executable} -c "$0" "$@"'
+    done = subprocess.run(
+        ["unshare", *UNSHARE, "sh", "-c", script, FULL_SHM_OUT, tests],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(tests)},
+    )
+    assert done.returncode == 0, done.stderr
+    exc_type, message = done.stdout.splitlines()
+    assert exc_type == "OSError"
+    assert re.fullmatch(
+        r"the driver could not write the notebook values sent to the ranks into "
+        r"/dev/shm/torchdist-[^/]+-values-\d+-[^/]+/sent\.values: \[Errno 28\] No space left on device",
+        message,
+    ), message

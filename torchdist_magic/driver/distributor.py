@@ -129,6 +129,11 @@ def submit(
     if options.pdb and not debug_input:
         print(NO_STDIN_PDB, file=sys.stderr, flush=True)
     run._start()
+    try:  # the ranks start while the values they map are written; the caller may change them after
+        run._sent.wait()
+    except BaseException:  # interrupted: the run goes with it
+        run.cancel()
+        raise
     return run
 
 
