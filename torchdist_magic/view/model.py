@@ -492,6 +492,8 @@ class MergedLog:
             changed = True
             taken += len(new)
             self._take(rank, new)
+        if not self._pending:
+            self._next = 0  # all read: the next drain takes its ranks in order again
         return changed
 
     def _take(self, rank: int, new: List[LogLine]) -> None:
