@@ -9,7 +9,7 @@ import math
 import random
 import statistics
 
-from view_helpers import FakeRun, feed, log, metrics, no_cpu, running
+from view_helpers import Clock, FakeRun, exit_, feed, log, metrics, no_cpu, running
 from torchdist_magic.core import events
 from torchdist_magic.driver.reading import MetricCursor
 from torchdist_magic.view import model as M
@@ -166,10 +166,7 @@ def test_the_merged_log_reads_about_its_budget_per_refresh_and_the_rest_at_the_n
 
 
 def test_the_live_view_draws_the_bands_a_summary_would():
-    run, clock = FakeRun(20), None
-    from view_helpers import Clock
-
-    clock = Clock()
+    run, clock = FakeRun(20), Clock()
     for r in range(20):
         running(run.state, r)
     view = W.WidgetView(run, display=False, clock=clock, cpu_clock=no_cpu)
@@ -179,3 +176,24 @@ def test_the_live_view_draws_the_bands_a_summary_would():
         lines = [look.rank for look in view._overview.look][: O.LINE_RANKS]
         assert view.plots.value == bands_html(O.metric_bands(run.state, lines))
     assert "min to max of 20 ranks" in view.plots.value
+
+
+def test_a_view_that_closes_reads_the_lines_its_budget_left():
+    run = FakeRun(20)
+    clock = Clock()
+    view = W.WidgetView(run, display=False, clock=clock, cpu_clock=no_cpu)
+    view._merged.budget = 10
+    for r in range(20):
+        running(run.state, r)
+        log(run.state, r, f"rank {r} says hello")
+        log(run.state, r, f"rank {r} warning: odd", stream="stderr")
+    clock.now += W.PLOT_EVERY
+    view.update()
+    assert view._merged.pending == 15  # five ranks read, ten lines
+    for r in range(20):
+        exit_(run.state, r, 0)
+    run.state.finish("succeeded")
+    view.log_select.value = W.PROBLEMS
+    view.close()
+    assert view._merged.pending == 0 and len(view._merged.problems) == 20
+    assert all(f"rank {r} warning: odd" in view.logs.value for r in range(20))

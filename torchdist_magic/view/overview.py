@@ -331,13 +331,14 @@ def metric_bands(state: RunState, lines: Iterable[int] = (), points: int = BAND_
     (at most ``points`` points each).  A live view keeps a ``BandBuilder`` instead and adds only
     the points that came since its last drawing."""
     builder = BandBuilder(points)
-    builder.add(state.metric_history(_share(state.num_processes, BAND_BUDGET)))
+    builder.add(state.metric_history(band_share(state.num_processes, BAND_BUDGET)))
     return builder.bands(state, lines)
 
 
-def _share(ranks: int, budget: int) -> int:
-    """Points of each rank's history read for a band: its share of ``budget`` (8 to ``BAND_POINTS``)."""
-    return max(8, min(BAND_POINTS, budget // max(ranks, 1)))
+def band_share(ranks: int, budget: int, least: int = 8) -> int:
+    """Points of each rank's history read for a band: its share of ``budget`` (``least`` to
+    ``BAND_POINTS``)."""
+    return max(least, min(BAND_POINTS, budget // max(ranks, 1)))
 
 
 class _Bucket:

@@ -48,7 +48,17 @@ from .html import (
 )
 from .kernel_poll import KernelPoll
 from .model import MergedLog, metric_series, system_series, rank_log, rank_rows, rank_stacks, root_cause_rank, run_facts
-from .overview import BAND_BUDGET, BAND_READ, LINE_RANKS, PAGE_RANKS, BandBuilder, Overview, is_large, overview
+from .overview import (
+    BAND_BUDGET,
+    BAND_READ,
+    LINE_RANKS,
+    PAGE_RANKS,
+    BandBuilder,
+    Overview,
+    band_share,
+    is_large,
+    overview,
+)
 from .plots import bands_html, plots_html
 from .text import header, summary_with_logs
 
@@ -352,7 +362,7 @@ class WidgetView:
         else:
             first = False
         ranks = self.state.num_processes
-        per_rank = max(1, (BAND_BUDGET if first else BAND_READ) // max(ranks, 1))
+        per_rank = band_share(ranks, BAND_BUDGET) if first else band_share(ranks, BAND_READ, least=1)
         self._bands.add(self.state.metric_points(self._bands_cursor, per_rank))
         return self._bands.bands(self.state, lines)
 
@@ -416,6 +426,10 @@ class WidgetView:
                 return
             self._closed = True
             self._render(self.clock(), force=True)
+            if self._merged.pending:  # the lines a refresh's budget left: the last view has them all
+                while self._merged.pending:
+                    self._merged.drain(self.state, ())
+                self._render_logs(self.state.finished)
         if self._poll is not None:
             self._poll.poll()
             self._poll.close()
