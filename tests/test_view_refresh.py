@@ -9,8 +9,7 @@ import math
 import random
 import statistics
 
-from view_helpers import Clock, FakeRun, exit_, feed, log, metrics, no_cpu, running
-from torchdist_magic.core import events
+from view_helpers import Clock, FakeRun, exit_, log, metrics, no_cpu, running
 from torchdist_magic.driver.reading import MetricCursor
 from torchdist_magic.view import model as M
 from torchdist_magic.view import overview as O
@@ -54,20 +53,17 @@ def as_tuples(bands):
 
 
 def feed_rounds(state, ranks, rounds, seed=7):
-    """Rounds of metric records at uneven paces (several points per record, as a rank's flush
-    sends them), a rank that repeats a step, a nan; yields after each round."""
+    """Rounds of metric points at uneven paces (a rank's steps jump by 1 to 5), a rank that
+    repeats a step with a nan; yields after each round."""
     rng = random.Random(seed)
     steps = [0] * ranks
     for _ in range(rounds):
         for r in range(ranks):
-            made = []
             for _ in range(rng.randint(0, 6)):
                 steps[r] += rng.choice((1, 1, 2, 5)) if r % 5 else 1
-                made.append(events.MetricPoint(step=steps[r], values={"loss": rng.gauss(1.0, 0.3), "lr": 0.1}))
-            if r == 3 and made:
-                made.append(events.MetricPoint(step=steps[r], values={"loss": float("nan"), "lr": 0.2}))
-            if made:
-                feed(state, events.Metrics(rank=r, step=made[0].step, values=made[0].values, more=made[1:]))
+                metrics(state, r, steps[r], loss=rng.gauss(1.0, 0.3), lr=0.1)
+                if r == 3:
+                    metrics(state, r, steps[r], loss=float("nan"), lr=0.2)
         yield
 
 
