@@ -96,28 +96,16 @@ class RunStateReads:
 
     def snapshot(self, since: Optional[int] = None) -> RunSnapshot:
         """The run and every rank as they are now, copied at once; ``changed`` names the ranks
-        changed after version ``since`` (every rank when ``since`` is None)."""
+        changed after version ``since`` (every rank when ``since`` is None).  A rank unchanged
+        since the last snapshot is the same ``RankSnapshot`` (they are frozen): a snapshot copies
+        what changed, not every rank."""
         with self._lock:
+            kept, kept_at = self._rank_snapshots
+            versions = self._rank_versions
             ranks = tuple(
-                RankSnapshot(
-                    rank=rs.rank,
-                    host=rs.host,
-                    pid=rs.pid,
-                    state=rs.state,
-                    exit_code=rs.exit_code,
-                    started=rs.started,
-                    ended=rs.ended,
-                    progress={k: dict(b) for k, b in rs.progress.items()},
-                    metrics=dict(rs.metrics),
-                    dropped=rs.dropped,
-                    failure=rs.failure,
-                    log_lines=len(rs.logs),
-                    system=dict(rs.system),
-                    step_time=rs.step_time,
-                    step_split=None if rs.step_split is None else dict(rs.step_split),
-                )
-                for rs in self.ranks
+                rank_snapshot(rs) if kept is None or versions[rs.rank] > kept_at else kept[rs.rank] for rs in self.ranks
             )
+            self._rank_snapshots = (ranks, self.version)
             changed = frozenset(r for r, v in enumerate(self._rank_versions) if since is None or v > since)
             now = self._pace.clock()
             quiet = tuple(None if seen is None else now - seen for seen in self._pace.last_seen)
@@ -190,6 +178,41 @@ class RunStateReads:
                     history.setdefault(name, {})[rs.rank] = _thinned(kept, points)
             return history
 
+    def metric_points(
+        self, cursor: "MetricCursor", points: Optional[int] = None
+    ) -> Dict[str, Dict[int, List[Tuple[int, float]]]]:
+        """Like ``metric_history``, but only the points each rank's history of each metric got
+        since ``cursor`` last read it (all of it the first time, and after a restart), and
+        ``cursor`` moves past them: ``points``: about that many of each rank's new points,
+        evenly spread, the newest kept.  Where a history was thinned past the point read last
+        (``MAX_POINTS``), the new points are those after the newest one that survived."""
+        with self._lock:
+            new: Dict[str, Dict[int, List[Tuple[int, float]]]] = {}
+            for rs in self.ranks:
+                read = cursor.read.get(rs.rank)
+                if read is None:
+                    read = cursor.read[rs.rank] = {}
+                for name, kept in rs.history.items():
+                    seen = read.get(name)
+                    if not kept or (seen is not None and seen[0] is kept and kept[-1] is seen[2]):
+                        continue  # nothing new: the newest point is the one read last
+                    length = len(kept)
+                    if points == 1:
+                        fresh = [kept[-1]]
+                    else:
+                        start = _after(kept, seen)
+                        fresh = (
+                            kept[start:]
+                            if points is None or length - start <= points
+                            else _thinned(kept[start:], points)
+                        )
+                    by_rank = new.get(name)
+                    if by_rank is None:
+                        by_rank = new[name] = {}
+                    by_rank[rs.rank] = fresh
+                    read[name] = (kept, length, kept[-1])
+            return new
+
     def system_history(self, rank: int, points: Optional[int] = None) -> List[Dict[str, float]]:
         """``rank``'s system samples of the current attempt, oldest first, each a dict of
         ``time`` and the plotted keys it had (``SYSTEM_HISTORY_KEYS``); ``points``: about that
@@ -215,6 +238,56 @@ class RunStateReads:
                 raise IndexError(f"attempt {attempt} is not in this run (attempts 1..{self.attempt})")
             bounds = self._attempt_lines[rank] + [None]
             return self._logs[rank].text(bounds[attempt - 1], bounds[attempt])
+
+
+class MetricCursor:
+    """Where a reader of ``metric_points`` is in each rank's history of each metric: by rank,
+    then by name, the history read (a restart makes new ones), its length then and its newest
+    point, which the history keeps until newer points come."""
+
+    def __init__(self):
+        self.read: Dict[int, Dict[str, Tuple[list, int, tuple]]] = {}
+
+
+def _after(kept: list, read: Optional[Tuple[list, int, tuple]]) -> int:
+    """The index in ``kept`` of the first point after those ``read`` saw (``metric_points``)."""
+    if read is None or read[0] is not kept:
+        return 0
+    _, length, last = read
+    if length <= len(kept) and kept[length - 1] is last:
+        return length
+    # thinned since (every other point went): after the newest point not past the step of the
+    # one read last, found by halves (a rank's steps go up)
+    low, high = 0, len(kept)
+    while low < high:
+        middle = (low + high) // 2
+        if kept[middle][0] <= last[0]:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
+def rank_snapshot(rs) -> RankSnapshot:
+    """``rs`` (a ``RankState``) copied.  Its bars' dicts are shared, not copied: the state
+    replaces a bar's dict on each update and never changes one in place."""
+    return RankSnapshot(
+        rank=rs.rank,
+        host=rs.host,
+        pid=rs.pid,
+        state=rs.state,
+        exit_code=rs.exit_code,
+        started=rs.started,
+        ended=rs.ended,
+        progress=dict(rs.progress),
+        metrics=dict(rs.metrics),
+        dropped=rs.dropped,
+        failure=rs.failure,
+        log_lines=len(rs.logs),
+        system=dict(rs.system),
+        step_time=rs.step_time,
+        step_split=None if rs.step_split is None else dict(rs.step_split),
+    )
 
 
 def _thinned(kept: list, points: Optional[int]) -> list:

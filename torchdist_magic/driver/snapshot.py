@@ -62,6 +62,15 @@ class RankSnapshot(ShownBars):
     step_time: Optional[float] = None  # seconds per step, smoothed
     step_split: Optional[Dict[str, float]] = None  # data/compute/comm shares (``stepsplit``)
 
+    def shown_progress(self) -> List[dict]:
+        """``ShownBars.shown_progress``, worked out once per snapshot (a large run's overview
+        asks each rank several times, and an unchanged rank's snapshot serves several refreshes)."""
+        shown = getattr(self, "_shown", None)
+        if shown is None:
+            shown = ShownBars.shown_progress(self)
+            object.__setattr__(self, "_shown", shown)  # frozen: a cache, not a field
+        return shown
+
 
 @dataclass
 class Attempt:

@@ -171,6 +171,9 @@ class RunState(RunStateReads):
         self.version = 0
         self._lock = threading.RLock()
         self._rank_versions = [0] * num_processes  # the version of each rank's latest change
+        #: the ranks of the last ``snapshot`` and the version it was taken at: a rank unchanged
+        #: since is not copied again
+        self._rank_snapshots: Tuple[Optional[tuple], int] = (None, 0)
         self._stacks_came = threading.Condition(self._lock)
         self._unhandled: set = set()  # record types without a handler, named once
         self._metric_names: set = set()  # every rank's, up to MAX_METRIC_NAMES

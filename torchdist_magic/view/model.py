@@ -24,6 +24,7 @@ any thread while events arrive.  The functions that take a ``state`` also take a
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from ..driver.state import RankState, RunState
 
 LOG_LINES = 300  # lines of a log pane; the complete logs stay on the run's ``logs(rank)``
 LOG_SCAN = 20_000  # lines looked at from the end of a rank's log to fill a pane
+DRAIN_LINES = 4_000  # lines a refresh reads for the all-ranks pane, at most (and one rank's more)
 PLOT_POINTS = 400  # points per line in a plot; longer histories are thinned
 
 
@@ -446,34 +448,65 @@ class MergedLog:
     ``\\r``-lines are not kept in the order: each rank's latest one (its bar in progress) is
     shown after the finished lines until that rank writes a finished line (``LogCursor`` reads
     a trailing one again until the log replaced it).
+
+    A drain reads about ``budget`` lines at most, all ranks together: ranks with lines still
+    to read wait for the next drain, taken in turn from where the last one stopped, so that a
+    refresh of a thousand ranks that print costs what ``budget`` lines cost.  A rank that prints
+    more than ``4 * limit`` lines before its turn comes is read from its newest ``4 * limit``.
     """
 
-    def __init__(self, num_processes: int, limit: int = LOG_LINES):
+    def __init__(self, num_processes: int, limit: int = LOG_LINES, budget: int = DRAIN_LINES):
         self.limit = limit
+        self.budget = budget
         self.lines: Deque[Tuple[int, LogLine]] = deque(maxlen=limit)
         #: every rank's errors and warnings (stderr, or ``is_problem`` lines), the last ``limit``
         self.problems: Deque[Tuple[int, LogLine]] = deque(maxlen=limit)
         self.live: List[Optional[LogLine]] = [None] * num_processes
         self._cursor = LogCursor(num_processes, keep=4 * limit)
+        self._pending: set = set()  # ranks that changed and were not read since
+        self._next = 0  # the rank the next drain starts from (those after the last one read)
+
+    @property
+    def pending(self) -> int:
+        """Ranks whose lines wait for the next drain."""
+        return len(self._pending)
 
     def drain(self, state: RunState, ranks: Optional[Iterable[int]] = None) -> bool:
         """Take the lines written since the last call (by ``ranks``: those that changed, when
-        the caller knows; every rank by default); True when there were any."""
+        the caller knows; every rank by default; and those the last drain left for this one),
+        about ``budget`` of them; True when there were any."""
+        self._pending.update(range(state.num_processes) if ranks is None else ranks)
+        order = sorted(self._pending)
+        turn = bisect.bisect_left(order, self._next)
+        order = order[turn:] + order[:turn]
         changed = False
-        for rank in sorted(range(state.num_processes) if ranks is None else ranks):
+        taken = 0
+        for rank in order:
+            if taken >= self.budget:
+                break
+            self._pending.discard(rank)
+            self._next = rank + 1
             new = self._cursor.read(state, rank)
             if not new:
                 continue
             changed = True
-            for line in new:
-                if line.cr:
-                    self.live[rank] = line if line.text else self.live[rank]
-                else:
-                    self.live[rank] = None
-                    self.lines.append((rank, line))
-                    if line.stream == "stderr" or is_problem(line.text):
-                        self.problems.append((rank, line))
+            taken += len(new)
+            self._take(rank, new)
+        if not self._pending:
+            self._next = 0  # all read: the next drain takes its ranks in order again
         return changed
+
+    def _take(self, rank: int, new: List[LogLine]) -> None:
+        # most lines are neither on stderr nor a problem: one look at all of them tells
+        problems = any(line.stream == "stderr" for line in new) or is_problem("\n".join(line.text for line in new))
+        for line in new:
+            if line.cr:
+                self.live[rank] = line if line.text else self.live[rank]
+            else:
+                self.live[rank] = None
+                self.lines.append((rank, line))
+                if problems and (line.stream == "stderr" or is_problem(line.text)):
+                    self.problems.append((rank, line))
 
     def shown(self) -> List[Tuple[int, LogLine]]:
         """``[(rank, line), ...]``, oldest first."""

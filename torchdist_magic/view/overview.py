@@ -12,7 +12,6 @@ so that what a view costs depends on what it shows, not on how many ranks there 
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 from collections import Counter
@@ -38,6 +37,9 @@ BAND_POINTS = 80
 LINE_RANKS = 5
 #: points read for a band, all ranks together (each rank's history is thinned to its share)
 BAND_BUDGET = 8_000
+#: points read for a band at a later drawing of a live view, all ranks together (each rank's
+#: points since the last drawing are thinned to its share, at least one: its newest)
+BAND_READ = 1_024
 
 
 def is_large(num_processes: int) -> bool:
@@ -197,19 +199,29 @@ _SYSTEM_LABELS = {
 }
 
 
-def _system_value(rs: RankSnapshot, key: str) -> Optional[float]:
-    if key == "step_time":
-        return rs.step_time
-    if key in ("data", "compute", "comm"):
-        return rs.step_split.get(key) if rs.step_split else None
-    return rs.system.get(key)
+_SPLIT_KEYS = ("data", "compute", "comm")
+_SAMPLE_KEYS = tuple(key for key in _SYSTEM_LABELS if key != "step_time" and key not in _SPLIT_KEYS)
 
 
 def system_summaries(ranks: Sequence[RankSnapshot]) -> List[SystemSummary]:
-    """Each system number (``_SYSTEM_LABELS``) across the ranks: O(ranks) per number."""
+    """Each system number (``_SYSTEM_LABELS``) across the ranks: one pass over the ranks."""
+    found: Dict[str, List[Tuple[float, int]]] = {key: [] for key in _SYSTEM_LABELS}
+    for rs in ranks:
+        if rs.system:
+            for key in _SAMPLE_KEYS:
+                value = rs.system.get(key)
+                if value is not None:
+                    found[key].append((value, rs.rank))
+        if rs.step_time is not None:
+            found["step_time"].append((rs.step_time, rs.rank))
+        if rs.step_split:
+            for key in _SPLIT_KEYS:
+                value = rs.step_split.get(key)
+                if value is not None:
+                    found[key].append((value, rs.rank))
     out = []
     for key, label in _SYSTEM_LABELS.items():
-        values = sorted((value, rs.rank) for rs in ranks for value in [_system_value(rs, key)] if value is not None)
+        values = sorted(found[key])
         if values:
             out.append(
                 SystemSummary(
@@ -313,51 +325,146 @@ class Band:
 
 
 def metric_bands(state: RunState, lines: Iterable[int] = (), points: int = BAND_POINTS) -> Dict[str, Band]:
-    """``{metric: Band}``: each metric's median and min-max band across ranks in ``points``
-    step buckets, from a copy of the history thinned under the state's lock to ``BAND_BUDGET``
-    points in all, plus the ranks ``lines`` drawn on their own (at most ``points`` points each)."""
-    lines = list(lines)
-    per_rank = max(8, min(points, BAND_BUDGET // max(state.num_processes, 1)))
-    bands = {}
-    for name, by_rank in state.metric_history(per_rank).items():
-        band = _band(by_rank.values(), points)
-        if band is None:
-            continue
-        band.ranks = len(by_rank)
-        chosen = state.metric_history(points, ranks=[r for r in lines if r in by_rank], names=[name])
-        band.lines = {r: [(x, y) for x, y in pts if math.isfinite(y)] for r, pts in chosen.get(name, {}).items()}
-        band.lines = {r: pts for r, pts in band.lines.items() if pts}
-        bands[name] = band
-    return bands
+    """``{metric: Band}``: each metric's median and min-max band across ranks in at most
+    ``points`` step buckets (``BandBuilder``), from a copy of the history thinned under the
+    state's lock to ``BAND_BUDGET`` points in all, plus the ranks ``lines`` drawn on their own
+    (at most ``points`` points each).  A live view keeps a ``BandBuilder`` instead and adds only
+    the points that came since its last drawing."""
+    builder = BandBuilder(points)
+    builder.add(state.metric_history(band_share(state.num_processes, BAND_BUDGET)))
+    return builder.bands(state, lines)
 
 
-def _band(series: Iterable[List[Tuple[int, float]]], buckets: int) -> Optional[Band]:
-    # numpy is a dependency of torch; imported here, where a large run's plot is drawn
-    import numpy as np
+def band_share(ranks: int, budget: int, least: int = 8) -> int:
+    """Points of each rank's history read for a band: its share of ``budget`` (``least`` to
+    ``BAND_POINTS``)."""
+    return max(least, min(BAND_POINTS, budget // max(ranks, 1)))
 
-    pairs = np.fromiter(itertools.chain.from_iterable(series), dtype=np.dtype((float, 2)))
-    pairs = pairs[np.isfinite(pairs).all(axis=1)]
-    if not len(pairs):
-        return None
-    xs, ys = pairs[:, 0], pairs[:, 1]
-    x0, x1 = xs.min(), xs.max()
-    index = (
-        np.zeros(len(xs), dtype=int)
-        if x1 == x0
-        else np.minimum(((xs - x0) / (x1 - x0) * buckets).astype(int), buckets - 1)
-    )
-    order = np.lexsort((ys, index))  # by bucket, then value: medians by position
-    index, ys_sorted, xs_sorted = index[order], ys[order], xs[order]
-    _, starts, counts = np.unique(index, return_index=True, return_counts=True)
-    ends = starts + counts - 1
-    middle_low, middle_high = starts + (counts - 1) // 2, starts + counts // 2
-    median = (ys_sorted[middle_low] + ys_sorted[middle_high]) / 2
-    steps = np.maximum.reduceat(xs_sorted, starts)
-    return Band(
-        steps=steps.tolist(),
-        low=ys_sorted[starts].tolist(),
-        median=median.tolist(),
-        high=ys_sorted[ends].tolist(),
-        ranks=0,
-        lines={},
-    )
+
+class _Bucket:
+    """The points of one step bucket of one metric: the largest step, the lowest and highest
+    value, and each rank's point of the largest step there (its value at the bucket's end)."""
+
+    __slots__ = ("x", "low", "high", "last", "median")
+
+    def __init__(self, step, value, rank, point):
+        self.x, self.low, self.high = step, value, value
+        self.last = {rank: point}
+        self.median: Optional[float] = None  # None: to work out again (points came)
+
+    def merge(self, other: "_Bucket") -> None:
+        self.x, self.low, self.high = max(self.x, other.x), min(self.low, other.low), max(self.high, other.high)
+        for rank, point in other.last.items():
+            had = self.last.get(rank)
+            if had is None or point[0] >= had[0]:
+                self.last[rank] = point
+        self.median = None
+
+
+class _MetricBuckets:
+    """One metric's buckets: bucket ``b`` holds the steps ``b * width`` to ``(b + 1) * width - 1``;
+    ``width`` doubles (two buckets become one) while the steps seen span more than ``points``
+    buckets."""
+
+    def __init__(self, points: int):
+        self.points = points
+        self.width = 1
+        self.buckets: Dict[int, _Bucket] = {}
+        self.ranks: set = set()
+        self.first = self.last = None  # the lowest and highest bucket
+
+    def add(self, rank: int, series: Iterable[Tuple[int, float]]) -> None:
+        self.ranks.add(rank)
+        buckets, width = self.buckets, self.width
+        first, last = self.first, self.last
+        for point in series:
+            step, value = point
+            if not math.isfinite(value):
+                continue
+            b = int(step // width)
+            bucket = buckets.get(b)
+            if bucket is None:
+                buckets[b] = _Bucket(step, value, rank, point)
+                if first is None or b < first:
+                    first = b
+                if last is None or b > last:
+                    last = b
+                continue
+            # ``_Bucket.add``, inline: this runs for every point of every rank
+            if step > bucket.x:
+                bucket.x = step
+            if value < bucket.low:
+                bucket.low = value
+            elif value > bucket.high:
+                bucket.high = value
+            had = bucket.last.get(rank)
+            if had is None or step >= had[0]:
+                bucket.last[rank] = point
+            bucket.median = None
+        self.first, self.last = first, last
+        while self.last is not None and self.last - self.first >= self.points:
+            self._coarsen()
+
+    def _coarsen(self) -> None:
+        """Twice as wide buckets: each pair of buckets merged."""
+        self.width *= 2
+        merged: Dict[int, _Bucket] = {}
+        for b, bucket in sorted(self.buckets.items()):
+            into = merged.get(b // 2)
+            if into is None:
+                merged[b // 2] = bucket  # alone in its pair: its median stands
+            else:
+                into.merge(bucket)
+        self.buckets = merged
+        self.first, self.last = self.first // 2, self.last // 2
+
+    def band(self) -> Optional[Band]:
+        if not self.buckets:
+            return None
+        steps, low, median, high = [], [], [], []
+        for _, bucket in sorted(self.buckets.items()):
+            if bucket.median is None:
+                bucket.median = statistics.median([value for _, value in bucket.last.values()])
+            steps.append(bucket.x)
+            low.append(bucket.low)
+            median.append(bucket.median)
+            high.append(bucket.high)
+        return Band(steps=steps, low=low, median=median, high=high, ranks=len(self.ranks), lines={})
+
+
+class BandBuilder:
+    """Each metric's band across ranks (``Band``), built as points come (``add``): per step
+    bucket, the lowest and highest value of any rank there and the median of the ranks' values
+    at the bucket's end (each rank's point of the largest step there), in at most ``points``
+    buckets of a width that doubles as the steps grow.  Adding points updates the buckets they
+    fall in; a drawing (``bands``) works out the medians of those buckets only."""
+
+    def __init__(self, points: int = BAND_POINTS):
+        self.points = points
+        self.metrics: Dict[str, _MetricBuckets] = {}
+
+    def add(self, history: Dict[str, Dict[int, List[Tuple[int, float]]]]) -> None:
+        """``{metric: {rank: [(step, value), ...]}}`` (``metric_history``, ``metric_points``)."""
+        for name, by_rank in history.items():
+            metric = self.metrics.get(name)
+            if metric is None:
+                metric = self.metrics[name] = _MetricBuckets(self.points)
+            for rank, series in by_rank.items():
+                metric.add(rank, series)
+
+    def bands(self, state: RunState, lines: Iterable[int] = ()) -> Dict[str, Band]:
+        """``{metric: Band}`` of the points added, with the ranks ``lines`` drawn on their own
+        (at most ``points`` points each, read from ``state``)."""
+        lines = list(lines)
+        chosen = state.metric_history(self.points, ranks=lines) if lines else {}
+        bands = {}
+        for name, metric in self.metrics.items():
+            band = metric.band()
+            if band is None:
+                continue
+            for rank, pts in chosen.get(name, {}).items():
+                finite = [p for p in pts if math.isfinite(p[1])]
+                if finite:
+                    band.lines[rank] = finite
+            bands[name] = band
+        return bands

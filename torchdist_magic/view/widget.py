@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import ipywidgets as widgets
 
+from ..driver.reading import MetricCursor
 from ..driver.state import RunState
 from .html import (
     BORDER,
@@ -47,7 +48,17 @@ from .html import (
 )
 from .kernel_poll import KernelPoll
 from .model import MergedLog, metric_series, system_series, rank_log, rank_rows, rank_stacks, root_cause_rank, run_facts
-from .overview import LINE_RANKS, PAGE_RANKS, Overview, is_large, metric_bands, overview
+from .overview import (
+    BAND_BUDGET,
+    BAND_READ,
+    LINE_RANKS,
+    PAGE_RANKS,
+    BandBuilder,
+    Overview,
+    band_share,
+    is_large,
+    overview,
+)
 from .plots import bands_html, plots_html
 from .text import header, summary_with_logs
 
@@ -102,6 +113,10 @@ class WidgetView:
         self.large = is_large(self.state.num_processes)
         self._overview: Optional[Overview] = None
         self._typed: Optional[int] = None  # the rank typed in the rank box (a large run)
+        # a large run's bands, built from the points that came since each drawing (per attempt)
+        self._bands: Optional[BandBuilder] = None
+        self._bands_cursor = MetricCursor()
+        self._bands_attempt = 0
 
         self.header = widgets.HTML(layout=widgets.Layout(flex="1 1 200px", min_width="0"))
         self.stop_button = widgets.Button(
@@ -329,7 +344,7 @@ class WidgetView:
             self._plot_version = version
             if self.large:
                 lines = [look.rank for look in self._overview.look][:LINE_RANKS]
-                _set(self.plots, bands_html(metric_bands(state, lines)))
+                _set(self.plots, bands_html(self._metric_bands(snap.attempt, lines)))
             else:
                 system = system_series(state)
                 _set(self.plots, plots_html({**metric_series(state), **system}, over_time=system))
@@ -337,6 +352,19 @@ class WidgetView:
         if facts.finished:
             self.stop_button.layout.display = "none"
             self.profile_button.layout.display = "none"
+
+    def _metric_bands(self, attempt: int, lines):
+        """The bands of a large run, from what this view drew before plus the points that came
+        since (``BAND_READ`` of them at most, all ranks together); anew for a new attempt."""
+        if self._bands is None or attempt != self._bands_attempt:
+            self._bands, self._bands_cursor, self._bands_attempt = BandBuilder(), MetricCursor(), attempt
+            first = True
+        else:
+            first = False
+        ranks = self.state.num_processes
+        per_rank = band_share(ranks, BAND_BUDGET) if first else band_share(ranks, BAND_READ, least=1)
+        self._bands.add(self.state.metric_points(self._bands_cursor, per_rank))
+        return self._bands.bands(self.state, lines)
 
     def _update_pickers(self, ov: Overview) -> None:
         """The host pages and the log choices of a large run, sent only when they change."""
@@ -398,6 +426,10 @@ class WidgetView:
                 return
             self._closed = True
             self._render(self.clock(), force=True)
+            if self._merged.pending:  # the lines a refresh's budget left: the last view has them all
+                while self._merged.pending:
+                    self._merged.drain(self.state, ())
+                self._render_logs(self.state.finished)
         if self._poll is not None:
             self._poll.poll()
             self._poll.close()
