@@ -174,3 +174,24 @@ def test_a_socket_another_user_listens_on_is_not_read():
         os.waitpid(child, 0)
         os.unlink(path)
         os.rmdir(directory)
+
+
+def test_metric_points_read_through_the_feed_come_once(socket_path):
+    from torchdist_magic.driver.reading import MetricCursor
+
+    state = fed_state(ranks=2)
+    server = FeedServer(socket_path, TOKEN, state, lambda by: None)
+    hosted = HostedState(socket_path, TOKEN, 2, fed_state)
+    cursor = MetricCursor()
+    first = hosted.metric_points(cursor)
+    assert [step for step, _ in first["loss"][1]] == [1, 2, 3, 4, 5]
+    assert cursor.read == {}  # the place is kept by the process that holds the state
+    state.apply(events.Metrics.point(1, 6, {"loss": 0.1}, 6.0))
+    assert hosted.metric_points(cursor) == {"loss": {1: [(6, 0.1)]}}
+    assert hosted.metric_points(cursor) == {}
+    hosted.close()
+    assert hosted.metric_points(cursor) == {}  # the feed opened again: the place was kept
+    server.close()
+    assert hosted.metric_points(cursor) == {}  # gone: the run ended and its points were read
+    fresh = hosted.metric_points(MetricCursor())  # a new reader reads the state rebuilt here
+    assert [step for step, _ in fresh["loss"][0]] == [1, 2, 3, 4, 5] and not hosted.hosted

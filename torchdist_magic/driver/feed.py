@@ -18,9 +18,11 @@ have written: this socket is never a run's channel, where ranks' records are JSO
 
 from __future__ import annotations
 
+import collections
 import hmac
 import os
 import pickle
+import secrets
 import socket
 import struct
 import threading
@@ -28,6 +30,7 @@ import time
 from typing import Any, Callable, Dict, Optional
 
 from ..core import events
+from .reading import MetricCursor
 
 #: a request line's largest size
 REQUEST_MAX_BYTES = 4096
@@ -73,6 +76,8 @@ READS: Dict[str, Callable[[Any, events.ReadState], Any]] = {
     "idle": lambda state, q: state.idle(),
     "facts": lambda state, q: {name: getattr(state, name) for name in FACTS},
 }
+#: cursors of ``metric_points`` a feed keeps for its kernels (the newest used)
+CURSORS = 64
 
 
 class FeedGone(ConnectionError):
@@ -110,7 +115,9 @@ class FeedServer:
         self.state = state
         self._token = token
         self._stop = stop
+        self._cursors: "collections.OrderedDict[int, MetricCursor]" = collections.OrderedDict()
         self._open = 0  # connections that read, open now
+        self._connections: set = set()
         self._last_read = time.monotonic()
         self._changed = threading.Condition()
         if os.path.lexists(path):
@@ -132,6 +139,8 @@ class FeedServer:
 
     def _serve(self, conn: socket.socket) -> None:
         reading = False
+        with self._changed:
+            self._connections.add(conn)
         try:
             with conn:
                 conn.settimeout(None)
@@ -166,14 +175,17 @@ class FeedServer:
         except OSError:
             pass  # the kernel went away mid-read: nothing to tell anyone
         finally:
-            if reading:
-                with self._changed:
+            with self._changed:
+                self._connections.discard(conn)
+                if reading:
                     self._open -= 1
                     self._changed.notify_all()
 
     def _answer(self, conn: socket.socket, request: events.ReadState) -> None:
         self._last_read = time.monotonic()
         read = READS.get(request.read)
+        if request.read == "metric_points":  # the kernel's cursor is kept here, by its number
+            read = self._metric_points
         if read is None:
             kind, body = b"r", f"no read {request.read!r:.40}".encode()
         else:
@@ -182,6 +194,14 @@ class FeedServer:
             except Exception as exc:  # the reader's error (a rank out of range), raised in the kernel
                 kind, body = b"e", pickle.dumps(exc, protocol=5)
         conn.sendall(ANSWER.pack(kind, len(body)) + body)
+
+    def _metric_points(self, state: Any, request: events.ReadState) -> Any:
+        with self._changed:
+            cursor = self._cursors.pop(request.at, None) or MetricCursor()
+            self._cursors[request.at] = cursor
+            while len(self._cursors) > CURSORS:
+                self._cursors.popitem(last=False)
+        return state.metric_points(cursor, request.points)
 
     def readers(self) -> int:
         """Connections of kernels that read the state, open now."""
@@ -204,11 +224,19 @@ class FeedServer:
         return True
 
     def close(self) -> None:
+        """Stop listening and end every connection (a kernel's next read finds the state gone)."""
         self._socket.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        with self._changed:
+            connections = list(self._connections)
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 class HostedState:
@@ -226,7 +254,9 @@ class HostedState:
         self._conn: Optional[socket.socket] = None
         self._lock = threading.Lock()
 
-    def _ask(self, read: str, **args: Any) -> Any:
+    def _ask(self, read: str, when_local: Optional[Callable[[Any], Any]] = None, **args: Any) -> Any:
+        """The answer to a read, from the process that holds the state; once it has gone, from
+        the fallback's state (``when_local(state)`` where given)."""
         request = events.ReadState(rank=-1, token=self._token, read=read, **args)
         with self._lock:
             if self._local is None:
@@ -236,7 +266,7 @@ class HostedState:
                     self._drop()
                     self._local = self._fallback()
             local = self._local
-        return READS[read](local, request)
+        return READS[read](local, request) if when_local is None else when_local(local)
 
     def _remote(self, request: events.ReadState) -> Any:
         if self.path is None:
@@ -307,6 +337,19 @@ class HostedState:
             ranks=None if ranks is None else list(ranks),
             names=None if names is None else list(names),
         )
+
+    def metric_points(self, cursor: MetricCursor, points: Optional[int] = None):
+        """``RunState.metric_points``: the process that holds the state keeps the cursor's place
+        (this ``cursor`` is the kernel's name for it).  Once that process has gone, a cursor it
+        kept gets nothing more (the run has ended, its points were read); a new one reads the
+        state rebuilt here."""
+        with self._lock:
+            remote = getattr(cursor, "remote", None)
+            if self._local is None and remote is None:
+                remote = cursor.remote = secrets.randbits(62)
+        if remote is not None:
+            return self._ask("metric_points", at=remote, points=points, when_local=lambda local: {})
+        return self._local.metric_points(cursor, points)
 
     def system_history(self, rank: int, points: Optional[int] = None):
         return self._ask("system_history", at=rank, points=points)

@@ -122,7 +122,7 @@ def summary(state: State) -> str:
         rows.append(f"  {facts.outcome}")
     if snap.finished and snap.goodput:
         rows.append(f"  goodput: {describe_goodput(snap.goodput)}")
-    profile = state.profile() if isinstance(state, RunState) else None
+    profile = state.profile() if callable(getattr(state, "profile", None)) else None
     if profile is not None:
         rows += [f"  {line}" for line in profile.lines()]
     stacks = rank_stacks(snap)

@@ -325,7 +325,7 @@ class WidgetView:
                 _set(self.rows, rows_html(rank_rows(snap), straggler_notes(snap)))
             _set(self.failure, failure_html(facts))
             _set(self.stacks, stacks_html(rank_stacks(snap)))
-            profile = state.profile() if isinstance(state, RunState) else None
+            profile = state.profile() if callable(getattr(state, "profile", None)) else None
             if profile is not None:
                 _set(self.profile_note, profile_html(profile))
                 if not profile.waiting:
