@@ -19,7 +19,8 @@ Measured in the driver: by default (``--driver process``) a process of its own t
 run's channel and state, as a run's supervising process does (``--channel process``,
 ``--detach``: it also keeps the run's journal and serves the run's feed), this process being the
 kernel, whose view reads the state through the feed (``feed.HostedState``); with ``--driver
-kernel`` this process, as a run in the kernel.
+kernel`` this process, as a run in the kernel.  ``--journal`` adds the journal a detached run
+keeps (``--detach``), which a run whose kernel follows it does not.
 
 * ``lost`` / ``out_of_order``: every log line and every metric point carries its rank's sequence
   number; progress updates are coalesced by design (only a bar's newest state counts), so they
@@ -397,12 +398,13 @@ def make_view(kind: str, state: RunState):
 
 class Host:
     """The driver's side that holds the run: a real ``ChannelServer`` whose records a real
-    ``RunState`` takes (through the ``Meter``), the journal a supervising process keeps
-    (``supervisor.Journal``) and the run's feed (``feed.FeedServer``), as a run's supervising
-    process has them (``--driver process``: in a process of its own) or as a run in the kernel
-    has them (``--driver kernel``: this process, no journal, no feed)."""
+    ``RunState`` takes (through the ``Meter``) and the run's feed (``feed.FeedServer``), as the
+    supervising process of a run whose kernel follows it has them (``--driver process``: in a
+    process of its own; with ``journal``, also the journal a detached run keeps,
+    ``supervisor.Journal``), or as a run in the kernel has them (``--driver kernel``: this
+    process, no feed)."""
 
-    def __init__(self, ranks: int, use_tls: bool, hosted: bool):
+    def __init__(self, ranks: int, use_tls: bool, hosted: bool, journal: bool = False):
         self.run_id = f"scale-{uuid.uuid4().hex[:8]}"
         self.identity = tls.new_identity() if use_tls else None
         self.state = RunState(self.run_id, ranks, backend="simulated")
@@ -425,9 +427,10 @@ class Host:
             from torchdist_magic.driver.supervisor import Journal
 
             self.directory = tempfile.mkdtemp(prefix="torchdist-scale-")
-            self.journal = Journal(self.directory)
-            self.journal.state = self.state
-            self.state.listen(self.journal.put)
+            if journal:
+                self.journal = Journal(self.directory)
+                self.journal.state = self.state
+                self.state.listen(self.journal.put)
             self.feed = FeedServer(os.path.join(self.directory, "feed.sock"), self.token, self.state, lambda by: None)
 
     def where(self) -> dict:
@@ -481,18 +484,19 @@ class Host:
         if self.feed is not None:
             self.feed.linger(5.0, quiet=0.5)  # the kernel's view takes its last look
             self.feed.close()
-            self.journal.close()
+            if self.journal is not None:
+                self.journal.close()
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def host_process(ranks: int, use_tls: bool, pipe) -> None:
+def host_process(ranks: int, use_tls: bool, journal: bool, pipe) -> None:
     """A run's supervising process, simulated: a ``Host`` that answers the benchmark's
     questions on ``pipe`` (``begin``, ``finish EXPECTED SENT_AT``, ``close``).  In a session of
     its own, as ``supervisor.start_detached`` starts the real one (``start_new_session``): the
     kernel's signals and job control do not reach it, and Linux's scheduler (with autogroups)
     shares the cores between it and the kernel's session as between two programs."""
     os.setsid()
-    host = Host(ranks, use_tls, hosted=True)
+    host = Host(ranks, use_tls, hosted=True, journal=journal)
     try:
         pipe.send(host.where())
         while True:
@@ -511,13 +515,20 @@ def host_process(ranks: int, use_tls: bool, pipe) -> None:
 
 
 def simulate(
-    ranks: int, rate: float, seconds: float, view_kind: str, use_tls: bool, generators: int, driver: str = "process"
+    ranks: int,
+    rate: float,
+    seconds: float,
+    view_kind: str,
+    use_tls: bool,
+    generators: int,
+    driver: str = "process",
+    journal: bool = False,
 ) -> dict:
     context = multiprocessing.get_context("spawn")
     host = hosting = None
     if driver == "process":
         pipe, child_end = context.Pipe()
-        hosting = context.Process(target=host_process, args=(ranks, use_tls, child_end), daemon=True)
+        hosting = context.Process(target=host_process, args=(ranks, use_tls, journal, child_end), daemon=True)
         hosting.start()
         where = pipe.recv()
         from torchdist_magic.driver.feed import HostedState
@@ -620,6 +631,7 @@ def simulate(
         "view": view_kind,
         "tls": use_tls,
         "driver": driver,
+        "journal": journal,
         "generators": len(procs),
         "connections": 2 * ranks,
         "connect_s": connect_s,
@@ -662,6 +674,11 @@ def main() -> None:
     )
     parser.add_argument("--generators", type=int, default=3, help="load-generator processes")
     parser.add_argument(
+        "--journal",
+        action="store_true",
+        help="with --driver process: keep the journal, as a detached run's supervising process does (--detach)",
+    )
+    parser.add_argument(
         "--driver",
         choices=("process", "kernel"),
         default="process",
@@ -695,7 +712,9 @@ def main() -> None:
         for busy in (False, True) if args.busy == "both" else (args.busy == "on",):
             load_before = load()
             with BusyCore() if busy else contextlib.nullcontext():
-                r = simulate(args.ranks, args.rate, args.seconds, args.view, args.tls, args.generators, args.driver)
+                r = simulate(
+                    args.ranks, args.rate, args.seconds, args.view, args.tls, args.generators, args.driver, args.journal
+                )
             runs.append({**r, "busy_core": busy, "load_before": load_before, "load_after": load()})
     print(f"\n{describe_machine(m)}; load average {m['load']:g} at the start")
     print(

@@ -13,7 +13,7 @@ import torchdist_magic
 from torchdist_magic import Distributor, RankFailure
 from torchdist_magic.core.options import PROCESS_CHANNEL_RANKS, LaunchOptions, OptionValueError
 from torchdist_magic.driver import attach as attaching
-from torchdist_magic.driver import history
+from torchdist_magic.driver import history, supervisor
 from torchdist_magic.driver.feed import HostedState
 
 from helpers import alive, pids_of_run, touch, wait_until
@@ -64,7 +64,7 @@ def test_the_cell_waits_for_a_run_whose_channel_is_in_a_process_of_its_own(home,
     marker = str(tmp_path / "go")
     run = Distributor(num_processes=2, local_mode=True, show=None, channel="process").submit(waits_for, marker)
     assert isinstance(run, attaching.AttachedRun) and isinstance(run.state, HostedState)
-    wait_until(lambda: "rank 1 waiting" in run.logs(1), 60, "rank 1 to start")
+    wait_until(lambda: "rank 1 waiting" in run.logs(1) and "rank 0 waiting" in run.logs(0), 60, "the ranks to start")
     snap = run.state.snapshot()
     assert run.state.hosted and snap.num_processes == 2 and snap.state == "running"
     assert [rs.state for rs in snap.ranks] == ["running", "running"]
@@ -74,8 +74,10 @@ def test_the_cell_waits_for_a_run_whose_channel_is_in_a_process_of_its_own(home,
     record = history.read_record(run.run_id)
     assert record.state == "succeeded"
     assert_nothing_survives(run.run_id, run.record.pid)
-    assert run.logs(0) == "rank 0 waiting\n"  # the journal, once the supervising process has gone
-    assert not run.state.hosted
+    # once the supervising process has gone: the run's record (such a run keeps no journal)
+    assert run.logs(0) == "rank 0 waiting\n" and not run.state.hosted
+    assert run.state.state == "succeeded" and run.state.finished
+    assert not os.path.exists(os.path.join(run.directory, supervisor.JOURNAL_FILE))
 
 
 def test_run_returns_rank_0s_value_and_raises_a_ranks_failure(home):

@@ -35,6 +35,7 @@ from .supervisor import (
     DONE_FILE,
     JOURNAL_FILE,
     JOURNAL_FULL_FILE,
+    NO_JOURNAL_FILE,
     TOKEN_FILE,
     check_detachable,
     start_detached,
@@ -86,7 +87,8 @@ def submit_detached(target: Any, args: tuple, kwargs: dict, options: LaunchOptio
     (``options.detach``) and return its handle once it started; what cannot be detached here
     raises ``ValueError`` before anything starts."""
     spark = check_detachable(options, active_spark_session(), data)
-    handle = AttachedRun(start_detached(build_job(target, tuple(args), dict(kwargs)), options, spark))
+    job = build_job(target, tuple(args), dict(kwargs))
+    handle = AttachedRun(start_detached(job, options, spark, journal=options.detach))
     with _handles_lock:
         _handles[handle.run_id] = handle
     return handle
@@ -285,6 +287,9 @@ class AttachedRun:
             self.record.job_name,
         )
         state.started = self.record.started
+        if os.path.exists(os.path.join(self.directory, NO_JOURNAL_FILE)):
+            self._from_record(state)
+            return state
         pending = b""
         try:
             with open(os.path.join(self.directory, JOURNAL_FILE), "rb") as fh:
@@ -303,6 +308,22 @@ class AttachedRun:
             outcome, cause, message = self._ending
             state.finish(outcome, cause, message)
         return state
+
+    def _from_record(self, state: RunState) -> None:
+        """``state`` as the run's record kept it when the run ended (a run with no journal): its
+        end, each rank's last lines, its metric histories."""
+        record = self.record = read_record(self.run_id)
+        for rank in range(state.num_processes):
+            text = record.log(rank)
+            for line in text.splitlines(keepends=True):
+                cr = line.endswith("\r")
+                state.apply(events.Log(rank=rank, line=line.rstrip("\r\n"), cr=cr))
+        for name, by_rank in record.metrics().get("metrics", {}).items():
+            for rank, points in by_rank.items():
+                for step, value in points:
+                    state.apply(events.Metrics.point(int(rank), step, {name: value}))
+        outcome = record.outcome or record.state
+        state.finish(outcome, record.root_cause, record.failure)
 
     def _follow(self) -> None:
         done = os.path.join(self.directory, DONE_FILE)

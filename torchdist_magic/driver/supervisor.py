@@ -9,7 +9,10 @@ once the run has started (or raises what refused it).  The supervising process t
 
 - ``journal.jsonl``: every record the run's state took, one ``events`` JSON record a line, from
   which any kernel rebuilds the run's state (``attach``); at most ``JOURNAL_MAX_BYTES``, past
-  which records are not journaled and ``journal-full`` says so;
+  which records are not journaled and ``journal-full`` says so.  A run whose kernel follows it
+  (``--channel process``) keeps none (``no-journal``): at 1024 ranks writing it would cost the
+  process a third of its time, and its kernel reads the state through the feed while it runs
+  and the run's record afterwards;
 - ``value.blob``: rank 0's value (``core.values``' format), when the run succeeded;
 - ``done``: once the journal, the value and the record are complete.
 
@@ -50,10 +53,15 @@ OPTIONS_FILE = "options.json"
 TOKEN_FILE = "token"
 JOURNAL_FILE = "journal.jsonl"
 JOURNAL_FULL_FILE = "journal-full"
+#: in the directory of a run whose kernel follows it (``--channel process``): no journal
+NO_JOURNAL_FILE = "no-journal"
 READY_FILE = "ready"
 REFUSED_FILE = "refused"
 DONE_FILE = "done"
 LOG_FILE = "supervisor.log"
+#: how long the journal's thread gathers records before it writes them: one write a batch,
+#: not one a record (at 1024 ranks, a hundred thousand records a second)
+JOURNAL_EVERY = 0.05
 #: a journal holds at most this much; the rest of the run is in its record (state, logs' tails)
 JOURNAL_MAX_BYTES = 1 << 30
 #: how long ``start_detached`` waits for the supervising process to start the run
@@ -173,10 +181,11 @@ def check_detachable(options: LaunchOptions, session: Any, data: Any = None) -> 
         raise ValueError(NOTEBOOK_OWNS_SPARK_IN_PROCESS) from None
 
 
-def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = None) -> str:
+def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = None, journal: bool = True) -> str:
     """Start ``job`` as a detached run and return its id once its supervising process has
     started it (on ``spark``, a ``spark_target``, when given; else on local processes);
-    ``ValueError`` with what refused it otherwise."""
+    ``ValueError`` with what refused it otherwise.  ``journal``: whether it keeps a journal
+    (a detached run does; one whose kernel follows it, ``--channel process``, does not)."""
     run_id = f"{time.strftime('%m%d%H%M')}-{uuid.uuid4().hex[:8]}"
     directory = record_directory(run_id)
     fd = open_private(os.path.join(directory, JOB_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
@@ -190,6 +199,8 @@ def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = Non
     if spark is not None:  # read, then removed, by the supervising process: it may hold a token
         write_private(os.path.join(directory, SPARK_FILE), json.dumps(spark))
     write_private(os.path.join(directory, TOKEN_FILE), secrets.token_hex(32))
+    if not journal:
+        write_private(os.path.join(directory, NO_JOURNAL_FILE), "")
     record = RunRecord(
         run_id=run_id,
         state="running",
@@ -278,6 +289,7 @@ class Journal:
     def _write(self) -> None:
         while True:
             record = self._queue.get()
+            time.sleep(JOURNAL_EVERY)  # what comes meanwhile goes in the same write
             lines = []
             while record is not None:
                 lines.append(events.dumps(record) + "\n")
@@ -335,7 +347,9 @@ def supervise(directory: str) -> int:
             target = json.load(fh)
         os.unlink(spark_file)
         session = open_spark(target)
-    journal = Journal(directory)
+    # a run whose kernel follows it (--channel process) keeps no journal: its kernel reads the
+    # state through the feed, and the run's record after it ended
+    journal = None if os.path.exists(os.path.join(directory, NO_JOURNAL_FILE)) else Journal(directory)
     cancel = threading.Event()  # a stop asked for before the run's handle exists
     run = None
 
@@ -346,13 +360,16 @@ def supervise(directory: str) -> int:
 
     control = FeedServer(record.control, token, None, stop)
     try:
-        run = submit(job, (), {}, options, run_id=run_id, listener=journal.put)
-        journal.state = control.state = run.state  # the first attempt's records need no mark
+        run = submit(job, (), {}, options, run_id=run_id, listener=None if journal is None else journal.put)
+        control.state = run.state
+        if journal is not None:
+            journal.state = run.state  # the first attempt's records need no mark
     except (TypeError, ValueError) as exc:
         control.close()
         if session is not None:
             session.stop()
-        journal.close()
+        if journal is not None:
+            journal.close()
         record.state, record.failure, record.ended = "failed", str(exc), time.time()
         record.save()
         write_private(os.path.join(directory, REFUSED_FILE), str(exc))
@@ -369,7 +386,8 @@ def supervise(directory: str) -> int:
         if run.exception is None:
             value_blobs.dump(run.result(), os.path.join(directory, VALUE_FILE))
             has_value = True
-        journal.close()
+        if journal is not None:
+            journal.close()
         run.record.end(has_value=has_value)
     finally:
         write_private(os.path.join(directory, DONE_FILE), run.state.state)
