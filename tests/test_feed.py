@@ -57,6 +57,9 @@ def test_reads_through_the_feed_are_the_states_own(served, socket_path):
     assert [line.text for line in hosted.recent_log(2, 2).lines] == ["rank 2 step 4", "rank 2 step 5"]
     assert hosted.metric_history(points=2, ranks=[0]) == state.metric_history(points=2, ranks=[0])
     assert hosted.logs(0) == state.logs(0)
+    reads = [(0, 2, None, False), (2, 0, 2, True)]
+    assert [got.lines for got in hosted.read_logs(reads)] == [got.lines for got in state.read_logs(reads)]
+    assert [line.text for line in hosted.read_logs(reads)[1].lines] == ["rank 2 step 4", "rank 2 step 5"]
     assert hosted.failures() == [] and hosted.running() == [0, 1, 2]
     assert hosted.state == state.state and hosted.started == state.started and not hosted.finished
     assert hosted.ranks == snap.ranks  # a snapshot's field
@@ -69,6 +72,8 @@ def test_a_reads_error_is_raised_in_the_kernel(served, socket_path):
     hosted = HostedState(socket_path, TOKEN, 3, never)
     with pytest.raises(IndexError, match="rank 7 is not in this run"):
         hosted.read_log(7)
+    with pytest.raises(IndexError, match="rank 3 is not in this run"):
+        hosted.read_logs([(0, 0, None, False), (3, 0, None, False)])
     with pytest.raises(AttributeError, match="'no_such': not a read of a run's state held by another process"):
         hosted.no_such
     assert hosted.snapshot().num_processes == 3  # the connection goes on after an error

@@ -543,6 +543,8 @@ class ReadState(Event):
     ranks: Optional[List[int]] = None
     names: Optional[List[str]] = None
     attempt: Optional[int] = None
+    #: for ``read_logs``: ``[rank, start, limit, newest]`` each
+    reads: List[List[Optional[Union[int, bool]]]] = field(default_factory=list)
 
 
 @dataclass

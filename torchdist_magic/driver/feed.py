@@ -63,6 +63,7 @@ SNAPSHOT_FIELDS = ("ranks", "stacks", "verdict", "preflight", "tracking", "refus
 READS: Dict[str, Callable[[Any, events.ReadState], Any]] = {
     "snapshot": lambda state, q: state.snapshot(q.since),
     "read_log": lambda state, q: state.read_log(q.at, q.start, q.limit, q.newest),
+    "read_logs": lambda state, q: state.read_logs([tuple(read) for read in q.reads]),
     "recent_log": lambda state, q: state.recent_log(q.at, q.limit if q.limit is not None else 0),
     "metric_history": lambda state, q: state.metric_history(q.points, q.ranks, q.names),
     "system_history": lambda state, q: state.system_history(q.at, q.points),
@@ -326,6 +327,9 @@ class HostedState:
 
     def read_log(self, rank: int, start: int = 0, limit: Optional[int] = None, newest: bool = False):
         return self._ask("read_log", at=rank, start=start, limit=limit, newest=newest)
+
+    def read_logs(self, reads):
+        return self._ask("read_logs", reads=[[rank, start, limit, newest] for rank, start, limit, newest in reads])
 
     def recent_log(self, rank: int, limit: int):
         return self._ask("recent_log", at=rank, limit=limit)

@@ -153,6 +153,13 @@ class RunStateReads:
                     stop = min(total, start + limit)
             return LogRead(rank, start, store[start:stop], total, self.ranks[rank].state)
 
+    def read_logs(self, reads: List[Tuple[int, int, Optional[int], bool]]) -> List[LogRead]:
+        """``read_log(rank, start, limit, newest)`` of each of ``reads``, in one go (a view that
+        follows many ranks asks once, not once a rank)."""
+        for rank, *_ in reads:
+            self._check_rank(rank)
+        return [self.read_log(rank, start, limit, newest) for rank, start, limit, newest in reads]
+
     def recent_log(self, rank: int, limit: int) -> LogRead:
         """Up to ``limit`` of ``rank``'s newest lines, from memory only (what a view scans)."""
         self._check_rank(rank)

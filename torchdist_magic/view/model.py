@@ -39,6 +39,7 @@ from ..driver.state import RankState, RunState
 LOG_LINES = 300  # lines of a log pane; the complete logs stay on the run's ``logs(rank)``
 LOG_SCAN = 20_000  # lines looked at from the end of a rank's log to fill a pane
 DRAIN_LINES = 4_000  # lines a refresh reads for the all-ranks pane, at most (and one rank's more)
+DRAIN_BATCH = 64  # ranks whose new lines one read of the state gives (``read_logs``)
 PLOT_POINTS = 400  # points per line in a plot; longer histories are thinned
 
 
@@ -425,10 +426,16 @@ class LogCursor:
     def read(self, state: RunState, rank: int, limit: Optional[int] = None) -> List[LogLine]:
         """``rank``'s new lines, oldest first: at most ``limit`` (the rest are read next time,
         ``unread`` says how many there were)."""
+        return self.took(rank, state.read_log(*self.asking(rank, limit)))
+
+    def asking(self, rank: int, limit: Optional[int] = None) -> tuple:
+        """The arguments of ``read_log`` that read ``rank``'s new lines."""
         if self.keep is not None:
-            got = state.read_log(rank, self._cursor[rank], self.keep, newest=True)
-        else:
-            got = state.read_log(rank, self._cursor[rank], limit)
+            return (rank, self._cursor[rank], self.keep, True)
+        return (rank, self._cursor[rank], limit, False)
+
+    def took(self, rank: int, got) -> List[LogLine]:
+        """The new lines of ``got`` (what ``asking``'s read gave), the cursor moved past them."""
         self.unread[rank] = got.total - got.stop
         if not got.lines:
             return []
@@ -481,17 +488,22 @@ class MergedLog:
         order = order[turn:] + order[:turn]
         changed = False
         taken = 0
-        for rank in order:
+        for at in range(0, len(order), DRAIN_BATCH):  # a read of the state per batch of ranks
             if taken >= self.budget:
                 break
-            self._pending.discard(rank)
-            self._next = rank + 1
-            new = self._cursor.read(state, rank)
-            if not new:
-                continue
-            changed = True
-            taken += len(new)
-            self._take(rank, new)
+            batch = order[at : at + DRAIN_BATCH]
+            got = state.read_logs([self._cursor.asking(rank) for rank in batch])
+            for rank, one in zip(batch, got):
+                if taken >= self.budget:  # read but not taken: its lines come next time
+                    break
+                self._pending.discard(rank)
+                self._next = rank + 1
+                new = self._cursor.took(rank, one)
+                if not new:
+                    continue
+                changed = True
+                taken += len(new)
+                self._take(rank, new)
         if not self._pending:
             self._next = 0  # all read: the next drain takes its ranks in order again
         return changed
