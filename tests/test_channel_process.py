@@ -63,13 +63,20 @@ def fails_on_rank_1():
 def test_the_cell_waits_for_a_run_whose_channel_is_in_a_process_of_its_own(home, tmp_path):
     marker = str(tmp_path / "go")
     run = Distributor(num_processes=2, local_mode=True, show=None, channel="process").submit(waits_for, marker)
-    assert isinstance(run, attaching.AttachedRun) and isinstance(run.state, HostedState)
-    wait_until(lambda: "rank 1 waiting" in run.logs(1) and "rank 0 waiting" in run.logs(0), 60, "the ranks to start")
-    snap = run.state.snapshot()
-    assert run.state.hosted and snap.num_processes == 2 and snap.state == "running"
-    assert [rs.state for rs in snap.ranks] == ["running", "running"]
-    assert run.record.pid != os.getpid() and alive(run.record.pid)  # the records go there, not here
-    touch(marker)
+    try:
+        assert isinstance(run, attaching.AttachedRun) and isinstance(run.state, HostedState)
+        wait_until(
+            lambda: "rank 1 waiting" in run.logs(1) and "rank 0 waiting" in run.logs(0), 60, "the ranks to start"
+        )
+        snap = run.state.snapshot()
+        assert run.state.hosted and snap.num_processes == 2 and snap.state == "running"
+        assert [rs.state for rs in snap.ranks] == ["running", "running"]
+        assert run.record.pid != os.getpid() and alive(run.record.pid)  # the records go there, not here
+    except BaseException:
+        run.cancel()
+        raise
+    finally:
+        touch(marker)
     assert attaching.follow_attached(run, own=True) == 7
     record = history.read_record(run.run_id)
     assert record.state == "succeeded"
