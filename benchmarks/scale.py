@@ -11,7 +11,8 @@ Every simulated rank sends the project's own records at ``--rate`` records/s: pe
 progress update, 5 metrics of 3 values and 4 log lines; progress and metrics on its worker
 connection, the log lines on its launcher connection (a launcher forwards its worker's output).
 The generators send what the client's own code (``batching.encode_batch``) sends, batched once
-every ``batching.FLUSH_EVERY`` seconds as a rank's client does, but written from a template
+every ``batching.flush_every(ranks)`` seconds as a rank's client does (longer from
+``batching.LARGE_RUN_RANKS`` ranks), but written from a template
 (``batch_bytes``): they stand in for a thousand machines on a few cores, so they must cost
 little.  In their first flushes they check their bytes against ``encode_batch``'s, byte for byte.
 
@@ -70,7 +71,7 @@ from report import BusyCore, describe_machine, end_processes, load, machine, wri
 sys.path.insert(0, os.path.dirname(HERE))
 
 from torchdist_magic.wire import tls  # noqa: E402
-from torchdist_magic.wire.batching import FLUSH_EVERY, encode_batch  # noqa: E402
+from torchdist_magic.wire.batching import encode_batch, flush_every  # noqa: E402
 from torchdist_magic.wire.frames import LENGTH  # noqa: E402
 from torchdist_magic.wire.handshake import open_connection  # noqa: E402
 from torchdist_magic.wire.server import ChannelServer  # noqa: E402
@@ -106,7 +107,7 @@ def _rss_mb() -> float:
 # -- load generator (a process of its own) -------------------------------------------------------
 
 
-def generate(address, certificate, run_id, ranks, rate, seconds, flush_every, go, results) -> None:
+def generate(address, certificate, run_id, ranks, rate, seconds, every, go, results) -> None:
     """Connect two clients per rank of ``ranks``, wait for ``go``, then send ``rate`` records/s
     per rank for ``seconds``; put what was sent on ``results``."""
     from concurrent.futures import ThreadPoolExecutor
@@ -139,7 +140,7 @@ def generate(address, certificate, run_id, ranks, rate, seconds, flush_every, go
     tick = 0
     while True:
         tick += 1
-        due_at = start + tick * flush_every
+        due_at = start + tick * every
         now = time.time()
         if due_at > now:
             time.sleep(due_at - now)
@@ -290,9 +291,9 @@ class Meter:
         now = time.time()
         self.last_applied = now
         kind = type(record)
-        if kind is events.Log:
-            for line in record.lines():
-                seq, made, _ = line.line.split(" ", 2)
+        if kind is events.Log:  # the record's texts as they are: the meter must cost little
+            for text in (record.line, *record.more):
+                seq, made, _ = text.split(" ", 2)
                 self._seen(self.last_log, record.rank, int(seq), now - float(made))
                 self.logs += 1
         elif kind is events.Metrics:
@@ -541,7 +542,7 @@ def simulate(
     view, sink = make_view(view_kind, state)
     go, results = context.Event(), context.Queue()
     shares = [list(range(ranks))[i::generators] for i in range(generators)]
-    flush_every = FLUSH_EVERY
+    every = flush_every(ranks)
     procs = [
         context.Process(
             target=generate,
@@ -552,7 +553,7 @@ def simulate(
                 share,
                 rate,
                 seconds,
-                flush_every,
+                every,
                 go,
                 results,
             ),

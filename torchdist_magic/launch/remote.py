@@ -56,6 +56,7 @@ from ..core.privdir import check_private, open_private
 from ..core.rankenv import RunSpec, place_spark_tasks, rank_key
 from ..core.timing import STOP_GRACE
 from ..core.values import host_copy_path, value_directory
+from ..wire.batching import flush_every
 from ..wire.client import ChannelClient
 from . import hostcopy, valueupload
 from .launcher import RankProcess, open_gpus, read_result, reserve_port, start_rank, stop_all, write_job_file
@@ -285,6 +286,7 @@ def run_launcher(spec: RemoteSpec, site: Site) -> TaskOutcome:
         role="launcher",
         on_message=driver.on_message,
         certificate=spec.run.channel_cert,
+        flush=flush_every(spec.run.num_processes),
     )
     exits: List[events.Exit] = []
     tail: "collections.deque[str]" = collections.deque(maxlen=LOG_TAIL)

@@ -18,6 +18,18 @@ BATCH = 10_000
 #: wakes (and takes the interpreter from the training loop) ten times a second, not once a record,
 #: and the driver gets few large frames rather than many small ones
 FLUSH_EVERY = 0.1
+#: from this many ranks a client gathers for ``FLUSH_EVERY_LARGE`` instead: the driver's work
+#: is per batch more than per record, and a thousand ranks' batches ten times a second keep a
+#: core busy (``benchmarks/scale.py``); a record waits at most that much longer
+LARGE_RUN_RANKS = 256
+FLUSH_EVERY_LARGE = 0.25
+
+
+def flush_every(world_size: int) -> float:
+    """How long a client of a run of ``world_size`` ranks gathers records before it sends them."""
+    return FLUSH_EVERY_LARGE if world_size >= LARGE_RUN_RANKS else FLUSH_EVERY
+
+
 #: the records a client gathers for ``FLUSH_EVERY``: those a rank sends many of.  Any other
 #: (``Started``, ``Exit``, a warm job's end) goes at once, with whatever was gathered before it
 GATHERED = (events.Progress, events.Metrics, events.Log)

@@ -3,7 +3,8 @@ and a worker's client from its environment (``client_from_env``).
 
 The client never blocks the training loop: ``send`` puts the record on a bounded queue that a
 background thread drains, dropping and counting what does not fit.  What a rank sends many of
-(progress, metrics, output) it gathers for ``batching.FLUSH_EVERY`` and sends as one batch
+(progress, metrics, output) it gathers for ``flush`` (``batching.flush_every``: longer in a
+large run) and sends as one batch
 (``batching``); anything else goes at once.  The client's sender and reader threads share one
 connection (with TLS, one ``tls.TlsSocket``).
 """
@@ -22,7 +23,7 @@ from ..core import events
 from ..core.names import CHANNEL_CERT_ENV, CHANNEL_ENV, RUN_ID_ENV, SECRET_ENV
 from ..core.timing import CLIENT_CLOSE_WAIT
 from . import framemac, tls
-from .batching import BATCH, FLUSH_EVERY, GATHERED, encode_batch
+from .batching import BATCH, FLUSH_EVERY, GATHERED, encode_batch, flush_every
 from .frames import MAX_FRAME, RECV_CHUNK, FrameError, NotTheDriver, Refused, decode_record, read_frame
 from .handshake import open_connection
 from .tls import TlsSocket
@@ -50,10 +51,12 @@ class ChannelClient:
         on_message: Optional[Callable[[events.Event], None]] = None,
         maxsize: int = 100_000,
         certificate: str = "",
+        flush: float = FLUSH_EVERY,
     ):
         if role not in events.SENDERS:
             raise ValueError(f"role is one of {sorted(events.SENDERS)}, not {role!r}")
         self._tls = tls.client_context(certificate) if certificate else None
+        self._flush = flush
         host, _, port = address.rpartition(":")
         self._address = (host.strip("[]"), int(port))
         self._secret = secret
@@ -158,7 +161,7 @@ class ChannelClient:
         while True:
             batch = [self._queue.get()]
             if isinstance(batch[0], GATHERED) and self._queue.qsize() < BATCH:
-                self._flush_now.wait(FLUSH_EVERY)  # what this interval brings goes in one batch
+                self._flush_now.wait(self._flush)  # what this interval brings goes in one batch
             if not self._closed:
                 self._flush_now.clear()  # what set it is in the queue now, and goes in this batch
             while len(batch) < BATCH:
@@ -264,4 +267,5 @@ def client_from_env(on_message: Optional[Callable[[events.Event], None]] = None)
         int(os.environ.get("RANK", "0")),
         on_message=on_message,
         certificate=os.environ.get(CHANNEL_CERT_ENV, ""),
+        flush=flush_every(int(os.environ.get("WORLD_SIZE", "1"))),
     )
