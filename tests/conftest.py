@@ -5,6 +5,7 @@ process helpers are plain functions in ``helpers``."""
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -15,6 +16,9 @@ pytest_plugins = ["spark_fixtures", "skip_gate"]
 #: processes and kernels the tests start inherit it
 _HISTORY_HOME = tempfile.mkdtemp(prefix="torchdist-test-home-")
 os.environ["TORCHDIST_HOME"] = _HISTORY_HOME
+#: the processes the tests start (drivers, kernels, supervisors, servers) inherit the session's
+#: mark: what they leave in shared memory is this session's, not another's (``SharedMemoryWatch``)
+os.environ["TORCHDIST_TESTS_SESSION"] = str(os.getpid())
 
 #: the packages whose releases change how a job is pickled, launched or shown: their versions head
 #: every test run, so that a failure after a fresh set-up names the release that changed
@@ -110,6 +114,28 @@ def _no_temp_leftovers(tmp_path, monkeypatch):
     assert not left, f"temp files left behind: {left}"
     left = sorted(in_shared_memory() - before)
     assert not left, f"left behind in {SHARED_MEMORY}: {left}"
+
+
+#: how long the session's last runs (a supervisor, a kernel shutting down) may take to remove
+#: their directories after the last test
+SESSION_END_WAIT = 30.0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_left_in_shared_memory():
+    """What the processes of this session (this pytest process and the ones it started: a
+    killed driver, a kernel, a supervisor) made in shared memory under torchdist_magic's names
+    must be gone at the session's end; another session's entries are never named."""
+    from helpers import SESSION_VARIABLE, SharedMemoryWatch
+
+    watch = SharedMemoryWatch(int(os.environ[SESSION_VARIABLE]))
+    yield watch
+    deadline = time.monotonic() + SESSION_END_WAIT
+    while watch.left() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    watch.stop()
+    left = watch.left()
+    assert not left, f"this test session's processes left behind in shared memory: {left}"
 
 
 @pytest.fixture

@@ -1,10 +1,12 @@
 """Shared test helpers: wait for a condition; find the processes of a run (by the run id in
-their environment) and assert that none survives; a free port; a marker file."""
+their environment) and assert that none survives; a free port; a marker file; what a test
+session's processes leave in shared memory (``SharedMemoryWatch``)."""
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import socket
 import tempfile
 import textwrap
@@ -40,6 +42,19 @@ def _environ(pid: str) -> bytes:
             return fh.read()
     except OSError:
         return b""
+
+
+def _ancestors(pid: int) -> list:
+    """The pids above ``pid`` (its parent first), as far as they can be read."""
+    found = []
+    while pid > 1 and len(found) < 64:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                pid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+        found.append(pid)
+    return found
 
 
 def _is_zombie(pid: str) -> bool:
@@ -197,3 +212,70 @@ class SteppedClock:
 
     def __getattr__(self, name):
         return getattr(time, name)
+
+
+#: the variable every process a test session starts inherits (``conftest``): its value is the
+#: session's pytest pid, which tells the session's processes apart from another session's
+SESSION_VARIABLE = "TORCHDIST_TESTS_SESSION"
+
+
+class SharedMemoryWatch:
+    """Notes the entries that the processes of test session ``session`` (a pytest pid) make in
+    shared memory under torchdist_magic's names, there and in this user's private directory
+    there (``torchdist-<uid>``, which itself stays): a name that carries its maker's pid
+    (``-values-<pid>-``: a run's value directory, a machine's copy of its values), made by the
+    session's pytest process or by a process whose environment carries ``SESSION_VARIABLE`` with
+    the session's pid.  ``left()``: what of it is still there.  It looks every ``interval``
+    seconds, in a thread of its own; a maker already reaped by then is not told apart (its
+    entries are not named), and neither is another session's."""
+
+    _PID = re.compile(r"^torchdist-.+-values-(\d+)-")
+
+    def __init__(self, session: int, interval: float = 0.02):
+        from torchdist_magic.core.privdir import user_path
+        from torchdist_magic.core.values import SHARED_MEMORY
+
+        self.session = session
+        self.interval = interval
+        self.folders = (SHARED_MEMORY, user_path(SHARED_MEMORY))
+        self.made: set = set()
+        self._seen = self._entries()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="shared-memory-watch", daemon=True)
+        self._thread.start()
+
+    def _entries(self) -> set:
+        found = set()
+        for folder in self.folders:
+            try:
+                found |= {os.path.join(folder, name) for name in os.listdir(folder) if name.startswith("torchdist-")}
+            except OSError:  # no private directory (yet)
+                pass
+        return found
+
+    def _ours(self, path: str) -> bool:
+        match = self._PID.match(os.path.basename(path))
+        if match is None:
+            return False
+        pid = int(match.group(1))
+        marker = f"{SESSION_VARIABLE}={self.session}\0".encode()
+        # a killed maker's environment reads empty while it waits to be reaped: its parent tells
+        return pid == self.session or marker in _environ(str(pid)) or self.session in _ancestors(pid)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.look()
+
+    def look(self) -> None:
+        """Look now (the thread looks every ``interval``)."""
+        entries = self._entries()
+        self.made |= {path for path in entries - self._seen if self._ours(path)}
+        self._seen = entries
+
+    def left(self) -> list:
+        return sorted(path for path in self.made if os.path.lexists(path))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.look()

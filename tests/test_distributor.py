@@ -507,6 +507,57 @@ def test_ranks_exit_when_the_driver_is_killed(tmp_path):
     assert len(pids) == 4  # two ranks and a child of each, all gone
 
 
+ENDS_WITH_ITS_DRIVER = """
+import os, sys, time
+from torchdist_magic import Distributor
+def ends_with_its_driver(driver):
+    print("up", flush=True)
+    while os.path.exists(f"/proc/{driver}"):
+        time.sleep(0.01)
+    print("the driver is gone", flush=True)  # the pipe to the driver is broken: the job fails now
+run = Distributor(2, show=None).submit(ends_with_its_driver, os.getpid())
+while sys.argv[1] == "running" and ("up" not in run.logs(0) or "up" not in run.logs(1)):
+    time.sleep(0.05)
+print(run.run_id, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("when", ["starting", "running"])
+def test_ranks_whose_job_ends_as_their_driver_is_killed_remove_the_run_files(tmp_path, when):
+    # a kernel killed while its run's ranks start (or run): each rank's next print breaks on the
+    # dead driver's pipe and the rank exits before its watch of the launcher looks again (or
+    # before it began to watch); the rank removes the run's directories (its temporary one, its
+    # values in /dev/shm) as it exits
+    import subprocess
+
+    from torchdist_magic.core.values import SHARED_MEMORY
+
+    scratch = tmp_path / "driver-tmp"
+    scratch.mkdir()
+    driver = subprocess.Popen(
+        [sys.executable, "-c", ENDS_WITH_ITS_DRIVER, when],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, TMPDIR=str(scratch)),
+    )
+    try:
+        line = driver.stdout.readline()
+        assert line.strip(), f"the driver exited ({driver.poll()}) before printing its run id"
+        run_id = line.split()[0]
+        wait_until(lambda: len(pids_of_run(run_id)) == 2, 60, "both ranks to start")
+    finally:
+        driver.kill()
+        driver.wait()
+
+    def values():
+        return [n for n in os.listdir(SHARED_MEMORY) if n.startswith(f"torchdist-{run_id}-")]
+
+    wait_until(lambda: not pids_of_run(run_id), 30, "the orphaned ranks to exit")
+    assert sorted(scratch.rglob("*")) == []
+    assert values() == []
+
+
 def test_text_view_shows_outer_and_inner_bars():
     from torchdist_magic.driver.state import RunState
     from torchdist_magic.view.text import rank_progress_text

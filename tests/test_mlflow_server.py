@@ -60,6 +60,9 @@ class MlflowServer:
                 stdin=subprocess.DEVNULL,
                 cwd=base_dir,
                 start_new_session=True,
+                # its job runner (which these tests do not use) would keep its queue in a new
+                # directory of /dev/shm that the server never removes
+                env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
             )
         wait_until(self._answers, SERVER_START, "the MLflow server to answer")
 

@@ -40,6 +40,9 @@ ENV_BEFORE = "TORCHDIST_ENV_BEFORE"
 #: the paths a rank's worker removes when its launcher dies (the run's directory, which the dead
 #: launcher can no longer remove)
 CLEANUP_ENV = "TORCHDIST_CLEANUP"
+#: the pid of a rank's launcher, which started its worker: a launcher that died before the worker
+#: looked at its parent must still be seen gone
+LAUNCHER_PID_ENV = "TORCHDIST_LAUNCHER_PID"
 #: where a rank writes its value when its launcher says (else ``RESULT_FILE`` in its result dir)
 VALUE_FILE_ENV = "TORCHDIST_VALUE_FILE"
 #: the rank's debugger: the session's id, ``--pdb``, and how long a held rank waits for input

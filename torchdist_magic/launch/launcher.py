@@ -42,7 +42,7 @@ from ..core.procs import MARK_VARIABLE, end_marked_processes, group_members, mar
 from .sysmetrics import RankSampler, explain_cuda_oom, is_cuda_oom
 from ..core.timing import OUTPUT_GATHER, PIPE_DRAIN_WAIT, REAP_WAIT, STACKS_SETTLE, STACKS_WAIT, STOP_GRACE
 from ..core.names import ERROR_FILE, RESULT_FILE, STACKS_FILE, STACKS_HEADER, STACKS_SIGNAL
-from ..core.names import CLEANUP_ENV, RUN_ID_ENV, VALUE_FILE_ENV
+from ..core.names import CLEANUP_ENV, LAUNCHER_PID_ENV, RUN_ID_ENV, VALUE_FILE_ENV
 from ..core.rankenv import Placement, RunSpec, rank_environment
 
 _LINE_END = re.compile(rb"\r\n|\n|\r")
@@ -166,7 +166,7 @@ class RankProcess:
         os.makedirs(result_dir, exist_ok=True)
         self.proc = subprocess.Popen(
             [python, "-m", "torchdist_magic.rank.worker", job_file, result_dir],
-            env={**env, MARK_VARIABLE: self.mark},
+            env={**env, MARK_VARIABLE: self.mark, LAUNCHER_PID_ENV: str(os.getpid())},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -37,35 +37,68 @@ from torchdist_magic.core.rankenv import ENV_BEFORE
 from torchdist_magic.core.timing import ATEXIT_WAIT, PARENT_WATCH_INTERVAL, STOP_GRACE, SYSTEM_METRICS_INTERVAL
 from ..core.names import RESULT_FILE, VALUE_FILE_ENV, ERROR_FILE, STACKS_FILE, STACKS_SIGNAL, STACKS_HEADER
 from .runners import RUNNERS, cell_namespace, run_cell, start_process_group
-from ..core.names import CLEANUP_ENV, PREFLIGHT_ENV, RETURN_VALUE_ENV, SECRET_ENV, SYSTEM_METRICS_ENV, USE_GPU_ENV
+from ..core.names import (
+    CLEANUP_ENV,
+    LAUNCHER_PID_ENV,
+    PREFLIGHT_ENV,
+    RETURN_VALUE_ENV,
+    SECRET_ENV,
+    SYSTEM_METRICS_ENV,
+    USE_GPU_ENV,
+)
 
 
-def _watch_parent(parent: int) -> None:
-    """End this rank when its launcher dies, so nothing outlives a killed kernel or Spark task:
-    remove the run's directory (``TORCHDIST_CLEANUP``) that the dead launcher can no longer
-    remove, then stop this process's group (the worker leads it), which takes the rank's own
-    children (a ``subprocess``, DataLoader workers) along with it, and what the rank started in
-    a session of its own (found by its launcher's mark, ``procs.MARK_VARIABLE``)."""
-    cleanup = [p for p in os.environ.pop(CLEANUP_ENV, "").split(os.pathsep) if p]
-    mark = os.environ.get(procs.MARK_VARIABLE, "")
-    while True:
-        time.sleep(PARENT_WATCH_INTERVAL)
-        if os.getppid() != parent:
-            try:
-                for path in cleanup:
-                    shutil.rmtree(path, ignore_errors=True)
-                if os.getpgrp() == os.getpid():
-                    for pid in _others_in_my_group():  # they get their chance to clean up
-                        with contextlib.suppress(OSError):  # it may have just exited
-                            os.kill(pid, signal.SIGTERM)
-                    deadline = time.monotonic() + STOP_GRACE
-                    while _others_in_my_group() and time.monotonic() < deadline:
-                        time.sleep(0.05)
-                procs.end_marked_processes(mark, STOP_GRACE)
-                if os.getpgrp() == os.getpid():
-                    os.killpg(os.getpid(), signal.SIGKILL)  # this process included
-            finally:
-                os._exit(70)  # whatever failed above, the rank itself must not stay
+class LauncherWatch:
+    """This rank's launcher (its parent process), and what the rank does once it is gone: the
+    run's files that the dead launcher can no longer remove (``TORCHDIST_CLEANUP``) are removed,
+    and what the rank started goes with it (``end_orphan``).  A rank notices it while it runs
+    (``watch``, a thread) and as it exits (``exiting``): a rank whose job ends first, as when a
+    killed kernel broke the pipe of its output, must not leave the run's files behind."""
+
+    def __init__(self) -> None:
+        # the launcher's own word: a launcher killed while this process started is its parent no more
+        self.parent = int(os.environ.pop(LAUNCHER_PID_ENV, "") or os.getppid())
+        self.cleanup = [p for p in os.environ.pop(CLEANUP_ENV, "").split(os.pathsep) if p]
+        self.mark = os.environ.get(procs.MARK_VARIABLE, "")
+
+    def gone(self) -> bool:
+        return os.getppid() != self.parent
+
+    def watch(self) -> None:
+        while True:
+            time.sleep(PARENT_WATCH_INTERVAL)
+            if self.gone():
+                self.end_orphan()
+
+    def exiting(self) -> None:
+        """Called as the rank exits, whatever ended it: an orphan ends as one (never returns)."""
+        if self.gone():
+            self.end_orphan()
+
+    def end_orphan(self) -> None:
+        """Remove the run's files, then stop this process's group (the worker leads it), which
+        takes the rank's own children (a ``subprocess``, DataLoader workers) along with it, and
+        what the rank started in a session of its own (found by its launcher's mark,
+        ``procs.MARK_VARIABLE``); never returns."""
+        try:
+            for path in self.cleanup:
+                shutil.rmtree(path, ignore_errors=True)
+            if os.getpgrp() == os.getpid():
+                for pid in _others_in_my_group():  # they get their chance to clean up
+                    with contextlib.suppress(OSError):  # it may have just exited
+                        os.kill(pid, signal.SIGTERM)
+                deadline = time.monotonic() + STOP_GRACE
+                while _others_in_my_group() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            procs.end_marked_processes(self.mark, STOP_GRACE)
+            if os.getpgrp() == os.getpid():
+                os.killpg(os.getpid(), signal.SIGKILL)  # this process included
+        finally:
+            os._exit(70)  # whatever failed above, the rank itself must not stay
+
+
+#: this process's ``LauncherWatch`` once ``main`` runs
+_launcher: Optional[LauncherWatch] = None
 
 
 def _others_in_my_group() -> list:
@@ -462,7 +495,9 @@ def main(argv=None) -> int:
         return 2
     job_file, result_dir = argv
     faulthandler.enable()
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    global _launcher
+    _launcher = LauncherWatch()
+    threading.Thread(target=_launcher.watch, name="torchdist-launcher-watch", daemon=True).start()
 
     import cloudpickle
 
@@ -514,9 +549,13 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    _run_atexit_handlers(code)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        code = main()
+        _run_atexit_handlers(code)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:  # the launcher may have died first (its pipe broke the job or the flush)
+        if _launcher is not None:
+            _launcher.exiting()
     # Skip interpreter teardown: user threads or a half-closed process group must not hang exit.
     os._exit(code)
