@@ -651,6 +651,9 @@ def simulate(
         "text_lines": sink.lines if sink else None,
         "render_ms_max": max(render_ms, default=0.0),
         "render_cpu_ms_max": max(render_cpu_ms, default=0.0),
+        # the five longest refreshes: (which update() call, its CPU ms, of how many calls)
+        "render_cpu_ms_top": sorted(enumerate(render_cpu_ms), key=lambda item: -item[1])[:5],
+        "render_calls": len(render_cpu_ms),
         # the refreshes' own (update() calls that found the view's period not yet over cost ~nothing)
         "render_cpu_ms_p50": _median([ms for ms in render_cpu_ms if ms >= 1.0]),
         "view_refresh_s": getattr(view, "update_every", None),
