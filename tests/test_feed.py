@@ -60,6 +60,9 @@ def test_reads_through_the_feed_are_the_states_own(served, socket_path):
     reads = [(0, 2, None, False), (2, 0, 2, True)]
     assert [got.lines for got in hosted.read_logs(reads)] == [got.lines for got in state.read_logs(reads)]
     assert [line.text for line in hosted.read_logs(reads)[1].lines] == ["rank 2 step 4", "rank 2 step 5"]
+    every = [(rank, 0, None, False) for rank in range(3)]
+    budgeted = hosted.read_logs(every, budget=6)  # 5 lines a rank: the third is not read
+    assert [None if got is None else len(got.lines) for got in budgeted] == [5, 5, None]
     assert hosted.failures() == [] and hosted.running() == [0, 1, 2]
     assert hosted.state == state.state and hosted.started == state.started and not hosted.finished
     assert hosted.ranks == snap.ranks  # a snapshot's field

@@ -153,12 +153,24 @@ class RunStateReads:
                     stop = min(total, start + limit)
             return LogRead(rank, start, store[start:stop], total, self.ranks[rank].state)
 
-    def read_logs(self, reads: List[Tuple[int, int, Optional[int], bool]]) -> List[LogRead]:
+    def read_logs(
+        self, reads: List[Tuple[int, int, Optional[int], bool]], budget: Optional[int] = None
+    ) -> List[Optional[LogRead]]:
         """``read_log(rank, start, limit, newest)`` of each of ``reads``, in one go (a view that
-        follows many ranks asks once, not once a rank)."""
+        follows many ranks asks once, not once a rank); with ``budget``, once that many lines
+        were read the rest are ``None`` (not read: asked again later)."""
         for rank, *_ in reads:
             self._check_rank(rank)
-        return [self.read_log(rank, start, limit, newest) for rank, start, limit, newest in reads]
+        got: List[Optional[LogRead]] = []
+        lines = 0
+        for rank, start, limit, newest in reads:
+            if budget is not None and lines >= budget:
+                got.append(None)
+                continue
+            read = self.read_log(rank, start, limit, newest)
+            lines += len(read.lines)
+            got.append(read)
+        return got
 
     def recent_log(self, rank: int, limit: int) -> LogRead:
         """Up to ``limit`` of ``rank``'s newest lines, from memory only (what a view scans)."""

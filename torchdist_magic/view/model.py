@@ -39,7 +39,7 @@ from ..driver.state import RankState, RunState
 LOG_LINES = 300  # lines of a log pane; the complete logs stay on the run's ``logs(rank)``
 LOG_SCAN = 20_000  # lines looked at from the end of a rank's log to fill a pane
 DRAIN_LINES = 4_000  # lines a refresh reads for the all-ranks pane, at most (and one rank's more)
-DRAIN_BATCH = 64  # ranks whose new lines one read of the state gives (``read_logs``)
+DRAIN_BATCH = 256  # ranks whose new lines one read of the state gives at most (``read_logs``)
 PLOT_POINTS = 400  # points per line in a plot; longer histories are thinned
 
 
@@ -492,9 +492,9 @@ class MergedLog:
             if taken >= self.budget:
                 break
             batch = order[at : at + DRAIN_BATCH]
-            got = state.read_logs([self._cursor.asking(rank) for rank in batch])
+            got = state.read_logs([self._cursor.asking(rank) for rank in batch], self.budget - taken)
             for rank, one in zip(batch, got):
-                if taken >= self.budget:  # read but not taken: its lines come next time
+                if one is None or taken >= self.budget:  # not read, or not taken: its lines come next time
                     break
                 self._pending.discard(rank)
                 self._next = rank + 1
