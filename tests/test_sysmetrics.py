@@ -492,3 +492,14 @@ def test_the_large_view_aggregates_system_metrics_with_the_extremes_named():
     assert by_key["rss_bytes"].text in html.overview_html(ov)
     assert by_key["rss_bytes"].text in text.status(state)
     assert by_key["cpu_percent"].text in text.summary(state)
+
+
+def test_a_launcher_samples_the_device_its_rank_trains_on():
+    """``rank.device()`` is ``cuda:LOCAL_RANK`` of the GPUs the rank sees (a Spark task sees its
+    host's other GPUs after its own; a local rank every GPU): that one is sampled, not all."""
+    from torchdist_magic.launch.gpu_metrics import rank_device
+
+    assert rank_device({}) == ["0"] and rank_device({"LOCAL_RANK": "2"}) == ["2"]
+    assert rank_device({"CUDA_VISIBLE_DEVICES": "3,2", "LOCAL_RANK": "1"}) == ["2"]
+    assert rank_device({"CUDA_VISIBLE_DEVICES": "GPU-ab,GPU-cd", "LOCAL_RANK": "0"}) == ["GPU-ab"]
+    assert rank_device({"CUDA_VISIBLE_DEVICES": "", "LOCAL_RANK": "0"}) == []  # a run without GPUs

@@ -9,8 +9,9 @@ machine with CUDA (``tests/test_gpu.py``, marked ``gpu``).
 
 Devices are named as ``CUDA_VISIBLE_DEVICES`` names them for the rank: indices (NVML's order,
 which is CUDA's with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, the order Spark and NVML list GPUs in) or
-UUIDs (``GPU-...``).  A rank with several devices gets their memory summed and their
-utilisation averaged.
+UUIDs (``GPU-...``).  A launcher samples the device its rank trains on (``rank_device``: a rank
+sees its host's other GPUs too, for NCCL); a source given several sums their memory and
+averages their utilisation.
 """
 
 from __future__ import annotations
@@ -34,6 +35,17 @@ class GpuSource(Protocol):
 def visible_devices(env: Dict[str, str]) -> List[str]:
     """The devices a rank with environment ``env`` sees (its ``CUDA_VISIBLE_DEVICES``)."""
     return [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+
+
+def rank_device(env: Dict[str, str]) -> List[str]:
+    """The device a rank with environment ``env`` trains on, as ``rank.device()`` picks it
+    (``cuda:LOCAL_RANK`` of those it sees), named as ``CUDA_VISIBLE_DEVICES`` names it; with no
+    ``CUDA_VISIBLE_DEVICES`` (a local run sees every GPU) its index; ``[]`` where it sees none."""
+    local = int(env.get("LOCAL_RANK", "0") or 0)
+    if "CUDA_VISIBLE_DEVICES" not in env:
+        return [str(local)]
+    visible = visible_devices(env)
+    return [visible[local % len(visible)]] if visible else []
 
 
 class NvmlGpuSource:

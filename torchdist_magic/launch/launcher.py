@@ -37,7 +37,7 @@ import uuid
 from typing import Callable, Dict, Optional, Sequence
 
 from ..core import events, timing, values
-from .gpu_metrics import GpuSource, open_gpu_source, visible_devices
+from .gpu_metrics import GpuSource, open_gpu_source, rank_device
 from ..core.procs import MARK_VARIABLE, end_marked_processes, group_members, marked_processes
 from .sysmetrics import RankSampler, explain_cuda_oom, is_cuda_oom
 from ..core.timing import OUTPUT_GATHER, PIPE_DRAIN_WAIT, REAP_WAIT, STACKS_SETTLE, STACKS_WAIT, STOP_GRACE
@@ -182,7 +182,7 @@ class RankProcess:
         self._ended = threading.Event()  # the process has exited: sampling stops
         self.sampler: Optional[RankSampler] = None
         if system_metrics:
-            devices = visible_devices(env) if gpu_source is not None else []
+            devices = rank_device(env) if gpu_source is not None else []
             self.sampler = RankSampler(self.pgid, gpu=(gpu_source, devices) if devices else None)
             threading.Thread(target=self._sample, name=f"torchdist-system-rank{rank}", daemon=True).start()
         self._waiter = threading.Thread(target=self._wait, daemon=True)
