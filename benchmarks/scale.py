@@ -531,6 +531,9 @@ def simulate(
         pipe, child_end = context.Pipe()
         hosting = context.Process(target=host_process, args=(ranks, use_tls, journal, child_end), daemon=True)
         hosting.start()
+        while not pipe.poll(0.5):  # its channel listens, or it failed (its traceback is above)
+            if hosting.exitcode is not None:
+                raise RuntimeError("the simulated supervising process failed before it listened")
         where = pipe.recv()
         from torchdist_magic.driver.feed import HostedState
 
