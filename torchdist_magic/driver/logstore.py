@@ -12,7 +12,7 @@ import itertools
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 #: a rank's log keeps at most this many lines (and ``LOG_MEMORY_CHARS`` characters) in memory;
 #: past that the older half goes to the rank's file
@@ -38,8 +38,11 @@ def memory_share(ranks: int) -> Tuple[int, int]:
     )
 
 
-@dataclass
-class LogLine:
+class LogLine(NamedTuple):
+    """One line of a rank's output: its stream, its text, and whether it ended with ``\r`` (a
+    redrawn progress line).  A tuple of plain values: a view reads thousands of them a refresh,
+    and the collector stops looking at such a tuple once it has seen it."""
+
     stream: str
     text: str
     cr: bool = False
