@@ -91,6 +91,9 @@ def test_run_returns_rank_0s_value_and_raises_a_ranks_failure(home):
     assert Distributor(num_processes=2, local_mode=True, show="text", channel="process").run(waits_for, "/") == 7
     with pytest.raises(RankFailure, match="KeyError"):
         Distributor(num_processes=2, local_mode=True, show=None, channel="process").run(fails_on_rank_1)
+    failed = Distributor(num_processes=2, local_mode=True, show=None, channel="process").submit(fails_on_rank_1)
+    assert failed.exception is None or failed.done()  # None while it runs
+    assert failed.wait(120) and isinstance(failed.exception, RankFailure)  # as Run.exception (the panel reads it)
     for record in torchdist_magic.runs():
         assert_nothing_survives(record.run_id, record.pid)
 

@@ -232,6 +232,12 @@ class AttachedRun:
                 self._value_read = True
         return self._value
 
+    @property
+    def exception(self) -> Optional[BaseException]:
+        """The run's error once it has ended (``Run.exception``): None while it runs, and when
+        it succeeded."""
+        return self._error if self._done.is_set() else None
+
     def cancel(self, by: str = "cancel()") -> None:
         """Stop the run (every rank), from this kernel."""
         stop(self.run_id, by=by)
