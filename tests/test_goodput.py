@@ -123,3 +123,13 @@ def test_a_run_that_hangs_loses_the_time_since_its_last_sign_of_life():
     assert parts["lost_to_hangs_s"] >= 2.0  # the hang timeout, at least
     assert sum(parts[k] for k in PARTS) == pytest.approx(parts["wall_s"])
     assert_no_survivors(run)
+
+
+def test_a_data_stall_that_began_before_the_first_sign_of_work_is_counted_once():
+    """Rank 1 waited 2 s for its first batch, and the first step's record came after that: the
+    wait is the data stall's, and the startup is what is left of the time before."""
+    from torchdist_magic.driver.goodput import AttemptTimes, goodput
+
+    parts = goodput(0.0, 2.2, [AttemptTimes(0.0, 2.2, 2.05, None, 2.0)], ranks=2, use_gpu=False)
+    assert parts["data_stall_s"] == 2.0 and parts["startup_s"] == pytest.approx(0.2)
+    assert parts["training_s"] == 0.0 and sum(parts[k] for k in PARTS) == pytest.approx(parts["wall_s"])

@@ -58,6 +58,9 @@ def goodput(
         lost += max(resumed - kept, 0.0)
     data = sum(a.data_stall_s for a in attempts)
     hangs = min(max(hang_lost_s, 0.0), wall)
+    # a rank's first step may wait for data before its first sign of work arrives: that wait is
+    # the data stall's, counted once, so the startup is what the other parts leave of it
+    startup = min(startup, max(wall - lost - hangs - data, 0.0))
     out = {"startup_s": startup, "lost_to_restarts_s": lost, "lost_to_hangs_s": hangs, "data_stall_s": data}
     out["training_s"] = max(wall - sum(out.values()), 0.0)
     out["wall_s"] = wall
