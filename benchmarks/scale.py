@@ -36,8 +36,12 @@ keeps (``--detach``), which a run whose kernel follows it does not.
   ipykernel does (the JSON of the comm message): ``frame_bytes_max`` is the largest message it
   sent, ``view_mb_per_s`` their rate, ``render_ms_max`` the longest ``update()`` (wall time: it
   includes waiting for the interpreter's lock, which the channel thread holds between its
-  switches), ``render_cpu_ms_max`` its CPU time (``render_cpu_ms_p50``: the median refresh's), ``view_refresh_s`` the period the view had come
-  to (``WidgetView.update_every``: longer where a refresh costs more); ``text`` is
+  switches), ``render_cpu_ms_max`` its CPU time (``render_cpu_ms_p50``: the median refresh's),
+  ``render_gc_ms_of_longest`` the garbage collector's part of it (a full collection scans this
+  process's whole heap, whoever filled it, and lands in whichever refresh allocates then:
+  ``--kernel-imports torch,IPython,ipywidgets`` gives this process a notebook's heap;
+  ``render_own_cpu_ms_max`` is the longest refresh less its collections), ``view_refresh_s`` the
+  period the view had come to (``WidgetView.update_every``: longer where a refresh costs more); ``text`` is
   ``view.text.TextView`` writing to a counting sink (lines, bytes); ``none`` is no view.
 
 The machine: the generators and the driver share its cores (two on the machine these figures
@@ -52,6 +56,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import array
+import gc
+import importlib
 import io
 import json
 import multiprocessing
@@ -61,6 +67,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 import uuid
 
@@ -565,7 +572,8 @@ def simulate(
         for share in shares
         if share
     ]
-    render_ms, render_cpu_ms = [], []
+    render_ms, render_cpu_ms, render_gc_ms = [], [], []
+    collector = CollectorClock()
     try:
         started = time.monotonic()
         for p in procs:
@@ -584,10 +592,11 @@ def simulate(
         reports = []
         while True:
             if view is not None:
-                before, before_cpu = time.perf_counter(), time.thread_time()
+                before, before_cpu, before_gc = time.perf_counter(), time.thread_time(), collector.seconds
                 view.update()
                 render_ms.append(1000 * (time.perf_counter() - before))
                 render_cpu_ms.append(1000 * (time.thread_time() - before_cpu))
+                render_gc_ms.append(1000 * (collector.seconds - before_gc))
             while not results.empty() and len(reports) < len(procs):
                 reports.append(results.get()[1])
             if len(reports) < len(procs) and any(p.exitcode not in (None, 0) for p in procs):
@@ -612,6 +621,7 @@ def simulate(
         if view is not None:
             view.update()
     finally:
+        collector.close()
         end_processes(procs, 30)
         if view is not None:
             view.close()
@@ -657,10 +667,43 @@ def simulate(
         # the five longest refreshes: (which update() call, its CPU ms, of how many calls)
         "render_cpu_ms_top": sorted(enumerate(render_cpu_ms), key=lambda item: -item[1])[:5],
         "render_calls": len(render_cpu_ms),
+        # the collector's part of the refreshes: a full collection scans the whole heap of this
+        # process (the kernel's), whoever made it, and lands in whichever refresh allocates then
+        "render_gc_ms_max": max(render_gc_ms, default=0.0),
+        "render_gc_ms_of_longest": render_gc_ms[render_cpu_ms.index(max(render_cpu_ms))] if render_cpu_ms else 0.0,
+        "render_own_cpu_ms_max": max((c - g for c, g in zip(render_cpu_ms, render_gc_ms)), default=0.0),
+        "full_collections": collector.full,
+        "kernel_objects": len(gc.get_objects()),
         # the refreshes' own (update() calls that found the view's period not yet over cost ~nothing)
         "render_cpu_ms_p50": _median([ms for ms in render_cpu_ms if ms >= 1.0]),
         "view_refresh_s": getattr(view, "update_every", None),
     }
+
+
+class CollectorClock:
+    """The time this thread spent in the garbage collector (``seconds``), and how many full
+    collections it ran (``full``), from now until ``close``."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.full = 0
+        self._thread = threading.get_ident()
+        self._began = None  # thread_time at the start of a collection
+        gc.callbacks.append(self._on_collect)
+
+    def _on_collect(self, phase: str, info: dict) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        if phase == "start":
+            self._began = time.thread_time()
+        elif self._began is not None:
+            self.seconds += time.thread_time() - self._began
+            self.full += info.get("generation") == 2
+            self._began = None
+
+    def close(self) -> None:
+        if self._on_collect in gc.callbacks:
+            gc.callbacks.remove(self._on_collect)
 
 
 def _no_fallback():
@@ -701,6 +744,12 @@ def main() -> None:
         help="each run quiet (off), beside a busy loop on one core (on), or one of each "
         "(both, the default): the second shows the driver's headroom",
     )
+    parser.add_argument(
+        "--kernel-imports",
+        default="",
+        help="modules this process (the kernel) imports first, comma-separated (e.g. torch,IPython,"
+        "ipywidgets, as a notebook that trains has them): a full collection then scans that heap",
+    )
     parser.add_argument("--json", default=os.path.join(HERE, "results", "scale.json"))
     parser.add_argument(
         "--nofile",
@@ -710,6 +759,8 @@ def main() -> None:
         "the run raises it toward the hard one as a run does (fdlimit)",
     )
     args = parser.parse_args()
+    for name in filter(None, args.kernel_imports.split(",")):
+        importlib.import_module(name.strip())
     if args.nofile:
         resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
@@ -728,7 +779,7 @@ def main() -> None:
         f"\n{'busy':>4} {'load':>9} {'driver':>7} {'ranks':>5} {'rate':>5} {'view':>6} {'tls':>3} {'sent':>9} "
         f"{'lost':>5} {'ooo':>4} {'p50 ms':>8} {'p99 ms':>8} {'catch-up':>8} {'cpu %':>6} {'kern %':>6} {'gen %':>6} "
         f"{'rss MB':>13} "
-        f"{'frame KB':>8} {'render ms':>13} {'conn s':>6} {'us/rec':>6}"
+        f"{'frame KB':>8} {'render ms':>13} {'gc ms':>5} {'conn s':>6} {'us/rec':>6}"
     )
     for r in runs:
         print(
@@ -738,7 +789,7 @@ def main() -> None:
             f"{r['catch_up_s']:>7.1f}s {r['driver_cpu_pct']:>6.0f} {r['kernel_cpu_pct']:>6.0f} "
             f"{r['gen_cpu_pct']:>6.0f} {r['rss_mb_start']:>6.0f}->{r['rss_mb_end']:<6.0f} "
             f"{r['frame_bytes_max'] / 1e3:>8.1f} {r['render_ms_max']:>6.0f}/{r['render_cpu_ms_max']:<3.0f}cpu "
-            f"{r['connect_s']:>6.1f} "
+            f"{r['render_gc_ms_of_longest']:>5.0f} {r['connect_s']:>6.1f} "
             f"{r['driver_us_per_record']:>6.1f}"
         )
     r = runs[-1]

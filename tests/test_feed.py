@@ -64,6 +64,10 @@ def test_reads_through_the_feed_are_the_states_own(served, socket_path):
     budgeted = hosted.read_logs(every, budget=6)  # 5 lines a rank: the third is not read
     assert [None if got is None else len(got.lines) for got in budgeted] == [5, 5, None]
     assert hosted.failures() == [] and hosted.running() == [0, 1, 2]
+    view = hosted.large_view(host="h", rank=None)  # worked out where the state is
+    assert view.overview == state.large_view().overview and view.page == [0, 1, 2]
+    assert view.snap.ranks == () and view.shown == {rs.rank: rs for rs in snap.ranks}
+    assert hosted.large_view(host="h", rank=1).page == [1]
     assert hosted.state == state.state and hosted.started == state.started and not hosted.finished
     assert hosted.ranks == snap.ranks  # a snapshot's field
     assert server.readers() == 1 and hosted.hosted

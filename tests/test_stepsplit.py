@@ -243,7 +243,7 @@ def test_real_ranks_name_the_rank_that_holds_the_others_up_and_why(monkeypatch, 
 
 def test_the_views_show_each_ranks_split_and_the_extremes_across_ranks():
     from torchdist_magic.view.model import system_text
-    from torchdist_magic.view.overview import overview
+    from torchdist_magic.driver.summary import overview
     from torchdist_magic.view.text import summary
 
     state, clock = split_state()

@@ -479,7 +479,8 @@ def test_a_rank_without_samples_has_no_system_column():
 
 
 def test_the_large_view_aggregates_system_metrics_with_the_extremes_named():
-    from torchdist_magic.view import html, overview, text
+    from torchdist_magic.driver import summary as overview
+    from torchdist_magic.view import html, text
 
     state = _sampled_state(64)
     ov = overview.overview(state)

@@ -14,6 +14,7 @@ from view_helpers import FakeRun, bar, exit_, feed, log, metrics, no_cpu, runnin
 from torchdist_magic.core import events
 from torchdist_magic.view import html as H
 from torchdist_magic.view.plots import plots_html
+from torchdist_magic.driver import summary as S
 from torchdist_magic.view import overview as O
 from torchdist_magic.view import widget as W
 from torchdist_magic.view.text import TextView, summary, summary_with_logs
@@ -50,7 +51,7 @@ def run_1024():
 
 def test_a_large_run_shows_counts_hosts_bars_and_the_ranks_worth_a_look_first(run_64):
     run, _clock = run_64
-    ov = O.overview(run.state)
+    ov = S.overview(run.state)
     assert ov.counts_text == "64 ranks on 8 hosts: 63 running, 1 failed"
     epoch, batch = ov.bars
     assert (epoch.desc, batch.desc, batch.total, batch.ranks) == ("epoch", "batch", 50, 64)
@@ -59,11 +60,29 @@ def test_a_large_run_shows_counts_hosts_bars_and_the_ranks_worth_a_look_first(ru
     assert kinds[0] == (63, "failed") and (21, "straggler") in kinds  # failed first, then stragglers
     straggler = next(look for look in ov.look if look.rank == 21)
     assert re.fullmatch(r"\u26a0 straggler: .+ \((batch|epoch)\), for \d+ s", straggler.why)
-    assert len(ov.look) <= O.LOOK_RANKS
-    html = H.large_rows_html(run.state, ov)
+    assert len(ov.look) <= S.LOOK_RANKS
+    view = run.state.large_view()
+    assert view.overview == ov and view.page == []
+    assert sorted(view.shown) == sorted(look.rank for look in ov.look)  # only the ranks shown travel
+    assert view.snap.ranks == () and view.snap.num_processes == 64
+    assert [f.rank for f in view.failures] == [63]
+    html = H.large_rows_html(view)
     assert html.count('class="torchdist-rank-row"') == len(ov.look)  # not 64 rows
     assert "64 ranks on 8 hosts" in html and 'data-state="failed"' in html
     assert "raised RuntimeError: CUDA error" in html and "straggler" in html
+
+
+def test_a_large_view_carries_the_page_of_a_host_or_of_a_rank_asked_for(run_64):
+    run, _clock = run_64
+    ov = S.overview(run.state)
+    host, ranks = ov.hosts[2]
+    by_host = run.state.large_view(host="gpu-node-002")
+    assert host == "gpu-node-002" and by_host.page == ranks[: S.PAGE_RANKS]
+    assert set(by_host.page) <= set(by_host.shown) and by_host.shown[ranks[0]].host == host
+    by_rank = run.state.large_view(host="gpu-node-002", rank=40)
+    assert by_rank.page == [40] and by_rank.shown[40].rank == 40  # a rank asked for wins over a host
+    assert run.state.large_view(rank=64).page == []  # no such rank: no page
+    assert run.state.large_view(host="no-such-host").page == []
 
 
 def test_a_silent_rank_is_worth_a_look():
@@ -71,11 +90,11 @@ def test_a_silent_rank_is_worth_a_look():
     clock = run.state._pace.clock = type("C", (), {"now": 0.0, "__call__": lambda self: self.now})()
     for r in range(20):
         running(run.state, r)
-    clock.now += O.SILENT_AFTER + 5
+    clock.now += S.SILENT_AFTER + 5
     for r in range(20):
         if r != 7:
             log(run.state, r, "alive")
-    look = {item.rank: item for item in O.overview(run.state).look}
+    look = {item.rank: item for item in S.overview(run.state).look}
     assert look[7].kind == "silent" and look[7].why == "silent for 00:15"
 
 
@@ -107,10 +126,10 @@ def test_an_update_and_the_kept_summary_do_not_grow_with_the_ranks(run_1024):
 
     size = sent_bytes(view, one_round)
     assert 0 < size < 100 * 1024
-    assert view.rows.value.count('class="torchdist-rank-row"') <= O.LOOK_RANKS
+    assert view.rows.value.count('class="torchdist-rank-row"') <= S.LOOK_RANKS
     html = view.snapshot_html()
     assert len(html.encode()) < 1024 * 1024
-    assert html.count('class="torchdist-rank-log"') <= O.LOOK_RANKS + 1
+    assert html.count('class="torchdist-rank-log"') <= S.LOOK_RANKS + 1
     assert len(summary_with_logs(run.state).encode()) < 64 * 1024
     # the plots: a band and the median across ranks, lines for a few, points bounded
     assert view.plots.value.count("torchdist-plot-band") == 3
@@ -183,7 +202,7 @@ def test_the_text_view_of_a_large_run_follows_rank_0_the_failed_and_the_straggli
     assert "[rank 9] rank 9 line 11" in printed and "[rank 9] rank 9 line 10\n" not in printed
     assert re.search(r"torchdist: 00:0\d · 40 ranks on 5 hosts: 40 running · epoch median 5/10", printed)
     assert "worth a look:" in printed and "rank 9 on node-1 raised ValueError: bad batch" in printed
-    assert printed.count("\n  rank ") <= O.LOOK_RANKS  # not a row per rank
+    assert printed.count("\n  rank ") <= S.LOOK_RANKS  # not a row per rank
     assert run.state.logs(5).count("\n") == 30  # every line stays in the run
 
 
@@ -225,10 +244,10 @@ def test_the_slowest_and_the_furthest_behind_are_worth_a_look_with_their_numbers
         bar(run.state, r, 1 if r == 4 else 2, 3, desc="epoch", bar_id="epoch#0", elapsed=10.0)
         # rank 4 is an epoch behind (its batch further along); rank 9 steps slowest
         bar(run.state, r, 40 if r == 4 else 5, 50, desc="batch", bar_id="batch#1", elapsed=1.0 if r != 9 else 5.0)
-    look = {item.rank: item for item in O.overview(run.state).look}
+    look = {item.rank: item for item in S.overview(run.state).look}
     assert look[4].kind == "behind" and look[4].why == "furthest behind: epoch 1.8, median 2.1"
     assert look[9].kind == "slowest" and look[9].why == "slowest: 1.00 it/s, median 5.00"
-    assert O.overview(run.state).bars[0].behind == 0  # 1 of 3 is not 2 steps short of 2
+    assert S.overview(run.state).bars[0].behind == 0  # 1 of 3 is not 2 steps short of 2
 
 
 def test_the_text_view_names_a_straggler_it_follows_and_groups_stacks_of_a_large_run():
@@ -259,7 +278,7 @@ def test_a_hosts_page_names_the_ranks_it_leaves_out_and_an_empty_problem_pane_sa
     view = W.WidgetView(run, display=False, clock=clock)
     view.host_page.value = "gpu-node-001"
     assert (
-        f"gpu-node-001: 20 ranks, the first {O.PAGE_RANKS} (type a rank&#x27;s number for another)" in view.rows.value
+        f"gpu-node-001: 20 ranks, the first {S.PAGE_RANKS} (type a rank&#x27;s number for another)" in view.rows.value
     )
     assert "logs of rank 0 and of the ranks worth a look" in view.snapshot_html()
     quiet = FakeRun(20)

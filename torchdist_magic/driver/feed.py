@@ -4,7 +4,8 @@ process, ``HostedState`` in a kernel that shows the run.
 A run whose channel is off the kernel (``--channel process``, ``--detach``) has its channel and
 its state in its supervising process: that process receives, decodes and applies every record,
 and a kernel asks it only for what its view shows, one round trip a read (``READS``: a snapshot,
-some of a rank's log lines, the plots' history).  So the kernel's CPU is its view's own, and a
+a large run's overview with the few ranks its view shows, some of a rank's log lines, the
+plots' history).  So the kernel's CPU is its view's own, and a
 refresh never delays a record.  ``HostedState`` has the reading side of ``RunState`` (what
 views, ``Run.logs`` and the summary read); once the process that held the state has gone, it
 reads a state rebuilt in the kernel instead (``fallback``: the run's journal replayed).
@@ -63,6 +64,9 @@ SNAPSHOT_FIELDS = ("ranks", "stacks", "verdict", "preflight", "tracking", "refus
 #: the reads a kernel may ask, each a function of the state and the request
 READS: Dict[str, Callable[[Any, events.ReadState], Any]] = {
     "snapshot": lambda state, q: state.snapshot(q.since),
+    "large_view": lambda state, q: state.large_view(
+        q.since, q.names[0] if q.names else None, None if q.at < 0 else q.at
+    ),
     "read_log": lambda state, q: state.read_log(q.at, q.start, q.limit, q.newest),
     "read_logs": lambda state, q: state.read_logs([tuple(read) for read in q.reads], q.limit),
     "recent_log": lambda state, q: state.recent_log(q.at, q.limit if q.limit is not None else 0),
@@ -338,6 +342,11 @@ class HostedState:
     # -- the reads of ``RunState`` (``reading.RunStateReads``) --------------------------------
     def snapshot(self, since: Optional[int] = None):
         return self._ask("snapshot", since=since)
+
+    def large_view(self, since: Optional[int] = None, host: Optional[str] = None, rank: Optional[int] = None):
+        """``RunState.large_view``, worked out in the process that holds the state: the kernel
+        gets the overview and the few ranks shown, not every rank's snapshot."""
+        return self._ask("large_view", since=since, names=[host] if host else None, at=-1 if rank is None else rank)
 
     def read_log(self, rank: int, start: int = 0, limit: Optional[int] = None, newest: bool = False):
         return self._ask("read_log", at=rank, start=start, limit=limit, newest=newest)

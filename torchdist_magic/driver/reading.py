@@ -13,6 +13,7 @@ from .logstore import LogRead
 from .rootcause import root_cause_first
 from .snapshot import SYSTEM_HISTORY_KEYS, RankSnapshot, Refusal, RunSnapshot
 from .stragglers import Straggler
+from .summary import LargeView, large_view
 
 
 class RunStateReads:
@@ -135,6 +136,14 @@ class RunStateReads:
                 goodput=self.goodput(),
                 stragglers=tuple(self._pace.stragglers([rs.host for rs in self.ranks], check=self.ended is None)),
             )
+
+    def large_view(
+        self, since: Optional[int] = None, host: Optional[str] = None, rank: Optional[int] = None
+    ) -> LargeView:
+        """What a view of a large run shows (``summary.large_view``): ``snapshot(since)``
+        summarised, with the snapshots of the ranks worth a look and of the page of ``host`` or
+        ``rank`` only."""
+        return large_view(self.snapshot(since), host, rank)
 
     def read_log(self, rank: int, start: int = 0, limit: Optional[int] = None, newest: bool = False) -> LogRead:
         """``rank``'s lines from index ``start`` to the end of its log, read at once (from memory

@@ -33,7 +33,8 @@ from .model import (
     snapshot,
     system_series,
 )
-from .overview import LINE_RANKS, Overview, is_large, metric_bands, overview
+from ..driver.summary import LargeView, Overview, large_view
+from .overview import LINE_RANKS, is_large, metric_bands
 from .plots import bands_html, plots_html
 from .style import (
     BAR_COLOURS,
@@ -290,21 +291,22 @@ def _section(title: str, body: str, cls: str) -> str:
     )
 
 
-def large_rows_html(state, ov: Overview, page: Optional[List[int]] = None, page_title: str = "") -> str:
-    """For a large run: the overview, the rows of the ranks worth a look (with why), then the
-    rows of ``page`` (a host's ranks, a rank asked for) under ``page_title``."""
-    snap = snapshot(state)
-    digits = len(str(snap.num_processes - 1))
+def large_rows_html(view: LargeView, page_title: str = "") -> str:
+    """For a large run (``summary.large_view``): the overview, the rows of the ranks worth a look
+    (with why), then the rows of the view's page (a host's ranks, a rank asked for) under
+    ``page_title``."""
+    ov, shown, page = view.overview, view.shown, view.page
+    digits = len(str(ov.num_processes - 1))
     out = [overview_html(ov)]
     if ov.look:
-        rows = [rank_row(snap.ranks[look.rank]) for look in ov.look]
+        rows = [rank_row(shown[look.rank]) for look in ov.look]
         out.append(
             _section(
                 "worth a look", rows_html(rows, {look.rank: look.why for look in ov.look}, digits), "torchdist-look"
             )
         )
     if page:
-        rows = [rank_row(snap.ranks[r]) for r in page]
+        rows = [rank_row(shown[r]) for r in page]
         out.append(_section(page_title, rows_html(rows, digits=digits), "torchdist-page"))
     return "".join(out)
 
@@ -519,9 +521,9 @@ def summary_html(
         open_rank = root_cause_rank(snap) or 0
     facts = run_facts(snap)
     if is_large(snap.num_processes):
-        ov = overview(snap)
-        chosen = [look.rank for look in ov.look]
-        body = large_rows_html(snap, ov)
+        view = large_view(snap)
+        chosen = [look.rank for look in view.overview.look]
+        body = large_rows_html(view)
         plots = bands_html(metric_bands(state, chosen[:LINE_RANKS]))
         shown = list(dict.fromkeys([open_rank, 0] + chosen))
         logs = rank_logs_html(

@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, Iterable, List, Optional, Tuple, Union
 
+from ..core.formats import format_bytes, format_duration, format_step_time
 from ..core.names import ROWS_BAR
 from ..core.preflight import compare
 from ..driver.logstore import LogLine
@@ -68,16 +69,6 @@ def snapshot(state: State) -> RunSnapshot:
 
 
 # -- text shared by every renderer (as tqdm shares ``format_meter``) ---------------------------
-def format_duration(seconds: Optional[float]) -> str:
-    """``01:05``, or ``1:00:05`` past an hour; ``?`` when unknown."""
-    if seconds is None:
-        return "?"
-    seconds = max(0, int(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
-
-
 def progress_text(bar: Optional[dict]) -> str:
     """``epoch 2/3 (66%) [00:04<00:02, 0.52 it/s, loss=0.3]``, as tqdm writes it (the postfix
     of a tqdm bar last)."""
@@ -104,18 +95,6 @@ def progress_text(bar: Optional[dict]) -> str:
 def metrics_text(metrics: dict) -> str:
     """``loss=0.31 acc=0.9``"""
     return " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
-
-
-def format_bytes(value: float) -> str:
-    """``812 MiB``, ``11.8 GiB``"""
-    if value < 1 << 30:
-        return f"{value / (1 << 20):.0f} MiB"
-    return f"{value / (1 << 30):.3g} GiB"
-
-
-def format_step_time(seconds: float) -> str:
-    """``120 ms/step``, ``2.5 s/step``"""
-    return f"{seconds * 1000:.3g} ms/step" if seconds < 1 else f"{seconds:.3g} s/step"
 
 
 def system_text(rs: Rank) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import List, Optional, TextIO
+from typing import List, Optional, TextIO, Union
 
 from ..driver.goodput import describe as describe_goodput
 from ..driver.snapshot import RunSnapshot
@@ -32,7 +32,8 @@ from .model import (
     run_facts,
     snapshot,
 )
-from .overview import LOOK_RANKS, is_large, overview
+from ..driver.summary import LOOK_RANKS, LargeView, large_view, overview
+from .overview import is_large
 
 PROGRESS_EVERY = 5.0  # seconds between progress summaries
 CR_EVERY = 5.0  # seconds between showings of a rank's \r-progress line
@@ -75,11 +76,11 @@ def _ranks_text(ranks: List[int], limit: int = 8) -> str:
     return shown + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
 
 
-def status(state: State) -> str:
+def status(state: Union[State, LargeView]) -> str:
     """A large run in one line: elapsed, ranks by state and hosts, each bar across ranks, the
     stragglers."""
-    snap = snapshot(state)
-    ov = overview(snap)
+    view = state if isinstance(state, LargeView) else large_view(snapshot(state))
+    snap, ov = view.snap, view.overview
     parts = [f"torchdist: {format_duration(snap.elapsed())}", ov.counts_text]
     parts += [f"{bar.desc or 'progress'} {bar.text}" for bar in ov.bars]
     parts += [item.text for item in ov.system if item.key in ("rss_bytes", "step_time")]
@@ -192,30 +193,33 @@ class TextView:
 
     def update(self) -> None:
         now = time.monotonic()
-        snap = self.state.snapshot(self._seen)
+        # a large run: its overview and the few ranks it shows, worked out where the state is
+        view = self.state.large_view(self._seen) if self.large else None
+        snap = view.snap if view is not None else self.state.snapshot(self._seen)
         self._seen = snap.version
         self._announce_restart(snap)
         changed = snap.changed
-        if self.large:
-            changed = changed & self._follow(snap)
+        if view is not None:
+            changed = changed & self._follow(view)
         for r in sorted(changed):
             self._drain_logs(r)
         self._show_pending_cr(now)
         if now - self._progress_shown >= PROGRESS_EVERY:
             self._progress_shown = now
-            if self.large:
-                self._print(status(snap))
+            if view is not None:
+                self._print(status(view))
             else:
                 self._show_progress(snap)
 
-    def _follow(self, snap: RunSnapshot) -> set:
+    def _follow(self, view: LargeView) -> set:
         """A large run's ranks to print: rank 0, and each rank that failed or straggles, from its
         last ``FOLLOW_BACKLOG`` lines when it starts being followed."""
-        wanted = {rs.rank for rs in snap.ranks if rs.state == "failed"} | {s.rank for s in snap.stragglers}
+        failed = {failure.rank for failure in view.failures}
+        wanted = failed | {s.rank for s in view.snap.stragglers}
         for r in sorted(wanted - self._followed):
             self._followed.add(r)
             skipped = self._logs.skip(self.state, r, FOLLOW_BACKLOG)
-            why = "failed" if snap.ranks[r].state == "failed" else "straggles"
+            why = "failed" if r in failed else "straggles"
             more = f"; {skipped} earlier lines in logs({r})" if skipped else ""
             self._print(f"torchdist: rank {r} {why}: its lines follow{more}")
         return self._followed
@@ -266,10 +270,11 @@ class TextView:
         if self._closed:
             return
         self._closed = True
-        snap = self.state.snapshot(self._seen)
+        view = self.state.large_view(self._seen) if self.large else None
+        snap = view.snap if view is not None else self.state.snapshot(self._seen)
         self._seen = snap.version
         self._announce_restart(snap)
-        for r in sorted(self._follow(snap)) if self.large else range(snap.num_processes):
+        for r in sorted(self._follow(view)) if view is not None else range(snap.num_processes):
             self._drain_logs(r)
             self._flush_cr(r)
         self._print(summary(self.state))

@@ -31,6 +31,7 @@ import ipywidgets as widgets
 
 from ..driver.reading import MetricCursor
 from ..driver.state import RunState
+from ..driver.summary import PAGE_RANKS, LargeView, Overview
 from .html import (
     BORDER,
     MUTED,
@@ -48,17 +49,7 @@ from .html import (
 )
 from .kernel_poll import KernelPoll
 from .model import MergedLog, metric_series, system_series, rank_log, rank_rows, rank_stacks, root_cause_rank, run_facts
-from .overview import (
-    BAND_BUDGET,
-    BAND_READ,
-    LINE_RANKS,
-    PAGE_RANKS,
-    BandBuilder,
-    Overview,
-    band_share,
-    is_large,
-    overview,
-)
+from .overview import BAND_BUDGET, BAND_READ, LINE_RANKS, BandBuilder, band_share, is_large
 from .plots import bands_html, plots_html
 from .text import header, summary_with_logs
 
@@ -310,17 +301,25 @@ class WidgetView:
         self._last_render = now
         self.renders += 1
         state = self.state
-        snap = state.snapshot(self._seen_version)  # one moment for every part; later changes show next time
+        # one moment for every part; later changes show next time.  A large run's overview and
+        # the few ranks shown are worked out where the state is (``large_view``): a run held by
+        # another process sends those, not a thousand ranks' snapshots
+        if self.large:
+            host = self.host_page.value if self._typed is None else None
+            view = state.large_view(self._seen_version, host or None, self._typed)
+            snap, cause = view.snap, (view.failures[0].rank if view.failures else None)
+        else:
+            snap = state.snapshot(self._seen_version)
+            cause = root_cause_rank(snap)
         version = snap.version
         facts = run_facts(snap)
         _set(self.header, header_html(facts))
         if version != self._seen_version or force:
             self._seen_version = version
             if self.large:
-                self._overview = overview(snap)
-                self._update_pickers(self._overview)
-                page, title = self._page(self._overview)
-                _set(self.rows, large_rows_html(snap, self._overview, page, title))
+                self._overview = view.overview
+                self._update_pickers(view.overview)
+                _set(self.rows, large_rows_html(view, self._page_title(view)))
             else:
                 _set(self.rows, rows_html(rank_rows(snap), straggler_notes(snap)))
             _set(self.failure, failure_html(facts))
@@ -331,7 +330,6 @@ class WidgetView:
                 if not profile.waiting:
                     self.profile_button.disabled, self.profile_button.description = False, "Profile"
             self._merged.drain(state, snap.changed)
-            cause = root_cause_rank(snap)
             if cause is not None and not self._log_chosen and self.log_select.value != cause:
                 self._show_log(cause)  # the root cause's output
             self._render_logs(facts.finished)
@@ -387,19 +385,19 @@ class WidgetView:
             finally:
                 self._selecting = False
 
-    def _page(self, ov: Overview):
-        """The ranks shown below those worth a look: the rank typed, or a host's (at most
-        ``PAGE_RANKS``), with a title."""
+    def _page_title(self, view: LargeView) -> str:
+        """The title of the ranks shown below those worth a look (``view.page``): the rank
+        typed, or a host's (at most ``PAGE_RANKS``)."""
         if self._typed is not None:
-            return [self._typed], f"rank {self._typed}"
+            return f"rank {self._typed}"
         host = self.host_page.value
         if host == WORTH_A_LOOK:
-            return None, ""
-        ranks = ov.host_ranks(host)
+            return ""
+        ranks = view.overview.host_ranks(host)
         title = f"{host}: {len(ranks)} ranks"
         if len(ranks) > PAGE_RANKS:
             title += f", the first {PAGE_RANKS} (type a rank's number for another)"
-        return ranks[:PAGE_RANKS], title
+        return title
 
     def _render_logs(self, finished: bool) -> None:
         selected = self.log_select.value
