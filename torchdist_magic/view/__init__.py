@@ -1,7 +1,8 @@
 """Views of a run: what a ``RunState`` looks like in a terminal and in a notebook.
 
-``model`` computes what every view shows (``overview``: what a run of many ranks shows instead
-of a row per rank); ``text`` prints it (terminals, CI, nbconvert); ``html`` draws it (the live
+``model`` computes what every view shows (``overview``: when a run has too many ranks for a
+row each, and its plots' bands; the summary shown instead, ``driver.summary``, is worked out
+where the run's state is); ``text`` prints it (terminals, CI, nbconvert); ``html`` draws it (the live
 widget and the summary a notebook keeps), with the SVG charts of ``plots``, in the colours and
 fonts of ``style``; ``widget`` is the live ipywidgets view, with ``kernel_poll`` letting its
 Stop button work while a cell blocks the kernel; ``panel`` is the launch panel.  Importing this
