@@ -3,6 +3,7 @@
 the records, the cell waits, shows the run through the feed (``feed.HostedState``) and returns
 rank 0's value; Ctrl-C stops the run.  Real processes, real sockets."""
 
+import gc
 import os
 import signal
 import threading
@@ -167,3 +168,31 @@ def test_classic_spark_that_only_the_notebook_can_use_keeps_the_channel_here(hom
         Distributor(num_processes=1, local_mode=False, show=None, channel="process").submit(sleeps)
     assert not attaching.supervised(LaunchOptions(num_processes=PROCESS_CHANNEL_RANKS, backend="spark"))
     assert torchdist_magic.runs() == []
+
+
+def prints_lines(n):
+    from torchdist_magic import rank
+
+    if rank() == 1:
+        for i in range(n):
+            print(f"line {i}")
+    return 3
+
+
+def test_every_line_of_a_run_whose_channel_was_in_a_process_of_its_own_stays_after_it_ended(home):
+    lines = history.LOG_KEEP_LINES + 5_000  # more than the run's record keeps
+    run = Distributor(num_processes=2, local_mode=True, show=None, channel="process").submit(prints_lines, lines)
+    assert attaching.follow_attached(run, own=True) == 3
+    assert_nothing_survives(run.run_id, run.record.pid)  # its supervising process has gone
+    text = run.logs(1)
+    assert not run.state.hosted  # read from what that process left, not through its feed
+    assert text.splitlines() == [f"line {i}" for i in range(lines)]
+    assert run.logs(1, attempt=1) == text and run.logs(0) == ""
+    assert "the record keeps the last 20000 lines" in history.read_record(run.run_id).log(1)
+    with pytest.raises(IndexError, match="attempt 2 is not in this run"):
+        run.logs(1, attempt=2)
+    full = os.path.join(run.directory, supervisor.FULL_LOGS_DIR)
+    assert sorted(os.listdir(full)) == ["attempts.json", "rank-0.log", "rank-1.log"]
+    del run
+    gc.collect()
+    assert not os.path.exists(full)  # the kernel's own run: its logs go with its handle

@@ -17,6 +17,7 @@ kernel that dies) leaves the run going.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import threading
 import time
@@ -33,11 +34,13 @@ from .feed import HostedState
 from .state import RunState
 from .supervisor import (
     DONE_FILE,
+    FULL_LOGS_DIR,
     JOURNAL_FILE,
     JOURNAL_FULL_FILE,
     NO_JOURNAL_FILE,
     TOKEN_FILE,
     check_detachable,
+    read_full_logs,
     start_detached,
 )
 
@@ -89,6 +92,8 @@ def submit_detached(target: Any, args: tuple, kwargs: dict, options: LaunchOptio
     spark = check_detachable(options, active_spark_session(), data)
     job = build_job(target, tuple(args), dict(kwargs))
     handle = AttachedRun(start_detached(job, options, spark, journal=options.detach))
+    if not options.detach:  # the kernel's own run: the ranks' complete logs are this handle's
+        weakref.finalize(handle, shutil.rmtree, os.path.join(handle.directory, FULL_LOGS_DIR), True)
     with _handles_lock:
         _handles[handle.run_id] = handle
     return handle
@@ -249,8 +254,16 @@ class AttachedRun:
         return self._done.wait(timeout)
 
     def logs(self, rank: int = 0, attempt: Optional[int] = None) -> str:
-        """Everything ``rank`` printed so far (stdout and stderr, in order)."""
-        return self.state.logs(rank, attempt)
+        """Everything ``rank`` printed so far (stdout and stderr, in order): from the supervising
+        process while it runs; afterwards from the run's journal, or for a run that kept none
+        (``--channel process``) from the complete logs that process left (its record alone keeps
+        each rank's newest lines)."""
+        if self.state.hosted:
+            text = self.state.logs(rank, attempt)
+            if self.state.hosted:  # answered by the supervising process, not by the fallback
+                return text
+        full = read_full_logs(self.directory, rank, attempt)
+        return full if full is not None else self.state.logs(rank, attempt)
 
     def detach(self) -> None:
         """Stop following the run here (the run goes on): the views that follow it stop; the

@@ -13,6 +13,10 @@ once the run has started (or raises what refused it).  The supervising process t
   (``--channel process``) keeps none (``no-journal``): at 1024 ranks writing it would cost the
   process a third of its time, and its kernel reads the state through the feed while it runs
   and the run's record afterwards;
+- ``full-logs/``: for a run that keeps no journal, each rank's complete output once the run
+  ended (``write_full_logs``), which the record alone would cut to its newest lines; the
+  kernel that started the run reads it once this process has gone, and removes it when it
+  exits;
 - ``value.blob``: rank 0's value (``core.values``' format), when the run succeeded;
 - ``done``: once the journal, the value and the record are complete.
 
@@ -55,6 +59,10 @@ JOURNAL_FILE = "journal.jsonl"
 JOURNAL_FULL_FILE = "journal-full"
 #: in the directory of a run whose kernel follows it (``--channel process``): no journal
 NO_JOURNAL_FILE = "no-journal"
+#: in the directory of a run that keeps no journal: each rank's complete output once it ended
+FULL_LOGS_DIR = "full-logs"
+#: in it: per rank, where each attempt's output begins and where the last one ends (bytes)
+FULL_LOGS_INDEX = "attempts.json"
 READY_FILE = "ready"
 REFUSED_FILE = "refused"
 DONE_FILE = "done"
@@ -324,6 +332,46 @@ class Journal:
         self._thread.join()
 
 
+def write_full_logs(state: Any, directory: str) -> None:
+    """Each rank's complete output (every attempt, one after the other) into ``FULL_LOGS_DIR``
+    of the run's ``directory``: ``rank-R.log``, and ``FULL_LOGS_INDEX`` with the byte offsets
+    of each rank's attempts (written last: without it, the logs are not complete)."""
+    logs = os.path.join(directory, FULL_LOGS_DIR)
+    os.makedirs(logs, mode=0o700, exist_ok=True)
+    offsets = {}
+    for rank in range(state.num_processes):
+        fd = open_private(os.path.join(logs, f"rank-{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        at = [0]
+        with os.fdopen(fd, "wb") as fh:
+            for attempt in range(1, state.attempt + 1):  # one attempt's text at a time in memory
+                at.append(at[-1] + fh.write(state.logs(rank, attempt).encode("utf-8", "surrogatepass")))
+        offsets[str(rank)] = at
+    write_private(os.path.join(logs, FULL_LOGS_INDEX), json.dumps({"attempts": state.attempt, "offsets": offsets}))
+
+
+def read_full_logs(directory: str, rank: int, attempt: Optional[int] = None) -> Optional[str]:
+    """``rank``'s complete output as ``write_full_logs`` kept it (``attempt``: that attempt's
+    only, 1 for the first); None when the run's directory has none (a run with a journal, one
+    still going, or one whose kernel removed them); ``IndexError`` for a rank or an attempt the
+    run did not have."""
+    logs = os.path.join(directory, FULL_LOGS_DIR)
+    try:
+        with open(os.path.join(logs, FULL_LOGS_INDEX), encoding="utf-8") as fh:
+            index = json.load(fh)
+        with open(os.path.join(logs, f"rank-{rank}.log"), "rb") as fh:
+            at = index["offsets"].get(str(rank))
+            if at is None:
+                raise IndexError(f"rank {rank} is not in this run (ranks 0..{len(index['offsets']) - 1})")
+            if attempt is None:
+                return fh.read().decode("utf-8", "surrogatepass")
+            if not 1 <= attempt <= index["attempts"]:
+                raise IndexError(f"attempt {attempt} is not in this run (attempts 1..{index['attempts']})")
+            fh.seek(at[attempt - 1])
+            return fh.read(at[attempt] - at[attempt - 1]).decode("utf-8", "surrogatepass")
+    except FileNotFoundError:
+        return None
+
+
 def supervise(directory: str) -> int:
     """The supervising process's work: start the run, serve its control socket, keep its
     journal, value and record until it ends.  The exit code: 0 once the run ended, whatever its
@@ -391,6 +439,11 @@ def supervise(directory: str) -> int:
         run.record.end(has_value=has_value)
     finally:
         write_private(os.path.join(directory, DONE_FILE), run.state.state)
+        if journal is None:  # while the feed still serves the kernel: it reads these once it has gone
+            try:
+                write_full_logs(run.state, directory)
+            except OSError as exc:
+                print(f"torchdist: the ranks' complete logs could not be kept ({exc})", file=sys.stderr)
         control.linger(FEED_LINGER)  # the kernels' views take their last look at the state
         control.close()
         if session is not None:
