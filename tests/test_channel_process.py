@@ -171,11 +171,16 @@ def test_classic_spark_that_only_the_notebook_can_use_keeps_the_channel_here(hom
 
 
 def prints_lines(n):
-    from torchdist_magic import rank
+    import sys
 
+    from torchdist_magic import rank, report
+
+    for step in range(1, 4):
+        report(step, loss=1.0 / step)
     if rank() == 1:
         for i in range(n):
             print(f"line {i}")
+        sys.stdout.write("a bar in progress\r")
     return 3
 
 
@@ -186,8 +191,17 @@ def test_every_line_of_a_run_whose_channel_was_in_a_process_of_its_own_stays_aft
     assert_nothing_survives(run.run_id, run.record.pid)  # its supervising process has gone
     text = run.logs(1)
     assert not run.state.hosted  # read from what that process left, not through its feed
-    assert text.splitlines() == [f"line {i}" for i in range(lines)]
+    assert text.splitlines() == [f"line {i}" for i in range(lines)] + ["a bar in progress"]
     assert run.logs(1, attempt=1) == text and run.logs(0) == ""
+    # the rest of the state is the record's: each rank's newest lines, its metric histories
+    assert [line.text for line in run.state.recent_log(1, 2).lines] == [f"line {lines - 1}", "a bar in progress"]
+    assert text.endswith("a bar in progress\r"), repr(text[-40:])
+    history_ = run.state.metric_history()
+    assert {rank: [step for step, _ in points] for rank, points in history_["loss"].items()} == {
+        0: [1, 2, 3],
+        1: [1, 2, 3],
+    }
+    assert history_["loss"][1][2][1] == pytest.approx(1 / 3)
     assert "the record keeps the last 20000 lines" in history.read_record(run.run_id).log(1)
     with pytest.raises(IndexError, match="attempt 2 is not in this run"):
         run.logs(1, attempt=2)

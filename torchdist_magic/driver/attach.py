@@ -333,14 +333,27 @@ class AttachedRun:
         end, each rank's last lines, its metric histories."""
         record = self.record = read_record(self.run_id)
         for rank in range(state.num_processes):
-            text = record.log(rank)
-            for line in text.splitlines(keepends=True):
-                cr = line.endswith("\r")
-                state.apply(events.Log(rank=rank, line=line.rstrip("\r\n"), cr=cr))
+            plain: List[str] = []  # lines in a row that end with a newline: one record for them all
+            for line in record.log(rank).splitlines(keepends=True):
+                if line.endswith("\r"):
+                    _apply_lines(state, rank, plain)
+                    plain = []
+                    state.apply(events.Log(rank=rank, line=line[:-1], cr=True))
+                else:
+                    plain.append(line.rstrip("\r\n"))
+            _apply_lines(state, rank, plain)
         for name, by_rank in record.metrics().get("metrics", {}).items():
-            for rank, points in by_rank.items():
-                for step, value in points:
-                    state.apply(events.Metrics.point(int(rank), step, {name: value}))
+            for rank, points in by_rank.items():  # one record a metric and rank: every point as a column
+                steps = [step for step, _ in points]
+                state.apply(
+                    events.Metrics(
+                        rank=int(rank),
+                        names=[name],
+                        steps=steps,
+                        times=[0.0] * len(steps),
+                        values=[[v for _, v in points]],
+                    )
+                )
         outcome = record.outcome or record.state
         state.finish(outcome, record.root_cause, record.failure)
 
@@ -389,3 +402,9 @@ class AttachedRun:
         self._error = RunLost(message)
         self._ending = ("failed", None, message)
         self._done.set()
+
+
+def _apply_lines(state: RunState, rank: int, lines: List[str]) -> None:
+    """``lines`` (none of them redrawn) as ``rank``'s output, in one record."""
+    if lines:
+        state.apply(events.Log(rank=rank, line=lines[0], more=lines[1:]))
