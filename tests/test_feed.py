@@ -10,6 +10,7 @@ import pytest
 from torchdist_magic.core import events
 from torchdist_magic.core.privdir import user_directory
 from torchdist_magic.driver.feed import FACTS, FeedServer, HostedState
+from torchdist_magic.driver.merged import FedMergedLog, MergedLog
 from torchdist_magic.driver.state import RunState
 
 TOKEN = "feed-test-token"
@@ -207,3 +208,38 @@ def test_metric_points_read_through_the_feed_come_once(socket_path):
     assert hosted.metric_points(cursor) == {}  # gone: the run ended and its points were read
     fresh = hosted.metric_points(MetricCursor())  # a new reader reads the state rebuilt here
     assert [step for step, _ in fresh["loss"][0]] == [1, 2, 3, 4, 5] and not hosted.hosted
+
+
+def test_a_kernels_merged_log_is_kept_where_the_state_is_and_only_its_news_come(socket_path):
+    state = fed_state()
+    server = FeedServer(socket_path, TOKEN, state, lambda by: None)
+    rebuilt = []
+
+    def fallback():
+        rebuilt.append(fed_state())
+        return rebuilt[-1]
+
+    hosted = HostedState(socket_path, TOKEN, 3, fallback)
+    fed, local = FedMergedLog(3, limit=6), MergedLog(3, limit=6)
+    try:
+        assert fed.drain(hosted) and local.drain(state)
+        assert fed.shown() == local.shown() and len(fed.lines) == 6  # the newest 6 of 15 lines
+        assert fed.pending == 0 and not fed.drain(hosted)  # nothing new: nothing comes
+        state.apply(events.Log(rank=1, stream="stderr", line="RuntimeError: boom"))
+        state.apply(events.Log(rank=2, line="epoch 1 50%", cr=True))  # a bar in progress
+        assert fed.drain(hosted) and local.drain(state)
+        assert fed.shown() == local.shown() and fed.shown()[-1] == (2, local.live[2])
+        assert list(fed.problems) == list(local.problems) == [(1, local.lines[-1][1])]
+        state.apply(events.Log(rank=2, line="epoch 1 done"))  # the bar's line is replaced
+        assert fed.drain(hosted) and fed.live[2] is None and fed.lines[-1][1].text == "epoch 1 done"
+        first = hosted.merged_log(12345, 2)  # a second reader: a log of its own, from the start
+        assert [line.text for _, line in first.lines] == ["rank 2 step 5", "epoch 1 done"]  # rank by rank
+        assert hosted.merged_log(12345, 2).lines == []  # and its news only, after that
+        server.close()  # the process that held the state has gone: this kernel drains its own, anew
+        hosted.close()
+        assert fed.drain(hosted, ()) and not hosted.hosted and len(rebuilt) == 1
+        expected = MergedLog(3, limit=6)
+        expected.drain(rebuilt[0])
+        assert fed.shown() == expected.shown() and len(fed.lines) == 6
+    finally:
+        server.close()

@@ -27,6 +27,7 @@ from torchdist_magic.core.options import LaunchOptions
 from torchdist_magic.view import html as H
 from torchdist_magic.view import plots as P
 from torchdist_magic.view import model as M
+from torchdist_magic.driver import merged as G
 from torchdist_magic.view.text import TextView, summary, summary_with_logs
 
 VIEW_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "torchdist_magic", "view")
@@ -221,7 +222,7 @@ def test_rank_log_collapses_carriage_return_lines_and_is_bounded():
 
 def test_all_ranks_log_is_in_arrival_order():
     state = FakeRun(2).state
-    merged = M.MergedLog(2, limit=4)
+    merged = G.MergedLog(2, limit=4)
     log(state, 0, "a0")
     log(state, 1, "b0")
     log(state, 1, "50%", cr=True)
@@ -427,7 +428,7 @@ def test_readers_see_a_redrawn_line_that_the_log_replaced_after_they_read_it():
     run = FakeRun(1)
     out, err = io.StringIO(), io.StringIO()
     view = TextView(run.state, out, err)
-    merged = M.MergedLog(1)
+    merged = G.MergedLog(1)
     log(run.state, 0, "10%", cr=True, stream="stderr")
     view.update()
     merged.drain(run.state)
@@ -640,7 +641,7 @@ def test_the_text_view_prints_every_line_once_while_another_thread_spills_the_lo
     run = FakeRun(2)
     out = io.StringIO()
     view = TextView(run.state, out, out)
-    merged = M.MergedLog(2, limit=50)
+    merged = G.MergedLog(2, limit=50)
     expected = {r: [f"r{r} line {i}" for i in range(3000)] for r in range(2)}
 
     def write(rank):
@@ -709,11 +710,11 @@ def test_no_module_but_the_state_touches_the_run_states_lock():
 
 
 def test_errors_and_warnings_are_told_by_their_words_in_any_case():
-    assert M.is_problem("RuntimeError: boom") and M.is_problem("a UserWarning here")
-    assert M.is_problem("TRACEBACK (most recent call last)") and M.is_problem("an Exception was raised")
-    assert not M.is_problem("epoch 3 loss 0.25") and not M.is_problem("")
+    assert G.is_problem("RuntimeError: boom") and G.is_problem("a UserWarning here")
+    assert G.is_problem("TRACEBACK (most recent call last)") and G.is_problem("an Exception was raised")
+    assert not G.is_problem("epoch 3 loss 0.25") and not G.is_problem("")
     state = FakeRun(2).state
-    merged = M.MergedLog(2)
+    merged = G.MergedLog(2)
     log(state, 0, "step 1")
     log(state, 1, "WARNING: slow step")
     log(state, 0, "plain words on stderr", stream="stderr")

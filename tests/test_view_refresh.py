@@ -11,7 +11,7 @@ import statistics
 
 from view_helpers import Clock, FakeRun, exit_, log, metrics, no_cpu, running
 from torchdist_magic.driver.reading import MetricCursor
-from torchdist_magic.view import model as M
+from torchdist_magic.driver import merged as G
 from torchdist_magic.view import overview as O
 from torchdist_magic.view import widget as W
 from torchdist_magic.view.plots import bands_html
@@ -137,7 +137,7 @@ def test_a_snapshot_copies_only_the_ranks_that_changed():
 
 def test_the_merged_log_reads_about_its_budget_per_refresh_and_the_rest_at_the_next():
     state = FakeRun(4).state
-    merged = M.MergedLog(4, limit=50, budget=5)
+    merged = G.MergedLog(4, limit=50, budget=5)
     for r in range(4):
         for i in range(3):
             log(state, r, f"r{r} line {i}")

@@ -32,6 +32,7 @@ import time
 from typing import Any, Callable, Dict, Optional
 
 from ..core import events
+from .merged import MERGED_LINES, FollowedMergedLog
 from .reading import MetricCursor
 
 #: a request line's largest size
@@ -82,8 +83,11 @@ READS: Dict[str, Callable[[Any, events.ReadState], Any]] = {
     "idle": lambda state, q: state.idle(),
     "facts": lambda state, q: {name: getattr(state, name) for name in FACTS},
 }
-#: cursors of ``metric_points`` a feed keeps for its kernels (the newest used)
+#: what a feed keeps for its kernels' readers (``metric_points`` cursors, merged logs): the
+#: newest used
 CURSORS = 64
+#: the most lines of a merged log a kernel may ask to be kept for it
+MERGED_LINES_MAX = 10_000
 
 
 class FeedGone(ConnectionError):
@@ -121,7 +125,7 @@ class FeedServer:
         self.state = state
         self._token = token
         self._stop = stop
-        self._cursors: "collections.OrderedDict[int, MetricCursor]" = collections.OrderedDict()
+        self._cursors: "collections.OrderedDict[int, Any]" = collections.OrderedDict()
         self._open = 0  # connections that read, open now
         self._connections: set = set()
         self._last_read = time.monotonic()
@@ -192,6 +196,8 @@ class FeedServer:
         read = READS.get(request.read)
         if request.read == "metric_points":  # the kernel's cursor is kept here, by its number
             read = self._metric_points
+        elif request.read == "merged_log":  # and its merged log
+            read = self._merged_log
         if read is None:
             kind, body = b"r", f"no read {request.read!r:.40}".encode()
         else:
@@ -202,12 +208,21 @@ class FeedServer:
         conn.sendall(ANSWER.pack(kind, len(body)) + body)
 
     def _metric_points(self, state: Any, request: events.ReadState) -> Any:
+        return state.metric_points(self._kept(request.at, MetricCursor), request.points)
+
+    def _merged_log(self, state: Any, request: events.ReadState) -> Any:
+        limit = min(max(request.limit or MERGED_LINES, 1), MERGED_LINES_MAX)
+        return self._kept(request.at, lambda: FollowedMergedLog(state.num_processes, limit)).read(state)
+
+    def _kept(self, key: int, make: Callable[[], Any]) -> Any:
+        """What this process keeps for a kernel's reader named ``key`` (a cursor, a merged log),
+        made when first asked; the ``CURSORS`` used last are kept."""
         with self._changed:
-            cursor = self._cursors.pop(request.at, None) or MetricCursor()
-            self._cursors[request.at] = cursor
+            kept = self._cursors.pop(key, None) or make()
+            self._cursors[key] = kept
             while len(self._cursors) > CURSORS:
                 self._cursors.popitem(last=False)
-        return state.metric_points(cursor, request.points)
+        return kept
 
     def readers(self) -> int:
         """Connections of kernels that read the state, open now."""
@@ -379,6 +394,12 @@ class HostedState:
         if remote is not None:
             return self._ask("metric_points", at=remote, points=points, when_local=lambda local: {})
         return self._local.metric_points(cursor, points)
+
+    def merged_log(self, key: int, limit: int):
+        """What the merged log kept for this kernel's reader ``key`` in the process that holds
+        the state took since the last read (``merged.MergedDelta``); None once that process has
+        gone (``merged.FedMergedLog`` then drains a log of its own)."""
+        return self._ask("merged_log", at=key, limit=limit, when_local=lambda local: None)
 
     def system_history(self, rank: int, points: Optional[int] = None):
         return self._ask("system_history", at=rank, points=points)

@@ -116,7 +116,7 @@ class LogStore:
 
     ``append`` replaces the stream's last line instead when that line ended with ``\\r`` (also
     when the other stream wrote in between): only a bar's latest state is kept.  A reader that
-    keeps a cursor should read a trailing ``\\r``-line again later (``model.LogCursor`` does).
+    keeps a cursor should read a trailing ``\\r``-line again later (``merged.LogCursor`` does).
 
     In memory a line is a plain ``(stream, text, cr)`` tuple, made a ``LogLine`` when read: the
     garbage collector stops tracking such tuples, so that the hundreds of thousands of lines a

@@ -137,6 +137,12 @@ class RunStateReads:
                 stragglers=tuple(self._pace.stragglers([rs.host for rs in self.ranks], check=self.ended is None)),
             )
 
+    def changed_since(self, since: Optional[int] = None) -> Tuple[int, List[int]]:
+        """The state's version now, and the ranks changed after version ``since`` (every rank
+        when None): what ``snapshot(since).changed`` names, without the snapshot."""
+        with self._lock:
+            return self.version, [r for r, v in enumerate(self._rank_versions) if since is None or v > since]
+
     def large_view(
         self, since: Optional[int] = None, host: Optional[str] = None, rank: Optional[int] = None
     ) -> LargeView:

@@ -459,7 +459,7 @@ def rank_log_html(log: RankLog, log_hint: Optional[str] = None, finished: bool =
 def merged_log_html(
     lines: List[Tuple[int, LogLine]], limit: int, log_hint: Optional[str] = None, finished: bool = False
 ) -> str:
-    """All ranks' lines (``model.MergedLog.shown()``), ``[rank N]``-prefixed, with a caption."""
+    """All ranks' lines (``merged.MergedLog.shown()``), ``[rank N]``-prefixed, with a caption."""
     caption = f"all ranks · last {limit} lines" + (f"; full logs: {log_hint}" if log_hint else "")
     return _caption_html(caption) + log_pane_html(list(lines), finished)
 
@@ -467,7 +467,7 @@ def merged_log_html(
 def problems_html(
     lines: List[Tuple[int, LogLine]], limit: int, log_hint: Optional[str] = None, finished: bool = False
 ) -> str:
-    """Every rank's errors and warnings (``model.MergedLog.problems``), ``[rank N]``-prefixed."""
+    """Every rank's errors and warnings (``merged.MergedLog.problems``), ``[rank N]``-prefixed."""
     caption = (
         f"errors and warnings of every rank (stderr, and lines saying error, warning, traceback or "
         f"exception) · last {limit}" + (f"; full logs: {log_hint}" if log_hint else "")

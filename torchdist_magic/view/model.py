@@ -11,8 +11,9 @@ HTML, the live widget) shows the same facts and tests read them without a kernel
 - ``system_text``, ``system_series``: each rank's CPU, memory, GPU and step time, and their
   samples against time;
 - ``rank_log`` / ``rank_logs``: a rank's last lines as a terminal would show them;
-- ``LogCursor``: each rank's lines written since the last read (the text view prints them);
-- ``MergedLog``: all ranks' lines in arrival order, and every rank's errors and warnings.
+(Each rank's new lines, ``LogCursor``, and all ranks' lines merged in arrival order with every
+rank's errors and warnings, ``MergedLog``, are ``driver.merged``'s: a run's supervising process
+keeps a kernel's merged log.)
 
 A run of many ranks is summarised by ``overview`` from the same snapshots.
 
@@ -24,11 +25,9 @@ any thread while events arrive.  The functions that take a ``state`` also take a
 
 from __future__ import annotations
 
-import bisect
 import math
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 from ..core.formats import format_bytes, format_duration, format_step_time
 from ..core.names import ROWS_BAR
@@ -39,18 +38,7 @@ from ..driver.state import RankState, RunState
 
 LOG_LINES = 300  # lines of a log pane; the complete logs stay on the run's ``logs(rank)``
 LOG_SCAN = 20_000  # lines looked at from the end of a rank's log to fill a pane
-DRAIN_LINES = 4_000  # lines a refresh reads for the all-ranks pane, at most (and one rank's more)
-DRAIN_BATCH = 256  # ranks whose new lines one read of the state gives at most (``read_logs``)
 PLOT_POINTS = 400  # points per line in a plot; longer histories are thinned
-
-
-def is_problem(text: str) -> bool:
-    """Whether a stdout line is worth showing among every rank's errors and warnings (besides
-    every stderr line): it says error, warning, traceback or exception, in any case (a lowered
-    copy and four substring tests: a tenth of what a case-blind regular expression costs, on
-    every line of a thousand ranks)."""
-    low = text.lower()
-    return "error" in low or "warning" in low or "traceback" in low or "exception" in low
 
 
 #: run states after which nothing more happens but a message says why
@@ -378,128 +366,3 @@ def root_cause_rank(state: State) -> Optional[int]:
     """The rank whose output explains the run's failure (the root cause's), if one failed."""
     failed = state.failures()
     return failed[0].rank if failed else None
-
-
-class LogCursor:
-    """Follows every rank's log: ``read`` gives the lines a rank wrote since the last read, each
-    once.  A trailing ``\\r``-line (a bar in progress) may still be replaced in the log by the
-    next line of its stream: its place is read again next time, and the line comes again only
-    when it was replaced.  With ``keep``, a read skips all but the newest ``keep`` unread lines.
-    """
-
-    def __init__(self, num_processes: int, keep: Optional[int] = None):
-        self.keep = keep
-        self._cursor = [0] * num_processes
-        self._trailing: List[Optional[LogLine]] = [None] * num_processes  # the \r-line read last
-        #: per rank, the lines its log held after the last read that the read did not take
-        self.unread = [0] * num_processes
-
-    def skip(self, state: RunState, rank: int, keep: int) -> int:
-        """Pass over all but the newest ``keep`` of ``rank``'s unread lines; returns how many
-        were passed over."""
-        total = state.read_log(rank, self._cursor[rank], 0).total
-        skipped = max(total - keep - self._cursor[rank], 0)
-        self._cursor[rank] += skipped
-        return skipped
-
-    def read(self, state: RunState, rank: int, limit: Optional[int] = None) -> List[LogLine]:
-        """``rank``'s new lines, oldest first: at most ``limit`` (the rest are read next time,
-        ``unread`` says how many there were)."""
-        return self.took(rank, state.read_log(*self.asking(rank, limit)))
-
-    def asking(self, rank: int, limit: Optional[int] = None) -> tuple:
-        """The arguments of ``read_log`` that read ``rank``'s new lines."""
-        if self.keep is not None:
-            return (rank, self._cursor[rank], self.keep, True)
-        return (rank, self._cursor[rank], limit, False)
-
-    def took(self, rank: int, got) -> List[LogLine]:
-        """The new lines of ``got`` (what ``asking``'s read gave), the cursor moved past them."""
-        self.unread[rank] = got.total - got.stop
-        if not got.lines:
-            return []
-        # the \r-line read last time, still the same: the log has not replaced it (lines are made
-        # when read, so the same line is an equal one, not the same object)
-        new = got.lines[1:] if got.lines[0] == self._trailing[rank] else got.lines
-        last = got.lines[-1]
-        self._trailing[rank] = last if last.cr else None
-        self._cursor[rank] = got.stop - (1 if last.cr else 0)
-        return new
-
-
-class MergedLog:
-    """All ranks' lines in the order this view saw them (lines that came between two refreshes
-    rank by rank), the last ``limit`` only.
-
-    ``\\r``-lines are not kept in the order: each rank's latest one (its bar in progress) is
-    shown after the finished lines until that rank writes a finished line (``LogCursor`` reads
-    a trailing one again until the log replaced it).
-
-    A drain reads about ``budget`` lines at most, all ranks together: ranks with lines still
-    to read wait for the next drain, taken in turn from where the last one stopped, so that a
-    refresh of a thousand ranks that print costs what ``budget`` lines cost.  A rank that prints
-    more than ``4 * limit`` lines before its turn comes is read from its newest ``4 * limit``.
-    """
-
-    def __init__(self, num_processes: int, limit: int = LOG_LINES, budget: int = DRAIN_LINES):
-        self.limit = limit
-        self.budget = budget
-        self.lines: Deque[Tuple[int, LogLine]] = deque(maxlen=limit)
-        #: every rank's errors and warnings (stderr, or ``is_problem`` lines), the last ``limit``
-        self.problems: Deque[Tuple[int, LogLine]] = deque(maxlen=limit)
-        self.live: List[Optional[LogLine]] = [None] * num_processes
-        self._cursor = LogCursor(num_processes, keep=4 * limit)
-        self._pending: set = set()  # ranks that changed and were not read since
-        self._next = 0  # the rank the next drain starts from (those after the last one read)
-
-    @property
-    def pending(self) -> int:
-        """Ranks whose lines wait for the next drain."""
-        return len(self._pending)
-
-    def drain(self, state: RunState, ranks: Optional[Iterable[int]] = None) -> bool:
-        """Take the lines written since the last call (by ``ranks``: those that changed, when
-        the caller knows; every rank by default; and those the last drain left for this one),
-        about ``budget`` of them; True when there were any."""
-        self._pending.update(range(state.num_processes) if ranks is None else ranks)
-        order = sorted(self._pending)
-        turn = bisect.bisect_left(order, self._next)
-        order = order[turn:] + order[:turn]
-        changed = False
-        taken = 0
-        for at in range(0, len(order), DRAIN_BATCH):  # a read of the state per batch of ranks
-            if taken >= self.budget:
-                break
-            batch = order[at : at + DRAIN_BATCH]
-            got = state.read_logs([self._cursor.asking(rank) for rank in batch], self.budget - taken)
-            for rank, one in zip(batch, got):
-                if one is None or taken >= self.budget:  # not read, or not taken: its lines come next time
-                    break
-                self._pending.discard(rank)
-                self._next = rank + 1
-                new = self._cursor.took(rank, one)
-                if not new:
-                    continue
-                changed = True
-                taken += len(new)
-                self._take(rank, new)
-        if not self._pending:
-            self._next = 0  # all read: the next drain takes its ranks in order again
-        return changed
-
-    def _take(self, rank: int, new: List[LogLine]) -> None:
-        # most lines are neither on stderr nor a problem: one look at all of them tells
-        problems = any(line.stream == "stderr" for line in new) or is_problem("\n".join(line.text for line in new))
-        for line in new:
-            if line.cr:
-                self.live[rank] = line if line.text else self.live[rank]
-            else:
-                self.live[rank] = None
-                self.lines.append((rank, line))
-                if problems and (line.stream == "stderr" or is_problem(line.text)):
-                    self.problems.append((rank, line))
-
-    def shown(self) -> List[Tuple[int, LogLine]]:
-        """``[(rank, line), ...]``, oldest first."""
-        live = [(r, line) for r, line in enumerate(self.live) if line is not None]
-        return list(self.lines) + live

@@ -20,7 +20,6 @@ from ..driver.goodput import describe as describe_goodput
 from ..driver.snapshot import RunSnapshot
 from ..driver.state import RunState
 from .model import (
-    LogCursor,
     State,
     format_duration,
     metrics_text,
@@ -32,6 +31,7 @@ from .model import (
     run_facts,
     snapshot,
 )
+from ..driver.merged import LogCursor
 from ..driver.summary import LOOK_RANKS, LargeView, large_view, overview
 from .overview import is_large
 

@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import ipywidgets as widgets
 
+from ..driver.merged import FedMergedLog, MergedLog
 from ..driver.reading import MetricCursor
 from ..driver.state import RunState
 from ..driver.summary import PAGE_RANKS, LargeView, Overview
@@ -48,7 +49,7 @@ from .html import (
     summary_html,
 )
 from .kernel_poll import KernelPoll
-from .model import MergedLog, metric_series, system_series, rank_log, rank_rows, rank_stacks, root_cause_rank, run_facts
+from .model import metric_series, system_series, rank_log, rank_rows, rank_stacks, root_cause_rank, run_facts
 from .overview import BAND_BUDGET, BAND_READ, LINE_RANKS, BandBuilder, band_share, is_large
 from .plots import bands_html, plots_html
 from .text import header, summary_with_logs
@@ -98,7 +99,10 @@ class WidgetView:
         self._seen_version = -1
         self._plot_version = -1
         self._closed = False
-        self._merged = MergedLog(self.state.num_processes)
+        # a run held by another process keeps this view's merged log there: a refresh gets the
+        # lines it shows, not every line a thousand ranks wrote since the last one
+        hosted = getattr(self.state, "hosted", False)
+        self._merged = (FedMergedLog if hosted else MergedLog)(self.state.num_processes)
         self._selecting = False  # the view, not the user, is changing the log selector
         self._log_chosen = False  # the user picked a log; until then the root cause's log shows
         self.large = is_large(self.state.num_processes)
