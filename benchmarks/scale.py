@@ -282,7 +282,14 @@ def batch_bytes(made, r: int, now: float, start: float, total: int):
 
 class Meter:
     """The driver's ``on_event``: applies each record to the run state, then counts it and the
-    latency of its log lines and metric points (a histogram of 1 ms buckets: bounded memory)."""
+    latency of its log lines and metric points (a histogram of 1 ms buckets: bounded memory).
+
+    It runs on the channel thread, so it is counted in the driver's CPU: it looks at a record's
+    ends, not at each of its items.  A generator makes a record's lines (and its points) in one
+    flush, at one time, numbered one after the other: the first one's number and the last one's
+    say whether the record follows the rank's previous one, and each item is counted at the age of
+    the record's oldest (the first line's time; the earliest point's).  A record whose numbers do
+    not run on is looked at item by item, so that ``out_of_order`` counts items."""
 
     def __init__(self, state: RunState):
         self.state = state
@@ -299,22 +306,40 @@ class Meter:
         self.last_applied = now
         kind = type(record)
         if kind is events.Log:  # the record's texts as they are: the meter must cost little
-            for text in (record.line, *record.more):
-                seq, made, _ = text.split(" ", 2)
-                self._seen(self.last_log, record.rank, int(seq), now - float(made))
-                self.logs += 1
+            more = record.more
+            first, made, _ = record.line.split(" ", 2)
+            first = int(first)
+            final = int(more[-1].split(" ", 1)[0]) if more else first
+            count = 1 + len(more)
+            if first == self.last_log[record.rank] + 1 and final - first == count - 1:
+                self.last_log[record.rank] = final
+            else:
+                self._each(self.last_log, record.rank, [int(text.split(" ", 1)[0]) for text in (record.line, *more)])
+            self._aged(now - float(made), count)
+            self.logs += count
         elif kind is events.Metrics:
-            for step, when in _points(record):
-                self._seen(self.last_step, record.rank, step, now - when)
-                self.points += 1
+            steps = record.steps
+            count = len(steps)
+            if not count:
+                return
+            if steps[0] == self.last_step[record.rank] + 1 and steps[-1] - steps[0] == count - 1:
+                self.last_step[record.rank] = steps[-1]
+            else:
+                self._each(self.last_step, record.rank, steps)
+            self._aged(now - min(record.times), count)
+            self.points += count
         elif kind is events.Progress:
             self.progress += 1
 
-    def _seen(self, last, rank, seq, age) -> None:
-        if seq != last[rank] + 1:
-            self.out_of_order += 1
-        last[rank] = max(last[rank], seq)
-        self.buckets[min(max(int(age * 1000), 0), len(self.buckets) - 1)] += 1
+    def _each(self, last, rank, numbers) -> None:
+        """The items of a record one by one: each one not the next of its rank is out of order."""
+        for seq in numbers:
+            if seq != last[rank] + 1:
+                self.out_of_order += 1
+            last[rank] = max(last[rank], seq)
+
+    def _aged(self, age: float, count: int) -> None:
+        self.buckets[min(max(int(age * 1000), 0), len(self.buckets) - 1)] += count
 
     def percentile(self, q: float) -> float:
         total = sum(self.buckets)
@@ -331,11 +356,6 @@ class Meter:
 def _median(values) -> float:
     values = sorted(values)
     return values[len(values) // 2] if values else 0.0
-
-
-def _points(record):
-    """``(step, time)`` of every metric point a ``Metrics`` record carries."""
-    return zip(record.steps, record.times)
 
 
 class IopubComm:

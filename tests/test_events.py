@@ -164,6 +164,35 @@ def test_unknown_fields_are_ignored_and_json_errors_refused():
         events.loads("[" * 100_000 + "]" * 100_000)
 
 
+def test_a_column_of_floats_passes_by_its_sum_only_when_every_point_is_finite():
+    """A column of floats is found finite by its sum (nan or an infinity makes it so): a column
+    of large finite numbers whose sum overflows still passes, one nan or infinity among many
+    numbers is still refused, where it is, and a column of whole numbers becomes floats."""
+    metrics = '{"type":"metrics","rank":0,"names":["x"],"steps":[1,2,3],"times":%s,"values":[%s]}'
+    big = events.loads(metrics % ("[1.0,2.0,3.0]", "[1e308,1e308,1e308]"))
+    assert big.values == [[1e308, 1e308, 1e308]]
+    for bad in ("NaN", "Infinity", "-Infinity"):
+        with pytest.raises(MalformedEvent, match=r"metrics.values\[\]"):
+            events.loads(metrics % ("[1.0,2.0,3.0]", f"[1.0,{bad},2.0]"))
+        with pytest.raises(MalformedEvent, match=r"metrics.times\[\]"):
+            events.loads(metrics % (f"[1.0,{bad},3.0]", "[1.0,2.0,3.0]"))
+    whole = events.loads(metrics % ("[1,2,3]", '[1,"nan",null]'))
+    assert whole.times == [1.0, 2.0, 3.0] and all(type(t) is float for t in whole.times)
+    assert whole.values == [[1.0, "nan", None]] and type(whole.values[0][0]) is float
+
+
+def test_the_builders_by_type_keep_nothing_for_a_name_that_is_no_record_s():
+    """``events.BUILDERS`` (what the channel decodes a frame's records with) makes a record
+    type's builder on first use and refuses any other name without keeping it."""
+    assert events.BUILDERS["dropped"]({"type": "dropped", "rank": 0, "count": 2}, "dropped") == Dropped(rank=0, count=2)
+    for name in ("no-such-record", "__class__", ""):
+        with pytest.raises(KeyError):
+            events.BUILDERS[name]
+        assert name not in events.BUILDERS
+    with pytest.raises(MalformedEvent, match="dropped.count"):
+        events.BUILDERS["dropped"]({"type": "dropped", "rank": 0, "count": "2"}, "dropped")
+
+
 def test_failure_json_round_trip():
     failure = Failure(
         rank=2, host="h", exit_code=7, exc_type="SystemExit", message="exit code 7", traceback="tb", time=1.0
@@ -588,6 +617,20 @@ def test_a_log_store_keeps_the_plain_lines_of_a_record_at_once_as_one_by_one(tmp
         LogLine("stderr", "d"),
     ]
     assert [line.text for line in store[6:]] == [f"{i}" for i in range(20)]
+
+
+def test_redrawn_lines_that_spill_together_read_back_redrawn(tmp_path):
+    """Lines of one kind spill under one head, redrawn ones too (each attempt's last bar, the
+    next attempt's first line not taking its place), and read back as they were kept."""
+    from torchdist_magic.driver.logstore import LogLine, LogStore
+
+    store = LogStore(lambda: str(tmp_path), "rank-0", max_lines=4)
+    for i in range(9):
+        store.add("stderr", f"bar {i}", True)
+        store.seal()
+    assert store.spilled
+    assert store[:] == [LogLine("stderr", f"bar {i}", True) for i in range(9)]
+    assert store.text(0, 3) == "bar 0\rbar 1\rbar 2\r"
 
 
 def test_a_line_longer_than_a_log_keeps_in_memory_stays_until_the_next(tmp_path):

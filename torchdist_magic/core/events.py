@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional, Type, Union
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Type, Union
 
 from .failure import Failure
-from .recordcheck import MalformedEvent, build, check, to_json_value
+from .recordcheck import MalformedEvent, builder, check, to_json_value
 from .stacks import ThreadStack, is_library_file, parse_stacks
 
 #: bumped whenever a record changes shape; the channel refuses a peer with another version
@@ -644,10 +644,24 @@ def decode(data: Any) -> Event:
     if not isinstance(data, dict):
         raise MalformedEvent(f"an event is a JSON object, got {type(data).__name__}")
     kind = data.get("type")
-    cls = RECORDS.get(kind) if isinstance(kind, str) else None
-    if cls is None:
+    if not isinstance(kind, str) or kind not in RECORDS:
         raise MalformedEvent(f"unknown event type {kind!r:.40}")
-    return build(cls, data, kind)
+    return BUILDERS[kind](data, kind)
+
+
+class _Builders(dict):
+    """Each record type's builder (``recordcheck.builder``) by its ``type``, made on first use;
+    ``KeyError`` for a name that is no record's (nothing is kept for it)."""
+
+    def __missing__(self, kind: str) -> Callable[[dict, str], Event]:
+        build = self[kind] = builder(RECORDS[kind])
+        return build
+
+
+#: ``{type: build(data, where)}``: what ``decode`` does once it knows the type, for a reader that
+#: decodes many records (the driver's channel) with one lookup per record and no call between;
+#: ``build(item, item["type"])`` raises ``MalformedEvent`` for a record that is not well formed
+BUILDERS: Dict[str, Callable[[dict, str], Event]] = _Builders()
 
 
 def loads(text: Union[str, bytes]) -> Event:

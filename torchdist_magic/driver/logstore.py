@@ -118,10 +118,12 @@ class LogStore:
     when the other stream wrote in between): only a bar's latest state is kept.  A reader that
     keeps a cursor should read a trailing ``\\r``-line again later (``merged.LogCursor`` does).
 
-    In memory a line is a plain ``(stream, text, cr)`` tuple, made a ``LogLine`` when read: the
-    garbage collector stops tracking such tuples, so that the hundreds of thousands of lines a
-    large run keeps do not make every full collection of the driver's process longer (at 1024
-    ranks they were four tenths of the driver's CPU time).
+    In memory a line is its text in one list and its kind, ``(stream, cr)``, in another: a
+    tuple shared by every line of that kind, so that keeping a record's lines makes no object
+    per line (``extend`` adds two runs of references) and a spill takes its texts as a slice;
+    a line is made a ``LogLine`` when read.  Nothing the garbage collector tracks is made per
+    line: the hundreds of thousands of lines a large run keeps do not make its collections
+    longer (at 1024 ranks they were once four tenths of the driver's CPU time).
     """
 
     def __init__(
@@ -138,8 +140,11 @@ class LogStore:
         # gives each rank its share of the run's)
         self._max_lines = LOG_MEMORY_LINES if max_lines is None else max_lines
         self._max_chars = LOG_MEMORY_CHARS if max_chars is None else max_chars
-        self._memory: List[Tuple[str, str, bool]] = []
-        self._first = 0  # index of _memory[0]
+        # the lines in memory: each one's text, and its kind (a tuple of _kinds')
+        self._texts: List[str] = []
+        self._kinds: List[Tuple[str, bool]] = []
+        self._kind_of: Dict[Tuple[str, bool], Tuple[str, bool]] = {}  # (stream, cr): the one tuple of that kind
+        self._first = 0  # index of _texts[0]
         self._chars = 0  # characters of the lines in memory
         # where spilled lines are in the file: the line index and file offset of each block's
         # first line and of every SPILL_INDEX_EVERY-th line (the lines from one to the next are
@@ -151,7 +156,7 @@ class LogStore:
         self._heads = _Heads()
 
     def __len__(self) -> int:
-        return self._first + len(self._memory)
+        return self._first + len(self._texts)
 
     @property
     def spilled(self) -> int:
@@ -163,23 +168,27 @@ class LogStore:
 
     def add(self, stream: str, text: str, cr: bool = False) -> None:
         """``append`` of the line ``(stream, text, cr)``."""
+        key = (stream, cr)
+        kind = self._kind_of.setdefault(key, key)
         at = self._open_cr.pop(stream, None)
         if at is not None and at >= self._first and not self._sealed:
             # the stream's redrawn line takes this line, also when another stream wrote between
-            last = self._memory[at - self._first]
-            self._memory[at - self._first] = (stream, text, cr)
-            self._chars += len(text) - len(last[1])
+            at -= self._first
+            self._chars += len(text) - len(self._texts[at])
+            self._texts[at] = text
+            self._kinds[at] = kind
             if cr:
-                self._open_cr[stream] = at
+                self._open_cr[stream] = at + self._first
             return
         if self._sealed:
             self._open_cr.clear()
         self._sealed = False
         if cr:
             self._open_cr[stream] = len(self)
-        self._memory.append((stream, text, cr))
+        self._texts.append(text)
+        self._kinds.append(kind)
         self._chars += len(text)
-        if len(self._memory) > self._max_lines or self._chars > self._max_chars:
+        if len(self._texts) > self._max_lines or self._chars > self._max_chars:
             self._spill()
 
     def extend(self, stream: str, texts: List[str]) -> None:
@@ -190,9 +199,11 @@ class LogStore:
         if self._sealed or stream in self._open_cr:  # the first line may replace a redrawn one
             self.add(stream, texts[0])
             texts = texts[1:]
-        self._memory += zip(itertools.repeat(stream), texts, itertools.repeat(False))
+        key = (stream, False)
+        self._texts += texts
+        self._kinds += itertools.repeat(self._kind_of.setdefault(key, key), len(texts))
         self._chars += sum(map(len, texts))
-        while (len(self._memory) > self._max_lines or self._chars > self._max_chars) and len(self._memory) > 1:
+        while (len(self._texts) > self._max_lines or self._chars > self._max_chars) and len(self._texts) > 1:
             self._spill()
 
     def seal(self) -> None:
@@ -203,19 +214,19 @@ class LogStore:
         """Move the older half of the lines in memory (by count and size) to the file, in one
         write: the lines are joined and encoded together, not one by one, and escaped only
         when some line of them needs it (a spill is most of what a line costs the driver)."""
-        memory = self._memory
-        count = len(memory) // 2
+        count = len(self._texts) // 2
         if not count:  # one line alone over max_chars: it stays, as the newest line always does
             return
-        streams, texts, crs = zip(*memory[:count])
+        texts = self._texts[:count]
         chars = sum(map(len, texts))
         if self._chars - chars > self._max_chars // 2:  # long lines: spill on, to half the size
-            for _stream, text, _cr in memory[count:-1]:
+            for text in self._texts[count:-1]:
                 if self._chars - chars <= self._max_chars // 2:
                     break
                 chars += len(text)
                 count += 1
-            streams, texts, crs = zip(*memory[:count])
+            texts = self._texts[:count]
+        kinds = self._kinds[:count]
         joined = "\n".join(texts)
         if "\\" in joined or "\r" in joined or joined.count("\n") != count - 1:
             texts = [_escape(text) for text in texts]  # a line that holds \\, \r or \n
@@ -225,22 +236,23 @@ class LogStore:
         for begin, stop in zip(edges, edges[1:]):
             self._mark_lines.append(self._first + begin)
             self._mark_offsets.append(size)
-            text = self._spilled_text(streams[begin:stop], texts[begin:stop], crs[begin:stop])
+            text = self._spilled_text(kinds[begin:stop], texts[begin:stop])
             parts.append(text.encode("utf-8", "surrogatepass"))
             size += len(parts[-1])
         at = self._spill_file.write(b"".join(parts))
         for k in range(len(self._mark_offsets) - len(parts), len(self._mark_offsets)):
             self._mark_offsets[k] += at
-        del memory[:count]
+        del self._texts[:count]
+        del self._kinds[:count]
         self._first += count
         self._chars -= chars
 
-    def _spilled_text(self, streams: Sequence[str], texts: Sequence[str], crs: Sequence[bool]) -> str:
+    def _spilled_text(self, kinds: Sequence[Tuple[str, bool]], texts: Sequence[str]) -> str:
         """Lines as the file keeps them: each its head (``_Heads``), its escaped text and ``\\n``."""
-        if streams.count(streams[0]) == len(streams) and True not in crs:  # one stream, no redraws
-            head = self._heads[(streams[0], False)]
+        if kinds.count(kinds[0]) == len(kinds):  # lines of one kind (one stream, no redraws): one head
+            head = self._heads[kinds[0]]
             return head + ("\n" + head).join(texts) + "\n"
-        return "".join(_chain(zip(map(self._heads.__getitem__, zip(streams, crs)), texts, _NEWLINES)))
+        return "".join(_chain(zip(map(self._heads.__getitem__, kinds), texts, _NEWLINES)))
 
     def _read_spilled(self, start: int, stop: int) -> Iterator[Tuple[str, str, bool]]:
         """``(stream, text, cr)`` of the spilled lines ``start <= i < stop``."""
@@ -269,15 +281,13 @@ class LogStore:
             if step != 1:
                 raise ValueError("a log is sliced with step 1 only")
             out = [LogLine(*fields) for fields in self._read_spilled(start, stop)]
-            out += [
-                LogLine(*fields) for fields in self._memory[max(start - self._first, 0) : max(stop - self._first, 0)]
-            ]
-            return out
+            return out + self._lines(max(start - self._first, 0), max(stop - self._first, 0))
         index = key + len(self) if key < 0 else key
         if not 0 <= index < len(self):
             raise IndexError("log line index out of range")
         if index >= self._first:
-            return LogLine(*self._memory[index - self._first])
+            (stream, cr), text = self._kinds[index - self._first], self._texts[index - self._first]
+            return LogLine(stream, text, cr)
         return LogLine(*next(self._read_spilled(index, index + 1)))
 
     def __iter__(self) -> Iterator[LogLine]:
@@ -285,7 +295,13 @@ class LogStore:
 
     def recent(self, limit: int) -> List[LogLine]:
         """Up to ``limit`` of the newest lines, from memory only (what a view scans)."""
-        return [LogLine(*fields) for fields in self._memory[-limit:]] if limit > 0 else []
+        return self._lines(max(len(self._texts) - limit, 0), len(self._texts)) if limit > 0 else []
+
+    def _lines(self, start: int, stop: int) -> List[LogLine]:
+        """The lines in memory ``start:stop`` (indices into memory), as ``LogLine``."""
+        return [
+            LogLine(stream, text, cr) for (stream, cr), text in zip(self._kinds[start:stop], self._texts[start:stop])
+        ]
 
     def text(self, start: int = 0, stop: Optional[int] = None) -> str:
         """Lines ``start:stop`` as the rank wrote them (``\\n`` or ``\\r`` after each)."""
@@ -298,9 +314,10 @@ class LogStore:
                 chunks.append("".join(part))
                 part = []
         chunks.append("".join(part))
+        start, stop = max(start - self._first, 0), max(stop - self._first, 0)
         chunks += [
             text + ("\r" if cr else "\n")
-            for _stream, text, cr in self._memory[max(start - self._first, 0) : max(stop - self._first, 0)]
+            for (_stream, cr), text in zip(self._kinds[start:stop], self._texts[start:stop])
         ]
         return "".join(chunks)
 
