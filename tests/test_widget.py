@@ -93,6 +93,39 @@ def test_a_view_that_costs_more_to_draw_refreshes_less_often():
     assert cheap.update_every == W.UPDATE_EVERY and cheap.plot_every == W.PLOT_EVERY
 
 
+def test_a_view_counts_what_its_reads_cost_the_process_that_holds_the_run(tmp_path):
+    """A run held by another process (``--channel process``): each of the view's reads costs
+    that process CPU (a large run's overview is worked out there), which the view counts as its
+    own drawing's, so a cheap kernel does not make it ask too often."""
+    import os
+
+    from torchdist_magic.core.privdir import user_directory
+    from torchdist_magic.driver.feed import FeedServer, HostedState
+
+    run = FakeRun(64)
+    for r in range(64):
+        running(run.state, r, f"node-{r // 8}")
+    own = run.state.large_view
+
+    def costly_large_view(*args):
+        began = time.thread_time()
+        while time.thread_time() - began < 0.03:  # 30 ms of CPU there, each time
+            pass
+        return own(*args)
+
+    run.state.large_view = costly_large_view
+    path = os.path.join(user_directory(str(tmp_path)), "feed.sock")
+    server = FeedServer(path, "token", run.state, lambda by: None)
+    try:
+        hosted = types.SimpleNamespace(state=HostedState(path, "token", 64, lambda: None), cancel=lambda by="": None)
+        view = W.WidgetView(hosted, display=False, clock=Clock(), cpu_clock=no_cpu)  # the kernel: no CPU
+        assert hosted.state.served_cpu >= 0.03
+        assert view.update_every >= 0.03 / W.VIEW_CPU_SHARE  # what the reads cost there, not just here
+        view.close()
+    finally:
+        server.close()
+
+
 def test_stop_button_cancels_the_run():
     run = FakeRun()
     view = W.WidgetView(run, display=False)

@@ -37,9 +37,10 @@ from .reading import MetricCursor
 
 #: a request line's largest size
 REQUEST_MAX_BYTES = 4096
-#: an answer's header: its kind (``b"v"`` a value, ``b"e"`` an exception, ``b"r"`` refused) and
-#: its length
-ANSWER = struct.Struct("!cQ")
+#: an answer's header: its kind (``b"v"`` a value, ``b"e"`` an exception, ``b"r"`` refused), its
+#: length, and the CPU seconds the answer cost the process that holds the state (a view that
+#: reads often counts them as its own: ``HostedState.served_cpu``)
+ANSWER = struct.Struct("!cQd")
 #: how long a read may take before the kernel gives up on the process that holds the state
 READ_TIMEOUT = 60.0
 #: the attributes of a run's state a kernel reads as they are (``facts``)
@@ -169,7 +170,7 @@ class FeedServer:
                     if record is None or not hmac.compare_digest(getattr(record, "token", ""), self._token):
                         if type(record) is events.ReadState:
                             refusal = b"not the run's token"
-                            conn.sendall(ANSWER.pack(b"r", len(refusal)) + refusal)
+                            conn.sendall(ANSWER.pack(b"r", len(refusal), 0.0) + refusal)
                         else:
                             conn.sendall(b"refused\n")
                         return
@@ -193,6 +194,7 @@ class FeedServer:
 
     def _answer(self, conn: socket.socket, request: events.ReadState) -> None:
         self._last_read = time.monotonic()
+        began = time.thread_time()
         read = READS.get(request.read)
         if request.read == "metric_points":  # the kernel's cursor is kept here, by its number
             read = self._metric_points
@@ -205,7 +207,7 @@ class FeedServer:
                 kind, body = b"v", pickle.dumps(read(self.state, request), protocol=5)
             except Exception as exc:  # the reader's error (a rank out of range), raised in the kernel
                 kind, body = b"e", pickle.dumps(exc, protocol=5)
-        conn.sendall(ANSWER.pack(kind, len(body)) + body)
+        conn.sendall(ANSWER.pack(kind, len(body), time.thread_time() - began) + body)
 
     def _metric_points(self, state: Any, request: events.ReadState) -> Any:
         return state.metric_points(self._kept(request.at, MetricCursor), request.points)
@@ -287,6 +289,8 @@ class HostedState:
         self._local: Any = None
         self._conn: Optional[socket.socket] = None
         self._lock = threading.Lock()
+        #: CPU seconds the reads so far cost the process that holds the state
+        self.served_cpu = 0.0
 
     def _ask(self, read: str, when_local: Optional[Callable[[Any], Any]] = None, **args: Any) -> Any:
         """The answer to a read, from the process that holds the state; once it has gone, from
@@ -318,7 +322,8 @@ class HostedState:
                     raise
                 self._conn = conn
             self._conn.sendall((events.dumps(request) + "\n").encode())
-            kind, size = ANSWER.unpack(self._receive(ANSWER.size))
+            kind, size, cost = ANSWER.unpack(self._receive(ANSWER.size))
+            self.served_cpu += cost
             body = self._receive(size)
         except (FileNotFoundError, ConnectionError, socket.timeout, struct.error) as exc:
             raise FeedGone(str(exc)) from None

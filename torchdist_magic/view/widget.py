@@ -13,7 +13,8 @@ depends on what is shown, not on the number of ranks.
 Updates are coalesced: whatever the event rate, the view refreshes at most every
 ``UPDATE_EVERY`` seconds and redraws plots at most every ``PLOT_EVERY`` seconds, from whichever
 thread calls ``update()``.  Those periods stretch where drawing costs more: each of the two
-takes at most ``VIEW_CPU_SHARE`` of a core (the CPU time of its last drawing, over that share),
+takes at most ``VIEW_CPU_SHARE`` of a core (the CPU time of its last drawing, over that share;
+for a run held by another process, with what its reads cost there: ``HostedState.served_cpu``),
 so that at a thousand ranks (a refresh of 20 to 100 ms of CPU) the view refreshes every few
 tenths of a second instead of taking the core that decodes the ranks' records.  While a cell
 blocks the kernel waiting for the run, ``update()`` also lets the kernel handle widget messages
@@ -300,8 +301,13 @@ class WidgetView:
                 return
             self._render(now)
 
+    def _cost(self) -> float:
+        """CPU seconds so far of this thread, and of the process that holds the run's state for
+        the reads this view made there (a run held by another process): a drawing costs both."""
+        return self.cpu_clock() + getattr(self.state, "served_cpu", 0.0)
+
     def _render(self, now: float, force: bool = False) -> None:
-        started = self.cpu_clock()
+        started = self._cost()
         self._last_render = now
         self.renders += 1
         state = self.state
@@ -337,7 +343,7 @@ class WidgetView:
             if cause is not None and not self._log_chosen and self.log_select.value != cause:
                 self._show_log(cause)  # the root cause's output
             self._render_logs(facts.finished)
-        drawn = self.cpu_clock()
+        drawn = self._cost()
         self.update_every = max(UPDATE_EVERY, (drawn - started) / VIEW_CPU_SHARE)
         if self._plot_version != version and (
             force or self._last_plot is None or now - self._last_plot >= self.plot_every
@@ -350,7 +356,7 @@ class WidgetView:
             else:
                 system = system_series(state)
                 _set(self.plots, plots_html({**metric_series(state), **system}, over_time=system))
-            self.plot_every = max(PLOT_EVERY, (self.cpu_clock() - drawn) / VIEW_CPU_SHARE)
+            self.plot_every = max(PLOT_EVERY, (self._cost() - drawn) / VIEW_CPU_SHARE)
         if facts.finished:
             self.stop_button.layout.display = "none"
             self.profile_button.layout.display = "none"
