@@ -196,12 +196,14 @@ def test_a_cell_resumes_from_its_checkpoint_after_a_restart(ip, tmp_path, capsys
         ip,
         f"""
         %%torchdist --np 2 --max-restarts 1 --checkpoint-dir {tmp_path / "checkpoints"}
-        import os, signal
+        import os, signal, time
         state = load_checkpoint() or {{"epoch": 0}}
         start = state["epoch"]
         for epoch in range(start, 4):
             save_checkpoint({{"epoch": epoch + 1}})
             if epoch == 1 and rank == 1 and restart_count() == 0:
+                while load_checkpoint() is None:  # rank 0 saved one (a loaded machine may hold it up)
+                    time.sleep(0.05)
                 os.kill(os.getpid(), signal.SIGKILL)
         (start, restart_count())
     """,
