@@ -71,6 +71,16 @@ def ip():
 
 
 @pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A history of runs of this test's own (``TORCHDIST_HOME`` under its ``tmp_path``): the
+    directory's path; the processes the test starts inherit it."""
+    from torchdist_magic.driver import history
+
+    monkeypatch.setenv(history.HOME_ENV, str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+@pytest.fixture
 def local_distributor():
     """``make(num_processes, **options)`` -> a silent local-process Distributor."""
     from torchdist_magic import Distributor

@@ -130,6 +130,16 @@ def assert_no_survivors(run, extra_pids=(), wait: float = 5.0) -> None:
         raise AssertionError(f"processes of run {run.run_id} survived: {survivors()}") from None
 
 
+def assert_nothing_survives(run_id: str, pid: int) -> None:
+    """Neither the supervising process ``pid`` of run ``run_id`` (a detached run, or one whose
+    channel is in a process of its own) nor any process of its ranks is alive, within 30 s."""
+    wait_until(
+        lambda: not alive(pid) and not pids_of_run(run_id),
+        30,
+        f"run {run_id}'s supervising process and ranks to end",
+    )
+
+
 def assert_nothing_left(run) -> None:
     """No process of the Spark run ``run`` survives, and its tasks left no directory behind."""
     assert_no_survivors(run)

@@ -17,21 +17,7 @@ from torchdist_magic.driver import attach as attaching
 from torchdist_magic.driver import history, supervisor
 from torchdist_magic.driver.feed import HostedState
 
-from helpers import alive, pids_of_run, touch, wait_until
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv(history.HOME_ENV, str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
-def assert_nothing_survives(run_id, pid):
-    wait_until(
-        lambda: not alive(pid) and not pids_of_run(run_id),
-        30,
-        f"run {run_id}'s supervising process and ranks to end",
-    )
+from helpers import alive, assert_nothing_survives, pids_of_run, touch, wait_until
 
 
 def waits_for(marker):

@@ -286,8 +286,23 @@ def load_next_batch(seconds):
     time.sleep(seconds)
 
 
-def test_a_hang_names_the_rank_behind(local_distributor):
-    run = local_distributor(4, hang_timeout=10).submit(one_rank_behind, 2)
+def until_every_rank_waits(run, ranks, suspects):
+    """Wait until each of ``ranks`` is past its three all_reduces and the records name
+    ``suspects``: where the test wants the ranks before their quiet passes ``hang_timeout``."""
+    from helpers import wait_until
+
+    wait_until(
+        lambda: all("three done" in run.logs(r) for r in range(ranks)) and run.culprit().suspects == suspects,
+        180,
+        f"the ranks' records to name {suspects} as the ranks behind",
+        interval=0.5,
+    )
+
+
+def test_a_hang_names_the_rank_behind(local_distributor, run_clock):
+    run = local_distributor(4, hang_timeout=600).submit(one_rank_behind, 2)
+    until_every_rank_waits(run, 4, (2,))
+    run_clock.expire()
     with pytest.raises(HangTimeout) as info:
         run.result(timeout=240)
     err = info.value
@@ -331,8 +346,10 @@ def mismatched(odd):
         dist.all_reduce(t)
 
 
-def test_a_hang_in_mismatched_collectives_says_mismatch(local_distributor):
-    run = local_distributor(3, hang_timeout=10).submit(mismatched, 1)
+def test_a_hang_in_mismatched_collectives_says_mismatch(local_distributor, run_clock):
+    run = local_distributor(3, hang_timeout=600).submit(mismatched, 1)
+    until_every_rank_waits(run, 3, (1,))
+    run_clock.expire()
     with pytest.raises(HangTimeout) as info:
         run.result(timeout=240)
     err = info.value
@@ -383,13 +400,15 @@ def test_a_rank_that_left_while_the_others_wait_is_named(local_distributor):
     assert_no_survivors(run)
 
 
-def test_a_warm_pools_hang_names_the_rank_behind(local_distributor):
+def test_a_warm_pools_hang_names_the_rank_behind(local_distributor, run_clock):
     from torchdist_magic import pools, shutdown_pools
 
     try:
         local_distributor(3, warm=True).run(rank)  # the pool's start is no part of the hang
         (info,) = pools()
-        run = local_distributor(3, warm=True, hang_timeout=6).submit(one_rank_behind, 1)
+        run = local_distributor(3, warm=True, hang_timeout=600).submit(one_rank_behind, 1)
+        until_every_rank_waits(run, 3, (1,))
+        run_clock.expire()
         with pytest.raises(HangTimeout) as hung:
             run.result(timeout=240)
         assert hung.value.suspects == (1,), str(hung.value)

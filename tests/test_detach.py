@@ -14,22 +14,7 @@ from torchdist_magic.core import events
 from torchdist_magic.driver import attach as attaching
 from torchdist_magic.driver import history, supervisor
 
-from helpers import alive, pids_of_run, touch, wait_until
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv(history.HOME_ENV, str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
-def assert_nothing_survives(handle):
-    """Neither the supervising process nor any rank of the detached run is alive."""
-    wait_until(
-        lambda: not alive(handle.record.pid) and not pids_of_run(handle.run_id),
-        30,
-        f"run {handle.run_id}'s supervising process and ranks to end",
-    )
+from helpers import alive, assert_nothing_survives, pids_of_run, touch, wait_until
 
 
 def prints_then_returns(marker):
@@ -85,7 +70,7 @@ def test_a_detached_run_returns_at_once_and_any_handle_gets_its_value_and_lines(
     record = history.read_record(handle.run_id)
     assert record.state == "succeeded" and record.has_value and record.pid == handle.record.pid
     assert record.log(0) == "rank 0 started\nrank 0 went on\n"
-    assert_nothing_survives(handle)
+    assert_nothing_survives(handle.run_id, handle.record.pid)
 
 
 def test_stop_by_id_ends_every_rank_and_the_record_says_cancelled(home):
@@ -99,7 +84,7 @@ def test_stop_by_id_ends_every_rank_and_the_record_says_cancelled(home):
     record = history.read_record(handle.run_id)
     assert record.state == "cancelled" and record.failure == "stopped by a test; every rank was stopped"
     assert torchdist_magic.stop(handle.run_id) is False  # it had ended
-    assert_nothing_survives(handle)
+    assert_nothing_survives(handle.run_id, handle.record.pid)
     assert not [p for p in ranks if alive(p)]
 
 
@@ -111,7 +96,7 @@ def test_a_detached_run_that_fails_leaves_its_failure_in_the_record(home):
     record = history.read_record(handle.run_id)
     assert record.state == "failed" and record.root_cause.rank == 1 and "KeyError" in record.failure
     assert not record.has_value
-    assert_nothing_survives(handle)
+    assert_nothing_survives(handle.run_id, handle.record.pid)
 
 
 def test_a_killed_supervising_process_takes_its_ranks_and_the_handle_says_so(home):
@@ -127,7 +112,7 @@ def test_a_killed_supervising_process_takes_its_ranks_and_the_handle_says_so(hom
     assert history.read_record(handle.run_id).failure == (
         f"its supervising process (pid {handle.record.pid}) ended before the run did"
     )
-    assert_nothing_survives(handle)
+    assert_nothing_survives(handle.run_id, handle.record.pid)
 
 
 def test_sigterm_to_the_supervising_process_stops_the_run(home):
@@ -136,7 +121,7 @@ def test_sigterm_to_the_supervising_process_stops_the_run(home):
     os.kill(handle.record.pid, signal.SIGTERM)
     with pytest.raises(RunCancelled, match="stopped by SIGTERM to its supervising process"):
         handle.result(60)
-    assert_nothing_survives(handle)
+    assert_nothing_survives(handle.run_id, handle.record.pid)
 
 
 def test_the_control_socket_takes_only_a_stop_with_the_runs_token(home):
@@ -163,7 +148,7 @@ def test_the_control_socket_takes_only_a_stop_with_the_runs_token(home):
     finally:
         os.kill(handle.record.pid, signal.SIGTERM)
         assert handle.wait(60)
-    assert_nothing_survives(handle)
+    assert_nothing_survives(handle.run_id, handle.record.pid)
 
 
 @pytest.mark.parametrize(
@@ -250,7 +235,7 @@ def test_the_magic_detaches_attaches_and_stops(home, ip, capsys, tmp_path):
         ip.run_line_magic("torchdist", "attach nope")
     with pytest.raises(UsageError, match="and this process has none"):
         cell(ip, "%%torchdist --np 1 --spark --detach\n1").raise_error()
-    assert_nothing_survives(handle)
+    assert_nothing_survives(handle.run_id, handle.record.pid)
 
 
 # -- Spark: the supervising process opens a session of its own on the same cluster ----------------
@@ -271,7 +256,7 @@ def test_a_detached_run_on_classic_local2(home, spark_local2):
     record = history.read_record(handle.run_id)
     assert record.state == "succeeded" and record.detached and record.backend.startswith("Spark")
     assert not os.path.exists(os.path.join(handle.directory, supervisor.SPARK_FILE))
-    assert_nothing_survives(handle)
+    assert_nothing_survives(handle.run_id, handle.record.pid)
 
 
 @pytest.mark.spark
@@ -282,7 +267,7 @@ def test_a_detached_run_on_spark_connect_uses_the_same_remote(home, spark_connec
     assert handle.result(240) == 40
     assert "rank 0 on Spark" in handle.logs(0)
     assert history.read_record(handle.run_id).state == "succeeded"
-    assert_nothing_survives(handle)
+    assert_nothing_survives(handle.run_id, handle.record.pid)
 
 
 @pytest.mark.spark
@@ -301,7 +286,7 @@ def test_stop_ends_a_detached_run_on_classic_local2(home, spark_local2):
     with pytest.raises(RunCancelled, match="stopped by a test"):
         handle.result(120)
     assert history.read_record(handle.run_id).state == "cancelled"
-    assert_nothing_survives(handle)
+    assert_nothing_survives(handle.run_id, handle.record.pid)
 
 
 def fails_once_then_returns():
@@ -321,7 +306,7 @@ def test_a_detached_run_restarts_under_its_supervising_process(home):
     assert [rs.state for rs in handle.state.ranks] == ["done", "done"]
     record = history.read_record(handle.run_id)
     assert record.state == "succeeded" and record.options["max_restarts"] == 1
-    assert_nothing_survives(handle)
+    assert_nothing_survives(handle.run_id, handle.record.pid)
 
 
 def test_a_full_journal_is_said_by_the_kernel_that_attaches(home, monkeypatch, capsys):
@@ -389,7 +374,7 @@ def test_an_interrupted_attach_stops_following_not_the_run(home, capsys):
     finally:
         handle.cancel()
         assert handle.wait(60)  # a handle that stopped following still says when the run ends
-    assert_nothing_survives(handle)
+    assert_nothing_survives(handle.run_id, handle.record.pid)
 
 
 def test_attach_and_stop_take_one_run_id(home, ip):
@@ -420,4 +405,4 @@ def test_a_value_nobody_took_expires_and_the_record_says_when(home, monkeypatch)
         match=f"^rank 0's value of run {handle.run_id} expired at .*, TORCHDIST_VALUE_DAYS after the run ended$",
     ):
         attaching.AttachedRun(handle.run_id).result(10)
-    assert_nothing_survives(handle)
+    assert_nothing_survives(handle.run_id, handle.record.pid)

@@ -59,13 +59,12 @@ class Kernel:
 
 
 @pytest.fixture
-def kernels(tmp_path, monkeypatch):
+def kernels(home):
     """``start()`` -> a new kernel; this test and its kernels share a history of their own."""
-    monkeypatch.setenv(history.HOME_ENV, str(tmp_path / "home"))
     started = []
 
     def start():
-        started.append(Kernel(tmp_path / "home"))
+        started.append(Kernel(home))
         return started[-1]
 
     yield start

@@ -14,13 +14,6 @@ from torchdist_magic.driver import history
 from helpers import assert_no_survivors, cell
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    """A history of this test's own."""
-    monkeypatch.setenv(history.HOME_ENV, str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
 def talks_and_returns():
     from torchdist_magic import rank, report
 

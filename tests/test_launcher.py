@@ -32,9 +32,10 @@ def _end(daemons):
 
 def start_daemon_then(pid_dir, fail, ignore_sigterm=False):
     """Start ``sleep 600`` in a session of its own (out of the rank's process group), write its
-    pid into ``pid_dir``, then return (or raise)."""
+    pid into ``pid_dir``, then return (or raise: rank 1, once rank 0's daemon is there too)."""
     import os
     import subprocess
+    import time
 
     from torchdist_magic import rank
 
@@ -45,15 +46,24 @@ def start_daemon_then(pid_dir, fail, ignore_sigterm=False):
         daemon.stdout.readline()  # its trap is in place
     else:  # it holds the rank's output pipes, as a daemon that does not close them does
         daemon = subprocess.Popen(["sleep", "600"], start_new_session=True)
-    with open(os.path.join(pid_dir, f"rank{rank()}"), "w") as fh:
+    mine = os.path.join(pid_dir, f"rank{rank()}")
+    with open(mine + ".part", "w") as fh:
         fh.write(str(daemon.pid))
+    os.replace(mine + ".part", mine)  # a reader sees the whole pid or no file
     if fail and rank() == 1:
+        # its failure stops rank 0: not before rank 0 has started the daemon the test counts
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(pid_dir, "rank0")):
+            if time.monotonic() > deadline:
+                raise TimeoutError("rank 0 never started its daemon")
+            time.sleep(0.05)
         raise ValueError("after starting a daemon")
     return rank()
 
 
 def _daemon_pids(pid_dir):
-    return [int(open(os.path.join(pid_dir, name)).read()) for name in sorted(os.listdir(pid_dir))]
+    names = sorted(name for name in os.listdir(pid_dir) if not name.endswith(".part"))
+    return [int(open(os.path.join(pid_dir, name)).read()) for name in names]
 
 
 @pytest.mark.parametrize("fail", [False, True], ids=["returns", "raises"])
@@ -135,6 +145,8 @@ def test_a_cancelled_run_logs_every_signal_it_sent(local_distributor, tmp_path, 
     run = local_distributor(2).submit(hang, str(marker_dir))
     try:
         wait_until(lambda: len(os.listdir(marker_dir)) == 2, 60, "both ranks to start their job")
+        # a rank's job can be under way before the driver has applied the record with its pid
+        wait_until(lambda: all(rs.pid for rs in run.state.ranks), 30, "the driver to know both ranks' pids")
         pgids = [rs.pid for rs in run.state.ranks]
         run.cancel()
         assert run.wait(30), "the cancelled run did not end"

@@ -576,10 +576,17 @@ def test_an_unreachable_tracking_server_is_refused_before_anything_starts(ip, ca
     assert last_run() is before
 
 
-def test_a_hung_run_names_the_rank_that_held_the_others_up(experiment):
+def test_a_hung_run_names_the_rank_that_held_the_others_up(experiment, run_clock):
     from torchdist_magic import Distributor, HangTimeout
 
-    run = Distributor(3, local_mode=True, show=None, mlflow=True, hang_timeout=10).submit(rank1_behind)
+    run = Distributor(3, local_mode=True, show=None, mlflow=True, hang_timeout=600).submit(rank1_behind)
+    wait_until(
+        lambda: all("one done" in run.logs(r) for r in range(3)) and run.culprit().suspects == (1,),
+        180,
+        "ranks 0 and 2 to wait in all_reduce for rank 1",
+        interval=0.5,
+    )
+    run_clock.expire()  # the quiet passes hang_timeout now that the ranks are where the test wants them
     with pytest.raises(HangTimeout):
         run.result(timeout=240)
     (mlrun,) = runs_of(experiment)

@@ -392,13 +392,12 @@ def test_the_options_past_the_first_few_are_folded_and_open_when_one_is_refused(
     assert "--hang-timeout" in panel.more_options.titles[0]
 
 
-def test_a_run_whose_channel_is_in_a_process_of_its_own_shows_its_value(notebook, panel, tmp_path, monkeypatch):
+def test_a_run_whose_channel_is_in_a_process_of_its_own_shows_its_value(notebook, panel, home):
     """``--channel process`` from the panel: the view reads the run through its feed and the
     value shows once the run's supervising process has ended it."""
-    from helpers import alive, pids_of_run, wait_until
-    from torchdist_magic.driver import attach, history
+    from helpers import assert_nothing_survives
+    from torchdist_magic.driver import attach
 
-    monkeypatch.setenv(history.HOME_ENV, str(tmp_path / "home"))
     panel.controls["num_processes"].value = 2
     panel.controls["channel"].value = "process"
     panel.code.value = "print('hello from', rank)\nrank + 40"
@@ -407,8 +406,4 @@ def test_a_run_whose_channel_is_in_a_process_of_its_own_shows_its_value(notebook
     wait_for(panel)
     assert panel.value == 40 and "40" in panel.result.value
     assert 'data-state="succeeded"' in panel._view.header.value
-    wait_until(
-        lambda: not alive(run.record.pid) and not pids_of_run(run.run_id),
-        30,
-        "the supervising process and ranks to end",
-    )
+    assert_nothing_survives(run.run_id, run.record.pid)

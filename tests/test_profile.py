@@ -208,7 +208,8 @@ def test_spark_ranks_send_their_traces_to_the_notebook(spark_local2):
 
 
 def steps_until_told(marks, steps):
-    """A loop of ``steps`` steps of 20 ms that says when it is under way."""
+    """A loop of at most ``steps`` steps of 20 ms that says when it is under way and ends once
+    the test leaves ``done`` in ``marks`` (``profiled``)."""
     import time
 
     from torchdist_magic import progress, rank
@@ -216,8 +217,18 @@ def steps_until_told(marks, steps):
     for i in progress(range(steps), desc="step"):
         if i == 5:
             open(os.path.join(marks, f"stepping-{rank()}"), "w").close()
+        if os.path.exists(os.path.join(marks, "done")):
+            break
         time.sleep(0.02)
     return rank()
+
+
+def profiled(run, marks):
+    """Wait until every rank's profile has come, then tell ``steps_until_told`` to end."""
+    from helpers import wait_until
+
+    wait_until(lambda: run.profile is not None and not run.profile.waiting, 120, "every rank's profile")
+    open(os.path.join(marks, "done"), "w").close()
 
 
 def test_the_profile_button_profiles_a_running_job_and_the_view_shows_it(tmp_path):
@@ -230,6 +241,7 @@ def test_the_profile_button_profiles_a_running_job_and_the_view_shows_it(tmp_pat
     wait_until(lambda: all((tmp_path / f"stepping-{r}").exists() for r in (0, 1)), 120, "both ranks stepping")
     view.profile_button.click()
     assert view.profile_button.disabled and view.profile_button.description == "Profiling…"
+    profiled(run, str(tmp_path))
     assert run.result(timeout=180) == 0
     profile = run.profile
     assert profile.waiting == [] and all(profile.summary[r].steps == W.PROFILE_STEPS for r in (0, 1))
@@ -268,6 +280,7 @@ def test_spark_ranks_profile_a_running_job_when_asked(spark_local2, tmp_path):
     run = Distributor(2, local_mode=False, show=None).submit(steps_until_told, str(tmp_path), 400)
     wait_until(lambda: all((tmp_path / f"stepping-{r}").exists() for r in (0, 1)), 180, "both ranks stepping")
     run.start_profile(3)
+    profiled(run, str(tmp_path))
     assert run.result(timeout=300) == 0
     profile = run.profile
     assert profile.waiting == [] and all(profile.summary[r].steps == 3 for r in (0, 1)) and profile.trace_path

@@ -181,7 +181,7 @@ def rank0_value_of(size):
 
 
 def test_a_value_over_4_gib_comes_back_from_local_processes():
-    size = 4 * GIB + GIB // 2
+    size = 4 * GIB + 64 * 2**20  # past 4 GiB by a partial chunk (values.CHUNK is 1 GiB)
     run = Distributor(2, local_mode=True, show=None).submit(rank0_value_of, size)
     value = run.result(timeout=600)
     assert value.shape == (size // 4,) and value.dtype == torch.float32

@@ -367,13 +367,13 @@ def seven_for_rank_0(size):
 @pytest.mark.spark
 @pytest.mark.big_values
 def test_a_value_over_4_gib_comes_back_over_the_channel(spark_local2, monkeypatch):
-    size = 4 * 2**30 + 2**29
+    size = 4 * 2**30 + 64 * MIB  # past 4 GiB by a partial chunk
     monkeypatch.setenv(VALUES_FETCH_ENV, "1")
     run = Distributor(2, local_mode=False, show=None, tls=False).submit(seven_for_rank_0, size)
     value = run.result(timeout=600)
     assert value.shape == (size // 4,) and bool((value == 7.0).all())
     (line,) = sent_line(run, 0)
-    assert re.fullmatch(SENT.format(rank=0, size=r"4608\.0 MiB"), line)
+    assert re.fullmatch(SENT.format(rank=0, size=r"4160\.0 MiB"), line)
     del value
     assert_nothing_left(run)
     assert not [n for n in os.listdir(values.SHARED_MEMORY) if n.startswith(f"torchdist-{run.run_id}-")]
