@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import List, Optional, TextIO, Union
+from typing import List, Optional, TextIO, Tuple, Union
 
 from ..driver.goodput import describe as describe_goodput
 from ..driver.snapshot import RunSnapshot
@@ -193,10 +193,7 @@ class TextView:
 
     def update(self) -> None:
         now = time.monotonic()
-        # a large run: its overview and the few ranks it shows, worked out where the state is
-        view = self.state.large_view(self._seen) if self.large else None
-        snap = view.snap if view is not None else self.state.snapshot(self._seen)
-        self._seen = snap.version
+        view, snap = self._moment()
         self._announce_restart(snap)
         changed = snap.changed
         if view is not None:
@@ -210,6 +207,14 @@ class TextView:
                 self._print(status(view))
             else:
                 self._show_progress(snap)
+
+    def _moment(self) -> Tuple[Optional[LargeView], RunSnapshot]:
+        """The run now, changes since the last look (a large run: its overview and the few ranks
+        it shows too, worked out where the state is; None otherwise), and its snapshot."""
+        view = self.state.large_view(self._seen) if self.large else None
+        snap = view.snap if view is not None else self.state.snapshot(self._seen)
+        self._seen = snap.version
+        return view, snap
 
     def _follow(self, view: LargeView) -> set:
         """A large run's ranks to print: rank 0, and each rank that failed or straggles, from its
@@ -270,9 +275,7 @@ class TextView:
         if self._closed:
             return
         self._closed = True
-        view = self.state.large_view(self._seen) if self.large else None
-        snap = view.snap if view is not None else self.state.snapshot(self._seen)
-        self._seen = snap.version
+        view, snap = self._moment()
         self._announce_restart(snap)
         for r in sorted(self._follow(view)) if view is not None else range(snap.num_processes):
             self._drain_logs(r)

@@ -315,8 +315,8 @@ class WidgetView:
         # the few ranks shown are worked out where the state is (``large_view``): a run held by
         # another process sends those, not a thousand ranks' snapshots
         if self.large:
-            host = self.host_page.value if self._typed is None else None
-            view = state.large_view(self._seen_version, host or None, self._typed)
+            # a typed rank's page wins over a host's (``summary.page_ranks``)
+            view = state.large_view(self._seen_version, self.host_page.value or None, self._typed)
             snap, cause = view.snap, (view.failures[0].rank if view.failures else None)
         else:
             snap = state.snapshot(self._seen_version)
