@@ -63,7 +63,7 @@ def _each_refusal_said_again():
 #: JSON line: the ranks' sums, the real one, rank 0's log, what is left in /dev/shm and in the
 #: temporary directory afterwards.
 ATTACKED_RUN = r"""
-import fcntl, json, os, sys, time
+import fcntl, json, os, struct, sys, time
 sys.path.insert(0, sys.argv[1])
 import numpy as np
 from helpers import as_other_user, assert_no_survivors, end_other_user as end
@@ -84,8 +84,9 @@ def other_user():
     if not plant:
         return
     fd = os.open(os.path.join(mine, name), os.O_RDWR | os.O_CREAT, 0o644)
-    head = values._header_of(0, [array.nbytes])
-    size = values._blob_size_of(head, 0, [array.nbytes])
+    text = json.dumps({"pickle": 0, "buffers": [array.nbytes]}).encode()  # a blob's header
+    head = values.MAGIC + struct.pack("<Q", len(text)) + text
+    size = len(head) + values._pad(len(head)) + values._pad(len(head) + values._pad(len(head))) + array.nbytes
     os.write(fd, head)
     os.ftruncate(fd, size)
     os.pwrite(fd, b"\x41" * array.nbytes, size - array.nbytes)  # the other user's "tensors"
@@ -352,3 +353,36 @@ def test_a_detached_run_whose_temporary_directory_another_user_made_runs_with_a_
 
     # the supervising process removes its socket and the fallback directory when it ends
     wait_until(lambda: os.listdir(shared_tmp) == [os.path.basename(blocked)], 30, "the fallback to go")
+
+
+PIP_CELL = """
+    %%torchdist --np 2 --local --timeout 120 --env TMPDIR={shared}
+    %pip install --no-index --no-deps --disable-pip-version-check --target {{target}} {{wheel}}
+    import sys
+    sys.path.insert(0, target)
+    import torchdist_tiny_blocked as tiny
+    tiny.VALUE
+"""
+
+
+@NEEDS_ROOT
+def test_pip_on_ranks_whose_temporary_directory_another_user_made_runs_once_in_the_runs_own(
+    ip, shared_tmp, tmp_path
+):
+    from helpers import cell
+    from test_ipython_syntax import tiny_wheel
+
+    blocked = made_by_other_user(privdir.user_path(shared_tmp))
+    ip.user_ns.update(target=str(tmp_path / "site"), wheel=str(tiny_wheel(tmp_path, "torchdist_tiny_blocked")))
+    result = cell(ip, PIP_CELL.format(shared=shared_tmp))
+    run = ip.user_ns["_torchdist_run"]
+    logs = [run.logs(r) for r in range(2)]
+    assert result.error_in_exec is None, logs  # before, %pip failed on every rank: "not ... private"
+    assert result.result == 41
+    installed = [r for r, log in enumerate(logs) if "Successfully installed torchdist-tiny-blocked-0.1" in log]
+    assert len(installed) == 1, logs  # once for the host: both ranks met in the run's own directory
+    pattern = refusal(blocked, rf"{re.escape(blocked)}-[0-9a-f]{{24}}")
+    for log in logs:  # each rank says it, once, in its log
+        said = [line[len("[torchdist] ") :] for line in log.splitlines() if line.startswith("[torchdist] ")]
+        assert len([line for line in said if re.match(pattern, line)]) == 1, log
+    assert os.listdir(shared_tmp) == [os.path.basename(blocked)]  # the run's own directory went with the last rank

@@ -60,6 +60,10 @@ VALUES_FETCH_ENV = "TORCHDIST_VALUES_FETCH"
 #: whole before it started the rank (``hostcopy``): the one file the rank maps for them, never a
 #: path it guesses (``values.Buffers.load``)
 VALUES_COPY_ENV = "TORCHDIST_VALUES_COPY"
+#: a name the ranks of a run derive alike and no other user can (from the run's secret): of the
+#: private directory the ranks of a host meet in (``%pip``) where another user made this user's
+#: usual one first (``privdir.usable_user_directory``'s ``agreed``)
+PRIVATE_TOKEN_ENV = "TORCHDIST_PRIVATE_TOKEN"
 
 # -- a rank's result directory -------------------------------------------------------------------
 RESULT_FILE = "result.pkl"
