@@ -229,6 +229,10 @@ def test_a_rank_maps_the_copy_it_is_handed_and_refuses_one_that_is_not_the_jobs(
     with refused(rf"{os.path.getsize(copy)} bytes where the job's values take {os.path.getsize(copy) - 64}"):
         loaded.load()
     os.unlink(copy)
+    os.mkfifo(copy)  # what would keep a rank waiting in open() were it not opened without waiting
+    with refused(r"not a regular file, 0 bytes where the job's values take \d+"):
+        loaded.load()
+    os.unlink(copy)
     os.symlink(tmp_path / "elsewhere", copy)
     with pytest.raises(privdir.UnsafePath, match=r"is a symbolic link where torchdist_magic keeps a file"):
         loaded.load()
@@ -366,9 +370,7 @@ PIP_CELL = """
 
 
 @NEEDS_ROOT
-def test_pip_on_ranks_whose_temporary_directory_another_user_made_runs_once_in_the_runs_own(
-    ip, shared_tmp, tmp_path
-):
+def test_pip_on_ranks_whose_temporary_directory_another_user_made_runs_once_in_the_runs_own(ip, shared_tmp, tmp_path):
     from helpers import cell
     from test_ipython_syntax import tiny_wheel
 

@@ -353,7 +353,8 @@ class Buffers:
     (``load``), once it is written.  Where the ranks are on other
     machines, the job names the file by a name instead (``fetched``): each of those machines
     fetches it once from the driver into ``host_copy_path`` before its ranks start, and they map
-    that copy.  A job pickled with buffers not in a file holds the bytes.
+    that copy, at the path their launcher hands them.  A job pickled with buffers not in a file
+    holds the bytes.
     """
 
     def __init__(self, raws: List[memoryview], path: str = "", host_copy: str = ""):
@@ -384,7 +385,8 @@ class Buffers:
 
     def fetched(self, name: str) -> "Buffers":
         """These buffers (already ``in_file``) as each rank's machine has them once it fetched
-        the file: in ``host_copy_path(name, ...)``."""
+        the file: a copy named ``name`` (``host_copy_path(name, ...)``, or the run's own
+        directory beside it: ``hostcopy.copy_path``), at the path each rank's launcher hands it."""
         return self._named(host_copy=name)
 
     def __getstate__(self):
@@ -443,12 +445,11 @@ def _open_host_copy(name: str, sizes: List[int]) -> Tuple[str, mmap.mmap]:
         )
     if os.path.basename(path) != name:
         raise UnsafePath(
-            f"the notebook values sent to the ranks are {name}, and this rank's launcher named {path}; "
-            "it is not mapped"
+            f"the notebook values sent to the ranks are {name}, and this rank's launcher named {path}; it is not mapped"
         )
     check_private(os.path.dirname(path))
     try:
-        fd = open_private(path, os.O_RDONLY)
+        fd = open_private(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO there would not keep it waiting
     except FileNotFoundError:
         raise FileNotFoundError(
             f"the notebook values sent to the ranks were to be fetched from the driver into {path} "

@@ -380,9 +380,10 @@ def _run_rank(
     copy = hostcopy.copy_path(run, say=refusals.append) if run.values_fetch else ""
     users = hostcopy.join(copy) if copy else -1
     own_directory = "1" if copy and is_fallback(os.path.dirname(copy)) else "0"
+    guard_args = [workdir, str(STOP_GRACE), str(users), copy, own_directory]
     try:
         guard = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", guard_source(), workdir, str(STOP_GRACE), str(users), copy, own_directory],
+            [sys.executable, "-I", "-S", "-c", guard_source(), *guard_args],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
