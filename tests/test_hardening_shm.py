@@ -341,14 +341,15 @@ def test_a_directory_another_user_made_gets_a_private_fallback_said_once(shared_
 
 
 @NEEDS_ROOT
-def test_a_detached_run_whose_temporary_directory_another_user_made_runs_with_a_fallback(home, shared_tmp):
+@pytest.mark.parametrize("options", [{"detach": True}, {"channel": "process"}], ids=["detach", "channel-process"])
+def test_a_supervised_run_whose_temporary_directory_another_user_made_runs_with_a_fallback(home, shared_tmp, options):
     from helpers import assert_no_survivors
     from torchdist_magic import Distributor
 
     blocked = made_by_other_user(privdir.user_path(shared_tmp))
-    # before, --detach (and --channel process) failed here: no place for the control socket
+    # before, --detach and --channel process failed here: no place for the control socket
     with pytest.warns(privdir.PrivateDirectoryRefused, match=refusal(blocked, rf"{re.escape(blocked)}-\w+")):
-        run = Distributor(2, local_mode=True, show=None, detach=True).submit(lambda: 42)
+        run = Distributor(2, local_mode=True, show=None, **options).submit(lambda: 42)
     control = run.record.control
     assert os.path.dirname(control).startswith(f"{blocked}-")
     assert run.result(timeout=120) == 42
