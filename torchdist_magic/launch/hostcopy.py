@@ -10,8 +10,8 @@ starts its rank:
 - ``join``: takes a shared ``flock`` on ``<copy>.users`` (``<copy>`` is ``copy_path``:
   ``values.host_copy_path``, in shared memory where the machine has room, else in its temporary
   directory; where another user made this user's directory there first, a directory of the run's
-  launchers' own beside it, named by the run's secret).  The task hands that lock to its guard process
-  (``spark_task``), which holds it until the task has ended; the kernel lets it go when they
+  launchers' own beside it, named by the run's secret).  The task hands that lock to its guard
+  process (``spark_task``), which holds it until the task has ended; the kernel lets it go when they
   die, even by SIGKILL, so it counts the machine's users of the copy without any count to
   repair.
 - ``fetch``: takes ``<copy>.lock`` exclusively.  The first task to get it fetches the file into
@@ -19,13 +19,14 @@ starts its rank:
   its rank into the lock file; every other task of the machine waits for the lock, then finds
   the copy there.  Each rank maps ``<copy>``
   copy-on-write (``values.Buffers.load``), so the machine holds the bytes once: the copy its
-  launcher fetched or found whole, whose path the launcher hands it (``names.VALUES_COPY_ENV``).  A task killed
-  while fetching leaves a ``.tmp`` that the next one replaces.
+  launcher fetched or found whole, whose path the launcher hands it (``names.VALUES_COPY_ENV``).
+  A task killed while fetching leaves a ``.tmp`` that the next one replaces.
 - at the task's end (its guard does it, after a kill too: ``spark_task``'s ``_GUARD_MAIN``,
   which runs with the standard library alone): it lets go of its shared lock and tries to take it
   exclusively without waiting.  Only a task that finds no other user gets it, and it removes the
   copy, the ``.tmp``, the lock and the users file (and the run's own directory, where the copy
-  went to one); of tasks ending together, each lets go before it tries, so the last always gets it.  A rank that already mapped the copy keeps its pages.
+  went to one); of tasks ending together, each lets go before it tries, so the last always gets
+  it.  A rank that already mapped the copy keeps its pages.
 
 Nothing that arrives is unpickled: the file holds the values' raw buffers only (their pickle
 stream is in the job, which travels through Spark), which the ranks' tensors and arrays view.
