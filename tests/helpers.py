@@ -289,3 +289,46 @@ class SharedMemoryWatch:
         self._stop.set()
         self._thread.join()
         self.look()
+
+
+#: the uid a test's process takes to act as another user of the machine (``nobody``)
+OTHER_UID = 65534
+
+
+def as_other_user(work, *args):
+    """(As root.)  Fork a process that becomes uid ``OTHER_UID`` and runs ``work(*args)``; its pid once
+    ``work`` has done what it does before it waits (it writes a byte to a pipe), then it stays
+    until killed.  A failure in it is reported here."""
+    ready_r, ready_w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(ready_r)
+        code = 0
+        try:
+            os.setgroups([])
+            os.setgid(OTHER_UID)
+            os.setuid(OTHER_UID)
+            work(*args)
+            os.write(ready_w, b"1")
+            while True:
+                time.sleep(3600)
+        except BaseException as exc:
+            os.write(ready_w, f"0{exc!r}".encode())
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    try:
+        said = os.read(ready_r, 1000)  # the child's first word: it keeps the pipe open while it waits
+    finally:
+        os.close(ready_r)
+    if said != b"1":
+        os.waitpid(child, 0)
+        raise AssertionError(f"the other user's process failed: {said[1:].decode(errors='replace')}")
+    return child
+
+
+def end_other_user(child):
+    """End a process of ``as_other_user``."""
+    os.kill(child, 9)
+    os.waitpid(child, 0)

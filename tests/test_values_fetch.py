@@ -26,7 +26,7 @@ from torchdist_magic.launch import hostcopy
 from torchdist_magic.core import privdir, values
 from torchdist_magic.wire.frames import new_secret
 from torchdist_magic.wire.server import ChannelServer
-from torchdist_magic.core.names import VALUES_FETCH_ENV
+from torchdist_magic.core.names import VALUES_COPY_ENV, VALUES_FETCH_ENV
 from torchdist_magic.core.rankenv import RunSpec, rank_key
 from torchdist_magic.wire.tls import new_identity
 
@@ -49,6 +49,22 @@ def copy_of(spec):
 
 def fetch(spec, rank=0):
     return hostcopy.fetch(spec, copy_of(spec), rank, lambda: False)
+
+
+def mapped(name, array, copy=None):
+    """What a rank maps of the copy its launcher names (``VALUES_COPY_ENV``: ``copy``, else the
+    machine's copy of ``name``) for values of one buffer the size of ``array``."""
+    buffers = values.Buffers([], host_copy=name)
+    buffers.sizes = [array.nbytes]
+    saved = os.environ.get(VALUES_COPY_ENV)
+    os.environ[VALUES_COPY_ENV] = copy or values.host_copy_path(name, 0)
+    try:
+        return buffers.load()
+    finally:
+        if saved is None:
+            del os.environ[VALUES_COPY_ENV]
+        else:
+            os.environ[VALUES_COPY_ENV] = saved
 
 
 def test_the_copy_goes_to_shared_memory_where_it_takes_at_most_half_of_it():
@@ -128,7 +144,7 @@ def test_a_planted_copy_is_not_mapped_but_fetched_again(served):
         fh.write(b"\0" * spec.values_fetch_size)  # the right size, not the values
     assert re.fullmatch(FETCHED.format(size="1.0 MiB"), fetch(spec))
     assert channel.stats["files_sent"] == 1
-    back = values.Buffers([], host_copy=spec.values_fetch).load()
+    back = mapped(spec.values_fetch, array)
     assert (np.frombuffer(back[0], dtype=np.int64) == array).all()
 
 
@@ -179,7 +195,7 @@ def test_a_machine_fetches_the_values_once_and_its_other_ranks_map_them(served, 
     assert re.fullmatch(FETCHED.format(size=size), fetch(spec, 1))
     assert fetch(spec, 0) == f"[torchdist] notebook values: {size} mapped (fetched by rank 1 on this host)"
     assert channel.stats["files_sent"] == 1
-    back = values.Buffers([], host_copy=spec.values_fetch).load()
+    back = mapped(spec.values_fetch, array)
     assert (np.frombuffer(back[0], dtype=np.int64) == array).all()
     assert not os.path.exists(copy_of(spec) + ".tmp")
 
@@ -381,14 +397,27 @@ def test_a_copy_that_cannot_be_written_fails_the_fetch(served):
         os.rmdir(tmp)
 
 
-def test_a_rank_whose_machine_has_no_copy_says_so():
+def test_a_rank_whose_machine_has_no_copy_says_so(monkeypatch):
     missing = values.Buffers([], host_copy="torchdist-nothing-values-copy")
+    copy = values.host_copy_path("torchdist-nothing-values-copy", 0)
+    privdir.private_directory(os.path.dirname(copy))
+    monkeypatch.setenv(VALUES_COPY_ENV, copy)
     with pytest.raises(
         FileNotFoundError,
         match=(
             r"^the notebook values sent to the ranks were to be fetched from the driver into "
-            rf"{values.host_copy_path('torchdist-nothing-values-copy', 0)} on this rank's machine "
+            rf"{copy} on this rank's machine "
             rf"\({socket.gethostname()}\) before it started, and are not there$"
+        ),
+    ):
+        missing.load()
+    monkeypatch.delenv(VALUES_COPY_ENV)  # a rank whose launcher did not say where the copy is
+    with pytest.raises(
+        FileNotFoundError,
+        match=(
+            r"^the notebook values sent to the ranks were to be fetched from the driver onto this rank's "
+            rf"machine \({socket.gethostname()}\) before it started, and its launcher did not say where "
+            r"they are \(TORCHDIST_VALUES_COPY is not set\)$"
         ),
     ):
         missing.load()
@@ -565,7 +594,7 @@ def test_many_machines_fetch_at_once_while_the_channel_delivers_records(served, 
         assert [r.line for r in records.wait_for(1)] == ["still heard"]
         assert channel.stats["files_sent"] == len(names)
         for name in names:
-            assert (np.frombuffer(values.Buffers([], host_copy=name).load()[0], dtype=np.int64) == array).all()
+            assert (np.frombuffer(mapped(name, array)[0], dtype=np.int64) == array).all()
     finally:
         client.close()
         channel.close()

@@ -56,6 +56,14 @@ IDLE_ENV = "TORCHDIST_DEBUG_IDLE"
 #: than have its rank write it into the driver's value directory.  For testing those paths on one
 #: machine.
 VALUES_FETCH_ENV = "TORCHDIST_VALUES_FETCH"
+#: the path of the machine's copy of the notebook values that a rank's launcher fetched or found
+#: whole before it started the rank (``hostcopy``): the one file the rank maps for them, never a
+#: path it guesses (``values.Buffers.load``)
+VALUES_COPY_ENV = "TORCHDIST_VALUES_COPY"
+#: a name the ranks of a run derive alike and no other user can (from the run's secret): of the
+#: private directory the ranks of a host meet in (``%pip``) where another user made this user's
+#: usual one first (``privdir.usable_user_directory``'s ``agreed``)
+PRIVATE_TOKEN_ENV = "TORCHDIST_PRIVATE_TOKEN"
 
 # -- a rank's result directory -------------------------------------------------------------------
 RESULT_FILE = "result.pkl"

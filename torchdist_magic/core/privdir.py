@@ -8,6 +8,12 @@ in a directory of this user's own (``user_directory``: ``torchdist-<uid>``, mode
 before each use (``check_private``: a directory, not a link, owned by this user, no access for
 anyone else); and a file a run names is taken only inside the directory it belongs in
 (``inside``).
+
+A name of fixed form (``torchdist-<uid>``) can be made first by anyone, for every account: it is
+refused, and the run goes on in a private directory of this user's instead
+(``usable_user_directory``), which the other processes that must meet there find by a name they
+derive from a secret of the run (``agreed``) or are handed; a line says which directory was
+refused and which is used, once per process.
 """
 
 from __future__ import annotations
@@ -15,10 +21,29 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import tempfile
+import threading
+import warnings
+from typing import Callable, Optional
 
 
 class UnsafePath(PermissionError):
     """A path a run would use is not this user's own, or not where it belongs."""
+
+
+class PrivateDirectoryRefused(UserWarning):
+    """This user's private directory of its usual name was refused (another user may have made
+    it first): a private directory of another name is used instead (``usable_user_directory``)."""
+
+
+#: the variable that names this user's runtime directory (systemd's ``/run/user/<uid>``): private
+#: by its maker's rules, a fallback no other user can make first
+RUNTIME_DIR_ENV = "XDG_RUNTIME_DIR"
+#: this package's directory inside it
+RUNTIME_NAME = "torchdist"
+#: the directories refused so far by this process, each said once (``usable_user_directory``)
+_refused_said: set = set()
+_refused_lock = threading.Lock()
 
 
 def check_private(path: str) -> str:
@@ -83,3 +108,72 @@ def open_private(path: str, flags: int) -> int:
                 "own; it will not follow it. Remove it"
             ) from None
         raise
+
+
+def usable_user_directory(parent: str, agreed: str = "", say: Optional[Callable[[str], None]] = None) -> str:
+    """This user's private directory in ``parent`` (``user_directory``); where that name is
+    refused (another user made it first, or a link stands there), a private directory of this
+    user's instead, made and checked (``check_private``), and said once per process and refused
+    directory: ``say(line)`` where given (a rank's log), else a ``PrivateDirectoryRefused``
+    warning.  The fallback is
+
+    - with ``agreed`` (a token that the processes that must meet there derive alike and other
+      users cannot: from a run's secret), ``<parent>/torchdist-<uid>-<agreed>``, the same for each
+      of them; it is refused in turn only if that token is known to another user;
+    - else ``$XDG_RUNTIME_DIR/torchdist`` where that variable names this user's private
+      directory (it stays, as the usual one does);
+    - else a new directory of ``parent`` (``mkdtemp``: ``torchdist-<uid>-XXXXXXXX``), which the
+      caller hands over to the other processes that use it (a run's record names it) and removes
+      when done (``remove_fallback``).
+
+    Other failures (``parent`` missing or not writable) are raised as they are."""
+    try:
+        return user_directory(parent)
+    except UnsafePath as exc:
+        refused = exc
+    if agreed:
+        fallback = private_directory(os.path.join(parent, f"{_fallback_prefix()}{agreed}"))
+    else:
+        runtime = os.environ.get(RUNTIME_DIR_ENV, "")
+        fallback = ""
+        if os.path.isabs(runtime):
+            try:
+                fallback = private_directory(os.path.join(check_private(runtime), RUNTIME_NAME))
+            except OSError:  # not this user's, not there, or not writable: the next place
+                fallback = ""
+        if not fallback:
+            fallback = tempfile.mkdtemp(prefix=_fallback_prefix(), dir=parent)
+    _say_refused(refused, user_path(parent), fallback, say)
+    return fallback
+
+
+def _fallback_prefix() -> str:
+    return f"torchdist-{os.geteuid()}-"
+
+
+def is_fallback(directory: str) -> bool:
+    """Whether ``directory`` is a fallback ``usable_user_directory`` made in place of this user's
+    usual directory of a parent (``torchdist-<uid>-...``; not ``$XDG_RUNTIME_DIR``'s, which stays)."""
+    return os.path.basename(os.path.normpath(directory)).startswith(_fallback_prefix())
+
+
+def remove_fallback(directory: str) -> None:
+    """Remove ``directory`` where it is a fallback (``is_fallback``) that nothing is left in;
+    leave it otherwise (the usual directory stays; another process may still use it)."""
+    if is_fallback(directory):
+        try:
+            os.rmdir(directory)
+        except OSError:  # gone already, or in use: its last user removes it
+            pass
+
+
+def _say_refused(refused: UnsafePath, usual: str, fallback: str, say: Optional[Callable[[str], None]]) -> None:
+    with _refused_lock:
+        if usual in _refused_said:
+            return
+        _refused_said.add(usual)
+    line = f"{refused}. Meanwhile it uses {fallback} instead, a private directory of this user's"
+    if say is not None:
+        say(line)
+    else:
+        warnings.warn(line, PrivateDirectoryRefused, stacklevel=3)

@@ -31,6 +31,7 @@ from .names import (
     KEEP_CHECKPOINTS_ENV,
     MAX_RESTARTS_ENV,
     PREFLIGHT_ENV,
+    PRIVATE_TOKEN_ENV,
     PROFILE_STEPS_ENV,
     RESTART_COUNT_ENV,
     RETURN_VALUE_ENV,
@@ -48,6 +49,13 @@ def rank_key(secret: str, role: str, rank: int) -> str:
     channel, derived from the run's secret of that role: a rank's worker is given only its own
     key, so it cannot speak as another rank (``wire.handshake``)."""
     return hmac.new(secret.encode(), f"torchdist {role} {rank}".encode(), hashlib.sha256).hexdigest()
+
+
+def private_token(secret: str, run_id: str) -> str:
+    """The name the ranks of run ``run_id`` give the private directory they meet in where another
+    user made this user's usual one first (``PRIVATE_TOKEN_ENV``): derived from the run's secret,
+    the same for each rank, and one no other user can make first."""
+    return hmac.new(secret.encode(), f"torchdist private directory {run_id}".encode(), hashlib.sha256).hexdigest()[:24]
 
 
 @dataclass(frozen=True)
@@ -307,6 +315,7 @@ def _run_variables(spec: RunSpec, place: Placement) -> Dict[str, str]:
         CHANNEL_ENV: spec.channel_address,
         # its own key only (a warm job's variables are named from rank 0's placement: names only)
         SECRET_ENV: rank_key(spec.secret, "worker", place.rank) if spec.secret else "",
+        PRIVATE_TOKEN_ENV: private_token(spec.secret, spec.run_id) if spec.secret else "",
         CHANNEL_CERT_ENV: spec.channel_cert,
         USE_GPU_ENV: "1" if spec.use_gpu else "0",
         SYSTEM_METRICS_ENV: "1" if spec.system_metrics else "0",

@@ -25,10 +25,14 @@ values a cell uses and ``run()``'s arguments are pickled with their large buffer
 driver those are views of the values' own memory, written once per run into one file in shared
 memory, which every rank on the machine maps (``Buffers.load``).  The driver writes that file
 while its ranks start (``FileWriter``: a thread of its own, holding the file's ``flock``, which a
-rank that wants the file first waits for): 1 GiB into shared memory takes about 0.35 s here, a
+rank that wants the file first waits for; the file is in a directory of the driver's that no
+other user may enter): 1 GiB into shared memory takes about 0.35 s here, a
 rank's start (Python, torch) about 1 s.  Where the ranks are on other machines, each machine
 fetches that file once from the driver into its own shared memory (``hostcopy``), and its ranks
-map that copy (``Buffers.fetched``).
+map that copy (``Buffers.fetched``): exactly the file their launcher fetched or found whole
+before it started them (``names.VALUES_COPY_ENV``), never a path a rank guesses, checked once
+open (``_open_host_copy``: not through a link, this user's, the size and header the job's sizes
+give) and never waited for (it is whole before the rank starts: no ``flock``).
 
 Nothing here imports torch unless the value holds a tensor.
 """
@@ -45,13 +49,15 @@ import mmap
 import os
 import pickle
 import socket
+import stat
 import struct
 import tempfile
 import threading
 import types
 from typing import Any, Iterator, List, Optional, Tuple, Union
 
-from .privdir import UnsafePath, inside, open_private, user_path
+from .names import VALUES_COPY_ENV
+from .privdir import UnsafePath, check_private, inside, open_private, user_path
 
 MAGIC = b"torchdist-value-1\n"
 #: what a file of values sent to the ranks holds instead when the driver could not write it,
@@ -225,8 +231,22 @@ def _pickled(value: Any, cpu_only: bool = False) -> Tuple[bytes, List[memoryview
 
 
 def _header(stream: bytes, raws: List[memoryview]) -> bytes:
-    text = json.dumps({"pickle": len(stream), "buffers": [r.nbytes for r in raws]}).encode()
+    return _header_of(len(stream), [r.nbytes for r in raws])
+
+
+def _header_of(stream_size: int, sizes: List[int]) -> bytes:
+    """The start of a blob (its mark, the header's length, the header) whose pickle stream and
+    buffers have these sizes."""
+    text = json.dumps({"pickle": stream_size, "buffers": list(sizes)}).encode()
     return MAGIC + _LEN.pack(len(text)) + text
+
+
+def _blob_size_of(head: bytes, stream_size: int, sizes: List[int]) -> int:
+    """The size of the blob that starts with ``head`` (``_header_of`` these sizes)."""
+    size = len(head)
+    for part in [stream_size] + list(sizes):
+        size += _pad(size) + part
+    return size
 
 
 def _write_all(fh, view: memoryview) -> None:
@@ -333,7 +353,8 @@ class Buffers:
     (``load``), once it is written.  Where the ranks are on other
     machines, the job names the file by a name instead (``fetched``): each of those machines
     fetches it once from the driver into ``host_copy_path`` before its ranks start, and they map
-    that copy.  A job pickled with buffers not in a file holds the bytes.
+    that copy, at the path their launcher hands them.  A job pickled with buffers not in a file
+    holds the bytes.
     """
 
     def __init__(self, raws: List[memoryview], path: str = "", host_copy: str = ""):
@@ -364,7 +385,8 @@ class Buffers:
 
     def fetched(self, name: str) -> "Buffers":
         """These buffers (already ``in_file``) as each rank's machine has them once it fetched
-        the file: in ``host_copy_path(name, ...)``."""
+        the file: a copy named ``name`` (``host_copy_path(name, ...)``, or the run's own
+        directory beside it: ``hostcopy.copy_path``), at the path each rank's launcher hands it."""
         return self._named(host_copy=name)
 
     def __getstate__(self):
@@ -383,29 +405,75 @@ class Buffers:
         own), or of the bytes the job held."""
         if not self.path and not self.host_copy:
             return self._raws
-        path = self.path or _host_copy_found(self.host_copy)
-        try:
-            fh = open(path, "rb")
-        except FileNotFoundError:
-            if self.host_copy:
+        if self.host_copy:
+            path, mapped = _open_host_copy(self.host_copy, self.sizes)
+        else:
+            path = self.path
+            try:
+                fh = open(path, "rb")
+            except FileNotFoundError:
                 raise FileNotFoundError(
-                    f"the notebook values sent to the ranks were to be fetched from the driver into {path} "
-                    f"on this rank's machine ({socket.gethostname()}) before it started, and are not there"
+                    f"the notebook values sent to the ranks are in {self.path} on the driver's machine, "
+                    f"which this rank's machine ({socket.gethostname()}) cannot see"
                 ) from None
-            raise FileNotFoundError(
-                f"the notebook values sent to the ranks are in {self.path} on the driver's machine, "
-                f"which this rank's machine ({socket.gethostname()}) cannot see"
-            ) from None
-        with fh:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_SH)  # the driver holds it while it writes the file
-            if fh.read(len(MAGIC)) != MAGIC:
-                raise _unwritten(fh, path)
-            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            with fh:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_SH)  # the driver holds it while it writes the file
+                if fh.read(len(MAGIC)) != MAGIC:
+                    raise _unwritten(fh, path)
+                mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
         try:
             _, buffers = _parts(mapped)
         except ValueError as exc:  # the driver was stopped while it wrote the file
             raise OSError(f"the notebook values sent to the ranks in {path} are not whole: {exc}") from None
         return buffers
+
+
+def _open_host_copy(name: str, sizes: List[int]) -> Tuple[str, mmap.mmap]:
+    """The machine's copy of the notebook values named ``name``, whose buffers have ``sizes``,
+    mapped copy-on-write, and its path: the file this rank's launcher fetched or found whole
+    (``VALUES_COPY_ENV``), opened without following a link, in a private directory of this
+    user's, and checked once open: a regular file of this user's whose size and header are the
+    ones ``sizes`` give (``privdir.UnsafePath`` naming what differs).  Nothing waits on it: the
+    launcher starts its rank only once the copy is whole."""
+    host = socket.gethostname()
+    path = os.environ.get(VALUES_COPY_ENV, "")
+    if not path:
+        raise FileNotFoundError(
+            f"the notebook values sent to the ranks were to be fetched from the driver onto this rank's "
+            f"machine ({host}) before it started, and its launcher did not say where they are "
+            f"({VALUES_COPY_ENV} is not set)"
+        )
+    if os.path.basename(path) != name:
+        raise UnsafePath(
+            f"the notebook values sent to the ranks are {name}, and this rank's launcher named {path}; it is not mapped"
+        )
+    check_private(os.path.dirname(path))
+    try:
+        fd = open_private(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO there would not keep it waiting
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"the notebook values sent to the ranks were to be fetched from the driver into {path} "
+            f"on this rank's machine ({host}) before it started, and are not there"
+        ) from None
+    with open(fd, "rb") as fh:
+        info = os.fstat(fd)
+        head = _header_of(0, sizes)
+        size = _blob_size_of(head, 0, sizes)
+        problems = []
+        if not stat.S_ISREG(info.st_mode):
+            problems.append("not a regular file")
+        if info.st_uid != os.geteuid():
+            problems.append(f"owned by uid {info.st_uid}, not {os.geteuid()}")
+        if info.st_size != size:
+            problems.append(f"{info.st_size} bytes where the job's values take {size}")
+        elif fh.read(len(head)) != head:
+            problems.append("its header is not the one of the job's values")
+        if problems:
+            raise UnsafePath(
+                f"{path} is not the copy of the notebook values this rank's launcher fetched "
+                f"({', '.join(problems)}); it is not mapped"
+            )
+        return path, mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
 
 
 def _unwritten(fh, path: str) -> OSError:
@@ -487,13 +555,6 @@ def fits_shared_memory(nbytes: int) -> bool:
         return False
     stats = os.statvfs(SHARED_MEMORY)
     return stats.f_blocks * stats.f_frsize >= 2 * nbytes
-
-
-def _host_copy_found(name: str) -> str:
-    """The machine's copy of the values named ``name``, wherever ``host_copy_path`` put it (where
-    it would be, when it is nowhere)."""
-    small, large = host_copy_path(name, 0), host_copy_path(name, 1 << 62)
-    return large if not os.path.exists(small) and os.path.exists(large) else small
 
 
 def blob_size(path: str) -> int:

@@ -21,7 +21,9 @@ once the run has started (or raises what refused it).  The supervising process t
 - ``done``: once the journal, the value and the record are complete.
 
 Its control socket (``feed.FeedServer``: a Unix socket in this user's private directory of the
-temporary directory, named in the record) takes, from a process of this user (its peer's uid is
+temporary directory, or the private fallback that takes its place where another user made that
+directory first, ``privdir.usable_user_directory``; named in the record, and the fallback removed
+with the socket) takes, from a process of this user (its peer's uid is
 checked) that knows the run's token, one ``events.StopRun`` a connection, or the reads of a
 kernel that shows the run (``feed.HostedState``: the kernel gets what its view shows, never
 every record); anything else is refused.  Once the run has ended it waits for those kernels'
@@ -48,7 +50,7 @@ from typing import Any, Optional
 from ..core import events
 from ..core import values as value_blobs
 from ..core.options import LaunchOptions
-from ..core.privdir import open_private, user_directory
+from ..core.privdir import open_private, remove_fallback, usable_user_directory
 from .feed import FeedServer
 from .history import VALUE_FILE, RunRecord, options_json, read_record, record_directory, write_private
 
@@ -121,11 +123,15 @@ SOCKET_PATH_MAX = 107
 
 def control_path(run_id: str) -> str:
     """Where run ``run_id``'s control socket listens: in this user's private directory of the
-    temporary directory, or of ``/tmp`` where that path would be too long for a Unix socket."""
+    temporary directory, or of ``/tmp`` where that path would be too long for a Unix socket; where
+    another user made that directory first, in a private fallback (a warning says which), which
+    the supervising process removes with the socket."""
     for parent in (tempfile.gettempdir(), "/tmp"):
-        path = os.path.join(user_directory(parent), f"ctl-{run_id}.sock")
+        directory = usable_user_directory(parent)
+        path = os.path.join(directory, f"ctl-{run_id}.sock")
         if len(os.fsencode(path)) <= SOCKET_PATH_MAX:
             return path
+        remove_fallback(directory)
     raise ValueError(
         f"no place for run {run_id}'s control socket: {path} is longer than a Unix socket's path "
         f"may be ({SOCKET_PATH_MAX} bytes)"
@@ -414,6 +420,7 @@ def supervise(directory: str) -> int:
             journal.state = run.state  # the first attempt's records need no mark
     except (TypeError, ValueError) as exc:
         control.close()
+        remove_fallback(os.path.dirname(record.control))
         if session is not None:
             session.stop()
         if journal is not None:
@@ -446,6 +453,7 @@ def supervise(directory: str) -> int:
                 print(f"torchdist: the ranks' complete logs could not be kept ({exc})", file=sys.stderr)
         control.linger(FEED_LINGER)  # the kernels' views take their last look at the state
         control.close()
+        remove_fallback(os.path.dirname(record.control))  # where another user made the usual one
         if session is not None:
             session.stop()
     return 0

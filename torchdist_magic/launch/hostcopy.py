@@ -7,23 +7,26 @@ once into one file (``values.Buffers.in_file``), serves that file on the run's e
 job names it (``values.Buffers.fetched``).  On each machine the Spark task of each rank, before it
 starts its rank:
 
-- ``join``: takes a shared ``flock`` on ``<copy>.users`` (``<copy>`` is
-  ``values.host_copy_path``: in shared memory where the machine has room, else in its temporary
-  directory).  The task hands that lock to its guard process
-  (``spark_task``), which holds it until the task has ended; the kernel lets it go when they
+- ``join``: takes a shared ``flock`` on ``<copy>.users`` (``<copy>`` is ``copy_path``:
+  ``values.host_copy_path``, in shared memory where the machine has room, else in its temporary
+  directory; where another user made this user's directory there first, a directory of the run's
+  launchers' own beside it, named by the run's secret).  The task hands that lock to its guard
+  process (``spark_task``), which holds it until the task has ended; the kernel lets it go when they
   die, even by SIGKILL, so it counts the machine's users of the copy without any count to
   repair.
 - ``fetch``: takes ``<copy>.lock`` exclusively.  The first task to get it fetches the file into
   ``<copy>.tmp``, checks its size and the blob's own header, renames it to ``<copy>`` and writes
   its rank into the lock file; every other task of the machine waits for the lock, then finds
   the copy there.  Each rank maps ``<copy>``
-  copy-on-write (``values.Buffers.load``), so the machine holds the bytes once.  A task killed
-  while fetching leaves a ``.tmp`` that the next one replaces.
+  copy-on-write (``values.Buffers.load``), so the machine holds the bytes once: the copy its
+  launcher fetched or found whole, whose path the launcher hands it (``names.VALUES_COPY_ENV``).
+  A task killed while fetching leaves a ``.tmp`` that the next one replaces.
 - at the task's end (its guard does it, after a kill too: ``spark_task``'s ``_GUARD_MAIN``,
   which runs with the standard library alone): it lets go of its shared lock and tries to take it
   exclusively without waiting.  Only a task that finds no other user gets it, and it removes the
-  copy, the ``.tmp``, the lock and the users file; of tasks ending together, each lets go before
-  it tries, so the last always gets it.  A rank that already mapped the copy keeps its pages.
+  copy, the ``.tmp``, the lock and the users file (and the run's own directory, where the copy
+  went to one); of tasks ending together, each lets go before it tries, so the last always gets
+  it.  A rank that already mapped the copy keeps its pages.
 
 Nothing that arrives is unpickled: the file holds the values' raw buffers only (their pickle
 stream is in the job, which travels through Spark), which the ranks' tensors and arrays view.
@@ -37,19 +40,21 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
+import hmac
 import os
 import socket
 import stat
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from ..wire import tls
-from ..core.privdir import open_private, private_directory
+from ..core.privdir import open_private, private_directory, usable_user_directory
 from ..wire.frames import MAX_HELLO, FrameError, NotTheDriver, Refused, read_frame
 from ..wire.handshake import open_connection
 from ..core.rankenv import RunSpec, rank_key
 from ..core.timing import FETCH_QUEUE_WAIT, FETCH_STALL
-from ..core.values import blob_size
+from ..core.values import blob_size, host_copy_path
 
 #: what a fetch receives and writes at once
 CHUNK = 1 << 20
@@ -62,13 +67,34 @@ class ValuesNotFetched(RuntimeError):
     """The notebook values could not be fetched from the driver onto this machine."""
 
 
+def copy_path(run: RunSpec, say: Optional[Callable[[str], None]] = None) -> str:
+    """Where this machine keeps its copy of ``run``'s notebook values: ``values.host_copy_path``,
+    in this user's private directory there; where another user made that directory first
+    (``privdir.usable_user_directory``, which says so through ``say``), in a private directory
+    beside it named by ``copy_token``, which every launcher of the run derives alike and no other
+    user can: the machine's launchers still share one copy."""
+    usual = host_copy_path(run.values_fetch, run.values_fetch_size)
+    parent = os.path.dirname(os.path.dirname(usual))
+    return os.path.join(usable_user_directory(parent, agreed=copy_token(run), say=say), run.values_fetch)
+
+
+def copy_token(run: RunSpec) -> str:
+    """A name for this attempt of ``run``'s own directory of copies: derived from the run's
+    launcher secret, so the run's launchers agree on it and no other user can make it first."""
+    text = f"torchdist host copy {run.run_id} {run.attempt}".encode()
+    return hmac.new(run.launcher_secret.encode(), text, hashlib.sha256).hexdigest()[:24]
+
+
 def join(copy: str) -> int:
     """A file descriptor holding a shared lock on the machine's users of the copy at ``copy``
     (see the module's docstring); the caller hands it to whatever outlives it."""
-    private_directory(os.path.dirname(copy))
     path = copy + ".users"
     while True:
-        fd = open_private(path, os.O_RDWR | os.O_CREAT)
+        private_directory(os.path.dirname(copy))
+        try:
+            fd = open_private(path, os.O_RDWR | os.O_CREAT)
+        except FileNotFoundError:  # the run's own directory, removed by the last user of an earlier copy
+            continue
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a last user removes the copy
         try:
             same = os.stat(path).st_ino == os.fstat(fd).st_ino

@@ -42,7 +42,7 @@ from ..core.procs import MARK_VARIABLE, end_marked_processes, group_members, mar
 from .sysmetrics import RankSampler, explain_cuda_oom, is_cuda_oom
 from ..core.timing import OUTPUT_GATHER, PIPE_DRAIN_WAIT, REAP_WAIT, STACKS_SETTLE, STACKS_WAIT, STOP_GRACE
 from ..core.names import ERROR_FILE, RESULT_FILE, STACKS_FILE, STACKS_HEADER, STACKS_SIGNAL
-from ..core.names import CLEANUP_ENV, LAUNCHER_PID_ENV, RUN_ID_ENV, VALUE_FILE_ENV
+from ..core.names import CLEANUP_ENV, LAUNCHER_PID_ENV, RUN_ID_ENV, VALUE_FILE_ENV, VALUES_COPY_ENV
 from ..core.rankenv import Placement, RunSpec, rank_environment
 
 _LINE_END = re.compile(rb"\r\n|\n|\r")
@@ -86,17 +86,23 @@ def start_rank(
     *,
     data_file: str = "",
     value_file: str = "",
+    values_copy: str = "",
     cleanup: Sequence[str] = (),
     gpu_source: Optional[GpuSource] = None,
 ) -> "RankProcess":
     """Start the worker of ``place.rank`` for ``run``, the way every backend does: its
     environment (``rankenv.rank_environment``), the files it removes itself if its launcher
     dies (``cleanup``), where it writes its value (``value_file``: a file the driver maps; else
-    its ``result_dir``), its system metrics (with the GPUs of ``gpu_source``, ``open_gpus``)."""
+    its ``result_dir``), its system metrics (with the GPUs of ``gpu_source``, ``open_gpus``),
+    the machine's copy of the notebook values that this launcher fetched or found whole
+    (``values_copy``, ``hostcopy``: the one file the rank maps for them)."""
     env = rank_environment(os.environ, run, place, data_file=data_file)
     env[CLEANUP_ENV] = os.pathsep.join(cleanup)
     if value_file:
         env[VALUE_FILE_ENV] = value_file
+    env.pop(VALUES_COPY_ENV, None)  # never one this launcher inherited
+    if values_copy:
+        env[VALUES_COPY_ENV] = values_copy
     return RankProcess(
         place.rank, job_file, result_dir, env, emit, system_metrics=run.system_metrics, gpu_source=gpu_source
     )

@@ -52,10 +52,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..core import events, procs
 from ..core.names import RESULT_FILE
-from ..core.privdir import check_private, open_private
+from ..core.privdir import check_private, is_fallback, open_private
 from ..core.rankenv import RunSpec, place_spark_tasks, rank_key
 from ..core.timing import STOP_GRACE
-from ..core.values import host_copy_path, value_directory
+from ..core.values import value_directory
 from ..wire.batching import flush_every
 from ..wire.client import ChannelClient
 from . import hostcopy, valueupload
@@ -73,10 +73,11 @@ EXIT_MARK = "torchdist-launcher-exit:"
 # exited), SIGKILL what is left of the group, end what the rank started in a session of its own
 # (its mark), remove the files.  Either way, it then leaves the users of the machine's copy of the
 # notebook values (``hostcopy``: the shared lock it holds on fd ``users``, -1 for none) and removes
-# the copy when it was the last.
+# the copy when it was the last, with the run's own directory of it where it is in one.
 _GUARD_MAIN = r"""
 import fcntl, shutil, sys
 workdir, grace, users, copy = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+own_directory = sys.argv[5] == "1"  # the copy is in the run's own directory: it goes too
 def leave_copy():
     if users < 0:
         return
@@ -95,6 +96,11 @@ def leave_copy():
                 os.unlink(copy + suffix)
             except OSError:
                 pass
+        if own_directory:
+            try:
+                os.rmdir(os.path.dirname(copy))
+            except OSError:
+                pass  # another launcher of this machine joined meanwhile: it removes it
 ranks = []
 for line in sys.stdin:
     if line.strip() == "done":
@@ -370,11 +376,14 @@ def _run_rank(
     partition does not hold it up."""
     run, rank = spec.run, site.rank
     workdir = tempfile.mkdtemp(prefix=f"torchdist-{run.run_id}-rank{rank}-")
-    copy = host_copy_path(run.values_fetch, run.values_fetch_size) if run.values_fetch else ""
+    refusals: List[str] = []  # a directory another user made, said in the rank's log (hostcopy.copy_path)
+    copy = hostcopy.copy_path(run, say=refusals.append) if run.values_fetch else ""
     users = hostcopy.join(copy) if copy else -1
+    own_directory = "1" if copy and is_fallback(os.path.dirname(copy)) else "0"
+    guard_args = [workdir, str(STOP_GRACE), str(users), copy, own_directory]
     try:
         guard = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", guard_source(), workdir, str(STOP_GRACE), str(users), copy],
+            [sys.executable, "-I", "-S", "-c", guard_source(), *guard_args],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -412,6 +421,8 @@ def _run_rank(
             else:
                 emit(event)
 
+        for line in refusals:
+            emit(events.Log(rank=rank, stream="stderr", line=f"[torchdist] {line}"))
         if copy:
             line = hostcopy.fetch(run, copy, rank, driver.stopped)
             if line:
@@ -429,6 +440,7 @@ def _run_rank(
             rank_emit,
             data_file=data_file,
             value_file=value_file,
+            values_copy=copy,
             cleanup=[workdir],
             gpu_source=gpu_source,
         )

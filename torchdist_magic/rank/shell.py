@@ -42,10 +42,10 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..core.names import RUN_ID_ENV
+from ..core.names import PRIVATE_TOKEN_ENV, RUN_ID_ENV
 from ..core.syntax import EXPANDER, TIME_TAKES_NO_ARGUMENTS, TimeitOptions, parse_timeit, unsupported
 from . import runtime
-from ..core.privdir import open_private, user_directory
+from ..core.privdir import open_private, remove_fallback, usable_user_directory, user_directory
 
 #: ``%timeit`` without ``-n`` raises the loop count tenfold until one measurement takes this long
 TIMEIT_AUTORANGE_SECONDS = 0.2
@@ -54,6 +54,18 @@ TIMEIT_AUTORANGE_SECONDS = 0.2
 class MagicError(Exception):
     """A magic used in a way a rank cannot run (on the driver this is IPython's ``UsageError``,
     which a rank cannot import)."""
+
+
+def _meeting_directory() -> str:
+    """The private directory of this user's where the ranks of a host meet (``%pip``): the usual
+    one in the temporary directory, or where another user made that first, the run's own beside
+    it (``PRIVATE_TOKEN_ENV``), said once in this rank's log."""
+    token = os.environ.get(PRIVATE_TOKEN_ENV, "")
+    if not token:  # a rank started without the run's secret: the usual one, or its refusal
+        return user_directory(tempfile.gettempdir())
+    return usable_user_directory(
+        tempfile.gettempdir(), agreed=token, say=lambda line: print(f"[torchdist] {line}", file=sys.stderr, flush=True)
+    )
 
 
 class PipFailed(RuntimeError):
@@ -387,15 +399,23 @@ class RankShell:
 
         The ranks of a host that reach the same ``%pip`` (same run, cell line, text and count)
         meet at a lock file, in this user's private directory (``privdir``: a name another user
-        could guess is never opened): the first runs pip and writes its exit code there, the
-        others wait for it, then read it.  The last rank of the host removes the file."""
+        could guess is never opened; where another user made it first, the run's own beside it,
+        named by the run's secret, ``PRIVATE_TOKEN_ENV``, said once in the rank's log): the first
+        runs pip and writes its exit code there, the others wait for it, then read it.  The last
+        rank of the host removes the file (and the run's own directory)."""
         site = (frame.f_code.co_filename, frame.f_lineno, line)
         self._pip_calls[site] = count = self._pip_calls.get(site, 0) + 1
         key = "\0".join(map(str, (os.environ.get(RUN_ID_ENV, ""), *site, count)))
-        path = os.path.join(
-            user_directory(tempfile.gettempdir()), f"torchdist-pip-{hashlib.sha256(key.encode()).hexdigest()[:24]}"
-        )
-        with open(open_private(path, os.O_RDWR | os.O_CREAT | os.O_APPEND), "a+", encoding="utf-8") as fh:
+        name = f"torchdist-pip-{hashlib.sha256(key.encode()).hexdigest()[:24]}"
+        while True:
+            directory = _meeting_directory()
+            try:
+                fd = open_private(os.path.join(directory, name), os.O_RDWR | os.O_CREAT | os.O_APPEND)
+                break
+            except FileNotFoundError:  # the run's own directory, removed by the last rank of an earlier %pip
+                continue
+        path = os.path.join(directory, name)
+        with open(fd, "a+", encoding="utf-8") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             fh.seek(0)
             head, _, passed = fh.read().partition("\n")
@@ -411,6 +431,7 @@ class RankShell:
             fh.flush()
             if len(passed) + 1 >= len(runtime.host_ranks()):  # every rank of this host has been
                 os.unlink(path)
+                remove_fallback(directory)
         if code != "0":
             where = "above" if by == _rank() else f"in rank {by}'s log"
             raise PipFailed(
