@@ -93,7 +93,8 @@ def test_a_home_under_a_directory_anyone_may_write_is_refused_and_a_sticky_one_o
     with pytest.raises(
         privdir.UnsafePath,
         match=rf"^{re.escape(str(shared))}, a directory above {re.escape(str(shared))}/project/home, is mode "
-        r"0777, writable by other users: .* \(or root's and sticky, as /tmp\)$",
+        r"0777, writable by other users: .* \(or root's and sticky, as /tmp\)\. TORCHDIST_HOME says where the "
+        r"history of runs is kept$",
     ):
         history.home()
     if os.geteuid() == 0:  # a sticky directory of root's: others cannot rename what is ours in it

@@ -78,7 +78,11 @@ def home() -> str:
     directory above it is not safe from other users (``privdir.check_ancestors``: else the home
     could be swapped for theirs after this check)."""
     path = os.environ.get(HOME_ENV) or os.path.join(os.path.expanduser("~"), ".torchdist")
-    return private_directory(check_ancestors(os.path.abspath(path)))
+    try:
+        checked = check_ancestors(os.path.abspath(path))
+    except UnsafePath as exc:
+        raise UnsafePath(f"{exc}. {HOME_ENV} says where the history of runs is kept") from None
+    return private_directory(checked)
 
 
 def runs_directory() -> str:

@@ -415,6 +415,7 @@ def supervise(directory: str) -> int:
     handover = read_handover()
     run_id = os.path.basename(directory.rstrip(os.sep))
     record = read_record(run_id)
+    directory = record.directory  # in the home as checked (``history.home``), not as named on the command line
     with os.fdopen(open_own(os.path.join(directory, OPTIONS_FILE)), encoding="utf-8") as fh:
         options = LaunchOptions(**{**json.load(fh), "env": handover["env"]})
     with os.fdopen(open_own(os.path.join(directory, TOKEN_FILE)), encoding="utf-8") as fh:
