@@ -374,7 +374,8 @@ def sleeps():
     time.sleep(600)
 
 
-def test_runs_removes_what_a_supervising_process_killed_with_sigkill_left(home):
+@pytest.mark.parametrize("finder", ["runs", "prune"])
+def test_whoever_finds_a_supervising_process_killed_with_sigkill_removes_what_it_left(home, finder):
     from torchdist_magic.core.job import build_job
 
     # no handle: nothing follows the run but what the test calls
@@ -388,11 +389,12 @@ def test_runs_removes_what_a_supervising_process_killed_with_sigkill_left(home):
         os.kill(record.pid, signal.SIGKILL)
     wait_until(lambda: not history.process_alive(record.pid), 30, "the supervising process to die")
     assert os.path.lexists(record.control)  # nothing of its own removed it
-    [found] = torchdist_magic.runs()
+    {"runs": torchdist_magic.runs, "prune": history.prune}[finder]()
+    assert not os.path.lexists(record.control) and not os.path.exists(token)
+    found = history.read_record(run_id)
     assert found.state == "failed" and found.failure == (
         f"its supervising process (pid {record.pid}) ended before the run did"
     )
-    assert not os.path.lexists(record.control) and not os.path.exists(token)
     assert_nothing_survives(run_id, record.pid)
 
 
