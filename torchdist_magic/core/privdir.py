@@ -8,6 +8,11 @@ in a directory of this user's own (``user_directory``: ``torchdist-<uid>``, mode
 before each use (``check_private``: a directory, not a link, owned by this user, no access for
 anyone else); and a file a run names is taken only inside the directory it belongs in
 (``inside``).
+
+A directory of the user's choosing (the history's home) is used only when nobody else can swap
+it after its check, as ssh's StrictModes judges a path (``check_ancestors``); what a run reads
+back from it, to unpickle above all, is checked on the open descriptor (``open_own``,
+``read_own``), never by its name before it is opened.
 """
 
 from __future__ import annotations
