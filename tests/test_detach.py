@@ -109,6 +109,9 @@ def test_a_killed_supervising_process_takes_its_ranks_and_the_handle_says_so(hom
         r"\(pid \d+\) ended before the run did",
     ):
         handle.result(60)
+    # the handle that found it dead removed its control socket (and its token): SIGKILL left them
+    assert not os.path.lexists(handle.record.control)
+    assert not os.path.exists(os.path.join(handle.directory, supervisor.TOKEN_FILE))
     assert history.read_record(handle.run_id).failure == (
         f"its supervising process (pid {handle.record.pid}) ended before the run did"
     )
@@ -255,7 +258,6 @@ def test_a_detached_run_on_classic_local2(home, spark_local2):
     assert handle.logs(1) == "rank 1 on Spark\n"
     record = history.read_record(handle.run_id)
     assert record.state == "succeeded" and record.detached and record.backend.startswith("Spark")
-    assert not os.path.exists(os.path.join(handle.directory, supervisor.SPARK_FILE))
     assert_nothing_survives(handle.run_id, handle.record.pid)
 
 

@@ -75,7 +75,9 @@ class LaunchOptions:
     """Every setting of one distributed launch.
 
     ``None`` for ``timeout`` and ``hang_timeout`` means "no deadline".  ``env`` is added to each
-    rank's environment on top of the variables the launcher sets (``RANK``, ``MASTER_ADDR``, ...).
+    rank's environment on top of the variables the launcher sets (``RANK``, ``MASTER_ADDR``, ...);
+    its values may be secrets: the repr shows its names only (``masked_repr``), and a run's
+    record keeps nothing more.
     """
 
     num_processes: int = field(
@@ -393,6 +395,31 @@ class LaunchOptions:
     def replace(self, **changes: Any) -> "LaunchOptions":
         """A copy with ``changes``, validated like a new one."""
         return dataclasses.replace(self, **changes)
+
+    def __repr__(self) -> str:
+        return masked_repr(self)
+
+
+#: what stands for an ``env`` value wherever the value itself is not shown or kept
+MASKED = "***"
+
+
+def masked_env(env: Mapping[str, Any]) -> dict:
+    """``env``'s names, each with ``MASKED`` for its value."""
+    return {name: MASKED for name in env}
+
+
+def masked_repr(value: Any) -> str:
+    """The dataclass ``value``'s repr as ``dataclasses`` writes it, its ``env`` masked
+    (``masked_env``): a traceback, a log or a notebook's output shows the names, never a value."""
+    parts = []
+    for f in dataclasses.fields(value):
+        if f.repr:
+            shown = getattr(value, f.name)
+            if f.name == "env" and isinstance(shown, Mapping):
+                shown = masked_env(shown)
+            parts.append(f"{f.name}={shown!r}")
+    return f"{type(value).__qualname__}({', '.join(parts)})"
 
 
 def _check_seconds(name: str, value: Any) -> None:

@@ -14,6 +14,11 @@ refused, and the run goes on in a private directory of this user's instead
 (``usable_user_directory``), which the other processes that must meet there find by a name they
 derive from a secret of the run (``agreed``) or are handed; a line says which directory was
 refused and which is used, once per process.
+
+A directory of the user's choosing (the history's home) is used only when nobody else can swap
+it after its check, as ssh's StrictModes judges a path (``check_ancestors``); what a run reads
+back from it, to unpickle above all, is checked on the open descriptor (``open_own``,
+``read_own``), never by its name before it is opened.
 """
 
 from __future__ import annotations
@@ -44,6 +49,88 @@ RUNTIME_NAME = "torchdist"
 #: the directories refused so far by this process, each said once (``usable_user_directory``)
 _refused_said: set = set()
 _refused_lock = threading.Lock()
+
+
+def check_ancestors(path: str) -> str:
+    """``path`` (absolute) with the links above its last component resolved, once nobody but
+    this user and root can change what it names: every directory above it owned by this user
+    or root, and writable by nobody else unless it is root's and sticky (as ``/tmp``): ssh's
+    StrictModes.  ``UnsafePath`` naming the first directory that is not.  Checking the path's
+    last component itself is ``check_private``'s; a caller then uses the path returned, whose
+    directories nobody else can swap after the check."""
+    resolved = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+    above = os.path.dirname(resolved)
+    ancestors = [above]
+    while os.path.dirname(ancestors[-1]) != ancestors[-1]:
+        ancestors.append(os.path.dirname(ancestors[-1]))
+    for ancestor in reversed(ancestors):  # from / down: the first one wrong is named
+        info = os.lstat(ancestor)
+        mode = stat.S_IMODE(info.st_mode)
+        problems = []
+        if not stat.S_ISDIR(info.st_mode):  # a link here was put in since realpath resolved it
+            problems.append("not a directory")
+        if info.st_uid not in (0, os.geteuid()):
+            problems.append(f"owned by uid {info.st_uid}")
+        if mode & 0o022 and not (info.st_uid == 0 and mode & stat.S_ISVTX):
+            problems.append(f"mode {mode:04o}, writable by other users")
+        if problems:
+            raise UnsafePath(
+                f"{ancestor}, a directory above {path}, is {' and '.join(problems)}: another user of "
+                "this machine could swap what is below it, so torchdist_magic keeps nothing there. "
+                "Every directory above a place it keeps files in must be this user's or root's and "
+                "writable by its owner only (or root's and sticky, as /tmp)"
+            )
+    return resolved
+
+
+def open_own(path: str) -> int:
+    """``os.open`` of a file a run reads back (read-only, never through a link), checked on the
+    open descriptor itself (``fstat``): a regular file of this user's that nobody else may
+    write.  ``UnsafePath`` naming what is wrong otherwise: such a file was put there by someone
+    else, and is not read (nor, for a pickle, loaded)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # O_NONBLOCK: a FIFO
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafePath(
+                f"{path} is a symbolic link where torchdist_magic keeps a file of its own; it "
+                "will not follow it. Remove it"
+            ) from None
+        raise
+    info = os.fstat(fd)
+    problems = []
+    if not stat.S_ISREG(info.st_mode):
+        problems.append("not a regular file")
+    if info.st_uid != os.geteuid():
+        problems.append(f"owned by uid {info.st_uid}, not {os.geteuid()}")
+    if stat.S_IMODE(info.st_mode) & 0o022:
+        problems.append(f"mode {stat.S_IMODE(info.st_mode):04o}, writable by other users")
+    if problems:
+        os.close(fd)
+        raise UnsafePath(
+            f"{path} is not a file of this user's own ({', '.join(problems)}): another user of "
+            "this machine may have put it there; torchdist_magic will not read it"
+        )
+    return fd
+
+
+def read_own(path: str) -> bytearray:
+    """The whole of ``path``, opened and checked by ``open_own``, in one ``bytearray`` (read in
+    chunks, no copy after)."""
+    fd = open_own(path)
+    with os.fdopen(fd, "rb", buffering=0) as fh:
+        blob = bytearray(os.fstat(fd).st_size)
+        view = memoryview(blob)
+        got = 0
+        while got < len(blob):
+            n = fh.readinto(view[got : got + (64 << 20)])
+            if not n:  # shorter than it was: what reads it says what is missing
+                break
+            got += n
+        view.release()
+    del blob[got:]
+    return blob
 
 
 def check_private(path: str) -> str:

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
-from .options import LaunchOptions
+from .options import LaunchOptions, masked_repr
 from .names import ENV_BEFORE
 from .names import (
     CHANNEL_CERT_ENV,
@@ -139,6 +139,9 @@ class RunSpec:
         if self.ranks:
             return rank in self.ranks and (self.all_ranks or rank == self.ranks[0])
         return rank == 0 or self.all_ranks
+
+    def __repr__(self) -> str:  # ``env``'s values may be secrets, as its secrets are
+        return masked_repr(self)
 
 
 @dataclass(frozen=True)

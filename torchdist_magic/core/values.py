@@ -264,9 +264,11 @@ def dump(value: Any, path: str) -> int:
 
 
 def _write_blob(path: str, stream: bytes, raws: List[memoryview]) -> int:
-    """Write the blob of ``stream`` and ``raws`` into ``path``; its size.  Raises the ``OSError``
-    of a failed write (a full disk)."""
-    with open(path, "wb", buffering=0) as fh:
+    """Write the blob of ``stream`` and ``raws`` into ``path`` (readable by this user only, never
+    through a link: ``privdir.open_private``); its size.  Raises the ``OSError`` of a failed
+    write (a full disk)."""
+    fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    with os.fdopen(fd, "wb", buffering=0) as fh:
         return _write_parts(fh, stream, raws)
 
 

@@ -8,7 +8,9 @@ that process, which holds the run's state, so the kernel gets what its view show
 every record.  Once that process has gone, the state is rebuilt from the run's journal
 (``supervisor``; records decoded as ``events`` records, typed and validated; in the user's
 private record directory), once, when something reads it.  The value is read from the same
-directory when the run has ended.
+directory when the run has ended.  A run supervised on another host (a home shared across
+hosts) is followed by its record's files alone, as this host's processes say nothing of it,
+and is stopped from its own host.
 
 Detaching is the end of a handle, never of the run: an interrupted ``%torchdist attach`` (or a
 kernel that dies) leaves the run going.
@@ -29,7 +31,7 @@ from ..core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, R
 from ..backends.spark import active_spark_session
 from ..core.options import PROCESS_CHANNEL_RANKS, LaunchOptions
 from ..core.job import build_job
-from .history import RunRecord, process_alive, read_record, take_value
+from .history import RunRecord, clear_dead_run, process_alive, read_record, take_value
 from .feed import HostedState
 from .state import RunState
 from .supervisor import (
@@ -116,6 +118,11 @@ def stop(run_id: str, by: str = "stop()") -> bool:
     record = _detached_record(run_id)
     if record.state != "running":
         return False
+    if record.elsewhere:
+        raise ValueError(
+            f"run {run_id} is supervised on host {record.host}, and its control socket is there: "
+            f"stop it from a kernel or terminal on {record.host}"
+        )
     with open(os.path.join(record.directory, TOKEN_FILE), encoding="utf-8") as fh:
         token = fh.read().strip()
     request = events.dumps(events.StopRun(rank=-1, token=token, by=by)) + "\n"
@@ -209,7 +216,7 @@ class AttachedRun:
                 token = fh.read().strip()
         except FileNotFoundError:  # a record without one: its journal alone tells its state
             token = ""
-        control = self.record.control if token else None
+        control = self.record.control if token and not self.record.elsewhere else None
         self.state = HostedState(control, token, self.record.num_processes, self._replay)
         self._ending: Optional[tuple] = None  # (outcome, root cause, message) once it ended
         self._done = threading.Event()
@@ -363,7 +370,7 @@ class AttachedRun:
             while True:  # a look at two files: cheap enough to go on after ``detach``
                 if os.path.exists(done):
                     return self._finish()
-                if not process_alive(self.record.pid):
+                if not self.record.elsewhere and not process_alive(self.record.pid):
                     if os.path.exists(done):  # it ended between the two looks
                         return self._finish()
                     return self._lost()
@@ -401,6 +408,7 @@ class AttachedRun:
         )
         self._error = RunLost(message)
         self._ending = ("failed", None, message)
+        clear_dead_run(self.record)  # its control socket: nobody else removes it
         self._done.set()
 
 

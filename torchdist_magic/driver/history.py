@@ -23,7 +23,10 @@ Bounds.  When a run starts, the records of finished runs beyond the newest
 are removed; a record whose run is still going is never removed.
 
 A record that says ``running`` while its supervising process is gone (a kernel that died with a
-run that was not detached) reads as ``failed``, saying so.
+run that was not detached) reads as ``failed``, saying so; whoever reads it so removes what a
+dead supervising process left (``clear_dead_run``).  That is judged on the record's own host
+only: a record of another host (a home shared across hosts) stays as it says, shown as ``on
+host X, unknown from here``, and is never pruned from here while it says ``running``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import dataclasses
 import json
 import os
 import shutil
+import stat
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -39,7 +43,16 @@ from typing import Any, Dict, List, Optional
 
 from ..core import values as value_blobs
 from ..core.events import Failure, failure_from_json, failure_to_json
-from ..core.privdir import check_private, open_private, private_directory
+from ..core.options import masked_env
+from ..core.privdir import (
+    UnsafePath,
+    check_ancestors,
+    check_private,
+    open_private,
+    private_directory,
+    read_own,
+    remove_fallback,
+)
 
 HOME_ENV = "TORCHDIST_HOME"
 RUNS_ENV = "TORCHDIST_HISTORY_RUNS"
@@ -61,15 +74,23 @@ MIN_LOG_KEEP_CHARS = 16 * 1024
 #: points of one metric of one rank a record keeps (downsampled from the run's history)
 METRIC_KEEP_POINTS = 500
 RECORD_FILE = "record.json"
+#: a detached run's control socket's token, kept while its supervising process runs
+TOKEN_FILE = "token"
 #: the states a record reports; a run's other ends (timed out, hung) are ``failed`` with why
 STATES = ("running", "succeeded", "failed", "cancelled")
 
 
 def home() -> str:
     """This user's torchdist directory (``TORCHDIST_HOME``, default ``~/.torchdist``), made
-    private (0700) where missing; ``UnsafePath`` when it is not this user's own."""
+    private (0700) where missing; ``UnsafePath`` when it is not this user's own, or when a
+    directory above it is not safe from other users (``privdir.check_ancestors``: else the home
+    could be swapped for theirs after this check)."""
     path = os.environ.get(HOME_ENV) or os.path.join(os.path.expanduser("~"), ".torchdist")
-    return private_directory(os.path.abspath(path))
+    try:
+        checked = check_ancestors(os.path.abspath(path))
+    except UnsafePath as exc:
+        raise UnsafePath(f"{exc}. {HOME_ENV} says where the history of runs is kept") from None
+    return private_directory(checked)
 
 
 def runs_directory() -> str:
@@ -134,6 +155,12 @@ class RunRecord:
     def path(self) -> str:
         return os.path.join(self.directory, RECORD_FILE)
 
+    @property
+    def elsewhere(self) -> bool:
+        """Whether the process that supervises the run is on another host than this one (a home
+        shared across hosts): this host's processes say nothing of it."""
+        return bool(self.host) and self.host != os.uname().nodename
+
     def log(self, rank: int) -> str:
         """Rank ``rank``'s output as kept when the run ended ("" while it runs, or without one)."""
         try:
@@ -172,9 +199,12 @@ class RunRecord:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
         took = f"{(self.ended or time.time()) - self.started:8.1f}s"
         what = "detached" if self.detached else ""
+        state, why = self.state, self.failure
+        if state == "running" and self.elsewhere:
+            state, why = "unknown", f"on host {self.host}, unknown from here"
         return (
-            f"{self.run_id:<22} {self.state:<10} {started}  {took}  np={self.num_processes:<4} "
-            f"{self.backend:<24.24} {what:<8} {self.job_name:<18.18} {self.failure:.60}"
+            f"{self.run_id:<22} {state:<10} {started}  {took}  np={self.num_processes:<4} "
+            f"{self.backend:<24.24} {what:<8} {self.job_name:<18.18} {why:.60}"
         ).rstrip()
 
     def __repr__(self) -> str:
@@ -230,11 +260,43 @@ def _read(directory: str) -> Optional[RunRecord]:
             record = RunRecord.from_json(json.load(fh), directory)
     except (OSError, ValueError, TypeError):
         return None  # a record being made, or not one of ours
+    if record.elsewhere:  # its pid is another host's: nothing here says whether it runs
+        return record
     if record.state == "running" and not process_alive(record.pid):
         record.state = "failed"
         who = "its supervising process" if record.detached else "the kernel (or process) that ran it"
         record.failure = record.failure or f"{who} (pid {record.pid}) ended before the run did"
+    clear_dead_run(record)
     return record
+
+
+def clear_dead_run(record: RunRecord) -> None:
+    """Once the supervising process of ``record``'s detached run (on this host) has gone, what it
+    kept for the run's life only: its control socket (``record.control``, in a private directory
+    of the temporary directory) and the socket's token.  A process killed with SIGKILL removes
+    nothing itself, so whoever finds it dead does (``runs()``, ``read_record``, the next
+    ``prune``, the run's handle).  A socket is removed only where it is one of this user's,
+    named for the run, in a private directory of this user's; with it the fallback directory it was
+    in, where one was made in place of a refused one (``privdir.remove_fallback``)."""
+    token = os.path.join(record.directory, TOKEN_FILE)
+    control = record.control
+    if not record.detached or record.elsewhere:
+        return
+    if not (os.path.lexists(token) or (control and os.path.lexists(control))) or process_alive(record.pid):
+        return
+    if control and os.path.basename(control) == f"ctl-{record.run_id}.sock":
+        try:
+            check_private(os.path.dirname(control))
+            info = os.lstat(control)
+            if stat.S_ISSOCK(info.st_mode) and info.st_uid == os.geteuid():
+                os.unlink(control)
+            remove_fallback(os.path.dirname(control))  # a private directory made in place of a refused one
+        except (FileNotFoundError, UnsafePath):
+            pass
+    try:
+        os.unlink(token)
+    except FileNotFoundError:
+        pass
 
 
 def runs() -> List[RunRecord]:
@@ -288,8 +350,8 @@ def take_value(directory: str, run_id: str) -> Any:
         os.rename(path, taking)  # atomic: of two kernels taking it at once, one gets it
     except FileNotFoundError:
         raise ValueGone(value_gone(directory, run_id)) from None
-    try:
-        value = value_blobs.loads(value_blobs.read(taking))
+    try:  # checked on the open file: a file another user put in its place is never unpickled
+        value = value_blobs.loads(read_own(taking))
     except BaseException:
         os.rename(taking, path)
         raise
@@ -332,10 +394,12 @@ def job_source(job: Any) -> str:
 
 
 def options_json(options: Any) -> Dict[str, Any]:
-    """``LaunchOptions`` as JSON values (``ranks`` a list)."""
+    """``LaunchOptions`` as JSON values (``ranks`` a list), as a record keeps them: ``env``'s
+    names only, each value ``***`` (``core.options.masked_env``: a value may be a secret)."""
     data = dataclasses.asdict(options)
     if data.get("ranks") is not None:
         data["ranks"] = list(data["ranks"])
+    data["env"] = masked_env(data.get("env") or {})
     return data
 
 

@@ -5,7 +5,13 @@ kernel dies, restarts or shuts down.
 The kernel (``start_detached``) writes into the run's private record directory (``history``)
 what the supervising process needs (the job as the ranks read it, the options, a token), starts
 ``python -m torchdist_magic.driver.supervisor DIRECTORY`` in a session of its own, and returns
-once the run has started (or raises what refused it).  The supervising process then writes:
+once the run has started (or raises what refused it).  What may be a secret never reaches a
+file: the values of ``--env`` (the options file has their names) and where the Spark session
+is (a Spark Connect remote may carry a ``;token=``, a classic session's settings a secret) go
+to the supervising process on its standard input (``HANDOVER``), which it reads first.  It
+reads its files back only once it has checked them on the open descriptor (``privdir.open_own``:
+this user's own, a regular file, not a link), before it unpickles anything.  The supervising
+process then writes:
 
 - ``journal.jsonl``: every record the run's state took, one ``events`` JSON record a line, from
   which any kernel rebuilds the run's state (``attach``); at most ``JOURNAL_MAX_BYTES``, past
@@ -50,13 +56,15 @@ from typing import Any, Optional
 from ..core import events
 from ..core import values as value_blobs
 from ..core.options import LaunchOptions
-from ..core.privdir import open_private, remove_fallback, usable_user_directory
+from ..core.privdir import UnsafePath, open_own, open_private, remove_fallback, usable_user_directory
 from .feed import FeedServer
-from .history import VALUE_FILE, RunRecord, options_json, read_record, record_directory, write_private
+from .history import TOKEN_FILE, VALUE_FILE, RunRecord, options_json, read_record, record_directory, write_private
 
 JOB_FILE = "job.bin"
 OPTIONS_FILE = "options.json"
-TOKEN_FILE = "token"
+#: what the kernel hands its supervising process on its standard input, never in a file: one
+#: JSON object, ``{"env": the values of --env, "spark": spark_target() or None}``
+HANDOVER = ("env", "spark")
 JOURNAL_FILE = "journal.jsonl"
 JOURNAL_FULL_FILE = "journal-full"
 #: in the directory of a run whose kernel follows it (``--channel process``): no journal
@@ -80,7 +88,6 @@ START_WAIT = 120.0
 #: read the state a last time (``feed.FeedServer.linger``)
 FEED_LINGER = 30.0
 
-SPARK_FILE = "spark.json"
 NOTEBOOK_OWNS_SPARK = (
     "--detach cannot run here on classic Spark: this cluster's one SparkContext belongs to the notebook "
     "(Databricks' classic clusters), and a supervising process outside the kernel cannot start a session "
@@ -206,12 +213,11 @@ def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = Non
     with os.fdopen(fd, "wb") as fh:
         fh.write(value_blobs.pickle_for_ranks(job))
     backend = "spark" if spark is not None else "local"
-    write_private(
+    write_private(  # env's names only: its values go with the handover
         os.path.join(directory, OPTIONS_FILE),
         json.dumps(options_json(options.replace(detach=False, backend=backend, channel="kernel"))),
     )
-    if spark is not None:  # read, then removed, by the supervising process: it may hold a token
-        write_private(os.path.join(directory, SPARK_FILE), json.dumps(spark))
+    handover = json.dumps({"env": options.env, "spark": spark}).encode()
     write_private(os.path.join(directory, TOKEN_FILE), secrets.token_hex(32))
     if not journal:
         write_private(os.path.join(directory, NO_JOURNAL_FILE), "")
@@ -236,7 +242,7 @@ def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = Non
         # a session of its own: a kernel's end (its process group signalled) does not reach it
         process = subprocess.Popen(
             [sys.executable, "-m", "torchdist_magic.driver.supervisor", directory],
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
             stdout=log,
             stderr=log,
             env=env,
@@ -247,6 +253,12 @@ def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = Non
         os.close(log)
     record.pid = process.pid
     record.save()
+    # after the record: the supervising process reads the handover to its end before anything else
+    try:  # more than a pipe's buffer waits here for the supervising process to read it, at its start
+        with process.stdin:
+            process.stdin.write(handover)
+    except BrokenPipeError:  # it ended before it read it: said below, with its exit code
+        pass
     # reaped here while this process lives (no zombie left); when it dies, init adopts it
     threading.Thread(target=process.wait, name=f"torchdist-supervisor-{run_id}", daemon=True).start()
     deadline = time.monotonic() + START_WAIT
@@ -378,6 +390,26 @@ def read_full_logs(directory: str, rank: int, attempt: Optional[int] = None) -> 
         return None
 
 
+def read_handover() -> dict:
+    """What the kernel handed this process on its standard input (``HANDOVER``), read to its
+    end; the standard input is /dev/null afterwards, as the ranks' and Spark's inherit it."""
+    with os.fdopen(os.dup(0), "rb") as fh:
+        text = fh.read()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    try:
+        handed = json.loads(text)
+        if not isinstance(handed, dict) or not isinstance(handed.get("env"), dict):
+            raise ValueError(f"not an object with {', '.join(HANDOVER)}")
+    except ValueError as exc:
+        raise SystemExit(
+            f"torchdist: the supervising process of a detached run takes what its kernel hands it on its "
+            f"standard input ({exc}); it is started by --detach, not by hand"
+        ) from None
+    return {name: handed.get(name) for name in HANDOVER}
+
+
 def supervise(directory: str) -> int:
     """The supervising process's work: start the run, serve its control socket, keep its
     journal, value and record until it ends.  The exit code: 0 once the run ended, whatever its
@@ -386,21 +418,17 @@ def supervise(directory: str) -> int:
 
     from .distributor import submit
 
+    handover = read_handover()
     run_id = os.path.basename(directory.rstrip(os.sep))
     record = read_record(run_id)
-    with open(os.path.join(directory, OPTIONS_FILE), encoding="utf-8") as fh:
-        options = LaunchOptions(**json.load(fh))
-    with open(os.path.join(directory, TOKEN_FILE), encoding="utf-8") as fh:
+    directory = record.directory  # in the home as checked (``history.home``), not as named on the command line
+    with os.fdopen(open_own(os.path.join(directory, OPTIONS_FILE)), encoding="utf-8") as fh:
+        options = LaunchOptions(**{**json.load(fh), "env": handover["env"]})
+    with os.fdopen(open_own(os.path.join(directory, TOKEN_FILE)), encoding="utf-8") as fh:
         token = fh.read().strip()
-    with open(os.path.join(directory, JOB_FILE), "rb") as fh:
+    with os.fdopen(open_own(os.path.join(directory, JOB_FILE)), "rb") as fh:
         job = cloudpickle.load(fh)
-    session = None
-    spark_file = os.path.join(directory, SPARK_FILE)
-    if os.path.exists(spark_file):
-        with open(spark_file, encoding="utf-8") as fh:
-            target = json.load(fh)
-        os.unlink(spark_file)
-        session = open_spark(target)
+    session = None if handover["spark"] is None else open_spark(handover["spark"])
     # a run whose kernel follows it (--channel process) keeps no journal: its kernel reads the
     # state through the feed, and the run's record after it ended
     journal = None if os.path.exists(os.path.join(directory, NO_JOURNAL_FILE)) else Journal(directory)
@@ -460,4 +488,7 @@ def supervise(directory: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(supervise(sys.argv[1]))
+    try:
+        sys.exit(supervise(sys.argv[1]))
+    except UnsafePath as exc:  # a file of the run's that is not this user's: said, nothing loaded
+        sys.exit(f"torchdist: {exc}")
