@@ -102,6 +102,26 @@ def test_a_home_under_a_directory_anyone_may_write_is_refused_and_a_sticky_one_o
         assert history.home() == str(shared / "project" / "home")
 
 
+@needs_root
+def test_a_home_under_a_directory_its_group_may_write_is_refused_unless_the_group_is_this_users_alone(
+    tmp_path, monkeypatch
+):
+    project = tmp_path / "project"
+    project.mkdir()
+    os.chown(project, 0, 65534)  # group nogroup: the primary group of another account (nobody)
+    project.chmod(0o2775)
+    monkeypatch.setenv(history.HOME_ENV, str(project / "home"))
+    assert not privdir.group_is_only_mine(65534)
+    with pytest.raises(
+        privdir.UnsafePath, match=rf"^{re.escape(str(project))}, a directory above .* is mode 2775, writable by other"
+    ):
+        history.home()
+    # root's own group, no other account in it: a single-user container's group-writable home
+    os.chown(project, 0, 0)
+    assert privdir.group_is_only_mine(0)
+    assert history.home() == str(project / "home")
+
+
 def test_a_home_under_a_file_is_refused_naming_it(tmp_path, monkeypatch):
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv(history.HOME_ENV, str(tmp_path / "a-file" / "home"))

@@ -54,8 +54,8 @@ _refused_lock = threading.Lock()
 def check_ancestors(path: str) -> str:
     """``path`` (absolute) with the links above its last component resolved, once nobody but
     this user and root can change what it names: every directory above it owned by this user
-    or root, and writable by nobody else unless it is root's and sticky (as ``/tmp``): ssh's
-    StrictModes.  ``UnsafePath`` naming the first directory that is not.  Checking the path's
+    or root, and writable by nobody else (a group of this user's alone may write it,
+    ``group_is_only_mine``) unless it is root's and sticky (as ``/tmp``): ssh's StrictModes.  ``UnsafePath`` naming the first directory that is not.  Checking the path's
     last component itself is ``check_private``'s; a caller then uses the path returned, whose
     directories nobody else can swap after the check."""
     resolved = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
@@ -71,7 +71,8 @@ def check_ancestors(path: str) -> str:
             problems.append("not a directory")
         if info.st_uid not in (0, os.geteuid()):
             problems.append(f"owned by uid {info.st_uid}")
-        if mode & 0o022 and not (info.st_uid == 0 and mode & stat.S_ISVTX):
+        writable = mode & 0o002 or (mode & 0o020 and not group_is_only_mine(info.st_gid))
+        if writable and not (info.st_uid == 0 and mode & stat.S_ISVTX):
             problems.append(f"mode {mode:04o}, writable by other users")
         if problems:
             raise UnsafePath(
@@ -81,6 +82,25 @@ def check_ancestors(path: str) -> str:
                 "writable by its owner only (or root's and sticky, as /tmp)"
             )
     return resolved
+
+
+def group_is_only_mine(gid: int) -> bool:
+    """Whether group ``gid`` has no member but this user: none listed, and no other account's
+    primary group.  A directory writable by such a group is writable by this user only (a user's
+    private group, or a single-user container's home, as Jupyter's docker-stacks make it: mode
+    2775, group ``users``), as Debian's sshd also judges it."""
+    import grp
+    import pwd
+
+    me = os.geteuid()
+    try:
+        group = grp.getgrgid(gid)
+        name = pwd.getpwuid(me).pw_name
+    except KeyError:  # a group or user the name service does not know: not known to be ours alone
+        return False
+    if any(member != name for member in group.gr_mem):
+        return False
+    return all(account.pw_gid != gid or account.pw_uid == me for account in pwd.getpwall())
 
 
 def open_own(path: str) -> int:
