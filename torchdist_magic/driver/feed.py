@@ -327,11 +327,11 @@ class HostedState:
         """The answer to a read, from the process that holds the state; once it has gone (or
         did not answer, twice), from the fallback's state (``when_local(state)`` where given)."""
         request = events.ReadState(rank=-1, token=self._token, read=read, **args)
-        for _ in range(READ_ATTEMPTS):
+        for attempt in range(READ_ATTEMPTS):
             if self._local is not None:
                 break
             try:
-                return self._remote(request)
+                return self._remote(request, fresh=attempt > 0)
             except FeedGone:
                 continue
         local = self._local if self._local is not None else self._fall_back()
@@ -350,11 +350,13 @@ class HostedState:
                     conn.close()
         return self._local
 
-    def _remote(self, request: events.ReadState) -> Any:
+    def _remote(self, request: events.ReadState, fresh: bool = False) -> Any:
+        """The answer from the process that holds the state, on a connection no other read uses
+        (``fresh``: a new one); ``FeedGone`` when none came."""
         if self.path is None:
             raise FeedGone("no process holds the run's state")
         with self._lock:
-            conn = self._idle.pop() if self._idle else None
+            conn = self._idle.pop() if self._idle and not fresh else None
             closes = self._closes
         try:
             if conn is None:

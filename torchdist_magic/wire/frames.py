@@ -2,10 +2,11 @@
 
 Wire format.  Every frame is a 4-byte big-endian length and a UTF-8 JSON object; nothing read
 from a socket is ever unpickled.  A connection starts with a challenge: the server sends
-``{"nonce": ...}``; the client answers ``{"mac": ..., "nonce": ..., "run_id", "rank", "role", "protocol"}`` (and a
-file transfer's ``"fetch"``, or ``"upload"`` and ``"size"``), whose MAC is HMAC-SHA256(secret,
-nonce and every other field of the hello: ``hello_proof``), so that without TLS nothing on the
-path can change what the hello asks for; ``secret`` is the key of that role and rank
+``{"nonce": ...}``; the client answers ``{"mac": ..., "nonce": ..., "run_id", "rank", "role",
+"protocol"}`` (and a file transfer's ``"fetch"``, or ``"upload"`` and ``"size"``), whose MAC is
+HMAC-SHA256(secret, the nonce and every other field of the hello: ``hello_proof``), so that
+without TLS nothing on the path can change what a hello asks for; ``secret`` is the key of that
+role and rank
 (``rank_key``: derived from the run's secret of the role).  A worker is given only its own rank's
 key of the run's ``secret``, so it cannot speak as another rank, nor as a launcher, which holds a
 key of ``launcher_secret`` (a Spark task derives its rank's from it), so a worker cannot report

@@ -148,9 +148,11 @@ class FileTransfers:
                 if self._closed:
                     return
             sock.settimeout(FETCH_STALL)
-            if conn.tls is not None:  # what the TLS handshake left to send comes first
+            # what the server's thread could not send yet of the TLS handshake and of the
+            # hello's reply comes first
+            if conn.tls is not None:
                 sock.sendall(bytes(conn.wire) + conn.tls_out.read())
-            elif conn.wire:  # the handshake's reply, before the records
+            elif conn.wire:  # the reply, before the records
                 sock.sendall(bytes(conn.wire))
             transfer(conn, *args)
         except framemac.ForgedRecord as exc:  # the file is not taken: the rank says what it saw
