@@ -19,7 +19,7 @@ from torchdist_magic.core import events
 from torchdist_magic.wire.batching import MERGED_LOG_CHARS, _coalesce, _merge_metrics, encode_batch, merge_logs
 from torchdist_magic.wire.client import ChannelClient, client_from_env
 from torchdist_magic.core.rankenv import rank_key
-from torchdist_magic.wire.frames import MAX_FRAME, MAX_HELLO, hello_mac, new_secret, pack_frame, read_frame
+from torchdist_magic.wire.frames import MAX_FRAME, MAX_HELLO, hello_mac, hello_proof, new_secret, pack_frame, read_frame
 from torchdist_magic.wire.server import ChannelServer
 from torchdist_magic.driver.state import RunState
 
@@ -263,7 +263,7 @@ class StalledDriver:
         conn.settimeout(10)
         conn.sendall(pack_frame({"nonce": "n0"}))
         hello = read_frame(conn, MAX_HELLO)
-        assert hello["mac"] == hello_mac(self.secret, "n0").decode()
+        assert hello["mac"] == hello_proof(self.secret, "n0", hello)
         conn.sendall(pack_frame({"ok": True, "mac": hello_mac(self.secret, hello["nonce"]).decode()}))
         return DriverRecords(conn, framemac.session_key(self.secret, "n0", hello["nonce"]))
 

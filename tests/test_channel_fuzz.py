@@ -21,7 +21,7 @@ from torchdist_magic.wire import framemac, tls
 from torchdist_magic.core import events
 from torchdist_magic.wire.client import ChannelClient
 from torchdist_magic.core.rankenv import rank_key
-from torchdist_magic.wire.frames import MAX_FRAME, MAX_HELLO, hello_mac, pack_frame, read_frame
+from torchdist_magic.wire.frames import MAX_FRAME, MAX_HELLO, hello_mac, hello_proof, pack_frame, read_frame
 from torchdist_magic.wire.server import ChannelServer
 
 LEN = struct.Struct(">I")
@@ -270,18 +270,8 @@ def authenticate(server, role: str, rank: int) -> socket.socket:
     if server.cert:
         sock = tls.client_context(server.cert).wrap_socket(sock)
     nonce = read_frame(sock, MAX_HELLO)["nonce"]
-    sock.sendall(
-        pack_frame(
-            {
-                "mac": hello_mac(secret, nonce).decode(),
-                "nonce": "mine",
-                "run_id": "run-1",
-                "rank": rank,
-                "role": role,
-                "protocol": events.PROTOCOL_VERSION,
-            }
-        )
-    )
+    hello = {"nonce": "mine", "run_id": "run-1", "rank": rank, "role": role, "protocol": events.PROTOCOL_VERSION}
+    sock.sendall(pack_frame({**hello, "mac": hello_proof(secret, nonce, hello)}))
     reply = read_frame(sock, MAX_HELLO)
     assert reply["ok"] is True and reply["mac"] == hello_mac(secret, "mine").decode()
     # without TLS, what it writes goes in authenticated records (what it makes of them is the test's)

@@ -154,6 +154,73 @@ def test_the_control_socket_takes_only_a_stop_with_the_runs_token(home):
     assert_nothing_survives(handle.run_id, handle.record.pid)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a process of another user that listens")
+def test_stop_sends_the_token_to_no_socket_another_user_listens_on(home):
+    """A running detached run's record whose control path is a socket of another uid (the path
+    taken over, the directory swapped): before, ``stop`` sent the run's token to it and believed
+    its "ok"."""
+    import tempfile
+
+    directory = tempfile.mkdtemp(dir="/tmp")
+    os.chmod(directory, 0o777)
+    path = os.path.join(directory, "ctl.sock")
+    record_dir = history.record_directory("taken-1")
+    token = "7" * 64
+    history.write_private(os.path.join(record_dir, supervisor.TOKEN_FILE), token)
+    history.RunRecord(
+        run_id="taken-1",
+        started=1.0,
+        detached=True,
+        pid=os.getpid(),  # alive: the record reads "running"
+        host=socket.gethostname(),
+        control=path,
+        directory=record_dir,
+    ).save()
+    heard_r, heard_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # another user's process that answers "ok" to whatever comes, and tells what came
+        try:
+            os.close(heard_r)
+            os.setgid(65534)
+            os.setuid(65534)
+            listener = socket.socket(socket.AF_UNIX)
+            listener.bind(path)
+            listener.listen(1)
+            conn = listener.accept()[0]
+            conn.settimeout(30)
+            got = b""
+            try:
+                conn.sendall(b"ok\n")
+                while chunk := conn.recv(4096):
+                    got += chunk
+            except OSError:  # the kernel closed first, or with the "ok" unread
+                pass
+            os.write(heard_w, got or b"nothing")
+        finally:
+            os._exit(0)
+    os.close(heard_w)
+    try:
+        wait_until(lambda: os.path.exists(path), 30, "the other user's socket")
+        with pytest.raises(
+            PermissionError,
+            match=rf"^run taken-1's control socket {path} is held by a process of uid 65534, not of this user "
+            r"\(uid 0\): the run's token was not sent to it, and the run was not stopped$",
+        ):
+            torchdist_magic.stop("taken-1")
+        os.waitpid(child, 0)
+        with os.fdopen(heard_r, "rb") as fh:
+            heard = fh.read()
+        assert heard == b"nothing" and token.encode() not in heard
+    finally:
+        try:
+            os.kill(child, 9)
+            os.waitpid(child, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.unlink(path)
+        os.rmdir(directory)
+
+
 @pytest.mark.parametrize(
     "options, message",
     [

@@ -9,7 +9,7 @@ import pytest
 
 from torchdist_magic.core import events
 from torchdist_magic.core.privdir import user_directory
-from torchdist_magic.driver.feed import FACTS, FeedServer, HostedState
+from torchdist_magic.driver.feed import ANSWER, FACTS, FeedServer, HostedState
 from torchdist_magic.driver.merged import FedMergedLog, MergedLog
 from torchdist_magic.driver.state import RunState
 
@@ -243,3 +243,118 @@ def test_a_kernels_merged_log_is_kept_where_the_state_is_and_only_its_news_come(
         assert fed.shown() == expected.shown() and len(fed.lines) == 6
     finally:
         server.close()
+
+
+def test_a_token_with_non_ascii_characters_is_refused_and_the_feed_goes_on(served, socket_path):
+    _, server, stops = served
+
+    def ask(record):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(30)
+            conn.connect(socket_path)
+            conn.sendall((events.dumps(record) + "\n").encode())
+            return conn.recv(64)
+
+    # before, compare_digest raised TypeError: the connection's thread ended with a traceback
+    # and the request got no answer at all
+    assert ask(events.StopRun(rank=-1, token="jeton-ü", by="x")) == b"refused\n" and stops == []
+    refusal = b"not the run's token"
+    answer = ask(events.ReadState(rank=-1, token="\u00fc" * 8, read="facts"))
+    assert answer == ANSWER.pack(b"r", len(refusal), 0.0) + refusal
+    assert ask(events.StopRun(rank=-1, token=TOKEN, by="a test")) == b"ok\n" and stops == ["a test"]
+
+
+class SlowSnapshots:
+    """A run's state whose snapshots wait for ``go`` (the process that holds it, busy), its
+    other reads at once."""
+
+    def __init__(self):
+        self.state = fed_state()
+        self.asked = threading.Event()
+        self.go = threading.Event()
+
+    def snapshot(self, since=None):
+        self.asked.set()
+        assert self.go.wait(60)
+        return self.state.snapshot(since)
+
+    def __getattr__(self, name):
+        return getattr(self.state, name)
+
+
+def test_a_slow_answer_holds_up_no_other_reader(socket_path, monkeypatch):
+    from torchdist_magic.driver import feed
+
+    monkeypatch.setattr(feed, "READ_TIMEOUT", 120.0)  # the slow answer comes when the test says
+    state = SlowSnapshots()
+    server = FeedServer(socket_path, TOKEN, state, lambda by: None)
+    hosted = HostedState(socket_path, TOKEN, 3, never)
+    try:
+        assert hosted.elapsed() >= 0  # the kernel's feed is open, one connection kept
+        got = {}
+        slow = threading.Thread(target=lambda: got.update(snap=hosted.snapshot()), daemon=True)
+        slow.start()
+        assert state.asked.wait(30)  # the snapshot is being worked out, its reader waits
+        other = threading.Thread(target=lambda: got.update(logs=hosted.logs(1)), daemon=True)
+        other.start()
+        other.join(60)  # before, it waited behind the snapshot's reader's lock for as long
+        assert "logs" in got and "snap" not in got and slow.is_alive()
+        assert got["logs"] == state.state.logs(1)
+        state.go.set()
+        slow.join(60)
+        assert got["snap"].ranks == state.state.snapshot().ranks and hosted.hosted
+    finally:
+        state.go.set()
+        hosted.close()
+        server.close()
+
+
+def test_a_feed_that_does_not_answer_is_asked_once_more_then_the_journal_is_replayed_outside_the_lock(
+    tmp_path, monkeypatch
+):
+    from torchdist_magic.driver import feed
+
+    monkeypatch.setattr(feed, "READ_TIMEOUT", 0.2)
+    path = os.path.join(user_directory(str(tmp_path)), "stalled.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)
+    accepted = []
+
+    def stall():  # takes each request and never answers
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+
+    threading.Thread(target=stall, daemon=True).start()
+    replaying, go = threading.Event(), threading.Event()
+
+    def fallback():
+        replaying.set()
+        assert go.wait(60)
+        return fed_state()
+
+    hosted = HostedState(path, TOKEN, 3, fallback)
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(snap=hosted.snapshot()), daemon=True)
+    reader.start()
+    try:
+        assert replaying.wait(60)
+        assert len(accepted) == 2  # the first answer given up, asked once more on a fresh connection
+        closer = threading.Thread(target=hosted.close, daemon=True)  # takes the feed's lock
+        closer.start()
+        closer.join(60)  # before, the replay ran under that lock
+        assert not closer.is_alive() and reader.is_alive()
+    finally:
+        go.set()
+        reader.join(60)
+        listener.close()
+        for conn in accepted:
+            conn.close()
+        os.unlink(path)
+    assert got["snap"].num_processes == 3 and not hosted.hosted
+    assert len(accepted) == 2  # made once: later reads go to it
+    assert hosted.logs(0) == fed_state().logs(0)

@@ -586,3 +586,164 @@ def test_a_thousand_ranks_each_keep_a_share_of_the_runs_output():
     assert run_state.RunState("run-1", 1024).max_rank_log_chars == max(
         run_state.MIN_RANK_LOG_CHARS, run_state.MAX_RUN_LOG_CHARS // 1024
     )
+
+
+# -- file transfers (issue 41) --------------------------------------------------------------------
+
+#: the file the transfer tests serve: sparse, larger than what a socket's buffers hold, so that a
+#: fetch whose client does not read holds its transfer thread
+SERVED_BYTES = 64 * 2**20
+
+
+@pytest.fixture
+def serving(tmp_path):
+    """A run's channel of 4 ranks serving a file (``"values"``) and taking ranks 0 and 1's values; what
+    it refuses counted in a real ``RunState`` (what the view shows)."""
+    from torchdist_magic.driver.state import RunState
+
+    path = tmp_path / "values.blob"
+    with open(path, "wb") as fh:
+        fh.truncate(SERVED_BYTES)
+    (tmp_path / "up").mkdir()
+    state = RunState("run-1", 4)
+    srv = ChannelServer(
+        state.apply,
+        "run-1",
+        secret=new_secret(),
+        launcher_secret=new_secret(),
+        files={"values": str(path)},
+        ranks=4,
+        on_refusal=state.refused,
+    )
+    srv.receive_values({rank: str(tmp_path / "up" / f"rank-{rank}.value") for rank in (0, 1)})
+    srv.state = state
+    yield srv
+    srv.close()
+
+
+def _fetch(srv, rank, role="launcher"):
+    return open_connection(srv.address, _key(srv, role, rank), "run-1", rank, role, fetch="values")
+
+
+def _read_file(sock):
+    """The size a fetch's head announced, and how many bytes of the file came."""
+    from torchdist_magic.wire.frames import MAX_HELLO, read_frame
+
+    sock.settimeout(60)
+    size = read_frame(sock, MAX_HELLO)["size"]
+    buffer = bytearray(1 << 20)
+    got = 0
+    while got < size:
+        n = sock.recv_into(buffer)
+        if not n:
+            break
+        got += n
+    return size, got
+
+
+def test_a_workers_key_neither_fetches_nor_uploads(serving, tmp_path):
+    # before, a worker's key fetched any file the channel served, as often as it liked
+    with pytest.raises(Refused, match="^only a rank's launcher fetches files$"):
+        _fetch(serving, 1, role="worker")
+    with pytest.raises(Refused, match="^only a rank's launcher uploads, and only its own rank's value$"):
+        open_connection(serving.address, _key(serving, "worker", 1), "run-1", 1, "worker", upload=10)
+    assert serving.stats["authenticated"] == 0 and serving.stats["files_sent"] == 0
+    assert serving.stats["rejected"] == 2 and not os.listdir(tmp_path / "up")
+
+
+def test_a_launchers_transfers_are_capped_and_the_excess_refused_and_said_once(serving, caplog):
+    from torchdist_magic.wire.transfers import TRANSFERS_PER_RANK
+
+    # a launcher's key (leaked, or a task gone wrong) opens fetches it never reads; before, each
+    # was taken and queued without bound, and 8 of them held every transfer thread
+    holding = [_fetch(serving, 0) for _ in range(TRANSFERS_PER_RANK)]
+    try:
+        for _ in range(2):
+            with pytest.raises(
+                Refused,
+                match=f"^rank 0's launcher has {TRANSFERS_PER_RANK} file transfers open already, "
+                "the most one rank may have$",
+            ):
+                _fetch(serving, 0)
+        with pytest.raises(Refused, match="file transfers open already"):  # an upload counts the same
+            open_connection(serving.address, _key(serving, "launcher", 0), "run-1", 0, "launcher", upload=10)
+        fetch = _fetch(serving, 1)  # another rank's fetch is served meanwhile, whole
+        try:
+            assert _read_file(fetch) == (SERVED_BYTES, SERVED_BYTES)
+        finally:
+            fetch.close()
+    finally:
+        for sock in holding:
+            sock.close()
+    wait_until(lambda: serving.stats["files_sent"] == 1)
+    assert serving.stats["transfers_refused"] == 3
+    [logged] = [r.getMessage() for r in caplog.records if "file transfer beyond" in r.getMessage()]
+    assert logged == (
+        f"run run-1: the channel refused a file transfer beyond the {TRANSFERS_PER_RANK} that one rank may have "
+        "open at once from rank 0's launcher (further refusals of this kind are counted in run.state.refusals)"
+    )
+    [refusal] = serving.state.refusals.values()
+    assert (refusal.kind, refusal.count, refusal.rank) == ("transfers_refused", 3, 0)
+    assert refusal.detail == f"a file transfer beyond the {TRANSFERS_PER_RANK} that one rank may have open at once"
+    # the transfers the launcher closed let go of their places: it fetches again
+    wait_until(lambda: not serving._files._open, what="the closed transfers to end")
+    fetch = _fetch(serving, 0)
+    try:
+        assert _read_file(fetch) == (SERVED_BYTES, SERVED_BYTES)
+    finally:
+        fetch.close()
+
+
+def test_a_fetch_waiting_for_its_turn_has_its_handshake_done(serving, monkeypatch):
+    from torchdist_magic.wire import handshake, transfers
+
+    monkeypatch.setattr(transfers, "FETCHES_AT_ONCE", 1)
+    monkeypatch.setattr(handshake, "CONNECT_ATTEMPTS", 1)
+    holding = _fetch(serving, 0)  # holds the one transfer thread: it does not read
+    # before, the hello's reply went when the transfer's turn came: a fetch that waited longer
+    # than a handshake may take tried again, and again, and failed
+    waiting = _fetch(serving, 1)
+    try:
+        holding.close()
+        assert _read_file(waiting) == (SERVED_BYTES, SERVED_BYTES)
+    finally:
+        waiting.close()
+
+
+class RewritingRelay(InjectingRelay):
+    """On the path of a channel without TLS: passes every byte along but the hello, which it
+    rewrites with ``rewrite(hello)``."""
+
+    def __init__(self, target, rewrite):
+        self.rewrite = rewrite
+        super().__init__(target)
+
+    def _pump(self, source, sink):
+        if source is self.ends["down"]:  # the rank's side: its first frame is the hello
+            from torchdist_magic.wire.frames import MAX_HELLO, read_frame
+
+            try:
+                sink.sendall(pack_frame(self.rewrite(read_frame(source, MAX_HELLO))))
+            except (OSError, EOFError):
+                return
+        super()._pump(source, sink)
+
+
+def test_a_hello_changed_on_its_way_is_refused(serving, tmp_path):
+    """Without TLS, whoever is on the path rewrites an upload's announced size: before, the driver
+    took it (and refused the value for want of room: a denial of service)."""
+    host, port = serving.address
+    relay = RewritingRelay((host, port), lambda hello: {**hello, "size": 2**60})
+    try:
+        with pytest.raises(Refused, match="^authentication failed: wrong secret for role launcher of rank 1$"):
+            open_connection(
+                ("127.0.0.1", int(relay.address.rpartition(":")[2])),
+                _key(serving, "launcher", 1),
+                "run-1",
+                1,
+                "launcher",
+                upload=10,
+            )
+    finally:
+        relay.close()
+    assert serving.stats["authenticated"] == 0 and not os.listdir(tmp_path / "up")

@@ -19,7 +19,7 @@ from torchdist_magic.view import html, text
 from torchdist_magic.view.model import run_facts
 from torchdist_magic.wire import framemac
 from torchdist_magic.wire.client import ChannelClient
-from torchdist_magic.wire.frames import LENGTH, MAX_HELLO, hello_mac, new_secret, pack_frame, read_frame
+from torchdist_magic.wire.frames import LENGTH, MAX_HELLO, hello_proof, new_secret, pack_frame, read_frame
 from torchdist_magic.wire.server import ChannelServer
 
 
@@ -114,18 +114,8 @@ def test_frames_and_records_that_do_not_decode_are_malformed(channel):
     try:
         secret = rank_key(channel._secrets["worker"], "worker", 2)
         nonce = read_frame(sock, MAX_HELLO)["nonce"]
-        sock.sendall(
-            pack_frame(
-                {
-                    "mac": hello_mac(secret, nonce).decode(),
-                    "nonce": "mine",
-                    "run_id": "run-r",
-                    "rank": 2,
-                    "role": "worker",
-                    "protocol": events.PROTOCOL_VERSION,
-                }
-            )
-        )
+        hello = {"nonce": "mine", "run_id": "run-r", "rank": 2, "role": "worker", "protocol": events.PROTOCOL_VERSION}
+        sock.sendall(pack_frame({**hello, "mac": hello_proof(secret, nonce, hello)}))
         assert read_frame(sock, MAX_HELLO)["ok"] is True
         # without TLS what follows the handshake goes in authenticated records, as a peer's would
         sealed = framemac.MacSocket(sock, framemac.session_key(secret, nonce, "mine"))

@@ -563,7 +563,8 @@ def test_a_failed_fetch_fails_the_rank_naming_its_host_size_and_cause(spark_clus
 
 
 def test_many_machines_fetch_at_once_while_the_channel_delivers_records(served, tmp_path):
-    """More fetches than the driver sends at once (``FETCHES_AT_ONCE``) all arrive; the channel's
+    """More fetches than the driver sends at once (``FETCHES_AT_ONCE``), one a machine (a rank's
+    launcher each: one rank may have only ``TRANSFERS_PER_RANK`` open), all arrive; the channel's
     own records keep being delivered meanwhile."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -588,7 +589,7 @@ def test_many_machines_fetch_at_once_while_the_channel_delivers_records(served, 
     try:
         specs = [RunSpec(**{**through(spec, channel.port).__dict__, "values_fetch": name}) for name in names]
         with ThreadPoolExecutor(len(specs)) as pool:
-            fetched = pool.map(fetch, specs)
+            fetched = pool.map(fetch, specs, range(len(specs)))
             client.send(events.Log(rank=0, stream="stderr", line="still heard"))
             assert all("fetched from the driver" in line for line in fetched)
         assert [r.line for r in records.wait_for(1)] == ["still heard"]

@@ -44,7 +44,7 @@ from .recordcheck import MalformedEvent, builder, check, to_json_value
 from .stacks import ThreadStack, is_library_file, parse_stacks
 
 #: bumped whenever a record changes shape; the channel refuses a peer with another version
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10  # 10: the hello's MAC covers its every field (``wire.frames.hello_proof``)
 
 
 # -- records ----------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from ..backends.spark import active_spark_session
 from ..core.options import PROCESS_CHANNEL_RANKS, LaunchOptions
 from ..core.job import build_job
 from .history import RunRecord, clear_dead_run, process_alive, read_record, take_value
-from .feed import HostedState
+from .feed import HostedState, peer_uid
 from .state import RunState
 from .supervisor import (
     DONE_FILE,
@@ -114,7 +114,9 @@ def attach(run_id: str) -> "AttachedRun":
 
 def stop(run_id: str, by: str = "stop()") -> bool:
     """Stop detached run ``run_id`` (every rank); True when its supervising process took the
-    request, False when the run had ended already.  ``by`` says who stopped it."""
+    request, False when the run had ended already.  ``by`` says who stopped it.  The run's token
+    goes only to a process of this user (``SO_PEERCRED``, as the feed checks): another user's
+    socket at the record's control path gets nothing, and ``PermissionError`` says so."""
     record = _detached_record(run_id)
     if record.state != "running":
         return False
@@ -132,6 +134,13 @@ def stop(run_id: str, by: str = "stop()") -> bool:
             conn.connect(record.control)
         except (FileNotFoundError, ConnectionRefusedError):
             return False  # it ended meanwhile
+        holder = peer_uid(conn)
+        if holder != os.geteuid():
+            raise PermissionError(
+                f"run {run_id}'s control socket {record.control} is held by a process of uid {holder}, "
+                f"not of this user (uid {os.geteuid()}): the run's token was not sent to it, and "
+                "the run was not stopped"
+            )
         conn.sendall(request.encode())
         answer = conn.recv(64)
     if answer != b"ok\n":

@@ -8,7 +8,11 @@ a large run's overview with the few ranks its view shows, some of a rank's log l
 plots' history).  So the kernel's CPU is its view's own, and a
 refresh never delays a record.  ``HostedState`` has the reading side of ``RunState`` (what
 views, ``Run.logs`` and the summary read); once the process that held the state has gone, it
-reads a state rebuilt in the kernel instead (``fallback``: the run's journal replayed).
+reads a state rebuilt in the kernel instead (``fallback``: the run's journal replayed).  Each
+read has a connection of its own while it waits (one kept open between reads), so one slow
+answer holds up no other reader: a read waits at most ``READ_TIMEOUT`` for its answer, asks once
+more on a fresh connection, and then reads the fallback, which is made outside any lock that
+another reader takes.
 
 The socket is the run's control socket, in this user's private directory; it also takes the
 ``events.StopRun`` of ``%torchdist stop``.  A request is one JSON line, an ``events`` record of
@@ -29,7 +33,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from ..core import events
 from .merged import MERGED_LINES, FollowedMergedLog
@@ -41,8 +45,12 @@ REQUEST_MAX_BYTES = 4096
 #: length, and the CPU seconds the answer cost the process that holds the state (a view that
 #: reads often counts them as its own: ``HostedState.served_cpu``)
 ANSWER = struct.Struct("!cQd")
-#: how long a read may take before the kernel gives up on the process that holds the state
-READ_TIMEOUT = 60.0
+#: how long a read waits for the next bytes of its answer before it gives that answer up; it
+#: asks once more, on a fresh connection, before the kernel gives up on the process that holds
+#: the state (a busy one answers in well under a second: a snapshot of 1024 ranks is a few MB)
+READ_TIMEOUT = 10.0
+#: reads of one answer's worth the kernel makes before it reads the fallback instead
+READ_ATTEMPTS = 2
 #: the attributes of a run's state a kernel reads as they are (``facts``)
 FACTS = (
     "run_id",
@@ -167,7 +175,7 @@ class FeedServer:
                         record = events.loads(line)
                     except events.MalformedEvent:
                         record = None
-                    if record is None or not hmac.compare_digest(getattr(record, "token", ""), self._token):
+                    if record is None or not self._is_token(getattr(record, "token", "")):
                         if type(record) is events.ReadState:
                             refusal = b"not the run's token"
                             conn.sendall(ANSWER.pack(b"r", len(refusal), 0.0) + refusal)
@@ -191,6 +199,13 @@ class FeedServer:
                 if reading:
                     self._open -= 1
                     self._changed.notify_all()
+
+    def _is_token(self, given: object) -> bool:
+        # compared as bytes: compare_digest raises TypeError on a str with non-ASCII characters,
+        # which would end this connection's thread with a traceback instead of a refusal
+        return isinstance(given, str) and hmac.compare_digest(
+            given.encode("utf-8", "surrogatepass"), self._token.encode("utf-8", "surrogatepass")
+        )
 
     def _answer(self, conn: socket.socket, request: events.ReadState) -> None:
         self._last_read = time.monotonic()
@@ -275,11 +290,24 @@ def _loads(body: bytes) -> Any:
             gc.enable()
 
 
+def _receive(conn: socket.socket, size: int) -> bytes:
+    """``size`` bytes of an answer from ``conn``."""
+    view = memoryview(bytearray(size))
+    got = 0
+    while got < size:
+        n = conn.recv_into(view[got:])
+        if not n:
+            raise ConnectionResetError("the process that held the run's state closed the feed")
+        got += n
+    return view.obj
+
+
 class HostedState:
     """A run's state held by another process (``FeedServer`` at ``path``), read through its
     feed: the reading side of ``RunState`` that views use, each read a round trip.  Once that
-    process is gone, every read goes to ``fallback()``'s ``RunState`` (made once, when first
-    needed)."""
+    process is gone, or has not answered a read twice (``READ_TIMEOUT``, ``READ_ATTEMPTS``), every
+    read goes to ``fallback()``'s ``RunState`` (made once, when first needed).  Reads from several
+    threads each wait on a connection of their own: none waits behind another's answer."""
 
     def __init__(self, path: Optional[str], token: str, num_processes: int, fallback: Callable[[], Any]):
         self.path = path
@@ -287,72 +315,92 @@ class HostedState:
         self._token = token
         self._fallback = fallback
         self._local: Any = None
-        self._conn: Optional[socket.socket] = None
+        # held only to take or give back a connection, never through a socket's read
         self._lock = threading.Lock()
+        self._idle: List[socket.socket] = []  # open connections that no read uses now
+        self._closes = 0  # how many times close() was called: a read's connection from before is not kept
+        self._replaying = threading.Lock()  # one replay of the journal, whoever needs it first
         #: CPU seconds the reads so far cost the process that holds the state
         self.served_cpu = 0.0
 
     def _ask(self, read: str, when_local: Optional[Callable[[Any], Any]] = None, **args: Any) -> Any:
-        """The answer to a read, from the process that holds the state; once it has gone, from
-        the fallback's state (``when_local(state)`` where given)."""
+        """The answer to a read, from the process that holds the state; once it has gone (or
+        did not answer, twice), from the fallback's state (``when_local(state)`` where given)."""
         request = events.ReadState(rank=-1, token=self._token, read=read, **args)
-        with self._lock:
-            if self._local is None:
-                try:
-                    return self._remote(request)
-                except FeedGone:
-                    self._drop()
-                    self._local = self._fallback()
-            local = self._local
+        for attempt in range(READ_ATTEMPTS):
+            if self._local is not None:
+                break
+            try:
+                return self._remote(request, fresh=attempt > 0)
+            except FeedGone:
+                continue
+        local = self._local if self._local is not None else self._fall_back()
         return READS[read](local, request) if when_local is None else when_local(local)
 
-    def _remote(self, request: events.ReadState) -> Any:
+    def _fall_back(self) -> Any:
+        """The fallback's state, made once: the replay runs outside ``_lock``, so a reader that
+        still has its answer coming, or a ``close``, does not wait for it."""
+        with self._replaying:
+            if self._local is None:
+                local = self._fallback()
+                with self._lock:
+                    self._local = local
+                    idle, self._idle = self._idle, []
+                for conn in idle:
+                    conn.close()
+        return self._local
+
+    def _remote(self, request: events.ReadState, fresh: bool = False) -> Any:
+        """The answer from the process that holds the state, on a connection no other read uses
+        (``fresh``: a new one); ``FeedGone`` when none came."""
         if self.path is None:
             raise FeedGone("no process holds the run's state")
+        with self._lock:
+            conn = self._idle.pop() if self._idle and not fresh else None
+            closes = self._closes
         try:
-            if self._conn is None:
-                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                conn.settimeout(READ_TIMEOUT)
-                try:
-                    conn.connect(self.path)
-                    if peer_uid(conn) != os.geteuid():
-                        raise PermissionError(f"{self.path} is not this user's: the run's state is not read from it")
-                except BaseException:
-                    conn.close()
-                    raise
-                self._conn = conn
-            self._conn.sendall((events.dumps(request) + "\n").encode())
-            kind, size, cost = ANSWER.unpack(self._receive(ANSWER.size))
-            self.served_cpu += cost
-            body = self._receive(size)
+            if conn is None:
+                conn = self._connect()
+            conn.sendall((events.dumps(request) + "\n").encode())
+            kind, size, cost = ANSWER.unpack(_receive(conn, ANSWER.size))
+            body = _receive(conn, size)
         except (FileNotFoundError, ConnectionError, socket.timeout, struct.error) as exc:
-            raise FeedGone(str(exc)) from None
+            if conn is not None:
+                conn.close()
+            raise FeedGone(str(exc) or type(exc).__name__) from None
+        with self._lock:
+            self.served_cpu += cost
+            kept = closes == self._closes and self._local is None
+            if kept:
+                self._idle.append(conn)
+        if not kept:
+            conn.close()
         if kind == b"v":
             return _loads(body)
         if kind == b"e":
             raise pickle.loads(body)
         raise PermissionError(f"the process that holds the run's state refused a read: {body.decode(errors='replace')}")
 
-    def _receive(self, size: int) -> bytes:
-        view = memoryview(bytearray(size))
-        got = 0
-        while got < size:
-            n = self._conn.recv_into(view[got:])
-            if not n:
-                raise ConnectionResetError("the process that held the run's state closed the feed")
-            got += n
-        return view.obj
-
-    def _drop(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+    def _connect(self) -> socket.socket:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(READ_TIMEOUT)
+        try:
+            conn.connect(self.path)
+            if peer_uid(conn) != os.geteuid():
+                raise PermissionError(f"{self.path} is not this user's: the run's state is not read from it")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def close(self) -> None:
         """Close the feed (the process that holds the state may end); a later read opens it
         again, or reads the fallback once that process has gone."""
         with self._lock:
-            self._drop()
+            self._closes += 1
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
 
     @property
     def hosted(self) -> bool:

@@ -2,8 +2,11 @@
 
 Wire format.  Every frame is a 4-byte big-endian length and a UTF-8 JSON object; nothing read
 from a socket is ever unpickled.  A connection starts with a challenge: the server sends
-``{"nonce": ...}``; the client answers ``{"mac": HMAC-SHA256(secret, nonce), "nonce": ...,
-"run_id", "rank", "role", "protocol"}``, where ``secret`` is the key of that role and rank
+``{"nonce": ...}``; the client answers ``{"mac": ..., "nonce": ..., "run_id", "rank", "role",
+"protocol"}`` (and a file transfer's ``"fetch"``, or ``"upload"`` and ``"size"``), whose MAC is
+HMAC-SHA256(secret, the nonce and every other field of the hello: ``hello_proof``), so that
+without TLS nothing on the path can change what a hello asks for; ``secret`` is the key of that
+role and rank
 (``rank_key``: derived from the run's secret of the role).  A worker is given only its own rank's
 key of the run's ``secret``, so it cannot speak as another rank, nor as a launcher, which holds a
 key of ``launcher_secret`` (a Spark task derives its rank's from it), so a worker cannot report
@@ -57,6 +60,17 @@ def new_secret() -> str:
 def hello_mac(secret: str, nonce: str) -> bytes:
     digest = hmac.new(secret.encode(), nonce.encode("utf-8", "surrogatepass"), hashlib.sha256)
     return digest.hexdigest().encode()
+
+
+def hello_proof(secret: str, challenge: str, hello: dict) -> Optional[str]:
+    """The MAC a hello answering ``challenge`` carries (its ``"mac"``): over the challenge and
+    every other field of ``hello``, as JSON with sorted keys, which both ends write alike from
+    the same parsed values; ``None`` for a hello that cannot be written so (a stranger's)."""
+    try:
+        fields = json.dumps({k: v for k, v in hello.items() if k != "mac"}, sort_keys=True, separators=(",", ":"))
+    except (ValueError, TypeError, RecursionError):
+        return None
+    return hello_mac(secret, f"{challenge}\n{fields}").decode()
 
 
 def macs_equal(given: object, expected: bytes) -> bool:

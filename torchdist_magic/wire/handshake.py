@@ -20,7 +20,17 @@ from ..core import events
 from ..core.rankenv import rank_key
 from ..core.timing import HANDSHAKE_DEADLINE
 from . import framemac
-from .frames import MAX_HELLO, FrameError, NotTheDriver, Refused, hello_mac, macs_equal, pack_frame, read_frame
+from .frames import (
+    MAX_HELLO,
+    FrameError,
+    NotTheDriver,
+    Refused,
+    hello_mac,
+    hello_proof,
+    macs_equal,
+    pack_frame,
+    read_frame,
+)
 from .tls import TlsSocket
 
 if TYPE_CHECKING:
@@ -110,7 +120,6 @@ def _handshake(
         own_nonce = secrets.token_hex(16)
         sock.settimeout(left())
         hello = {
-            "mac": hello_mac(secret, nonce).decode(),
             "nonce": own_nonce,
             "run_id": run_id,
             "rank": rank,
@@ -121,6 +130,7 @@ def _handshake(
             hello["fetch"] = fetch
         if upload is not None:
             hello.update(upload=rank, size=upload)
+        hello["mac"] = hello_proof(secret, nonce, hello)
         sock.sendall(pack_frame(hello))
         sock.settimeout(left())
         reply = read_frame(sock, MAX_HELLO)
@@ -164,11 +174,14 @@ def check_hello(
         return "a hello needs a rank and a nonce"
     if ranks is not None and rank >= ranks:
         return f"rank {rank} is not a rank of this run, which has {ranks}"
-    if not macs_equal(hello.get("mac"), hello_mac(rank_key(role_secrets[role], role, rank), challenge)):
+    proof = hello_proof(rank_key(role_secrets[role], role, rank), challenge, hello)
+    if proof is None or not macs_equal(hello.get("mac"), proof.encode()):
         return f"authentication failed: wrong secret for role {role} of rank {rank}"
     if hello.get("run_id") != run_id:
         return f"wrong run: this channel serves run {run_id}"
     fetch = hello.get("fetch")
+    if fetch is not None and role != "launcher":  # a worker's key fetches nothing (workers never do)
+        return "only a rank's launcher fetches files"
     if fetch is not None and not files.serves(fetch):
         return f"this channel serves no file named {fetch!r:.100}"
     if "upload" in hello:

@@ -40,7 +40,7 @@ from .connection import TLS_PLAINTEXT, Connection
 from .delivery import Delivery
 from .frames import LENGTH, MAX_FRAME, MAX_HELLO, hello_mac, pack_frame, parse_object
 from .handshake import check_hello
-from .transfers import FileTransfers
+from .transfers import TRANSFERS_PER_RANK, FileTransfers
 
 #: connections waiting for their handshake at once; one more evicts the oldest.  Enough for
 #: every connection of a 1024-rank run opened at once (a worker's and a launcher's per rank)
@@ -89,7 +89,9 @@ class ChannelServer:
     authenticated peer may fetch (see ``transfers``); ``files_sent`` counts those sent
     whole, ``values_received`` the ranks' values taken whole (``receive_values``).  ``ranks``: the
     run's number of ranks, of which a hello must name one; with one connection per role and rank
-    (the first, ``claims_refused`` counts the others), a run has at most two per rank.
+    (the first, ``claims_refused`` counts the others), a run has at most two per rank, and at
+    most ``transfers.TRANSFERS_PER_RANK`` file transfers per rank's launcher
+    (``transfers_refused`` counts the others).
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class ChannelServer:
                 "accept_failed",
                 "out_of_files",
                 "claims_refused",
+                "transfers_refused",
                 "forged",
             ),
             0,
@@ -459,6 +462,9 @@ class ChannelServer:
         if reason is not None:
             return self._reject(conn, reason)
         if "fetch" in hello or "upload" in hello:
+            conn.role, conn.rank = hello["role"], hello["rank"]
+            if not self._files.admit(conn.role, conn.rank):
+                return self._too_many_transfers(conn)
             del self._pending[conn]
             return self._hand_off(conn, hello)
         claim = (hello["role"], hello["rank"])
@@ -522,9 +528,25 @@ class ChannelServer:
         self._reject(conn, f"rank {rank}'s {role} is already connected to this run")
         self._delivery.tell(rank, line)
 
+    def _too_many_transfers(self, conn: Connection) -> None:
+        """Refuse an authenticated fetch or upload of a rank whose launcher has
+        ``TRANSFERS_PER_RANK`` open already: said once in the log, counted with the run's
+        refusals (``transfers_refused``)."""
+        self._delivery.refuse(
+            "transfers_refused",
+            conn,
+            f"a file transfer beyond the {TRANSFERS_PER_RANK} that one rank may have open at once",
+        )
+        self._reject(
+            conn,
+            f"rank {conn.rank}'s {conn.role} has {TRANSFERS_PER_RANK} file transfers open already, "
+            "the most one rank may have",
+        )
+
     def _hand_off(self, conn: Connection, hello: dict) -> None:
-        """An authenticated fetch or upload: its reply queued, it leaves this thread for one of
-        the file transfers'."""
+        """An authenticated fetch or upload: its reply sent (what the socket takes now; its
+        client then waits for its turn, not for the reply), it leaves this thread for one of the
+        file transfers'."""
         self.stats["authenticated"] += 1
         proof = hello_mac(self._key(hello["role"], hello["rank"]), hello["nonce"]).decode()
         conn.outbox += pack_frame({"ok": True, "mac": proof})
@@ -533,6 +555,13 @@ class ChannelServer:
             conn.inbuf.clear()  # nothing comes before the reply but what a stranger wrote
         conn.open = False  # the server's loops let go of it
         self._selector.unregister(conn.sock)
+        with self._lock:
+            out, sealed = conn.output()
+            if out and sealed:
+                try:
+                    del out[: conn.sock.send(out)]
+                except OSError:  # not now (the transfer's thread sends the rest), or the peer went
+                    pass
         if "fetch" in hello:
             self._files.start(conn, hello["fetch"])
         else:

@@ -20,6 +20,14 @@ into ``<path>.tmp`` through one reused buffer, renames that to ``path`` and answ
 a write that failed is answered with its error at once, and the rest of the value is read and
 dropped, so that the rank hears why rather than a reset.  A rank can write nothing but its own
 value's file, and no more bytes than it announced.
+
+Bounds.  Only a launcher fetches or uploads (a worker's key is refused at the hello), and one
+rank's launcher has at most ``TRANSFERS_PER_RANK`` transfers open at once, waiting or under way
+(``admit``); the server refuses one more, says so once in the log and counts it with the run's
+refusals.  So a run holds at most that many descriptors per rank for transfers, as it holds at
+most one channel connection per role and rank, and a key that leaked holds at most that many of
+the ``FETCHES_AT_ONCE`` threads.  The hello's reply goes at once, not when the transfer's turn
+comes, so a client waits for its turn (``FETCH_QUEUE_WAIT``) without trying its handshake again.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import os
 import socket
 import ssl
 import threading
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 from ..core.timing import FETCH_STALL
 from . import framemac
@@ -41,6 +49,11 @@ from .frames import pack_frame
 _log = logging.getLogger("torchdist_magic")
 #: files sent or received at once at most (one thread each); more fetches and uploads wait their turn
 FETCHES_AT_ONCE = 8
+#: file transfers one rank's launcher may have open at once, waiting for their turn or under way
+#: (its fetch or its upload, and one more whose client tried its handshake again); one more is
+#: refused, so that a launcher's key cannot hold the driver's descriptors or every transfer
+#: thread (only launchers fetch or upload: ``handshake.check_hello``)
+TRANSFERS_PER_RANK = 2
 #: what a fetch over TLS reads from the file and encrypts at once, and what an upload reads at once
 _FILE_CHUNK = 1 << 20
 #: a full disk, as ``os.write`` says it (``EFBIG``: a file size limit)
@@ -61,6 +74,7 @@ class FileTransfers:
         self._sockets: set = set()  # of transfers started and not ended
         self._closed = False
         self._values: Dict[int, str] = {}  # where each rank's value goes
+        self._open: Dict[Tuple[str, int], int] = {}  # transfers of each role and rank, not ended
 
     def serves(self, name: object) -> bool:
         return isinstance(name, str) and name in self._files
@@ -73,6 +87,16 @@ class FileTransfers:
         with self._lock:
             return rank in self._values
 
+    def admit(self, role: str, rank: int) -> bool:
+        """Count one more transfer of ``role`` and ``rank``; ``False`` (and nothing counted)
+        when it has ``TRANSFERS_PER_RANK`` open already."""
+        with self._lock:
+            count = self._open.get((role, rank), 0)
+            if count >= TRANSFERS_PER_RANK:
+                return False
+            self._open[(role, rank)] = count + 1
+            return True
+
     def start(self, conn: Connection, name: str) -> None:
         self._begin(conn, self._send, self._files[name])
 
@@ -80,7 +104,7 @@ class FileTransfers:
         with self._lock:  # each rank's value is taken once: no two uploads write one file
             path = self._values.pop(rank, None)
         if path is None:  # taken by another upload, or another attempt's paths, since the hello was checked
-            conn.sock.close()
+            self._end(conn)
             return
         self._begin(conn, self._receive, path, size)
 
@@ -92,6 +116,16 @@ class FileTransfers:
                 self._sockets.add(conn.sock)
                 self._pool.submit(self._run, transfer, conn, *args)
                 return
+        self._end(conn)
+
+    def _end(self, conn: Connection) -> None:
+        """Close a transfer's connection; its role and rank may open another."""
+        key = (conn.role, conn.rank)
+        with self._lock:
+            self._sockets.discard(conn.sock)
+            count = self._open.pop(key, 0) - 1
+            if count > 0:
+                self._open[key] = count
         conn.sock.close()
 
     def close(self) -> None:
@@ -114,9 +148,11 @@ class FileTransfers:
                 if self._closed:
                     return
             sock.settimeout(FETCH_STALL)
-            if conn.tls is not None:  # what the TLS handshake left to send comes first
+            # what the server's thread could not send yet of the TLS handshake and of the
+            # hello's reply comes first
+            if conn.tls is not None:
                 sock.sendall(bytes(conn.wire) + conn.tls_out.read())
-            elif conn.wire:  # the handshake's reply, before the records
+            elif conn.wire:  # the reply, before the records
                 sock.sendall(bytes(conn.wire))
             transfer(conn, *args)
         except framemac.ForgedRecord as exc:  # the file is not taken: the rank says what it saw
@@ -131,9 +167,7 @@ class FileTransfers:
         except (OSError, ssl.SSLError):  # the peer went, stalled, or close(): it says what it saw
             pass
         finally:
-            with self._lock:
-                self._sockets.discard(sock)
-            sock.close()
+            self._end(conn)
 
     def _send(self, conn: Connection, path: str) -> None:
         try:
