@@ -76,6 +76,15 @@ class LaunchOptions:
 
     ``None`` for ``timeout`` and ``hang_timeout`` means "no deadline".  ``env`` is added to each
     rank's environment on top of the variables the launcher sets (``RANK``, ``MASTER_ADDR``, ...).
+
+    Example:
+
+    ```python
+    from torchdist_magic import Distributor, LaunchOptions
+
+    options = LaunchOptions(num_processes=4, backend="local", timeout=600, env={"NCCL_DEBUG": "INFO"})
+    Distributor.from_options(options).run(train)   # the same as Distributor(4, timeout=600, ...)
+    ```
     """
 
     num_processes: int = field(
