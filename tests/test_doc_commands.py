@@ -11,14 +11,18 @@ plain block, the ``%pip``/``!`` lines of a Python block), inline code spans, and
 
 A command may name the reader's own files: a path is the reader's when it is absolute
 (``/Volumes/...``, ``/dbfs/...``), holds a placeholder (``<version>``, ``...``), or is a script
-name in ``USER_SCRIPTS`` (each of which must be used somewhere, so the list cannot rot).
-Nothing else is skipped."""
+name in ``USER_SCRIPTS`` (each of which must be used somewhere, so the list cannot rot). A path
+in ``BUILT`` is what a command before it writes (``python -m build`` writes ``dist/``); a glob
+must match a file of the repository. A ``.venv/bin/TOOL`` is there when the environment running
+the tests has it, or when ``.ci/setup`` or the package's metadata installs it (a tool added by the
+branch that added the line, before the environment was set up again). Nothing else is skipped."""
 
 from __future__ import annotations
 
 import ast
 import configparser
 import functools
+import glob
 import importlib.util
 import json
 import os
@@ -34,6 +38,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: script names the docs use for a reader's own script (``python train.py``), not the repository's
 USER_SCRIPTS = {"train.py"}
+#: folders that a command writes before a later one reads them: none of them is in the repository
+BUILT = ("dist/",)
 #: the first word of a line that makes it a command to check
 COMMAND = re.compile(r"^(?:\$ |!)?(?:%pip|pip3?|pytest|python3?|bash|\.venv[\w-]*/bin/\S+)(?:\s|$)")
 #: a placeholder for the reader's own value: <version>, <catalog>, ... or …
@@ -93,11 +99,23 @@ def commands() -> List[Command]:
 
 
 def _user_path(path: str) -> bool:
-    return os.path.isabs(path) or bool(PLACEHOLDER.search(path)) or path in USER_SCRIPTS
+    return os.path.isabs(path) or bool(PLACEHOLDER.search(path)) or path in USER_SCRIPTS or path.startswith(BUILT)
 
 
 def _exists(path: str) -> bool:
-    return os.path.exists(os.path.join(ROOT, path.split("::")[0]))
+    path = os.path.join(ROOT, path.split("::")[0])
+    return bool(glob.glob(path)) if glob.has_magic(path) else os.path.exists(path)
+
+
+@functools.lru_cache(maxsize=None)
+def _setup_text() -> str:
+    """What sets the project's environments up: ``.ci/setup`` and the package's metadata."""
+    text = ""
+    for name in (".ci/setup", "setup.cfg", "pyproject.toml"):
+        if os.path.exists(os.path.join(ROOT, name)):
+            with open(os.path.join(ROOT, name), encoding="utf-8") as fh:
+                text += fh.read()
+    return text
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,8 +209,17 @@ def _check_pytest(args: List[str]) -> List[str]:
             problems += [f"-m names marker {name!r}, which setup.cfg does not register" for name in sorted(unknown)]
     paths = [a for a in args if not a.startswith("-") and ("/" in a or a.endswith((".py", ".ipynb")))]
     problems += [f"{path} is not in the repository" for path in paths if not _exists(path)]
-    if not problems:
-        problems += [p for p in [_collected(tuple(args))] if p]
+    if not problems:  # the shell expands a glob before pytest sees it
+        expanded = [
+            match
+            for a in args
+            for match in (
+                sorted(os.path.relpath(m, ROOT) for m in glob.glob(os.path.join(ROOT, a)))
+                if a in paths and glob.has_magic(a)
+                else [a]
+            )
+        ]
+        problems += [p for p in [_collected(tuple(expanded))] if p]
     return problems
 
 
@@ -247,8 +274,9 @@ def check(words: List[str]) -> List[str]:
     head = head.lstrip("!")
     tool = head.rsplit("/", 1)[-1]
     if re.match(r"^\.venv[\w-]*/bin/", head):
-        if not os.path.exists(os.path.join(os.path.dirname(sys.executable), tool)):
-            return [f"{head}: the project's environment has no {tool}"]
+        here = os.path.exists(os.path.join(os.path.dirname(sys.executable), tool))
+        if not here and not re.search(rf"(?<![\w-]){re.escape(tool)}(?![\w-])", _setup_text()):
+            return [f"{head}: the project's environment has no {tool}, and nothing installs it"]
     if head == "%pip" or tool in ("pip", "pip3"):
         return _check_pip(args)
     if tool == "pytest":
@@ -310,9 +338,10 @@ def test_each_user_script_name_is_used():
         ("python benchmarks/nothing.py", "benchmarks/nothing.py is not in the repository"),
         ("bash .ci/nothing", ".ci/nothing is not in the repository"),
         ("%pip install --not-an-option torchdist_magic", "pip install has no option --not-an-option"),
-        ("%pip install dist/nothing.whl", "dist/nothing.whl is not in the repository"),
+        ("%pip install wheels/nothing.whl", "wheels/nothing.whl is not in the repository"),
         ("python -m torchdist_magic.nothing", "there is no module torchdist_magic.nothing"),
-        (".venv/bin/no-such-tool --version", "the project's environment has no no-such-tool"),
+        (".venv/bin/no-such-tool --version", "the project's environment has no no-such-tool, and nothing installs"),
+        ("pytest tests/test_nothing_*.py", "tests/test_nothing_*.py is not in the repository"),
     ],
 )
 def test_a_command_that_names_what_is_not_there_is_caught(text, problem):
@@ -330,6 +359,7 @@ def test_a_command_that_names_what_is_not_there_is_caught(text, problem):
         "%pip install ...",
         "python -m torchdist_magic.launch.remote SPEC RANK",
         "python notebooks/execute.py 01 11-first-errors.ipynb  # two of them",
+        "pip install dist/*.whl && .venv/bin/python -m pytest -q tests/test_doc_l*.py",
     ],
 )
 def test_the_readers_own_files_and_what_exists_pass(text):
