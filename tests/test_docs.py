@@ -6,6 +6,7 @@ runs in ``.ci/run``; the one test here that needs MkDocs is skipped, and says so
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import os
 import re
@@ -192,3 +193,92 @@ def test_the_module_map_lists_every_module_once_with_what_it_is(generate):
     assert len(rows) == len(modules)
     for row in rows:  # a module whose docstring says nothing would show an empty cell
         assert row.split("|")[3].strip(), row
+
+
+def _public_callables():
+    """Every name of ``torchdist_magic.__all__`` and the public methods and properties of its
+    classes: what the API page renders a signature for."""
+    import torchdist_magic
+
+    for name in torchdist_magic.__all__:
+        obj = getattr(torchdist_magic, name)
+        yield name, obj
+        if inspect.isclass(obj):
+            for member, value in vars(obj).items():
+                if not member.startswith("_") and (inspect.isfunction(value) or isinstance(value, classmethod)):
+                    yield f"{name}.{member}", getattr(obj, member)
+
+
+#: a name that starts with an underscore, not part of a longer name or a dotted path's tail
+_PRIVATE = re.compile(r"(?<![\w.])_[A-Za-z]\w*")
+
+
+def test_every_public_name_has_an_example_that_is_python():
+    """Each name the package exports shows how it is used: a ```python block in its docstring
+    (rendered by mkdocstrings on the API page), whose code parses, ``%%torchdist`` cells and
+    ``%`` lines as IPython reads them."""
+    import textwrap
+
+    import torchdist_magic
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    lacking, broken = [], []
+    for name in torchdist_magic.__all__:
+        doc = inspect.getdoc(getattr(torchdist_magic, name)) or ""
+        blocks = re.findall(r"^```python\n(.*?)^```$", doc, re.S | re.M)
+        if not blocks:
+            lacking.append(name)
+        for block in blocks:
+            code = textwrap.dedent(block)
+            if code.startswith("%%"):  # a cell magic's body is Python of its own
+                code = code.split("\n", 1)[1]
+            try:
+                compile(TransformerManager().transform_cell(code), f"<example of {name}>", "exec")
+            except SyntaxError as exc:
+                broken.append(f"{name}: {exc}")
+    assert lacking == [], "public names whose docstring has no ```python example"
+    assert broken == []
+
+
+def test_no_rendered_signature_shows_a_private_name():
+    """A signature on the API page names only what a user can read about: no private sentinel
+    (``_UNSET``) or helper as a default, no ``<object object at 0x...>``.  Checked on what
+    ``help()`` shows (``inspect.signature``) and on the source text the docs site renders
+    (defaults and annotations as written)."""
+    import ast
+    import textwrap
+
+    shown = []
+    for name, obj in _public_callables():
+        func = obj.__init__ if inspect.isclass(obj) else obj
+        func = getattr(func, "__func__", func)
+        try:
+            text = str(inspect.signature(obj))
+        except (TypeError, ValueError):  # an exception class with object's own __init__
+            continue
+        if _PRIVATE.search(text) or " at 0x" in text:
+            shown.append(f"{name}{text}")
+        try:
+            source = textwrap.dedent(inspect.getsource(func))
+        except (OSError, TypeError):  # not written in Python here (a dataclass's __init__)
+            continue
+        node = ast.parse(source).body[0]
+        written = [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+        written += [a.annotation for a in (*node.args.args, *node.args.kwonlyargs) if a.annotation is not None]
+        written += [node.returns] if node.returns is not None else []
+        shown += [f"{name}: {ast.unparse(e)}" for e in written if _PRIVATE.search(ast.unparse(e))]
+    assert shown == []
+
+
+def test_local_mode_default_is_true_unless_a_backend_is_named():
+    """The public sentinel keeps TorchDistributor's call: ``local_mode`` left out is local
+    processes, ``backend=`` alone decides, and an explicit ``True`` still contradicts ``spark``."""
+    from torchdist_magic import Distributor
+    from torchdist_magic.api import LOCAL_MODE_DEFAULT
+
+    assert inspect.signature(Distributor).parameters["local_mode"].default is LOCAL_MODE_DEFAULT
+    assert repr(LOCAL_MODE_DEFAULT) == "LOCAL_MODE_DEFAULT"
+    assert Distributor(2).options.backend == "local"
+    assert Distributor(2, backend="spark").options.backend == "spark"
+    with pytest.raises(ValueError, match="^local_mode=True and backend='spark' contradict each other"):
+        Distributor(2, local_mode=True, backend="spark")

@@ -8,7 +8,7 @@ import pytest
 from helpers import assert_no_survivors, rank_1_waits_for_data
 from torchdist_magic import Distributor, HangTimeout
 from torchdist_magic.core import events
-from torchdist_magic.driver.goodput import PARTS, AttemptTimes, describe, goodput
+from torchdist_magic.driver.goodput import PARTS, AttemptTimes, describe, goodput, says_something
 from torchdist_magic.driver.state import RunState
 from torchdist_magic.view.text import summary
 
@@ -59,6 +59,19 @@ def test_the_state_takes_each_attempts_first_work_checkpoint_and_data_stall():
     assert parts["data_stall_s"] == 2.0 and parts["rank_seconds"] == pytest.approx(2 * parts["wall_s"])
     assert state.snapshot().goodput == parts
     assert f"  goodput: {describe(parts)}" in summary(state).splitlines()
+
+
+def test_a_run_without_a_sign_of_work_has_no_goodput_line_in_its_summary():
+    """A cell that never calls ``progress()`` or ``report()`` would read "training 100%" however
+    little it did: the summary leaves the line out; ``goodput()`` keeps the numbers."""
+    state = RunState("9-quiet", 2)
+    for r in (0, 1):
+        state.apply(events.Started(rank=r, host="h", pid=10 + r))
+    state.finish("succeeded")
+    parts = state.goodput()
+    assert parts["training_s"] == parts["wall_s"] and not says_something(parts)
+    assert "goodput:" not in summary(state)
+    assert says_something({**parts, "startup_s": 0.5})
 
 
 # -- real runs -------------------------------------------------------------------------------------

@@ -102,6 +102,17 @@ def test_a_group_that_is_gone_samples_as_nothing_and_keeps_its_last_sample(burne
     assert sampler.last == last
 
 
+def test_a_process_with_less_memory_than_an_interpreter_samples_as_nothing(burner, monkeypatch):
+    """The first sample is taken as the rank's process starts: caught in exec (``/proc`` as it
+    reads then, 400 KiB resident), it would show a finished short rank as ``rss 0 MiB``."""
+    sampler = sysmetrics.RankSampler(burner.pid)
+    monkeypatch.setattr(sysmetrics, "_group_usage", lambda pgid: {pgid: (3, 400 << 10)})
+    assert sampler.sample() == {} and sampler.last == {}
+    monkeypatch.undo()
+    last = sampler.sample()
+    assert last["rss_bytes"] >= sysmetrics.MIN_PROCESS_RSS and sampler.last == last
+
+
 # -- what a SIGKILL says ----------------------------------------------------------------------
 
 

@@ -89,14 +89,28 @@ def __getattr__(name):
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext torchdist_magic``: register ``%%torchdist`` and ``%torchdist_panel``."""
+    """``%load_ext torchdist_magic``: register ``%%torchdist`` and ``%torchdist_panel``.
+
+    Example:
+
+    ```python
+    %load_ext torchdist_magic
+    ```
+    """
     from .magic import load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython) -> None:
-    """``%unload_ext torchdist_magic``: stop the warm pools and remove the magics again."""
+    """``%unload_ext torchdist_magic``: stop the warm pools and remove the magics again.
+
+    Example:
+
+    ```python
+    %unload_ext torchdist_magic
+    ```
+    """
     from .magic import unload
 
     unload(ipython)

@@ -18,12 +18,28 @@ from .driver.follow import follow
 from .core.options import LaunchOptions
 
 SHOW_CHOICES = ("text", "auto", "widget", None)
-_UNSET: Any = object()  # local_mode not given: True, unless backend= says otherwise
+
+
+class _LocalModeDefault:
+    """The type of ``LOCAL_MODE_DEFAULT``: one instance, whose repr is its public name (what
+    ``help(Distributor)`` and the reference show as ``local_mode``'s default)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "LOCAL_MODE_DEFAULT"
+
+
+#: ``local_mode``'s default: ``True`` (local processes, TorchDistributor's default) unless
+#: ``backend=`` names a backend, which then decides alone.  Telling "left out" from an explicit
+#: ``True`` is what lets ``Distributor(backend="spark")`` work while ``local_mode=True,
+#: backend="spark"`` is refused as a contradiction.
+LOCAL_MODE_DEFAULT: Any = _LocalModeDefault()
 
 
 def _backend_for(local_mode: Any, backend: Optional[str]) -> str:
     """The backend that ``local_mode`` and ``backend`` ask for together; refuses a contradiction."""
-    if local_mode is _UNSET:
+    if local_mode is LOCAL_MODE_DEFAULT:
         return "local" if backend is None else backend
     if local_mode is not None and not isinstance(local_mode, bool):
         raise TypeError(f"local_mode must be True, False or None, got {local_mode!r}")
@@ -39,16 +55,32 @@ class Distributor:
     ``Distributor(num_processes=1, local_mode=True, use_gpu=False, **options)``:
     ``local_mode=True`` runs local processes on this machine, ``local_mode=False`` a Spark
     barrier stage on the active SparkSession, ``local_mode=None`` picks Spark when a session is
-    active.  The other keywords are ``LaunchOptions`` fields (``timeout``, ``env``,
+    active; left out (``LOCAL_MODE_DEFAULT``) it is ``True`` unless ``backend=`` names the
+    backend, so ``Distributor(4, backend="spark")`` needs no ``local_mode``.  The other keywords are ``LaunchOptions`` fields (``timeout``, ``env``,
     ``all_ranks``, ``backend``).  ``show`` picks the live view of ``run``: ``"text"`` (default),
     ``"auto"`` (the widget in a Jupyter kernel with ipywidgets, text elsewhere), ``"widget"``,
     or ``None`` for silence.
+
+    Example:
+
+    ```python
+    from torchdist_magic import Distributor
+
+    def train(lr):
+        import torch.distributed as dist
+        dist.init_process_group("gloo")      # as under TorchDistributor
+        ...                                  # train with lr
+        return dist.get_rank(), dist.get_world_size()
+
+    Distributor(num_processes=2).run(train, 0.01)   # local processes; rank 0's value: (0, 2)
+    Distributor(num_processes=8, local_mode=False, use_gpu=True, timeout=3600).run(train, 0.01)  # Spark
+    ```
     """
 
     def __init__(
         self,
         num_processes: int = 1,
-        local_mode: Optional[bool] = _UNSET,
+        local_mode: Optional[bool] = LOCAL_MODE_DEFAULT,
         use_gpu: bool = False,
         *,
         show: Optional[str] = "text",

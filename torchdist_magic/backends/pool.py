@@ -438,13 +438,32 @@ def check_cold_run(options: LaunchOptions, backend: Backend) -> None:
 
 
 def pools() -> List[PoolInfo]:
-    """The live warm pools, and those still stopping."""
+    """The live warm pools, and those still stopping.
+
+    Example:
+
+    ```python
+    from torchdist_magic import pools
+
+    for pool in pools():    # after `%%torchdist --np 4 --warm` cells
+        print(pool.describe())
+    ```
+    """
     with _lock:
         return [p.info() for p in _pools if p.state != "stopped"]
 
 
 def shutdown_pools() -> List[str]:
-    """Stop every warm pool (its ranks, its Spark stage); the ids of those stopped."""
+    """Stop every warm pool (its ranks, its Spark stage); the ids of those stopped.
+
+    Example:
+
+    ```python
+    from torchdist_magic import shutdown_pools
+
+    shutdown_pools()   # e.g. ['pool-1']: its ranks and Spark stage are gone
+    ```
+    """
     with _lock:
         live = list(_pools)
     for pool in live:

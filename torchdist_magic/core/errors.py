@@ -29,6 +29,23 @@ class RankFailure(RuntimeError):
     ``verdict`` (a ``culprit.Verdict``, ``None`` when the ranks' collective records were not
     compared) and ``suspects`` (its sorted ranks): where a collective timed out because a rank
     was behind, that rank is the root cause (``rank``) and the verdict leads the message.
+
+    Example:
+
+    ```python
+    from torchdist_magic import Distributor, RankFailure
+
+    def train():
+        from torchdist_magic import rank
+        if rank() == 1:
+            raise ValueError("bad batch")
+
+    try:
+        Distributor(num_processes=2, show=None).run(train)
+    except RankFailure as failure:
+        print(failure.rank, failure.exc_type, failure.message)   # 1 ValueError bad batch
+        print(failure.traceback)                                  # rank 1's own traceback
+    ```
     """
 
     def __init__(
@@ -180,7 +197,19 @@ class _WithStacks(_PlainRender):
 
 class JobTimeout(_WithStacks, TimeoutError):
     """The run passed its ``timeout``; every rank was stopped.  ``stacks`` are every rank's
-    stacks at that moment (empty when none were captured)."""
+    stacks at that moment (empty when none were captured).
+
+    Example:
+
+    ```python
+    from torchdist_magic import Distributor, JobTimeout
+
+    try:
+        Distributor(num_processes=2, timeout=600).run(train)
+    except JobTimeout as timeout:
+        print(sorted(timeout.stacks))   # the ranks whose stacks were captured when it stopped
+    ```
+    """
 
     def __init__(
         self,
@@ -211,7 +240,19 @@ class JobTimeout(_WithStacks, TimeoutError):
 class HangTimeout(_WithStacks, TimeoutError):
     """No rank sent progress, metrics or output for ``hang_timeout`` seconds: every rank's
     stacks were captured (``stacks``), then every rank was stopped.  The message names each
-    rank's innermost frames."""
+    rank's innermost frames.
+
+    Example:
+
+    ```python
+    from torchdist_magic import Distributor, HangTimeout
+
+    try:
+        Distributor(num_processes=2, hang_timeout=300).run(train)   # %%torchdist --hang-timeout 300
+    except HangTimeout as hang:
+        print(hang)   # where each rank was when nothing moved for 300 s
+    ```
+    """
 
     def __init__(
         self,
@@ -247,7 +288,20 @@ def _capitalized(text: str) -> str:
 
 class ResultTimeout(_PlainRender, TimeoutError):
     """``Run.result(timeout)`` waited ``seconds`` and the run had not ended: it keeps running
-    (``Run.cancel()`` stops it).  Unlike ``JobTimeout``, nothing was stopped."""
+    (``Run.cancel()`` stops it).  Unlike ``JobTimeout``, nothing was stopped.
+
+    Example:
+
+    ```python
+    from torchdist_magic import Distributor, ResultTimeout
+
+    run = Distributor(num_processes=2).submit(train)
+    try:
+        value = run.result(timeout=5)
+    except ResultTimeout:
+        print("still running:", not run.done())   # it goes on; run.cancel() would stop it
+    ```
+    """
 
     def __init__(self, seconds: float):
         self.seconds = seconds
@@ -260,4 +314,18 @@ class ResultTimeout(_PlainRender, TimeoutError):
 
 
 class RunCancelled(_PlainRender, RuntimeError):
-    """The run was cancelled (``Run.cancel()`` or the Stop button); every rank was stopped."""
+    """The run was cancelled (``Run.cancel()`` or the Stop button); every rank was stopped.
+
+    Example:
+
+    ```python
+    from torchdist_magic import Distributor, RunCancelled
+
+    run = Distributor(num_processes=2).submit(train)
+    run.cancel()
+    try:
+        run.result()
+    except RunCancelled:
+        print("stopped, no rank left")
+    ```
+    """

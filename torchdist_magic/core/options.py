@@ -78,6 +78,15 @@ class LaunchOptions:
     rank's environment on top of the variables the launcher sets (``RANK``, ``MASTER_ADDR``, ...);
     its values may be secrets: the repr shows its names only (``masked_repr``), and a run's
     record keeps nothing more.
+
+    Example:
+
+    ```python
+    from torchdist_magic import Distributor, LaunchOptions
+
+    options = LaunchOptions(num_processes=4, backend="local", timeout=600, env={"NCCL_DEBUG": "INFO"})
+    Distributor.from_options(options).run(train)   # the same as Distributor(4, timeout=600, ...)
+    ```
     """
 
     num_processes: int = field(

@@ -37,7 +37,17 @@ _registered: Dict[str, Callable[[], Any]] = {}
 def register_backend(name: str, factory: Callable[[], Any]) -> None:
     """Make ``name`` a backend of this process: ``backend=name`` and ``--backend name`` start
     ranks through ``factory()`` (a ``Backend``).  Registering a name again replaces it; the
-    built-in names and ``auto`` cannot be taken."""
+    built-in names and ``auto`` cannot be taken.
+
+    Example:
+
+    ```python
+    from torchdist_magic import Distributor, register_backend
+
+    register_backend("ssh", SshBackend)          # SshBackend(): a torchdist_magic Backend
+    Distributor(num_processes=4, backend="ssh").run(train)   # or %%torchdist --backend ssh
+    ```
+    """
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(
             f"a backend's name is lower-case letters, digits, '-' and '_', starting with a letter, got {name!r}"
@@ -53,7 +63,16 @@ def register_backend(name: str, factory: Callable[[], Any]) -> None:
 
 
 def unregister_backend(name: str) -> None:
-    """Forget a backend ``register_backend`` added (``KeyError`` for one it did not)."""
+    """Forget a backend ``register_backend`` added (``KeyError`` for one it did not).
+
+    Example:
+
+    ```python
+    from torchdist_magic import unregister_backend
+
+    unregister_backend("ssh")
+    ```
+    """
     del _registered[name]
 
 

@@ -104,7 +104,17 @@ def submit_detached(target: Any, args: tuple, kwargs: dict, options: LaunchOptio
 def attach(run_id: str) -> "AttachedRun":
     """The handle of detached run ``run_id`` (``KeyError`` when there is no such run,
     ``ValueError`` when it was not detached): this process's own while it holds one (it may
-    have taken rank 0's value out of the run's record already), else a new one."""
+    have taken rank 0's value out of the run's record already), else a new one.
+
+    Example:
+
+    ```python
+    from torchdist_magic import attach, runs
+
+    run = attach(runs()[0].run_id)   # the newest run, started with --detach
+    print(run.result())              # waits for rank 0's value
+    ```
+    """
     with _handles_lock:
         handle = _handles.get(run_id)
         if handle is None or handle.detached:
@@ -116,7 +126,16 @@ def stop(run_id: str, by: str = "stop()") -> bool:
     """Stop detached run ``run_id`` (every rank); True when its supervising process took the
     request, False when the run had ended already.  ``by`` says who stopped it.  The run's token
     goes only to a process of this user (``SO_PEERCRED``, as the feed checks): another user's
-    socket at the record's control path gets nothing, and ``PermissionError`` says so."""
+    socket at the record's control path gets nothing, and ``PermissionError`` says so.
+
+    Example:
+
+    ```python
+    from torchdist_magic import runs, stop
+
+    stop(runs()[0].run_id)   # True: its supervising process is stopping every rank
+    ```
+    """
     record = _detached_record(run_id)
     if record.state != "running":
         return False

@@ -60,7 +60,18 @@ _run_counter = itertools.count(1)
 
 
 def last_run() -> Optional["Run"]:
-    """The handle of the most recent run started in this process (``None`` before the first)."""
+    """The handle of the most recent run started in this process (``None`` before the first).
+
+    Example:
+
+    ```python
+    from torchdist_magic import last_run
+
+    # after a %%torchdist cell
+    run = last_run()
+    print(run.run_id, run.state.state, run.logs(rank=0))
+    ```
+    """
     return _last_run
 
 
@@ -150,6 +161,17 @@ class Run:
     ``directory`` holds what the run keeps on the driver's disk (spilled logs, checkpoints when
     no ``checkpoint_dir`` was given); it is made when first needed and removed when the ``Run``
     (and its ``state``) are garbage-collected, or when the process exits.
+
+    Example:
+
+    ```python
+    from torchdist_magic import Distributor
+
+    run = Distributor(num_processes=2).submit(train)   # returns at once
+    run.wait(timeout=60)           # True once it ended
+    print(run.logs(rank=1))        # what rank 1 printed
+    value = run.result()           # rank 0's value, or the run's exception raised here
+    ```
     """
 
     def __init__(

@@ -14,7 +14,10 @@ The run's wall time, from its start to its end (or now), split into
 
 plus ``rank_seconds`` (the wall time times the run's ranks) and, when the run asked for GPUs,
 ``gpu_hours`` (a GPU per rank).  A job that never steps, reports nor splits has no first work:
-its startup counts as training.
+its startup counts as training.  Such a run's split is "training 100 %" whatever the job did (a
+cell that prints a line, or a cell that trains without ``progress()``); ``says_something`` is
+false for it, and the run's summary leaves the line out (``run.goodput`` and MLflow keep the
+numbers).
 """
 
 from __future__ import annotations
@@ -68,6 +71,13 @@ def goodput(
     if use_gpu:
         out["gpu_hours"] = wall * ranks / 3600.0
     return out
+
+
+def says_something(parts: Dict[str, float]) -> bool:
+    """Whether a split tells more than the wall time: some of it went to startup, data stalls,
+    restarts or hangs.  Without a first sign of work (no ``progress()``, ``report()`` or step
+    split) and nothing lost, everything is "training", which a reader takes as a measurement."""
+    return any(parts.get(key, 0.0) > 0 for key in PARTS if key != "training_s")
 
 
 def describe(parts: Dict[str, float]) -> str:

@@ -300,7 +300,17 @@ def clear_dead_run(record: RunRecord) -> None:
 
 
 def runs() -> List[RunRecord]:
-    """Every recorded run of this user, the newest first."""
+    """Every recorded run of this user, the newest first.
+
+    Example:
+
+    ```python
+    from torchdist_magic import runs
+
+    for record in runs()[:5]:
+        print(record.run_id, record.state, record.outcome, record.failure)
+    ```
+    """
     base = runs_directory()
     found = [_read(os.path.join(base, name)) for name in os.listdir(base)]
     return sorted((r for r in found if r is not None), key=lambda r: r.started, reverse=True)

@@ -71,12 +71,36 @@ MISSING_TEXT = (
 
 
 class MlflowUnavailable(ImportError):
-    """``mlflow=True`` and the ``mlflow`` package cannot be imported; raised before any rank starts."""
+    """``mlflow=True`` and the ``mlflow`` package cannot be imported; raised before any rank starts.
+
+    Example:
+
+    ```python
+    from torchdist_magic import Distributor, MlflowUnavailable
+
+    try:
+        Distributor(num_processes=2, mlflow=True).run(train)
+    except MlflowUnavailable as error:
+        print(error)   # says how to install mlflow; no rank was started
+    ```
+    """
 
 
 class TrackingError(RuntimeError):
     """The MLflow run could not be created (the tracking server refused or could not be reached);
-    raised before any rank starts."""
+    raised before any rank starts.
+
+    Example:
+
+    ```python
+    from torchdist_magic import Distributor, TrackingError
+
+    try:
+        Distributor(num_processes=2, mlflow=True).run(train)
+    except TrackingError as error:
+        print(error)   # the tracking server's answer; nothing was started
+    ```
+    """
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,9 @@ import signal
 import time
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
+#: less resident memory than any running interpreter has: a process being started (in exec) or
+#: ending, not a rank at work; its sample is not taken
+MIN_PROCESS_RSS = 1 << 20
 #: a SIGKILLed rank whose last RSS was at least this fraction of its limit probably ran out
 NEAR_LIMIT = 0.9
 #: ... and past this fraction its launcher samples it more often
@@ -204,9 +207,11 @@ class RankSampler:
         explain its end."""
         now = self.clock()
         usage = _group_usage(self.pgid)
-        if not any(rss for _, rss in usage.values()):
+        if sum(rss for _, rss in usage.values()) < MIN_PROCESS_RSS:
             # the rank has exited, or is exiting: its memory is gone and /proc shows it in the root
-            # cgroup already; its last sample is what it was
+            # cgroup already; its last sample is what it was.  Or it is not a rank yet: a process
+            # between fork and its interpreter's start, whose "rss 0 MiB" a reader would take for
+            # a measurement (the first sample is taken at once, so that a short rank is seen too)
             return {}
         spent = sum(ticks - self._ticks.get(pid, 0) for pid, (ticks, _) in usage.items())
         self._ticks = {pid: ticks for pid, (ticks, _) in usage.items()}

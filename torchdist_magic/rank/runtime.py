@@ -46,7 +46,20 @@ class RankStopped(KeyboardInterrupt):
     failure: the rank got SIGTERM), so that its ``finally`` blocks and ``atexit`` handlers run
     before the kill that follows the grace period.  A ``KeyboardInterrupt``: code that handles
     Ctrl-C (Lightning's graceful shutdown) handles it too, and ``except Exception`` does not
-    swallow it."""
+    swallow it.
+
+    Example:
+
+    ```python
+    %%torchdist --np 2 --timeout 600
+    from torchdist_magic import RankStopped
+    try:
+        train()
+    except RankStopped:
+        writer.flush()   # the run is stopping this rank: finish quickly, then let it go
+        raise
+    ```
+    """
 
 
 def _install_sink(sink) -> None:
@@ -97,22 +110,64 @@ def _env_int(name: str, default: int) -> int:
 
 
 def rank() -> int:
-    """This process's global rank (0 outside a run)."""
+    """This process's global rank (0 outside a run).
+
+    Example:
+
+    ```python
+    from torchdist_magic import rank, world_size
+
+    def train():
+        if rank() == 0:
+            print("rank 0 of", world_size())
+    ```
+    """
     return _env_int("RANK", 0)
 
 
 def world_size() -> int:
-    """Number of ranks in the run (1 outside a run)."""
+    """Number of ranks in the run (1 outside a run).
+
+    Example:
+
+    ```python
+    from torchdist_magic import world_size
+
+    def train(global_batch):
+        per_rank_batch = global_batch // world_size()
+    ```
+    """
     return _env_int("WORLD_SIZE", 1)
 
 
 def local_rank() -> int:
-    """Rank among the processes on this host (0 outside a run)."""
+    """Rank among the processes on this host (0 outside a run).
+
+    Example:
+
+    ```python
+    from torchdist_magic import local_rank
+
+    def train():
+        import torch
+        torch.cuda.set_device(local_rank())   # what device() does for you with --gpu
+    ```
+    """
     return _env_int("LOCAL_RANK", 0)
 
 
 def local_world_size() -> int:
-    """Number of ranks on this host (1 outside a run)."""
+    """Number of ranks on this host (1 outside a run).
+
+    Example:
+
+    ```python
+    import lightning.pytorch as pl
+    from torchdist_magic import local_world_size, world_size
+
+    trainer = pl.Trainer(devices=local_world_size(), num_nodes=world_size() // local_world_size(), strategy="ddp")
+    ```
+    """
     return _env_int("LOCAL_WORLD_SIZE", 1)
 
 
@@ -120,7 +175,21 @@ def host_ranks() -> List[int]:
     """The ranks on this rank's machine, in rank order (``[rank()]`` outside a run).  For work
     done once per machine (a download to local disk, a cache): ``if rank() == host_ranks()[0]``.
     Not ``local_rank() == 0``: on Spark every rank is a node of its own (``LOCAL_RANK`` 0), as
-    under TorchDistributor, whichever machine it shares."""
+    under TorchDistributor, whichever machine it shares.
+
+    Example:
+
+    ```python
+    from torchdist_magic import host_ranks, rank
+
+    def train():
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        if rank() == host_ranks()[0]:
+            download_dataset("/local_disk0/data")   # once per machine
+        dist.barrier()
+    ```
+    """
     text = os.environ.get(HOST_RANKS_ENV, "")
     try:
         return [int(r) for r in text.split(",")] if text else [rank()]
@@ -129,7 +198,19 @@ def host_ranks() -> List[int]:
 
 
 def is_main() -> bool:
-    """True on rank 0: the rank whose value the notebook gets."""
+    """True on rank 0: the rank whose value the notebook gets.
+
+    Example:
+
+    ```python
+    from torchdist_magic import is_main
+
+    def train():
+        ...
+        if is_main():
+            torch.save(model.state_dict(), "/Volumes/main/default/models/model.pt")
+    ```
+    """
     return rank() == 0
 
 
@@ -139,7 +220,16 @@ def uses_gpu() -> bool:
 
 
 def device():
-    """``cuda:<local_rank>`` when the run asked for GPUs and CUDA is there, else ``cpu``."""
+    """``cuda:<local_rank>`` when the run asked for GPUs and CUDA is there, else ``cpu``.
+
+    Example:
+
+    ```python
+    %%torchdist --np 2 --gpu
+    # in a cell `device` is a value; functions and scripts call torchdist_magic.device()
+    model = DDP(Net().to(device))   # the rank's GPU with --gpu, else the cpu
+    ```
+    """
     import torch
 
     if uses_gpu() and torch.cuda.is_available():
@@ -160,6 +250,15 @@ def report(step: Optional[int] = None, **metrics: Any) -> None:
 
     ``step`` defaults to a counter of ``report`` calls on this rank.  Tensors with one element
     are accepted.  Does nothing outside a run.
+
+    Example:
+
+    ```python
+    %%torchdist --np 2
+    for step, batch in enumerate(loader):
+        loss = train_step(batch)
+        report(loss=loss, lr=scheduler.get_last_lr()[0])   # a tensor of one element is fine
+    ```
     """
     values = {name: _number(name, v) for name, v in metrics.items()}
     if _sink is None:
@@ -178,6 +277,19 @@ class progress:
     else stopped).  Updates are rate-limited at the source (every ``PROGRESS_INTERVAL`` seconds
     and at the end), so wrapping a tight loop costs next to nothing.  In a run, the time it
     waits for each next item is the step's data wait (``stepsplit``: ``step_split``).
+
+    Example:
+
+    ```python
+    %%torchdist --np 2
+    for epoch in progress(range(3), desc="epoch"):
+        for batch in progress(loader, desc="batch"):
+            ...
+
+    bar = progress(total=1000, desc="tokens")   # a bar the code moves itself
+    bar.update(250)
+    bar.close()
+    ```
     """
 
     def __init__(self, iterable: Optional[Iterable] = None, total: Optional[int] = None, desc: Optional[str] = None):
@@ -280,7 +392,16 @@ _CHECKPOINT_TMP = re.compile(r"^\.checkpoint-\d+\.pt\.tmp-a(\d+)-\d+$")
 
 def restart_count() -> int:
     """0 on a run's first attempt, n after its n-th restart (``max_restarts``).  Also right
-    under torchrun (``TORCHELASTIC_RESTART_COUNT``); 0 outside a run."""
+    under torchrun (``TORCHELASTIC_RESTART_COUNT``); 0 outside a run.
+
+    Example:
+
+    ```python
+    %%torchdist --np 4 --max-restarts 2
+    if restart_count():
+        print(f"attempt {restart_count() + 1}, from the last checkpoint")
+    ```
+    """
     return _env_int(RESTART_COUNT_ENV, _env_int("TORCHELASTIC_RESTART_COUNT", 0))
 
 
@@ -314,6 +435,16 @@ def save_checkpoint(
     ``directory`` defaults to the run's checkpoint directory (``checkpoint_dir``, or with
     ``max_restarts`` a directory of the run's own); outside a run it must be given.
     Returns the file's path.
+
+    Example:
+
+    ```python
+    %%torchdist --np 4 --max-restarts 2 --checkpoint-dir /Volumes/main/default/runs/demo
+    start = (load_checkpoint() or {"epoch": -1})["epoch"] + 1
+    for epoch in range(start, 10):
+        ...
+        save_checkpoint({"epoch": epoch, "model": model.state_dict()}, step=epoch)   # rank 0 writes
+    ```
     """
     import torch
 
@@ -359,7 +490,17 @@ def save_checkpoint(
 def load_checkpoint(map_location: Any = "cpu", *, directory: Optional[str] = None) -> Any:
     """The newest checkpoint's object, or ``None`` when there is none yet (the first attempt;
     outside a run, unless ``directory`` is given).  Tensors load onto ``map_location``
-    (``torch.load``'s; ``"cpu"`` by default: move them to ``device()`` yourself, or pass it)."""
+    (``torch.load``'s; ``"cpu"`` by default: move them to ``device()`` yourself, or pass it).
+
+    Example:
+
+    ```python
+    %%torchdist --np 4 --max-restarts 2
+    state = load_checkpoint(map_location=device)   # None on the first attempt
+    if state is not None:
+        model.load_state_dict(state["model"])
+    ```
+    """
     import torch
 
     directory = directory or checkpoint_dir()

@@ -80,6 +80,20 @@ class shard:
     rank takes as many rows as the smallest rank has, in whole batches only.
 
     Each rank reports its rows read and rows/s to the run view (a bar named ``rows``).
+
+    Example:
+
+    ```python
+    from torchdist_magic import Distributor, shard
+
+    def train(epochs):
+        for epoch in range(epochs):
+            for batch in shard(batch_size=256, columns=["features", "label"], shuffle=True, seed=epoch):
+                x, y = batch["features"], batch["label"]   # tensors of this rank's rows
+                ...
+
+    Distributor(num_processes=4, local_mode=False).train_on_dataframe(train, spark.table("main.default.train"), 3)
+    ```
     """
 
     def __init__(

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import List, Optional, TextIO, Tuple, Union
 
-from ..driver.goodput import describe as describe_goodput
+from ..driver.goodput import describe as describe_goodput, says_something
 from ..driver.snapshot import RunSnapshot
 from ..driver.state import RunState
 from .model import (
@@ -121,7 +121,7 @@ def summary(state: State) -> str:
         rows.append(f"  {facts.refused_text}")
     if facts.outcome:
         rows.append(f"  {facts.outcome}")
-    if snap.finished and snap.goodput:
+    if snap.finished and snap.goodput and says_something(snap.goodput):
         rows.append(f"  goodput: {describe_goodput(snap.goodput)}")
     profile = state.profile() if callable(getattr(state, "profile", None)) else None
     if profile is not None:
