@@ -25,6 +25,8 @@ import sys
 import textwrap
 import zipfile
 
+import pytest
+
 
 import torchdist_magic
 from install_guard import SOURCE
@@ -292,3 +294,35 @@ def where_torchdist_magic_is():
 def test_the_ranks_import_the_copy_under_test(local_distributor):
     run = local_distributor(2, all_ranks=True).submit(where_torchdist_magic_is)
     assert run.result(120) == [torchdist_magic.__file__] * 2
+
+
+def test_a_detached_runs_supervisor_and_ranks_import_the_copy_under_test(home):
+    from helpers import assert_nothing_survives
+
+    handle = torchdist_magic.Distributor(2, show=None, detach=True, all_ranks=True).run(where_torchdist_magic_is)
+    assert handle.result(120) == [torchdist_magic.__file__] * 2
+    assert_nothing_survives(handle.run_id, handle.record.pid)
+
+
+@pytest.mark.kernel
+def test_a_kernel_started_in_the_checkout_imports_the_copy_under_test():
+    from jupyter_client import KernelManager
+
+    km = KernelManager(kernel_name="python3")  # this interpreter
+    km.start_kernel(cwd=str(REPO))  # where IPython puts the working directory on sys.path, unless told not to
+    client = km.client()
+    client.start_channels()
+    printed = []
+
+    def keep(msg):
+        if msg["msg_type"] == "stream":
+            printed.append(msg["content"]["text"])
+
+    try:
+        client.wait_for_ready(timeout=60)
+        code = "import torchdist_magic; print(torchdist_magic.__file__)"
+        assert client.execute_interactive(code, timeout=60, output_hook=keep)["content"]["status"] == "ok"
+    finally:
+        client.stop_channels()
+        km.shutdown_kernel(now=True)
+    assert "".join(printed).strip() == torchdist_magic.__file__
