@@ -326,3 +326,43 @@ def test_a_kernel_started_in_the_checkout_imports_the_copy_under_test():
         client.stop_channels()
         km.shutdown_kernel(now=True)
     assert "".join(printed).strip() == torchdist_magic.__file__
+
+
+# -- the install guard (tests/install_guard.py) ----------------------------------------------------------
+def copy_of_package(root: pathlib.Path, **files: str) -> pathlib.Path:
+    package = root / "torchdist_magic"
+    (package / "core").mkdir(parents=True)
+    (package / "__init__.py").write_text("x = 1\n")
+    (package / "core" / "version.py").write_text('__version__ = "0.1.0"\n')
+    for name, text in files.items():
+        (package / name).write_text(text)
+    return package
+
+
+def test_the_guard_refuses_the_source_tree_in_ci_only(tmp_path):
+    from install_guard import install_problem
+
+    source = copy_of_package(tmp_path / "checkout")
+    problem = install_problem(source, source, ci=True)
+    assert problem.startswith("CI tests the installed wheel, but torchdist_magic was imported from the source tree (")
+    assert "(.venv/bin/pytest ...)" in problem
+    assert install_problem(source, source, ci=False) is None  # a developer testing the working tree
+
+
+def test_the_guard_refuses_a_stale_install_and_says_how_to_reinstall(tmp_path):
+    from install_guard import install_problem
+
+    source = copy_of_package(tmp_path / "checkout", **{"magic.py": "new = True\n"})
+    installed = copy_of_package(tmp_path / "site-packages")
+    (installed / "core" / "__pycache__").mkdir()
+    (installed / "core" / "__pycache__" / "version.cpython-311.pyc").write_bytes(b"\0")  # not a difference
+    for ci in (False, True):
+        problem = install_problem(installed, source, ci=ci)
+        assert problem.startswith(
+            f"the installed torchdist_magic ({installed}) is not this checkout's source: magic.py differ."
+        )
+        assert "Reinstall it with `bash .ci/setup wheel`" in problem
+    (installed / "magic.py").write_text("new = True\n")
+    assert install_problem(installed, source, ci=True) is None
+    (installed / "core" / "version.py").write_text('__version__ = "0.2.0"\n')
+    assert "core/version.py differ" in install_problem(installed, source)
