@@ -5,7 +5,8 @@ and the environments it goes into.
   its metadata asks for no Spark (``[spark]`` and ``[connect]`` do).
 - ``.venv-bare`` (``.ci/setup``: torch and the wheel alone, no extra): ``import
   torchdist_magic``, the magic and a local run work there without pyspark, pandas or pyarrow,
-  and ``--spark`` says how to install Spark.
+  and ``--spark`` says how to install Spark (a pandas DataFrame without pyarrow, how to install
+  that).
 - A Databricks-like environment, where ``pyspark`` is importable but no distribution of that
   name is installed (a runtime's own Spark, Databricks Connect): README's wheel line installs
   the wheel there pulling nothing else, then a real Spark job runs through torchdist_magic.
@@ -146,6 +147,55 @@ def test_without_pyspark_the_magic_and_local_runs_work_and_spark_says_how_to_ins
     for key in ("--spark --np 2", "--backend spark --np 2", "local_mode=False"):
         assert "pyspark is not installed in this environment" in out[key], out
         assert 'pip install "torchdist_magic[spark]"' in out[key], out
+
+
+PANDAS_WITHOUT_PYARROW = textwrap.dedent(
+    """
+    import importlib.util, json
+    import pandas
+    from IPython.core.error import UsageError
+    from IPython.core.interactiveshell import InteractiveShell
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "torchdist_magic")
+    ip.user_ns["df"] = pandas.DataFrame({"x": [1.0, 2.0, 3.0, 4.0]})
+    out = {"pyarrow": importlib.util.find_spec("pyarrow") is not None}
+    try:
+        ip.run_cell_magic("torchdist", "--np 2 --quiet --data df", "rank")
+    except UsageError as exc:
+        out["error"] = str(exc)
+    print(json.dumps(out))
+    """
+)
+
+
+def test_a_pandas_dataframe_without_pyarrow_says_how_to_install_it(tmp_path):
+    """pandas (with what it needs, from .venv) on PYTHONPATH of the bare venv, pyarrow nowhere."""
+    own = pathlib.Path(pandas_location()).parent
+    shared = tmp_path / "pandas-only"
+    shared.mkdir()
+    for name in ("pandas", "numpy", "numpy.libs", "pytz", "six.py"):
+        (shared / name).symlink_to(own / name)
+    done = subprocess.run(
+        [venv_python(BARE), "-c", PANDAS_WITHOUT_PYARROW],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(shared)),
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out == {
+        "pyarrow": False,
+        "error": "a pandas DataFrame travels to the local ranks as Arrow files, and pyarrow is not installed in "
+        'this environment: pip install pyarrow (the "torchdist_magic[spark]" extra brings it too)',
+    }
+
+
+def pandas_location() -> str:
+    import pandas
+
+    return os.path.dirname(pandas.__file__)
 
 
 # -- pyspark importable, not installed (a Databricks runtime, Databricks Connect) ----------------------
