@@ -234,39 +234,51 @@ SPARK_JOB = textwrap.dedent(
 )
 
 
-def databricks_like(tmp_path) -> tuple:
-    """A new venv whose own site-packages is empty, that sees ``.venv-bare``'s packages but
-    torchdist_magic as installed (a ``.pth``), with this interpreter's ``pyspark`` and ``py4j``
-    on ``PYTHONPATH`` only (no distribution of theirs installed): ``(bin directory, env)``."""
-    import pyspark
-
-    base = site_packages(venv_python(BARE))
-    shared = tmp_path / "runtime-packages"
+def venv_over(tmp_path, base: pathlib.Path) -> pathlib.Path:
+    """A new venv whose own site-packages is empty and that sees the packages of ``base`` (a
+    site-packages) but torchdist_magic as installed (a ``.pth``), with a ``pip``: its bin
+    directory.  Installing into it takes seconds: the rest is there."""
+    shared = tmp_path / "installed-packages"
     shared.mkdir()
     for entry in base.iterdir():
         if not entry.name.startswith(("torchdist_magic", "__editable__")):
             (shared / entry.name).symlink_to(entry)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    (site_packages(str(venv / "bin" / "python")) / "runtime.pth").write_text(f"{shared}\n")
+    (site_packages(str(venv / "bin" / "python")) / "installed.pth").write_text(f"{shared}\n")
     (venv / "bin" / "pip").write_text(f'#!/bin/sh\nexec "{venv}/bin/python" -m pip "$@"\n')
     (venv / "bin" / "pip").chmod(0o755)
+    return venv / "bin"
+
+
+def pip_env(bin_dir: pathlib.Path, **more: str) -> dict:
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        PIP_NO_INDEX="1",  # nothing may come from an index: all it needs is there
+        **more,
+    )
+    env.pop("PYTHONPATH", None)
+    env.update(more)
+    return env
+
+
+def databricks_like(tmp_path) -> tuple:
+    """A venv over ``.venv-bare``'s packages (``venv_over``), with this interpreter's ``pyspark``
+    and ``py4j`` on ``PYTHONPATH`` only (no distribution of theirs installed): ``(bin
+    directory, env)``."""
+    import py4j
+    import pyspark
+
+    bin_dir = venv_over(tmp_path, site_packages(venv_python(BARE)))
     spark_path = tmp_path / "spark-python"
     spark_path.mkdir()
-    import py4j
-
     for module in (pyspark, py4j):
         folder = pathlib.Path(module.__file__).parent
         (spark_path / folder.name).symlink_to(folder)
-    env = dict(
-        os.environ,
-        PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
-        PYTHONPATH=str(spark_path),
-        PIP_NO_INDEX="1",  # nothing may come from an index: all it needs is there
-        PYSPARK_PYTHON=str(venv / "bin" / "python"),
-    )
+    env = pip_env(bin_dir, PYTHONPATH=str(spark_path), PYSPARK_PYTHON=str(bin_dir / "python"))
     env.pop("SPARK_HOME", None)
-    return venv / "bin", env
+    return bin_dir, env
 
 
 def readme_install_lines():
@@ -305,6 +317,36 @@ def test_readmes_wheel_line_installs_where_pyspark_is_importable_but_not_install
     assert out["file"].startswith(str(tmp_path / "venv")), out["file"]
     value, rank_file = out["value"]
     assert value == 7 and rank_file == out["file"]  # rank 0's, with the wheel just installed
+
+
+def test_readmes_clone_line_installs_the_checkout_with_its_spark_extra(tmp_path):
+    """In a copy of the checkout's files that a build reads, over this venv's packages (pyspark
+    installed): the build uses this venv's setuptools (no index here), nothing else is pulled."""
+    (line,) = [x for x in readme_install_lines() if x.startswith('pip install ".')]
+    assert line == 'pip install ".[spark]"'
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        (clone / name).write_bytes((REPO / name).read_bytes())
+    import shutil
+
+    shutil.copytree(SOURCE, clone / "torchdist_magic", ignore=shutil.ignore_patterns("__pycache__"))
+    bin_dir = venv_over(tmp_path, site_packages(sys.executable))
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        ["bash", "-c", f"{line} --quiet --no-build-isolation --report {report}"],
+        cwd=clone,
+        env=pip_env(bin_dir),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]] == ["torchdist_magic"]
+    code = "import pyspark, torchdist_magic; print(torchdist_magic.__file__)"
+    done = subprocess.run(
+        [str(bin_dir / "python"), "-c", code], cwd=tmp_path, env=pip_env(bin_dir), capture_output=True, text=True
+    )
+    assert done.stdout.startswith(str(tmp_path / "venv")), done.stdout + done.stderr
 
 
 # -- the lower bounds ---------------------------------------------------------------------------------
