@@ -1,6 +1,7 @@
 """Fixtures every test file shares.  Spark's fixtures are a plugin of their own
-(``spark_fixtures``), and so is the gate that fails a run on an unexpected skip (``skip_gate``);
-process helpers are plain functions in ``helpers``."""
+(``spark_fixtures``), and so are the gate that fails a run on an unexpected skip (``skip_gate``)
+and the guard that the tests run against the installed wheel, not a stale one
+(``install_guard``); process helpers are plain functions in ``helpers``."""
 
 import os
 import shutil
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-pytest_plugins = ["spark_fixtures", "skip_gate"]
+pytest_plugins = ["install_guard", "spark_fixtures", "skip_gate"]
 
 #: every run the tests start leaves its record in the history of runs (``driver.history``): in a
 #: directory of this test session's own, never the user's, and gone with the session; the

@@ -136,7 +136,7 @@ def test_docs_extra_and_ci_build_the_site():
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as fh:
         assert ".venv/bin/mkdocs build --strict" in fh.read()
     with open(os.path.join(ROOT, ".ci", "setup"), encoding="utf-8") as fh:
-        assert re.search(r"^make_venv \.venv \S*docs", fh.read(), re.M)
+        assert re.search(r"^install_wheel \.venv \S*docs", fh.read(), re.M)  # the wheel with the docs extra
 
 
 def test_a_notebook_link_the_site_lacks_is_said(caplog):

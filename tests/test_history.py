@@ -1,6 +1,7 @@
 """The history of runs (driver/history.py): every run leaves a bounded record under a private
 per-user directory, which ``torchdist_magic.runs()`` and ``%torchdist runs`` list."""
 
+import json
 import os
 import stat
 import time
@@ -39,11 +40,20 @@ def test_a_run_leaves_its_record_options_logs_and_metrics(home):
     assert record.state == "succeeded" and record.failure == ""
     assert record.started <= record.ended and not record.detached
     assert record.options["num_processes"] == 2 and record.job_name == "talks_and_returns"
+    # the release that ran it, in the record's file as well
+    assert record.version == torchdist_magic.__version__
+    with open(os.path.join(record.directory, "record.json"), encoding="utf-8") as fh:
+        assert json.load(fh)["version"] == torchdist_magic.__version__
     assert record.log(1) == "hello from rank 1\n"
     assert [value for _step, value in record.metrics()["metrics"]["loss"]["0"]] == [0.5]
     assert stat.S_IMODE(os.stat(home).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(os.path.join(record.directory, "record.json")).st_mode) == 0o600
     assert_no_survivors(run)
+
+
+def test_a_record_written_before_releases_were_recorded_has_no_version(tmp_path):
+    record = history.RunRecord.from_json({"run_id": "r1", "state": "succeeded"}, str(tmp_path))
+    assert record.version == "" and history.RunRecord("r2").version == torchdist_magic.__version__
 
 
 def test_a_failed_run_keeps_its_root_cause(home):

@@ -34,6 +34,17 @@ def test_load_is_light():
     ) == ["[]", "True"]
 
 
+def test_percent_torchdist_version_prints_the_release(ip, capsys):
+    import torchdist_magic
+
+    assert ip.run_line_magic("torchdist", "--version") is None
+    assert capsys.readouterr().out == f"torchdist_magic {torchdist_magic.__version__}\n"
+    # the wheel's metadata says the same release (setup.cfg reads it: one value)
+    from importlib import metadata
+
+    assert metadata.version("torchdist_magic") == torchdist_magic.__version__
+
+
 def test_notebook_imports_classes_and_helpers(ip):
     cell(
         ip,

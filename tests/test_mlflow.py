@@ -17,6 +17,7 @@ import warnings
 
 import pytest
 
+import torchdist_magic
 from helpers import alive, assert_no_survivors, cell, free_port, pids_of_run, rank_1_waits_for_data, touch, wait_until
 from torchdist_magic import RankFailure, RunCancelled, rank, report, restart_count
 
@@ -222,6 +223,7 @@ def test_a_good_run_is_one_mlflow_run_with_options_metrics_system_metrics_and_lo
         "job": "report_then_wait",
     }  # env: names, not values
     assert mlrun.data.tags["torchdist.state"] == "succeeded" and mlrun.data.tags["torchdist.run_id"] == run.run_id
+    assert mlrun.data.tags["torchdist.version"] == torchdist_magic.__version__  # the release that ran it
     assert "mlflow.parentRunId" not in mlrun.data.tags and "torchdist.dropped_metric_points" not in mlrun.data.tags
     # rank 0's metrics under their own names and steps; rank 1's own metric is not the job's
     assert history(run_id, "loss") == [(0, 1.0), (10, 0.5), (20, 1 / 3), (30, 0.25)]

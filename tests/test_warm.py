@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from helpers import alive, cell, pids_of_run, wait_until
+import torchdist_magic
 from torchdist_magic import HangTimeout, JobTimeout, RankFailure, RunCancelled, pools, shutdown_pools
 from torchdist_magic.core.options import OptionError
 
@@ -383,7 +384,9 @@ def test_a_pool_does_not_outlive_its_python_process(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
-        env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        env=dict(
+            os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(torchdist_magic.__file__))
+        ),  # the copy under test
     )
     assert out.returncode == 0, out.stderr
     run_id, *pids = out.stdout.split()

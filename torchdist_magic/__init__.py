@@ -11,6 +11,7 @@ from .rank.shard import shard
 from .core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
 from .core.options import LaunchOptions
 from .core.registry import register_backend, unregister_backend
+from .core.version import __version__ as __version__
 from .rank.runtime import (
     RankStopped,
     device,
@@ -26,8 +27,6 @@ from .rank.runtime import (
     save_checkpoint,
     world_size,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Distributor",

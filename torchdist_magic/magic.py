@@ -106,8 +106,14 @@ class TorchdistMagics(Magics):
 
         ``%torchdist runs`` lists the recorded runs, ``%torchdist attach RUN_ID`` follows a
         detached run (``--detach``) and returns its value, ``%torchdist stop RUN_ID`` stops one.
+        ``%torchdist --version`` prints the release of torchdist_magic this kernel runs.
         """
         words = line.split()
+        if cell is None and words == ["--version"]:
+            from .core.version import __version__
+
+            print(f"torchdist_magic {__version__}")
+            return None
         if cell is None and words and words[0] in RUN_COMMANDS:
             return self._run_command(words[0], words[1:])
         try:

@@ -112,6 +112,12 @@ WANTS_PANDAS = (
     "Spark run make it a Spark DataFrame first: spark.createDataFrame(pandas_df)"
 )
 
+#: pyarrow is not required (a cluster brings its own): a pandas DataFrame on local ranks needs it
+NO_PYARROW = (
+    "a pandas DataFrame travels to the local ranks as Arrow files, and pyarrow is not installed in "
+    'this environment: pip install pyarrow (the "torchdist_magic[spark]" extra brings it too)'
+)
+
 
 def prepare_pandas(data: Any, num_processes: int, columns: Optional[Sequence[str]] = None) -> PreparedData:
     """Check ``data``, a pandas DataFrame, for a run of ``num_processes`` local ranks;
@@ -231,7 +237,10 @@ def _arrow_tensor_type(data_type) -> bool:
 
 
 def _prepare_pandas(frame, num_processes: int, columns) -> PreparedData:
-    import pyarrow as pa
+    try:
+        import pyarrow as pa
+    except ImportError:
+        raise ValueError(NO_PYARROW) from None
 
     chosen = _chosen_columns([str(c) for c in frame.columns], columns)
     frame = frame[chosen] if chosen != [str(c) for c in frame.columns] else frame

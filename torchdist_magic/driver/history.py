@@ -53,6 +53,7 @@ from ..core.privdir import (
     read_own,
     remove_fallback,
 )
+from ..core.version import __version__
 
 HOME_ENV = "TORCHDIST_HOME"
 RUNS_ENV = "TORCHDIST_HISTORY_RUNS"
@@ -149,6 +150,8 @@ class RunRecord:
     #: a detached run's control socket (``supervisor``), and whether its value is kept
     control: str = ""
     has_value: bool = False
+    #: the release of torchdist_magic that ran it (a record written before releases were recorded: "")
+    version: str = __version__
     directory: str = ""
 
     @property
@@ -187,6 +190,7 @@ class RunRecord:
     def from_json(cls, data: dict, directory: str) -> "RunRecord":
         names = {f.name for f in dataclasses.fields(cls)} - {"directory"}
         known = {k: v for k, v in data.items() if k in names}
+        known.setdefault("version", "")
         if known.get("root_cause") is not None:
             known["root_cause"] = failure_from_json(known["root_cause"])
         return cls(directory=directory, **known)

@@ -19,6 +19,8 @@ run when there is one.  It holds:
 * with ``--profile``, the merged trace of every rank (``profile/trace.json``);
 * where its wall time went (``goodput``) as ``goodput/<part>`` (``goodput/training_s``, ...),
   written at the end;
+* tags ``torchdist.run_id``, ``torchdist.backend`` and ``torchdist.version`` (the release of
+  torchdist_magic that ran it), from the start;
 * status FINISHED, FAILED (tags ``torchdist.failed_rank``, ``torchdist.exception``,
   ``torchdist.message``) or KILLED (cancelled, timed out, hung), and ``torchdist.state``;
   where the ranks' collective records named the rank that held the others up (``culprit``),
@@ -49,6 +51,7 @@ from ..core import events
 from ..core.options import LaunchOptions, option_fields
 from .state import RunState
 from ..core.timing import MLFLOW_CLOSE_WAIT, MLFLOW_FLUSH_INTERVAL
+from ..core.version import __version__
 
 #: metric points waiting to be written at most; more are dropped (and counted)
 QUEUE_POINTS = 100_000
@@ -186,7 +189,7 @@ class MlflowLogger:
         self.state = state
         self.tracking_uri = mlflow.get_tracking_uri()
         parent = mlflow.active_run()
-        tags = {"torchdist.run_id": state.run_id, "torchdist.backend": state.backend}
+        tags = {"torchdist.run_id": state.run_id, "torchdist.backend": state.backend, "torchdist.version": __version__}
         self.run_id = ""
         try:
             self._client = mlflow.MlflowClient(self.tracking_uri)
