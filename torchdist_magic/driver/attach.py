@@ -300,6 +300,13 @@ class AttachedRun:
         full = read_full_logs(self.directory, rank, attempt)
         return full if full is not None else self.state.logs(rank, attempt)
 
+    def status(self) -> dict:
+        """The run's status as a dict of JSON values (``driver.status.run_status``): the same
+        keys as ``Run.status()``, from the supervising process while it runs."""
+        from .status import run_status
+
+        return run_status(self.state)
+
     def detach(self) -> None:
         """Stop following the run here (the run goes on): the views that follow it stop; the
         handle still says when the run ends (``wait``, ``result``)."""
