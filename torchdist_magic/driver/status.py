@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
+import time
 from typing import Any, Dict, List, Optional
 
 from ..core import culprit
@@ -226,6 +227,46 @@ EXPLAIN_SCHEMA: Dict[str, Any] = {
 }
 EXPLAIN_SCHEMA["properties"]["root_cause"]["required"] = [*_FAILURE["required"], "traceback"]
 
+#: one run of the history (``record_json``; ``torchdist runs --json`` prints a list of them)
+RECORD_SCHEMA: Dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "torchdist run record",
+    "type": "object",
+    "additionalProperties": False,
+    "required": [
+        "schema",
+        "run_id",
+        "state",
+        "outcome",
+        "started",
+        "ended",
+        "duration_s",
+        "backend",
+        "num_processes",
+        "detached",
+        "job",
+        "host",
+        "root_cause",
+        "failure",
+    ],
+    "properties": {
+        "schema": {"const": SCHEMA_VERSION},
+        "run_id": {"type": "string"},
+        "state": {"enum": ["running", "succeeded", "failed", "cancelled"]},
+        "outcome": {"type": "string"},
+        "started": {"type": "number"},
+        "ended": _NUMBER,
+        "duration_s": {"type": "number"},
+        "backend": {"type": "string"},
+        "num_processes": {"type": "integer"},
+        "detached": {"type": "boolean"},
+        "job": {"type": "string"},
+        "host": {"type": "string"},
+        "root_cause": _FAILURE,
+        "failure": {"type": "string"},
+    },
+}
+
 #: the known errors and what helps: ``(name, pattern over the failure's text, remedy)``
 REMEDIES = (
     (
@@ -407,6 +448,29 @@ def run_status(state: Any) -> Dict[str, Any]:
         "message": snap.message or "",
         "goodput": {key: float(value) for key, value in snap.goodput.items() if _number(value) is not None},
         "ranks": ranks,
+    }
+
+
+def record_json(record: Any, now: Optional[float] = None) -> Dict[str, Any]:
+    """A run's record of the history (``history.RunRecord``) as ``RECORD_SCHEMA`` describes it:
+    ``outcome`` is the run's own end (``hung``, ``timed out``: a ``failed`` state), "" while it
+    runs."""
+    now = time.time() if now is None else now
+    return {
+        "schema": SCHEMA_VERSION,
+        "run_id": record.run_id,
+        "state": record.state,
+        "outcome": record.outcome or ("" if record.state == "running" else record.state),
+        "started": record.started,
+        "ended": record.ended,
+        "duration_s": max((record.ended or now) - record.started, 0.0),
+        "backend": record.backend or "",
+        "num_processes": record.num_processes,
+        "detached": bool(record.detached),
+        "job": record.job_name or "",
+        "host": record.host or "",
+        "root_cause": failure_json(record.root_cause),
+        "failure": record.failure or "",
     }
 
 
