@@ -368,6 +368,7 @@ class AttachedRun:
         if self._ending is not None:
             outcome, cause, message = self._ending
             state.finish(outcome, cause, message)
+            state.ended = self.record.ended or state.ended  # when it ended, not when it was replayed
         return state
 
     def _from_record(self, state: RunState) -> None:

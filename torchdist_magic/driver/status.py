@@ -318,9 +318,9 @@ def _number(value: Any) -> Optional[float]:
     return float(value) if math.isfinite(value) else None
 
 
-def _bar(bar: Optional[dict]) -> Optional[Dict[str, Any]]:
+def _bar(bar: Optional[dict], ended: bool = False) -> Optional[Dict[str, Any]]:
     """A progress bar in JSON: its steps, percent done, steps per second and the seconds left at
-    that rate (None where unknown)."""
+    that rate (None where unknown, and once the run has ``ended``)."""
     if not bar:
         return None
     n = int(bar.get("n") or 0)
@@ -334,7 +334,7 @@ def _bar(bar: Optional[dict]) -> Optional[Dict[str, Any]]:
         "total": total,
         "percent": round(100.0 * n / total, 2) if total else None,
         "rate": rate,
-        "eta_s": max(total - n, 0) / rate if total and rate else None,
+        "eta_s": max(total - n, 0) / rate if total and rate and not ended else None,
     }
 
 
@@ -366,10 +366,10 @@ def _culprit_json(verdict: Any) -> Optional[Dict[str, Any]]:
     }
 
 
-def _run_progress(outer: List[Optional[dict]]) -> Optional[Dict[str, Any]]:
+def _run_progress(outer: List[Optional[dict]], ended: bool) -> Optional[Dict[str, Any]]:
     """The run's progress: its outermost bar with a total on the rank furthest behind (the run
     ends when that rank does)."""
-    bars = [_bar(bar) for bar in outer if bar]
+    bars = [_bar(bar, ended) for bar in outer if bar]
     counted = [b for b in bars if b["total"]]
     if counted:
         return min(counted, key=lambda b: (b["percent"], b["n"]))
@@ -415,7 +415,7 @@ def run_status(state: Any) -> Dict[str, Any]:
                 "pid": rs.pid,
                 "state": rs.state,
                 "exit_code": rs.exit_code,
-                "progress": _bar(rs.current_progress()),
+                "progress": _bar(rs.current_progress(), snap.finished),
                 "metrics": {str(name): _number(value) for name, value in rs.metrics.items()},
                 "step_time_s": _number(rs.step_time),
                 "quiet_s": None if snap.finished else _number(quiet[rs.rank]),
@@ -440,10 +440,10 @@ def run_status(state: Any) -> Dict[str, Any]:
             {"attempt": a.number, "started": a.started, "ended": a.ended, "root_cause": failure_json(a.failure)}
             for a in snap.attempts
         ],
-        "progress": _run_progress(outer),
+        "progress": _run_progress(outer, snap.finished),
         "metrics": _spread(ranks),
         "stragglers": [{"rank": s.rank, "host": s.host or "", "why": s.why} for s in snap.stragglers],
-        "culprit": _culprit_json(snap.verdict),
+        "culprit": _culprit_json(_verdict(state, snap)),
         "root_cause": failure_json(snap.failure or (failures[0] if failures else None)),
         "message": snap.message or "",
         "goodput": {key: float(value) for key, value in snap.goodput.items() if _number(value) is not None},
@@ -482,7 +482,13 @@ def _verdict(state: Any, snap: Any) -> Any:
     records = getattr(state, "collectives", None)
     if not records:
         return None
-    exited = {rs.rank: f"exited with code {rs.exit_code}" for rs in snap.ranks if rs.exit_code is not None}
+    # every rank has exited by now (stopped): those that had when the records were asked for are
+    # the ones that sent no stacks then (each running rank's stacks are records of the journal)
+    exited = {
+        rs.rank: f"exited with code {rs.exit_code}"
+        for rs in snap.ranks
+        if rs.exit_code is not None and snap.stacks and rs.rank not in snap.stacks
+    }
     return culprit.verdict(dict(records), range(snap.num_processes), exited) or None
 
 
