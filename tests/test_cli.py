@@ -560,3 +560,12 @@ def test_piped_the_text_view_prints_plain_lines():
     assert view.live is False
     view.close()
     assert "\x1b" not in out.getvalue()
+
+
+def test_the_docs_page_names_every_key_of_each_schema():
+    with open(os.path.join(ROOT, "docs", "guide", "terminal.md"), encoding="utf-8") as fh:
+        page = fh.read()
+    for schema in (STATUS_SCHEMA, RECORD_SCHEMA, EXPLAIN_SCHEMA):
+        for key in schema["properties"]:
+            assert f"`{key}`" in page, f"docs/guide/terminal.md does not name {schema['title']}'s key {key!r}"
+    assert "schema 1" in page and STATUS_SCHEMA["properties"]["schema"]["const"] == 1
