@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 import pytest
@@ -247,9 +248,12 @@ def test_ctrl_c_stops_every_rank_and_exits_130(home, tmp_path):
         run_id = wait_until(lambda: history.runs(), 60, "the run's record")[0].run_id
         wait_until(lambda: len(pids_of_run(run_id)) >= 2, 60, "both ranks")
         wait_until(lambda: "[rank 1] step 1" in _read_some(process), 60, "rank 1's lines")
+        status = status_json(run_id)  # from its record: the process that runs it alone knows more
+        assert status["state"] == "running" and not status["finished"] and status["num_processes"] == 2
     finally:
         process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=WAIT)
+        process.wait(timeout=WAIT)
+    err = process.stderr.read()
     assert process.returncode == 130
     assert "torchdist: interrupted; every rank was stopped" in err
     wait_until(lambda: not pids_of_run(run_id), 30, "the ranks to end")
@@ -371,7 +375,8 @@ def test_a_detached_run_is_watched_followed_attached_and_stopped(home, tmp_path)
         attach = started("attach", run_id)
         wait_until(lambda: "[rank 1] step" in _read_some(attach), 60, "attach to show rank 1's lines")
         attach.send_signal(signal.SIGINT)  # Ctrl-C leaves the run running
-        _, attach_err = attach.communicate(timeout=WAIT)
+        attach.wait(timeout=WAIT)
+        attach_err = attach.stderr.read()
         assert attach.returncode == 130
         assert f"torchdist: stopped following run {run_id}, which goes on" in attach_err
         assert status_json(run_id)["state"] == "running"
@@ -404,17 +409,19 @@ def test_a_detached_run_is_watched_followed_attached_and_stopped(home, tmp_path)
 
 
 def _read_some(process) -> str:
-    """What ``process`` printed so far on stdout, without waiting for its end."""
-    import select
+    """What ``process`` printed so far on stdout, read by a thread of its own (the process
+    prints faster than a test looks), without waiting for its end."""
+    reader = getattr(process, "_reader", None)
+    if reader is None:
+        lines: list = []
 
-    text = getattr(process, "_seen", "")
-    while select.select([process.stdout], [], [], 0.2)[0]:
-        line = process.stdout.readline()
-        if not line:
-            break
-        text += line
-    process._seen = text
-    return text
+        def read() -> None:
+            for line in process.stdout:
+                lines.append(line)
+
+        reader = process._reader = (threading.Thread(target=read, daemon=True), lines)
+        reader[0].start()
+    return "".join(reader[1])
 
 
 def test_a_detached_run_succeeds_and_attach_exits_0_leaving_the_value(home, tmp_path):

@@ -438,7 +438,8 @@ def recorded_state(record: RunRecord) -> RunState:
         record.run_id, record.num_processes, record.backend, bool(record.options.get("use_gpu")), record.job_name
     )
     state.started = record.started
-    if record.state == "running":
+    if record.state == "running":  # in the process that started it, which alone knows more
+        state.state = "running"
         return state
     cause = record.root_cause
     for rank in range(record.num_processes):  # how each rank ended, as far as the record says
