@@ -209,9 +209,15 @@ def test_help_lists_every_command_and_run_takes_the_magics_flags():
         (("run", "--np", "2", "missing.py"), "torchdist run: script 'missing.py' does not exist"),
         (("run", "--tls", "--no-tls", "x.py"), "--tls and --no-tls contradict each other: give one"),
         (("status",), "torchdist status: the following arguments are required: RUN"),
+        (("run", "--detach", "missing.py"), "torchdist run: script 'missing.py' does not exist"),
+        (
+            ("run", "--detach", "--spark", "x.py"),
+            "torchdist run: backend 'spark' (--spark, local_mode=False) runs on the active SparkSession",
+        ),
     ],
 )
 def test_usage_errors_exit_2_with_the_reason_and_start_nothing(home, tmp_path, words, message):
+    script(tmp_path, "x.py", SUCCEEDS)
     done = torchdist(*words, cwd=tmp_path)
     assert done.returncode == 2, done
     assert message in done.stderr, done.stderr
@@ -240,6 +246,14 @@ def test_a_failed_run_exits_1_with_the_root_cause_rank_traceback_on_stderr(home,
     [record] = history.runs()
     assert record.root_cause.rank == 1
     assert not pids_of_run(record.run_id)
+
+
+def test_a_run_past_its_timeout_exits_1_saying_so(home, tmp_path):
+    done = torchdist("run", "--np", "2", "--timeout", "3", script(tmp_path, "steps.py", STEPS), cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.startswith("JobTimeout: distributed run timed out after 3 s; every rank was stopped")
+    [record] = history.runs()
+    assert record.outcome == "timed out" and not pids_of_run(record.run_id)
 
 
 def test_ctrl_c_stops_every_rank_and_exits_130(home, tmp_path):
@@ -280,12 +294,10 @@ def test_runs_json_and_run_ids_by_unique_prefix(home, tmp_path):
         prefix = next(run_id[:n] for n in range(1, len(run_id) + 1) if sum(i.startswith(run_id[:n]) for i in ids) == 1)
         assert status_json(prefix)["run_id"] == run_id
     common = os.path.commonprefix(ids)
-    if common:
-        ambiguous = torchdist("status", common)
-        assert ambiguous.returncode == 2
-        assert f"torchdist: run id {common!r} is ambiguous: 2 runs start with it ({ids[0]}, {ids[1]})" in (
-            ambiguous.stderr
-        )
+    assert common  # each process's first run: "1-..."
+    ambiguous = torchdist("status", common)
+    assert ambiguous.returncode == 2
+    assert f"torchdist: run id {common!r} is ambiguous: 2 runs start with it ({ids[0]}, {ids[1]})" in (ambiguous.stderr)
     wrong = torchdist("logs", "zzz")
     assert wrong.returncode == 2
     assert f"torchdist: no run 'zzz'; the runs are (newest first): {ids[0]}, {ids[1]}" in wrong.stderr
