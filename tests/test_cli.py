@@ -17,7 +17,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 
 import pytest
 
@@ -392,10 +391,10 @@ def test_a_detached_run_is_watched_followed_attached_and_stopped(home, tmp_path)
         assert attach.returncode == 130
         assert f"torchdist: stopped following run {run_id}, which goes on" in attach_err
         assert status_json(run_id)["state"] == "running"
-        time.sleep(1.5)  # a few looks of --watch while it runs
+        wait_until(lambda: _read_some(watch).count(f"run {run_id}  running") >= 2, 60, "two looks of --watch")
         stop = torchdist("stop", run_id)
         assert stop.returncode == 0 and stop.stdout == f"torchdist: run {run_id} is stopping\n"
-        out, _ = watch.communicate(timeout=WAIT)
+        out = _all_output(watch)
         assert watch.returncode == 1  # the run did not succeed
         blocks = [b for b in out.split("\n\n") if b.strip()]
         assert len(blocks) >= 2 and f"run {run_id}  running" in blocks[0]
@@ -434,6 +433,14 @@ def _read_some(process) -> str:
         reader = process._reader = (threading.Thread(target=read, daemon=True), lines)
         reader[0].start()
     return "".join(reader[1])
+
+
+def _all_output(process) -> str:
+    """Everything ``process`` printed on stdout, once it has ended."""
+    _read_some(process)
+    process.wait(timeout=WAIT)
+    process._reader[0].join(WAIT)
+    return "".join(process._reader[1])
 
 
 def test_a_detached_run_succeeds_and_attach_exits_0_leaving_the_value(home, tmp_path):
