@@ -33,6 +33,9 @@ from helpers import assert_nothing_survives, pids_of_run, wait_until
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "torchdist")
 WAIT = 120  # seconds a command may take at most on a busy machine
+#: seconds of quiet after which a run is declared hung: a rank's start (before its script says
+#: anything) must fit in it on a busy machine
+HANG_TIMEOUT = "10"
 
 STEPS = """
 import time
@@ -60,13 +63,13 @@ if rank() == 1:
 #: --hang-timeout seconds after the last sign of life, however slowly a busy machine starts them)
 HANGS = """
 import threading, time
-import torch, torch.distributed as dist
-from torchdist_magic import rank
 started = threading.Event()
 def alive():
     while not started.wait(1.0):
         print("starting", flush=True)
 threading.Thread(target=alive, daemon=True).start()
+import torch, torch.distributed as dist
+from torchdist_magic import rank
 dist.init_process_group("gloo")
 t = torch.ones(4)
 for _ in range(3):
@@ -456,7 +459,7 @@ def test_a_detached_run_succeeds_and_attach_exits_0_leaving_the_value(home, tmp_
 # -- explain of a hang --------------------------------------------------------------------------
 def test_explain_of_a_hung_detached_run_names_the_rank_behind(home, tmp_path):
     done = torchdist(
-        "run", "--np", "3", "--hang-timeout", "5", "--detach", script(tmp_path, "hang.py", HANGS), cwd=tmp_path
+        "run", "--np", "3", "--hang-timeout", HANG_TIMEOUT, "--detach", script(tmp_path, "hang.py", HANGS), cwd=tmp_path
     )
     run_id = done.stdout.strip()
     record = history.read_record(run_id)
@@ -482,7 +485,9 @@ def test_explain_of_a_hung_detached_run_names_the_rank_behind(home, tmp_path):
 
 
 def test_a_hung_run_exits_1_saying_which_rank_is_behind(home, tmp_path):
-    done = torchdist("run", "--np", "3", "--hang-timeout", "5", script(tmp_path, "hang.py", HANGS), cwd=tmp_path)
+    done = torchdist(
+        "run", "--np", "3", "--hang-timeout", HANG_TIMEOUT, script(tmp_path, "hang.py", HANGS), cwd=tmp_path
+    )
     assert done.returncode == 1
     assert done.stderr.startswith("HangTimeout: Rank 1 is behind: its last collective was #3 all_reduce")
     [record] = history.runs()
@@ -595,3 +600,13 @@ def test_the_docs_page_names_every_key_of_each_schema():
         for key in schema["properties"]:
             assert f"`{key}`" in page, f"docs/guide/terminal.md does not name {schema['title']}'s key {key!r}"
     assert "schema 1" in page and STATUS_SCHEMA["properties"]["schema"]["const"] == 1
+
+
+def test_a_rank_that_fails_while_a_hung_run_is_stopped_is_no_root_cause():
+    state = RunState("r-4", 2, "local processes")
+    collateral = Failure(rank=0, exit_code=1, exc_type="RuntimeError", message="Connection closed by peer")
+    state.apply(events.Exit(rank=0, code=1, failure=collateral))
+    state.finish("hung", message="no rank sent progress, metrics or output for 10 s (hang_timeout)")
+    status, found = run_status(state), explain(state)
+    assert status["root_cause"] is None and found["root_cause"] is None and found["ranks"] == []
+    assert found["headline"] == "no rank sent progress, metrics or output for 10 s (hang_timeout)"

@@ -31,6 +31,8 @@ SCHEMA_VERSION = 1
 EXPLAIN_LINES = 20
 #: run states after which nothing more happens
 ENDED_STATES = ("succeeded", "failed", "cancelled", "timed out", "hung")
+#: those in which the run was stopped as a whole, not by a rank's failure
+STOPPED_STATES = ("cancelled", "timed out", "hung")
 
 _NUMBER = {"type": ["number", "null"]}
 _BAR = {
@@ -389,6 +391,13 @@ def _spread(ranks: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     }
 
 
+def _failures(snap: Any) -> list:
+    """The failed ranks, root cause first; none once a hang, a timeout or a stop ended the run:
+    a rank that fails while the others are being stopped (a peer's connection closed) is not
+    why the run ended."""
+    return [] if snap.state in STOPPED_STATES else snap.failures()
+
+
 def run_status(state: Any) -> Dict[str, Any]:
     """The status of the run whose state is ``state`` (a ``RunState``, or the ``HostedState`` of a
     detached run), as ``STATUS_SCHEMA`` describes it.
@@ -421,7 +430,7 @@ def run_status(state: Any) -> Dict[str, Any]:
                 "quiet_s": None if snap.finished else _number(quiet[rs.rank]),
             }
         )
-    failures = snap.failures()
+    failures = _failures(snap)
     return {
         "schema": SCHEMA_VERSION,
         "run_id": snap.run_id,
@@ -498,7 +507,7 @@ def explain(state: Any, lines: int = EXPLAIN_LINES) -> Dict[str, Any]:
     ``lines`` lines of each rank involved, what the pre-flight found, and the known remedies
     for the errors seen."""
     snap = state.snapshot()
-    failures = snap.failures()
+    failures = _failures(snap)
     cause = snap.failure or (failures[0] if failures else None)
     verdict = _verdict(state, snap)
     involved: Dict[int, str] = {}
