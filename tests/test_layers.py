@@ -28,7 +28,7 @@ MAY_IMPORT = {
     # the public names: the Python API, the magics, the panel, and the helpers a job calls
     "top": {"view", "driver", "backends", "launch", "wire", "core", "rank"},
 }
-TOP = {"__init__", "api", "magic", "panel"}
+TOP = {"__init__", "__main__", "api", "cli", "magic", "panel"}
 
 
 def package_of(module: str) -> str:

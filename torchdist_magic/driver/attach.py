@@ -300,6 +300,13 @@ class AttachedRun:
         full = read_full_logs(self.directory, rank, attempt)
         return full if full is not None else self.state.logs(rank, attempt)
 
+    def status(self) -> dict:
+        """The run's status as a dict of JSON values (``driver.status.run_status``): the same
+        keys as ``Run.status()``, from the supervising process while it runs."""
+        from .status import run_status
+
+        return run_status(self.state)
+
     def detach(self) -> None:
         """Stop following the run here (the run goes on): the views that follow it stop; the
         handle still says when the run ends (``wait``, ``result``)."""
@@ -361,36 +368,13 @@ class AttachedRun:
         if self._ending is not None:
             outcome, cause, message = self._ending
             state.finish(outcome, cause, message)
+            state.ended = self.record.ended or state.ended  # when it ended, not when it was replayed
         return state
 
     def _from_record(self, state: RunState) -> None:
-        """``state`` as the run's record kept it when the run ended (a run with no journal): its
-        end, each rank's last lines, its metric histories."""
-        record = self.record = read_record(self.run_id)
-        for rank in range(state.num_processes):
-            plain: List[str] = []  # lines in a row that end with a newline: one record for them all
-            for line in record.log(rank).splitlines(keepends=True):
-                if line.endswith("\r"):
-                    _apply_lines(state, rank, plain)
-                    plain = []
-                    state.apply(events.Log(rank=rank, line=line[:-1], cr=True))
-                else:
-                    plain.append(line.rstrip("\r\n"))
-            _apply_lines(state, rank, plain)
-        for name, by_rank in record.metrics().get("metrics", {}).items():
-            for rank, points in by_rank.items():  # one record a metric and rank: every point as a column
-                steps = [step for step, _ in points]
-                state.apply(
-                    events.Metrics(
-                        rank=int(rank),
-                        names=[name],
-                        steps=steps,
-                        times=[0.0] * len(steps),
-                        values=[[v for _, v in points]],
-                    )
-                )
-        outcome = record.outcome or record.state
-        state.finish(outcome, record.root_cause, record.failure)
+        """``state`` as the run's record kept it when the run ended (a run with no journal)."""
+        self.record = read_record(self.run_id)
+        _apply_record(state, self.record)
 
     def _follow(self) -> None:
         done = os.path.join(self.directory, DONE_FILE)
@@ -444,3 +428,55 @@ def _apply_lines(state: RunState, rank: int, lines: List[str]) -> None:
     """``lines`` (none of them redrawn) as ``rank``'s output, in one record."""
     if lines:
         state.apply(events.Log(rank=rank, line=lines[0], more=lines[1:]))
+
+
+def recorded_state(record: RunRecord) -> RunState:
+    """The state of run ``record`` (detached or not) as its record kept it: its end, root cause,
+    each rank's last lines and its metric histories; while the run goes on, only what the record
+    says so far (a run in another kernel shows itself there)."""
+    state = RunState(
+        record.run_id, record.num_processes, record.backend, bool(record.options.get("use_gpu")), record.job_name
+    )
+    state.started = record.started
+    if record.state == "running":  # in the process that started it, which alone knows more
+        state.state = "running"
+        return state
+    cause = record.root_cause
+    for rank in range(record.num_processes):  # how each rank ended, as far as the record says
+        if record.state == "succeeded":
+            state.apply(events.Exit(rank=rank, code=0, time=record.ended or 0.0))
+        elif cause is not None and rank == cause.rank:
+            code = 1 if cause.exit_code is None else cause.exit_code
+            state.apply(events.Exit(rank=rank, code=code, time=cause.time, host=cause.host, failure=cause))
+    _apply_record(state, record)
+    state.ended = record.ended or state.ended
+    return state
+
+
+def _apply_record(state: RunState, record: RunRecord) -> None:
+    """``state`` as ``record`` kept the run when it ended: each rank's last lines, its metric
+    histories, its end."""
+    for rank in range(state.num_processes):
+        plain: List[str] = []  # lines in a row that end with a newline: one record for them all
+        for line in record.log(rank).splitlines(keepends=True):
+            if line.endswith("\r"):
+                _apply_lines(state, rank, plain)
+                plain = []
+                state.apply(events.Log(rank=rank, line=line[:-1], cr=True))
+            else:
+                plain.append(line.rstrip("\r\n"))
+        _apply_lines(state, rank, plain)
+    for name, by_rank in record.metrics().get("metrics", {}).items():
+        for rank, points in by_rank.items():  # one record a metric and rank: every point as a column
+            steps = [step for step, _ in points]
+            state.apply(
+                events.Metrics(
+                    rank=int(rank),
+                    names=[name],
+                    steps=steps,
+                    times=[0.0] * len(steps),
+                    values=[[v for _, v in points]],
+                )
+            )
+    outcome = record.outcome or record.state
+    state.finish(outcome, record.root_cause, record.failure)

@@ -274,6 +274,13 @@ class Run:
         or in attempt ``attempt`` only (1 for the first)."""
         return self.state.logs(rank, attempt)
 
+    def status(self) -> Dict[str, Any]:
+        """The run's status as a dict of JSON values (``driver.status.run_status``, schema
+        ``SCHEMA_VERSION``): what ``torchdist status --json`` prints."""
+        from .status import run_status
+
+        return run_status(self.state)
+
     @property
     def channel_encrypted(self) -> bool:
         """Whether the run's event channel (a warm run's: its pool's) is TLS-encrypted: by

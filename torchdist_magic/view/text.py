@@ -6,12 +6,19 @@ per rank at a bounded rate; a restart is announced with the failure that caused 
 table ends the run (with where each rank was, when a hang or a timeout stopped it).  ``summary_with_logs`` adds each
 rank's last lines: the ``text/plain`` a notebook keeps of a widget view.
 
+On a terminal (``out`` is a TTY, ``TERM`` not ``dumb``) the progress is a live block under the
+output instead: a line per rank (a large run: its one-line ``status``), redrawn in place at each
+update, each line cut to the terminal's width so that the redraw knows how many lines to go back.
+Piped, the same view prints plain lines, as before.
+
 Like the widget, it reads the run through the view model (``model``: one snapshot per update,
 a ``LogCursor`` for the lines): one meter, several renderers.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import time
 from typing import List, Optional, TextIO, Tuple, Union
@@ -170,10 +177,16 @@ class TextView:
     and ``err`` default to ``sys.stdout``/``sys.stderr`` as they are when printing (so that a
     notebook or pytest capturing them gets the lines)."""
 
-    def __init__(self, state: RunState, out: Optional[TextIO] = None, err: Optional[TextIO] = None):
+    def __init__(
+        self, state: RunState, out: Optional[TextIO] = None, err: Optional[TextIO] = None, live: Optional[bool] = None
+    ):
         self.state = state
         self.out = out
         self.err = err
+        #: a live block redrawn in place (``None``: when ``out`` is a terminal)
+        self.live = is_terminal(out or sys.stdout) if live is None else live
+        self._block = 0  # lines of the live block on the screen now
+        self._drawn = ""  # and their text
         snap = state.snapshot()
         self._seen = -1  # the state's version at the last update
         self._logs = LogCursor(snap.num_processes)
@@ -188,8 +201,28 @@ class TextView:
         self._print(header(snap))
 
     def _print(self, text: str, stream: str = "stdout") -> None:
+        self._erase()
         target = (self.err or sys.stderr) if stream == "stderr" else (self.out or sys.stdout)
         print(text, file=target, flush=True)
+
+    def _erase(self) -> None:
+        """Take the live block off the screen (the cursor back to where it began)."""
+        if self._block:
+            (self.out or sys.stdout).write(f"\x1b[{self._block}F\x1b[J")
+            self._block = 0
+
+    def _draw(self, view: Optional[LargeView], snap: RunSnapshot) -> None:
+        """The live block: a line per rank, or a large run's one line, cut to the width."""
+        lines = [status(view)] if view is not None else [_rank_line(rs).strip() for rs in snap.ranks]
+        width = max(shutil.get_terminal_size().columns - 1, 20)
+        text = "".join(line[:width] + "\n" for line in lines)
+        if self._block and text == self._drawn:
+            return  # nothing new: no redraw, no flicker
+        out = self.out or sys.stdout
+        self._erase()
+        out.write(text)
+        out.flush()
+        self._block, self._drawn = len(lines), text
 
     def update(self) -> None:
         now = time.monotonic()
@@ -201,6 +234,9 @@ class TextView:
         for r in sorted(changed):
             self._drain_logs(r)
         self._show_pending_cr(now)
+        if self.live:
+            self._draw(view, snap)
+            return
         if now - self._progress_shown >= PROGRESS_EVERY:
             self._progress_shown = now
             if view is not None:
@@ -281,3 +317,11 @@ class TextView:
             self._drain_logs(r)
             self._flush_cr(r)
         self._print(summary(self.state))
+
+
+def is_terminal(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal that takes cursor movements (not ``TERM=dumb``)."""
+    try:
+        return stream.isatty() and os.environ.get("TERM", "") != "dumb"
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
