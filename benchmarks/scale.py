@@ -451,8 +451,8 @@ class Host:
         self.directory = self.journal = self.feed = None
         self.token = uuid.uuid4().hex
         if hosted:
-            from torchdist_magic.driver.feed import FeedServer
-            from torchdist_magic.driver.supervisor import Journal
+            from torchdist_magic.supervise.feed import FeedServer
+            from torchdist_magic.supervise.supervisor import Journal
 
             self.directory = tempfile.mkdtemp(prefix="torchdist-scale-")
             if journal:
@@ -562,7 +562,7 @@ def simulate(
             if hosting.exitcode is not None:
                 raise RuntimeError("the simulated supervising process failed before it listened")
         where = pipe.recv()
-        from torchdist_magic.driver.feed import HostedState
+        from torchdist_magic.handles.feed import HostedState
 
         state = HostedState(where["feed"], where["token"], ranks, fallback=_no_fallback)
     else:

@@ -143,7 +143,7 @@ def out_file_alone(tensor, repeat: int) -> Tuple[float, float]:
 def torchdist_runner(local_mode: bool, **options):
     """``(back, out)`` for torchdist_magic: ``run(back, mib)``, and the out cell on a tensor."""
     from torchdist_magic import Distributor
-    from torchdist_magic.driver.capture import capture_cell
+    from torchdist_magic.capture import capture_cell
     from torchdist_magic.core.job import cell_job
 
     def run_back(mib):

@@ -287,7 +287,9 @@ def events_reference() -> str:
 LAYERS = (
     ("", "the driver (the notebook's kernel): the surface a user touches"),
     ("view", "the driver: the run's view"),
-    ("driver", "the driver: runs, their supervision and state"),
+    ("handles", "the notebook's kernel: its handles on a run another process holds"),
+    ("supervise", "a detached run's supervising process"),
+    ("driver", "the run's owner (the kernel, or a detached run's supervising process): runs, their state and record"),
     ("backends", "the driver: where ranks start"),
     ("launch", "the launcher beside each rank"),
     ("rank", "the rank's worker"),

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from torchdist_magic.driver.capture import CaptureError, capture_cell, free_names, notebook_imports
+from torchdist_magic.capture import CaptureError, capture_cell, free_names, notebook_imports
 
 
 @pytest.mark.parametrize(

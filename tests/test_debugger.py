@@ -421,7 +421,7 @@ def test_pdb_says_so_when_the_executors_cannot_reach_the_notebook(spark_local2, 
     from helpers import assert_nothing_left
     from torchdist_magic import LaunchOptions, RankFailure
     import torchdist_magic.driver.distributor as distributor
-    from torchdist_magic.driver.follow import follow
+    from torchdist_magic.handles.follow import follow
 
     monkeypatch.setattr(distributor, "make_backend", lambda options: Unreachable(spark_local2))
     run = distributor.submit(

@@ -1,4 +1,4 @@
-"""Detached runs (driver/supervisor.py, driver/attach.py): a run under a supervising process of
+"""Detached runs (supervise/supervisor.py, handles/attach.py): a run under a supervising process of
 its own, its handle from any process (``attach``), ``stop`` by id, its record; real processes,
 real sockets.  The kernel tests (a kernel killed with SIGKILL) are in test_detach_kernel.py."""
 
@@ -9,10 +9,11 @@ import socket
 import pytest
 
 import torchdist_magic
-from torchdist_magic import Distributor, RankFailure, RunCancelled
+from torchdist_magic import Distributor, NotAvailable, RankFailure, RunCancelled
 from torchdist_magic.core import events
-from torchdist_magic.driver import attach as attaching
-from torchdist_magic.driver import history, supervisor
+from torchdist_magic.handles import attach as attaching
+from torchdist_magic.driver import history, layout
+from torchdist_magic.supervise import supervisor
 
 from helpers import alive, assert_nothing_survives, pids_of_run, touch, wait_until
 
@@ -111,7 +112,7 @@ def test_a_killed_supervising_process_takes_its_ranks_and_the_handle_says_so(hom
         handle.result(60)
     # the handle that found it dead removed its control socket (and its token): SIGKILL left them
     assert not os.path.lexists(handle.record.control)
-    assert not os.path.exists(os.path.join(handle.directory, supervisor.TOKEN_FILE))
+    assert not os.path.exists(os.path.join(handle.directory, layout.TOKEN_FILE))
     assert history.read_record(handle.run_id).failure == (
         f"its supervising process (pid {handle.record.pid}) ended before the run did"
     )
@@ -143,7 +144,7 @@ def test_the_control_socket_takes_only_a_stop_with_the_runs_token(home):
         assert ask(events.dumps(events.StopRun(rank=-1, token="0" * 64, by="a guess")).encode() + b"\n") == b"refused\n"
         assert ask(b'{"type": "stop", "rank": 0, "grace": 1.0}\n') == b"refused\n"  # not a kernel's record
         assert ask(b"not json\n") == b"refused\n"
-        with open(os.path.join(handle.directory, supervisor.TOKEN_FILE), "w") as fh:
+        with open(os.path.join(handle.directory, layout.TOKEN_FILE), "w") as fh:
             fh.write("f" * 64)
         with pytest.raises(PermissionError, match="refused the request to stop it"):
             torchdist_magic.stop(handle.run_id)
@@ -166,7 +167,7 @@ def test_stop_sends_the_token_to_no_socket_another_user_listens_on(home):
     path = os.path.join(directory, "ctl.sock")
     record_dir = history.record_directory("taken-1")
     token = "7" * 64
-    history.write_private(os.path.join(record_dir, supervisor.TOKEN_FILE), token)
+    history.write_private(os.path.join(record_dir, layout.TOKEN_FILE), token)
     history.RunRecord(
         run_id="taken-1",
         started=1.0,
@@ -269,7 +270,7 @@ def test_attach_refuses_a_run_that_was_not_detached_and_an_unknown_id(home):
 def test_a_detached_run_cannot_be_profiled_from_an_attached_kernel(home):
     handle = detached(np=1).submit(raises_on_rank_1)
     handle.wait(60)
-    with pytest.raises(ValueError, match="its ranks can be profiled from the start only"):
+    with pytest.raises(NotAvailable, match="its ranks can be profiled from the start only"):
         handle.start_profile(5)
 
 
@@ -389,8 +390,8 @@ def test_a_full_journal_is_said_by_the_kernel_that_attaches(home, monkeypatch, c
     for i in range(10):
         journal.put(events.Log(rank=0, stream="stdout", line=f"line {i}"))
     journal.close()
-    assert os.path.exists(os.path.join(directory, supervisor.JOURNAL_FULL_FILE))
-    values.dump(7, os.path.join(directory, supervisor.VALUE_FILE))
+    assert os.path.exists(os.path.join(directory, layout.JOURNAL_FULL_FILE))
+    values.dump(7, os.path.join(directory, layout.VALUE_FILE))
     history.RunRecord(
         run_id="full-1",
         state="succeeded",
@@ -401,7 +402,7 @@ def test_a_full_journal_is_said_by_the_kernel_that_attaches(home, monkeypatch, c
         has_value=True,
         directory=directory,
     ).save()
-    history.write_private(os.path.join(directory, supervisor.DONE_FILE), "succeeded")
+    history.write_private(os.path.join(directory, layout.DONE_FILE), "succeeded")
     handle = torchdist_magic.attach("full-1")
     assert attaching.follow_attached(handle) == 7
     assert capsys.readouterr().out == (
@@ -463,12 +464,12 @@ def test_a_value_nobody_took_expires_and_the_record_says_when(home, monkeypatch)
     handle = detached().submit(returns_seven)
     assert handle.wait(60)
     record = history.read_record(handle.run_id)
-    assert record.has_value and os.path.exists(os.path.join(record.directory, history.VALUE_FILE))
+    assert record.has_value and os.path.exists(os.path.join(record.directory, layout.VALUE_FILE))
     monkeypatch.setenv(history.VALUE_DAYS_ENV, "2")
     assert history.prune(now=record.ended + 86400) == []  # a day on: still there
-    assert os.path.exists(os.path.join(record.directory, history.VALUE_FILE))
+    assert os.path.exists(os.path.join(record.directory, layout.VALUE_FILE))
     assert history.prune(now=record.ended + 3 * 86400) == []  # the record stays, its value goes
-    assert not os.path.exists(os.path.join(record.directory, history.VALUE_FILE))
+    assert not os.path.exists(os.path.join(record.directory, layout.VALUE_FILE))
     with pytest.raises(
         history.ValueGone,
         match=f"^rank 0's value of run {handle.run_id} expired at .*, TORCHDIST_VALUE_DAYS after the run ended$",

@@ -1,4 +1,4 @@
-"""The view's feed (driver/feed.py): a run's state read from the process that holds it, over a
+"""The view's feed (supervise/feed.py, handles/feed.py): a run's state read from the process that holds it, over a
 real Unix socket in this user's private directory, against a real ``RunState`` fed records."""
 
 import os
@@ -9,8 +9,10 @@ import pytest
 
 from torchdist_magic.core import events
 from torchdist_magic.core.privdir import user_directory
-from torchdist_magic.driver.feed import ANSWER, FACTS, FeedServer, HostedState
-from torchdist_magic.driver.merged import FedMergedLog, MergedLog
+from torchdist_magic.driver.reading import FACTS
+from torchdist_magic.handles.feed import FedMergedLog, HostedState
+from torchdist_magic.supervise.feed import ANSWER, FeedServer
+from torchdist_magic.driver.merged import MergedLog
 from torchdist_magic.driver.state import RunState
 
 TOKEN = "feed-test-token"
@@ -283,7 +285,7 @@ class SlowSnapshots:
 
 
 def test_a_slow_answer_holds_up_no_other_reader(socket_path, monkeypatch):
-    from torchdist_magic.driver import feed
+    from torchdist_magic.handles import feed
 
     monkeypatch.setattr(feed, "READ_TIMEOUT", 120.0)  # the slow answer comes when the test says
     state = SlowSnapshots()
@@ -312,7 +314,7 @@ def test_a_slow_answer_holds_up_no_other_reader(socket_path, monkeypatch):
 def test_a_feed_that_does_not_answer_is_asked_once_more_then_the_journal_is_replayed_outside_the_lock(
     tmp_path, monkeypatch
 ):
-    from torchdist_magic.driver import feed
+    from torchdist_magic.handles import feed
 
     monkeypatch.setattr(feed, "READ_TIMEOUT", 0.2)
     path = os.path.join(user_directory(str(tmp_path)), "stalled.sock")

@@ -19,7 +19,7 @@ import pytest
 
 from helpers import assert_no_survivors, cell
 from torchdist_magic import RankFailure
-from torchdist_magic.driver.capture import CaptureError, capture_cell, translate_cell
+from torchdist_magic.capture import CaptureError, capture_cell, translate_cell
 from torchdist_magic.rank.shell import MagicError, PipFailed, RankShell, SList, TimeitResult
 
 SUPPORTED = "!cmd, x = !cmd, %time, %%time, %timeit, %%timeit, %env, %cd and %pip"

@@ -1,8 +1,15 @@
 """The package is laid out by process (DESIGN.md, "Three processes, one package folder each"), and
 its imports point one way:
 
-    top (api, magic, panel, __init__) -> view -> driver -> backends -> launch -> wire -> core
+    top (api, magic, panel, capture, __init__) -> view -> handles -> supervise -> driver
+        -> backends -> launch -> wire -> core
     rank -> wire -> core
+
+The driver's side is three homes by where the code runs: ``driver`` is the run's owner (in the
+kernel, or in a detached run's supervising process), ``supervise`` the supervising process's own
+code (its journal, its feed's server), ``handles`` the kernel's handles on a run another process
+holds.  The owner imports neither of the others; the views take the handles, never the
+supervising process's code.  ``capture`` (cell -> job) needs only ``core``.
 
 ``launch`` (beside each rank) and ``rank`` (the rank's worker) never import each other, and the
 driver's side (``backends``, ``driver``, ``view``) never imports the rank's code: what they share
@@ -24,11 +31,13 @@ MAY_IMPORT = {
     "launch": {"wire", "core"},
     "backends": {"launch", "wire", "core"},
     "driver": {"backends", "launch", "wire", "core"},
-    "view": {"driver", "backends", "launch", "wire", "core"},
-    # the public names: the Python API, the magics, the panel, and the helpers a job calls
-    "top": {"view", "driver", "backends", "launch", "wire", "core", "rank"},
+    "supervise": {"driver", "backends", "launch", "wire", "core"},
+    "handles": {"supervise", "driver", "backends", "launch", "wire", "core"},
+    "view": {"handles", "driver", "backends", "launch", "wire", "core"},
+    # the public names: the Python API, the magics, the panel, capture, and the helpers a job calls
+    "top": {"view", "handles", "supervise", "driver", "backends", "launch", "wire", "core", "rank"},
 }
-TOP = {"__init__", "api", "magic", "panel"}
+TOP = {"__init__", "api", "magic", "panel", "capture"}
 
 
 def package_of(module: str) -> str:
@@ -106,6 +115,26 @@ def test_procs_imports_nothing_of_the_package():
 def test_the_rank_and_the_launcher_never_import_each_other_nor_the_driver_the_rank():
     assert "rank" not in MAY_IMPORT["launch"] and "launch" not in MAY_IMPORT["rank"]
     assert not {"rank"} & (MAY_IMPORT["driver"] | MAY_IMPORT["backends"] | MAY_IMPORT["view"])
+
+
+def test_the_owner_imports_neither_the_supervising_process_nor_the_handles():
+    """A run's owner runs in the kernel and in a supervising process alike: it knows neither
+    home above it, and the views read a run through the handles, never the supervisor."""
+    assert not {"supervise", "handles", "view"} & MAY_IMPORT["driver"]
+    assert "supervise" not in MAY_IMPORT["view"] and "handles" in MAY_IMPORT["view"]
+    assert "handles" not in MAY_IMPORT["supervise"]
+    found = {
+        (package_of(module), package_of(target)) for module, path in module_names() for target in imported(module, path)
+    }
+    assert ("driver", "supervise") not in found and ("driver", "handles") not in found
+    assert ("view", "supervise") not in found
+    assert ("view", "handles") in found  # the rule is not vacuous: the widget's merged log
+
+
+def test_capture_needs_only_the_agreements():
+    """Cell -> job runs before any run exists: it imports ``core`` alone."""
+    path = PACKAGE / "capture.py"
+    assert {package_of(target) for target in imported("capture", path)} == {"core"}
 
 
 def test_the_check_finds_an_import_that_points_up(tmp_path, monkeypatch):

@@ -217,7 +217,7 @@ def checksum(tensor):
 def test_a_512_mib_notebook_tensor_in_a_cell_reaches_two_ranks_from_one_file():
     """The cell's notebook tensor goes into one file, written once, that both ranks map: the
     job itself stays small."""
-    from torchdist_magic.driver.capture import capture_cell
+    from torchdist_magic.capture import capture_cell
     from torchdist_magic.core.job import cell_job
 
     big = torch.arange(512 * 2**20 // 4, dtype=torch.float32)

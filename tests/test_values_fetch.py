@@ -483,7 +483,7 @@ def one_fetch(run, size):
 @pytest.mark.big_values
 def test_a_512_mib_notebook_tensor_reaches_two_executors_fetched_once(spark_cluster, monkeypatch):
     """Two executors (JVMs of their own) on this machine: one fetch, both ranks map it."""
-    from torchdist_magic.driver.capture import capture_cell
+    from torchdist_magic.capture import capture_cell
     from torchdist_magic.core.job import cell_job
 
     monkeypatch.setenv(VALUES_FETCH_ENV, "1")

@@ -21,10 +21,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
-from ..core import syntax
-from ..core.job import CellCode, type_name
-from ..core.values import pickle_for_ranks, pickled_apart
-from ..core.names import CELL_PROVIDED
+from .core import syntax
+from .core.job import CellCode, type_name
+from .core.values import pickle_for_ranks, pickled_apart
+from .core.names import CELL_PROVIDED
 
 #: notebook names that never travel (IPython's own machinery)
 NOT_SENT = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_ih", "_oh", "_dh"}

@@ -37,20 +37,19 @@ from ..wire.server import ChannelServer
 from ..core.fdlimit import make_room
 from .console import NO_STDIN_PDB, Console, rank_env
 from ..core import culprit
-from ..core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
-from ..core.events import DebugOutput, DumpCollectives, Log, Preflight, ProfileDone, ProfilePiece, Stacks, StartProfile
+from ..core.errors import HangTimeout, JobTimeout, NotAvailable, RankFailure, ResultTimeout, RunCancelled
+from ..core.events import DebugOutput, DumpCollectives, Log, ProfileDone, ProfilePiece, Stacks, StartProfile
 from ..core.job import Job, build_job
 from ..core.options import LaunchOptions
-from ..core.preflight import PreflightResult, compare
 from ..core import values as value_blobs
 from ..core.rankenv import RunSpec
 from . import hangs
+from .handle import StateAnswers
 from .history import RecordKeeper
-from .profiles import Profile, ProfileCollector
+from .profiles import ProfileCollector
 from .sent import SentValues
 from .rootcause import is_collateral
 from .rundir import RunDirectory
-from .snapshot import Attempt
 from .state import RunState
 from ..core.timing import ROOT_CAUSE_WAIT, STOP_GRACE, SUPERVISE_POLL
 from .tracking import MlflowLogger
@@ -154,7 +153,7 @@ def _subdirectory(directory: RunDirectory, name: str) -> str:
     return path
 
 
-class Run:
+class Run(StateAnswers):
     """A run in progress or finished: its ``state`` (a ``RunState``), result, logs, cancel; with
     ``mlflow=True`` its MLflow run's logger, ``tracking`` (``tracking.run_id``).
 
@@ -286,16 +285,9 @@ class Run:
         return self.state.attempt
 
     @property
-    def attempts(self) -> List[Attempt]:
-        """The attempts before the current one, each with the root cause that ended it."""
-        return list(self.state.attempts)
-
-    @property
-    def profile(self) -> Optional[Profile]:
-        """With ``profile=STEPS`` (``--profile``): the profile of every rank's steps so far, its
-        ``trace_path`` (one Chrome trace of every rank, in the run's directory, once every rank's
-        profile came) and its ``summary`` by rank; None without, or before any rank's came."""
-        return self.state.profile()
+    def can_profile(self) -> bool:
+        """Whether ``start_profile`` may profile the ranks: not a warm pool's run."""
+        return not self.options.warm
 
     def start_profile(self, steps: int) -> None:
         """Profile every rank's next ``steps`` steps (of its innermost ``progress()`` loop) now,
@@ -304,7 +296,7 @@ class Run:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"start_profile: steps must be a whole number of at least 1, got {steps!r}")
         if self.options.warm:
-            raise ValueError(
+            raise NotAvailable(
                 "a warm run cannot be profiled: the pool's ranks were started without a "
                 "profiler; run it without --warm/warm=True"
             )
@@ -330,40 +322,15 @@ class Run:
         self._profile_routes[ProfilePiece] = self._profile_routes[ProfileDone] = profiles.take
         self.state.profiles = profiles
 
-    @property
-    def goodput(self) -> Dict[str, float]:
-        """Where the run's wall time went so far, in seconds (``goodput``): ``startup_s``,
-        ``training_s``, ``lost_to_restarts_s``, ``lost_to_hangs_s``, ``data_stall_s``, ``wall_s``,
-        ``rank_seconds``, and with ``use_gpu`` ``gpu_hours``."""
-        return self.state.goodput()
-
-    @property
-    def stacks(self) -> Dict[int, Stacks]:
-        """Every rank's stacks (all threads) as captured at a hang or a timeout; else empty."""
-        return dict(self.state.snapshot().stacks)
-
-    @property
-    def preflight(self) -> Optional[PreflightResult]:
-        """What the ranks' pre-flight reports say (``--preflight``: ``refusal``, ``warnings``,
-        ``lines`` with the figures by host), or ``None`` when no report came."""
-        reports = self.state.snapshot().preflight
-        return compare(list(reports.values())) if reports else None
-
-    @property
-    def preflight_reports(self) -> Dict[int, Preflight]:
-        """Each rank's pre-flight report (``events.Preflight``), by rank; empty without one."""
-        return dict(self.state.snapshot().preflight)
-
     def culprit(self) -> "culprit.Verdict":
         """Ask every running rank where it is, now, while the run goes on (a run that seems
         stuck): their stacks (``stacks``) and collective records, compared (``culprit``).  The
         verdict names the ranks behind, exited or mismatched (``suspects``; none when the ranks
         are in step); it is also the state's, which the view shows."""
         backend_run = self._backend_run
-        if backend_run is None or self._done.is_set():
-            return self.state.snapshot().verdict or culprit.Verdict()
-        self._capture_stacks(backend_run)
-        return self.state.snapshot().verdict or culprit.Verdict()
+        if backend_run is not None and not self._done.is_set():
+            self._capture_stacks(backend_run)
+        return self.last_verdict()
 
     @property
     def exception(self) -> Optional[BaseException]:

@@ -44,6 +44,7 @@ from typing import Any, Dict, List, Optional
 from ..core import values as value_blobs
 from ..core.events import Failure, failure_from_json, failure_to_json
 from ..core.options import masked_env
+from .layout import RECORD_FILE, TOKEN_FILE, VALUE_EXPIRED_FILE, VALUE_FILE, VALUE_TAKEN_FILE
 from ..core.privdir import (
     UnsafePath,
     check_ancestors,
@@ -61,10 +62,6 @@ VALUE_DAYS_ENV = "TORCHDIST_VALUE_DAYS"
 DEFAULT_RUNS = 100
 DEFAULT_DAYS = 30.0
 DEFAULT_VALUE_DAYS = 7.0
-#: a detached run's rank 0 value in its record, and what is left once it was taken or expired
-VALUE_FILE = "value.blob"
-VALUE_TAKEN_FILE = "value-taken"
-VALUE_EXPIRED_FILE = "value-expired"
 #: a rank's output a record keeps (its newest lines, and of those the newest characters), and a
 #: run's, all ranks together: each rank keeps its share, at least ``MIN_LOG_KEEP_CHARS``
 LOG_KEEP_LINES = 20_000
@@ -73,9 +70,6 @@ RUN_LOG_KEEP_CHARS = 64 * 1024 * 1024
 MIN_LOG_KEEP_CHARS = 16 * 1024
 #: points of one metric of one rank a record keeps (downsampled from the run's history)
 METRIC_KEEP_POINTS = 500
-RECORD_FILE = "record.json"
-#: a detached run's control socket's token, kept while its supervising process runs
-TOKEN_FILE = "token"
 #: the states a record reports; a run's other ends (timed out, hung) are ``failed`` with why
 STATES = ("running", "succeeded", "failed", "cancelled")
 

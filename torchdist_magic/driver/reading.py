@@ -5,7 +5,9 @@ reader in any thread never holds it longer than the copy takes."""
 from __future__ import annotations
 
 import time
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+from ..core import events
 
 from ..core.failure import Failure
 from .goodput import AttemptTimes, goodput
@@ -18,6 +20,15 @@ from .summary import LargeView, large_view
 
 class RunStateReads:
     """The reading methods of ``RunState``; they read the fields its constructor sets."""
+
+    #: CPU seconds that another process spent answering this state's reads (``HostedState``):
+    #: none, for a state in this process
+    served_cpu = 0.0
+
+    @property
+    def hosted(self) -> bool:
+        """Whether the reads go to another process (``HostedState``): never, for this one."""
+        return False
 
     @property
     def finished(self) -> bool:
@@ -333,3 +344,46 @@ def _thinned(kept: list, points: Optional[int]) -> list:
     if kept[-1] is not last:
         kept.append(last)
     return kept
+
+
+#: the attributes of a run's state a kernel reads as they are (``facts``)
+FACTS = (
+    "run_id",
+    "num_processes",
+    "backend",
+    "use_gpu",
+    "job_name",
+    "state",
+    "started",
+    "ended",
+    "failure",
+    "message",
+    "attempt",
+    "max_attempts",
+    "attempts",
+    "version",
+    "finished",
+)
+#: what a kernel reads of a snapshot (``RunSnapshot``) when it asks the state for these
+SNAPSHOT_FIELDS = ("ranks", "stacks", "verdict", "preflight", "tracking", "refusals", "changed")
+#: the reads a kernel may ask, each a function of the state and the request
+READS: Dict[str, Callable[[Any, events.ReadState], Any]] = {
+    "snapshot": lambda state, q: state.snapshot(q.since),
+    "large_view": lambda state, q: state.large_view(
+        q.since, q.names[0] if q.names else None, None if q.at < 0 else q.at
+    ),
+    "read_log": lambda state, q: state.read_log(q.at, q.start, q.limit, q.newest),
+    "read_logs": lambda state, q: state.read_logs([tuple(read) for read in q.reads], q.limit),
+    "recent_log": lambda state, q: state.recent_log(q.at, q.limit if q.limit is not None else 0),
+    "metric_history": lambda state, q: state.metric_history(q.points, q.ranks, q.names),
+    "system_history": lambda state, q: state.system_history(q.at, q.points),
+    "logs": lambda state, q: state.logs(q.at, q.attempt),
+    "profile": lambda state, q: state.profile(),
+    "failures": lambda state, q: state.failures(),
+    "goodput": lambda state, q: state.goodput(),
+    "stragglers": lambda state, q: state.stragglers(),
+    "running": lambda state, q: state.running(),
+    "elapsed": lambda state, q: state.elapsed(),
+    "idle": lambda state, q: state.idle(),
+    "facts": lambda state, q: {name: getattr(state, name) for name in FACTS},
+}

@@ -1,5 +1,5 @@
-"""A run's state read from the process that holds it (the view's feed): ``FeedServer`` in that
-process, ``HostedState`` in a kernel that shows the run.
+"""A run's state served from the process that holds it (the view's feed): ``FeedServer``, in a
+run's supervising process; ``handles.feed.HostedState`` is its client in a kernel that shows the run.
 
 A run whose channel is off the kernel (``--channel process``, ``--detach``) has its channel and
 its state in its supervising process: that process receives, decodes and applies every record,
@@ -24,20 +24,18 @@ have written: this socket is never a run's channel, where ranks' records are JSO
 from __future__ import annotations
 
 import collections
-import gc
 import hmac
 import os
 import pickle
-import secrets
 import socket
 import struct
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Optional
 
 from ..core import events
-from .merged import MERGED_LINES, FollowedMergedLog
-from .reading import MetricCursor
+from ..driver.merged import MERGED_LINES, FollowedMergedLog
+from ..driver.reading import READS, MetricCursor
 
 #: a request line's largest size
 REQUEST_MAX_BYTES = 4096
@@ -45,62 +43,11 @@ REQUEST_MAX_BYTES = 4096
 #: length, and the CPU seconds the answer cost the process that holds the state (a view that
 #: reads often counts them as its own: ``HostedState.served_cpu``)
 ANSWER = struct.Struct("!cQd")
-#: how long a read waits for the next bytes of its answer before it gives that answer up; it
-#: asks once more, on a fresh connection, before the kernel gives up on the process that holds
-#: the state (a busy one answers in well under a second: a snapshot of 1024 ranks is a few MB)
-READ_TIMEOUT = 10.0
-#: reads of one answer's worth the kernel makes before it reads the fallback instead
-READ_ATTEMPTS = 2
-#: the attributes of a run's state a kernel reads as they are (``facts``)
-FACTS = (
-    "run_id",
-    "num_processes",
-    "backend",
-    "use_gpu",
-    "job_name",
-    "state",
-    "started",
-    "ended",
-    "failure",
-    "message",
-    "attempt",
-    "max_attempts",
-    "attempts",
-    "version",
-    "finished",
-)
-#: what a kernel reads of a snapshot (``RunSnapshot``) when it asks the state for these
-SNAPSHOT_FIELDS = ("ranks", "stacks", "verdict", "preflight", "tracking", "refusals", "changed")
-#: the reads a kernel may ask, each a function of the state and the request
-READS: Dict[str, Callable[[Any, events.ReadState], Any]] = {
-    "snapshot": lambda state, q: state.snapshot(q.since),
-    "large_view": lambda state, q: state.large_view(
-        q.since, q.names[0] if q.names else None, None if q.at < 0 else q.at
-    ),
-    "read_log": lambda state, q: state.read_log(q.at, q.start, q.limit, q.newest),
-    "read_logs": lambda state, q: state.read_logs([tuple(read) for read in q.reads], q.limit),
-    "recent_log": lambda state, q: state.recent_log(q.at, q.limit if q.limit is not None else 0),
-    "metric_history": lambda state, q: state.metric_history(q.points, q.ranks, q.names),
-    "system_history": lambda state, q: state.system_history(q.at, q.points),
-    "logs": lambda state, q: state.logs(q.at, q.attempt),
-    "profile": lambda state, q: state.profile(),
-    "failures": lambda state, q: state.failures(),
-    "goodput": lambda state, q: state.goodput(),
-    "stragglers": lambda state, q: state.stragglers(),
-    "running": lambda state, q: state.running(),
-    "elapsed": lambda state, q: state.elapsed(),
-    "idle": lambda state, q: state.idle(),
-    "facts": lambda state, q: {name: getattr(state, name) for name in FACTS},
-}
 #: what a feed keeps for its kernels' readers (``metric_points`` cursors, merged logs): the
 #: newest used
 CURSORS = 64
 #: the most lines of a merged log a kernel may ask to be kept for it
 MERGED_LINES_MAX = 10_000
-
-
-class FeedGone(ConnectionError):
-    """The process that held a run's state is gone (it ended, or never listened)."""
 
 
 def peer_uid(conn: socket.socket) -> int:
@@ -275,220 +222,3 @@ class FeedServer:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-
-
-def _loads(body: bytes) -> Any:
-    """An answer, unpickled with the collector off: a snapshot of a thousand ranks is tens of
-    thousands of new containers, none in a cycle, and a collection started among them walks
-    every object of the kernel (a view's refresh took 150 ms of collections at 1024 ranks)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return pickle.loads(body)
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _receive(conn: socket.socket, size: int) -> bytes:
-    """``size`` bytes of an answer from ``conn``."""
-    view = memoryview(bytearray(size))
-    got = 0
-    while got < size:
-        n = conn.recv_into(view[got:])
-        if not n:
-            raise ConnectionResetError("the process that held the run's state closed the feed")
-        got += n
-    return view.obj
-
-
-class HostedState:
-    """A run's state held by another process (``FeedServer`` at ``path``), read through its
-    feed: the reading side of ``RunState`` that views use, each read a round trip.  Once that
-    process is gone, or has not answered a read twice (``READ_TIMEOUT``, ``READ_ATTEMPTS``), every
-    read goes to ``fallback()``'s ``RunState`` (made once, when first needed).  Reads from several
-    threads each wait on a connection of their own: none waits behind another's answer."""
-
-    def __init__(self, path: Optional[str], token: str, num_processes: int, fallback: Callable[[], Any]):
-        self.path = path
-        self.num_processes = num_processes
-        self._token = token
-        self._fallback = fallback
-        self._local: Any = None
-        # held only to take or give back a connection, never through a socket's read
-        self._lock = threading.Lock()
-        self._idle: List[socket.socket] = []  # open connections that no read uses now
-        self._closes = 0  # how many times close() was called: a read's connection from before is not kept
-        self._replaying = threading.Lock()  # one replay of the journal, whoever needs it first
-        #: CPU seconds the reads so far cost the process that holds the state
-        self.served_cpu = 0.0
-
-    def _ask(self, read: str, when_local: Optional[Callable[[Any], Any]] = None, **args: Any) -> Any:
-        """The answer to a read, from the process that holds the state; once it has gone (or
-        did not answer, twice), from the fallback's state (``when_local(state)`` where given)."""
-        request = events.ReadState(rank=-1, token=self._token, read=read, **args)
-        for attempt in range(READ_ATTEMPTS):
-            if self._local is not None:
-                break
-            try:
-                return self._remote(request, fresh=attempt > 0)
-            except FeedGone:
-                continue
-        local = self._local if self._local is not None else self._fall_back()
-        return READS[read](local, request) if when_local is None else when_local(local)
-
-    def _fall_back(self) -> Any:
-        """The fallback's state, made once: the replay runs outside ``_lock``, so a reader that
-        still has its answer coming, or a ``close``, does not wait for it."""
-        with self._replaying:
-            if self._local is None:
-                local = self._fallback()
-                with self._lock:
-                    self._local = local
-                    idle, self._idle = self._idle, []
-                for conn in idle:
-                    conn.close()
-        return self._local
-
-    def _remote(self, request: events.ReadState, fresh: bool = False) -> Any:
-        """The answer from the process that holds the state, on a connection no other read uses
-        (``fresh``: a new one); ``FeedGone`` when none came."""
-        if self.path is None:
-            raise FeedGone("no process holds the run's state")
-        with self._lock:
-            conn = self._idle.pop() if self._idle and not fresh else None
-            closes = self._closes
-        try:
-            if conn is None:
-                conn = self._connect()
-            conn.sendall((events.dumps(request) + "\n").encode())
-            kind, size, cost = ANSWER.unpack(_receive(conn, ANSWER.size))
-            body = _receive(conn, size)
-        except (FileNotFoundError, ConnectionError, socket.timeout, struct.error) as exc:
-            if conn is not None:
-                conn.close()
-            raise FeedGone(str(exc) or type(exc).__name__) from None
-        with self._lock:
-            self.served_cpu += cost
-            kept = closes == self._closes and self._local is None
-            if kept:
-                self._idle.append(conn)
-        if not kept:
-            conn.close()
-        if kind == b"v":
-            return _loads(body)
-        if kind == b"e":
-            raise pickle.loads(body)
-        raise PermissionError(f"the process that holds the run's state refused a read: {body.decode(errors='replace')}")
-
-    def _connect(self) -> socket.socket:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.settimeout(READ_TIMEOUT)
-        try:
-            conn.connect(self.path)
-            if peer_uid(conn) != os.geteuid():
-                raise PermissionError(f"{self.path} is not this user's: the run's state is not read from it")
-        except BaseException:
-            conn.close()
-            raise
-        return conn
-
-    def close(self) -> None:
-        """Close the feed (the process that holds the state may end); a later read opens it
-        again, or reads the fallback once that process has gone."""
-        with self._lock:
-            self._closes += 1
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
-
-    @property
-    def hosted(self) -> bool:
-        """Whether reads still go to the process that holds the state."""
-        return self._local is None
-
-    # -- the reads of ``RunState`` (``reading.RunStateReads``) --------------------------------
-    def snapshot(self, since: Optional[int] = None):
-        return self._ask("snapshot", since=since)
-
-    def large_view(self, since: Optional[int] = None, host: Optional[str] = None, rank: Optional[int] = None):
-        """``RunState.large_view``, worked out in the process that holds the state: the kernel
-        gets the overview and the few ranks shown, not every rank's snapshot."""
-        return self._ask("large_view", since=since, names=[host] if host else None, at=-1 if rank is None else rank)
-
-    def read_log(self, rank: int, start: int = 0, limit: Optional[int] = None, newest: bool = False):
-        return self._ask("read_log", at=rank, start=start, limit=limit, newest=newest)
-
-    def read_logs(self, reads, budget: Optional[int] = None):
-        return self._ask(
-            "read_logs", reads=[[rank, start, limit, newest] for rank, start, limit, newest in reads], limit=budget
-        )
-
-    def recent_log(self, rank: int, limit: int):
-        return self._ask("recent_log", at=rank, limit=limit)
-
-    def metric_history(self, points: Optional[int] = None, ranks=None, names=None):
-        return self._ask(
-            "metric_history",
-            points=points,
-            ranks=None if ranks is None else list(ranks),
-            names=None if names is None else list(names),
-        )
-
-    def metric_points(self, cursor: MetricCursor, points: Optional[int] = None):
-        """``RunState.metric_points``: the process that holds the state keeps the cursor's place
-        (this ``cursor`` is the kernel's name for it).  Once that process has gone, a cursor it
-        kept gets nothing more (the run has ended, its points were read); a new one reads the
-        state rebuilt here."""
-        with self._lock:
-            remote = getattr(cursor, "remote", None)
-            if self._local is None and remote is None:
-                remote = cursor.remote = secrets.randbits(62)
-        if remote is not None:
-            return self._ask("metric_points", at=remote, points=points, when_local=lambda local: {})
-        return self._local.metric_points(cursor, points)
-
-    def merged_log(self, key: int, limit: int):
-        """What the merged log kept for this kernel's reader ``key`` in the process that holds
-        the state took since the last read (``merged.MergedDelta``); None once that process has
-        gone (``merged.FedMergedLog`` then drains a log of its own)."""
-        return self._ask("merged_log", at=key, limit=limit, when_local=lambda local: None)
-
-    def system_history(self, rank: int, points: Optional[int] = None):
-        return self._ask("system_history", at=rank, points=points)
-
-    def logs(self, rank: int, attempt: Optional[int] = None) -> str:
-        return self._ask("logs", at=rank, attempt=attempt)
-
-    def profile(self):
-        return self._ask("profile")
-
-    def failures(self):
-        return self._ask("failures")
-
-    def goodput(self):
-        return self._ask("goodput")
-
-    def stragglers(self):
-        return self._ask("stragglers")
-
-    def running(self):
-        return self._ask("running")
-
-    def elapsed(self) -> float:
-        return self._ask("elapsed")
-
-    def idle(self) -> float:
-        return self._ask("idle")
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        local = self.__dict__.get("_local")
-        if local is not None:  # the run's state itself, rebuilt here
-            return getattr(local, name)
-        if name in FACTS:
-            return self._ask("facts")[name]
-        if name in SNAPSHOT_FIELDS:
-            return getattr(self.snapshot(), name)
-        raise AttributeError(f"{name!r}: not a read of a run's state held by another process")

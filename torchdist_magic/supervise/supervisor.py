@@ -2,9 +2,9 @@
 restarts, watchdog, timeout, MLflow) outside the notebook's kernel, so the run goes on when the
 kernel dies, restarts or shuts down.
 
-The kernel (``start_detached``) writes into the run's private record directory (``history``)
+The kernel (``start_detached``) writes into the run's private record directory (``driver.history``; its files are named in ``driver.layout``)
 what the supervising process needs (the job as the ranks read it, the options, a token), starts
-``python -m torchdist_magic.driver.supervisor DIRECTORY`` in a session of its own, and returns
+``python -m torchdist_magic.supervise.supervisor DIRECTORY`` in a session of its own, and returns
 once the run has started (or raises what refused it).  What may be a secret never reaches a
 file: the values of ``--env`` (the options file has their names) and where the Spark session
 is (a Spark Connect remote may carry a ``;token=``, a classic session's settings a secret) go
@@ -14,7 +14,7 @@ this user's own, a regular file, not a link), before it unpickles anything.  The
 process then writes:
 
 - ``journal.jsonl``: every record the run's state took, one ``events`` JSON record a line, from
-  which any kernel rebuilds the run's state (``attach``); at most ``JOURNAL_MAX_BYTES``, past
+  which any kernel rebuilds the run's state (``handles.attach``); at most ``JOURNAL_MAX_BYTES``, past
   which records are not journaled and ``journal-full`` says so.  A run whose kernel follows it
   (``--channel process``) keeps none (``no-journal``): at 1024 ranks writing it would cost the
   process a third of its time, and its kernel reads the state through the feed while it runs
@@ -31,7 +31,7 @@ temporary directory, or the private fallback that takes its place where another 
 directory first, ``privdir.usable_user_directory``; named in the record, and the fallback removed
 with the socket) takes, from a process of this user (its peer's uid is
 checked) that knows the run's token, one ``events.StopRun`` a connection, or the reads of a
-kernel that shows the run (``feed.HostedState``: the kernel gets what its view shows, never
+kernel that shows the run (``handles.feed.HostedState``: the kernel gets what its view shows, never
 every record); anything else is refused.  Once the run has ended it waits for those kernels'
 last reads (``FEED_LINGER`` at most).  SIGTERM,
 SIGINT or SIGHUP to the supervising process stop the run too.  When it ends, however it ends,
@@ -57,26 +57,27 @@ from ..core import events
 from ..core import values as value_blobs
 from ..core.options import LaunchOptions
 from ..core.privdir import UnsafePath, open_own, open_private, remove_fallback, usable_user_directory
+from ..driver.history import RunRecord, options_json, read_record, record_directory, write_private
+from ..driver.layout import (
+    DONE_FILE,
+    FULL_LOGS_DIR,
+    FULL_LOGS_INDEX,
+    JOB_FILE,
+    JOURNAL_FILE,
+    JOURNAL_FULL_FILE,
+    LOG_FILE,
+    NO_JOURNAL_FILE,
+    OPTIONS_FILE,
+    READY_FILE,
+    REFUSED_FILE,
+    TOKEN_FILE,
+    VALUE_FILE,
+)
 from .feed import FeedServer
-from .history import TOKEN_FILE, VALUE_FILE, RunRecord, options_json, read_record, record_directory, write_private
 
-JOB_FILE = "job.bin"
-OPTIONS_FILE = "options.json"
 #: what the kernel hands its supervising process on its standard input, never in a file: one
 #: JSON object, ``{"env": the values of --env, "spark": spark_target() or None}``
 HANDOVER = ("env", "spark")
-JOURNAL_FILE = "journal.jsonl"
-JOURNAL_FULL_FILE = "journal-full"
-#: in the directory of a run whose kernel follows it (``--channel process``): no journal
-NO_JOURNAL_FILE = "no-journal"
-#: in the directory of a run that keeps no journal: each rank's complete output once it ended
-FULL_LOGS_DIR = "full-logs"
-#: in it: per rank, where each attempt's output begins and where the last one ends (bytes)
-FULL_LOGS_INDEX = "attempts.json"
-READY_FILE = "ready"
-REFUSED_FILE = "refused"
-DONE_FILE = "done"
-LOG_FILE = "supervisor.log"
 #: how long the journal's thread gathers records before it writes them: one write a batch,
 #: not one a record (at 1024 ranks, a hundred thousand records a second)
 JOURNAL_EVERY = 0.05
@@ -241,7 +242,7 @@ def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = Non
     try:
         # a session of its own: a kernel's end (its process group signalled) does not reach it
         process = subprocess.Popen(
-            [sys.executable, "-m", "torchdist_magic.driver.supervisor", directory],
+            [sys.executable, "-m", "torchdist_magic.supervise.supervisor", directory],
             stdin=subprocess.PIPE,
             stdout=log,
             stderr=log,
@@ -416,7 +417,7 @@ def supervise(directory: str) -> int:
     outcome; 2 when it was refused before it started (``refused`` says why)."""
     import cloudpickle
 
-    from .distributor import submit
+    from ..driver.distributor import submit
 
     handover = read_handover()
     run_id = os.path.basename(directory.rstrip(os.sep))

@@ -102,9 +102,8 @@ def system_text(rs: Rank) -> str:
         parts.append(gpu)
     if rs.step_time is not None:
         parts.append(format_step_time(rs.step_time))
-    split = getattr(rs, "step_split", None)
-    if split:
-        parts.append(format_step_split(split))
+    if rs.step_split:
+        parts.append(format_step_split(rs.step_split))
     return " · ".join(parts)
 
 
