@@ -74,6 +74,43 @@ def test_a_detached_run_returns_at_once_and_any_handle_gets_its_value_and_lines(
     assert_nothing_survives(handle.run_id, handle.record.pid)
 
 
+KERNEL_ONLY = """
+class Weights:
+    def __init__(self, rank):
+        self.rank = rank
+"""
+
+
+def returns_a_kernel_only_value(directory):
+    import sys
+
+    sys.path.insert(0, directory)  # the rank's own way to the class
+    import kernel_only_weights
+
+    from torchdist_magic import rank
+
+    return kernel_only_weights.Weights(rank())
+
+
+@pytest.mark.parametrize("all_ranks", [False, True])
+def test_a_detached_value_reaches_the_kernel_as_the_rank_made_it(home, tmp_path, monkeypatch, all_ranks):
+    """The supervising process keeps the ranks' bytes and never decodes them: a value of a class
+    only the ranks and the kernel can import reaches the kernel (before, the supervising process
+    unpickled it, failed, and the value was lost)."""
+    (tmp_path / "kernel_only_weights.py").write_text(KERNEL_ONLY)
+    handle = detached(all_ranks=all_ranks).submit(returns_a_kernel_only_value, str(tmp_path))
+    assert handle.wait(120)
+    record = history.read_record(handle.run_id)
+    assert record.state == "succeeded" and record.has_value
+    monkeypatch.syspath_prepend(str(tmp_path))  # the kernel can import the class; the supervisor could not
+    value = attaching.AttachedRun(handle.run_id).result(30)
+    if all_ranks:
+        assert [type(v).__name__ for v in value] == ["Weights", "Weights"] and [v.rank for v in value] == [0, 1]
+    else:
+        assert type(value).__module__ == "kernel_only_weights" and value.rank == 0
+    assert_nothing_survives(handle.run_id, handle.record.pid)
+
+
 def test_stop_by_id_ends_every_rank_and_the_record_says_cancelled(home):
     handle = detached().submit(sleeps)
     wait_until(lambda: "sleeping" in handle.logs(1), 60, "rank 1 to sleep")

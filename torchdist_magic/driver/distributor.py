@@ -84,6 +84,7 @@ def submit(
     debug_input: bool = False,
     run_id: Optional[str] = None,
     listener: Optional[Callable[[Any], None]] = None,
+    value_as_bytes: bool = False,
 ) -> "Run":
     """Start ``target`` (a ``Job``, a function, or a script path) as a run and return its
     handle at once.  Bad input (options, arguments, an unplaceable run, a DataFrame ``data``
@@ -98,7 +99,9 @@ def submit(
 
     ``run_id``: the run's id (a detached run's, chosen by the kernel that started it); by default
     a new one.  ``listener``: called with every record the run's state takes, from its start
-    (``RunState.listen``)."""
+    (``RunState.listen``).  ``value_as_bytes``: ``result()`` gives the value as the ranks made it,
+    one blob never decoded here (``values.kept``): a detached run's supervising process writes it
+    into the run's record for the kernel that takes it, and needs none of its classes."""
     if not isinstance(options, LaunchOptions):
         raise TypeError(f"options must be a LaunchOptions, got {type(options).__name__}")
     options = options.replace()  # validated again: a LaunchOptions can be changed after it was made
@@ -131,6 +134,7 @@ def submit(
         elif columns is not None:
             raise ValueError("columns name columns of the data to train on, and no data was given")
         run = Run(job, options, backend, plan, prepared, debug_input=debug_input, run_id=run_id)
+        run.value_as_bytes = value_as_bytes
         if listener is not None:
             run.state.listen(listener)
     except BaseException:
@@ -209,6 +213,8 @@ class Run(StateAnswers):
         self._sent = SentValues(self.run_id, backend)
         self._job_bytes = self._sent.pickle(job)
         self._value: Any = None
+        #: ``result()`` gives the ranks' blob undecoded (``submit``'s ``value_as_bytes``)
+        self.value_as_bytes = False
         self._error: Optional[BaseException] = None
         self._cancel = threading.Event()
         #: the current attempt's channel (None: a warm run's, on its pool's channel) and its
@@ -584,10 +590,10 @@ class Run(StateAnswers):
         (``ranks``): the lowest chosen rank's value; with ``all_ranks`` a dict by chosen rank."""
         chosen = self.options.ranks or range(self.options.num_processes)
         ranks = chosen if self.options.all_ranks else chosen[:1]
-        values: Dict[int, Any] = {}
-        for r in ranks:
-            data = backend_run.result(r)
-            values[r] = None if data is None else value_blobs.loads(data)
+        blobs = {r: backend_run.result(r) for r in ranks}
+        if self.value_as_bytes:
+            return value_blobs.kept(blobs, self.options.all_ranks, by_rank=bool(self.options.ranks))
+        values = {r: None if blob is None else value_blobs.loads(blob) for r, blob in blobs.items()}
         if not self.options.all_ranks:
             return values[ranks[0]]
         return values if self.options.ranks else list(values.values())

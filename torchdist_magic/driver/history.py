@@ -355,7 +355,7 @@ def take_value(directory: str, run_id: str) -> Any:
     except FileNotFoundError:
         raise ValueGone(value_gone(directory, run_id)) from None
     try:  # checked on the open file: a file another user put in its place is never unpickled
-        value = value_blobs.loads(read_own(taking))
+        value = value_blobs.loads_kept(read_own(taking))
     except BaseException:
         os.rename(taking, path)
         raise

@@ -23,7 +23,8 @@ process then writes:
   ended (``write_full_logs``), which the record alone would cut to its newest lines; the
   kernel that started the run reads it once this process has gone, and removes it when it
   exits;
-- ``value.blob``: rank 0's value (``core.values``' format), when the run succeeded;
+- ``value.blob``: rank 0's value (``core.values``' format) as the rank made it, never decoded in
+  this process (``values.kept``), when the run succeeded;
 - ``done``: once the journal, the value and the record are complete.
 
 Its control socket (``feed.FeedServer``: a Unix socket in this user's private directory of the
@@ -443,7 +444,9 @@ def supervise(directory: str) -> int:
 
     control = FeedServer(record.control, token, None, stop)
     try:
-        run = submit(job, (), {}, options, run_id=run_id, listener=None if journal is None else journal.put)
+        run = submit(
+            job, (), {}, options, run_id=run_id, listener=None if journal is None else journal.put, value_as_bytes=True
+        )
         control.state = run.state
         if journal is not None:
             journal.state = run.state  # the first attempt's records need no mark
@@ -468,7 +471,9 @@ def supervise(directory: str) -> int:
             pass
         has_value = False
         if run.exception is None:
-            value_blobs.dump(run.result(), os.path.join(directory, VALUE_FILE))
+            # the ranks' bytes as they came: never decoded here, so this process needs none of
+            # the value's classes and holds no second copy of it
+            value_blobs.write(run.result(), os.path.join(directory, VALUE_FILE))
             has_value = True
         if journal is not None:
             journal.close()
