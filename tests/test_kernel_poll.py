@@ -25,10 +25,13 @@ pytest.importorskip("ipykernel")
 SETUP = '''
 import threading, time
 from torchdist_magic.core import events
+from torchdist_magic.driver.handle import StateAnswers
 from torchdist_magic.driver.state import RunState
 from torchdist_magic.view import make_view
 
-class WaitingRun:
+class WaitingRun(StateAnswers):
+    can_profile = False
+
     def __init__(self, num_processes, ends_after=None):
         self.run_id = f"poll-{time.time_ns()}"
         self.state = RunState(self.run_id, num_processes, backend="test")
@@ -48,6 +51,9 @@ class WaitingRun:
 
     def wait(self, timeout=None):
         return self._ended.wait(timeout)
+
+    def done(self):
+        return self._ended.is_set()
 
 def wait_for(run, seconds):
     view = make_view(run, "widget", log_hint="run.logs(rank)")

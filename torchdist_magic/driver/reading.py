@@ -364,9 +364,10 @@ FACTS = (
     "version",
     "finished",
 )
-#: what a kernel reads of a snapshot (``RunSnapshot``) when it asks the state for these
-SNAPSHOT_FIELDS = ("ranks", "stacks", "verdict", "preflight", "tracking", "refusals", "changed")
-#: the reads a kernel may ask, each a function of the state and the request
+#: the reads a kernel may ask of a run's state held by another process, each a function of the
+#: state and the request (``events.ReadState``): the one place a read is declared.  The feed's
+#: server (``supervise.feed``) answers with it, and so does its client (``handles.feed``) from
+#: the state it rebuilt once that process has gone
 READS: Dict[str, Callable[[Any, events.ReadState], Any]] = {
     "snapshot": lambda state, q: state.snapshot(q.since),
     "large_view": lambda state, q: state.large_view(

@@ -19,11 +19,11 @@ import secrets
 import socket
 import struct
 import threading
-from typing import Any, Callable, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from ..core import events
 from ..driver.merged import MERGED_LINES, MergedLog
-from ..driver.reading import FACTS, READS, SNAPSHOT_FIELDS, MetricCursor
+from ..driver.reading import FACTS, READS, MetricCursor
 from ..supervise.feed import ANSWER, peer_uid
 
 #: how long a read waits for the next bytes of its answer before it gives that answer up; it
@@ -242,17 +242,19 @@ class HostedState:
     def idle(self) -> float:
         return self._ask("idle")
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        local = self.__dict__.get("_local")
-        if local is not None:  # the run's state itself, rebuilt here
-            return getattr(local, name)
-        if name in FACTS:
-            return self._ask("facts")[name]
-        if name in SNAPSHOT_FIELDS:
-            return getattr(self.snapshot(), name)
-        raise AttributeError(f"{name!r}: not a read of a run's state held by another process")
+    def facts(self) -> Dict[str, Any]:
+        """The run's facts (``reading.FACTS``: its id, state, start and end, failure, attempts,
+        ...) in one read; each is also a property of this state, one such read each."""
+        return self._ask("facts")
+
+
+def _fact(name: str) -> property:
+    return property(lambda self: self.facts()[name], doc=f"``RunState.{name}``, read through the feed (``facts``).")
+
+
+for _name in FACTS:  # the facts' properties, declared by the table, not by a fallback for any name
+    if _name != "num_processes":  # known before any read: the handle's own attribute
+        setattr(HostedState, _name, _fact(_name))
 
 
 class FedMergedLog(MergedLog):
