@@ -150,7 +150,7 @@ def torchdist_runner(local_mode: bool, **options):
         return Distributor(2, local_mode=local_mode, show=None, **options).run(back, mib)
 
     def run_out(tensor):
-        cell = capture_cell(OUT_CELL, {"tensor": tensor}, [], warn_bytes=1 << 62).cell
+        cell = capture_cell(OUT_CELL, {"tensor": tensor}, [], warn_bytes=1 << 62)
         return Distributor(2, local_mode=local_mode, show=None, **options).run(cell_job(cell, "out"))
 
     return run_back, run_out

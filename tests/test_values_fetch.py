@@ -493,7 +493,7 @@ def test_a_512_mib_notebook_tensor_reaches_two_executors_fetched_once(spark_clus
         {"big": big, "torch": torch},
         ["import torch"],
         warn_bytes=2**40,
-    ).cell
+    )
     run = Distributor(2, local_mode=False, show=None, all_ranks=True).submit(cell_job(cell, "cell"))
     assert len(run._job_bytes) < MIB and run.channel_encrypted
     expected = float(big.sum(dtype=torch.float64))

@@ -35,13 +35,6 @@ class CaptureError(ValueError):
     """The cell cannot be turned into a job (syntax error, unpicklable value...)."""
 
 
-@dataclass
-class Capture:
-    """A captured cell: the ``CellCode`` every rank runs."""
-
-    cell: CellCode
-
-
 def _position(node: ast.AST) -> Tuple[int, int]:
     return (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
 
@@ -451,7 +444,7 @@ def capture_cell(
     filename: str = "<torchdist cell>",
     line_offset: int = 1,
     warn_bytes: int = DEFAULT_WARN_BYTES,
-) -> Capture:
+) -> CellCode:
     """Turn a cell into a self-contained ``CellCode``; nothing is launched.
 
     ``line_offset`` is how many notebook lines precede the cell body (1 for the ``%%torchdist``
@@ -503,7 +496,7 @@ def capture_cell(
         silent=_ends_with_semicolon(source),
         python="" if translation.python == source else translation.python,
     )
-    return Capture(cell=cell)
+    return cell
 
 
 def _pickled_size(value: object) -> int:

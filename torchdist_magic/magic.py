@@ -201,7 +201,7 @@ class TorchdistMagics(Magics):
             )
         except CaptureError as exc:
             raise UsageError(str(exc)) from None
-        return cell_job(cap.cell, f"cell In[{n}]")
+        return cell_job(cap, f"cell In[{n}]")
 
     def _run(
         self,

@@ -519,7 +519,7 @@ class LaunchPanel:
         captured = capture_cell(
             self.code.value, self.shell.user_ns, history, filename="<torchdist panel>", line_offset=0
         )
-        return cell_job(captured.cell, "panel code"), (), {}
+        return cell_job(captured, "panel code"), (), {}
 
     def stop(self) -> None:
         """Cancel the run (every rank is stopped), as the Stop button does."""

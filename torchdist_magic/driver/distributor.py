@@ -41,7 +41,7 @@ from ..core.errors import HangTimeout, JobTimeout, NotAvailable, RankFailure, Re
 from ..core.events import DebugOutput, DumpCollectives, Log, ProfileDone, ProfilePiece, Stacks, StartProfile
 from ..core.job import Job, build_job
 from ..core.options import LaunchOptions
-from ..core import values as value_blobs
+from ..core import values
 from ..core.rankenv import RunSpec
 from . import hangs
 from .handle import StateAnswers
@@ -592,11 +592,11 @@ class Run(StateAnswers):
         ranks = chosen if self.options.all_ranks else chosen[:1]
         blobs = {r: backend_run.result(r) for r in ranks}
         if self.value_as_bytes:
-            return value_blobs.kept(blobs, self.options.all_ranks, by_rank=bool(self.options.ranks))
-        values = {r: None if blob is None else value_blobs.loads(blob) for r, blob in blobs.items()}
+            return values.kept(blobs, self.options.all_ranks, by_rank=bool(self.options.ranks))
+        decoded = {r: None if blob is None else values.loads(blob) for r, blob in blobs.items()}
         if not self.options.all_ranks:
-            return values[ranks[0]]
-        return values if self.options.ranks else list(values.values())
+            return decoded[ranks[0]]
+        return decoded if self.options.ranks else list(decoded.values())
 
 
 def _to_worker(channel: ChannelServer, rank: int, record) -> bool:

@@ -41,7 +41,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from ..core import values as value_blobs
+from ..core import values
 from ..core.events import Failure, failure_from_json, failure_to_json
 from ..core.options import masked_env
 from .layout import RECORD_FILE, TOKEN_FILE, VALUE_EXPIRED_FILE, VALUE_FILE, VALUE_TAKEN_FILE
@@ -355,7 +355,7 @@ def take_value(directory: str, run_id: str) -> Any:
     except FileNotFoundError:
         raise ValueGone(value_gone(directory, run_id)) from None
     try:  # checked on the open file: a file another user put in its place is never unpickled
-        value = value_blobs.loads_kept(read_own(taking))
+        value = values.loads_kept(read_own(taking))
     except BaseException:
         os.rename(taking, path)
         raise

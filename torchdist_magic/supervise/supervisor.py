@@ -55,7 +55,7 @@ import uuid
 from typing import Any, Optional
 
 from ..core import events
-from ..core import values as value_blobs
+from ..core import values
 from ..core.options import LaunchOptions
 from ..core.privdir import UnsafePath, open_own, open_private, remove_fallback, usable_user_directory
 from ..driver.history import RunRecord, options_json, read_record, record_directory, write_private
@@ -213,7 +213,7 @@ def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = Non
     directory = record_directory(run_id)
     fd = open_private(os.path.join(directory, JOB_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     with os.fdopen(fd, "wb") as fh:
-        fh.write(value_blobs.pickle_for_ranks(job))
+        fh.write(values.pickle_for_ranks(job))
     backend = "spark" if spark is not None else "local"
     write_private(  # env's names only: its values go with the handover
         os.path.join(directory, OPTIONS_FILE),
@@ -473,7 +473,7 @@ def supervise(directory: str) -> int:
         if run.exception is None:
             # the ranks' bytes as they came: never decoded here, so this process needs none of
             # the value's classes and holds no second copy of it
-            value_blobs.write(run.result(), os.path.join(directory, VALUE_FILE))
+            values.write(run.result(), os.path.join(directory, VALUE_FILE))
             has_value = True
         if journal is not None:
             journal.close()
