@@ -22,7 +22,7 @@ API_SECTIONS = (
     (
         "Launching",
         "Run a function, a script or a cell's job, and follow it.",
-        ("Distributor", "Run", "last_run", "LaunchOptions"),
+        ("Distributor", "Run", "RunHandle", "last_run", "LaunchOptions"),
     ),
     (
         "The run's state",
@@ -70,6 +70,7 @@ API_SECTIONS = (
             "JobTimeout",
             "HangTimeout",
             "ResultTimeout",
+            "NotAvailable",
             "RunCancelled",
             "MlflowUnavailable",
             "TrackingError",

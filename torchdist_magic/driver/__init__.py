@@ -1,7 +1,7 @@
 """The run's owner, in the process that holds a run (the notebook's kernel, or a detached run's
 supervising process): runs and their supervision (``distributor``), the run's state (``state``:
-the records applied; what its readers ask, ``reading``, where every read a kernel may ask
-through a feed is declared, and get, ``snapshot``; each rank's log, ``logstore``, spilled to the
+the records applied, and its reads; what its readers get, ``snapshot``, and may ask through a
+feed, ``reading``; each rank's log, ``logstore``, spilled to the
 run's directory, ``rundir``; the root cause among failures, ``rootcause``; a large run summarised
 across its ranks, ``summary``; the merged log a view follows, ``merged``), stragglers, goodput,
 hangs, profiles, MLflow (``tracking``), the debugging console (``console``), the run's record

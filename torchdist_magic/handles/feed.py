@@ -168,7 +168,7 @@ class HostedState:
         """Whether reads still go to the process that holds the state."""
         return self._local is None
 
-    # -- the reads of ``RunState`` (``reading.RunStateReads``) --------------------------------
+    # -- the reads of ``RunState`` (``reading.READS``) --------------------------------------------
     def snapshot(self, since: Optional[int] = None):
         return self._ask("snapshot", since=since)
 

@@ -16,7 +16,6 @@ import sys
 import time
 from typing import List, Optional, TextIO, Tuple, Union
 
-from ..driver.profiles import Profile
 from ..driver.goodput import describe as describe_goodput, says_something
 from ..driver.snapshot import RunSnapshot
 from ..driver.state import RunState
@@ -90,11 +89,11 @@ def status(state: Union[State, LargeView]) -> str:
     return " · ".join(parts)
 
 
-def summary(state: State, profile: Optional[Profile] = None) -> str:
+def summary(state: State) -> str:
     """The final table: one row per rank, then the outcome (each attempt's root cause when the
-    run restarted; where each rank was after a hang or a timeout; the run's ``profile`` where
-    given).  A large run: its counts, its bars across ranks and the ranks worth a look, with
-    why."""
+    run restarted; where each rank was after a hang or a timeout; a state's profile, which a
+    snapshot does not carry).  A large run: its counts, its bars across ranks and the ranks worth
+    a look, with why."""
     snap = snapshot(state)
     facts = run_facts(snap)
     attempt = f", {facts.attempt_text}" if facts.attempt_text else ""
@@ -125,6 +124,7 @@ def summary(state: State, profile: Optional[Profile] = None) -> str:
         rows.append(f"  {facts.outcome}")
     if snap.finished and snap.goodput and says_something(snap.goodput):
         rows.append(f"  goodput: {describe_goodput(snap.goodput)}")
+    profile = None if isinstance(state, RunSnapshot) else state.profile()
     if profile is not None:
         rows += [f"  {line}" for line in profile.lines()]
     stacks = rank_stacks(snap)
@@ -281,4 +281,4 @@ class TextView:
         for r in sorted(self._follow(view)) if view is not None else range(snap.num_processes):
             self._drain_logs(r)
             self._flush_cr(r)
-        self._print(summary(self.state, self.state.profile()))
+        self._print(summary(self.state))
