@@ -13,14 +13,13 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 import uuid
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import Collector, assert_nothing_left, pipe_bytes
+from helpers import Collector, assert_nothing_left, pipe_bytes, wait_until
 from torchdist_magic import Distributor, RankFailure
 from torchdist_magic.launch import hostcopy
 from torchdist_magic.core import privdir, values
@@ -522,10 +521,7 @@ def test_a_killed_task_leaves_no_copy_of_the_values(spark_cluster, monkeypatch):
     with pytest.raises(RankFailure):
         run.result(timeout=120)
     assert_nothing_left(run)  # the guards stopped the workers and the last one removed the copy
-    deadline = time.monotonic() + 10
-    while spark_copies(run.run_id) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not spark_copies(run.run_id)
+    wait_until(lambda: not spark_copies(run.run_id), 10, "the machine's copy of the values to go")
 
 
 @pytest.mark.spark
