@@ -410,7 +410,7 @@ def test_a_detached_run_restarts_under_its_supervising_process(home):
     assert handle.result(120) == 1
     assert handle.logs(1).startswith("attempt 1\n") and "attempt 2\n" in handle.logs(1)
     assert handle.state.attempt == 2 and handle.state.attempts[0].failure.message == "first attempt"
-    assert [rs.state for rs in handle.state.ranks] == ["done", "done"]
+    assert [rs.state for rs in handle.state.snapshot().ranks] == ["done", "done"]
     record = history.read_record(handle.run_id)
     assert record.state == "succeeded" and record.options["max_restarts"] == 1
     assert_nothing_survives(handle.run_id, handle.record.pid)
