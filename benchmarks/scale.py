@@ -84,6 +84,8 @@ from torchdist_magic.wire.handshake import open_connection  # noqa: E402
 from torchdist_magic.wire.server import ChannelServer  # noqa: E402
 from torchdist_magic.core.rankenv import rank_key  # noqa: E402
 from torchdist_magic.core import events, fdlimit  # noqa: E402
+from torchdist_magic.core.errors import NotAvailable  # noqa: E402
+from torchdist_magic.driver.handle import StateAnswers  # noqa: E402
 from torchdist_magic.driver.state import RunState  # noqa: E402
 from torchdist_magic.core.timing import SUPERVISE_POLL  # noqa: E402
 
@@ -390,14 +392,35 @@ class IopubComm:
         comm.create_comm = Comm
 
 
-class SimulatedRun:
-    """What a view needs of a run: its state, and a Stop that does nothing here."""
+class SimulatedRun(StateAnswers):
+    """A run handle (``RunHandle``) over a simulated state, whose Stop does nothing here."""
+
+    can_profile = False
+    exception = None
 
     def __init__(self, state: RunState):
-        self.state = state
+        self.run_id, self.state = state.run_id, state
 
-    def cancel(self) -> None:
+    def cancel(self, by: str = "cancel()") -> None:
         pass
+
+    def done(self) -> bool:
+        return self.state.finished
+
+    def wait(self, timeout=None) -> bool:
+        return self.state.finished
+
+    def result(self, timeout=None):
+        return None
+
+    def logs(self, rank: int = 0, attempt=None) -> str:
+        return self.state.logs(rank, attempt)
+
+    def culprit(self):
+        return self.last_verdict()
+
+    def start_profile(self, steps: int) -> None:
+        raise NotAvailable("a simulated run has no ranks to profile")
 
 
 class CountingSink(io.TextIOBase):
@@ -451,8 +474,8 @@ class Host:
         self.directory = self.journal = self.feed = None
         self.token = uuid.uuid4().hex
         if hosted:
-            from torchdist_magic.driver.feed import FeedServer
-            from torchdist_magic.driver.supervisor import Journal
+            from torchdist_magic.supervise.feed import FeedServer
+            from torchdist_magic.supervise.supervisor import Journal
 
             self.directory = tempfile.mkdtemp(prefix="torchdist-scale-")
             if journal:
@@ -562,7 +585,7 @@ def simulate(
             if hosting.exitcode is not None:
                 raise RuntimeError("the simulated supervising process failed before it listened")
         where = pipe.recv()
-        from torchdist_magic.driver.feed import HostedState
+        from torchdist_magic.handles.feed import HostedState
 
         state = HostedState(where["feed"], where["token"], ranks, fallback=_no_fallback)
     else:

@@ -143,14 +143,14 @@ def out_file_alone(tensor, repeat: int) -> Tuple[float, float]:
 def torchdist_runner(local_mode: bool, **options):
     """``(back, out)`` for torchdist_magic: ``run(back, mib)``, and the out cell on a tensor."""
     from torchdist_magic import Distributor
-    from torchdist_magic.driver.capture import capture_cell
+    from torchdist_magic.capture import capture_cell
     from torchdist_magic.core.job import cell_job
 
     def run_back(mib):
         return Distributor(2, local_mode=local_mode, show=None, **options).run(back, mib)
 
     def run_out(tensor):
-        cell = capture_cell(OUT_CELL, {"tensor": tensor}, [], warn_bytes=1 << 62).cell
+        cell = capture_cell(OUT_CELL, {"tensor": tensor}, [], warn_bytes=1 << 62)
         return Distributor(2, local_mode=local_mode, show=None, **options).run(cell_job(cell, "out"))
 
     return run_back, run_out

@@ -22,7 +22,7 @@ API_SECTIONS = (
     (
         "Launching",
         "Run a function, a script or a cell's job, and follow it.",
-        ("Distributor", "Run", "last_run", "LaunchOptions"),
+        ("Distributor", "Run", "RunHandle", "last_run", "LaunchOptions"),
     ),
     (
         "The run's state",
@@ -70,6 +70,7 @@ API_SECTIONS = (
             "JobTimeout",
             "HangTimeout",
             "ResultTimeout",
+            "NotAvailable",
             "RunCancelled",
             "MlflowUnavailable",
             "TrackingError",
@@ -287,7 +288,9 @@ def events_reference() -> str:
 LAYERS = (
     ("", "the driver (the notebook's kernel): the surface a user touches"),
     ("view", "the driver: the run's view"),
-    ("driver", "the driver: runs, their supervision and state"),
+    ("handles", "the notebook's kernel: its handles on a run another process holds"),
+    ("supervise", "a detached run's supervising process"),
+    ("driver", "the run's owner (the kernel, or a detached run's supervising process): runs, their state and record"),
     ("backends", "the driver: where ranks start"),
     ("launch", "the launcher beside each rank"),
     ("rank", "the rank's worker"),

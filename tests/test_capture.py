@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from torchdist_magic.driver.capture import CaptureError, capture_cell, free_names, notebook_imports
+from torchdist_magic.capture import CaptureError, capture_cell, free_names, notebook_imports
 
 
 @pytest.mark.parametrize(
@@ -57,15 +57,15 @@ def test_provided_and_ipython_names_do_not_travel():
         {"rank": 99, "device": "cuda", "In": [], "Out": {}, "get_ipython": object, "cfg": {"lr": 1}},
         [],
     )
-    assert cap.cell.value_names == ["cfg"]
+    assert cap.value_names == ["cfg"]
 
 
 def test_module_under_any_name_is_imported_not_pickled():
     import os.path as osp
 
     cap = capture_cell("osp.join('a', 'b')", {"osp": osp}, [])
-    assert cap.cell.value_names == []
-    assert cap.cell.imports == [(f"import {osp.__name__} as osp", "the notebook's 'osp'")]
+    assert cap.value_names == []
+    assert cap.imports == [(f"import {osp.__name__} as osp", "the notebook's 'osp'")]
 
 
 def test_shared_references_survive():
@@ -73,7 +73,7 @@ def test_shared_references_survive():
 
     shared = [1, 2]
     cap = capture_cell("a is b", {"a": shared, "b": {"inner": shared}["inner"]}, [])
-    values = cloudpickle.loads(cap.cell.values)
+    values = cloudpickle.loads(cap.values)
     assert values["a"] is values["b"]
 
 
@@ -105,10 +105,10 @@ def test_syntax_error_reports_notebook_line():
 
 
 def test_semicolon_and_process_group_detection():
-    assert capture_cell("x = 1\nx;  # quiet", {}, []).cell.silent
-    assert not capture_cell("x = 1\nx", {}, []).cell.silent
-    assert not capture_cell("'a;'", {}, []).cell.silent
-    assert capture_cell("x = 1", {}, []).cell.init_process_group
+    assert capture_cell("x = 1\nx;  # quiet", {}, []).silent
+    assert not capture_cell("x = 1\nx", {}, []).silent
+    assert not capture_cell("'a;'", {}, []).silent
+    assert capture_cell("x = 1", {}, []).init_process_group
     assert not capture_cell(
         "import torch.distributed as dist\ndist.init_process_group('gloo')", {}, []
-    ).cell.init_process_group
+    ).init_process_group

@@ -13,9 +13,9 @@ import pytest
 import torchdist_magic
 from torchdist_magic import Distributor, RankFailure
 from torchdist_magic.core.options import PROCESS_CHANNEL_RANKS, LaunchOptions, OptionValueError
-from torchdist_magic.driver import attach as attaching
-from torchdist_magic.driver import history, supervisor
-from torchdist_magic.driver.feed import HostedState
+from torchdist_magic.handles import attach as attaching
+from torchdist_magic.driver import history, layout
+from torchdist_magic.handles.feed import HostedState
 
 from helpers import alive, assert_nothing_survives, pids_of_run, touch, wait_until
 
@@ -71,7 +71,7 @@ def test_the_cell_waits_for_a_run_whose_channel_is_in_a_process_of_its_own(home,
     # once the supervising process has gone: the run's record (such a run keeps no journal)
     assert run.logs(0) == "rank 0 waiting\n" and not run.state.hosted
     assert run.state.state == "succeeded" and run.state.finished
-    assert not os.path.exists(os.path.join(run.directory, supervisor.JOURNAL_FILE))
+    assert not os.path.exists(os.path.join(run.directory, layout.JOURNAL_FILE))
 
 
 def test_run_returns_rank_0s_value_and_raises_a_ranks_failure(home):
@@ -191,7 +191,7 @@ def test_every_line_of_a_run_whose_channel_was_in_a_process_of_its_own_stays_aft
     assert "the record keeps the last 20000 lines" in history.read_record(run.run_id).log(1)
     with pytest.raises(IndexError, match="attempt 2 is not in this run"):
         run.logs(1, attempt=2)
-    full = os.path.join(run.directory, supervisor.FULL_LOGS_DIR)
+    full = os.path.join(run.directory, layout.FULL_LOGS_DIR)
     assert sorted(os.listdir(full)) == ["attempts.json", "rank-0.log", "rank-1.log"]
     del run
     gc.collect()

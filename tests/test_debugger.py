@@ -159,10 +159,7 @@ def kernel():
         yield kernel
     finally:
         kernel.close()
-    deadline = time.monotonic() + 10
-    while alive(kernel.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(kernel.pid)
+    wait_until(lambda: not alive(kernel.pid), 10, "the kernel to end")
 
 
 def printed(kernel, code):
@@ -184,10 +181,7 @@ def last_run_id(kernel):
 
 def assert_no_worker_left(kernel):
     run_id = last_run_id(kernel)
-    deadline = time.monotonic() + 15
-    while pids_of_run(run_id) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not pids_of_run(run_id), "a rank of the run survived"
+    wait_until(lambda: not pids_of_run(run_id), 15, "every rank of the run to end")
 
 
 FAILING_CELL = """\
@@ -421,7 +415,7 @@ def test_pdb_says_so_when_the_executors_cannot_reach_the_notebook(spark_local2, 
     from helpers import assert_nothing_left
     from torchdist_magic import LaunchOptions, RankFailure
     import torchdist_magic.driver.distributor as distributor
-    from torchdist_magic.driver.follow import follow
+    from torchdist_magic.handles.follow import follow
 
     monkeypatch.setattr(distributor, "make_backend", lambda options: Unreachable(spark_local2))
     run = distributor.submit(

@@ -1,4 +1,4 @@
-"""Detached runs (driver/supervisor.py, driver/attach.py): a run under a supervising process of
+"""Detached runs (supervise/supervisor.py, handles/attach.py): a run under a supervising process of
 its own, its handle from any process (``attach``), ``stop`` by id, its record; real processes,
 real sockets.  The kernel tests (a kernel killed with SIGKILL) are in test_detach_kernel.py."""
 
@@ -9,10 +9,11 @@ import socket
 import pytest
 
 import torchdist_magic
-from torchdist_magic import Distributor, RankFailure, RunCancelled
+from torchdist_magic import Distributor, NotAvailable, RankFailure, RunCancelled
 from torchdist_magic.core import events
-from torchdist_magic.driver import attach as attaching
-from torchdist_magic.driver import history, supervisor
+from torchdist_magic.handles import attach as attaching
+from torchdist_magic.driver import history, layout
+from torchdist_magic.supervise import supervisor
 
 from helpers import alive, assert_nothing_survives, pids_of_run, touch, wait_until
 
@@ -73,6 +74,43 @@ def test_a_detached_run_returns_at_once_and_any_handle_gets_its_value_and_lines(
     assert_nothing_survives(handle.run_id, handle.record.pid)
 
 
+KERNEL_ONLY = """
+class Weights:
+    def __init__(self, rank):
+        self.rank = rank
+"""
+
+
+def returns_a_kernel_only_value(directory):
+    import sys
+
+    sys.path.insert(0, directory)  # the rank's own way to the class
+    import kernel_only_weights
+
+    from torchdist_magic import rank
+
+    return kernel_only_weights.Weights(rank())
+
+
+@pytest.mark.parametrize("all_ranks", [False, True])
+def test_a_detached_value_reaches_the_kernel_as_the_rank_made_it(home, tmp_path, monkeypatch, all_ranks):
+    """The supervising process keeps the ranks' bytes and never decodes them: a value of a class
+    only the ranks and the kernel can import reaches the kernel (before, the supervising process
+    unpickled it, failed, and the value was lost)."""
+    (tmp_path / "kernel_only_weights.py").write_text(KERNEL_ONLY)
+    handle = detached(all_ranks=all_ranks).submit(returns_a_kernel_only_value, str(tmp_path))
+    assert handle.wait(120)
+    record = history.read_record(handle.run_id)
+    assert record.state == "succeeded" and record.has_value
+    monkeypatch.syspath_prepend(str(tmp_path))  # the kernel can import the class; the supervisor could not
+    value = attaching.AttachedRun(handle.run_id).result(30)
+    if all_ranks:
+        assert [type(v).__name__ for v in value] == ["Weights", "Weights"] and [v.rank for v in value] == [0, 1]
+    else:
+        assert type(value).__module__ == "kernel_only_weights" and value.rank == 0
+    assert_nothing_survives(handle.run_id, handle.record.pid)
+
+
 def test_stop_by_id_ends_every_rank_and_the_record_says_cancelled(home):
     handle = detached().submit(sleeps)
     wait_until(lambda: "sleeping" in handle.logs(1), 60, "rank 1 to sleep")
@@ -111,7 +149,7 @@ def test_a_killed_supervising_process_takes_its_ranks_and_the_handle_says_so(hom
         handle.result(60)
     # the handle that found it dead removed its control socket (and its token): SIGKILL left them
     assert not os.path.lexists(handle.record.control)
-    assert not os.path.exists(os.path.join(handle.directory, supervisor.TOKEN_FILE))
+    assert not os.path.exists(os.path.join(handle.directory, layout.TOKEN_FILE))
     assert history.read_record(handle.run_id).failure == (
         f"its supervising process (pid {handle.record.pid}) ended before the run did"
     )
@@ -143,7 +181,7 @@ def test_the_control_socket_takes_only_a_stop_with_the_runs_token(home):
         assert ask(events.dumps(events.StopRun(rank=-1, token="0" * 64, by="a guess")).encode() + b"\n") == b"refused\n"
         assert ask(b'{"type": "stop", "rank": 0, "grace": 1.0}\n') == b"refused\n"  # not a kernel's record
         assert ask(b"not json\n") == b"refused\n"
-        with open(os.path.join(handle.directory, supervisor.TOKEN_FILE), "w") as fh:
+        with open(os.path.join(handle.directory, layout.TOKEN_FILE), "w") as fh:
             fh.write("f" * 64)
         with pytest.raises(PermissionError, match="refused the request to stop it"):
             torchdist_magic.stop(handle.run_id)
@@ -166,7 +204,7 @@ def test_stop_sends_the_token_to_no_socket_another_user_listens_on(home):
     path = os.path.join(directory, "ctl.sock")
     record_dir = history.record_directory("taken-1")
     token = "7" * 64
-    history.write_private(os.path.join(record_dir, supervisor.TOKEN_FILE), token)
+    history.write_private(os.path.join(record_dir, layout.TOKEN_FILE), token)
     history.RunRecord(
         run_id="taken-1",
         started=1.0,
@@ -269,7 +307,7 @@ def test_attach_refuses_a_run_that_was_not_detached_and_an_unknown_id(home):
 def test_a_detached_run_cannot_be_profiled_from_an_attached_kernel(home):
     handle = detached(np=1).submit(raises_on_rank_1)
     handle.wait(60)
-    with pytest.raises(ValueError, match="its ranks can be profiled from the start only"):
+    with pytest.raises(NotAvailable, match="its ranks can be profiled from the start only"):
         handle.start_profile(5)
 
 
@@ -372,7 +410,7 @@ def test_a_detached_run_restarts_under_its_supervising_process(home):
     assert handle.result(120) == 1
     assert handle.logs(1).startswith("attempt 1\n") and "attempt 2\n" in handle.logs(1)
     assert handle.state.attempt == 2 and handle.state.attempts[0].failure.message == "first attempt"
-    assert [rs.state for rs in handle.state.ranks] == ["done", "done"]
+    assert [rs.state for rs in handle.state.snapshot().ranks] == ["done", "done"]
     record = history.read_record(handle.run_id)
     assert record.state == "succeeded" and record.options["max_restarts"] == 1
     assert_nothing_survives(handle.run_id, handle.record.pid)
@@ -389,8 +427,8 @@ def test_a_full_journal_is_said_by_the_kernel_that_attaches(home, monkeypatch, c
     for i in range(10):
         journal.put(events.Log(rank=0, stream="stdout", line=f"line {i}"))
     journal.close()
-    assert os.path.exists(os.path.join(directory, supervisor.JOURNAL_FULL_FILE))
-    values.dump(7, os.path.join(directory, supervisor.VALUE_FILE))
+    assert os.path.exists(os.path.join(directory, layout.JOURNAL_FULL_FILE))
+    values.dump(7, os.path.join(directory, layout.VALUE_FILE))
     history.RunRecord(
         run_id="full-1",
         state="succeeded",
@@ -401,7 +439,7 @@ def test_a_full_journal_is_said_by_the_kernel_that_attaches(home, monkeypatch, c
         has_value=True,
         directory=directory,
     ).save()
-    history.write_private(os.path.join(directory, supervisor.DONE_FILE), "succeeded")
+    history.write_private(os.path.join(directory, layout.DONE_FILE), "succeeded")
     handle = torchdist_magic.attach("full-1")
     assert attaching.follow_attached(handle) == 7
     assert capsys.readouterr().out == (
@@ -463,12 +501,12 @@ def test_a_value_nobody_took_expires_and_the_record_says_when(home, monkeypatch)
     handle = detached().submit(returns_seven)
     assert handle.wait(60)
     record = history.read_record(handle.run_id)
-    assert record.has_value and os.path.exists(os.path.join(record.directory, history.VALUE_FILE))
+    assert record.has_value and os.path.exists(os.path.join(record.directory, layout.VALUE_FILE))
     monkeypatch.setenv(history.VALUE_DAYS_ENV, "2")
     assert history.prune(now=record.ended + 86400) == []  # a day on: still there
-    assert os.path.exists(os.path.join(record.directory, history.VALUE_FILE))
+    assert os.path.exists(os.path.join(record.directory, layout.VALUE_FILE))
     assert history.prune(now=record.ended + 3 * 86400) == []  # the record stays, its value goes
-    assert not os.path.exists(os.path.join(record.directory, history.VALUE_FILE))
+    assert not os.path.exists(os.path.join(record.directory, layout.VALUE_FILE))
     with pytest.raises(
         history.ValueGone,
         match=f"^rank 0's value of run {handle.run_id} expired at .*, TORCHDIST_VALUE_DAYS after the run ended$",

@@ -60,7 +60,7 @@ def test_each_stated_limit_is_the_code_s(what, limit, path):
 def test_a_wrong_number_would_be_caught():
     assert _stated("64 MiB (past its share ...)") == 64 << 20
     assert _stated("20,000 lines") == 20_000
-    assert _stated("1 GiB") != _constant("torchdist_magic.driver.supervisor.JOURNAL_MAX_BYTES") + 1
+    assert _stated("1 GiB") != _constant("torchdist_magic.supervise.supervisor.JOURNAL_MAX_BYTES") + 1
 
 
 def test_the_declared_versions_are_the_metadata():

@@ -1,4 +1,4 @@
-"""The view's feed (driver/feed.py): a run's state read from the process that holds it, over a
+"""The view's feed (supervise/feed.py, handles/feed.py): a run's state read from the process that holds it, over a
 real Unix socket in this user's private directory, against a real ``RunState`` fed records."""
 
 import os
@@ -9,8 +9,10 @@ import pytest
 
 from torchdist_magic.core import events
 from torchdist_magic.core.privdir import user_directory
-from torchdist_magic.driver.feed import ANSWER, FACTS, FeedServer, HostedState
-from torchdist_magic.driver.merged import FedMergedLog, MergedLog
+from torchdist_magic.driver.reading import FACTS
+from torchdist_magic.handles.feed import FedMergedLog, HostedState
+from torchdist_magic.supervise.feed import ANSWER, FeedServer
+from torchdist_magic.driver.merged import MergedLog
 from torchdist_magic.driver.state import RunState
 
 TOKEN = "feed-test-token"
@@ -70,7 +72,7 @@ def test_reads_through_the_feed_are_the_states_own(served, socket_path):
     assert view.snap.ranks == () and view.shown == {rs.rank: rs for rs in snap.ranks}
     assert hosted.large_view(host="h", rank=1).page == [1]
     assert hosted.state == state.state and hosted.started == state.started and not hosted.finished
-    assert hosted.ranks == snap.ranks  # a snapshot's field
+    assert hosted.facts() == {name: getattr(state, name) for name in FACTS}  # one read, every fact
     assert server.readers() == 1 and hosted.hosted
     hosted.close()
     assert server.linger(5.0)
@@ -82,8 +84,8 @@ def test_a_reads_error_is_raised_in_the_kernel(served, socket_path):
         hosted.read_log(7)
     with pytest.raises(IndexError, match="rank 3 is not in this run"):
         hosted.read_logs([(0, 0, None, False), (3, 0, None, False)])
-    with pytest.raises(AttributeError, match="'no_such': not a read of a run's state held by another process"):
-        hosted.no_such
+    with pytest.raises(AttributeError, match="'HostedState' object has no attribute 'no_such'"):
+        hosted.no_such  # no read is asked for a name the table does not declare
     assert hosted.snapshot().num_processes == 3  # the connection goes on after an error
     hosted.close()
 
@@ -132,7 +134,7 @@ def test_once_the_holder_has_gone_reads_go_to_the_fallback(socket_path):
     server.close()  # the supervising process ended: its socket is gone
     hosted.close()
     assert hosted.finished and not hosted.hosted and len(rebuilt) == 1
-    assert hosted.logs(2) == state.logs(2) and hosted.ranks is rebuilt[0].ranks  # its own attributes
+    assert hosted.logs(2) == state.logs(2) and hosted.snapshot().ranks == rebuilt[0].snapshot().ranks
     assert len(rebuilt) == 1  # made once
 
 
@@ -283,7 +285,7 @@ class SlowSnapshots:
 
 
 def test_a_slow_answer_holds_up_no_other_reader(socket_path, monkeypatch):
-    from torchdist_magic.driver import feed
+    from torchdist_magic.handles import feed
 
     monkeypatch.setattr(feed, "READ_TIMEOUT", 120.0)  # the slow answer comes when the test says
     state = SlowSnapshots()
@@ -312,7 +314,7 @@ def test_a_slow_answer_holds_up_no_other_reader(socket_path, monkeypatch):
 def test_a_feed_that_does_not_answer_is_asked_once_more_then_the_journal_is_replayed_outside_the_lock(
     tmp_path, monkeypatch
 ):
-    from torchdist_magic.driver import feed
+    from torchdist_magic.handles import feed
 
     monkeypatch.setattr(feed, "READ_TIMEOUT", 0.2)
     path = os.path.join(user_directory(str(tmp_path)), "stalled.sock")

@@ -18,7 +18,8 @@ import torchdist_magic
 from torchdist_magic import Distributor
 from torchdist_magic.core import privdir, values
 from torchdist_magic.core.options import LaunchOptions
-from torchdist_magic.driver import history, supervisor
+from torchdist_magic.driver import history, layout
+from torchdist_magic.supervise import supervisor
 
 from helpers import assert_nothing_survives, pids_of_run, touch, wait_until
 
@@ -147,14 +148,14 @@ def test_take_value_refuses_a_value_another_user_put_in_its_place_and_never_unpi
     record = open_to_everyone(tmp_path / "record")  # as a swapped home's record would be
     mark = tmp_path / "unpickled"
     blob = bytes(values.dumps(LeavesAMark(str(mark))))
-    as_other_user(record, lambda: write_file(history.VALUE_FILE, blob))
+    as_other_user(record, lambda: write_file(layout.VALUE_FILE, blob))
     with pytest.raises(
         privdir.UnsafePath,
         match=rf"value.blob.* is not a file of this user's own \(owned by uid {OTHER_UID}, not 0\): another user",
     ):
         history.take_value(str(record), "run-1")
     assert not mark.exists()
-    assert os.stat(record / history.VALUE_FILE).st_uid == OTHER_UID  # left where it was, untouched
+    assert os.stat(record / layout.VALUE_FILE).st_uid == OTHER_UID  # left where it was, untouched
 
 
 @needs_root
@@ -162,10 +163,10 @@ def test_take_value_refuses_a_link_another_user_put_in_its_place(tmp_path):
     record = open_to_everyone(tmp_path / "record")
     mine = tmp_path / "mine.blob"  # a value of this user's elsewhere, which the link would name
     values.dump({"not": "this run's"}, str(mine))
-    as_other_user(record, lambda: os.symlink(mine, history.VALUE_FILE))
+    as_other_user(record, lambda: os.symlink(mine, layout.VALUE_FILE))
     with pytest.raises(privdir.UnsafePath, match=r"value.blob\S* is a symbolic link where torchdist_magic keeps"):
         history.take_value(str(record), "run-1")
-    assert os.path.islink(record / history.VALUE_FILE)
+    assert os.path.islink(record / layout.VALUE_FILE)
 
 
 @needs_root
@@ -176,15 +177,15 @@ def test_the_supervising_process_refuses_a_job_another_user_put_in_its_place(hom
 
     mark = tmp_path / "unpickled"
     directory = history.record_directory("planted-1")
-    history.write_private(os.path.join(directory, supervisor.OPTIONS_FILE), json.dumps({"num_processes": 1}))
-    history.write_private(os.path.join(directory, supervisor.TOKEN_FILE), "t" * 64)
+    history.write_private(os.path.join(directory, layout.OPTIONS_FILE), json.dumps({"num_processes": 1}))
+    history.write_private(os.path.join(directory, layout.TOKEN_FILE), "t" * 64)
     history.RunRecord(run_id="planted-1", detached=True, pid=os.getpid(), directory=directory).save()
     drop = open_to_everyone(tmp_path / "drop")
     job = cloudpickle.dumps(LeavesAMark(str(mark)))
     as_other_user(drop, lambda: write_file("job.bin", job))
-    os.rename(drop / "job.bin", os.path.join(directory, supervisor.JOB_FILE))  # swapped in, owner kept
+    os.rename(drop / "job.bin", os.path.join(directory, layout.JOB_FILE))  # swapped in, owner kept
     done = subprocess.run(
-        [sys.executable, "-m", "torchdist_magic.driver.supervisor", directory],
+        [sys.executable, "-m", "torchdist_magic.supervise.supervisor", directory],
         input=json.dumps({"env": {}, "spark": None}).encode(),
         capture_output=True,
         timeout=120,
@@ -200,7 +201,7 @@ def test_the_supervising_process_refuses_a_job_another_user_put_in_its_place(hom
 def test_the_supervising_process_started_by_hand_says_how_it_is_started(home):
     directory = history.record_directory("by-hand-1")
     done = subprocess.run(
-        [sys.executable, "-m", "torchdist_magic.driver.supervisor", directory],
+        [sys.executable, "-m", "torchdist_magic.supervise.supervisor", directory],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         timeout=120,
@@ -287,13 +288,13 @@ def test_env_values_reach_the_ranks_and_no_file_or_repr(home, tmp_path):
     finally:
         touch(marker)
     assert handle.wait(60)
-    value = os.path.join(handle.directory, history.VALUE_FILE)
+    value = os.path.join(handle.directory, layout.VALUE_FILE)
     assert stat.S_IMODE(os.stat(value).st_mode) == 0o600  # as every other file of the record
     assert handle.result(10) == hashlib.sha256(secret.encode()).hexdigest()  # the ranks had it
     assert files_holding(secret, str(home), *run_files(handle.run_id)) == []  # the record, logs and all
     record = history.read_record(handle.run_id)
     assert record.options["env"] == {SECRET_NAME: "***"}
-    with open(os.path.join(handle.directory, supervisor.OPTIONS_FILE), encoding="utf-8") as fh:
+    with open(os.path.join(handle.directory, layout.OPTIONS_FILE), encoding="utf-8") as fh:
         assert json.load(fh)["env"] == {SECRET_NAME: "***"}
     assert_nothing_survives(handle.run_id, handle.record.pid)
 
@@ -377,10 +378,10 @@ def test_a_handle_on_another_hosts_run_waits_for_its_end_not_for_this_hosts_pid(
     record = other_hosts_record("elsewhere-2")
     handle = torchdist_magic.attach("elsewhere-2")
     assert not handle.wait(1.0)  # no process of this host has its pid, which says nothing here
-    values.dump(42, os.path.join(record.directory, history.VALUE_FILE))
+    values.dump(42, os.path.join(record.directory, layout.VALUE_FILE))
     record.state, record.outcome, record.ended, record.has_value = "succeeded", "succeeded", time.time(), True
     record.save()
-    history.write_private(os.path.join(record.directory, supervisor.DONE_FILE), "succeeded")
+    history.write_private(os.path.join(record.directory, layout.DONE_FILE), "succeeded")
     assert handle.result(30) == 42
 
 
@@ -401,7 +402,7 @@ def test_whoever_finds_a_supervising_process_killed_with_sigkill_removes_what_it
     # no handle: nothing follows the run but what the test calls
     run_id = supervisor.start_detached(build_job(sleeps, (), {}), LaunchOptions(num_processes=2))
     record = history.read_record(run_id)
-    token = os.path.join(record.directory, supervisor.TOKEN_FILE)
+    token = os.path.join(record.directory, layout.TOKEN_FILE)
     try:
         assert stat.S_ISSOCK(os.lstat(record.control).st_mode) and os.path.exists(token)
         wait_until(lambda: len(pids_of_run(run_id)) >= 2, 60, "the ranks to start")

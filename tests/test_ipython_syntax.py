@@ -19,7 +19,7 @@ import pytest
 
 from helpers import assert_no_survivors, cell
 from torchdist_magic import RankFailure
-from torchdist_magic.driver.capture import CaptureError, capture_cell, translate_cell
+from torchdist_magic.capture import CaptureError, capture_cell, translate_cell
 from torchdist_magic.rank.shell import MagicError, PipFailed, RankShell, SList, TimeitResult
 
 SUPPORTED = "!cmd, x = !cmd, %time, %%time, %timeit, %%timeit, %env, %cd and %pip"
@@ -63,8 +63,8 @@ def test_translation_keeps_every_line_where_it_was_typed(source, python):
 
 
 def test_plain_python_runs_as_typed():
-    assert capture_cell("x = 1\nx", {}, []).cell.python == ""
-    assert capture_cell("!ls\nx = 1", {}, []).cell.python == "get_ipython().system('ls')\nx = 1"
+    assert capture_cell("x = 1\nx", {}, []).python == ""
+    assert capture_cell("!ls\nx = 1", {}, []).python == "get_ipython().system('ls')\nx = 1"
 
 
 def test_code_inside_magics_is_translated_too():
@@ -86,7 +86,7 @@ def test_names_a_magic_uses_travel_and_get_ipython_does_not():
         "n": 3,
     }
     cap = capture_cell("!echo {cfg['n']} $path\n%time model = build(x)\nmodel\n%timeit -n 2 setup_value + n", ns, [])
-    assert cap.cell.value_names == ["build", "cfg", "n", "path", "setup_value", "x"]  # not model: the cell makes it
+    assert cap.value_names == ["build", "cfg", "n", "path", "setup_value", "x"]  # not model: the cell makes it
 
 
 @pytest.mark.parametrize(

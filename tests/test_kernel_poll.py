@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from helpers import alive, pids_of_run
+from helpers import alive, pids_of_run, wait_until
 from torchdist_magic.view.kernel_poll import KernelPoll
 
 pytest.importorskip("jupyter_client")
@@ -25,10 +25,13 @@ pytest.importorskip("ipykernel")
 SETUP = '''
 import threading, time
 from torchdist_magic.core import events
+from torchdist_magic.driver.handle import StateAnswers
 from torchdist_magic.driver.state import RunState
 from torchdist_magic.view import make_view
 
-class WaitingRun:
+class WaitingRun(StateAnswers):
+    can_profile = False
+
     def __init__(self, num_processes, ends_after=None):
         self.run_id = f"poll-{time.time_ns()}"
         self.state = RunState(self.run_id, num_processes, backend="test")
@@ -48,6 +51,9 @@ class WaitingRun:
 
     def wait(self, timeout=None):
         return self._ended.wait(timeout)
+
+    def done(self):
+        return self._ended.is_set()
 
 def wait_for(run, seconds):
     view = make_view(run, "widget", log_hint="run.logs(rank)")
@@ -106,10 +112,7 @@ def kernel():
         yield kernel
     finally:
         kernel.close()
-    deadline = time.monotonic() + 10
-    while alive(kernel.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(kernel.pid)
+    wait_until(lambda: not alive(kernel.pid), 10, "the kernel to end")
 
 
 def widget_state(msg):
@@ -248,10 +251,7 @@ def test_stop_ends_a_real_run_of_a_blocking_torchdist_cell(kernel):
     (reply,) = replies(kc, 1)
     assert reply["parent_header"]["msg_id"] == long_cell and reply["content"]["status"] == "error"
     assert len(run_ids) == 1
-    deadline = time.monotonic() + 10
-    while pids_of_run(next(iter(run_ids))) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not pids_of_run(next(iter(run_ids))), "processes of the stopped run survived"
+    wait_until(lambda: not pids_of_run(next(iter(run_ids))), 10, "the stopped run's processes to end")
 
 
 # -- the poller without a kernel process -----------------------------------------------------------

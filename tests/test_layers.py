@@ -1,8 +1,18 @@
 """The package is laid out by process (DESIGN.md, "Three processes, one package folder each"), and
 its imports point one way:
 
-    top (api, magic, panel, __init__) -> view -> driver -> backends -> launch -> wire -> core
+    top (api, magic, panel, capture, __init__) -> view -> handles -> supervise -> driver
+        -> backends -> launch -> wire -> core
     rank -> wire -> core
+
+Strings that name a module or a file of the package (``python -m ...``, the rank's files that a
+stack leaves out) are checked too: each names one that is there.
+
+The driver's side is three homes by where the code runs: ``driver`` is the run's owner (in the
+kernel, or in a detached run's supervising process), ``supervise`` the supervising process's own
+code (its journal, its feed's server), ``handles`` the kernel's handles on a run another process
+holds.  The owner imports neither of the others; the views take the handles, never the
+supervising process's code.  ``capture`` (cell -> job) needs only ``core``.
 
 ``launch`` (beside each rank) and ``rank`` (the rank's worker) never import each other, and the
 driver's side (``backends``, ``driver``, ``view``) never imports the rank's code: what they share
@@ -24,11 +34,13 @@ MAY_IMPORT = {
     "launch": {"wire", "core"},
     "backends": {"launch", "wire", "core"},
     "driver": {"backends", "launch", "wire", "core"},
-    "view": {"driver", "backends", "launch", "wire", "core"},
-    # the public names: the Python API, the magics, the panel, and the helpers a job calls
-    "top": {"view", "driver", "backends", "launch", "wire", "core", "rank"},
+    "supervise": {"driver", "backends", "launch", "wire", "core"},
+    "handles": {"supervise", "driver", "backends", "launch", "wire", "core"},
+    "view": {"handles", "driver", "backends", "launch", "wire", "core"},
+    # the public names: the Python API, the magics, the panel, capture, and the helpers a job calls
+    "top": {"view", "handles", "supervise", "driver", "backends", "launch", "wire", "core", "rank"},
 }
-TOP = {"__init__", "__main__", "api", "cli", "magic", "panel"}
+TOP = {"__init__", "__main__", "api", "capture", "cli", "magic", "panel"}
 
 
 def package_of(module: str) -> str:
@@ -108,6 +120,26 @@ def test_the_rank_and_the_launcher_never_import_each_other_nor_the_driver_the_ra
     assert not {"rank"} & (MAY_IMPORT["driver"] | MAY_IMPORT["backends"] | MAY_IMPORT["view"])
 
 
+def test_the_owner_imports_neither_the_supervising_process_nor_the_handles():
+    """A run's owner runs in the kernel and in a supervising process alike: it knows neither
+    home above it, and the views read a run through the handles, never the supervisor."""
+    assert not {"supervise", "handles", "view"} & MAY_IMPORT["driver"]
+    assert "supervise" not in MAY_IMPORT["view"] and "handles" in MAY_IMPORT["view"]
+    assert "handles" not in MAY_IMPORT["supervise"]
+    found = {
+        (package_of(module), package_of(target)) for module, path in module_names() for target in imported(module, path)
+    }
+    assert ("driver", "supervise") not in found and ("driver", "handles") not in found
+    assert ("view", "supervise") not in found
+    assert ("view", "handles") in found  # the rule is not vacuous: the widget's merged log
+
+
+def test_capture_needs_only_the_agreements():
+    """Cell -> job runs before any run exists: it imports ``core`` alone."""
+    path = PACKAGE / "capture.py"
+    assert {package_of(target) for target in imported("capture", path)} == {"core"}
+
+
 def test_the_check_finds_an_import_that_points_up(tmp_path, monkeypatch):
     """The check itself: a module of ``core`` that imports the driver is named."""
     fake = tmp_path / "torchdist_magic"
@@ -155,3 +187,67 @@ def test_the_check_sees_lazy_and_relative_imports():
     assert "backends.registry" in found["backends"]  # ``from .registry import ...``
     assert "backends.base" in found["backends.local"]  # ``from .base import ...``
     assert "rank.runtime" in found["rank.worker"]  # ``from torchdist_magic.rank import runtime``
+
+
+NAMED = __import__("re").compile(r"torchdist_magic(?:[./][A-Za-z_][A-Za-z0-9_]*)+(?:\.py)?")
+
+
+def _top_level_names(path: pathlib.Path) -> set:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    if path.name == "__init__.py":  # a package's lazy names (``_LAZY``) are its names too
+        names |= set(getattr(torchdist_magic, "_LAZY", {})) if path.parent == PACKAGE else set()
+    return names
+
+
+def stale_names():
+    """Strings in the package that name one of its modules (``python -m torchdist_magic.x``, a
+    file of it, a backend's entry point) where no such module, file or name is: a module moved
+    and a string left behind, which no import shows."""
+    modules = dict(module_names())
+    stale = []
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+                continue
+            for named in NAMED.findall(node.value):
+                if "/" in named:
+                    if not (PACKAGE.parent / named).exists():
+                        stale.append(f"{module}: {named!r}")
+                    continue
+                parts = named.split(".")[1:]
+                found = next(
+                    (n for n in range(len(parts), -1, -1) if ".".join(parts[:n] or ["__init__"]) in modules), 0
+                )
+                rest = parts[found:]
+                if rest and rest[0] not in _top_level_names(modules[".".join(parts[:found] or ["__init__"])]):
+                    stale.append(f"{module}: {named!r}")
+    return stale
+
+
+def test_every_module_a_string_names_is_there():
+    assert stale_names() == []
+
+
+def test_the_check_finds_a_string_that_names_a_moved_module(tmp_path, monkeypatch):
+    fake = tmp_path / "torchdist_magic"
+    (fake / "driver").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "driver" / "__init__.py").write_text("")
+    (fake / "driver" / "state.py").write_text("X = 1\n")
+    (fake / "driver" / "start.py").write_text(
+        'A = ["-m", "torchdist_magic.driver.supervisor"]\nB = "torchdist_magic.driver.state.X"\n'
+        'C = "torchdist_magic/rank/worker.py"\n'
+    )
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    assert sorted(stale_names()) == [
+        "driver.start: 'torchdist_magic.driver.supervisor'",
+        "driver.start: 'torchdist_magic/rank/worker.py'",
+    ]

@@ -81,12 +81,12 @@ def test_notebook_imports_classes_and_helpers(ip):
 
 
 def test_captured_values_are_only_what_the_cell_uses(ip):
-    from torchdist_magic.driver.capture import capture_cell
+    from torchdist_magic.capture import capture_cell
 
     ns = {"used": 1, "unused": 2, "later": 3, "np": __import__("numpy"), "f": len}
     cap = capture_cell("x = used + 1\nlater = 5\nprint(later, f(x), np.pi)\n", ns, [])
-    assert cap.cell.value_names == ["f", "used"]
-    assert ("import numpy as np", "the notebook's 'np'") in cap.cell.imports
+    assert cap.value_names == ["f", "used"]
+    assert ("import numpy as np", "the notebook's 'np'") in cap.imports
 
 
 def test_databricks_seed_code_unchanged(ip):

@@ -163,7 +163,7 @@ def test_pool_stop_says_which_pools_it_stopped_or_that_none_ran(ip, capsys, loca
 
 # -- capture -------------------------------------------------------------------------------------------
 def test_notebook_values_that_fail_only_together_are_said_as_a_whole():
-    from torchdist_magic.driver.capture import _unpicklable_message
+    from torchdist_magic.capture import _unpicklable_message
 
     # each value alone pickles: the error names no one of them
     assert _unpicklable_message({"a": 1, "b": [2]}, RecursionError("maximum recursion depth exceeded")) == (

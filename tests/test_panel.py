@@ -396,7 +396,7 @@ def test_a_run_whose_channel_is_in_a_process_of_its_own_shows_its_value(notebook
     """``--channel process`` from the panel: the view reads the run through its feed and the
     value shows once the run's supervising process has ended it."""
     from helpers import assert_nothing_survives
-    from torchdist_magic.driver import attach
+    from torchdist_magic.handles import attach
 
     panel.controls["num_processes"].value = 2
     panel.controls["channel"].value = "process"

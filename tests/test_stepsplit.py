@@ -13,7 +13,7 @@ from torchdist_magic.core import events
 from torchdist_magic.core.options import LaunchOptions
 from torchdist_magic.driver import stragglers as P
 from torchdist_magic.driver.distributor import submit
-from torchdist_magic.driver.follow import follow
+from torchdist_magic.handles.follow import follow
 from torchdist_magic.rank import stepsplit
 from torchdist_magic.driver.state import RunState
 

@@ -10,7 +10,7 @@ from view_helpers import Clock, bar, exit_, running
 from torchdist_magic import progress, rank
 from torchdist_magic.driver import stragglers as P
 from torchdist_magic.driver.distributor import submit
-from torchdist_magic.driver.follow import follow
+from torchdist_magic.handles.follow import follow
 from torchdist_magic.core.options import LaunchOptions
 from torchdist_magic.driver.state import RunState
 

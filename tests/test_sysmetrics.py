@@ -271,16 +271,51 @@ def test_a_rank_the_oom_killer_ends_is_reported_as_out_of_memory(
     assert_no_survivors(run)
 
 
-def test_a_rank_that_is_stopped_is_not_called_out_of_memory(local_distributor, tmp_path):
-    run = local_distributor(1).submit(wait_for_file, str(tmp_path / "go"))
-    wait_until(lambda: run.state.snapshot().ranks[0].system, 60, "a system sample")
-    run.cancel()
-    run.wait(60)
-    assert run.state.ranks[0].failure is None or "memory" not in run.state.ranks[0].failure.summary()
-    assert_no_survivors(run)
+def ignores_sigterm(path):
+    import os
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stop ends it with SIGKILL
+    print("ignoring SIGTERM", flush=True)
+    while not os.path.exists(path):
+        time.sleep(0.02)
 
 
-# -- real runs --------------------------------------------------------------------------------
+def test_a_rank_that_is_stopped_is_not_called_out_of_memory(tmp_path, monkeypatch):
+    """A stop that ends in SIGKILL (the rank ignores SIGTERM) while every sample says the
+    machine's memory is nearly full (forced: any share of it is "nearly full") is a stop, not an
+    out-of-memory kill; the same kill unasked is called one."""
+    from torchdist_magic.launch.launcher import stop_all
+
+    monkeypatch.setattr(sysmetrics, "HOST_NEARLY_FULL", 2.0)
+    monkeypatch.setattr(timing, "SYSTEM_METRICS_INTERVAL", 0.1)
+    job_file = tmp_path / "job.pkl"
+    job_file.write_bytes(cloudpickle.dumps(function_job(ignores_sigterm, (str(tmp_path / "go"),), {})))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHDIST_")}
+    exits = {}
+    for stopped in (True, False):
+        got = []
+        env.update(TORCHDIST_RUN_ID=uuid.uuid4().hex)
+        proc = RankProcess(0, str(job_file), str(tmp_path / f"rank-{stopped}"), env, got.append)
+        wait_until(
+            lambda: (
+                any(isinstance(e, events.SystemMetrics) for e in got)
+                and any(isinstance(e, events.Log) and e.line == "ignoring SIGTERM" for e in got)
+            ),
+            120,
+            "a sample of the rank, ignoring SIGTERM",
+        )
+        if stopped:
+            stop_all([proc], 0.5)
+        else:
+            proc.signal_group(signal.SIGKILL, "a test, as the OOM killer would")
+        wait_until(proc.exited.is_set, 60, "the rank's exit")
+        assert not alive(proc.pgid)
+        (exits[stopped],) = [e for e in got if isinstance(e, events.Exit)]
+    assert exits[True].code == -signal.SIGKILL and exits[True].stopped
+    assert "memory" not in exits[True].failure.summary()
+    assert exits[False].failure.message.startswith("probably out of memory: the machine had ")
 
 
 def wait_for_file(path):

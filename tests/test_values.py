@@ -217,7 +217,7 @@ def checksum(tensor):
 def test_a_512_mib_notebook_tensor_in_a_cell_reaches_two_ranks_from_one_file():
     """The cell's notebook tensor goes into one file, written once, that both ranks map: the
     job itself stays small."""
-    from torchdist_magic.driver.capture import capture_cell
+    from torchdist_magic.capture import capture_cell
     from torchdist_magic.core.job import cell_job
 
     big = torch.arange(512 * 2**20 // 4, dtype=torch.float32)
@@ -226,7 +226,7 @@ def test_a_512_mib_notebook_tensor_in_a_cell_reaches_two_ranks_from_one_file():
         {"big": big, "torch": torch},
         ["import torch"],
         warn_bytes=2**40,
-    ).cell
+    )
     assert cell.buffers.nbytes == big.nbytes and len(cell.values) < 4096
     run = Distributor(2, local_mode=True, show=None, all_ranks=True).submit(cell_job(cell, "cell"))
     assert len(run._job_bytes) < 2**20  # the tensor is in the run's file, not in the job

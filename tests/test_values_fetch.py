@@ -13,14 +13,13 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 import uuid
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import Collector, assert_nothing_left, pipe_bytes
+from helpers import Collector, assert_nothing_left, pipe_bytes, wait_until
 from torchdist_magic import Distributor, RankFailure
 from torchdist_magic.launch import hostcopy
 from torchdist_magic.core import privdir, values
@@ -483,7 +482,7 @@ def one_fetch(run, size):
 @pytest.mark.big_values
 def test_a_512_mib_notebook_tensor_reaches_two_executors_fetched_once(spark_cluster, monkeypatch):
     """Two executors (JVMs of their own) on this machine: one fetch, both ranks map it."""
-    from torchdist_magic.driver.capture import capture_cell
+    from torchdist_magic.capture import capture_cell
     from torchdist_magic.core.job import cell_job
 
     monkeypatch.setenv(VALUES_FETCH_ENV, "1")
@@ -493,7 +492,7 @@ def test_a_512_mib_notebook_tensor_reaches_two_executors_fetched_once(spark_clus
         {"big": big, "torch": torch},
         ["import torch"],
         warn_bytes=2**40,
-    ).cell
+    )
     run = Distributor(2, local_mode=False, show=None, all_ranks=True).submit(cell_job(cell, "cell"))
     assert len(run._job_bytes) < MIB and run.channel_encrypted
     expected = float(big.sum(dtype=torch.float64))
@@ -522,10 +521,7 @@ def test_a_killed_task_leaves_no_copy_of_the_values(spark_cluster, monkeypatch):
     with pytest.raises(RankFailure):
         run.result(timeout=120)
     assert_nothing_left(run)  # the guards stopped the workers and the last one removed the copy
-    deadline = time.monotonic() + 10
-    while spark_copies(run.run_id) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not spark_copies(run.run_id)
+    wait_until(lambda: not spark_copies(run.run_id), 10, "the machine's copy of the values to go")
 
 
 @pytest.mark.spark

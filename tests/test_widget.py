@@ -14,7 +14,7 @@ from helpers import assert_no_survivors
 from view_helpers import Clock, FakeRun, bar, exit_, log, metrics, no_cpu, running
 from torchdist_magic import progress, rank, report
 from torchdist_magic.driver.distributor import submit
-from torchdist_magic.driver.follow import follow
+from torchdist_magic.handles.follow import follow
 from torchdist_magic.core.options import LaunchOptions
 from torchdist_magic.view import make_view
 from torchdist_magic.view import widget as W
@@ -100,7 +100,8 @@ def test_a_view_counts_what_its_reads_cost_the_process_that_holds_the_run(tmp_pa
     import os
 
     from torchdist_magic.core.privdir import user_directory
-    from torchdist_magic.driver.feed import FeedServer, HostedState
+    from torchdist_magic.handles.feed import HostedState
+    from torchdist_magic.supervise.feed import FeedServer
 
     run = FakeRun(64)
     for r in range(64):
@@ -117,7 +118,8 @@ def test_a_view_counts_what_its_reads_cost_the_process_that_holds_the_run(tmp_pa
     path = os.path.join(user_directory(str(tmp_path)), "feed.sock")
     server = FeedServer(path, "token", run.state, lambda by: None)
     try:
-        hosted = types.SimpleNamespace(state=HostedState(path, "token", 64, lambda: None), cancel=lambda by="": None)
+        hosted = FakeRun(64)
+        hosted.state = HostedState(path, "token", 64, lambda: None)
         view = W.WidgetView(hosted, display=False, clock=Clock(), cpu_clock=no_cpu)  # the kernel: no CPU
         assert hosted.state.served_cpu >= 0.03
         assert view.update_every >= 0.03 / W.VIEW_CPU_SHARE  # what the reads cost there, not just here

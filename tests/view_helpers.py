@@ -5,11 +5,16 @@ from __future__ import annotations
 import time
 
 from torchdist_magic.core import events
+from torchdist_magic.core.errors import NotAvailable
+from torchdist_magic.driver.handle import StateAnswers
 from torchdist_magic.driver.state import RunState
 
 
-class FakeRun:
-    """What a view needs of a ``Run``: its state and ``cancel()`` (counted)."""
+class FakeRun(StateAnswers):
+    """A ``RunHandle`` over a state the test feeds by hand: ``cancel()`` is counted, and it ends
+    when the state does."""
+
+    can_profile = False
 
     def __init__(self, num_processes=2):
         self.run_id = "7-cafe"
@@ -20,6 +25,28 @@ class FakeRun:
     def cancel(self, by="cancel()"):
         self.cancelled += 1
         self.cancelled_by = by
+
+    def result(self, timeout=None):
+        return None
+
+    @property
+    def exception(self):
+        return None
+
+    def done(self):
+        return self.state.finished
+
+    def wait(self, timeout=None):
+        return self.state.finished
+
+    def logs(self, rank=0, attempt=None):
+        return self.state.logs(rank, attempt)
+
+    def culprit(self):
+        return self.last_verdict()
+
+    def start_profile(self, steps):
+        raise NotAvailable("a test's run has no ranks to profile")
 
 
 class Clock:

@@ -8,7 +8,7 @@ the Python API.  Heavy modules (torch, pyspark, ipywidgets, IPython) are importe
 from __future__ import annotations
 
 from .rank.shard import shard
-from .core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
+from .core.errors import HangTimeout, JobTimeout, NotAvailable, RankFailure, ResultTimeout, RunCancelled
 from .core.options import LaunchOptions
 from .core.registry import register_backend, unregister_backend
 from .core.version import __version__ as __version__
@@ -36,7 +36,9 @@ __all__ = [
     "HangTimeout",
     "RunCancelled",
     "ResultTimeout",
+    "NotAvailable",
     "Run",
+    "RunHandle",
     "last_run",
     "progress",
     "report",
@@ -68,14 +70,15 @@ __all__ = [
 _LAZY = {
     "Distributor": "api",
     "Run": "driver.distributor",
+    "RunHandle": "driver.handle",
     "last_run": "driver.distributor",
     "pools": "backends.pool",
     "shutdown_pools": "backends.pool",
     "MlflowUnavailable": "driver.tracking",
     "TrackingError": "driver.tracking",
     "runs": "driver.history",
-    "attach": "driver.attach",
-    "stop": "driver.attach",
+    "attach": "handles.attach",
+    "stop": "handles.attach",
 }
 
 

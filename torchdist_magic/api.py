@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .driver.attach import supervised
+from .handles.attach import supervised
 from .driver.console import stdin_available
 from .driver.distributor import Run, submit
-from .driver.follow import follow
+from .handles.follow import follow
 from .core.options import LaunchOptions
 
 SHOW_CHOICES = ("text", "auto", "widget", None)
@@ -140,7 +140,7 @@ class Distributor:
         return self._follow(submit(train_object, args, kwargs, self.options, debug_input=stdin_available()))
 
     def _detached(self, train_object: Any, args: tuple, kwargs: dict, data: Any = None) -> Any:
-        from .driver.attach import submit_detached
+        from .handles.attach import submit_detached
 
         return submit_detached(train_object, args, kwargs, self.options, data=data)
 
@@ -168,7 +168,7 @@ class Distributor:
     _train_on_dataframe = train_on_dataframe
 
     def _follow_own(self, run: Any) -> Any:
-        from .driver.attach import follow_attached
+        from .handles.attach import follow_attached
 
         observer = None
         if self.show is not None:

@@ -185,7 +185,7 @@ def _handle(record: Any) -> Any:
 
     if record.detached:
         return attach(record.run_id)
-    from .driver.attach import recorded_state
+    from .handles.attach import recorded_state
 
     return _Recorded(record, recorded_state(record))
 

@@ -148,7 +148,8 @@ class TorchdistMagics(Magics):
 
     def _run_command(self, command: str, words: list) -> Any:
         """``%torchdist runs``, ``%torchdist attach RUN_ID``, ``%torchdist stop RUN_ID``."""
-        from .driver import attach, history
+        from .driver import history
+        from .handles import attach
 
         if command == "runs":
             if words:
@@ -188,7 +189,7 @@ class TorchdistMagics(Magics):
         return self.shell.user_ns[args.data], columns
 
     def _capture(self, cell: str):
-        from .driver.capture import CaptureError, capture_cell
+        from .capture import CaptureError, capture_cell
         from .core.job import cell_job
 
         inputs = self.shell.user_ns.get("In")
@@ -206,7 +207,7 @@ class TorchdistMagics(Magics):
             )
         except CaptureError as exc:
             raise UsageError(str(exc)) from None
-        return cell_job(cap.cell, f"cell In[{n}]")
+        return cell_job(cap, f"cell In[{n}]")
 
     def _run(
         self,
@@ -221,11 +222,11 @@ class TorchdistMagics(Magics):
         """Start, show (unless ``quiet``), return rank 0's value; bad input is a ``UsageError``."""
         from .driver.console import stdin_available
         from .driver.distributor import submit
-        from .driver.follow import follow
+        from .handles.follow import follow
         from .driver.tracking import MlflowUnavailable, TrackingError
 
         if options.detach:
-            from .driver.attach import submit_detached
+            from .handles.attach import submit_detached
 
             try:
                 run = submit_detached(target, target_args, {}, options, data=data)
@@ -238,16 +239,16 @@ class TorchdistMagics(Magics):
                 f"%torchdist stop {run.run_id} stops it"
             )
             if not quiet:
-                from .driver.attach import follow_in_thread
+                from .handles.attach import follow_in_thread
                 from .view import kernel_with_widgets, make_view
 
                 if kernel_with_widgets() and self.view != "text":  # a text view would print into later cells
                     follow_in_thread(run, make_view(run, "widget", log_hint=f"{RUN_VARIABLE}.logs(rank)"))
             return run
-        from .driver.attach import supervised
+        from .handles.attach import supervised
 
         if supervised(options, data):  # --channel process: the run's channel off this kernel
-            from .driver.attach import follow_attached, submit_detached
+            from .handles.attach import follow_attached, submit_detached
             from .view import make_view
 
             try:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ipywidgets as widgets
 
+from .driver.handle import RunHandle
 from .core.options import LaunchOptions, OptionError, option_fields
 from .view.style import ERROR, MONO, MUTED, STATE_TEXT
 from .view.widget import UPDATE_EVERY, WidgetView, close_tree
@@ -180,7 +181,7 @@ def notebook_functions(namespace: dict) -> List[str]:
     )
 
 
-def follow_in_background(run, view, on_done: Optional[Callable[[Any], None]] = None) -> threading.Thread:
+def follow_in_background(run: RunHandle, view, on_done: Optional[Callable[[Any], None]] = None) -> threading.Thread:
     """Refresh ``view`` from a thread until ``run`` ends, then close it and call ``on_done(run)``;
     the kernel stays free meanwhile."""
 
@@ -212,7 +213,8 @@ class LaunchPanel:
         defaults = LaunchOptions() if defaults is None else defaults
         self.shell = shell
         self.name = name
-        self.run = None
+        #: the run launched last (a ``RunHandle``: in this kernel, or detached)
+        self.run: Optional[RunHandle] = None
         self.value: Any = None
         self._lock = threading.Lock()
         self._view: Optional[WidgetView] = None
@@ -374,7 +376,7 @@ class LaunchPanel:
         if self.source.value == CODE:
             if not self.code.value.strip():
                 return ["write the code to run"]
-            from .driver.capture import CaptureError, translate_cell
+            from .capture import CaptureError, translate_cell
 
             try:
                 translate_cell(self.code.value)  # IPython syntax (!cmd, %time...) as in a cell
@@ -478,7 +480,7 @@ class LaunchPanel:
             options = self.options()
             try:
                 target, args, kwargs = self._target()
-                from .driver.attach import submit_detached, supervised
+                from .handles.attach import submit_detached, supervised
 
                 if supervised(options):  # --detach, --channel process
                     run = submit_detached(target, args, kwargs, options)
@@ -510,14 +512,14 @@ class LaunchPanel:
         if self.source.value == FUNCTION:
             args, kwargs = parse_call_arguments(self.arguments.value, self.shell.user_ns)
             return self.shell.user_ns[self.function.value], args, kwargs
-        from .driver.capture import capture_cell
+        from .capture import capture_cell
         from .core.job import cell_job
 
         history = list(self.shell.user_ns.get("In", []))
         captured = capture_cell(
             self.code.value, self.shell.user_ns, history, filename="<torchdist panel>", line_offset=0
         )
-        return cell_job(captured.cell, "panel code"), (), {}
+        return cell_job(captured, "panel code"), (), {}
 
     def stop(self) -> None:
         """Cancel the run (every rank is stopped), as the Stop button does."""
@@ -533,7 +535,7 @@ class LaunchPanel:
         updater.join(timeout)
         return not updater.is_alive()
 
-    def _finished(self, run) -> None:
+    def _finished(self, run: RunHandle) -> None:
         """From the updater thread, after the run: show rank 0's value or the error."""
         from .core.errors import RankFailure
 

@@ -329,3 +329,23 @@ class RunCancelled(_PlainRender, RuntimeError):
         print("stopped, no rank left")
     ```
     """
+
+
+class NotAvailable(_PlainRender, ValueError):
+    """What a run handle cannot do where it is (``RunHandle``): e.g. profiling a run from a
+    kernel attached to it (only its supervising process reaches the ranks), or profiling a warm
+    pool's run.  Every handle answers each of the protocol's features, with a value, ``None``,
+    or this error; never ``AttributeError``.
+
+    Example:
+
+    ```python
+    from torchdist_magic import NotAvailable, attach
+
+    run = attach("3-1a2b3c4d")
+    try:
+        run.start_profile(5)
+    except NotAvailable as exc:
+        print(exc)   # a detached run is profiled from its start only (--profile STEPS)
+    ```
+    """

@@ -526,7 +526,7 @@ class StopRun(Event):
 
 @dataclass
 class ReadState(Event):
-    """A kernel to the process that holds a run's state (its view feed, ``driver.feed``): one
+    """A kernel to the process that holds a run's state (its view feed, ``supervise.feed``): one
     read of that state, ``read`` one of ``feed.READS``, with that read's arguments (``at``: the
     rank read, for a rank's log or system samples).  ``token`` is the run's own.  ``rank`` is
     unused (-1)."""

@@ -1,6 +1,6 @@
 """IPython syntax in a ``%%torchdist`` cell as both sides read it: which magics the ranks run,
 ``%timeit``'s options, the expressions ``!cmd`` and magic lines expand, and what a refusal says.
-The driver checks and translates a cell with these (``driver.capture``); the rank runs it with
+The driver checks and translates a cell with these (``capture``); the rank runs it with
 them (``rank.shell``)."""
 
 from __future__ import annotations

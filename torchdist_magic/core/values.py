@@ -263,6 +263,44 @@ def dump(value: Any, path: str) -> int:
     return _write_blob(path, stream, raws)
 
 
+def write(blob: Blob, path: str) -> int:
+    """Write a blob as it is (one a rank made, never decoded here) to ``path``, readable by this
+    user only; its size."""
+    fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    with os.fdopen(fd, "wb", buffering=0) as fh:
+        _write_all(fh, memoryview(blob).cast("B"))
+    return memoryview(blob).nbytes
+
+
+class RankBlobs:
+    """Several ranks' values (``all_ranks``), each still the blob its rank made: what a detached
+    run's supervising process keeps as one blob without decoding any (``kept``), decoded by the
+    kernel that takes it (``loads_kept``).  ``by_rank``: a dict by rank, else a list."""
+
+    def __init__(self, blobs: "dict", by_rank: bool):
+        self.blobs = blobs
+        self.by_rank = by_rank
+
+    def values(self) -> Any:
+        values = {r: None if blob is None else loads(blob) for r, blob in self.blobs.items()}
+        return values if self.by_rank else list(values.values())
+
+
+def kept(blobs: "dict", all_ranks: bool, by_rank: bool) -> bytes:
+    """The ranks' blobs (``{rank: blob or None}``, in order) as the one blob a record keeps: the
+    first rank's as it is, or with ``all_ranks`` every one inside a ``RankBlobs``; none decoded."""
+    if not all_ranks:
+        [blob] = blobs.values()
+        return dumps(None) if blob is None else blob
+    return dumps(RankBlobs({r: None if b is None else bytes(b) for r, b in blobs.items()}, by_rank))
+
+
+def loads_kept(blob: Blob) -> Any:
+    """The value of a blob that ``kept`` made (or ``dump``): what ``Run.result()`` would give."""
+    value = loads(blob)
+    return value.values() if isinstance(value, RankBlobs) else value
+
+
 def _write_blob(path: str, stream: bytes, raws: List[memoryview]) -> int:
     """Write the blob of ``stream`` and ``raws`` into ``path`` (readable by this user only, never
     through a link: ``privdir.open_private``); its size.  Raises the ``OSError`` of a failed

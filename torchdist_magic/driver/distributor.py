@@ -37,20 +37,19 @@ from ..wire.server import ChannelServer
 from ..core.fdlimit import make_room
 from .console import NO_STDIN_PDB, Console, rank_env
 from ..core import culprit
-from ..core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
-from ..core.events import DebugOutput, DumpCollectives, Log, Preflight, ProfileDone, ProfilePiece, Stacks, StartProfile
+from ..core.errors import HangTimeout, JobTimeout, NotAvailable, RankFailure, ResultTimeout, RunCancelled
+from ..core.events import DebugOutput, DumpCollectives, Log, ProfileDone, ProfilePiece, Stacks, StartProfile
 from ..core.job import Job, build_job
 from ..core.options import LaunchOptions
-from ..core.preflight import PreflightResult, compare
-from ..core import values as value_blobs
+from ..core import values
 from ..core.rankenv import RunSpec
 from . import hangs
+from .handle import StateAnswers
 from .history import RecordKeeper
-from .profiles import Profile, ProfileCollector
+from .profiles import ProfileCollector
 from .sent import SentValues
 from .rootcause import is_collateral
 from .rundir import RunDirectory
-from .snapshot import Attempt
 from .state import RunState
 from ..core.timing import ROOT_CAUSE_WAIT, STOP_GRACE, SUPERVISE_POLL
 from .tracking import MlflowLogger
@@ -85,6 +84,7 @@ def submit(
     debug_input: bool = False,
     run_id: Optional[str] = None,
     listener: Optional[Callable[[Any], None]] = None,
+    value_as_bytes: bool = False,
 ) -> "Run":
     """Start ``target`` (a ``Job``, a function, or a script path) as a run and return its
     handle at once.  Bad input (options, arguments, an unplaceable run, a DataFrame ``data``
@@ -99,7 +99,9 @@ def submit(
 
     ``run_id``: the run's id (a detached run's, chosen by the kernel that started it); by default
     a new one.  ``listener``: called with every record the run's state takes, from its start
-    (``RunState.listen``)."""
+    (``RunState.listen``).  ``value_as_bytes``: ``result()`` gives the value as the ranks made it,
+    one blob never decoded here (``values.kept``): a detached run's supervising process writes it
+    into the run's record for the kernel that takes it, and needs none of its classes."""
     if not isinstance(options, LaunchOptions):
         raise TypeError(f"options must be a LaunchOptions, got {type(options).__name__}")
     options = options.replace()  # validated again: a LaunchOptions can be changed after it was made
@@ -132,6 +134,7 @@ def submit(
         elif columns is not None:
             raise ValueError("columns name columns of the data to train on, and no data was given")
         run = Run(job, options, backend, plan, prepared, debug_input=debug_input, run_id=run_id)
+        run.value_as_bytes = value_as_bytes
         if listener is not None:
             run.state.listen(listener)
     except BaseException:
@@ -154,7 +157,7 @@ def _subdirectory(directory: RunDirectory, name: str) -> str:
     return path
 
 
-class Run:
+class Run(StateAnswers):
     """A run in progress or finished: its ``state`` (a ``RunState``), result, logs, cancel; with
     ``mlflow=True`` its MLflow run's logger, ``tracking`` (``tracking.run_id``).
 
@@ -210,6 +213,8 @@ class Run:
         self._sent = SentValues(self.run_id, backend)
         self._job_bytes = self._sent.pickle(job)
         self._value: Any = None
+        #: ``result()`` gives the ranks' blob undecoded (``submit``'s ``value_as_bytes``)
+        self.value_as_bytes = False
         self._error: Optional[BaseException] = None
         self._cancel = threading.Event()
         #: the current attempt's channel (None: a warm run's, on its pool's channel) and its
@@ -274,13 +279,6 @@ class Run:
         or in attempt ``attempt`` only (1 for the first)."""
         return self.state.logs(rank, attempt)
 
-    def status(self) -> Dict[str, Any]:
-        """The run's status as a dict of JSON values (``driver.status.run_status``, schema
-        ``SCHEMA_VERSION``): what ``torchdist status --json`` prints."""
-        from .status import run_status
-
-        return run_status(self.state)
-
     @property
     def channel_encrypted(self) -> bool:
         """Whether the run's event channel (a warm run's: its pool's) is TLS-encrypted: by
@@ -293,16 +291,9 @@ class Run:
         return self.state.attempt
 
     @property
-    def attempts(self) -> List[Attempt]:
-        """The attempts before the current one, each with the root cause that ended it."""
-        return list(self.state.attempts)
-
-    @property
-    def profile(self) -> Optional[Profile]:
-        """With ``profile=STEPS`` (``--profile``): the profile of every rank's steps so far, its
-        ``trace_path`` (one Chrome trace of every rank, in the run's directory, once every rank's
-        profile came) and its ``summary`` by rank; None without, or before any rank's came."""
-        return self.state.profile()
+    def can_profile(self) -> bool:
+        """Whether ``start_profile`` may profile the ranks: not a warm pool's run."""
+        return not self.options.warm
 
     def start_profile(self, steps: int) -> None:
         """Profile every rank's next ``steps`` steps (of its innermost ``progress()`` loop) now,
@@ -311,7 +302,7 @@ class Run:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"start_profile: steps must be a whole number of at least 1, got {steps!r}")
         if self.options.warm:
-            raise ValueError(
+            raise NotAvailable(
                 "a warm run cannot be profiled: the pool's ranks were started without a "
                 "profiler; run it without --warm/warm=True"
             )
@@ -337,40 +328,15 @@ class Run:
         self._profile_routes[ProfilePiece] = self._profile_routes[ProfileDone] = profiles.take
         self.state.profiles = profiles
 
-    @property
-    def goodput(self) -> Dict[str, float]:
-        """Where the run's wall time went so far, in seconds (``goodput``): ``startup_s``,
-        ``training_s``, ``lost_to_restarts_s``, ``lost_to_hangs_s``, ``data_stall_s``, ``wall_s``,
-        ``rank_seconds``, and with ``use_gpu`` ``gpu_hours``."""
-        return self.state.goodput()
-
-    @property
-    def stacks(self) -> Dict[int, Stacks]:
-        """Every rank's stacks (all threads) as captured at a hang or a timeout; else empty."""
-        return dict(self.state.snapshot().stacks)
-
-    @property
-    def preflight(self) -> Optional[PreflightResult]:
-        """What the ranks' pre-flight reports say (``--preflight``: ``refusal``, ``warnings``,
-        ``lines`` with the figures by host), or ``None`` when no report came."""
-        reports = self.state.snapshot().preflight
-        return compare(list(reports.values())) if reports else None
-
-    @property
-    def preflight_reports(self) -> Dict[int, Preflight]:
-        """Each rank's pre-flight report (``events.Preflight``), by rank; empty without one."""
-        return dict(self.state.snapshot().preflight)
-
     def culprit(self) -> "culprit.Verdict":
         """Ask every running rank where it is, now, while the run goes on (a run that seems
         stuck): their stacks (``stacks``) and collective records, compared (``culprit``).  The
         verdict names the ranks behind, exited or mismatched (``suspects``; none when the ranks
         are in step); it is also the state's, which the view shows."""
         backend_run = self._backend_run
-        if backend_run is None or self._done.is_set():
-            return self.state.snapshot().verdict or culprit.Verdict()
-        self._capture_stacks(backend_run)
-        return self.state.snapshot().verdict or culprit.Verdict()
+        if backend_run is not None and not self._done.is_set():
+            self._capture_stacks(backend_run)
+        return self.last_verdict()
 
     @property
     def exception(self) -> Optional[BaseException]:
@@ -624,13 +590,13 @@ class Run:
         (``ranks``): the lowest chosen rank's value; with ``all_ranks`` a dict by chosen rank."""
         chosen = self.options.ranks or range(self.options.num_processes)
         ranks = chosen if self.options.all_ranks else chosen[:1]
-        values: Dict[int, Any] = {}
-        for r in ranks:
-            data = backend_run.result(r)
-            values[r] = None if data is None else value_blobs.loads(data)
+        blobs = {r: backend_run.result(r) for r in ranks}
+        if self.value_as_bytes:
+            return values.kept(blobs, self.options.all_ranks, by_rank=bool(self.options.ranks))
+        decoded = {r: None if blob is None else values.loads(blob) for r, blob in blobs.items()}
         if not self.options.all_ranks:
-            return values[ranks[0]]
-        return values if self.options.ranks else list(values.values())
+            return decoded[ranks[0]]
+        return decoded if self.options.ranks else list(decoded.values())
 
 
 def _to_worker(channel: ChannelServer, rank: int, record) -> bool:

@@ -41,9 +41,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from ..core import values as value_blobs
+from ..core import values
 from ..core.events import Failure, failure_from_json, failure_to_json
 from ..core.options import masked_env
+from .layout import RECORD_FILE, TOKEN_FILE, VALUE_EXPIRED_FILE, VALUE_FILE, VALUE_TAKEN_FILE
 from ..core.privdir import (
     UnsafePath,
     check_ancestors,
@@ -62,10 +63,6 @@ VALUE_DAYS_ENV = "TORCHDIST_VALUE_DAYS"
 DEFAULT_RUNS = 100
 DEFAULT_DAYS = 30.0
 DEFAULT_VALUE_DAYS = 7.0
-#: a detached run's rank 0 value in its record, and what is left once it was taken or expired
-VALUE_FILE = "value.blob"
-VALUE_TAKEN_FILE = "value-taken"
-VALUE_EXPIRED_FILE = "value-expired"
 #: a rank's output a record keeps (its newest lines, and of those the newest characters), and a
 #: run's, all ranks together: each rank keeps its share, at least ``MIN_LOG_KEEP_CHARS``
 LOG_KEEP_LINES = 20_000
@@ -74,9 +71,6 @@ RUN_LOG_KEEP_CHARS = 64 * 1024 * 1024
 MIN_LOG_KEEP_CHARS = 16 * 1024
 #: points of one metric of one rank a record keeps (downsampled from the run's history)
 METRIC_KEEP_POINTS = 500
-RECORD_FILE = "record.json"
-#: a detached run's control socket's token, kept while its supervising process runs
-TOKEN_FILE = "token"
 #: the states a record reports; a run's other ends (timed out, hung) are ``failed`` with why
 STATES = ("running", "succeeded", "failed", "cancelled")
 
@@ -365,7 +359,7 @@ def take_value(directory: str, run_id: str) -> Any:
     except FileNotFoundError:
         raise ValueGone(value_gone(directory, run_id)) from None
     try:  # checked on the open file: a file another user put in its place is never unpickled
-        value = value_blobs.loads(read_own(taking))
+        value = values.loads_kept(read_own(taking))
     except BaseException:
         os.rename(taking, path)
         raise

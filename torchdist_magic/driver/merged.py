@@ -3,14 +3,13 @@ lines merged in the order they were seen with every rank's errors and warnings (
 
 Both read a run's state through its reads (``read_log``, ``read_logs``), so they follow a
 ``RunState`` in this process or one held by another (``feed``).  A run's supervising process
-keeps the merged log of each kernel that shows the run (``FedMergedLog`` is the kernel's side):
+keeps the merged log of each kernel that shows the run (``handles.feed.FedMergedLog`` is the kernel's side):
 at a thousand ranks a refresh's new lines stay in that process, and the kernel gets the few it
 shows."""
 
 from __future__ import annotations
 
 import bisect
-import secrets
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, Iterable, List, Optional, Tuple
@@ -212,33 +211,3 @@ class FollowedMergedLog:
         self.since, changed = state.changed_since(self.since)
         self.log.drain(state, changed)
         return self.log.delta()
-
-
-class FedMergedLog(MergedLog):
-    """The kernel's side of a merged log kept where the run's state is (``FollowedMergedLog``):
-    a drain asks that process what the log took since the last drain, whatever ``ranks`` says.
-    Once that process has gone, the log is drained here from the state rebuilt in the kernel,
-    anew (the run has ended: its newest lines, rank by rank)."""
-
-    def __init__(self, num_processes: int, limit: int = MERGED_LINES):
-        super().__init__(num_processes, limit)
-        self.key = secrets.randbits(62)  # the reader's name for the log kept there
-        self._fed = True
-        self._pending_there = 0
-
-    @property
-    def pending(self) -> int:
-        return self._pending_there if self._fed else super().pending
-
-    def drain(self, state: Any, ranks: Optional[Iterable[int]] = None) -> bool:
-        if self._fed:
-            delta = state.merged_log(self.key, self.limit)
-            if delta is not None:
-                self._pending_there = delta.pending
-                return self.apply(delta)
-            self._fed = False
-            self.lines.clear()
-            self.problems.clear()
-            self.live = [None] * len(self.live)
-            ranks = None
-        return super().drain(state, ranks)

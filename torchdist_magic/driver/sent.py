@@ -9,7 +9,7 @@ import threading
 from typing import Any, Dict, Optional
 
 from ..backends import Backend
-from ..core import values as value_blobs
+from ..core import values
 from ..core.job import Job
 from ..core.names import VALUES_FETCH_ENV
 from ..core.values import FileWriter, value_directory
@@ -39,23 +39,23 @@ class SentValues:
         inside the job.  The file the ranks map is written while they start (``FileWriter``):
         ``wait`` for it before the values may change."""
         sent = job.sent_buffers()
-        if sent is None or sent.nbytes < value_blobs.APART_BYTES:
-            return value_blobs.pickle_for_ranks(job)
+        if sent is None or sent.nbytes < values.APART_BYTES:
+            return values.pickle_for_ranks(job)
         shared = self.backend.ranks_share_machine()
         fetch = self.backend.fetches_values and (not shared or os.environ.get(VALUES_FETCH_ENV) == "1")
         if not shared and not fetch:
-            return value_blobs.pickle_for_ranks(job)
+            return values.pickle_for_ranks(job)
         self.directory = value_directory(f"torchdist-{self.run_id}-values-", sent.nbytes)
         try:
             if not fetch:  # the ranks wait for the file where they map it
                 self._writer = FileWriter(sent, self.directory)
-                return value_blobs.pickle_for_ranks(job.with_sent_buffers(self._writer.buffers))
+                return values.pickle_for_ranks(job.with_sent_buffers(self._writer.buffers))
             in_file = sent.in_file(self.directory)  # whole before the channel serves it
             # the name of each machine's copy: this process's, as the file's own
             name = f"torchdist-{self.run_id}-values-{os.getpid()}-copy"
             self.served = {name: in_file.path}
             self.fetch = {"values_fetch": name, "values_fetch_size": os.path.getsize(in_file.path)}
-            return value_blobs.pickle_for_ranks(job.with_sent_buffers(in_file.fetched(name)))
+            return values.pickle_for_ranks(job.with_sent_buffers(in_file.fetched(name)))
         except BaseException:
             self.remove()
             raise

@@ -130,10 +130,6 @@ def read_result(result_dir: str) -> Optional[bytearray]:
         return None
 
 
-#: where a machine keeps files in memory (tmpfs): ranks' values go there when it exists
-SHARED_MEMORY = values.SHARED_MEMORY
-
-
 def rank_mark(env: Dict[str, str], rank: int) -> str:
     """The value of ``MARK_VARIABLE`` for ``rank`` started with ``env``: its run, attempt and
     rank, so that ending one rank's processes never touches another's."""

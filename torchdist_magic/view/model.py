@@ -102,9 +102,8 @@ def system_text(rs: Rank) -> str:
         parts.append(gpu)
     if rs.step_time is not None:
         parts.append(format_step_time(rs.step_time))
-    split = getattr(rs, "step_split", None)
-    if split:
-        parts.append(format_step_split(split))
+    if rs.step_split:
+        parts.append(format_step_split(rs.step_split))
     return " · ".join(parts)
 
 
@@ -310,9 +309,10 @@ def system_series(state: RunState, limit: int = PLOT_POINTS) -> Dict[str, Series
     """``{plot: {rank: [(seconds since the run started, value), ...]}}`` of each rank's system
     samples (``SYSTEM_PLOTS``; the GPU's only where ranks have one), ``limit`` points per rank."""
     series: Dict[str, Series] = {}
+    started = state.started  # one read (a state held by another process: one round trip)
     for r in range(state.num_processes):
         for sample in state.system_history(r, limit):
-            x = sample["time"] - state.started
+            x = sample["time"] - started
             for name, (key, scale) in SYSTEM_PLOTS.items():
                 if key in sample:
                     series.setdefault(name, {}).setdefault(r, []).append((x, sample[key] * scale))

@@ -98,8 +98,9 @@ def status(state: Union[State, LargeView]) -> str:
 
 def summary(state: State) -> str:
     """The final table: one row per rank, then the outcome (each attempt's root cause when the
-    run restarted; where each rank was after a hang or a timeout).  A large run: its counts, its
-    bars across ranks and the ranks worth a look, with why."""
+    run restarted; where each rank was after a hang or a timeout; a state's profile, which a
+    snapshot does not carry).  A large run: its counts, its bars across ranks and the ranks worth
+    a look, with why."""
     snap = snapshot(state)
     facts = run_facts(snap)
     attempt = f", {facts.attempt_text}" if facts.attempt_text else ""
@@ -130,7 +131,7 @@ def summary(state: State) -> str:
         rows.append(f"  {facts.outcome}")
     if snap.finished and snap.goodput and says_something(snap.goodput):
         rows.append(f"  goodput: {describe_goodput(snap.goodput)}")
-    profile = state.profile() if callable(getattr(state, "profile", None)) else None
+    profile = None if isinstance(state, RunSnapshot) else state.profile()
     if profile is not None:
         rows += [f"  {line}" for line in profile.lines()]
     stacks = rank_stacks(snap)

@@ -30,7 +30,9 @@ from typing import Callable, Optional
 
 import ipywidgets as widgets
 
-from ..driver.merged import FedMergedLog, MergedLog
+from ..driver.handle import RunHandle
+from ..driver.merged import MergedLog
+from ..handles.feed import FedMergedLog
 from ..driver.reading import MetricCursor
 from ..driver.state import RunState
 from ..driver.summary import PAGE_RANKS, LargeView, Overview
@@ -78,7 +80,7 @@ class WidgetView:
 
     def __init__(
         self,
-        run,
+        run: RunHandle,
         *,
         display: bool = True,
         stop: bool = True,
@@ -102,8 +104,7 @@ class WidgetView:
         self._closed = False
         # a run held by another process keeps this view's merged log there: a refresh gets the
         # lines it shows, not every line a thousand ranks wrote since the last one
-        hosted = getattr(self.state, "hosted", False)
-        self._merged = (FedMergedLog if hosted else MergedLog)(self.state.num_processes)
+        self._merged = (FedMergedLog if self.state.hosted else MergedLog)(self.state.num_processes)
         self._selecting = False  # the view, not the user, is changing the log selector
         self._log_chosen = False  # the user picked a log; until then the root cause's log shows
         self.large = is_large(self.state.num_processes)
@@ -127,7 +128,7 @@ class WidgetView:
         self.stop_button.add_class("torchdist-stop")
         self.stop_button.on_click(self._on_stop)
         # beside Stop, for a run of its own (a warm pool's ranks have no profiler)
-        profiles = stop and hasattr(run, "start_profile") and not getattr(getattr(run, "options", None), "warm", True)
+        profiles = stop and run.can_profile
         self.profile_button = widgets.Button(
             description="Profile",
             icon="tachometer",
@@ -304,7 +305,7 @@ class WidgetView:
     def _cost(self) -> float:
         """CPU seconds so far of this thread, and of the process that holds the run's state for
         the reads this view made there (a run held by another process): a drawing costs both."""
-        return self.cpu_clock() + getattr(self.state, "served_cpu", 0.0)
+        return self.cpu_clock() + self.state.served_cpu
 
     def _render(self, now: float, force: bool = False) -> None:
         started = self._cost()
@@ -334,7 +335,7 @@ class WidgetView:
                 _set(self.rows, rows_html(rank_rows(snap), straggler_notes(snap)))
             _set(self.failure, failure_html(facts))
             _set(self.stacks, stacks_html(rank_stacks(snap)))
-            profile = state.profile() if callable(getattr(state, "profile", None)) else None
+            profile = state.profile()
             if profile is not None:
                 _set(self.profile_note, profile_html(profile))
                 if not profile.waiting:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol
 
-from .distributor import Run
+from ..driver.distributor import Run
 
 
 class Observer(Protocol):

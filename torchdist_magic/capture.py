@@ -21,10 +21,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
-from ..core import syntax
-from ..core.job import CellCode, type_name
-from ..core.values import pickle_for_ranks, pickled_apart
-from ..core.names import CELL_PROVIDED
+from .core import syntax
+from .core.job import CellCode, type_name
+from .core.values import pickle_for_ranks, pickled_apart
+from .core.names import CELL_PROVIDED
 
 #: notebook names that never travel (IPython's own machinery)
 NOT_SENT = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_ih", "_oh", "_dh"}
@@ -33,13 +33,6 @@ DEFAULT_WARN_BYTES = 100 * 1024 * 1024
 
 class CaptureError(ValueError):
     """The cell cannot be turned into a job (syntax error, unpicklable value...)."""
-
-
-@dataclass
-class Capture:
-    """A captured cell: the ``CellCode`` every rank runs."""
-
-    cell: CellCode
 
 
 def _position(node: ast.AST) -> Tuple[int, int]:
@@ -451,7 +444,7 @@ def capture_cell(
     filename: str = "<torchdist cell>",
     line_offset: int = 1,
     warn_bytes: int = DEFAULT_WARN_BYTES,
-) -> Capture:
+) -> CellCode:
     """Turn a cell into a self-contained ``CellCode``; nothing is launched.
 
     ``line_offset`` is how many notebook lines precede the cell body (1 for the ``%%torchdist``
@@ -503,7 +496,7 @@ def capture_cell(
         silent=_ends_with_semicolon(source),
         python="" if translation.python == source else translation.python,
     )
-    return Capture(cell=cell)
+    return cell
 
 
 def _pickled_size(value: object) -> int:

@@ -27,24 +27,18 @@ import weakref
 from typing import Any, List, Optional
 
 from ..core import events
-from ..core.errors import HangTimeout, JobTimeout, RankFailure, ResultTimeout, RunCancelled
+from ..core.culprit import Verdict
+from ..core.errors import HangTimeout, JobTimeout, NotAvailable, RankFailure, ResultTimeout, RunCancelled
 from ..backends.spark import active_spark_session
 from ..core.options import PROCESS_CHANNEL_RANKS, LaunchOptions
 from ..core.job import build_job
-from .history import RunRecord, clear_dead_run, process_alive, read_record, take_value
-from .feed import HostedState, peer_uid
-from .state import RunState
-from .supervisor import (
-    DONE_FILE,
-    FULL_LOGS_DIR,
-    JOURNAL_FILE,
-    JOURNAL_FULL_FILE,
-    NO_JOURNAL_FILE,
-    TOKEN_FILE,
-    check_detachable,
-    read_full_logs,
-    start_detached,
-)
+from ..driver.handle import StateAnswers
+from ..driver.history import RunRecord, clear_dead_run, process_alive, read_record, take_value
+from ..driver.layout import DONE_FILE, FULL_LOGS_DIR, JOURNAL_FILE, JOURNAL_FULL_FILE, NO_JOURNAL_FILE, TOKEN_FILE
+from ..driver.state import RunState
+from ..supervise.feed import peer_uid
+from ..supervise.supervisor import check_detachable, read_full_logs, start_detached
+from .feed import HostedState
 
 #: how often the handle looks whether the run has ended
 FOLLOW_INTERVAL = 0.05
@@ -231,8 +225,9 @@ def follow_in_thread(run: "AttachedRun", observer: Any, interval: float = 0.1) -
     return thread
 
 
-class AttachedRun:
-    """A detached run's handle in this kernel (see the module's docstring)."""
+class AttachedRun(StateAnswers):
+    """A detached run's handle in this kernel (see the module's docstring): a ``RunHandle``, as
+    ``Run`` is, with ``detach``, ``detached`` and ``release`` besides."""
 
     def __init__(self, run_id: str):
         self.record = _detached_record(run_id)
@@ -300,13 +295,6 @@ class AttachedRun:
         full = read_full_logs(self.directory, rank, attempt)
         return full if full is not None else self.state.logs(rank, attempt)
 
-    def status(self) -> dict:
-        """The run's status as a dict of JSON values (``driver.status.run_status``): the same
-        keys as ``Run.status()``, from the supervising process while it runs."""
-        from .status import run_status
-
-        return run_status(self.state)
-
     def detach(self) -> None:
         """Stop following the run here (the run goes on): the views that follow it stop; the
         handle still says when the run ends (``wait``, ``result``)."""
@@ -322,9 +310,20 @@ class AttachedRun:
         """Whether this handle stopped following the run (``detach``)."""
         return self._stopping.is_set()
 
+    @property
+    def can_profile(self) -> bool:
+        """False: only the supervising process reaches the ranks."""
+        return False
+
+    def culprit(self) -> Verdict:
+        """The run's verdict as its supervising process last worked it out (at a hang or a
+        timeout): a kernel attached to the run does not reach its ranks to ask them anew."""
+        return self.last_verdict()
+
     def start_profile(self, steps: int) -> None:
-        """Refused: only the supervising process reaches the ranks (the view's Profile button)."""
-        raise ValueError(
+        """Refused (``NotAvailable``): only the supervising process reaches the ranks (the
+        view's Profile button)."""
+        raise NotAvailable(
             f"run {self.run_id} is detached: its ranks can be profiled from the start only "
             "(--profile STEPS when it is started), not from a kernel attached to it"
         )

@@ -2,9 +2,9 @@
 restarts, watchdog, timeout, MLflow) outside the notebook's kernel, so the run goes on when the
 kernel dies, restarts or shuts down.
 
-The kernel (``start_detached``) writes into the run's private record directory (``history``)
+The kernel (``start_detached``) writes into the run's private record directory (``driver.history``; its files are named in ``driver.layout``)
 what the supervising process needs (the job as the ranks read it, the options, a token), starts
-``python -m torchdist_magic.driver.supervisor DIRECTORY`` in a session of its own, and returns
+``python -m torchdist_magic.supervise.supervisor DIRECTORY`` in a session of its own, and returns
 once the run has started (or raises what refused it).  What may be a secret never reaches a
 file: the values of ``--env`` (the options file has their names) and where the Spark session
 is (a Spark Connect remote may carry a ``;token=``, a classic session's settings a secret) go
@@ -14,7 +14,7 @@ this user's own, a regular file, not a link), before it unpickles anything.  The
 process then writes:
 
 - ``journal.jsonl``: every record the run's state took, one ``events`` JSON record a line, from
-  which any kernel rebuilds the run's state (``attach``); at most ``JOURNAL_MAX_BYTES``, past
+  which any kernel rebuilds the run's state (``handles.attach``); at most ``JOURNAL_MAX_BYTES``, past
   which records are not journaled and ``journal-full`` says so.  A run whose kernel follows it
   (``--channel process``) keeps none (``no-journal``): at 1024 ranks writing it would cost the
   process a third of its time, and its kernel reads the state through the feed while it runs
@@ -23,7 +23,8 @@ process then writes:
   ended (``write_full_logs``), which the record alone would cut to its newest lines; the
   kernel that started the run reads it once this process has gone, and removes it when it
   exits;
-- ``value.blob``: rank 0's value (``core.values``' format), when the run succeeded;
+- ``value.blob``: rank 0's value (``core.values``' format) as the rank made it, never decoded in
+  this process (``values.kept``), when the run succeeded;
 - ``done``: once the journal, the value and the record are complete.
 
 Its control socket (``feed.FeedServer``: a Unix socket in this user's private directory of the
@@ -31,7 +32,7 @@ temporary directory, or the private fallback that takes its place where another 
 directory first, ``privdir.usable_user_directory``; named in the record, and the fallback removed
 with the socket) takes, from a process of this user (its peer's uid is
 checked) that knows the run's token, one ``events.StopRun`` a connection, or the reads of a
-kernel that shows the run (``feed.HostedState``: the kernel gets what its view shows, never
+kernel that shows the run (``handles.feed.HostedState``: the kernel gets what its view shows, never
 every record); anything else is refused.  Once the run has ended it waits for those kernels'
 last reads (``FEED_LINGER`` at most).  SIGTERM,
 SIGINT or SIGHUP to the supervising process stop the run too.  When it ends, however it ends,
@@ -54,29 +55,30 @@ import uuid
 from typing import Any, Optional
 
 from ..core import events
-from ..core import values as value_blobs
+from ..core import values
 from ..core.options import LaunchOptions
 from ..core.privdir import UnsafePath, open_own, open_private, remove_fallback, usable_user_directory
+from ..driver.history import RunRecord, options_json, read_record, record_directory, write_private
+from ..driver.layout import (
+    DONE_FILE,
+    FULL_LOGS_DIR,
+    FULL_LOGS_INDEX,
+    JOB_FILE,
+    JOURNAL_FILE,
+    JOURNAL_FULL_FILE,
+    LOG_FILE,
+    NO_JOURNAL_FILE,
+    OPTIONS_FILE,
+    READY_FILE,
+    REFUSED_FILE,
+    TOKEN_FILE,
+    VALUE_FILE,
+)
 from .feed import FeedServer
-from .history import TOKEN_FILE, VALUE_FILE, RunRecord, options_json, read_record, record_directory, write_private
 
-JOB_FILE = "job.bin"
-OPTIONS_FILE = "options.json"
 #: what the kernel hands its supervising process on its standard input, never in a file: one
 #: JSON object, ``{"env": the values of --env, "spark": spark_target() or None}``
 HANDOVER = ("env", "spark")
-JOURNAL_FILE = "journal.jsonl"
-JOURNAL_FULL_FILE = "journal-full"
-#: in the directory of a run whose kernel follows it (``--channel process``): no journal
-NO_JOURNAL_FILE = "no-journal"
-#: in the directory of a run that keeps no journal: each rank's complete output once it ended
-FULL_LOGS_DIR = "full-logs"
-#: in it: per rank, where each attempt's output begins and where the last one ends (bytes)
-FULL_LOGS_INDEX = "attempts.json"
-READY_FILE = "ready"
-REFUSED_FILE = "refused"
-DONE_FILE = "done"
-LOG_FILE = "supervisor.log"
 #: how long the journal's thread gathers records before it writes them: one write a batch,
 #: not one a record (at 1024 ranks, a hundred thousand records a second)
 JOURNAL_EVERY = 0.05
@@ -211,7 +213,7 @@ def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = Non
     directory = record_directory(run_id)
     fd = open_private(os.path.join(directory, JOB_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     with os.fdopen(fd, "wb") as fh:
-        fh.write(value_blobs.pickle_for_ranks(job))
+        fh.write(values.pickle_for_ranks(job))
     backend = "spark" if spark is not None else "local"
     write_private(  # env's names only: its values go with the handover
         os.path.join(directory, OPTIONS_FILE),
@@ -241,7 +243,7 @@ def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = Non
     try:
         # a session of its own: a kernel's end (its process group signalled) does not reach it
         process = subprocess.Popen(
-            [sys.executable, "-m", "torchdist_magic.driver.supervisor", directory],
+            [sys.executable, "-m", "torchdist_magic.supervise.supervisor", directory],
             stdin=subprocess.PIPE,
             stdout=log,
             stderr=log,
@@ -416,7 +418,7 @@ def supervise(directory: str) -> int:
     outcome; 2 when it was refused before it started (``refused`` says why)."""
     import cloudpickle
 
-    from .distributor import submit
+    from ..driver.distributor import submit
 
     handover = read_handover()
     run_id = os.path.basename(directory.rstrip(os.sep))
@@ -442,7 +444,9 @@ def supervise(directory: str) -> int:
 
     control = FeedServer(record.control, token, None, stop)
     try:
-        run = submit(job, (), {}, options, run_id=run_id, listener=None if journal is None else journal.put)
+        run = submit(
+            job, (), {}, options, run_id=run_id, listener=None if journal is None else journal.put, value_as_bytes=True
+        )
         control.state = run.state
         if journal is not None:
             journal.state = run.state  # the first attempt's records need no mark
@@ -467,7 +471,9 @@ def supervise(directory: str) -> int:
             pass
         has_value = False
         if run.exception is None:
-            value_blobs.dump(run.result(), os.path.join(directory, VALUE_FILE))
+            # the ranks' bytes as they came: never decoded here, so this process needs none of
+            # the value's classes and holds no second copy of it
+            values.write(run.result(), os.path.join(directory, VALUE_FILE))
             has_value = True
         if journal is not None:
             journal.close()
