@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-pytest_plugins = ["spark_fixtures", "skip_gate"]
+pytest_plugins = ["spark_fixtures", "slurm_fixtures", "skip_gate"]
 
 #: every run the tests start leaves its record in the history of runs (``driver.history``): in a
 #: directory of this test session's own, never the user's, and gone with the session; the
