@@ -25,7 +25,7 @@ import signal
 import socket
 import subprocess
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 #: the programs a cluster needs (``.ci/slurm-install`` installs them: Debian's slurm-wlm, munge)
 PROGRAMS = ("munged", "slurmctld", "slurmd", "srun", "salloc", "sinfo", "squeue", "scancel")
