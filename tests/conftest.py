@@ -220,6 +220,7 @@ CONTRACT_BACKENDS = [
     pytest.param("local2", id="spark-local2", marks=pytest.mark.spark),
     pytest.param("cluster", id="spark-cluster", marks=pytest.mark.spark),
     pytest.param("connect", id="spark-connect", marks=pytest.mark.spark),
+    pytest.param("slurm", id="slurm"),  # the real two-node Slurm of tests/slurm_cluster.py
 ]
 
 
@@ -234,6 +235,9 @@ def dist(request):
     if kind == "shell":
         request.getfixturevalue("shell_backend")
         return lambda n=2, **o: Distributor(n, backend="shell", show=None, **o)
+    if kind == "slurm":
+        request.getfixturevalue("slurm")
+        return lambda n=2, **o: Distributor(n, backend="slurm", show=None, **o)
     session = request.getfixturevalue(f"spark_{kind}")
     assert session is not None
     return lambda n=2, **o: Distributor(n, local_mode=False, show=None, **o)
