@@ -102,8 +102,12 @@ class SlurmBackend(CommandLineBackend):
         self._use_gpu = False
 
     def describe(self) -> str:
-        where = f"job {self._job}" if self._job else "a Slurm allocation"
-        return f"Slurm steps of {where} on {', '.join(dict.fromkeys(self._placement)) or 'its nodes'}"
+        job = os.environ.get("SLURM_JOB_ID")
+        return (
+            f"Slurm steps of job {job} (this notebook's allocation)"
+            if job
+            else "Slurm steps of the run's own allocation"
+        )
 
     def configure(self, options: Dict[str, str]) -> None:
         super().configure(options)
