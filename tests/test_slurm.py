@@ -120,3 +120,29 @@ def test_the_allocation_s_tasks_are_read_as_slurm_writes_them():
         tasks_per_node("x")
     with pytest.raises(ValueError, match="the allocation holds 2 tasks, and the run needs 3"):
         block_placement(["a"], [2], 3)
+
+
+def test_a_detached_run_on_slurm_is_attached_and_leaves_nothing(slurm, home):
+    import torchdist_magic
+    from helpers import assert_nothing_survives
+
+    handle = Distributor(4, backend="slurm", show=None, detach=True, backend_options={"nodes": "2"}).submit(placement)
+    assert handle.record.detached and handle.record.pid != os.getpid()
+    value = torchdist_magic.attach(handle.run_id).result(120)
+    assert (value["node"], value["RANK"], value["LOCAL_WORLD_SIZE"]) == ("node1", "0", "2")
+    record = torchdist_magic.runs()[0]
+    assert (record.state, record.backend) == ("succeeded", "Slurm steps of the run's own allocation")
+    assert_nothing_survives(handle.run_id, handle.record.pid)
+
+
+def test_a_backend_registered_here_alone_cannot_be_detached(shell_backend, home):
+    with pytest.raises(ValueError, match=r"^backend 'shell' was registered in this process \(register_backend\)"):
+        Distributor(1, backend="shell", show=None, detach=True).submit(placement)
+
+
+def test_a_backend_that_says_it_cannot_run_detached_is_refused(slurm, home, monkeypatch):
+    from torchdist_magic.backends.slurm import SlurmBackend
+
+    monkeypatch.setattr(SlurmBackend, "detachable", lambda self: False)
+    with pytest.raises(ValueError, match=r"^backend 'slurm' cannot run detached \(--detach\): it says so"):
+        Distributor(1, backend="slurm", show=None, detach=True).submit(placement)

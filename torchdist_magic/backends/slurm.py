@@ -125,6 +125,12 @@ class SlurmBackend(CommandLineBackend):
             raise ValueError(NO_SLURM.format(missing=missing[0]))
         self.settings = dict(options)
 
+    def detachable(self) -> bool:
+        """A detached run's supervising process makes the backend again from its name and options,
+        in the notebook's environment (``SLURM_JOB_ID`` included): its ranks are steps of the same
+        allocation, or of one it asks for itself."""
+        return True
+
     def python(self) -> str:
         return self.settings.get("python") or super().python()
 

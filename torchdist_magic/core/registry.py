@@ -84,6 +84,11 @@ def _installed() -> Dict[str, Any]:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
+def registered_here(name: str) -> bool:
+    """Whether ``name`` is a backend of this process alone (``register_backend``), not installed."""
+    return name in _registered and name not in _installed()
+
+
 def backend_names() -> Tuple[str, ...]:
     """Every name ``backend=`` accepts: ``auto``, the built-in ones, the installed ones, then
     those registered in this process."""
