@@ -4,6 +4,7 @@ inside an allocation the notebook runs in, and what the backend refuses before a
 
 import os
 import re
+import subprocess
 
 import pytest
 
@@ -146,3 +147,39 @@ def test_a_backend_that_says_it_cannot_run_detached_is_refused(slurm, home, monk
     monkeypatch.setattr(SlurmBackend, "detachable", lambda self: False)
     with pytest.raises(ValueError, match=r"^backend 'slurm' cannot run detached \(--detach\): it says so"):
         Distributor(1, backend="slurm", show=None, detach=True).submit(placement)
+
+
+def wrapper_and_spec_dir(spec_dir):
+    return os.environ.get("STARTED_BY_WRAPPER"), sorted(os.listdir(spec_dir))
+
+
+def test_the_python_and_spec_dir_options_are_what_the_nodes_use(slurm, tmp_path):
+    import sys
+
+    python = tmp_path / "python3"  # an interpreter of the nodes' own: here, this one by a wrapper
+    python.write_text(f'#!/bin/sh\nSTARTED_BY_WRAPPER=yes exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    options = {"python": str(python), "spec_dir": str(shared)}
+    run = Distributor(2, backend="slurm", show=None, backend_options=options).submit(wrapper_and_spec_dir, str(shared))
+    wrapped, listed = run.result(timeout=120)
+    assert wrapped == "yes"
+    assert len(listed) == 1 and re.fullmatch(rf"torchdist-{run.run_id}-launchers-\w+", listed[0])
+    assert os.listdir(shared) == []  # the spec went with the run
+
+
+def test_the_channel_is_encrypted_when_the_nodes_reach_it_beyond_loopback(slurm):
+    from torchdist_magic import LaunchOptions
+    from torchdist_magic.backends import make_backend
+
+    def tls(address, **options):
+        launch = LaunchOptions(backend="slurm", backend_options={"address": address}, **options)
+        return make_backend(launch).check(launch).tls
+
+    assert tls("10.0.0.1") and not tls("127.0.0.1") and tls("127.0.0.1", tls=True) and not tls("10.0.0.1", tls=False)
+    hostname = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+    for address in [a for a in hostname if "." in a][:1]:  # a real run over this machine's address, where it has one
+        run = Distributor(2, backend="slurm", show=None, backend_options={"address": address}).submit(placement)
+        assert run.result(timeout=120)["MASTER_ADDR"] == address  # the address the nodes reach it at
+        assert run.channel_encrypted
