@@ -83,9 +83,9 @@ def test_an_unknown_backend_option_is_refused_with_the_keys_it_knows(slurm):
     with pytest.raises(ValueError) as refused:
         Distributor(2, backend="slurm", show=None, backend_options={"partiton": "gpu"}).run(placement)
     message = str(refused.value)
-    assert message.startswith("backend 'slurm' has no option 'partiton': its options are account (")
+    assert message.startswith("backend 'slurm' has no option 'partiton': its options are account: the account")
     for key in ("nodes", "partition", "time", "python", "spec_dir", "address"):
-        assert f" {key} (" in message
+        assert f"; {key}: " in message
     assert not slurm.jobs()  # refused before anything started
 
 

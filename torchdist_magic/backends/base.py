@@ -153,7 +153,7 @@ class Backend(abc.ABC):
         a value it cannot use.  A subclass checks the values, after calling this."""
         unknown = sorted(set(options) - set(self.option_help))
         if unknown:
-            known = ", ".join(f"{key} ({text})" for key, text in sorted(self.option_help.items()))
+            known = "; ".join(f"{key}: {text}" for key, text in sorted(self.option_help.items()))
             raise ValueError(
                 f"backend {self.name!r} has no option {', '.join(map(repr, unknown))}: "
                 + (f"its options are {known}" if known else "it takes no backend options")
