@@ -36,6 +36,7 @@ def test_ranks_on_two_nodes_are_placed_as_torchrun_places_them(slurm):
         ("2", "2", "127.0.0.1")
     }
     assert run.state.snapshot().backend == "Slurm steps of the run's own allocation"
+    assert [r.host for r in run.state.ranks] == ["node1", "node1", "node2", "node2"]  # as the view names them
     assert_no_survivors(run)
 
 

@@ -263,6 +263,11 @@ class Site(abc.ABC):
         GPUs and its copy of the notebook values)."""
         return socket.gethostname()
 
+    def record_host(self) -> str:
+        """The name the rank's records give its machine (``Started``, ``Exit``: what the view and a
+        failure show); ``""``: its host name."""
+        return ""
+
     @abc.abstractmethod
     def address(self) -> str:
         """The address the other ranks reach this machine at (rank 0's is ``MASTER_ADDR``)."""
@@ -452,6 +457,7 @@ def _run_rank(
             values_copy=copy,
             cleanup=[workdir],
             gpu_source=gpu_source,
+            host=site.record_host(),
         )
         driver.dump_stacks = proc.dump_stacks
         guard.stdin.write(f"{proc.pgid} {proc.mark}\n")
@@ -539,6 +545,9 @@ class SlurmSite(CommandLineSite):
 
     def host(self) -> str:
         return os.environ.get("SLURMD_NODENAME") or super().host()
+
+    def record_host(self) -> str:
+        return os.environ.get("SLURMD_NODENAME", "")
 
 
 #: the sites a command-line launcher runs under, by ``RemoteSpec.site``
