@@ -193,8 +193,6 @@ def main(argv=None) -> int:
             "warmup": args.warmup,
             "machine": machine(torch=torch.__version__),
             "cluster": "tests/slurm_cluster.py: slurm-wlm, two slurmd -N on one machine, proctrack/linuxproc",
-            # what else the machine was doing: on a shared machine, the times say as much about that
-            "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
             "launchers": summary,
         },
     )
