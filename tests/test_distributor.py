@@ -205,7 +205,7 @@ def test_bad_num_processes(n, error, text):
         ({"env": ["NOEQUALS"]}, "env entry 'NOEQUALS' is not of the form KEY=VALUE"),
         (
             {"backend": "yarn"},
-            "backend must be one of auto, local, spark, got 'yarn' (a package adds one with an "
+            "backend must be one of auto, local, spark, slurm, got 'yarn' (a package adds one with an "
             "entry point in the group 'torchdist_magic.backends', or register_backend())",
         ),
         ({"use_gpu": "yes"}, "use_gpu must be True or False, got 'yes'"),
@@ -213,7 +213,7 @@ def test_bad_num_processes(n, error, text):
         (
             {"nprocs": 2},
             "unknown option(s): nprocs; known: backend, timeout, hang_timeout, max_restarts, "
-            "checkpoint_dir, keep_checkpoints, env, all_ranks, warm, ranks, pool_idle_timeout, pdb, "
+            "checkpoint_dir, keep_checkpoints, env, backend_options, all_ranks, warm, ranks, pool_idle_timeout, pdb, "
             "debug_idle_timeout, tls, system_metrics, profile, mlflow, preflight, detach, channel",
         ),
         ({"show": "html"}, "show must be one of 'text', 'auto', 'widget', None, got 'html'"),

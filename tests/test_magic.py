@@ -186,6 +186,19 @@ def test_all_ranks(ip):
     assert result.result == [0, 10]
 
 
+def test_backend_options_add_to_their_config_default_and_the_backend_checks_them(ip, capsys):
+    ip.run_line_magic("config", "TorchdistMagics.default_backend_options = {'partition': 'gpu'}")
+    try:
+        result = ip.run_cell("%%torchdist --backend local --backend-option time=01:00:00\n1")
+    finally:
+        ip.run_line_magic("config", "TorchdistMagics.default_backend_options = {}")
+    assert result.error_in_exec is not None
+    text = capsys.readouterr()
+    text = text.out + text.err
+    assert "UsageError: backend 'local' has no option 'partition', 'time': it takes no backend options" in text
+    assert "Traceback" not in text
+
+
 def test_env_flag_and_config_default(ip):
     ip.run_line_magic("config", "TorchdistMagics.default_np = 2")
     try:
@@ -255,7 +268,11 @@ def test_failing_rank_shows_cell_line(ip, capsys):
         ("%%torchdist --np 0\n1", "UsageError: --np must be at least 1, got 0"),
         ("%%torchdist --np x\n1", "UsageError: argument --np: invalid int value: 'x'"),
         ("%%torchdist --bogus\n1", "UsageError: unrecognized arguments: --bogus"),
-        ("%%torchdist --backend yarn\n1", "UsageError: --backend must be one of auto, local, spark, got 'yarn'"),
+        ("%%torchdist --backend yarn\n1", "UsageError: --backend must be one of auto, local, spark, slurm, got 'yarn'"),
+        (
+            "%%torchdist --backend-option NOVALUE\n1",
+            "UsageError: --backend-option entry 'NOVALUE' is not of the form KEY=VALUE",
+        ),
         ("%%torchdist --timeout -1\n1", "UsageError: --timeout must be a positive number of seconds, got -1"),
         ("%%torchdist --env NOVALUE\n1", "UsageError: --env entry 'NOVALUE' is not of the form KEY=VALUE"),
         ("%%torchdist --env 1A=x\n1", "UsageError: --env: '1A' is not a valid environment variable name"),

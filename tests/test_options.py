@@ -29,6 +29,15 @@ def test_every_field_documented_with_a_flag():
     assert all(m["help"] and m["flag"].startswith("--") for m in flagged.values())
 
 
+def test_backend_option_forms_normalise():
+    assert LaunchOptions(backend_options=["partition=gpu", "time=1:00:00"]).backend_options == {
+        "partition": "gpu",
+        "time": "1:00:00",
+    }
+    assert LaunchOptions(backend_options={"nodes": 2}).backend_options == {"nodes": "2"}
+    assert LaunchOptions(backend_options="spec_dir=/x=y").backend_options == {"spec_dir": "/x=y"}
+
+
 def test_env_forms_normalise():
     assert LaunchOptions(env=["A=1", "B=x=y"]).env == {"A": "1", "B": "x=y"}
     assert LaunchOptions(env={"N": 3}).env == {"N": "3"}
@@ -44,7 +53,7 @@ BAD = [
         "backend",
         "yarn",
         ValueError,
-        "backend must be one of auto, local, spark, got 'yarn' (a package adds one with an entry point in the group 'torchdist_magic.backends', or register_backend())",
+        "backend must be one of auto, local, spark, slurm, got 'yarn' (a package adds one with an entry point in the group 'torchdist_magic.backends', or register_backend())",
         "--backend must be one of",
     ),
     (
@@ -60,6 +69,41 @@ BAD = [
     ("env", {"A": None}, TypeError, "env: the value of A must be a string or number, got NoneType", "--env: the value"),
     ("env", {"A": "a\x00b"}, ValueError, "env: the value of A contains a NUL byte", "--env: the value of A contains"),
     ("env", 3, TypeError, "env must be a dict or a list of 'KEY=VALUE' strings, got int", "--env must be a dict"),
+    (
+        "backend_options",
+        ["partition"],
+        ValueError,
+        "backend_options entry 'partition' is not of the form KEY=VALUE",
+        "--backend-option entry 'partition'",
+    ),
+    (
+        "backend_options",
+        {"Part": "x"},
+        ValueError,
+        "backend_options: 'Part' is not a backend option's name (lower-case letters, digits, '_' and '-')",
+        "--backend-option: 'Part' is not",
+    ),
+    (
+        "backend_options",
+        {"time": None},
+        TypeError,
+        "backend_options: the value of time must be a string or number, got NoneType",
+        "--backend-option: the value of time",
+    ),
+    (
+        "backend_options",
+        {"time": "a\x00"},
+        ValueError,
+        "backend_options: the value of time contains a NUL byte",
+        "--backend-option: the value of time contains",
+    ),
+    (
+        "backend_options",
+        3,
+        TypeError,
+        "backend_options must be a dict or a list of 'KEY=VALUE' strings, got int",
+        "--backend-option must be a dict",
+    ),
     ("all_ranks", 1, TypeError, "all_ranks must be True or False, got 1", "--all-ranks must be True or False"),
     (
         "hang_timeout",

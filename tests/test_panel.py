@@ -71,6 +71,7 @@ def test_control_kinds_follow_the_field_metadata(panel):
         "checkpoint_dir": widgets.Text,
         "keep_checkpoints": widgets.IntText,
         "env": widgets.Textarea,
+        "backend_options": widgets.Textarea,
         "all_ranks": widgets.Checkbox,
         "warm": widgets.Checkbox,
         "ranks": widgets.Text,

@@ -89,13 +89,15 @@ def start_rank(
     values_copy: str = "",
     cleanup: Sequence[str] = (),
     gpu_source: Optional[GpuSource] = None,
+    host: str = "",
 ) -> "RankProcess":
     """Start the worker of ``place.rank`` for ``run``, the way every backend does: its
     environment (``rankenv.rank_environment``), the files it removes itself if its launcher
     dies (``cleanup``), where it writes its value (``value_file``: a file the driver maps; else
     its ``result_dir``), its system metrics (with the GPUs of ``gpu_source``, ``open_gpus``),
     the machine's copy of the notebook values that this launcher fetched or found whole
-    (``values_copy``, ``hostcopy``: the one file the rank maps for them)."""
+    (``values_copy``, ``hostcopy``: the one file the rank maps for them), the name its
+    records give its machine (``host``: the backend's, e.g. a Slurm node's; "": the host name)."""
     env = rank_environment(os.environ, run, place, data_file=data_file)
     env[CLEANUP_ENV] = os.pathsep.join(cleanup)
     if value_file:
@@ -104,7 +106,14 @@ def start_rank(
     if values_copy:
         env[VALUES_COPY_ENV] = values_copy
     return RankProcess(
-        place.rank, job_file, result_dir, env, emit, system_metrics=run.system_metrics, gpu_source=gpu_source
+        place.rank,
+        job_file,
+        result_dir,
+        env,
+        emit,
+        system_metrics=run.system_metrics,
+        gpu_source=gpu_source,
+        host=host,
     )
 
 
@@ -152,13 +161,14 @@ class RankProcess:
         *,
         system_metrics: bool = True,
         gpu_source: Optional[GpuSource] = None,
+        host: str = "",
     ):
         """``system_metrics``: sample the rank's processes (and, with ``gpu_source``, the GPUs of
         its ``CUDA_VISIBLE_DEVICES``) and emit ``SystemMetrics``."""
         self.rank = rank
         self.result_dir = result_dir
         self.emit = emit
-        self.host = socket.gethostname()
+        self.host = host or socket.gethostname()
         self.stopping = False
         #: between SIGTERM and SIGKILL for what the rank left running (a stop's own grace)
         self.grace = STOP_GRACE

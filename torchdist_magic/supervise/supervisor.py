@@ -192,6 +192,9 @@ def check_detachable(options: LaunchOptions, session: Any, data: Any = None) -> 
         kind = "spark" if session is not None else "local"
     if kind == "local":
         return None
+    if kind != "spark":  # a backend the supervising process re-creates from its name and options
+        check_named_detachable(options)
+        return None
     if session is None:
         from ..backends.spark import NO_SESSION
 
@@ -204,6 +207,29 @@ def check_detachable(options: LaunchOptions, session: Any, data: Any = None) -> 
         raise ValueError(NOTEBOOK_OWNS_SPARK_IN_PROCESS) from None
 
 
+def check_named_detachable(options: LaunchOptions) -> None:
+    """``ValueError`` unless the backend ``options.backend`` (neither local nor Spark) can run
+    under a supervising process: it says so (``Backend.detachable``), and that process can make
+    it again from its name (built in, or an installed entry point: one registered in this
+    process alone, ``register_backend``, does not exist there)."""
+    from ..backends import make_backend
+    from ..core.registry import BUILT_IN, registered_here
+
+    name = options.backend
+    if name not in BUILT_IN and registered_here(name):
+        raise ValueError(
+            f"backend {name!r} was registered in this process (register_backend), and a detached run's "
+            "supervising process is another: declare it as an entry point (group torchdist_magic.backends) "
+            "to detach its runs"
+        )
+    backend = make_backend(options)
+    try:
+        if not backend.detachable():
+            raise ValueError(f"backend {name!r} cannot run detached (--detach): it says so (Backend.detachable)")
+    finally:
+        backend.release()
+
+
 def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = None, journal: bool = True) -> str:
     """Start ``job`` as a detached run and return its id once its supervising process has
     started it (on ``spark``, a ``spark_target``, when given; else on local processes);
@@ -214,7 +240,8 @@ def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = Non
     fd = open_private(os.path.join(directory, JOB_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     with os.fdopen(fd, "wb") as fh:
         fh.write(values.pickle_for_ranks(job))
-    backend = "spark" if spark is not None else "local"
+    # a named backend (not auto, local or Spark) is made again there, from its name and options
+    backend = "spark" if spark is not None else "local" if options.backend in ("auto", "local") else options.backend
     write_private(  # env's names only: its values go with the handover
         os.path.join(directory, OPTIONS_FILE),
         json.dumps(options_json(options.replace(detach=False, backend=backend, channel="kernel"))),
@@ -229,7 +256,11 @@ def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = Non
         started=time.time(),
         job_name=job.name,
         options=options_json(options),
-        backend="local processes" if spark is None else f"Spark ({spark['kind']})",
+        backend=f"Spark ({spark['kind']})"
+        if spark is not None
+        else "local processes"
+        if backend == "local"
+        else backend,
         num_processes=options.num_processes,
         detached=True,
         host=os.uname().nodename,
