@@ -13,7 +13,7 @@ from typing import Any, Optional
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
-from traitlets import Bool, CaselessStrEnum, Float, Int, TraitError, Unicode, validate
+from traitlets import Bool, CaselessStrEnum, Dict, Float, Int, TraitError, Unicode, validate
 
 from .core.registry import backend_names, unknown_backend
 from .core.options import LaunchOptions, OptionError
@@ -50,6 +50,10 @@ class TorchdistMagics(Magics):
             raise TraitError(unknown_backend(name))
         return name
 
+    default_backend_options = Dict(
+        help="backend options every run gets (--backend-option KEY=VALUE adds to them), e.g. "
+        "{'partition': 'gpu', 'time': '02:00:00'} for --backend slurm",
+    ).tag(config=True)
     default_timeout = Float(
         None, allow_none=True, help="timeout in seconds when --timeout is not given (None: no limit)"
     ).tag(config=True)
@@ -81,6 +85,7 @@ class TorchdistMagics(Magics):
             return LaunchOptions(
                 num_processes=self.default_np,
                 backend=self.default_backend,
+                backend_options=self.default_backend_options,
                 timeout=self.default_timeout,
                 pdb=self.pdb,
                 mlflow=self.mlflow,

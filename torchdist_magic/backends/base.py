@@ -42,6 +42,18 @@ from ..core.options import LaunchOptions
 from ..core.rankenv import RunSpec
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is this machine's loopback."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     """What ``Backend.check`` resolved for ``Backend.start``."""
@@ -127,9 +139,31 @@ class Backend(abc.ABC):
     #: from the driver's channel, once per machine, where the job names them (``hostcopy``)
     fetches_values = False
 
+    #: the backend's own settings it takes (``--backend-option KEY=VALUE``, ``backend_options=``):
+    #: key -> one line of help; ``configure`` refuses any other key
+    option_help: Dict[str, str] = {}
+
     @abc.abstractmethod
     def describe(self) -> str:
         """One line for the run header, e.g. ``local processes on host``."""
+
+    def configure(self, options: Dict[str, str]) -> None:
+        """Take the run's backend options (``LaunchOptions.backend_options``) before anything
+        starts; ``ValueError`` for a key this backend does not know (listing those it knows) or
+        a value it cannot use.  A subclass checks the values, after calling this."""
+        unknown = sorted(set(options) - set(self.option_help))
+        if unknown:
+            known = ", ".join(f"{key} ({text})" for key, text in sorted(self.option_help.items()))
+            raise ValueError(
+                f"backend {self.name!r} has no option {', '.join(map(repr, unknown))}: "
+                + (f"its options are {known}" if known else "it takes no backend options")
+            )
+
+    def detachable(self) -> bool:
+        """Whether a run on this backend can be detached (``--detach``): its supervising process
+        re-creates the backend by its name and options (``make_backend``), so a backend whose
+        state lives only in this process (a SparkSession object) says how in its own way."""
+        return False
 
     def channel_host(self) -> str:
         """Address the driver's event channel listens on, reachable from the ranks."""
@@ -167,9 +201,12 @@ class Backend(abc.ABC):
 
     def channel_tls(self, options: LaunchOptions) -> bool:
         """Whether the run's event channel is encrypted: ``options.tls``, where ``None`` (the
-        default) is off: the ranks reach the driver on this machine's loopback.  A backend whose
-        ranks cross a network says otherwise, and ``ValueError`` where it cannot honour it."""
-        return options.tls is True
+        default) is on whenever the channel listens beyond this machine's loopback
+        (``channel_host``): the ranks' records then cross a network.  A backend says otherwise,
+        and ``ValueError`` where it cannot honour it."""
+        if options.tls is not None:
+            return options.tls
+        return not is_loopback(self.channel_host())
 
     @abc.abstractmethod
     def start(self, ctx: LaunchContext) -> BackendRun:

@@ -24,6 +24,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -48,10 +49,27 @@ class CommandLineBackend(Backend):
     #: each machine fetches a job's large notebook values once from the driver's channel
     fetches_values = True
 
+    #: the launcher's ``Site`` on the ranks' machines (``launch.remote.SITES``): how a rank
+    #: learns its node and is placed among the others
+    site = "command-line"
+
     @abc.abstractmethod
     def command(self, rank: int, argv: List[str]) -> List[str]:
         """The command line that runs ``argv`` (the launcher of rank ``rank``) where that rank
-        goes; ``argv`` names the spec file on the driver's disk."""
+        goes; ``argv`` names the spec file in ``spec_directory()`` and starts with ``python()``
+        (``checked_python`` refuses it clearly on a machine that lacks it)."""
+
+    def python(self) -> str:
+        """The interpreter of the ranks' machines (with torchdist_magic, torch and the job's
+        packages): this driver's own by default, where its path exists there too."""
+        return sys.executable
+
+    def spec_directory(self) -> Optional[str]:
+        """The directory the run's spec file (the launcher secret and the job) is written to,
+        which every rank's machine must read at the same path: a shared file system on a cluster;
+        ``None``: the driver's temporary directory (its ranks run on this machine, or ``command``
+        stages the file)."""
+        return None
 
     def channel_host(self) -> str:
         """The address the driver's channel listens on; a backend whose ranks run on other
@@ -68,6 +86,23 @@ class CommandLineBackend(Backend):
         return run
 
 
+#: how a launcher's command line says that it could not start the launcher (``checked_python``)
+REFUSED_MARK = "torchdist-launcher-refused:"
+
+# argv[0] is the interpreter, the rest its arguments; the node's name where the machine has one
+_CHECK_PYTHON = (
+    'if [ -x "$0" ]; then exec "$0" "$@"; fi; '
+    'echo "%s the interpreter $0 does not exist on ${SLURMD_NODENAME:-$(hostname)}: give one that does '
+    '(with torchdist_magic, torch and the job\'s packages) as the backend option python=PATH"'
+)
+
+
+def checked_python(argv: List[str]) -> List[str]:
+    """``argv`` (a launcher's command line, ``python ...``) run by ``/bin/sh``, which refuses it
+    clearly where its interpreter does not exist (``REFUSED_MARK``: the rank's failure says so)."""
+    return ["/bin/sh", "-c", _CHECK_PYTHON % REFUSED_MARK, *argv]
+
+
 class CommandLineRun(BackendRun):
     """The launchers of one attempt, each a process of the driver's machine (``command``'s)."""
 
@@ -75,7 +110,7 @@ class CommandLineRun(BackendRun):
         self._backend = backend
         self._ctx = ctx
         self._n = ctx.spec.num_processes
-        self._workdir = tempfile.mkdtemp(prefix=f"torchdist-{ctx.spec.run_id}-launchers-")
+        self._workdir = tempfile.mkdtemp(prefix=f"torchdist-{ctx.spec.run_id}-launchers-", dir=backend.spec_directory())
         self._value_dir = ""
         self._spec: Optional[RemoteSpec] = None
         self._procs: Dict[int, subprocess.Popen] = {}
@@ -93,6 +128,7 @@ class CommandLineRun(BackendRun):
             job_bytes=ctx.job_bytes,
             value_dir=self._value_dir,
             values_sent=os.environ.get(VALUES_FETCH_ENV) == "1",
+            site=self._backend.site,
         )
         ctx.receive_values(
             {rank: self._spec.value_path(rank) for rank in range(self._n) if ctx.spec.returns_value(rank)}
@@ -101,7 +137,7 @@ class CommandLineRun(BackendRun):
         write_spec(spec_file, self._spec)
         for rank in range(self._n):
             proc = subprocess.Popen(
-                self._backend.command(rank, launcher_command(spec_file, rank)),
+                self._backend.command(rank, launcher_command(spec_file, rank, self._backend.python())),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -138,6 +174,12 @@ class CommandLineRun(BackendRun):
             if rank in self._reported:
                 return
             self._reported.add(rank)
+        if last.startswith(REFUSED_MARK):  # checked_python: the machine has no such interpreter
+            failure = events.Failure.from_exit(rank, None, time=time.time()).for_rank(
+                rank, exc_type="LauncherRefused", message=last[len(REFUSED_MARK) :].strip()
+            )
+            self._ctx.emit(events.Exit(rank=rank, code=code or 1, time=time.time(), failure=failure))
+            return
         if last.startswith(EXIT_MARK):
             try:
                 self._ctx.emit(events.loads(last[len(EXIT_MARK) :]))

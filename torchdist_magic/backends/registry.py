@@ -10,7 +10,8 @@ from .base import Backend
 def make_backend(options: LaunchOptions) -> Backend:
     """The backend for ``options.backend``.  ``auto`` is Spark when a SparkSession is active in
     this process, local processes otherwise; a backend that cannot run here says why
-    (``ValueError``) before anything starts."""
+    (``ValueError``) before anything starts, and so does one refusing the run's backend options
+    (``Backend.configure``)."""
     name = options.backend
     if name == AUTO:
         from .spark import active_spark_session  # imports no pyspark of its own
@@ -22,4 +23,5 @@ def make_backend(options: LaunchOptions) -> Backend:
             f"backend {name!r}: its factory returned a {type(backend).__name__}, not a "
             "torchdist_magic Backend (backends.base.Backend)"
         )
+    backend.configure(dict(options.backend_options))
     return backend

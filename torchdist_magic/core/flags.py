@@ -142,13 +142,16 @@ def parse_flags(line: str, parser: Optional[argparse.ArgumentParser] = None) -> 
 
 
 def options_from_flags(args: argparse.Namespace, defaults: LaunchOptions) -> LaunchOptions:
-    """``LaunchOptions`` from parsed flags; a flag not given takes its value from ``defaults``.
-    A refused value raises ``FlagError`` naming the flag."""
+    """``LaunchOptions`` from parsed flags; a flag not given takes its value from ``defaults``
+    (a repeatable one's entries add to the defaults', a key given again replacing its default).
+        A refused value raises ``FlagError`` naming the flag."""
     values = {}
     for f in option_fields():
         given = getattr(args, f.name)
         if f.type in (bool, "bool") and "negative" not in f.metadata:
             given = True if given else None
+        if f.metadata.get("repeat") and given is not None:  # the flags add to the %config defaults
+            given = [f"{key}={value}" for key, value in getattr(defaults, f.name).items()] + list(given)
         values[f.name] = getattr(defaults, f.name) if given is None else given
     try:
         return LaunchOptions(**values)

@@ -164,6 +164,17 @@ class LaunchOptions:
             repeat=True,
         ),
     )
+    backend_options: dict = field(
+        default_factory=dict,
+        metadata=_flag(
+            "--backend-option",
+            "a setting of the backend's own (repeatable), e.g. --backend slurm --backend-option "
+            "partition=gpu --backend-option time=02:00:00; the backend checks them before anything "
+            "starts and names the keys it knows",
+            metavar="KEY=VALUE",
+            repeat=True,
+        ),
+    )
     all_ranks: bool = field(
         default=False,
         metadata=_flag("--all-ranks", "return every rank's value as a list indexed by rank"),
@@ -339,6 +350,7 @@ class LaunchOptions:
                 )
         _check_count("keep_checkpoints", self.keep_checkpoints, 1)
         self.env = parse_env(self.env)
+        self.backend_options = parse_backend_options(self.backend_options)
         _check_bool("all_ranks", self.all_ranks)
         _check_bool("warm", self.warm)
         _check_seconds("pool_idle_timeout", self.pool_idle_timeout)
@@ -526,6 +538,52 @@ def parse_env(env: Any) -> dict:
         value = str(value)
         if "\x00" in value:
             raise OptionValueError("env", f"{{name}}: the value of {key} contains a NUL byte")
+        out[key] = value
+    return out
+
+
+_OPTION_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
+
+
+def parse_backend_options(options: Any) -> dict:
+    """Normalise ``backend_options`` (a mapping, or ``KEY=VALUE`` strings) to ``{str: str}``:
+    keys as a backend names them (lower case, digits, ``_``, ``-``), values as text.  Which keys
+    a backend knows, and what their values may be, the backend checks (``Backend.configure``).
+
+    Raises ``OptionValueError``/``OptionTypeError`` naming the malformed entry.
+    """
+    if options is None:
+        return {}
+    if isinstance(options, str):
+        options = [options]
+    if isinstance(options, Mapping):
+        items = list(options.items())
+    elif isinstance(options, (list, tuple)):
+        items = []
+        for entry in options:
+            if not isinstance(entry, str) or "=" not in entry:
+                raise OptionValueError("backend_options", f"{{name}} entry {entry!r} is not of the form KEY=VALUE")
+            items.append(tuple(entry.partition("=")[::2]))
+    else:
+        raise OptionTypeError(
+            "backend_options",
+            f"{{name}} must be a dict or a list of 'KEY=VALUE' strings, got {type(options).__name__}",
+        )
+    out = {}
+    for key, value in items:
+        if not isinstance(key, str) or not _OPTION_KEY.match(key):
+            raise OptionValueError(
+                "backend_options",
+                f"{{name}}: {key!r} is not a backend option's name (lower-case letters, digits, '_' and '-')",
+            )
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise OptionTypeError(
+                "backend_options",
+                f"{{name}}: the value of {key} must be a string or number, got {type(value).__name__}",
+            )
+        value = str(value)
+        if "\x00" in value:
+            raise OptionValueError("backend_options", f"{{name}}: the value of {key} contains a NUL byte")
         out[key] = value
     return out
 

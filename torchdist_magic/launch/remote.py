@@ -53,7 +53,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from ..core import events, procs
 from ..core.names import RESULT_FILE
 from ..core.privdir import check_private, is_fallback, open_private
-from ..core.rankenv import RunSpec, place_spark_tasks, rank_key
+from ..core.rankenv import Placement, RunSpec, place_ranks, place_spark_tasks, rank_key
 from ..core.timing import STOP_GRACE
 from ..core.values import value_directory
 from ..wire.batching import flush_every
@@ -146,6 +146,9 @@ class RemoteSpec:
     #: every launcher sends its rank's value over the channel, even one that sees ``value_dir``
     #: (``TORCHDIST_VALUES_FETCH=1``: a cluster's path, tested on one machine)
     values_sent: bool = False
+    #: the ``Site`` a command-line launcher runs under (``SITES``): what its backend knows of
+    #: where it runs (a node's name, the ranks placed on it)
+    site: str = "command-line"
 
     def value_path(self, rank: int) -> str:
         """The file of ``rank``'s value in the driver's value directory."""
@@ -279,6 +282,14 @@ class Site(abc.ABC):
         run trains on none, or its rows come by ``RunSpec.data_files``)."""
         return ""
 
+    def placement(self, peers: List[events.Joined], use_gpu: bool) -> Placement:
+        """This rank's placement among ``peers`` (every rank's ``Joined``, in rank order; rank
+        0's address and port are the rendezvous'): Spark's, each task a node of one process
+        (``place_spark_tasks``); a site whose backend places several ranks on a node says so."""
+        return place_spark_tasks(
+            [p.host for p in peers], peers[0].address, peers[0].port, use_gpu, [p.gpus for p in peers]
+        )[self.rank]
+
 
 def run_launcher(spec: RemoteSpec, site: Site) -> TaskOutcome:
     """One rank's launcher: run it, report it live over the channel, and return its outcome."""
@@ -407,9 +418,7 @@ def _run_rank(
             port=port.getsockname()[1] if port is not None else None,
         )
         peers = rendezvous(site, channel, driver, mine)
-        place = place_spark_tasks(
-            [p.host for p in peers], peers[0].address, peers[0].port, run.use_gpu, [p.gpus for p in peers]
-        )[rank]
+        place = site.placement(peers, run.use_gpu)
         data_file = site.data_file(workdir, driver.stopped)
         value_file = spec.value_file(rank)
         held: List[events.Exit] = []  # the rank's exit, until its value is with the driver
@@ -515,6 +524,26 @@ class CommandLineSite(Site):
     def gpus(self) -> Optional[str]:
         return os.environ.get("CUDA_VISIBLE_DEVICES")
 
+    def placement(self, peers: List[events.Joined], use_gpu: bool) -> Placement:
+        """As torchrun places them: ranks of one host numbered locally in rank order
+        (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), hosts in the order of their first rank
+        (``GROUP_RANK``), rank 0's address as ``MASTER_ADDR``; a rank without ``--gpu`` sees no GPU."""
+        gpus = [p.gpus for p in peers] if use_gpu else [""] * len(peers)
+        return place_ranks([p.host for p in peers], peers[0].address, peers[0].port, gpus)[self.rank]
+
+
+class SlurmSite(CommandLineSite):
+    """A launcher started by ``srun`` as a step of the run's allocation: its node is the one
+    Slurm names (``SLURMD_NODENAME``: several nodes may share a machine, as several ``slurmd
+    -N`` do), and its GPUs those Slurm bound to the step (``CUDA_VISIBLE_DEVICES``)."""
+
+    def host(self) -> str:
+        return os.environ.get("SLURMD_NODENAME") or super().host()
+
+
+#: the sites a command-line launcher runs under, by ``RemoteSpec.site``
+SITES = {"command-line": CommandLineSite, "slurm": SlurmSite}
+
 
 def main(argv: Sequence[str]) -> int:
     """``python -m torchdist_magic.launch.remote SPEC RANK``: run the launcher, print the rank's
@@ -524,7 +553,8 @@ def main(argv: Sequence[str]) -> int:
         return 2
     with open(argv[0], "rb") as fh:  # written by this user's driver (write_spec), never a socket's
         spec = pickle.load(fh)
-    outcome = run_launcher(spec, CommandLineSite(int(argv[1]), spec.run.channel_address.rpartition(":")[0]))
+    site = SITES[spec.site](int(argv[1]), spec.run.channel_address.rpartition(":")[0])
+    outcome = run_launcher(spec, site)
     print(EXIT_MARK + json.dumps(outcome.exit_json), flush=True)
     return 0 if outcome.exit_json.get("code") == 0 else 1
 
