@@ -102,6 +102,22 @@ class RayCluster:
                 pass
         return sorted(set(found))
 
+    def nodes_by_raylet(self) -> Dict[int, str]:
+        """``{raylet pid: node name}`` of the worker nodes: a process of a Ray node (an actor, and
+        what it starts) has its raylet's pid in ``RAY_RAYLET_PID``."""
+        import ray
+
+        names = {}
+        for node in ray.nodes():
+            found = [k for k in node["Resources"] if k in NODES]
+            if node["Alive"] and found:
+                names[node["NodeID"]] = found[0]
+        out = {}
+        for node in self.cluster.list_all_nodes():
+            if node.node_id in names:
+                out[node.all_processes["raylet"][0].process.pid] = names[node.node_id]
+        return out
+
     def alive_actors(self) -> List[Dict]:
         """The actors the cluster's state API lists as ALIVE (what ``ray list actors`` shows)."""
         from ray.util.state import list_actors

@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Set, Collection
 from ..core import events
 from ..core.names import VALUES_FETCH_ENV
 from ..core.options import LaunchOptions
-from ..core.timing import CLOSE_GRACE, RAY_KILL_WAIT, RAY_PLACEMENT_WAIT, SPARK_STAGE_END_WAIT
+from ..core.timing import CLOSE_GRACE, RAY_CONNECT_WAIT, RAY_KILL_WAIT, RAY_PLACEMENT_WAIT, SPARK_STAGE_END_WAIT
 from ..core.values import map_value
 from ..launch.remote import RemoteSpec, marked_value_directory
 from .base import Backend, BackendRun, LaunchContext, LaunchPlan
@@ -79,12 +79,30 @@ def connect(address: Optional[str]):
     address = address or os.environ.get("RAY_ADDRESS")
     if not address:
         raise ValueError(NO_CLUSTER)
+    unreachable = _unreachable(address)
+    if unreachable:  # ray.init would retry for minutes
+        raise ValueError(f"backend 'ray' could not connect to the Ray cluster at {address!r}: {unreachable}")
     try:
         # the ranks' output comes over the run's channel: Ray's copy of it would be printed twice
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ValueError(f"backend 'ray' could not connect to the Ray cluster at {address!r}: {exc}") from None
     return ray
+
+
+def _unreachable(address: str) -> str:
+    """Why nothing answers at a ``HOST:PORT`` address (``""``: something listens there, or the
+    address is another form, ``auto`` or ``ray://...``, which ``ray.init`` resolves itself)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return ""
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_WAIT).close()
+    except OSError as exc:
+        return f"nothing answers there ({type(exc).__name__}: {exc.strerror or exc})"
+    return ""
 
 
 def bundle_fits(resources: Dict[str, float], bundle: Dict[str, float]) -> int:

@@ -102,3 +102,5 @@ SYSTEM_METRICS_FAST_INTERVAL = 0.25
 RAY_PLACEMENT_WAIT = 10.0
 #: Ray: after ``ray.kill``, how long a stop waits for Ray to report each actor dead
 RAY_KILL_WAIT = 10.0
+#: Ray: how long the backend tries to reach a cluster's HOST:PORT before saying nothing answers
+RAY_CONNECT_WAIT = 5.0
