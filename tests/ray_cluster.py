@@ -4,9 +4,10 @@ Ray's own test utility (``ray.cluster_utils.Cluster``) starts each node as Ray's
 a cluster (one GCS on the head, a raylet and its agents per node), here as children of the test
 process: a head that holds no CPU (as a cluster's head usually takes no work), and two worker
 nodes of ``CPUS_PER_NODE`` CPUs each, told apart by a resource of their own (``node1``,
-``node2``), with a small object store each (``OBJECT_STORE``).  The head runs Ray's dashboard on a
-free port of the loopback only: the state API that ``ray list actors`` reads
-(``ray.util.state``) lives there.  Everything Ray writes (its session directory, sockets, logs,
+``node2``), with a small object store each (``OBJECT_STORE``).  No node runs Ray's dashboard: its dozen
+processes made a node miss Ray's own 30 s limit to register on a busy machine, so the actors
+``ray list actors`` would show (which its state API reads from the GCS) are read from the GCS
+directly (``alive_actors``).  Everything Ray writes (its session directory, sockets, logs,
 and the address file ``ray.init("auto")`` reads) goes to a directory of the cluster's own
 (``RAY_TMPDIR``), never a Ray of the machine's.
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from typing import Dict, List, Tuple
 
@@ -41,12 +41,6 @@ def why_not() -> str:
     return ""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class RayCluster:
     """The head and ``NODES`` under ``directory``; ``address`` is what ``ray.init`` takes."""
 
@@ -54,7 +48,6 @@ class RayCluster:
         self.directory = directory
         self.cluster = None
         self.address = ""
-        self.dashboard = ""  # the state API's address, http://127.0.0.1:PORT
 
     def start(self, attempts: int = 3) -> "RayCluster":
         """Start the nodes; on a machine so busy that a raylet misses Ray's own 30 s to register
@@ -63,14 +56,15 @@ class RayCluster:
         from ray.cluster_utils import Cluster
 
         os.environ["RAY_TMPDIR"] = self.directory  # the processes the nodes start inherit it
+        # a raylet waits this long for its node's agents to write their ports, then crashes
+        # ("Timed out waiting for file .../metrics_export_port...", ray-project/ray#62883): on a
+        # busy machine the agents take longer than the default
+        os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
         for attempt in range(attempts):
-            port = _free_port()
-            common = dict(object_store_memory=OBJECT_STORE, num_gpus=0)
+            common = dict(object_store_memory=OBJECT_STORE, num_gpus=0, include_dashboard=False)
             self.cluster = Cluster()
             try:
-                self.cluster.add_node(
-                    **common, num_cpus=0, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port
-                )
+                self.cluster.add_node(**common, num_cpus=0)
                 for name in NODES:
                     self.cluster.add_node(**common, num_cpus=CPUS_PER_NODE, resources={name: 1})
                 self.cluster.wait_for_nodes()
@@ -81,7 +75,6 @@ class RayCluster:
                 continue
             break
         self.address = self.cluster.address
-        self.dashboard = f"http://127.0.0.1:{port}"
         return self
 
     def processes(self) -> List[Tuple[int, float]]:
@@ -119,14 +112,13 @@ class RayCluster:
         return out
 
     def alive_actors(self) -> List[Dict]:
-        """The actors the cluster's state API lists as ALIVE (what ``ray list actors`` shows)."""
-        from ray.util.state import list_actors
-
+        """The actors the cluster's GCS holds as ALIVE (what ``ray list actors --filter
+        state=ALIVE`` shows), each with its class, pid and node."""
+        table = self.cluster.global_state.actor_table(None)
         return [
-            {"id": a.actor_id, "class": a.class_name, "pid": a.pid, "state": a.state}
-            for a in list_actors(
-                address=self.dashboard, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False
-            )
+            {"id": a["ActorID"], "class": a["ActorClassName"], "pid": a["Pid"], "node": a["Address"]["NodeID"]}
+            for a in table.values()
+            if a["State"] == "ALIVE"
         ]
 
     def stop(self) -> Dict[str, List[int]]:

@@ -1,6 +1,6 @@
 """Ray fixtures: ``ray_cluster`` (one real three-node Ray cluster for the test session,
 ``tests/ray_cluster.py``) and ``ray_connected`` (a test that uses it: this process connected to
-it, and after the test no actor ALIVE in its state API and no placement group left that is not
+it, and after the test no actor ALIVE in its GCS and no placement group left that is not
 removed).  Skipped, saying why, only where ray is not installed; a pytest plugin, loaded by
 ``conftest.py``'s ``pytest_plugins``."""
 
@@ -25,8 +25,10 @@ def ray_cluster(tmp_path_factory):
 
     # a short directory: Ray's sockets live in it, and a socket's path has at most 107 bytes
     cluster = RayCluster(tempfile.mkdtemp(prefix="tdray-", dir="/tmp"))
+    started = False
     try:
         cluster.start()
+        started = True
         yield cluster
     finally:
         import ray
@@ -35,7 +37,11 @@ def ray_cluster(tmp_path_factory):
         ray.shutdown()
         ended = cluster.stop()
         shutil.rmtree(cluster.directory, ignore_errors=True)
-        assert not ended["survived"], f"Ray processes survived the cluster's shutdown (killed now): {ended}"
+        # a start that failed (interrupted, or a node that never registered) leaves processes the
+        # utility does not know: ended by pid, and the start's own error is the one to see
+        assert not (started and ended["survived"]), (
+            f"Ray processes survived the cluster's shutdown (killed now): {ended}"
+        )
 
 
 def leftovers(cluster) -> dict:
