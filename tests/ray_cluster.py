@@ -50,16 +50,13 @@ class RayCluster:
         self.address = ""
 
     def start(self, attempts: int = 3) -> "RayCluster":
-        """Start the nodes; on a machine so busy that a raylet misses Ray's own 30 s to register
-        (``Node``'s ``raylet_start_wait_time_s``, not configurable), stop what started and try
-        again, up to ``attempts`` times."""
+        """Start the nodes; on a machine so busy that a raylet misses Ray's own limits (30 s to
+        register, ``Node``'s ``raylet_start_wait_time_s``; 15 s for its agents to write their
+        ports, after which it crashes: ray-project/ray#62883; neither configurable from here), stop
+        what started and try again, up to ``attempts`` times."""
         from ray.cluster_utils import Cluster
 
         os.environ["RAY_TMPDIR"] = self.directory  # the processes the nodes start inherit it
-        # a raylet waits this long for its node's agents to write their ports, then crashes
-        # ("Timed out waiting for file .../metrics_export_port...", ray-project/ray#62883): on a
-        # busy machine the agents take longer than the default
-        os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
         for attempt in range(attempts):
             common = dict(object_store_memory=OBJECT_STORE, num_gpus=0, include_dashboard=False)
             self.cluster = Cluster()
