@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-pytest_plugins = ["install_guard", "spark_fixtures", "slurm_fixtures", "skip_gate"]
+pytest_plugins = ["install_guard", "spark_fixtures", "slurm_fixtures", "ray_fixtures", "skip_gate"]
 
 #: every run the tests start leaves its record in the history of runs (``driver.history``): in a
 #: directory of this test session's own, never the user's, and gone with the session; the
@@ -222,6 +222,7 @@ CONTRACT_BACKENDS = [
     pytest.param("cluster", id="spark-cluster", marks=pytest.mark.spark),
     pytest.param("connect", id="spark-connect", marks=pytest.mark.spark),
     pytest.param("slurm", id="slurm"),  # the real two-node Slurm of tests/slurm_cluster.py
+    pytest.param("ray", id="ray", marks=pytest.mark.ray),  # the real three-node Ray of tests/ray_cluster.py
 ]
 
 
@@ -236,6 +237,9 @@ def dist(request):
     if kind == "shell":
         request.getfixturevalue("shell_backend")
         return lambda n=2, **o: Distributor(n, backend="shell", show=None, **o)
+    if kind == "ray":
+        request.getfixturevalue("ray_connected")
+        return lambda n=2, **o: Distributor(n, backend="ray", show=None, **o)
     if kind == "slurm":
         request.getfixturevalue("slurm")
         return lambda n=2, **o: Distributor(n, backend="slurm", show=None, **o)

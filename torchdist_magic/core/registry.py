@@ -1,6 +1,6 @@
-"""The backends by name: the three built in, those registered in this process, those installed.
+"""The backends by name: the four built in, those registered in this process, those installed.
 
-Where a run's ranks go is a name (``backend=``, ``--backend``): ``auto``, ``local``, ``spark``, ``slurm``,
+Where a run's ranks go is a name (``backend=``, ``--backend``): ``auto``, ``local``, ``spark``, ``slurm``, ``ray``,
 or one a package adds.  A package adds one in either of two ways:
 
 - declared, so that every notebook of the environment has it: an entry point in the group
@@ -30,6 +30,7 @@ BUILT_IN = {
     "local": "torchdist_magic.backends.local:LocalProcessBackend",
     "spark": "torchdist_magic.backends.spark:active_session_backend",
     "slurm": "torchdist_magic.backends.slurm:SlurmBackend",
+    "ray": "torchdist_magic.backends.ray:RayBackend",
 }
 _NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
 _registered: Dict[str, Callable[[], Any]] = {}

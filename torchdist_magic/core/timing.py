@@ -96,3 +96,11 @@ SYSTEM_METRICS_INTERVAL = 2.0
 #: ... and how often once their memory is past ``sysmetrics.NEAR_LIMIT_FAST`` of its limit, so
 #: that a rank the OOM killer ends was seen close to the limit
 SYSTEM_METRICS_FAST_INTERVAL = 0.25
+
+#: Ray: how long a run waits for the cluster to place its placement group (which it can place:
+#: ``backends.ray`` refuses at once one it never could) before it gives up, saying what is free
+RAY_PLACEMENT_WAIT = 10.0
+#: Ray: after ``ray.kill``, how long a stop waits for Ray to report each actor dead
+RAY_KILL_WAIT = 10.0
+#: Ray: how long the backend tries to reach a cluster's HOST:PORT before saying nothing answers
+RAY_CONNECT_WAIT = 5.0
