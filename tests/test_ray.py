@@ -183,9 +183,9 @@ def test_an_unknown_backend_option_is_refused_with_the_keys_it_knows():
     with pytest.raises(ValueError) as refused:
         Distributor(1, backend="ray", show=None, backend_options={"num_cpu": "2"}).run(placement)
     message = str(refused.value)
-    assert message.startswith("backend 'ray' has no option 'num_cpu': its options are address (")
+    assert message.startswith("backend 'ray' has no option 'num_cpu': its options are address: ")
     for key in ("num_cpus", "num_gpus", "strategy"):
-        assert f" {key} (" in message
+        assert f"; {key}: " in message
 
 
 def test_gpu_with_no_gpus_per_rank_is_refused(ray_connected):
