@@ -273,7 +273,7 @@ class LaunchOptions:
             "group with their sizes, state and Python stack): a hang's verdict then also names the "
             "collectives that ran in C++ (DDP's all-reduce) and their sizes. It costs each "
             "collective about 10 us of the rank's CPU, every step. Off: the ranks record what "
-            "the verdict needs at under 1 us (docs/guide/performance.md)",
+            "the verdict needs in about 1 us (docs/guide/long-runs.md)",
             negative=("--no-trace-collectives", "do not keep torch's Flight Recorder (the default)"),
         ),
     )
