@@ -17,7 +17,6 @@ main thread may write meanwhile: a slot read as it is written costs that slot's 
 
 from __future__ import annotations
 
-from array import array
 from typing import Any, List, Optional, Tuple
 
 #: collectives kept in a rank's ring: the newest of each group is the one that matters, the others
@@ -35,11 +34,12 @@ class CollectiveRing:
 
     def __init__(self, size: int = RING_SIZE):
         self.size = size
-        self.groups = array("q", bytes(8 * size))
-        self.seqs = array("q", bytes(8 * size))
-        self.ops = array("h", bytes(2 * size))
+        # lists, not arrays: a list's slot takes the int as it is, an array converts it
+        self.groups: List[int] = [0] * size
+        self.seqs: List[int] = [0] * size
+        self.ops: List[int] = [0] * size
         self.shapes: List[Optional[Tuple[int, ...]]] = [None] * size
-        self.done = array("b", bytes(size))
+        self.done: List[int] = [0] * size
         self.count = 0  # collectives recorded so far
 
     def newest(self, group: int) -> Optional[Tuple[int, int, Optional[Tuple[int, ...]], bool]]:
