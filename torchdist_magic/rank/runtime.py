@@ -56,6 +56,7 @@ class _ReportBatch:
         self.points: deque = deque()
         self.wake = threading.Event()
         self._send = send
+        self._flushing = threading.Lock()  # two flushes at once would send their records out of order
         self._thread: Optional[threading.Thread] = None
         self._closed = False
 
@@ -75,7 +76,11 @@ class _ReportBatch:
             self.flush()
 
     def flush(self) -> None:
-        """Send the points gathered so far (from any thread: each point goes once)."""
+        """Send the points gathered so far (from any thread: each point goes once, in order)."""
+        with self._flushing:
+            self._flush()
+
+    def _flush(self) -> None:
         points = []
         while True:
             try:
