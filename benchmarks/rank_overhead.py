@@ -566,6 +566,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--before", default="", help="a tree with an earlier torchdist_magic, run beside this one")
     parser.add_argument("--parts-only", action="store_true", help="only the CPU costs part by part")
+    parser.add_argument("--calls", type=int, default=3000, help="collectives per configuration and round, per rank")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "rank_overhead.json"))
     args = parser.parse_args()
 
@@ -573,7 +574,7 @@ def main() -> None:
 
     load_at_start = os.getloadavg()
     runs = {} if args.parts_only else end_to_end(args.ranks, args.steps, args.rounds, args.before)
-    collectives = {str(r): collective_costs(r) for r in args.ranks}
+    collectives = {str(r): collective_costs(r, calls=args.calls) for r in args.ranks}
     cost = reporting_cost()
     split = split_cost()
     instructions = instruction_costs()
