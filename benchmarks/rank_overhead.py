@@ -1,20 +1,28 @@
-"""What torchdist_magic costs a rank: the same DDP training script, steps of about 2 ms (a small
-model, gloo, CPU) that call ``progress``, ``report`` and ``print`` every step, run by
-torchdist_magic (local processes, the driver in this process, as a notebook's kernel would be)
-and by plain ``torchrun`` (``python -m torch.distributed.run``), in interleaved rounds; and by
-torchdist_magic with torch's Flight Recorder off (``TORCH_FR_BUFFER_SIZE=0``), which a run
-otherwise turns on for every rank (``collectives``): the recorder's own cost.
+"""What torchdist_magic costs a rank, end to end and part by part.
 
-    python benchmarks/rank_overhead.py [--ranks 2] [--steps 2000] [--rounds 5]
+    python benchmarks/rank_overhead.py [--ranks 2 4 8] [--steps 1000] [--rounds 3]
+                                       [--before TREE] [--parts-only]
                                        [--json benchmarks/results/rank_overhead.json]
 
-Under torchrun the script's ``progress`` and ``report`` do nothing (there is no run to report
-to) and its output goes to a pipe this process reads, as a launcher's does; under
-torchdist_magic they send to the run's channel, and the output goes through its launcher to the
-run's logs.  Rank 0 times the steps after a warm-up and writes its steps/s to a file.  The
-figure is the ratio of the medians, torchdist_magic / torchrun (1.0: no overhead).  Then what the
-step split costs (``split_cost``): its share of the same model's step.  The ranks,
-the driver (or torchrun's agent) and whatever else runs on the machine share its cores.
+End to end: the same DDP training script, steps of about 2 ms (a small model, gloo, CPU) that
+call ``progress``, ``report`` and ``print`` every step, run by ``torchrun`` (``python -m
+torch.distributed.run``) and by torchdist_magic (local processes, its driver in a process of its
+own), in interleaved rounds at each number of ranks; ``--before TREE`` adds the package found
+in ``TREE`` (an earlier checkout: ``git archive COMMIT torchdist_magic | tar -x -C TREE``).
+Under torchrun ``progress`` and ``report`` do nothing (there is no run) and the output goes to a
+pipe this process reads, as a launcher's does.  Rank 0 times the steps after a warm-up; the
+figure is the ratio of the medians, torchdist_magic / torchrun (1.0: no overhead).  The ranks,
+the driver and whatever else runs on the machine share its cores: steps/s move with the load.
+
+Part by part, in CPU time (``time.thread_time`` of the rank's calling thread, or
+``process_time`` where a part's work is on other threads of the rank), which a busy machine
+moves far less than steps/s: per collective (an ``all_reduce`` of 16 floats, at each number of
+ranks) the rank's own record (``collring``, the wrapper that writes it), the step split's timing
+of it, torch's Flight Recorder (``--trace-collectives``); per step of an FSDP-like loop (100
+small collectives a step) the same; per ``progress()`` step the split's timing of the data wait;
+per DDP step its timers at sample rate 1; per step ``progress`` + ``report`` (3 values) sending
+to a real driver, against the same calls with no run; and the driver's CPU per rank-step in the
+end-to-end runs (reading and forwarding each rank's output, the channel's records).
 """
 
 from __future__ import annotations
@@ -28,13 +36,15 @@ import sys
 import tempfile
 import textwrap
 import time
-from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 from report import machine, write_json  # noqa: E402  (this script's folder is on sys.path)
 
-sys.path.insert(0, os.path.dirname(HERE))
+#: the tree whose torchdist_magic the parts are measured from (this checkout's unless named: an
+#: earlier one's figures, ``RANK_OVERHEAD_TREE=TREE python benchmarks/rank_overhead.py --parts-only``)
+TREE = os.environ.get("RANK_OVERHEAD_TREE") or os.path.dirname(HERE)
+sys.path.insert(0, TREE)
 
 WARMUP = 200
 
@@ -52,9 +62,11 @@ SCRIPT = textwrap.dedent('''
                                                         torch.nn.Linear(512, 256)))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = torch.randn(64, 256), torch.randn(64, 256)
+    group = dist.distributed_c10d._get_default_group()
     for i in progress(range(steps), desc="train"):
         if i == warmup:
             start = time.perf_counter()
+            counted = group._get_sequence_number_for_group()
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -65,12 +77,13 @@ SCRIPT = textwrap.dedent('''
     elapsed = time.perf_counter() - start
     if dist.get_rank() == 0:
         with open(out, "w") as fh:
-            json.dump({"steps_per_s": (steps - warmup) / elapsed}, fh)
+            collectives = (group._get_sequence_number_for_group() - counted) / (steps - warmup)
+            json.dump({"steps_per_s": (steps - warmup) / elapsed, "collectives_per_step": collectives}, fh)
     dist.destroy_process_group()
 ''')
 
 
-def with_torchrun(script: str, ranks: int, steps: int, out: str) -> float:
+def with_torchrun(script: str, ranks: int, steps: int, out: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [
@@ -91,19 +104,34 @@ def with_torchrun(script: str, ranks: int, steps: int, out: str) -> float:
     if proc.returncode:
         raise RuntimeError(f"torchrun failed ({proc.returncode}): {proc.stderr.decode()[-2000:]}")
     with open(out) as fh:
-        return json.load(fh)["steps_per_s"]
+        return json.load(fh)
 
 
-def with_torchdist(script: str, ranks: int, steps: int, out: str, env: Optional[dict] = None) -> float:
-    from torchdist_magic import Distributor
+#: the driver of a torchdist_magic run, in a process of its own: its CPU seconds on stdout
+DRIVER = (
+    "import sys, time\n"
+    "from torchdist_magic import Distributor\n"
+    "Distributor(int(sys.argv[1]), local_mode=True, show=None).run(*sys.argv[2:])\n"
+    "print(time.process_time())\n"
+)
 
-    Distributor(ranks, local_mode=True, show=None, env=env or {}).run(script, str(steps), str(WARMUP), out)
+
+def with_torchdist(script: str, ranks: int, steps: int, out: str, tree: str = "") -> dict:
+    """A run of ``script`` by the torchdist_magic of ``tree`` (this checkout's by default)."""
+    tree = tree or os.path.dirname(HERE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(ranks), script, str(steps), str(WARMUP), out],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    if proc.returncode:
+        raise RuntimeError(f"torchdist_magic failed ({proc.returncode}): {proc.stderr.decode()[-2000:]}")
     with open(out) as fh:
-        return json.load(fh)["steps_per_s"]
-
-
-def without_recorder(script: str, ranks: int, steps: int, out: str) -> float:
-    return with_torchdist(script, ranks, steps, out, env={"TORCH_FR_BUFFER_SIZE": "0"})
+        found = json.load(fh)
+    found["driver_cpu_s"] = float(proc.stdout.decode().split()[-1])
+    return found
 
 
 def _discarding_driver(addresses) -> None:
@@ -115,10 +143,12 @@ def _discarding_driver(addresses) -> None:
     time.sleep(600)
 
 
-def reporting_cost(calls: int = 20_000) -> dict:
+def reporting_cost(calls: int = 20_000, rounds: int = 3) -> dict:
     """CPU microseconds per step that ``progress`` and ``report`` (3 values) cost a rank in a
-    tight loop, with no run and with a real client sending to a real driver (its sender thread
-    included: it runs on the rank's interpreter too).  Load-independent, unlike steps/s."""
+    tight loop, with no run and with a real client sending to a real driver: the process's CPU
+    from the loop's start until the client has sent every point and closed (its sender thread
+    and the report batch's run on the rank's interpreter too).  Load-independent, unlike steps/s;
+    the median of ``rounds``."""
     import multiprocessing
 
     from torchdist_magic.core.rankenv import rank_key
@@ -131,75 +161,246 @@ def reporting_cost(calls: int = 20_000) -> dict:
     driver.start()
     host, port = addresses.get(timeout=60)
 
-    def per_step() -> float:
-        started = time.process_time()
+    def loop() -> None:
         for _ in runtime.progress(range(calls)):
             runtime.report(loss=0.5, lr=1e-3, step_time=0.002)
+
+    def alone() -> float:
+        started = time.process_time()
+        loop()
         return 1e6 * (time.process_time() - started) / calls
 
-    try:
-        alone = per_step()
-        client = ChannelClient(f"{host}:{port}", rank_key("s", "worker", 0), "overhead", 0)
+    def reporting(i: int) -> float:  # a client of its own each round: rank i's
+        client = ChannelClient(f"{host}:{port}", rank_key("s", "worker", i), "overhead", i)
+        client.reaches_driver(30)
         runtime._install_sink(client)
-        reporting = per_step()
+        started = time.process_time()
+        loop()
+        getattr(runtime, "flush_reports", lambda: None)()  # a tree before the batch has none
         client.close()
+        used = time.process_time() - started
         runtime._install_sink(None)
+        return 1e6 * used / calls
+
+    found = {"no_run": [], "reporting": []}
+    try:
+        for i in range(rounds):
+            found["no_run"].append(alone())
+            found["reporting"].append(reporting(i))
     finally:
         driver.kill()
         driver.join()
-    return {"calls": calls, "no_run_us": alone, "reporting_us": reporting}
+    return {
+        "calls": calls,
+        "no_run_us": statistics.median(found["no_run"]),
+        "reporting_us": statistics.median(found["reporting"]),
+        "runs": found,
+    }
 
 
-def _recorder_rank(rank: int, port: int, recorder: bool, calls: int, out) -> None:
+#: per collective of the micro-benchmark: an all_reduce of this many floats
+SMALL = 16
+#: collectives per step of the FSDP-like loop, and their size
+FSDP_COLLECTIVES, FSDP_FLOATS = 100, 1024
+
+
+def _collective_rank(rank: int, ranks: int, port: int, recorder: bool, calls: int, rounds: int, out) -> None:
+    """One rank of ``collective_costs``: CPU microseconds of this thread per ``all_reduce`` as
+    torch has it (``bare``), through the run's wrapper with no split (``ring``: the record only)
+    and with the split timing it inside a loop (``ring+split``: what a run does), in interleaved
+    rounds; and per FSDP-like step, bare and as a run does."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
-        WORLD_SIZE="2",
+        WORLD_SIZE=str(ranks),
         TORCH_FR_BUFFER_SIZE="256" if recorder else "0",
+        OMP_NUM_THREADS="1",
     )
     import torch
     import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from torchdist_magic.rank import stepsplit
 
     dist.init_process_group("gloo")
-    tensor = torch.ones(16)
+    bare = c10d.all_reduce
+    current = [None]
+    stepsplit.patch_collectives(c10d, lambda: current[0])
+    wrapped = c10d.all_reduce
+    split = stepsplit.StepSplit(lambda record: None, lambda: rank)
+    split.enter()
+    tensor, pieces = torch.ones(SMALL), [torch.ones(FSDP_FLOATS) for _ in range(FSDP_COLLECTIVES)]
+
+    def per_call(call, with_split) -> float:
+        current[0] = split if with_split else None
+        started = time.thread_time()
+        for _ in range(calls):
+            call(tensor)
+        return 1e6 * (time.thread_time() - started) / calls
+
+    def per_step(call) -> float:
+        current[0] = split
+        steps = max(calls // FSDP_COLLECTIVES, 5)
+        started = time.thread_time()
+        for _ in range(steps):
+            for piece in pieces:
+                call(piece)
+        return 1e6 * (time.thread_time() - started) / steps
+
     for _ in range(200):
-        dist.all_reduce(tensor)
-    started = time.thread_time()
-    for _ in range(calls):
-        dist.all_reduce(tensor)
-    if rank == 0:
-        out.put(1e6 * (time.thread_time() - started) / calls)
+        bare(tensor)
+    found = {name: [] for name in ("bare", "ring", "ring+split", "fsdp_step_bare", "fsdp_step_run")}
+    for i in range(rounds):
+        order = [("bare", bare, False), ("ring", wrapped, False), ("ring+split", wrapped, True)]
+        for name, call, with_split in order if i % 2 == 0 else reversed(order):
+            found[name].append(per_call(call, with_split))
+        for name, call in (("fsdp_step_bare", bare), ("fsdp_step_run", wrapped))[:: 1 if i % 2 == 0 else -1]:
+            found[name].append(per_step(call))
+    out.put((rank, {name: statistics.median(v) for name, v in found.items()}))
+    dist.barrier()
     dist.destroy_process_group()
 
 
-def recorder_cost(calls: int = 5000, rounds: int = 3) -> dict:
-    """CPU microseconds of the calling thread per ``all_reduce`` of 16 floats (2 ranks, gloo),
-    with torch's Flight Recorder on (256 entries, as a run sets it) and off: what recording a
-    collective costs, apart from the collective's own wait.  Load-independent, unlike steps/s."""
+def collective_costs(ranks: int, calls: int = 3000, rounds: int = 5) -> dict:
+    """``_collective_rank``'s figures at ``ranks`` ranks, with torch's Flight Recorder off and on
+    (256 entries, as ``--trace-collectives`` sets it): the median over the ranks of each."""
     import multiprocessing
     import socket
 
     context = multiprocessing.get_context("spawn")
-    found = {"on": [], "off": []}
-    for i in range(rounds):
-        for recorder in (True, False) if i % 2 == 0 else (False, True):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            out = context.Queue()
-            procs = [context.Process(target=_recorder_rank, args=(r, port, recorder, calls, out)) for r in range(2)]
-            for p in procs:
-                p.start()
-            found["on" if recorder else "off"].append(out.get(timeout=600))
-            for p in procs:
-                p.join(60)
+    result = {}
+    for recorder in (False, True):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = context.Queue()
+        procs = [
+            context.Process(target=_collective_rank, args=(r, ranks, port, recorder, calls, rounds, out))
+            for r in range(ranks)
+        ]
+        for p in procs:
+            p.start()
+        per_rank = dict(out.get(timeout=900) for _ in procs)
+        for p in procs:
+            p.join(60)
+        for name in per_rank[0]:
+            result[f"{name}{' +FR' if recorder else ''}"] = statistics.median(f[name] for f in per_rank.values())
     return {
+        "ranks": ranks,
         "calls": calls,
         "rounds": rounds,
-        "on_us": statistics.median(found["on"]),
-        "off_us": statistics.median(found["off"]),
-        "runs": found,
+        "us": result,
+        # per collective: what each part adds to the call as torch has it
+        "ring_us": result["ring"] - result["bare"],
+        "split_us": result["ring+split"] - result["ring"],
+        "flight_recorder_us": result["bare +FR"] - result["bare"],
+        "run_us": result["ring+split"] - result["bare"],
+        "trace_collectives_us": result["ring+split +FR"] - result["bare"],
+        "fsdp_step_run_us": result["fsdp_step_run"] - result["fsdp_step_bare"],
+        "fsdp_step_trace_us": result["fsdp_step_run +FR"] - result["fsdp_step_bare"],
+        "fsdp_step_bare_us": result["fsdp_step_bare"],
+    }
+
+
+#: the phases of ``_instructions_child``, in order: one callgrind dump each
+PHASES = ("bare", "ring", "ring+split", "report_no_run", "report_run")
+
+
+def _instructions_child(recorder: str, calls: int) -> None:
+    """A one-rank gloo group in this process: ``calls`` calls of each of ``PHASES``, each after
+    ``os.getppid()`` (the marker callgrind dumps its counts before: ``instruction_costs``)."""
+    os.environ["TORCH_FR_BUFFER_SIZE"] = recorder
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from torchdist_magic.rank import runtime, stepsplit
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    bare = c10d.all_reduce
+    current = [None]
+    stepsplit.patch_collectives(c10d, lambda: current[0])
+    split = stepsplit.StepSplit(lambda record: None, lambda: 0)
+    split.enter()
+    tensor = torch.ones(SMALL)
+    for _ in range(50):  # warm: first calls build what later ones reuse
+        bare(tensor)
+        c10d.all_reduce(tensor)
+        runtime.report(loss=0.5, lr=1e-3, step_time=0.002)
+    for call, with_split in ((bare, False), (c10d.all_reduce, False), (c10d.all_reduce, True)):
+        current[0] = split if with_split else None
+        os.getppid()
+        for _ in range(calls):
+            call(tensor)
+    os.getppid()
+    for _ in range(calls):
+        runtime.report(loss=0.5, lr=1e-3, step_time=0.002)
+    runtime._install_sink(_Discard())
+    os.getppid()
+    for _ in range(calls):
+        runtime.report(loss=0.5, lr=1e-3, step_time=0.002)
+    getattr(runtime, "flush_reports", lambda: None)()
+    os.getppid()
+    runtime._install_sink(None)
+    dist.destroy_process_group()
+
+
+def instruction_costs(calls: int = 200) -> dict:
+    """Instructions per call of each of ``PHASES`` (valgrind's callgrind: counts that no other
+    load on the machine moves), with torch's Flight Recorder off and on; {} without valgrind."""
+    import glob
+    import shutil
+
+    if shutil.which("valgrind") is None:
+        return {}
+    found = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        children = {}
+        for recorder in ("0", "256"):
+            out = os.path.join(tmp, f"fr{recorder}")
+            os.makedirs(out)
+            env = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
+            }
+            children[recorder] = (
+                out,
+                subprocess.Popen(
+                    [
+                        "valgrind",
+                        "--tool=callgrind",
+                        "--dump-before=getppid",
+                        f"--callgrind-out-file={out}/cg.%p",
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        "--instructions-child",
+                        recorder,
+                        str(calls),
+                    ],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                ),
+            )
+        for recorder, (out, child) in children.items():
+            child.wait(3600)
+            dumps = sorted((p for p in glob.glob(os.path.join(out, "cg.*.*"))), key=lambda p: int(p.rsplit(".", 1)[1]))[
+                -len(PHASES) :
+            ]
+            for phase, path in zip(PHASES, dumps):
+                with open(path) as fh:
+                    total = next(int(line.split()[1]) for line in fh if line.startswith(("summary:", "totals:")))
+                found[f"{phase}{' +FR' if recorder != '0' else ''}"] = total / calls
+    return {
+        "calls": calls,
+        "per_call": found,
+        "ring": found["ring"] - found["bare"],
+        "split": found["ring+split"] - found["ring"],
+        "flight_recorder": found["bare +FR"] - found["bare"],
+        "run": found["ring+split"] - found["bare"],
+        "trace_collectives": found["ring+split +FR"] - found["bare"],
+        "report_sending": found["report_run"] - found["report_no_run"],
     }
 
 
@@ -306,84 +507,178 @@ def split_cost(steps: int = 20_000, ddp_steps: int = 100, ddp_pairs: int = 30, r
     }
 
 
+def end_to_end(ranks_list, steps: int, rounds: int, before: str) -> dict:
+    """Steps/s of the DDP script under each launcher, interleaved rounds at each number of ranks."""
+    runners = {"torchrun": with_torchrun, "torchdist_magic": with_torchdist}
+    if before:
+        runners["before"] = lambda *args: with_torchdist(*args, tree=before)
+    found = {}
+    failures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "train.py")
+        with open(script, "w") as fh:
+            fh.write(SCRIPT)
+        for ranks in ranks_list:
+            runs = {name: [] for name in runners}
+            driver = {name: [] for name in runners if name != "torchrun"}
+            per_step = []
+            loads = []
+            for i in range(rounds):
+                order = list(runners) if i % 2 == 0 else list(reversed(runners))  # a busy moment hits all alike
+                for name in order:
+                    out = os.path.join(tmp, f"{ranks}-{name}-{i}.json")
+                    started = time.monotonic()
+                    try:
+                        got = runners[name](script, ranks, steps, out)
+                    except RuntimeError as exc:  # torch's gloo teardown aborts a rank now and then: once more
+                        print(f"{ranks} ranks, {name} failed, run again: {str(exc)[-300:]}", flush=True)
+                        failures.append(f"{ranks} ranks, {name}: {str(exc)[-300:]}")
+                        got = runners[name](script, ranks, steps, out)
+                    runs[name].append(got["steps_per_s"])
+                    per_step.append(got.get("collectives_per_step", 0.0))
+                    if name in driver:
+                        driver[name].append(1e6 * got["driver_cpu_s"] / (steps * ranks))
+                    loads.append(os.getloadavg()[0])
+                    print(
+                        f"{ranks} ranks, round {i + 1}/{rounds} {name:<16} {runs[name][-1]:8.1f} steps/s "
+                        f"({time.monotonic() - started:.1f} s with start-up, load {loads[-1]:.1f})",
+                        flush=True,
+                    )
+            medians = {name: statistics.median(v) for name, v in runs.items()}
+            found[str(ranks)] = {
+                "runs": runs,
+                "medians": medians,
+                "ratio": medians["torchdist_magic"] / medians["torchrun"],
+                "ratio_before": medians["before"] / medians["torchrun"] if before else None,
+                "driver_cpu_us_per_rank_step": {name: statistics.median(v) for name, v in driver.items()},
+                "collectives_per_step": statistics.median(per_step),
+                "load_average": [min(loads), statistics.median(loads), max(loads)],
+                "failed_and_rerun": list(failures),
+            }
+            failures.clear()
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--before", default="", help="a tree with an earlier torchdist_magic, run beside this one")
+    parser.add_argument("--parts-only", action="store_true", help="only the CPU costs part by part")
+    parser.add_argument("--calls", type=int, default=3000, help="collectives per configuration and round, per rank")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "rank_overhead.json"))
     args = parser.parse_args()
 
     import torch
 
-    runners = {"torchrun": with_torchrun, "torchdist_magic": with_torchdist, "no recorder": without_recorder}
-    runs = {name: [] for name in runners}
-    with tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(tmp, "train.py")
-        with open(script, "w") as fh:
-            fh.write(SCRIPT)
-        for i in range(args.rounds):
-            order = list(runners) if i % 2 == 0 else list(reversed(runners))  # a busy moment hits both alike
-            for name in order:
-                out = os.path.join(tmp, f"{name}-{i}.json")
-                started = time.monotonic()
-                runs[name].append(runners[name](script, args.ranks, args.steps, out))
-                print(
-                    f"round {i + 1}/{args.rounds} {name:<16} {runs[name][-1]:8.1f} steps/s "
-                    f"({time.monotonic() - started:.1f} s with start-up)",
-                    flush=True,
-                )
+    load_at_start = os.getloadavg()
+    runs = {} if args.parts_only else end_to_end(args.ranks, args.steps, args.rounds, args.before)
+    collectives = {str(r): collective_costs(r, calls=args.calls) for r in args.ranks}
     cost = reporting_cost()
-    recording = recorder_cost()
     split = split_cost()
-    medians = {name: statistics.median(values) for name, values in runs.items()}
-    ratio = medians["torchdist_magic"] / medians["torchrun"]
-    recorder = medians["torchdist_magic"] / medians["no recorder"]
-    load = os.getloadavg()
-    print(f"\n{'launcher':<16} {'steps/s (median)':>16} {'min':>8} {'max':>8}")
-    for name, values in runs.items():
-        print(f"{name:<16} {medians[name]:>16.1f} {min(values):>8.1f} {max(values):>8.1f}")
+    instructions = instruction_costs()
+    load_at_end = os.getloadavg()
+    where = machine(torch=torch.__version__)
     print(
-        f"torchdist_magic / torchrun: {ratio:.3f}x ({args.ranks} ranks, {args.steps} steps of which "
-        f"{WARMUP} warm-up, {args.rounds} interleaved rounds; load average {load[0]:.1f} on "
-        f"{machine()['cores']} cores)"
+        f"\n{where['cpu']}, {where['cores']} cores; load average {load_at_start[0]:.1f} at the start, "
+        f"{load_at_end[0]:.1f} at the end (1 min)"
     )
-    print(f"Flight Recorder on / off (torchdist_magic, TORCH_FR_BUFFER_SIZE=0 for off): {recorder:.3f}x")
+    if runs:
+        print(f"\n{'ranks':>5} {'launcher':<16} {'steps/s median':>14} {'min':>8} {'max':>8} {'ratio':>6} {'load':>11}")
+        for ranks, found in runs.items():
+            for name, values in found["runs"].items():
+                ratio = found["medians"][name] / found["medians"]["torchrun"]
+                low, _, high = found["load_average"]
+                print(
+                    f"{ranks:>5} {name:<16} {found['medians'][name]:>14.1f} {min(values):>8.1f} {max(values):>8.1f} "
+                    f"{ratio:>6.3f} {low:>5.1f}-{high:<5.1f}"
+                )
+    step_us = split["ddp_step_default_us"]
     print(
-        f"Flight Recorder per all_reduce, CPU of the calling thread: {recording['on_us']:.1f} us on, "
-        f"{recording['off_us']:.1f} us off (2 ranks, gloo, 16 floats)"
+        f"\nCPU costs, part by part (per call; per step of the DDP script, {step_us / 1000:.1f} ms of CPU; per "
+        f"FSDP-like step of {FSDP_COLLECTIVES} collectives)"
+    )
+    print(f"{'part':<44} {'ranks':>5} {'us per call':>11} {'% DDP step':>10} {'% FSDP step':>11}  default")
+    ddp_calls = {r: f.get("collectives_per_step", 0.0) for r, f in runs.items()}
+
+    def row(part, ranks, us, per_step_calls, fsdp_us, default):
+        fsdp = collectives[ranks]["fsdp_step_bare_us"]
+        share = 100 * us * per_step_calls / step_us if per_step_calls is not None else float("nan")
+        print(
+            f"{part:<44} {ranks:>5} {us:>11.2f} {share:>10.2f} {100 * fsdp_us / fsdp if fsdp_us is not None else float('nan'):>11.2f}  {default}"
+        )
+
+    for ranks, c in collectives.items():
+        row("collective record (ring), per collective", ranks, c["ring_us"], 0, None, "on")
+        row("step split, per timed collective", ranks, c["split_us"], 0, None, "on")
+        row("both, as a run wraps a collective", ranks, c["run_us"], 0, c["fsdp_step_run_us"], "on")
+        row(
+            "Flight Recorder (--trace-collectives)",
+            ranks,
+            c["flight_recorder_us"],
+            ddp_calls.get(ranks, 1.0),
+            c["fsdp_step_trace_us"] - c["fsdp_step_run_us"],
+            "off",
+        )
+    print("  (the DDP script's collectives run in C++, where the ring and the split's timing are not;")
+    print(
+        f"   {', '.join(f'{r} ranks: {v:.1f}' for r, v in ddp_calls.items())} collectives a step; all_reduce of {SMALL} floats per call)"
+    )
+    split_us = split["progress_step_split_us"] - split["progress_step_plain_us"]
+    print(
+        f"{'step split, per progress() step':<44} {'':>5} {split_us:>11.2f} {100 * split_us / step_us:>10.2f} {'':>11}  on"
     )
     print(
-        f"progress + report (3 values) per step, CPU of the rank: {cost['reporting_us']:.1f} us reporting to "
-        f"a driver, {cost['no_run_us']:.1f} us outside a run"
+        f"{'DDP timers at sample rate 1, per DDP step':<44} {'':>5} {split['ddp_timers_us']:>11.2f} "
+        f"{100 * max(split['ddp_timers_us'], 0) / step_us:>10.2f} {'':>11}  on"
     )
     print(
-        f"step split: {split['progress_step_split_us'] - split['progress_step_plain_us']:.2f} us of CPU per "
-        f"progress() step; DDP's timers on every iteration {split['ddp_timers_us']:+.1f} us per step of "
-        f"{split['ddp_step_default_us']:.0f} us; a read of them {split['ddp_timer_read_us']:.0f} us "
-        f"(at most {split['reads_per_s']:.0f}/s); a timed collective {split['collective_timed_us']:.1f} us, "
-        f"{split['collective_direct_us']:.1f} us untimed; in all {split['cost_percent_of_step']:.2f}% of a step"
+        f"{'a read of DDP timers (at most 10/s)':<44} {'':>5} {split['ddp_timer_read_us']:>11.2f} "
+        f"{100 * split['ddp_timer_read_us'] * split['reads_per_s'] * step_us / 1e6 / step_us:>10.3f} {'':>11}  on"
     )
+    sending = cost["reporting_us"] - cost["no_run_us"]
+    print(
+        f"{'progress + report(3 values), sending':<44} {'':>5} {sending:>11.2f} {100 * sending / step_us:>10.2f} {'':>11}  on"
+        f"  ({cost['reporting_us']:.2f} us in a run, {cost['no_run_us']:.2f} us with none)"
+    )
+    if instructions:
+        print(f"\nInstructions per call (callgrind, one rank, {instructions['calls']} calls; no load moves these)")
+        for part in ("ring", "split", "run", "flight_recorder", "trace_collectives", "report_sending"):
+            print(f"{part:<44} {instructions[part]:>11.0f}")
+        print(
+            f"{'an all_reduce as torch has it':<44} {instructions['per_call']['bare']:>11.0f}; "
+            f"report() with no run {instructions['per_call']['report_no_run']:.0f}, in a run "
+            f"{instructions['per_call']['report_run']:.0f}"
+        )
+    for ranks, found in runs.items():
+        for name, us in found["driver_cpu_us_per_rank_step"].items():
+            print(
+                f"{'driver CPU per rank-step (output, records)':<44} {ranks:>5} {us:>11.2f} {'':>10} {'':>11}  "
+                f"on ({name}; shares the ranks' cores)"
+            )
     write_json(
         args.json,
         {
-            "benchmark": "a rank's overhead: torchdist_magic vs torchrun, same DDP script",
-            "machine": machine(torch=torch.__version__),
-            "ranks": args.ranks,
+            "benchmark": "a rank's overhead: torchdist_magic vs torchrun, same DDP script, and part by part",
+            "machine": where,
+            "load_average": {"start": load_at_start, "end": load_at_end},
             "steps": args.steps,
             "warmup": WARMUP,
             "rounds": args.rounds,
-            "runs": runs,
-            "medians": medians,
-            "ratio": ratio,
-            "recorder_ratio": recorder,
-            "load_average": load,
+            "before": args.before,
+            "end_to_end": runs,
+            "collective_cost": collectives,
             "reporting_cost": cost,
-            "recorder_cost": recording,
             "step_split_cost": split,
+            "instructions": instructions,
+            "tree": TREE,
         },
     )
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--instructions-child"]:
+        _instructions_child(sys.argv[2], int(sys.argv[3]))
+    else:
+        main()

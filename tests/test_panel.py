@@ -81,6 +81,7 @@ def test_control_kinds_follow_the_field_metadata(panel):
         "tls": widgets.Dropdown,
         "system_metrics": widgets.Checkbox,
         "profile": widgets.IntText,
+        "trace_collectives": widgets.Checkbox,
         "mlflow": widgets.Checkbox,
         "preflight": widgets.Checkbox,
         "detach": widgets.Checkbox,

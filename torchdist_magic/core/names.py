@@ -24,6 +24,8 @@ SYSTEM_METRICS_ENV = "TORCHDIST_SYSTEM_METRICS"
 PROFILE_STEPS_ENV = "TORCHDIST_PROFILE_STEPS"
 #: whether the rank runs the pre-flight check with its peers before its job (``core.preflight``)
 PREFLIGHT_ENV = "TORCHDIST_PREFLIGHT"
+#: whether the rank turns torch's Flight Recorder on (``--trace-collectives``: ``collectives``)
+TRACE_COLLECTIVES_ENV = "TORCHDIST_TRACE_COLLECTIVES"
 #: whether this rank's value goes back to the driver (rank 0's, or every rank's with all_ranks)
 RETURN_VALUE_ENV = "TORCHDIST_RETURN_VALUE"
 RESTART_COUNT_ENV = "TORCHDIST_RESTART_COUNT"

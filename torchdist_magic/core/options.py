@@ -276,6 +276,19 @@ class LaunchOptions:
         ),
     )
 
+    trace_collectives: bool = field(
+        default=False,
+        metadata=_flag(
+            "--trace-collectives",
+            "keep torch's Flight Recorder on every rank (the last 256 collectives of each process "
+            "group with their sizes, state and Python stack): a hang's verdict then also names the "
+            "collectives that ran in C++ (DDP's all-reduce) and their sizes. It costs each "
+            "collective about 10 us of the rank's CPU, every step. Off: the ranks record what "
+            "the verdict needs in about 1 us (docs/guide/long-runs.md)",
+            negative=("--no-trace-collectives", "do not keep torch's Flight Recorder (the default)"),
+        ),
+    )
+
     mlflow: bool = field(
         default=False,
         metadata=_flag(

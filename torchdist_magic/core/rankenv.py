@@ -31,6 +31,7 @@ from .names import (
     KEEP_CHECKPOINTS_ENV,
     MAX_RESTARTS_ENV,
     PREFLIGHT_ENV,
+    TRACE_COLLECTIVES_ENV,
     PRIVATE_TOKEN_ENV,
     PROFILE_STEPS_ENV,
     RESTART_COUNT_ENV,
@@ -95,6 +96,8 @@ class RunSpec:
     values_fetch_size: int = 0
     #: every rank runs the pre-flight check before its job (``preflight``)
     preflight: bool = False
+    #: every rank keeps torch's Flight Recorder (``--trace-collectives``: ``collectives``)
+    trace_collectives: bool = False
 
     @classmethod
     def resolve(
@@ -131,6 +134,7 @@ class RunSpec:
             system_metrics=options.system_metrics,
             preflight=options.preflight,
             profile=options.profile,
+            trace_collectives=options.trace_collectives,
         )
 
     def returns_value(self, rank: int) -> bool:
@@ -324,6 +328,7 @@ def _run_variables(spec: RunSpec, place: Placement) -> Dict[str, str]:
         SYSTEM_METRICS_ENV: "1" if spec.system_metrics else "0",
         PROFILE_STEPS_ENV: str(spec.profile),
         PREFLIGHT_ENV: "1" if spec.preflight else "0",
+        TRACE_COLLECTIVES_ENV: "1" if spec.trace_collectives else "0",
         RETURN_VALUE_ENV: "1" if spec.returns_value(place.rank) else "0",
         # torchrun's names too, so that code written for torchelastic sees the attempt
         RESTART_COUNT_ENV: str(spec.attempt),

@@ -1,13 +1,21 @@
 """A rank's collective record: where it is in each process group (``events.Collectives``).
 
-torch's Flight Recorder keeps the last collectives of every process group of the rank, with
-their sequence numbers, ops, sizes and whether they finished; the run turns it on for every rank
+By default the record comes from what the rank keeps at no measurable cost: torch's own count of
+each process group's collectives (its sequence number) and the rank's ring of the collectives
+Python called (``collring``: their op, input shape and whether they returned).  A collective that
+ran in C++ (DDP's gradient all-reduce) is counted but not named.  With ``--trace-collectives``
+(``TORCHDIST_TRACE_COLLECTIVES=1``) the run turns torch's Flight Recorder on for every rank
 (``enable_flight_recorder``: a bounded ring of ``FLIGHT_RECORDER_ENTRIES`` entries, unless the
-user set ``TORCH_FR_BUFFER_SIZE``) and reads it when the driver asks (``DumpCollectives``) and
-when a rank's job fails with a process group up.  It is read from a thread of its own while the
-main thread waits in a collective (the wait releases the GIL).  Where torch keeps no record (a
-torch without it, ``TORCH_FR_BUFFER_SIZE=0``), the rank's main-thread stack says which collective
-it is in, without sequence numbers.  The driver compares the records (``culprit``).
+user set ``TORCH_FR_BUFFER_SIZE``), which names those too, at about ten microseconds of the
+rank's CPU per collective (it takes the Python stack of each: ``benchmarks/rank_overhead.py``);
+its record is then the recorder's.  Both are sequence-numbered records (``source``
+``"flight recorder"``; ``note`` says whose).
+
+The record is read when the driver asks (``DumpCollectives``) and when a rank's job fails with a
+process group up, from a thread of its own while the main thread waits in a collective (the wait
+releases the GIL).  Where neither keeps a record (no group counts its collectives), the rank's
+main-thread stack says which collective it is in, without sequence numbers.  The driver compares
+the records (``culprit``).
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from types import FrameType
 from typing import Any, Dict, List, Optional
 
 from ..core import events
+from ..core.names import TRACE_COLLECTIVES_ENV
+from .collring import RING, CollectiveRing
 from .stepsplit import COLLECTIVES
 
 #: what turns torch's Flight Recorder on, and how many collectives it keeps per rank
@@ -44,10 +54,17 @@ COLLECTIVE_FUNCTIONS = frozenset(
 _C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
 
 
+#: what the note of a record from the rank's own ring says
+RING_NOTE = "torchdist_magic's record; collectives that ran in C++ are unnamed (--trace-collectives names them)"
+
+
 def enable_flight_recorder(environ: Optional[Dict[str, str]] = None) -> None:
-    """Turn torch's Flight Recorder on for this process (before its first process group),
-    unless the user chose its size (``TORCH_FR_BUFFER_SIZE``; 0 turns it off)."""
-    (os.environ if environ is None else environ).setdefault(FLIGHT_RECORDER_ENV, str(FLIGHT_RECORDER_ENTRIES))
+    """Turn torch's Flight Recorder on for this process (before its first process group) when the
+    run asks (``--trace-collectives``), unless the user chose its size (``TORCH_FR_BUFFER_SIZE``;
+    0 turns it off)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(TRACE_COLLECTIVES_ENV) == "1":
+        environ.setdefault(FLIGHT_RECORDER_ENV, str(FLIGHT_RECORDER_ENTRIES))
 
 
 def groups_from_trace(trace: Dict[str, Any]) -> List[events.GroupCollectives]:
@@ -72,6 +89,35 @@ def groups_from_trace(trace: Dict[str, Any]) -> List[events.GroupCollectives]:
     return sorted(groups.values(), key=lambda g: (g.group != DEFAULT_GROUP, g.group))
 
 
+def groups_from_ring(c10d: Any, ring: CollectiveRing) -> List[events.GroupCollectives]:
+    """Each live process group's state from torch's count of its collectives and ``ring``: the
+    last collective entered (torch's sequence number), named with its op and input shape when
+    Python called it (the ring's newest slot of the group has that number), and finished unless
+    that call has not returned.  Groups that keep no count are left out."""
+    found = []
+    default = c10d._world.default_pg
+    for pg, pg_name in list(c10d._world.pg_names.items()):
+        try:
+            entered = int(pg._get_sequence_number_for_group())
+        except Exception:  # noqa: BLE001  a group that keeps no count (a fake, an old backend)
+            continue
+        if pg is default:
+            name = DEFAULT_GROUP
+        else:
+            desc = getattr(pg, "group_desc", "") or ""
+            name = desc if desc and desc != "undefined" else pg_name
+        group = events.GroupCollectives(group=name, entered=entered, finished=entered)
+        slot = ring.newest(id(pg))
+        if slot is not None and slot[0] == entered:
+            seq, op, shape, done = slot
+            group.op = COLLECTIVES[op] if 0 <= op < len(COLLECTIVES) else ""
+            group.sizes = [list(map(int, shape))] if shape is not None else []
+            if not done:
+                group.finished = entered - 1
+        found.append(group)
+    return sorted(found, key=lambda g: (g.group != DEFAULT_GROUP, g.group))
+
+
 def collective_in_stack(frame: Optional[FrameType]) -> str:
     """The outermost ``torch.distributed`` collective that ``frame``'s stack is in ("" for none)."""
     found = ""
@@ -84,8 +130,9 @@ def collective_in_stack(frame: Optional[FrameType]) -> str:
 
 
 def record(rank: int) -> events.Collectives:
-    """This rank's collective record now: from the Flight Recorder when it keeps one, else from
-    the main thread's stack."""
+    """This rank's collective record now: from torch's Flight Recorder when it keeps one
+    (``--trace-collectives``), else from its groups' counts and the rank's ring, else from the
+    main thread's stack."""
     now = time.time()
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
@@ -94,6 +141,12 @@ def record(rank: int) -> events.Collectives:
     if trace is not None and trace.get("entries"):
         return events.Collectives(rank=rank, source="flight recorder", groups=groups_from_trace(trace), time=now)
     main = sys._current_frames().get(threading.main_thread().ident)
+    try:
+        groups = groups_from_ring(dist.distributed_c10d, RING)
+    except Exception:  # noqa: BLE001  a torch whose c10d keeps its groups elsewhere: the stack still says
+        groups = []
+    if groups:
+        return events.Collectives(rank=rank, source="flight recorder", groups=groups, time=now, note=RING_NOTE)
     return events.Collectives(
         rank=rank,
         source="stack",

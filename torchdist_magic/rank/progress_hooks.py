@@ -1,6 +1,7 @@
 """A rank's hooks into the libraries a job imports: every ``tqdm`` bar and ``rich`` progress task
-reports as the rank's progress (see ``runtime``'s docstring), and torch's collectives and DDP time
-their waits for the step split (``stepsplit``), each patched once it is imported (an import hook,
+reports as the rank's progress (see ``runtime``'s docstring), torch's collectives write themselves
+into the rank's ring (``collring``, what the hang culprit reads) and, like DDP, time their waits for
+the step split (``stepsplit``), each patched once it is imported (an import hook,
 ``_ProgressImportHook``).  ``runtime`` installs them with the rank's sink (``install``)."""
 
 from __future__ import annotations

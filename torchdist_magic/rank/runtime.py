@@ -19,6 +19,7 @@ import os
 import re
 import threading
 import time
+from collections import deque
 from typing import Any, Iterable, Iterator, List, Optional, Tuple
 
 from ..core import events
@@ -39,6 +40,80 @@ _split: Optional[stepsplit.StepSplit] = None  # the rank's step split, while it 
 _report_step = itertools.count(1)
 _bar_ids = itertools.count()
 PROGRESS_INTERVAL = 0.1
+#: seconds a ``report()`` point waits in the rank before it goes out with the others of that
+#: interval, as one ``events.Metrics`` record (``_ReportBatch``)
+REPORT_INTERVAL = 0.1
+
+
+class _ReportBatch:
+    """The ``report()`` points of a rank not sent yet.  A call appends ``(step, time, values)``
+    (a deque: appended and drained from different threads without a lock) and, when it is the
+    first of an interval, wakes the batch's thread, which sends every point of the interval as one
+    ``events.Metrics`` record ``REPORT_INTERVAL`` later: a call costs about what it costs outside
+    a run (no record, no queue, no lock per call; ``benchmarks/rank_overhead.py``)."""
+
+    def __init__(self, send):
+        self.points: deque = deque()
+        self.wake = threading.Event()
+        self._send = send
+        self._flushing = threading.Lock()  # two flushes at once would send their records out of order
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    def add(self, step: int, when: float, values: dict) -> None:
+        if not self.points:
+            self.wake.set()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="torchdist-report", daemon=True)
+                self._thread.start()
+        self.points.append((step, when, values))
+
+    def _run(self) -> None:
+        while not self._closed:
+            self.wake.wait()
+            time.sleep(REPORT_INTERVAL)
+            self.wake.clear()
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the points gathered so far (from any thread: each point goes once, in order)."""
+        with self._flushing:
+            self._flush()
+
+    def _flush(self) -> None:
+        points = []
+        while True:
+            try:
+                points.append(self.points.popleft())
+            except IndexError:
+                break
+        if not points:
+            return
+        by_rank = rank()
+        record = events.Metrics(rank=by_rank)
+        columns: dict = {}
+        for n, (step, when, values) in enumerate(points):
+            record.steps.append(step)
+            record.times.append(when)
+            for name, value in values.items():
+                column = columns.get(name)
+                if column is None:
+                    column = columns[name] = [None] * n
+                    record.names.append(name)
+                    record.values.append(column)
+                column.append(value if math.isfinite(value) else str(value))
+            for column in record.values:  # a name this point lacks
+                if len(column) <= n:
+                    column.append(None)
+        self._send(record)
+
+    def close(self) -> None:
+        self._closed = True
+        self.wake.set()
+        self.flush()
+
+
+_reports: Optional[_ReportBatch] = None  # the rank's unsent report() points, while it has a sink
 
 
 class RankStopped(KeyboardInterrupt):
@@ -65,8 +140,11 @@ class RankStopped(KeyboardInterrupt):
 def _install_sink(sink) -> None:
     """Called by the worker to route events (``events`` records) to the driver (``None`` to
     detach).  With a sink, tqdm bars report to it too."""
-    global _sink, _split
+    global _sink, _split, _reports
     with _sink_lock:
+        if _reports is not None:
+            _reports.close()
+        _reports = None if sink is None else _ReportBatch(_emit)
         _sink = sink
         _split = (
             None
@@ -82,10 +160,18 @@ def _new_job() -> None:
     """Called by a warm pool's rank before each job: the job's ``report()`` steps count from 1,
     as a cold run's do (its plots must not start where the previous job's ended)."""
     global _report_step
+    flush_reports()
     with _sink_lock:
         _report_step = itertools.count(1)
         if _split is not None:
             _split.reset()
+
+
+def flush_reports() -> None:
+    """Send the ``report()`` points not sent yet (the worker calls it as a job ends)."""
+    batch = _reports
+    if batch is not None:
+        batch.flush()
 
 
 def _start_profile(steps: int) -> None:
@@ -261,12 +347,10 @@ def report(step: Optional[int] = None, **metrics: Any) -> None:
     ```
     """
     values = {name: _number(name, v) for name, v in metrics.items()}
-    if _sink is None:
+    batch = _reports
+    if batch is None:
         return
-    if step is None:
-        step = next(_report_step)
-    clean = {k: (v if math.isfinite(v) else str(v)) for k, v in values.items()}
-    _emit(events.Metrics.point(rank(), int(step), clean, time.time()))
+    batch.add(next(_report_step) if step is None else int(step), time.time(), values)
 
 
 class progress:

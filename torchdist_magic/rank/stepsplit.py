@@ -25,6 +25,7 @@ iterable this process does not drive.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import time
 import weakref
@@ -32,6 +33,7 @@ from collections import deque
 from typing import Any, Callable, Deque, List, Optional
 
 from ..core import events
+from . import collring
 
 #: seconds of steps between two ``StepSplit`` records of a rank
 SEND_EVERY = 1.0
@@ -256,23 +258,69 @@ def patch_ddp(module) -> None:
     cls._torchdist_split = True
 
 
+#: the input tensor argument of the collectives that take one (its shape goes into the ring)
+_INPUTS = {
+    "all_reduce": "tensor",
+    "all_gather": "tensor",
+    "all_gather_into_tensor": "input_tensor",
+    "all_to_all_single": "input",
+    "broadcast": "tensor",
+    "gather": "tensor",
+    "reduce": "tensor",
+    "reduce_scatter_tensor": "input",
+    "scatter": "tensor",
+}
+
+
+def _position(function: Callable, name: str) -> Optional[int]:
+    """The position of ``function``'s argument ``name`` (None: it has none, or it cannot be told)."""
+    try:
+        names = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index(name) if name in names else None
+
+
 def patch_collectives(module, split: Callable[[], Optional[StepSplit]]) -> None:
-    """Time the synchronous ``COLLECTIVES`` of ``module`` (``torch.distributed.distributed_c10d``)
-    for ``split()``'s rank; where ``torch.distributed`` took its names from it already, there too."""
+    """Record the synchronous ``COLLECTIVES`` of ``module`` (``torch.distributed.distributed_c10d``)
+    in the rank's ring (``collring``: what the hang culprit reads) and time them for ``split()``'s
+    rank; where ``torch.distributed`` took its names from it already, there too."""
     package = sys.modules.get("torch.distributed")
-    for name in COLLECTIVES:
+    world = getattr(module, "_world", None)
+    for code, name in enumerate(COLLECTIVES):
         original = getattr(module, name, None)
         if original is None or getattr(original, "_torchdist_split", False):
             continue
+        input_name = _INPUTS.get(name, "")
+        record = (
+            collring.recorder(
+                original,
+                code,
+                _position(original, "group"),
+                _position(original, input_name) if input_name else None,
+                input_name,
+                world,
+            )
+            if world is not None
+            else None
+        )
 
-        def timed(*args, __original=original, **kwargs):
-            current = split()
-            if current is None:
-                return __original(*args, **kwargs)
-            return current.collective(__original, *args, **kwargs)
+        def timed(*args, __original=original, __record=record, **kwargs):
+            slot = __record(args, kwargs) if __record is not None else -1
+            try:
+                current = split()
+                if current is None:
+                    return __original(*args, **kwargs)
+                return current.collective(__original, *args, **kwargs)
+            finally:
+                if slot >= 0:
+                    _done[slot] = 1
 
         functools.update_wrapper(timed, original)
         timed._torchdist_split = True
         setattr(module, name, timed)
         if package is not None and getattr(package, name, None) is original:
             setattr(package, name, timed)
+
+
+_done = collring.RING.done

@@ -424,6 +424,7 @@ def serve(client, inbox: JobInbox, startup_env: Optional[Dict[str, Optional[str]
                     has_value = True
                 else:
                     code = 1
+            runtime.flush_reports()  # the job's report() points go before its end
             _end_output(record.job_id)
             client.send(
                 events.JobDone(
@@ -543,6 +544,7 @@ def main(argv=None) -> int:
         code = run_job(job, result_dir)
     sys.stdout.flush()
     sys.stderr.flush()
+    runtime.flush_reports()
     if client is not None:
         client.close()
     return code
