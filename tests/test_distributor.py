@@ -205,7 +205,7 @@ def test_bad_num_processes(n, error, text):
         ({"env": ["NOEQUALS"]}, "env entry 'NOEQUALS' is not of the form KEY=VALUE"),
         (
             {"backend": "yarn"},
-            "backend must be one of auto, local, spark, slurm, got 'yarn' (a package adds one with an "
+            "backend must be one of auto, local, spark, slurm, ray, got 'yarn' (a package adds one with an "
             "entry point in the group 'torchdist_magic.backends', or register_backend())",
         ),
         ({"use_gpu": "yes"}, "use_gpu must be True or False, got 'yes'"),

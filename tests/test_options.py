@@ -53,7 +53,7 @@ BAD = [
         "backend",
         "yarn",
         ValueError,
-        "backend must be one of auto, local, spark, slurm, got 'yarn' (a package adds one with an entry point in the group 'torchdist_magic.backends', or register_backend())",
+        "backend must be one of auto, local, spark, slurm, ray, got 'yarn' (a package adds one with an entry point in the group 'torchdist_magic.backends', or register_backend())",
         "--backend must be one of",
     ),
     (
