@@ -108,16 +108,7 @@ def open_own(path: str) -> int:
     open descriptor itself (``fstat``): a regular file of this user's that nobody else may
     write.  ``UnsafePath`` naming what is wrong otherwise: such a file was put there by someone
     else, and is not read (nor, for a pickle, loaded)."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # O_NONBLOCK: a FIFO
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafePath(
-                f"{path} is a symbolic link where torchdist_magic keeps a file of its own; it "
-                "will not follow it. Remove it"
-            ) from None
-        raise
+    fd = open_private(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO does not hold the open
     info = os.fstat(fd)
     problems = []
     if not stat.S_ISREG(info.st_mode):
