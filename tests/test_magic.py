@@ -268,7 +268,10 @@ def test_failing_rank_shows_cell_line(ip, capsys):
         ("%%torchdist --np 0\n1", "UsageError: --np must be at least 1, got 0"),
         ("%%torchdist --np x\n1", "UsageError: argument --np: invalid int value: 'x'"),
         ("%%torchdist --bogus\n1", "UsageError: unrecognized arguments: --bogus"),
-        ("%%torchdist --backend yarn\n1", "UsageError: --backend must be one of auto, local, spark, slurm, ray, got 'yarn'"),
+        (
+            "%%torchdist --backend yarn\n1",
+            "UsageError: --backend must be one of auto, local, spark, slurm, ray, got 'yarn'",
+        ),
         (
             "%%torchdist --backend-option NOVALUE\n1",
             "UsageError: --backend-option entry 'NOVALUE' is not of the form KEY=VALUE",
