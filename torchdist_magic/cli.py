@@ -40,6 +40,12 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any):
+        # no abbreviated flags: a script's own arguments (``run x.py --b``) are never taken for
+        # one of ours (``--backend``), nor refused as ambiguous between two of ours
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):
         raise UsageError(f"{self.prog}: {message}")
 

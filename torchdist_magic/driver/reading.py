@@ -113,5 +113,6 @@ READS: Dict[str, Callable[[Any, events.ReadState], Any]] = {
     "running": lambda state, q: state.running(),
     "elapsed": lambda state, q: state.elapsed(),
     "idle": lambda state, q: state.idle(),
+    "collectives": lambda state, q: dict(state.collectives),
     "facts": lambda state, q: {name: getattr(state, name) for name in FACTS},
 }

@@ -42,6 +42,8 @@ from .feed import HostedState
 
 #: how often the handle looks whether the run has ended
 FOLLOW_INTERVAL = 0.05
+#: how long a replay of an ended run waits for the follower to read the run's end from its record
+REPLAY_END_WAIT = 10.0
 #: this process's handles by run id, while something holds them
 _handles: "weakref.WeakValueDictionary[str, AttachedRun]" = weakref.WeakValueDictionary()
 _handles_lock = threading.Lock()
@@ -364,6 +366,9 @@ class AttachedRun(StateAnswers):
                             state.apply(record)
         except FileNotFoundError:
             pass
+        if self._ending is None and os.path.exists(os.path.join(self.directory, DONE_FILE)):
+            # the run has ended: the follower reads its end from the record at its next look
+            self._done.wait(REPLAY_END_WAIT)
         if self._ending is not None:
             outcome, cause, message = self._ending
             state.finish(outcome, cause, message)

@@ -242,6 +242,12 @@ class HostedState:
     def idle(self) -> float:
         return self._ask("idle")
 
+    @property
+    def collectives(self) -> Dict[int, Any]:
+        """``RunState.collectives``: each rank's latest collective record of the attempt, the
+        records a verdict is worked out from where the run's state kept none (a journal's)."""
+        return self._ask("collectives")
+
     def facts(self) -> Dict[str, Any]:
         """The run's facts (``reading.FACTS``: its id, state, start and end, failure, attempts,
         ...) in one read; each is also a property of this state, one such read each."""
