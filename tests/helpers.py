@@ -121,7 +121,7 @@ def assert_no_survivors(run, extra_pids=(), wait: float = 5.0) -> None:
 
     def survivors():
         left = pids_of_run(run.run_id) + [p for p in extra_pids if alive(p)]
-        left += [rs.pid for rs in run.state.ranks if rs.pid and alive(rs.pid)]
+        left += [rs.pid for rs in run.state.snapshot().ranks if rs.pid and alive(rs.pid)]
         return sorted(set(left))
 
     try:
