@@ -16,7 +16,8 @@ The driver says what this rank may do in its environment (``debugger.rank_env``)
   then goes on: a post-mortem's rank exits with its failure, a breakpoint's ends the run, as ``q``).
 
 ``PYTHONBREAKPOINT`` is respected: ``0`` turns ``breakpoint()`` off, another hook is called as
-Python would call it.
+Python would call it, except a framework's own that a rank merely inherited (``NOT_A_RANKS_HOOK``:
+Ray's, once the notebook called ``ray.init``).
 """
 
 from __future__ import annotations
@@ -265,10 +266,19 @@ def install(client) -> Optional[RankDebugger]:
     return _debugger
 
 
+#: hooks ``PYTHONBREAKPOINT`` may name that are not the user's choice but a framework's, set in
+#: its own processes' environment and inherited by a rank that is none of them: ``ray.init``
+#: sets Ray's driver hook in the kernel's environment, and it fails in any process that is not
+#: Ray's driver or worker (a rank is neither)
+NOT_A_RANKS_HOOK = ("ray.util.rpdb.",)
+
+
 def _breakpointhook(*args, **kwargs) -> None:
     hook = os.environ.get("PYTHONBREAKPOINT")
     if hook == "0":
         return None
+    if hook and hook.startswith(NOT_A_RANKS_HOOK):
+        hook = None
     if hook and hook != "pdb.set_trace" or _debugger is None:
         return sys.__breakpointhook__(*args, **kwargs)
     _debugger.breakpoint(sys._getframe(1))
