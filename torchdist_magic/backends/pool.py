@@ -195,8 +195,11 @@ class Pool:
                 if self._channel is not None:
                     self._channel.close()
             finally:
-                self._forget()
-                self._stopped.set()
+                try:
+                    self.backend.release()  # what the pool's whole life held (a Slurm allocation)
+                finally:
+                    self._forget()
+                    self._stopped.set()
 
     def _forget(self) -> None:
         """Stopped, and out of the registry.  Takes ``_lock`` with the pool's own lock not held:
