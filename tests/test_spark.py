@@ -186,7 +186,9 @@ def test_executors_with_another_interpreter_are_refused_before_training(spark_lo
     assert f"with the interpreter you chose ({bare_python})" in text
     assert f"executors:     {bare_python} on " in text
     assert "torch 2.13.0 here, not installed there" in text.replace("+cpu", "")
-    assert "cloudpickle 3." in text and " here, not installed there" in text
+    import cloudpickle
+
+    assert f"cloudpickle {cloudpickle.__version__} here, not installed there" in text  # 2.2 in compat, 3.1 in .venv
     assert text.count(f"executors:     {bare_python}") == 1  # the same executor facts once
     assert "spark.pyspark.python" in text and "spark.archives" in text
 
