@@ -293,7 +293,7 @@ def test_breakpoint_p_then_c_returns_the_cells_value(kernel):
 def test_a_breakpoint_hook_a_rank_only_inherited_from_ray_is_not_called(kernel):
     # ray.init() in a notebook sets Ray's driver hook in the kernel's environment, which the ranks
     # inherit: called there, it fails (a rank is no Ray driver), so the rank's own debugger opens
-    typist = Typist({1: [("p x", "101\n"), "c"]})
+    typist = Typist({1: [("p x", "101\n"), "c"]}, opening={1: "-> breakpoint()"})
     cell = kernel.cell(
         "%%torchdist --np 2 --quiet --env PYTHONBREAKPOINT=ray.util.rpdb._driver_set_trace\n"
         "x = 100 + rank\nif rank == 1:\n    breakpoint()\nx * 2\n",
@@ -301,6 +301,7 @@ def test_a_breakpoint_hook_a_rank_only_inherited_from_ray_is_not_called(kernel):
     )
     assert cell.error is None, cell.text
     assert typist.ranks == [1, 1]
+    assert "torchdist: rank 1 stopped at breakpoint(): c continues it, q stops the run" in cell.text
     assert "(Pdb rank 1) p x\n101\n" in cell.text
     assert cell.text.rstrip().endswith("200")
     assert_no_worker_left(kernel)
