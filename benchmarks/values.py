@@ -196,16 +196,22 @@ def measure(name: str, runner, sizes, repeat: int, rows: list, directions) -> No
             before = _rss_bytes()
             row = {"runner": name, "direction": direction, "mib": mib, "each_seconds": []}
             fetches: list = []
-            call = (lambda: run_back(mib)) if direction == "back" else (lambda: run_out(tensor))
+            # the closures bind this round's values: each is called within the round
+            call = (lambda mib=mib: run_back(mib)) if direction == "back" else (lambda tensor=tensor: run_out(tensor))
             try:
                 if "fetch" in name:  # each run's transfer as its rank's log says
                     timed = time_runs(
-                        lambda: (call(), fetches.append(channel_rate(direction))), repeat, row["each_seconds"]
+                        lambda call=call, fetches=fetches, direction=direction: (
+                            call(),
+                            fetches.append(channel_rate(direction)),
+                        ),
+                        repeat,
+                        row["each_seconds"],
                     )
                 else:
                     timed = time_runs(call, repeat, row["each_seconds"])
                 row["seconds"], row["cpu_seconds"] = timed
-            except Exception as exc:  # a runner's limit: recorded, its larger sizes not tried
+            except Exception as exc:  # a runner's limit: recorded, its larger sizes not tried  # noqa: BLE001
                 row.update(seconds=None, error=f"{type(exc).__name__}: {str(exc)[:500]}")
             row["driver_peak_per_value"] = (_peak_bytes() - before) / (mib * 2**20)
             if fetches:

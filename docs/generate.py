@@ -215,7 +215,7 @@ def _where(name: str) -> str:
 
     if name == "RunState":
         run = torchdist_magic.Run
-        obj = getattr(importlib.import_module(run.__module__), "RunState")
+        obj = importlib.import_module(run.__module__).RunState
     else:
         obj = getattr(torchdist_magic, name)
     return f"{obj.__module__}.{obj.__qualname__}"

@@ -246,3 +246,39 @@ def dist(request):
     session = request.getfixturevalue(f"spark_{kind}")
     assert session is not None
     return lambda n=2, **o: Distributor(n, local_mode=False, show=None, **o)
+
+
+#: the test session's clusters: each starts once per pytest process that needs it (a session
+#: fixture), and two of one kind side by side would only share the machine's two cores
+CLUSTER_GROUPS = ("spark", "slurm", "ray")
+#: notebooks that start a cluster of their own kind (``tests/slurm_cluster.py``, ``ray_cluster.py``)
+NOTEBOOK_CLUSTERS = {"13-slurm.ipynb": "slurm", "14-ray.ipynb": "ray"}
+
+
+def cluster_group(item) -> str:
+    """The cluster ``item`` runs on ("" for none): what ``pytest -n`` keeps on one worker."""
+    from spark_fixtures import _spark_master_of
+
+    names = set(getattr(item, "fixturenames", ()))
+    callspec = getattr(item, "callspec", None)
+    params = [v for v in callspec.params.values() if isinstance(v, str)] if callspec is not None else []
+    if _spark_master_of(item) or "connect_server" in names or "standalone_cluster" in names:
+        return "spark"
+    if {"slurm", "slurm_cluster"} & names or "slurm" in params:
+        return "slurm"
+    if {"ray_connected", "ray_cluster"} & names or "ray" in params:
+        return "ray"
+    for value in params:
+        if value in NOTEBOOK_CLUSTERS:
+            return NOTEBOOK_CLUSTERS[value]
+    return ""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``pytest -n N --dist loadgroup`` (README's test command) the tests of one cluster run
+    in one worker, in the order ``spark_fixtures`` gives them (each SparkSession starts once);
+    every other test goes to whichever worker is free."""
+    for item in items:
+        group = cluster_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))

@@ -312,7 +312,7 @@ def as_other_user(work, *args):
             os.write(ready_w, b"1")
             while True:
                 time.sleep(3600)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001
             os.write(ready_w, f"0{exc!r}".encode())
             code = 1
         finally:

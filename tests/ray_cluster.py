@@ -127,7 +127,7 @@ class RayCluster:
         if self.cluster is not None:
             try:
                 self.cluster.shutdown()
-            except Exception:  # a node that never registered: its processes are ended below
+            except Exception:  # a node that never registered: its processes are ended below  # noqa: BLE001
                 pass
             self.cluster = None
 

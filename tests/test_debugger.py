@@ -64,7 +64,7 @@ class Kernel:
             self._read_output(msg_id, out)
             try:
                 msg = self.kc.get_stdin_msg(timeout=0.02)
-            except Exception:  # queue.Empty
+            except Exception:  # queue.Empty  # noqa: BLE001
                 msg = None
             if msg is not None and msg["msg_type"] == "input_request":
                 prompt = msg["content"]["prompt"]
@@ -85,7 +85,7 @@ class Kernel:
         while not out.idle:
             try:
                 msg = self.kc.get_iopub_msg(timeout=0.02)
-            except Exception:  # queue.Empty
+            except Exception:  # queue.Empty  # noqa: BLE001
                 return
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
@@ -208,7 +208,7 @@ def others_gone_first(typist, directory, others):
         if not typist.ranks:
             for rank in others:
                 pid = int((directory / f"rank-{rank}").read_text())
-                wait_until(lambda: not alive(pid), 60, f"rank {rank} (pid {pid}) to be stopped while rank 1 is held")
+                wait_until(lambda: not alive(pid), 60, f"rank {rank} (pid {pid}) to be stopped while rank 1 is held")  # noqa: B023
         return typist(prompt)
 
     answer.expected = typist.expected

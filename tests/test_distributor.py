@@ -130,7 +130,7 @@ def bar_then_other_stream(marks):
 def test_a_carriage_return_at_a_line_start_leaves_no_line(local_distributor, tmp_path):
     run = local_distributor(1).submit(bar_then_other_stream, str(tmp_path))
     for n, text in enumerate(("50%", "between"), start=1):
-        wait_until(lambda: any(text in line.text for line in run.state.ranks[0].logs), 60, repr(text))
+        wait_until(lambda: any(text in line.text for line in run.state.ranks[0].logs), 60, repr(text))  # noqa: B023
         (tmp_path / str(n)).touch()
     run.result(timeout=60)
     lines = [(l.stream, l.text, l.cr) for l in run.state.ranks[0].logs]

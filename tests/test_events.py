@@ -206,7 +206,7 @@ def test_failure_json_round_trip():
 def _raised(exc):
     try:
         raise exc
-    except BaseException as caught:
+    except BaseException as caught:  # noqa: BLE001
         return caught
 
 

@@ -85,7 +85,7 @@ def test_a_reads_error_is_raised_in_the_kernel(served, socket_path):
     with pytest.raises(IndexError, match="rank 3 is not in this run"):
         hosted.read_logs([(0, 0, None, False), (3, 0, None, False)])
     with pytest.raises(AttributeError, match="'HostedState' object has no attribute 'no_such'"):
-        hosted.no_such  # no read is asked for a name the table does not declare
+        hosted.no_such  # noqa: B018 - no read is asked for a name the table does not declare
     assert hosted.snapshot().num_processes == 3  # the connection goes on after an error
     hosted.close()
 

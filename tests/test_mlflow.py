@@ -290,7 +290,7 @@ def test_a_restarted_run_is_one_mlflow_run_with_the_attempt_as_a_metric(on, expe
     run = on.make(2, mlflow=True, max_restarts=1).submit(fail_the_first_attempt, str(tmp_path))
     for attempt in (1, 2):
         wait_until(
-            lambda: all((tmp_path / f"attempt{attempt}-{r}").exists() for r in (0, 1)),
+            lambda: all((tmp_path / f"attempt{attempt}-{r}").exists() for r in (0, 1)),  # noqa: B023
             60,
             f"attempt {attempt} of both ranks",
         )

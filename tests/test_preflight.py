@@ -162,7 +162,7 @@ def test_on_gpus_the_report_has_cuda_nccl_the_driver_and_each_gpus_health(local_
     n = _cuda_count()
     run = local_distributor(n, use_gpu=True, preflight=True).submit(rank)
     assert run.result(timeout=300) == 0
-    for r, mine in run.preflight_reports.items():
+    for mine in run.preflight_reports.values():
         assert mine.cuda and mine.nccl and mine.driver, mine
         assert len(mine.gpus) == 1 and mine.gpus[0].free_bytes > 0 and mine.gpus[0].name
     assert run.preflight.refusal == ""

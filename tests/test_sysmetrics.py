@@ -300,8 +300,8 @@ def test_a_rank_that_is_stopped_is_not_called_out_of_memory(tmp_path, monkeypatc
         proc = RankProcess(0, str(job_file), str(tmp_path / f"rank-{stopped}"), env, got.append)
         wait_until(
             lambda: (
-                any(isinstance(e, events.SystemMetrics) for e in got)
-                and any(isinstance(e, events.Log) and e.line == "ignoring SIGTERM" for e in got)
+                any(isinstance(e, events.SystemMetrics) for e in got)  # noqa: B023
+                and any(isinstance(e, events.Log) and e.line == "ignoring SIGTERM" for e in got)  # noqa: B023
             ),
             120,
             "a sample of the rank, ignoring SIGTERM",

@@ -26,7 +26,7 @@ def _pools_end():
     shutdown_pools()
     for info in left:
         wait_until(
-            lambda: not pids_of_run(info.run_id) and not any(alive(p) for p in info.pids),
+            lambda: not pids_of_run(info.run_id) and not any(alive(p) for p in info.pids),  # noqa: B023
             15,
             f"the processes of {info.id} to end",
         )

@@ -472,7 +472,7 @@ def capture_cell(
     try:
         if values:  # tensors' and arrays' bytes apart, not copied (see values.Buffers)
             stream, buffers = pickled_apart(values)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001
         raise CaptureError(_unpicklable_message(values, exc)) from None
     total = len(stream) + (buffers.nbytes if buffers is not None else 0)
     if total > warn_bytes:
@@ -519,7 +519,7 @@ def _unpicklable_message(values: Dict[str, object], exc: Exception) -> str:
     for name, value in values.items():
         try:
             pickle_for_ranks(value)
-        except Exception as inner:
+        except Exception as inner:  # noqa: BLE001
             return (
                 f"the cell uses {name!r} (a {type_name(value)}) from the notebook, which cannot be "
                 f"sent to the ranks: {inner}. Create it inside the cell instead."

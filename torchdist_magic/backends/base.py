@@ -102,11 +102,11 @@ class BackendRun(abc.ABC):
         reached; a backend that cannot stop one rank alone (a warm pool) reaches none."""
         return set()
 
-    def dump_stacks(self) -> None:
+    def dump_stacks(self) -> None:  # noqa: B027
         """Ask every running rank for its threads' stacks; each answers with an
         ``events.Stacks`` record through ``LaunchContext.emit`` (a backend that cannot, none)."""
 
-    def dump_collectives(self) -> None:
+    def dump_collectives(self) -> None:  # noqa: B027
         """Ask every running rank's worker for its collective record over a channel the backend
         holds itself (a warm pool's); each answers with an ``events.Collectives`` record through
         ``LaunchContext.emit``.  A run with a channel of its own is asked on it by the driver."""
@@ -212,5 +212,5 @@ class Backend(abc.ABC):
     def start(self, ctx: LaunchContext) -> BackendRun:
         """Start every rank.  A failed start releases whatever it had opened before raising."""
 
-    def release(self) -> None:
+    def release(self) -> None:  # noqa: B027
         """The run that used this backend has ended (whether or not ``start`` was called)."""

@@ -303,7 +303,7 @@ class RayRun(BackendRun):
     def _finished(self, rank: int, ref) -> None:
         try:
             outcome = self._ray.get(ref)
-        except Exception as exc:  # the actor died (killed, its node lost) or could not start
+        except Exception as exc:  # the actor died (killed, its node lost) or could not start  # noqa: BLE001
             with self._lock:
                 if rank in self._reported:
                     return
@@ -387,7 +387,7 @@ class RayRun(BackendRun):
         for actor in self._actors:
             try:
                 ray.kill(actor, no_restart=True)
-            except Exception as exc:  # the cluster is gone, and the actor with it
+            except Exception as exc:  # the cluster is gone, and the actor with it  # noqa: BLE001
                 log.info("run %s: could not kill a Ray actor (%s: %s)", self._ctx.spec.run_id, type(exc).__name__, exc)
         if self._watcher is not None:
             self._watcher.join(RAY_KILL_WAIT)  # each killed actor's call ends with its death
@@ -399,7 +399,7 @@ class RayRun(BackendRun):
 
             try:
                 remove_placement_group(self._group)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001
                 log.info(
                     "run %s: could not remove placement group %s (%s)", self._ctx.spec.run_id, self.group_name, exc
                 )

@@ -43,7 +43,7 @@ def max_concurrent_tasks(sc) -> int:
     try:
         profile = jsc.resourceProfileManager().defaultResourceProfile()
         return int(jsc.maxNumConcurrentTasks(profile))
-    except Exception:  # py4j cannot reach the internal API: estimate from the parallelism
+    except Exception:  # py4j cannot reach the internal API: estimate from the parallelism  # noqa: BLE001
         return sc.defaultParallelism // max(1, int(sc.getConf().get("spark.task.cpus", "1")))
 
 
@@ -166,14 +166,14 @@ class SparkRun(BarrierStageRun):
                 self._deliver(rows.values, rows.exits, rows.logs, rows.value_files)
                 return
             outcomes = self._barrier_rdd().collect()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001
             self._failed(exc)
             return
         finally:
             try:
                 sc.removeJobTag(self.job_tag)
                 sc.setJobDescription(None)
-            except Exception as exc:  # the SparkContext was stopped under the run
+            except Exception as exc:  # the SparkContext was stopped under the run  # noqa: BLE001
                 log.info(
                     "run %s: could not remove job tag %s (%s: %s)",
                     self._spec.run.run_id,

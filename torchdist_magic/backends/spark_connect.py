@@ -66,7 +66,7 @@ class SparkConnectBackend(SparkStageBackend):
         # no default passed to conf.get: over Connect it would hide the server's own value
         try:
             return self.session.conf.get(key) or default
-        except Exception:  # a conf the server does not set or expose to its clients
+        except Exception:  # a conf the server does not set or expose to its clients  # noqa: BLE001
             return default
 
     def channel_host(self) -> str:
@@ -95,7 +95,7 @@ class SparkConnectBackend(SparkStageBackend):
             check_connect_python(self.session, num_processes)
         except InterpreterMismatch:
             raise
-        except Exception as exc:  # the probe stage itself failed: say what Spark said
+        except Exception as exc:  # the probe stage itself failed: say what Spark said  # noqa: BLE001
             _, failure = spark_failure(exc)
             raise InterpreterMismatch(
                 f"the Spark Connect server's executors could not run a Python check: "
@@ -128,7 +128,7 @@ class SparkConnectRun(BarrierStageRun):
             else:
                 frame = spark.range(0, n, 1, numPartitions=n).mapInArrow(self._task, SCHEMA, barrier=True)
             rows = sort_rows(r.asDict() for r in frame.collect())
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001
             self._failed(exc)
             return
         finally:

@@ -140,7 +140,7 @@ def _probe(sc, python: str, tasks: int) -> Tuple[List[dict], Optional[BaseExcept
     )
     try:
         rows = build_with_python(sc, rdd, python).collect()
-    except Exception as exc:  # the interpreter did not even start, or pyspark failed in it
+    except Exception as exc:  # the interpreter did not even start, or pyspark failed in it  # noqa: BLE001
         return [], exc
     return [json.loads(r) for r in rows], None
 

@@ -319,7 +319,7 @@ class BarrierStageRun(BackendRun):
                 log.info("run %s: interrupting Spark job tag %s", self._spec.run.run_id, self.job_tag)
                 self._interrupt()
                 self._thread.join(SPARK_CANCEL_RETRY)
-        except Exception as exc:  # the session is gone, and with it the stage
+        except Exception as exc:  # the session is gone, and with it the stage  # noqa: BLE001
             log.info(
                 "run %s: could not interrupt job tag %s (%s: %s); the session is gone",
                 self._spec.run.run_id,
@@ -439,7 +439,7 @@ def spark_failure(exc: BaseException) -> Tuple[Optional[int], events.Failure]:
     if java is not None:
         try:
             text = str(java.toString()) + "\n" + text
-        except Exception:  # the JVM is gone; str(exc) is all there is
+        except Exception:  # the JVM is gone; str(exc) is all there is  # noqa: BLE001
             pass
     rank: Optional[int] = None
     for pattern in _TASK_RANK:

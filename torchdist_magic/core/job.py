@@ -122,7 +122,7 @@ def find_unpicklable(named: List[Tuple[str, Any]], modules: List[types.ModuleTyp
     for label, value in named:
         try:
             pickle_for_ranks(value, modules)
-        except Exception as exc:  # cloudpickle raises TypeError, PicklingError, AttributeError...
+        except Exception as exc:  # cloudpickle raises TypeError, PicklingError, AttributeError...  # noqa: BLE001
             return f"{label} (a {type_name(value)}) cannot be pickled: {exc}"
     return None
 

@@ -289,7 +289,7 @@ def open_health() -> Optional[GpuHealthSource]:
     """NVML's health source, or ``None`` where there is no NVML (no GPU, no ``pynvml``)."""
     try:
         return NvmlHealth()
-    except Exception:
+    except Exception:  # noqa: BLE001
         return None
 
 

@@ -364,7 +364,7 @@ class Run(StateAnswers):
                 checkpoints = _subdirectory(self.directory, "checkpoints")
             while self._attempt(deadline, checkpoints):
                 self.state.restart()
-        except BaseException as exc:  # reported through result(), never lost in this thread
+        except BaseException as exc:  # reported through result(), never lost in this thread  # noqa: BLE001
             self._error = exc
             if not self.state.finished:
                 self.state.finish("failed", message=str(exc))

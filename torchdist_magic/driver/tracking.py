@@ -210,7 +210,7 @@ class MlflowLogger:
             if self.run_id:  # made, and its params refused: it ends at once
                 try:
                     self._client.set_terminated(self.run_id, "FAILED")
-                except Exception:  # the error raised below says what went wrong first
+                except Exception:  # the error raised below says what went wrong first  # noqa: BLE001
                     pass
             raise TrackingError(
                 f"could not start an MLflow run at {self.tracking_uri}: {type(exc).__name__}: {exc}"
@@ -310,7 +310,7 @@ class MlflowLogger:
             metrics.append(Metric(key, number, _ms(at), step))
         try:
             self._client.log_batch(self.run_id, metrics=metrics, synchronous=True)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001
             self.failed += len(rows)
             self._error(f"log_batch: {type(exc).__name__}: {exc}")
 
@@ -368,18 +368,18 @@ class MlflowLogger:
                 metrics=[Metric(f"goodput/{k}", v, at, 0) for k, v in snap.goodput.items()],
                 synchronous=True,
             )
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001
             self._error(f"tags: {type(exc).__name__}: {exc}")
         try:
             self._client.set_terminated(self.run_id, STATUS.get(snap.state, "KILLED"))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001
             self._error(f"set_terminated: {type(exc).__name__}: {exc}")
         return self.warning()
 
     def _write_artifacts(self, snap) -> None:
         try:
             self._write_files(snap)
-        except Exception as exc:  # the status and tags are still written
+        except Exception as exc:  # the status and tags are still written  # noqa: BLE001
             self._error(f"artifacts: {type(exc).__name__}: {exc}")
 
     def _write_files(self, snap) -> None:

@@ -391,7 +391,7 @@ class AttachedRun(StateAnswers):
                         return self._finish()
                     return self._lost()
                 time.sleep(FOLLOW_INTERVAL)
-        except BaseException as exc:  # reported through result(), never lost in this thread
+        except BaseException as exc:  # reported through result(), never lost in this thread  # noqa: BLE001
             self._error = exc
             self._ending = ("failed", None, f"could not follow the run: {exc}")
             self._done.set()

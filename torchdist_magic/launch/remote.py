@@ -322,7 +322,7 @@ def run_launcher(spec: RemoteSpec, site: Site) -> TaskOutcome:
 
     try:
         value, value_file = _run_rank(spec, site, channel, emit, driver)
-    except Exception as exc:  # the launcher's own failure (not the rank's): report it as this rank's
+    except Exception as exc:  # the launcher's own failure (not the rank's): report it as this rank's  # noqa: BLE001
         value, value_file = None, ""
         host = socket.gethostname()
         emit(

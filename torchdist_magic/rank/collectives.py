@@ -165,7 +165,7 @@ def _flight_recorder_trace() -> Optional[Dict[str, Any]]:
         return None
     try:
         return json.loads(_dump_fr_trace_json(True, False))
-    except Exception:  # a dump that failed says nothing of the rank: its stack still does
+    except Exception:  # a dump that failed says nothing of the rank: its stack still does  # noqa: BLE001
         return None
 
 

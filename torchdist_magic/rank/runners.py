@@ -86,7 +86,7 @@ def run_cell(job, ns: Optional[dict] = None):
     for statement, origin in cell.imports:
         try:
             exec(compile(statement, f"<import from {origin}>", "exec"), ns)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001
             raise CellImportError(
                 f"the notebook import `{statement}` ({origin}) failed on rank "
                 f"{os.environ.get('RANK', '0')} ({socket.gethostname()}): {type(exc).__name__}: {exc}"

@@ -94,7 +94,7 @@ def _expand(text: str, frame) -> str:
     namespace.update(frame.f_locals)
     try:
         return EXPANDER.vformat(text, (), namespace)
-    except Exception:  # as IPython does, a line that cannot be expanded is used as it is
+    except Exception:  # as IPython does, a line that cannot be expanded is used as it is  # noqa: BLE001
         return text
 
 

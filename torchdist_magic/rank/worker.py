@@ -132,7 +132,7 @@ def _report_torch_memory(client) -> None:
         time.sleep(SYSTEM_METRICS_INTERVAL)
         try:
             values = torch_memory()
-        except Exception:  # CUDA in a bad state: the job will say so itself
+        except Exception:  # CUDA in a bad state: the job will say so itself  # noqa: BLE001
             continue
         if values and values != sent:
             client.send(events.SystemMetrics(rank=int(os.environ.get("RANK", "0")), values=values, time=time.time()))
@@ -203,7 +203,7 @@ def execute(job, namespace: Optional[dict] = None) -> Tuple[int, Any, Optional[e
             print(code, file=sys.stderr)
             code = 1
         return code, None, _failure(exc, "SystemExit", f"exit code {code}", exit_code=code)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001
         from bdb import BdbQuit
 
         from torchdist_magic.rank import debugger as rank_debugger
@@ -263,7 +263,7 @@ def _pickled_value(value: Any) -> Tuple[Optional[bytes], Optional[events.Failure
 
     try:
         return values.dumps(value), None
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001
         return None, _unpicklable(value, exc)
 
 
@@ -295,7 +295,7 @@ def run_job(job, result_dir: str) -> int:
                     ),
                     1,
                 )
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001
                 with contextlib.suppress(OSError):
                     os.remove(tmp)
                 failure, code = _unpicklable(value, exc), 1
@@ -406,7 +406,7 @@ def serve(client, inbox: JobInbox, startup_env: Optional[Dict[str, Optional[str]
             undo = _set_environment(record.env)
             try:
                 job = cloudpickle.loads(data)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001
                 code, value, failure = 1, None, _failure(exc, type(exc).__qualname__, str(exc))
             else:
                 code, value, failure = execute(job, namespace)

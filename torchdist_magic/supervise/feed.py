@@ -167,7 +167,7 @@ class FeedServer:
         else:
             try:
                 kind, body = b"v", pickle.dumps(read(self.state, request), protocol=5)
-            except Exception as exc:  # the reader's error (a rank out of range), raised in the kernel
+            except Exception as exc:  # the reader's error (a rank out of range), raised in the kernel  # noqa: BLE001
                 kind, body = b"e", pickle.dumps(exc, protocol=5)
         conn.sendall(ANSWER.pack(kind, len(body), time.thread_time() - began) + body)
 

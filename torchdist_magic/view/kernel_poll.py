@@ -123,7 +123,7 @@ class KernelPoll:
             if head["header"]["msg_type"] not in COMM_TYPES:
                 return None
             msg = self._session.deserialize(parts, content=True, copy=False)
-        except Exception:
+        except Exception:  # noqa: BLE001
             return None
         return idents, msg
 
