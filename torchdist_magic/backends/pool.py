@@ -155,6 +155,29 @@ class Pool:
         run = self._backend_run
         return not self._dead and run is not None and run.ranks_alive()
 
+    # -- what a warm run (``warm.WarmJobRun``) asks of its pool ----------------------------
+    @property
+    def dead(self) -> bool:
+        """A rank's process ended: the pool takes no more runs."""
+        return self._dead
+
+    def host_of(self, rank: int) -> str:
+        """The host rank ``rank`` started on ("" before it said so)."""
+        started = self._started.get(rank)
+        return started.host if started is not None else ""
+
+    def dump_stacks(self) -> None:
+        """Ask every rank of the pool for its stacks (a warm run's hang report)."""
+        run = self._backend_run
+        if run is not None:
+            run.dump_stacks()
+
+    def dump_collectives(self) -> None:
+        """Ask every rank of the pool for its collective records."""
+        channel = self._channel
+        if channel is not None:
+            channel.broadcast(events.DumpCollectives(rank=-1), role="worker")
+
     @property
     def ending(self) -> bool:
         """Stopping or stopped: it takes no more runs."""
@@ -248,7 +271,7 @@ class Pool:
         self._timer.start()
 
     # -- runs ----------------------------------------------------------------------------
-    def _run(self, ctx: LaunchContext, run_id: str) -> "WarmJobRun":
+    def run_job(self, ctx: LaunchContext, run_id: str) -> "WarmJobRun":
         """Start serving the warm run ``run_id`` (its records go to ``ctx.emit``)."""
         job = WarmJobRun(self, ctx, run_id)
         with self._lock:
@@ -294,7 +317,8 @@ class Pool:
                         return  # the supervisor sees the rank's exit, or the run's deadline
                     time.sleep(0.005)
 
-    def _job_closed(self, job: "WarmJobRun") -> None:
+    def job_closed(self, job: "WarmJobRun") -> None:
+        """``job`` ended: the pool is idle again (its idle timer armed)."""
         with self._lock:
             if self._job is not job:
                 return
@@ -307,7 +331,7 @@ class Pool:
                 self.state = "idle"
                 self._arm_timer(self.options.pool_idle_timeout)
 
-    def _release(self) -> None:
+    def release(self) -> None:
         """A reserved run ended without using the pool (cancelled before it started)."""
         with self._lock:
             if self._job is not None or not self._reserved:

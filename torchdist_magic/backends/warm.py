@@ -71,7 +71,7 @@ class WarmJobRun(BackendRun):
             if not late and self._output_ended.get(rank, set()) != {"stdout", "stderr"}:
                 return
             self._exited.add(rank)
-        host = self.pool._started[rank].host if rank in self.pool._started else ""
+        host = self.pool.host_of(rank)
         failure = done.failure.for_rank(rank, exit_code=done.code) if done.failure is not None else None
         self.emit(events.Exit(rank=rank, code=done.code, time=done.time, host=host, failure=failure))
 
@@ -87,30 +87,26 @@ class WarmJobRun(BackendRun):
         with self._lock:
             some_done = bool(self._done)
         end = time.monotonic() + (WARM_SETTLE if some_done else 0.0)
-        while time.monotonic() < end and len(self._done) < len(self.ranks) and not self.pool._dead:
+        while time.monotonic() < end and len(self._done) < len(self.ranks) and not self.pool.dead:
             time.sleep(0.02)
-        if len(self._done) == len(self.ranks) and not self.pool._dead:
+        if len(self._done) == len(self.ranks) and not self.pool.dead:
             return
         still = [r for r in self.ranks if r not in self._done]
         why = (
             f"rank{'s' if len(still) > 1 else ''} {', '.join(map(str, still))} "
             f"{'were' if len(still) > 1 else 'was'} still in the job"
         )
-        if self.pool._dead:
+        if self.pool.dead:
             why = "a rank's process ended"
         message = f"[torchdist] warm {self.pool.id} stopped ({why}); the next warm run starts a fresh pool"
         self.emit(events.Log(rank=0, stream="stderr", line=message))
         self.pool.stop(why, grace)
 
     def dump_stacks(self) -> None:
-        run = self.pool._backend_run
-        if run is not None:
-            run.dump_stacks()
+        self.pool.dump_stacks()
 
     def dump_collectives(self) -> None:
-        channel = self.pool._channel
-        if channel is not None:
-            channel.broadcast(events.DumpCollectives(rank=-1), role="worker")
+        self.pool.dump_collectives()
 
     def result(self, rank: int) -> Optional[bytes]:
         with self._lock:
@@ -124,7 +120,7 @@ class WarmJobRun(BackendRun):
 
     def close(self) -> None:
         self.ended = True
-        self.pool._job_closed(self)
+        self.pool.job_closed(self)
 
 
 class WarmBackend(Backend):
@@ -173,10 +169,10 @@ class WarmBackend(Backend):
 
     def start(self, ctx: LaunchContext) -> WarmJobRun:
         try:
-            return self.pool._run(ctx, ctx.spec.run_id)
+            return self.pool.run_job(ctx, ctx.spec.run_id)
         except BaseException:
             self.pool.stop("it could not start")
             raise
 
     def release(self) -> None:
-        self.pool._release()
+        self.pool.release()
