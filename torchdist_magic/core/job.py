@@ -165,7 +165,8 @@ def _where(by_value: Optional[List[types.ModuleType]] = None) -> dict:
 def function_job(fn: Any, args: tuple, kwargs: dict) -> Job:
     if not callable(fn):
         raise TypeError(f"train_object must be a function or a path to a .py file, got {type(fn).__name__}")
-    modules = [_pickled_by_value(getattr(fn, "__module__", None))]
+    own = _pickled_by_value(getattr(fn, "__module__", None))
+    modules = [own] if own is not None else []
     try:
         payload, buffers = pickled_apart((fn, tuple(args), dict(kwargs)), modules)
     except Exception as exc:

@@ -576,7 +576,8 @@ def parse_backend_options(options: Any) -> dict:
         for entry in options:
             if not isinstance(entry, str) or "=" not in entry:
                 raise OptionValueError("backend_options", f"{{name}} entry {entry!r} is not of the form KEY=VALUE")
-            items.append(tuple(entry.partition("=")[::2]))
+            key, _, value = entry.partition("=")
+            items.append((key, value))
     else:
         raise OptionTypeError(
             "backend_options",

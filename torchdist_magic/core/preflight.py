@@ -188,7 +188,7 @@ _THROTTLES = (
 )
 
 
-def _versions(torch: Any) -> Dict[str, str]:
+def _versions(torch: Any) -> Dict[str, Any]:
     cuda = torch.version.cuda or ""
     nccl = ""
     if cuda and torch.cuda.is_available():
@@ -272,7 +272,7 @@ def run(
         mine.seconds = time.perf_counter() - started
         everyone: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, events.encode(mine))
-        reports = [events.decode(data) for data in everyone]
+        reports = [r for r in map(events.decode, everyone) if isinstance(r, events.Preflight)]  # each rank's
         send(mine)
         result = compare(reports)
     finally:

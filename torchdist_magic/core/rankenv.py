@@ -194,7 +194,7 @@ def place_ranks(
         visible = gpus[rank]
         own = [gpus[r] for r in members[host]]
         if visible is not None and all(g is not None and g and "," not in g for g in own):
-            visible = ",".join(own)
+            visible = ",".join(g for g in own if g)  # each is one GPU (checked above)
         out.append(
             Placement(
                 rank=rank,

@@ -76,7 +76,7 @@ SENT_FILE = "sent.values"
 #: where the machine has room for it (``host_copy_path``)
 SHARED_MEMORY = "/dev/shm"
 
-Blob = Union[bytes, bytearray, memoryview]
+Blob = Union[bytes, bytearray, memoryview, mmap.mmap]
 
 
 def _pad(n: int) -> int:
@@ -113,7 +113,7 @@ def _source_pickler_class():
 
 @functools.lru_cache(maxsize=None)
 def _pickler_class(cpu_only: bool = False):
-    class ValuePickler(_source_pickler_class()):
+    class ValuePickler(_source_pickler_class()):  # type: ignore[misc]  # cloudpickle's class, made on first use
         """``SourcePickler`` (functions and classes of the notebook by value, with their files)
         with the bytes of tensors' storages out of band, each storage once; ``cpu_only``:
         tensors on other devices are left to torch's own pickling (a notebook's CUDA tensor

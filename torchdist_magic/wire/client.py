@@ -17,7 +17,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Union, cast
 
 from ..core import events
 from ..core.names import CHANNEL_CERT_ENV, CHANNEL_ENV, RUN_ID_ENV, SECRET_ENV
@@ -171,9 +171,9 @@ class ChannelClient:
                     break
             end = next((i for i, item in enumerate(batch) if item is None), None)
             if end is not None:  # close(): what came before it is the last to send
-                self._write(batch[:end])
+                self._write(cast(List[events.Event], batch[:end]))
                 break
-            self._write(batch)
+            self._write(cast(List[events.Event], batch))
         self._finish()
 
     def _connect(self) -> Optional[Union[framemac.MacSocket, TlsSocket]]:
@@ -225,6 +225,8 @@ class ChannelClient:
     # -- reader thread --------------------------------------------------------------------
 
     def _read(self, sock: Union[framemac.MacSocket, TlsSocket]) -> None:
+        on_message = self._on_message
+        assert on_message is not None  # the reader runs only for a client that takes messages
         while True:
             try:
                 frame = read_frame(sock, MAX_FRAME)
@@ -243,7 +245,7 @@ class ChannelClient:
                 if not isinstance(record, events.DRIVER_TO_RANK):
                     continue
                 try:
-                    self._on_message(record)
+                    on_message(record)
                 except Exception as exc:  # noqa: BLE001  one bad message must not deafen the rank
                     print(
                         f"torchdist_magic: rank {self._rank} could not handle {record.type!r} from the driver: {exc!r}",

@@ -136,7 +136,9 @@ class Connection:
         """Encrypt queued plaintext into ``wire`` while the socket has taken what came before it
         (a chunk at a time: a rank that reads slowly holds little ciphertext), once the TLS
         handshake is done; and take what TLS itself has to send (its handshake, alerts)."""
+        tls = self.tls
+        assert tls is not None  # called for a TLS connection only
         while self.secure and self.outbox and len(self.wire) < RECV_CHUNK:
-            written = self.tls.write(self.outbox[:RECV_CHUNK])
+            written = tls.write(self.outbox[:RECV_CHUNK])
             del self.outbox[:written]
         self.wire += self.tls_out.read()

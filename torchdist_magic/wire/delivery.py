@@ -71,6 +71,7 @@ class Delivery:
             self.refuse("malformed", conn, "a frame that is not a JSON object with a list of records")
             return
         # what events.decode does, its lookups made once per frame: a frame holds many records
+        assert conn.role is not None  # frames come after the hello that names the role
         builders, allowed, rank, on_event = events.BUILDERS, events.SENDERS[conn.role], conn.rank, self.on_event
         delivered = 0
         for item in items:

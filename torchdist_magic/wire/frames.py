@@ -25,9 +25,8 @@ import hashlib
 import hmac
 import json
 import secrets
-import socket
 import struct
-from typing import Optional
+from typing import Optional, Protocol
 
 from ..core import events
 
@@ -102,7 +101,14 @@ def decode_record(item: object) -> Optional[events.Event]:
         return None
 
 
-def _read_exact(sock: socket.socket, n: int) -> bytes:
+class Receiver(Protocol):
+    """What ``read_frame`` reads from: a blocking socket, or one that decrypts or checks what
+    it reads (``tls.TlsSocket``, ``framemac.MacSocket``)."""
+
+    def recv(self, n: int) -> bytes: ...
+
+
+def _read_exact(sock: Receiver, n: int) -> bytes:
     chunks = []
     while n:
         chunk = sock.recv(min(n, RECV_CHUNK))
@@ -113,7 +119,7 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_frame(sock: socket.socket, limit: int) -> dict:
+def read_frame(sock: Receiver, limit: int) -> dict:
     """The next frame on a blocking ``sock`` (a handshake's, a file transfer's head): its JSON
     object; ``FrameError`` for one over ``limit`` bytes or not a JSON object, ``EOFError`` when
     the connection ends first."""

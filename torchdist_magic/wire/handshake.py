@@ -103,12 +103,13 @@ def _handshake(
             raise TimeoutError(f"no handshake within {HANDSHAKE_DEADLINE:g} s")
         return remaining
 
-    sock = socket.create_connection(address, timeout=left())
+    plain = socket.create_connection(address, timeout=left())
+    sock: Union[socket.socket, framemac.MacSocket, TlsSocket] = plain
     try:
         if context is not None:
-            sock = TlsSocket(sock, context)
+            sock = secure = TlsSocket(plain, context)
             try:
-                sock.handshake()
+                secure.handshake()
             except ssl.SSLCertVerificationError as exc:
                 raise NotTheDriver(
                     f"its TLS certificate is not the one this run pinned ({exc.verify_message})"
@@ -139,8 +140,9 @@ def _handshake(
         if not macs_equal(reply.get("mac"), hello_mac(secret, own_nonce)):
             raise Refused("it could not prove that it knows this run's secret")
         if context is None:  # no TLS: every byte from here on in authenticated records
-            sock = framemac.MacSocket(sock, framemac.session_key(secret, nonce, own_nonce))
+            sock = framemac.MacSocket(plain, framemac.session_key(secret, nonce, own_nonce))
         sock.settimeout(None)
+        assert not isinstance(sock, socket.socket)  # one of the two above
         return sock
     except BaseException:
         sock.close()

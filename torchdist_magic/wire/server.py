@@ -156,11 +156,11 @@ class ChannelServer:
         self._authed: set = set()
         # shared with send(); the outboxes too
         self._lock = threading.Lock()
-        self._routes: Dict[Tuple[str, int], Connection] = {}  # the connection of each role and rank
+        self._routes: Dict[Tuple[Optional[str], int], Connection] = {}  # the connection of each role and rank
         # the connection that owns each role and rank (server thread only): the first to
         # authenticate as it; it lets go only if it ends before it sent a single frame (its client
         # gave up on a slow reply and tries again)
-        self._claims: Dict[Tuple[str, int], Connection] = {}
+        self._claims: Dict[Tuple[Optional[str], int], Connection] = {}
         self._dirty: set = set()  # connections with new output
         self._close_deadline: Optional[float] = None
         self._thread = threading.Thread(target=self._serve, name="torchdist-channel", daemon=True)
@@ -204,7 +204,7 @@ class ChannelServer:
 
     # -- server thread --------------------------------------------------------------------
 
-    def _send_to(self, keys: List[Tuple[str, int]], data: bytes) -> int:
+    def _send_to(self, keys: List[Tuple[Optional[str], int]], data: bytes) -> int:
         sent = 0
         with self._lock:
             if self._close_deadline is not None:
@@ -282,10 +282,13 @@ class ChannelServer:
             pass
 
     def _accept(self) -> None:
+        listener = self._listener
+        if listener is None:  # closed in this round
+            return
         # a few per round, so ranks are served between bursts
         for _ in range(_ACCEPT_PER_ROUND):
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except OSError as exc:  # none left (BlockingIOError), or the peer already gave up
                 if exc.errno in _OUT_OF_FILES:
                     self._out_of_files(exc)
@@ -406,13 +409,15 @@ class ChannelServer:
         """Take the plaintext of the ciphertext that arrived, all of it that is complete: the
         selector would not say that OpenSSL still holds some.  The TLS handshake comes first;
         before authentication no more plaintext than one hello is taken at a time."""
+        tls = conn.tls
+        assert tls is not None  # a TLS channel's connection
         while conn.open:
             room = LENGTH.size + MAX_HELLO - len(conn.inbuf) if conn.role is None else TLS_PLAINTEXT
             try:
                 if not conn.secure:
-                    conn.tls.do_handshake()
+                    tls.do_handshake()
                     conn.secure = True
-                data = conn.tls.read(room)
+                data = tls.read(room)
             except ssl.SSLWantReadError:
                 break
             except ssl.SSLError:  # a broken or refused TLS handshake, a bad record, the end
@@ -421,7 +426,7 @@ class ChannelServer:
                 return self._ended(conn)
             conn.inbuf += data
             self._parse(conn)
-            if conn.secure and not conn.tls_in.pending and not conn.tls.pending():
+            if conn.secure and not conn.tls_in.pending and not tls.pending():
                 break  # all taken: no read that would only raise SSLWantReadError
         # the TLS handshake's answer, the challenge, the hello's reply; nothing at all, most of the
         # time, once a rank streams its records (then not even a look under the lock)
@@ -467,7 +472,7 @@ class ChannelServer:
                 return self._too_many_transfers(conn)
             del self._pending[conn]
             return self._hand_off(conn, hello)
-        claim = (hello["role"], hello["rank"])
+        claim: Tuple[str, int] = (hello["role"], hello["rank"])
         if claim in self._claims:
             return self._second_claim(conn, *claim)
         del self._pending[conn]

@@ -39,7 +39,7 @@ import os
 import socket
 import ssl
 import threading
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple, Union, cast
 
 from ..core.timing import FETCH_STALL
 from . import framemac
@@ -74,7 +74,7 @@ class FileTransfers:
         self._sockets: set = set()  # of transfers started and not ended
         self._closed = False
         self._values: Dict[int, str] = {}  # where each rank's value goes
-        self._open: Dict[Tuple[str, int], int] = {}  # transfers of each role and rank, not ended
+        self._open: Dict[Tuple[Optional[str], int], int] = {}  # transfers of each role and rank, not ended
 
     def serves(self, name: object) -> bool:
         return isinstance(name, str) and name in self._files
@@ -261,7 +261,7 @@ class FileTransfers:
             return conn.sock.recv_into(buffer)
         while True:
             try:
-                return conn.tls.read(len(buffer), buffer)
+                return cast(int, conn.tls.read(len(buffer), buffer))  # with a buffer: the count read
             except ssl.SSLWantReadError:
                 n = conn.sock.recv_into(wire)
                 if not n:
@@ -271,7 +271,7 @@ class FileTransfers:
                 return 0
 
     @staticmethod
-    def _sendall(conn: Connection, data: bytes) -> None:
+    def _sendall(conn: Connection, data: Union[bytes, memoryview]) -> None:
         if conn.sealer is not None:
             conn.sock.sendall(conn.sealer.seal(data))
         elif conn.tls is None:
