@@ -168,9 +168,14 @@ def test_a_cuda_out_of_memory_message_gets_the_device_memory():
     assert not sysmetrics.is_cuda_oom("RuntimeError", "shape mismatch")
 
 
-def raise_cuda_out_of_memory():
+def raise_cuda_out_of_memory(marker=None):
+    import os
+    import time
+
     import torch
 
+    while marker is not None and not os.path.exists(marker):  # a rank that ran a while
+        time.sleep(0.01)
     raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
@@ -178,12 +183,17 @@ def test_a_rank_s_cuda_out_of_memory_error_shows_its_device_memory(tmp_path):
     """A real worker raises torch's own ``OutOfMemoryError``; its launcher samples the GPU named by
     the rank's ``CUDA_VISIBLE_DEVICES`` through a fake NVML source (no GPU here)."""
     job_file = tmp_path / "job.pkl"
-    job_file.write_bytes(cloudpickle.dumps(function_job(raise_cuda_out_of_memory, (), {})))
+    marker = tmp_path / "sampled"
+    job_file.write_bytes(cloudpickle.dumps(function_job(raise_cuda_out_of_memory, (str(marker),), {})))
     got = []
     source = FakeGpuSource(used=int(15.5 * GIB))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHDIST_")}
     env.update(CUDA_VISIBLE_DEVICES="1", TORCHDIST_RUN_ID=uuid.uuid4().hex)
     proc = RankProcess(0, str(job_file), str(tmp_path / "rank-0"), env, got.append, gpu_source=source)
+    # the rank fails once its launcher has sampled it (on a busy machine a rank that fails at
+    # once may end before its first sample: then its error has nothing to add)
+    wait_until(lambda: any(isinstance(e, events.SystemMetrics) for e in got), 120, "the rank's first sample")
+    marker.write_text("")
     wait_until(proc.exited.is_set, 120, "the rank's exit")
     assert not alive(proc.pgid)
     (exit_record,) = [e for e in got if isinstance(e, events.Exit)]
