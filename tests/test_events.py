@@ -450,9 +450,42 @@ def test_metrics_history_is_bounded_and_non_finite_values_are_not_plotted():
     state = RunState("r", 1)
     for step in range(MAX_POINTS + 1):
         state.apply(Metrics.point(rank=0, step=step, values={"loss": 1.0, "odd": "nan"}))
-    points = state.ranks[0].history["loss"]
+    points = state.ranks[0].history["loss"].pairs()
     assert len(points) <= MAX_POINTS and points[0][0] == 0 and points[-1][0] == MAX_POINTS
     assert "odd" not in state.ranks[0].history
+
+
+def test_a_metric_history_keeps_its_points_in_two_arrays_not_a_pair_per_point():
+    """16 bytes a point (a step, a value), not a tuple of them (56 bytes and a list's slot)."""
+    import tracemalloc
+
+    state = RunState("r", 1)
+    state.apply(Metrics.point(rank=0, step=0, values={"loss": 1.0}))
+    count = 5000
+    record = Metrics(
+        rank=0, names=["loss"], steps=list(range(1, count + 1)), times=[1.0] * count, values=[[0.5] * count]
+    )
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        state.apply(record)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 24 * count, grown
+    assert state.metric_history()["loss"][0][-2:] == [(count - 1, 0.5), (count, 0.5)]
+
+
+def test_a_step_beyond_64_bits_is_not_plotted_and_said_once_in_the_ranks_log():
+    state = RunState("r", 1)
+    state.apply(Metrics.point(rank=0, step=1, values={"loss": 1.0}))
+    state.apply(Metrics.point(rank=0, step=2**64, values={"loss": 2.0}))
+    state.apply(Metrics(rank=0, names=["loss"], steps=[-(2**70), 2], times=[0.0, 0.0], values=[[3.0, 4.0]]))
+    assert state.metric_history() == {"loss": {0: [(1, 1.0), (2, 4.0)]}}
+    assert state.ranks[0].metrics == {"loss": 4.0}
+    text = state.logs(0)
+    assert text.count("beyond a 64-bit integer") == 1
+    assert "torchdist: rank 0 reported a step beyond a 64-bit integer (18446744073709551616); its points" in text
 
 
 def test_the_points_of_one_metrics_record_are_applied_in_order():
@@ -472,7 +505,10 @@ def test_the_points_of_one_metrics_record_are_applied_in_order():
     state = RunState("r", 1)
     state.apply(record)
     rs = state.ranks[0]
-    assert rs.history == {"loss": [(1, 1.0), (2, 0.5), (3, 0.25)], "acc": [(3, 0.9)]}
+    assert {name: series.pairs() for name, series in rs.history.items()} == {
+        "loss": [(1, 1.0), (2, 0.5), (3, 0.25)],
+        "acc": [(3, 0.9)],
+    }
     assert rs.metrics == {"loss": 0.25, "acc": 0.9}
 
 
@@ -499,7 +535,7 @@ def test_a_run_of_many_ranks_keeps_a_share_of_the_runs_memory_for_each():
         state.apply(Metrics.point(rank=7, step=step, values={"loss": 1.0}))
     assert state.ranks[7].logs.spilled > 0 and len(state.ranks[7].logs.recent(10**6)) <= share
     assert state.logs(7) == "".join(f"line {i}\n" for i in range(2 * share))  # all of it, in order
-    points = state.ranks[7].history["loss"]
+    points = state.ranks[7].history["loss"].pairs()
     assert state.max_points < S.MAX_POINTS and len(points) <= state.max_points
     assert points[0][0] == 0 and points[-1][0] == 2 * state.max_points - 1
     assert RunState("r", 4).max_points == S.MAX_POINTS  # a small run keeps what it always kept
