@@ -47,6 +47,17 @@ def describe_machine(m: dict) -> str:
     return f"{m['cpu'] or m['platform']}, {m['cores']} usable cores, Python {m['python']}"
 
 
+def short_machine(m: dict) -> str:
+    """``m`` (``machine()``) in a table's column: its CPU model and usable cores
+    (``AMD EPYC 7B13 x2``)."""
+    cpu = m["cpu"] or m["platform"]
+    for noise in ("(R)", "(TM)", " Processor", " CPU"):
+        cpu = cpu.replace(noise, "")
+    cpu = cpu.split(" @ ")[0]
+    cpu = " ".join(word for word in cpu.split() if not word.endswith("-Core"))
+    return f"{cpu} x{m['cores']}"
+
+
 class BusyCore:
     """A process that spins on one core (the first of this process's) while the block runs: a
     benchmark run beside it shows how much headroom its own figures have."""

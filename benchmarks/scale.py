@@ -29,7 +29,12 @@ keeps (``--detach``), which a run whose kernel follows it does not.
 * latency: each log line and metric point carries the time it was made; the time from then to
   the moment ``RunState.apply`` returned (one clock: the generators run on this machine);
 * ``driver_cpu_pct``: the driver's CPU time over the window (from the start signal to the last
-  record applied), 100 = one core; ``kernel_cpu_pct``: this process's (the view's, with
+  record applied), 100 = one core; ``driver_us_per_record`` (``us/rec``): the driver's own CPU
+  microseconds (its whole process, from ``getrusage``) per record it took (a log line, a metric
+  point, a progress update), next to p99 in the table: a cost per record, which a shared
+  machine's load moves less than the latencies (with ``--driver kernel`` it includes the view);
+  ``channel_us_per_record`` (``chan``): its channel thread's alone (receive, TLS, decode, the
+  run state), from the thread's own CPU clock; ``kernel_cpu_pct``: this process's (the view's, with
   ``--driver process``); ``rss_mb_start`` / ``rss_mb_end``: the driver's, around it;
 * the view: ``widget`` is ``view.widget.WidgetView`` with its own throttles, updated every
   ``SUPERVISE_POLL`` as a run's supervisor does, over a comm that serialises every message as
@@ -43,6 +48,10 @@ keeps (``--detach``), which a run whose kernel follows it does not.
   ``render_own_cpu_ms_max`` is the longest refresh less its collections), ``view_refresh_s`` the
   period the view had come to (``WidgetView.update_every``: longer where a refresh costs more); ``text`` is
   ``view.text.TextView`` writing to a counting sink (lines, bytes); ``none`` is no view.
+
+Each run names its machine (``machine``: CPU model and usable cores) and the 1-minute load
+average before and after it (``load_before``, ``load_after``), in the table and in the JSON: a
+table of runs gathered from several machines says which ran where, under what load.
 
 The machine: the generators and the driver share its cores (two on the machine these figures
 were taken on, also shared with other work), so the generators' own cost, and whatever else
@@ -73,7 +82,7 @@ import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-from report import BusyCore, describe_machine, end_processes, load, machine, write_json  # noqa: E402  (this script's folder is on sys.path)
+from report import BusyCore, describe_machine, end_processes, load, machine, short_machine, write_json  # noqa: E402  (this script's folder is on sys.path)
 
 sys.path.insert(0, os.path.dirname(HERE))
 
@@ -103,6 +112,11 @@ CONNECT_THREADS = 32
 def _cpu_seconds(who=resource.RUSAGE_SELF) -> float:
     usage = resource.getrusage(who)
     return usage.ru_utime + usage.ru_stime
+
+
+def _thread_cpu_seconds(thread: threading.Thread) -> float:
+    """The CPU seconds ``thread`` (of this process) has used so far."""
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
 def _rss_mb() -> float:
@@ -497,6 +511,7 @@ class Host:
         self.authenticated = self.server.stats["authenticated"]
         self.rss_start = _rss_mb()
         self.cpu0 = _cpu_seconds()
+        self.channel_cpu0 = _thread_cpu_seconds(self.server._thread)
         self.t0 = time.time()
 
     def caught_up(self, expected: int, sent_at: float) -> bool:
@@ -508,7 +523,9 @@ class Host:
         done = max(meter.last_applied, self.t0)
         window = done - self.t0
         cpu = _cpu_seconds() - self.cpu0
+        channel_cpu = _thread_cpu_seconds(self.server._thread) - self.channel_cpu0
         received = meter.logs + meter.points
+        records = max(received + meter.progress, 1)
         return {
             "received": received,
             "out_of_order": meter.out_of_order,
@@ -519,7 +536,13 @@ class Host:
             "t0": self.t0,
             "catch_up_s": max(0.0, done - sent_at),
             "driver_cpu_pct": 100 * cpu / window if window else 0.0,
-            "driver_us_per_record": 1e6 * cpu / max(received + meter.progress, 1),
+            "driver_cpu_s": cpu,
+            # the driver's own CPU seconds (its whole process: the channel, the state, the feed
+            # and journal with --driver process) over the log lines, metric points and progress
+            # updates it took: less sensitive to a shared machine's load than the latencies
+            "driver_us_per_record": 1e6 * cpu / records,
+            # the channel thread's alone (receive, TLS, decode, apply to the state)
+            "channel_us_per_record": 1e6 * channel_cpu / records,
             "rss_mb_start": self.rss_start,
             "rss_mb_end": _rss_mb(),
             "authenticated": self.authenticated,
@@ -808,6 +831,7 @@ def main() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
     m = machine()
+    where = short_machine(m)
     runs = []
     for _ in range(args.repeat):
         for busy in (False, True) if args.busy == "both" else (args.busy == "on",):
@@ -816,29 +840,30 @@ def main() -> None:
                 r = simulate(
                     args.ranks, args.rate, args.seconds, args.view, args.tls, args.generators, args.driver, args.journal
                 )
-            runs.append({**r, "busy_core": busy, "load_before": load_before, "load_after": load()})
+            runs.append({**r, "busy_core": busy, "machine": where, "load_before": load_before, "load_after": load()})
     print(f"\n{describe_machine(m)}; load average {m['load']:g} at the start")
     print(
-        f"\n{'busy':>4} {'load':>9} {'driver':>7} {'ranks':>5} {'rate':>5} {'view':>6} {'tls':>3} {'sent':>9} "
-        f"{'lost':>5} {'ooo':>4} {'p50 ms':>8} {'p99 ms':>8} {'catch-up':>8} {'cpu %':>6} {'kern %':>6} {'gen %':>6} "
-        f"{'rss MB':>13} "
-        f"{'frame KB':>8} {'render ms':>13} {'gc ms':>5} {'conn s':>6} {'us/rec':>6}"
+        f"\n{'machine':<18} {'load':>9} {'busy':>4} {'driver':>7} {'ranks':>5} {'rate':>5} {'view':>6} {'tls':>3} "
+        f"{'sent':>9} {'lost':>5} {'ooo':>4} {'p50 ms':>8} {'p99 ms':>8} {'us/rec':>6} {'chan':>5} "
+        f"{'catch-up':>8} {'cpu %':>6} {'kern %':>6} {'gen %':>6} {'rss MB':>13} "
+        f"{'frame KB':>8} {'render ms':>13} {'gc ms':>5} {'conn s':>6}"
     )
     for r in runs:
         print(
-            f"{'yes' if r['busy_core'] else 'no':>4} {r['load_before']:>4.1f}>{r['load_after']:<4.1f} "
+            f"{r['machine']:<18.18} {r['load_before']:>4.1f}>{r['load_after']:<4.1f} {'yes' if r['busy_core'] else 'no':>4} "
             f"{r['driver']:>7} {r['ranks']:>5} {r['rate']:>5g} {r['view']:>6} {'on' if r['tls'] else 'off':>3} "
             f"{r['sent']:>9,} {r['lost']:>5} {r['out_of_order']:>4} {r['p50_ms']:>8.0f} {r['p99_ms']:>8.0f} "
+            f"{r['driver_us_per_record']:>6.1f} {r['channel_us_per_record']:>5.1f} "
             f"{r['catch_up_s']:>7.1f}s {r['driver_cpu_pct']:>6.0f} {r['kernel_cpu_pct']:>6.0f} "
             f"{r['gen_cpu_pct']:>6.0f} {r['rss_mb_start']:>6.0f}->{r['rss_mb_end']:<6.0f} "
             f"{r['frame_bytes_max'] / 1e3:>8.1f} {r['render_ms_max']:>6.0f}/{r['render_cpu_ms_max']:<3.0f}cpu "
-            f"{r['render_gc_ms_of_longest']:>5.0f} {r['connect_s']:>6.1f} "
-            f"{r['driver_us_per_record']:>6.1f}"
+            f"{r['render_gc_ms_of_longest']:>5.0f} {r['connect_s']:>6.1f}"
         )
     r = runs[-1]
     print(
         f"load: the 1-minute load average before>after each run; busy: a loop spinning on one core beside "
-        f"it.  Last run: offered {r['offered_rate']:.1f} records/s per rank (asked {args.rate:g}); generators "
+        f"it; us/rec: the driver's own CPU microseconds per record taken (its whole process), chan: its "
+        f"channel thread's alone.  Last run: offered {r['offered_rate']:.1f} records/s per rank (asked {args.rate:g}); generators "
         f"fell up to {r['gen_behind_s']:.2f} s behind; {r['authenticated']}/{r['connections']} connections, "
         f"{r['evicted']} handshakes evicted.  {m['cores']} cores shared by the driver and "
         f"{r['generators']} generator processes (and whatever else runs here); open files: soft limit "

@@ -351,23 +351,23 @@ def test_readmes_clone_line_installs_the_checkout_with_its_spark_extra(tmp_path)
 
 # -- the lower bounds ---------------------------------------------------------------------------------
 def lower_bounds():
-    """``{name: lowest version}`` of pyspark, ipykernel and cloudpickle in setup.cfg."""
+    """``{name: lowest version}`` of pyspark, ipykernel, cloudpickle and msgspec in setup.cfg."""
     config = configparser.ConfigParser()
     config.read(REPO / "setup.cfg")
     lines = config["options"]["install_requires"].split("\n") + config["options.extras_require"]["spark"].split("\n")
     bounds = {}
     for line in lines:
-        found = re.match(r"(pyspark|ipykernel|cloudpickle)>=([0-9.]+)", line.strip())
+        found = re.match(r"(pyspark|ipykernel|cloudpickle|msgspec)>=([0-9.]+)", line.strip())
         if found:
             bounds[found.group(1)] = found.group(2)
-    assert sorted(bounds) == ["cloudpickle", "ipykernel", "pyspark"], bounds
+    assert sorted(bounds) == ["cloudpickle", "ipykernel", "msgspec", "pyspark"], bounds
     return bounds
 
 
 def test_the_compat_venv_runs_the_lowest_versions_setup_cfg_allows():
     code = (
         "import json; from importlib import metadata; "
-        "print(json.dumps({n: metadata.version(n) for n in ('pyspark', 'ipykernel', 'cloudpickle')}))"
+        "print(json.dumps({n: metadata.version(n) for n in ('pyspark', 'ipykernel', 'cloudpickle', 'msgspec')}))"
     )
     done = subprocess.run([venv_python(COMPAT), "-c", code], capture_output=True, text=True, check=True)
     from packaging.version import Version

@@ -251,3 +251,24 @@ def test_the_check_finds_a_string_that_names_a_moved_module(tmp_path, monkeypatc
         "driver.start: 'torchdist_magic.driver.supervisor'",
         "driver.start: 'torchdist_magic/rank/worker.py'",
     ]
+
+
+def test_a_rank_and_its_launcher_need_no_msgspec():
+    """Only the driver decodes with msgspec (``core.recorddecoder``): a rank on an executor that
+    lacks it encodes its records, decodes the driver's and runs its launcher with the standard
+    library alone."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['msgspec'] = None\n"  # an import of it fails
+        "import torchdist_magic.rank.worker, torchdist_magic.launch.launcher, torchdist_magic.wire.client\n"
+        "from torchdist_magic.core import events\n"
+        "from torchdist_magic.wire.batching import encode_batch\n"
+        "assert encode_batch([events.Metrics.point(0, 1, {'loss': 0.5}), events.Log(rank=0, line='x')], 0)\n"
+        "assert events.loads(events.dumps(events.Stop(rank=0, grace=1.0))) == events.Stop(rank=0, grace=1.0)\n"
+        "assert not any(m.startswith('torchdist_magic.core.recorddecoder') for m in sys.modules)\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr

@@ -29,7 +29,7 @@ def fresh_ipython(*lines):
 
 def test_load_is_light():
     assert fresh_ipython(
-        "print(sorted(x for x in ('torch', 'pyspark', 'ipywidgets', 'cloudpickle', 'cryptography', 'pynvml', 'mlflow') if x in sys.modules))",
+        "print(sorted(x for x in ('torch', 'pyspark', 'ipywidgets', 'cloudpickle', 'cryptography', 'pynvml', 'mlflow', 'msgspec') if x in sys.modules))",
         "print('torchdist' in m['cell'])",
     ) == ["[]", "True"]
 

@@ -604,7 +604,7 @@ def test_report_steps_start_again_in_each_warm_run(local_distributor):
         runs[-1].result(timeout=120)
     for run, first_loss in zip(runs, (10.0, 20.0)):
         for rs in run.state.ranks:
-            assert rs.history["loss"] == [(1, first_loss), (2, first_loss + 1), (3, first_loss + 2)]
+            assert rs.history["loss"].pairs() == [(1, first_loss), (2, first_loss + 1), (3, first_loss + 2)]
     (info,) = pools()
     assert info.runs == 2
     assert shutdown_pools() == [info.id]

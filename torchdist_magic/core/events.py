@@ -30,7 +30,9 @@ A rank's ``Exit`` is what its launcher saw the process do, never what the worker
 
 Start here: this module holds every record type, who may send it and its encoding.  A record's
 parts live beside it: ``failure`` (``Failure``, a rank's failure), ``stacks`` (the threads and
-frames of ``Stacks``) and ``recordcheck`` (how ``decode`` checks a record field by field).
+frames of ``Stacks``), ``recordcheck`` (how ``decode`` checks a record field by field, with the
+standard library alone: a rank needs nothing more) and ``recorddecoder`` (the driver's channel's
+decoder of the same JSON, compiled: msgspec).
 """
 
 from __future__ import annotations
@@ -658,9 +660,10 @@ class _Builders(dict):
         return build
 
 
-#: ``{type: build(data, where)}``: what ``decode`` does once it knows the type, for a reader that
-#: decodes many records (the driver's channel) with one lookup per record and no call between;
-#: ``build(item, item["type"])`` raises ``MalformedEvent`` for a record that is not well formed
+#: ``{type: build(data, where)}``: what ``decode`` does once it knows the type;
+#: ``build(item, item["type"])`` raises ``MalformedEvent`` for a record that is not well formed.
+#: (The driver's channel decodes the ranks' records with msgspec instead, ``recorddecoder``,
+#: which leaves to ``decode`` what it does not take.)
 BUILDERS: Dict[str, Callable[[dict, str], Event]] = _Builders()
 
 

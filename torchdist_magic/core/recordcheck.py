@@ -284,8 +284,9 @@ def _builder(cls: type) -> Callable[[dict, str], Any]:
     field, a plain field's common case (an int that is an int, a finite float) checked inline,
     its checker called only otherwise; a field that is absent takes its default.  A record type
     with a ``malformed()`` method (``Metrics``: columns that must line up) is refused when that
-    says what is wrong with it.  The channel
-    runs it for every record of every rank, a hundred thousand times a second at 1024 ranks."""
+    says what is wrong with it.  A rank decodes the driver's records with it, and the driver's
+    readers of records other than its channel (a journal, a Spark task's exit); the channel decodes
+    with msgspec (``recorddecoder``) and leaves to it only what msgspec does not take."""
     hints = typing.get_type_hints(cls)
     own_where = getattr(cls, "type", "") or None
     names = {"cls": cls, "MISSING": dataclasses.MISSING, "MalformedEvent": MalformedEvent, "own_where": own_where}

@@ -5,39 +5,20 @@ themselves are ``RunState``'s methods, in ``state``."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional
 
 from ..core import events
 
+from .series import SeriesRead
 from .snapshot import RankSnapshot
 
 
 class MetricCursor:
     """Where a reader of ``metric_points`` is in each rank's history of each metric: by rank,
-    then by name, the history read (a restart makes new ones), its length then and its newest
-    point, which the history keeps until newer points come."""
+    then by name, what it read last (``series.SeriesRead``)."""
 
     def __init__(self):
-        self.read: Dict[int, Dict[str, Tuple[list, int, tuple]]] = {}
-
-
-def points_after(kept: list, read: Optional[Tuple[list, int, tuple]]) -> int:
-    """The index in ``kept`` of the first point after those ``read`` saw (``metric_points``)."""
-    if read is None or read[0] is not kept:
-        return 0
-    _, length, last = read
-    if length <= len(kept) and kept[length - 1] is last:
-        return length
-    # thinned since (every other point went): after the newest point not past the step of the
-    # one read last, found by halves (a rank's steps go up)
-    low, high = 0, len(kept)
-    while low < high:
-        middle = (low + high) // 2
-        if kept[middle][0] <= last[0]:
-            low = middle + 1
-        else:
-            high = middle
-    return low
+        self.read: Dict[int, Dict[str, SeriesRead]] = {}
 
 
 def rank_snapshot(rs) -> RankSnapshot:

@@ -30,9 +30,10 @@ from ..core.culprit import Verdict
 from ..core.failure import Failure
 from .goodput import AttemptTimes, goodput
 from .logstore import LogLine, LogRead, LogStore, SpillFile, memory_share
-from .reading import MetricCursor, points_after, rank_snapshot, thinned
+from .reading import MetricCursor, rank_snapshot, thinned
 from .rootcause import root_cause_first
 from .rundir import RunDirectory
+from .series import MetricSeries, SeriesRead
 from .snapshot import SYSTEM_HISTORY_KEYS, Attempt, Refusal, RunSnapshot, ShownBars
 from .stragglers import Pace, Straggler
 from .summary import LargeView, large_view
@@ -61,8 +62,8 @@ MAX_RUN_LOG_CHARS = 16 * 1024**3
 MIN_RANK_LOG_CHARS = 64 * 1024**2
 #: the file in ``spill_dir`` that every rank's older lines spill to
 SPILL_FILE = "logs.spill"
-#: the item types of a column of metric values that has a number at every point
-_ONLY_FLOATS = {float}
+#: the steps a metric's history keeps (``MetricSeries``: 64-bit integers)
+_STEP_MIN, _STEP_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -76,7 +77,8 @@ class RankState(ShownBars):
     ended: Optional[float] = None
     progress: Dict[str, dict] = field(default_factory=dict)
     metrics: Dict[str, float] = field(default_factory=dict)
-    history: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
+    #: its points of each metric (a column of steps, one of values: ``MetricSeries``)
+    history: Dict[str, MetricSeries] = field(default_factory=dict)
     logs: LogStore = None  # every attempt's lines (one store per rank, kept across attempts)
     dropped: int = 0
     #: characters of output kept, and lines not kept past the rank's share of ``MAX_RUN_LOG_CHARS``
@@ -357,26 +359,36 @@ class RunState:
 
     def _on_metrics(self, rs: RankState, e: events.Metrics) -> None:
         """The points of one record (a rank's flush), a column at a time: each name is looked
-        up once per record, and a column of numbers joins its history in one ``extend``."""
+        up once per record, and a column of numbers joins its history's arrays in one ``extend``
+        (``MetricSeries``: no pair made per point)."""
         self._alive()
         self._worked()
         steps = e.steps
         for name, column in zip(e.names, e.values):
             if name not in self._metric_names and not self._new_metric_name(rs, name):
                 continue
-            if {*map(type, column)} == _ONLY_FLOATS:  # the common case: every point has a number
-                pairs = list(zip(steps, column))
-            else:  # a non-finite value (text) is shown, not plotted; None: the point lacks it
-                pairs = [(step, v) for step, v in zip(steps, column) if type(v) is float]
-                if not pairs:
-                    continue
-            rs.metrics[name] = pairs[-1][1]
-            points = rs.history.get(name)
-            if points is None:
-                rs.history[name] = points = []
-            points += pairs
-            while len(points) > self.max_points:
-                del points[-2:0:-2]  # halve the resolution; keep the first and newest points
+            series = rs.history.get(name)
+            new = series is None
+            if new:
+                series = MetricSeries()
+            try:
+                newest = series.add(steps, column)
+            except OverflowError:  # a history's steps are 64-bit integers
+                self._over(
+                    rs,
+                    "steps",
+                    f"torchdist: rank {rs.rank} reported a step beyond a 64-bit integer "
+                    f"({max(steps, key=abs)}); its points at such steps are not plotted",
+                )
+                fitting = [i for i, step in enumerate(steps) if _STEP_MIN <= step <= _STEP_MAX]
+                newest = series.add([steps[i] for i in fitting], [column[i] for i in fitting])
+            if newest is None:  # no number in the column (texts are shown, not plotted)
+                continue
+            rs.metrics[name] = newest
+            if new:
+                rs.history[name] = series
+            while len(series) > self.max_points:
+                series.halve()  # halve the resolution; keep the first and newest points
 
     def _new_metric_name(self, rs: RankState, name: str) -> bool:
         """Whether the run keeps ``name``, a name it has not seen: not past ``MAX_METRIC_NAMES``."""
@@ -771,10 +783,10 @@ class RunState:
         with self._lock:
             history: Dict[str, Dict[int, List[Tuple[int, float]]]] = {}
             for rs in self.ranks if ranks is None else [self.ranks[r] for r in ranks]:
-                for name, kept in rs.history.items():
+                for name, series in rs.history.items():
                     if names is not None and name not in names:
                         continue
-                    history.setdefault(name, {})[rs.rank] = thinned(kept, points)
+                    history.setdefault(name, {})[rs.rank] = series.thinned(points)
             return history
 
     def metric_points(
@@ -791,25 +803,19 @@ class RunState:
                 read = cursor.read.get(rs.rank)
                 if read is None:
                     read = cursor.read[rs.rank] = {}
-                for name, kept in rs.history.items():
+                for name, series in rs.history.items():
                     seen = read.get(name)
-                    if not kept or (seen is not None and seen[0] is kept and kept[-1] is seen[2]):
-                        continue  # nothing new: the newest point is the one read last
-                    length = len(kept)
+                    if seen is not None and not seen.fresh(series):
+                        continue  # nothing new since the point read last
                     if points == 1:
-                        fresh = [kept[-1]]
+                        fresh = series.pairs(len(series) - 1)
                     else:
-                        start = points_after(kept, seen)
-                        fresh = (
-                            kept[start:]
-                            if points is None or length - start <= points
-                            else thinned(kept[start:], points)
-                        )
+                        fresh = series.thinned(points, series.after(seen))
                     by_rank = new.get(name)
                     if by_rank is None:
                         by_rank = new[name] = {}
                     by_rank[rs.rank] = fresh
-                    read[name] = (kept, length, kept[-1])
+                    read[name] = SeriesRead(series)
             return new
 
     def system_history(self, rank: int, points: Optional[int] = None) -> List[Dict[str, float]]:

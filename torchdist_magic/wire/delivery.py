@@ -8,8 +8,9 @@ import logging
 from typing import Callable, Dict, Optional
 
 from ..core import events
+from ..core.recorddecoder import RecordDecoder
 from .connection import Connection
-from .frames import LENGTH, MAX_FRAME, parse_object
+from .frames import LENGTH, MAX_FRAME
 
 _log = logging.getLogger("torchdist_magic")
 
@@ -32,6 +33,7 @@ class Delivery:
         self._stats = stats
         self._run_id = run_id
         self._refusals_logged: set = set()
+        self._decoder = RecordDecoder()
 
     def tell(self, rank: int, line: str) -> None:
         """Put ``line`` into ``rank``'s log, where the run's view shows it."""
@@ -65,23 +67,18 @@ class Delivery:
     def _deliver(self, conn: Connection, body: bytes) -> None:
         self._stats["frames"] += 1
         conn.heard = True
-        frame = parse_object(body)
-        items = frame.get("events") if frame is not None else None
-        if not isinstance(items, list):
+        items = self._decoder.frame(body)
+        if items is None:
             self.refuse("malformed", conn, "a frame that is not a JSON object with a list of records")
             return
-        # what events.decode does, its lookups made once per frame: a frame holds many records
         assert conn.role is not None  # frames come after the hello that names the role
-        builders, allowed, rank, on_event = events.BUILDERS, events.SENDERS[conn.role], conn.rank, self.on_event
+        decode, allowed, rank, on_event = self._decoder.record, events.SENDERS[conn.role], conn.rank, self.on_event
         delivered = 0
         for item in items:
             try:
-                kind = item["type"]
-                record = builders[kind](item, kind)
-            except Exception:  # noqa: BLE001  not a record (MalformedEvent, an unknown type, not an
-                # object); and a peer's record must not be able to stop a reader with anything else
-                # it provokes (a huge integer where a float belongs raises OverflowError)
-                kind = item.get("type") if isinstance(item, dict) else None
+                record = decode(item)
+            except events.MalformedEvent:
+                kind = self._decoder.kind_of(item)
                 self.refuse("malformed", conn, f"a record that does not decode ({kind!r})"[:200])
                 continue
             if type(record) not in allowed:

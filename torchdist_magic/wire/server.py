@@ -14,7 +14,8 @@ listener that stays readable (``fdlimit`` raises the limit before a run).  Nothi
 sends is printed or raised; it is counted in ``ChannelServer.stats``.
 
 Ranks.  An authenticated peer may send frames of up to ``MAX_FRAME`` bytes.  Every record goes
-through ``events.decode``; a malformed one, or one its role may not send (``events.SENDERS``), is
+through the driver's compiled decoder (``core.recorddecoder``: msgspec, which takes exactly what
+``events.decode`` takes); a malformed one, or one its role may not send (``events.SENDERS``), is
 dropped and counted, and a delivered record's ``rank`` is the authenticated one, whatever the
 record said.  Records to a rank wait in a per-connection outbox that the server thread writes
 when the peer reads, so a rank that stops reading delays nobody.
