@@ -386,7 +386,8 @@ class Stacks(Event):
         thread: CPython lists the newest first)."""
         threads = self.threads()
         chosen = [t for t in threads if t.ident == self.main_thread]
-        return (chosen or threads[-1:] or [None])[0]
+        picked = chosen or threads[-1:]
+        return picked[0] if picked else None
 
     def where(self, depth: int = 3) -> str:
         """The main thread's innermost ``depth`` frames, innermost first, and the innermost frame

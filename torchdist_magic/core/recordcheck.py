@@ -62,7 +62,7 @@ def _encoder(cls: type) -> Callable[[Any], dict]:
         hint = hints.get(f.name)
         if hint in _PLAIN:
             items.append(f"{f.name!r}: value.{f.name}")
-        elif _COPIED.get(hint) == "rows":  # a list of lists of plain values: each row copied
+        elif _COPIED.get(hint) == "rows":  # type: ignore[arg-type]  # a hint may be any object  # a list of lists of plain values: each row copied
             items.append(
                 f"{f.name!r}: [list(row) for row in value.{f.name}] "
                 f"if type(value.{f.name}) is list else convert(value.{f.name})"
@@ -110,7 +110,7 @@ def checker(annotation: Any) -> Callable[[Any, str], Any]:
         checks = [checker(option) for option in options]
         # the option a JSON value's own type points at is tried first (a float for
         # Union[float, str]), so that the common case costs one check
-        likely = {}
+        likely: Dict[type, Callable] = {}
         for option, check in zip(options, checks):
             for kind in _JSON_TYPES.get(option, (typing.get_origin(option),)):
                 likely.setdefault(kind, check)
@@ -289,7 +289,12 @@ def _builder(cls: type) -> Callable[[dict, str], Any]:
     with msgspec (``recorddecoder``) and leaves to it only what msgspec does not take."""
     hints = typing.get_type_hints(cls)
     own_where = getattr(cls, "type", "") or None
-    names = {"cls": cls, "MISSING": dataclasses.MISSING, "MalformedEvent": MalformedEvent, "own_where": own_where}
+    names: Dict[str, Any] = {
+        "cls": cls,
+        "MISSING": dataclasses.MISSING,
+        "MalformedEvent": MalformedEvent,
+        "own_where": own_where,
+    }
     lines = ["def build(data, where):", "    get = data.get"]
     args = []
     for i, f in enumerate(dataclasses.fields(cls)):

@@ -80,7 +80,7 @@ class RecordDecoder:
         except Exception:  # noqa: BLE001  not taken: the contract's own check says why, or takes it
             return self._checked(item)
         if kind in self._agreeing:
-            problem = record.malformed()
+            problem = record.malformed()  # type: ignore[attr-defined]  # the kinds in _agreeing have it
             if problem:
                 raise MalformedEvent(f"{kind}: {problem}")
         return record

@@ -6,7 +6,7 @@ more than per record."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, cast
 
 from ..core import events
 from .frames import LENGTH, MAX_FRAME
@@ -72,7 +72,9 @@ def _encoded(record: events.Event) -> Optional[bytes]:
 
 def _pack(parts: List[bytes]) -> bytes:
     """Encoded records as ``{"events": [...]}`` frames of at most ``MAX_FRAME`` bytes."""
-    frames, chunk, size = [], [], 0
+    frames: List[bytes] = []
+    chunk: List[bytes] = []
+    size = 0
     for part in parts:
         if chunk and size + len(part) + 16 > MAX_FRAME:
             frames.append(_events_frame(chunk))
@@ -111,12 +113,13 @@ def _merge_metrics(records: List[events.Event]) -> List[events.Event]:
         if type(record) is not events.Metrics:
             out.append(record)
             continue
+        record = cast(events.Metrics, record)  # for the type checker, which reads no `type() is`
         at = heads.get(record.rank)
         if at is None:
             heads[record.rank] = len(out)
             out.append(record)
             continue
-        merged = out[at]
+        merged = cast(events.Metrics, out[at])
         by_name = columns.get(at)
         if by_name is None:
             merged = out[at] = dataclasses.replace(
@@ -165,17 +168,24 @@ def merge_logs(records: List[events.Event]) -> List[events.Event]:
                 heads.clear()
             out.append(record)
             continue
+        record = cast(events.Log, record)  # for the type checker, which reads no `type() is`
         head = heads.get(record.rank)
         size = len(record.line) + sum(map(len, record.more))
-        if head is None or record.cr or out[head[0]].stream != record.stream or head[1] + size > MERGED_LOG_CHARS:
+        if (
+            head is None
+            or record.cr
+            or cast(events.Log, out[head[0]]).stream != record.stream
+            or head[1] + size > MERGED_LOG_CHARS
+        ):
             heads[record.rank] = (len(out), size)
             out.append(record)
             continue
         at, text = head
         if at not in copied:
             copied.add(at)
-            out[at] = dataclasses.replace(out[at], more=list(out[at].more))
-        merged = out[at]
+            opened = cast(events.Log, out[at])
+            out[at] = dataclasses.replace(opened, more=list(opened.more))
+        merged = cast(events.Log, out[at])
         merged.more.append(record.line)
         merged.more += record.more
         heads[record.rank] = (at, text + size)
