@@ -351,6 +351,11 @@ class RunState:
         rs.step_totals = {"step_s": e.step_s, "data_s": e.data_s, "comm_s": e.comm_s}
         self._pace.step_split(rs.rank, rs.step_split)
 
+    def _on_code_started(self, rs: RankState, e: events.CodeStarted) -> None:
+        """The rank's job began its own code: a sign of life, and of work (``goodput``)."""
+        self._alive()
+        self._worked()
+
     def _on_checkpoint(self, rs: RankState, e: events.Checkpoint) -> None:
         self._alive()
         self.last_checkpoint = time.time()  # the driver's clock, as the attempts' times
@@ -465,13 +470,14 @@ class RunState:
         events.SystemMetrics: _on_system,
         events.StepSplit: _on_step_split,
         events.Checkpoint: _on_checkpoint,
+        events.CodeStarted: _on_code_started,
     }
 
-    def restart(self) -> None:
-        """End the current attempt (its root cause is the first of ``failures()``) and start the
-        next: fresh rank states, the logs kept."""
+    def restart(self, cause: Optional[Failure] = None) -> None:
+        """End the current attempt (its root cause is ``cause`` when given, a hang's, else the
+        first of ``failures()``) and start the next: fresh rank states, the logs kept."""
         with self._lock:
-            failures = self.failures()
+            failures = ([cause] if cause is not None else []) + self.failures()
             now = time.time()
             self.attempts.append(
                 Attempt(
