@@ -172,7 +172,7 @@ class LaunchOptions:
             "a function of the root cause (a Failure: exc_type, message, rank, host, exit_code, "
             "traceback) that returns True to restart",
             metavar="WHEN",
-            text=lambda value: value if isinstance(value, str) else getattr(value, "__qualname__", repr(value)),
+            text=lambda value: value if isinstance(value, str) else getattr(value, "__name__", repr(value)),
         ),
     )
     on_hang: str = field(

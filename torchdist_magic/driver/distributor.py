@@ -581,7 +581,7 @@ class Run(StateAnswers):
             self.state.attempt,
             failure,
             restarts.failing_step(self.state, failure.rank),
-            self.state.last_checkpoint is not None,
+            self.state.last_checkpoint_step,
         )
         return self._restarts.decide(ending, self.options.max_restarts - self.state.attempt + 1)
 

@@ -4,9 +4,9 @@ the previous attempt's, nor when ``--restart-on`` does not ask for it.
 A failure repeats the previous attempt's (``repeats``) when both raised the same exception type
 at the same line of the user's code (the innermost frame of the traceback outside installed
 packages, the standard library and this package: ``user_frame``) and the later attempt got no
-further: it saved no checkpoint, and where the job keeps none (each attempt starts from
-scratch) it failed at the same step (its failing rank's innermost progress bar; none on both
-counts as the same).  Such a failure would only come again: the run ends with the remaining
+further: it saved no checkpoint of a later step than any attempt before it (``save_checkpoint``'s
+step), and where the job keeps none (each attempt starts from scratch) it failed at the same
+step (its failing rank's innermost progress bar; none on both counts as the same).  Such a failure would only come again: the run ends with the remaining
 restarts unspent, and its ``RankFailure`` says why (``reason``).  A failure without an exception
 type or a frame of the user's (a rank killed by a signal, a process that exited) is never taken
 for a repeat: the same signal twice may be two machines' faults.
@@ -53,17 +53,18 @@ def user_frame(traceback_text: str) -> Optional[Tuple[str, int]]:
 @dataclass(frozen=True)
 class Ending:
     """How one attempt ended, as the decision compares attempts: its root cause, where in the
-    user's code it was raised, the failing rank's step and whether the attempt saved a checkpoint."""
+    user's code it was raised, the failing rank's step and the step of the attempt's newest
+    checkpoint (None: it saved none)."""
 
     attempt: int
     failure: Failure
     where: Optional[Tuple[str, int]]
     step: Optional[int]
-    checkpointed: bool
+    checkpoint: Optional[int]
 
     @classmethod
-    def of(cls, attempt: int, failure: Failure, step: Optional[int], checkpointed: bool) -> "Ending":
-        return cls(attempt, failure, user_frame(failure.traceback), step, checkpointed)
+    def of(cls, attempt: int, failure: Failure, step: Optional[int], checkpoint: Optional[int]) -> "Ending":
+        return cls(attempt, failure, user_frame(failure.traceback), step, checkpoint)
 
 
 def failing_step(state: Any, rank: int) -> Optional[int]:
@@ -100,21 +101,22 @@ def _what(failure: Failure) -> str:
     return f"{who} failed"
 
 
-def repeats(earlier: Ending, later: Ending) -> bool:
-    """Whether ``later`` is ``earlier`` again (the module's docstring says when)."""
+def repeats(earlier: Ending, later: Ending, saved_before: Optional[int] = None) -> bool:
+    """Whether ``later`` is ``earlier`` again (the module's docstring says when); ``saved_before``:
+    the step of the newest checkpoint any attempt before ``later`` saved (None: none did)."""
     if not later.failure.exc_type or later.where is None:
         return False
     if (later.failure.exc_type, later.where) != (earlier.failure.exc_type, earlier.where):
         return False
-    if later.checkpointed:
+    if later.checkpoint is not None and (saved_before is None or later.checkpoint > saved_before):
         return False  # it got further than where it resumed from
-    if not earlier.checkpointed:  # no checkpoint on either side: each started from scratch
+    if saved_before is None and later.checkpoint is None:  # no checkpoint: each started from scratch
         return later.step == earlier.step
     return True
 
 
 def _policy_name(policy: Any) -> str:
-    return getattr(policy, "__qualname__", None) or type(policy).__name__
+    return getattr(policy, "__name__", None) or type(policy).__name__
 
 
 class RestartDecision:
@@ -124,12 +126,16 @@ class RestartDecision:
     def __init__(self, restart_on: Any):
         self.restart_on = restart_on
         self._previous: Optional[Ending] = None
+        self._saved: Optional[int] = None  # the newest checkpoint's step of the attempts so far
 
     def decide(self, ending: Ending, restarts_left: int) -> Optional[str]:
         """None to restart; else the sentence that says why not (``RankFailure.reason``)."""
         previous, self._previous = self._previous, ending
+        saved = self._saved
+        if ending.checkpoint is not None:
+            self._saved = max(ending.checkpoint, saved if saved is not None else ending.checkpoint)
         policy = self.restart_on
-        if policy != "always" and previous is not None and repeats(previous, ending):
+        if policy != "always" and previous is not None and repeats(previous, ending, saved):
             ranks = sorted({previous.failure.rank, ending.failure.rank})
             who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]} and {ranks[1]}"
             did = "hung" if ending.failure.exc_type == HANG else f"raised the same {ending.failure.exc_type}"

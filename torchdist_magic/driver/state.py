@@ -190,6 +190,8 @@ class RunState:
         #: the current attempt's first work and newest checkpoint (``time.time()``), for goodput
         self.first_work: Optional[float] = None
         self.last_checkpoint: Optional[float] = None
+        #: the step of the current attempt's newest checkpoint (``restarts``: did it get further?)
+        self.last_checkpoint_step: Optional[int] = None
         #: seconds lost to a hang: from the last sign of life to the run's end (a run that hung)
         self.hang_lost_s = 0.0
         #: the current attempt's profiles (``profiles.ProfileCollector``, ``--profile``), or None
@@ -359,6 +361,7 @@ class RunState:
     def _on_checkpoint(self, rs: RankState, e: events.Checkpoint) -> None:
         self._alive()
         self.last_checkpoint = time.time()  # the driver's clock, as the attempts' times
+        self.last_checkpoint_step = max(e.step, self.last_checkpoint_step or 0)
 
     def _on_metrics(self, rs: RankState, e: events.Metrics) -> None:
         """The points of one record (a rank's flush), a column at a time: each name is looked
@@ -491,7 +494,7 @@ class RunState:
                     data_stall_s=self._data_stall(),
                 )
             )
-            self.first_work = self.last_checkpoint = None
+            self.first_work = self.last_checkpoint = self.last_checkpoint_step = None
             self.attempt += 1
             self.attempt_started = now
             self.state = "restarting"
