@@ -479,7 +479,8 @@ class Run(StateAnswers):
         hang = self.options.hang_timeout
         debug = self.debugger
         bystanders_stopped: set = set()
-        observed: Optional[float] = None  # the last sign of life before the hang last observed
+        observed: Optional[float] = None  # when a hang was last observed (--on-hang observe)
+        said: List[str] = []  # and what its notice said of where the ranks were
         while True:
             failures = self.state.failures()
             if failures:
@@ -543,9 +544,10 @@ class Run(StateAnswers):
                 return False
             if hang is not None and min(self.state.idle(), debug.idle()) >= hang:
                 if self.options.on_hang == "observe":
-                    if observed != self.state.last_activity:  # said once per stretch of silence
-                        self._observe_hang(backend_run, hang)
-                        observed = self.state.last_activity
+                    # asked again each hang_timeout of silence; said when where they are changed
+                    if observed is None or time.monotonic() - observed >= hang:
+                        observed = time.monotonic()
+                        said = self._observe_hang(backend_run, hang, said)
                     time.sleep(SUPERVISE_POLL)
                     continue
                 running = self.state.running()
@@ -585,14 +587,18 @@ class Run(StateAnswers):
         )
         return self._restarts.decide(ending, self.options.max_restarts - self.state.attempt + 1)
 
-    def _observe_hang(self, backend_run: BackendRun, seconds: float) -> None:
+    def _observe_hang(self, backend_run: BackendRun, seconds: float, said: List[str]) -> List[str]:
         """``--on-hang observe``: every rank's stacks and collective records (the view shows
-        them), and in the culprit's log what they say and how to stop the run; the ranks go on."""
+        them), and, unless the notice would say what ``said`` said, in the culprit's log what they
+        say and how to stop the run; the ranks go on.  What the notice said of them."""
         stacks = self._capture_stacks(backend_run)
         verdict = self.state.verdict
         lines = hangs.observed_notice(self.state, stacks, verdict, seconds, self.options.num_processes)
+        if lines[:-1] == said:
+            return said
         rank = verdict.suspects[0] if verdict and verdict.suspects else min(self.state.running() or [0])
         self.state.apply(Log(rank=rank, stream="stderr", line=lines[0], more=lines[1:]), attempt=self.state.attempt)
+        return lines[:-1]
 
     def _stop_bystanders(self, backend_run: BackendRun, held: List[int], stopped: set) -> set:
         """Stop the running ranks that hold no post-mortem session (``held``: root cause first)

@@ -97,10 +97,10 @@ def observed_notice(
 ) -> List[str]:
     """What ``--on-hang observe`` says in the culprit's log: the silence and the verdict, where
     each rank is (the suspects first), their collective records, and what the user can do."""
-    culprit_line = f"{verdict.sentence}. " if verdict else ""
+    silence = _silence(seconds)
+    said = f"{verdict.sentence}. {silence[:1].upper()}{silence[1:]}" if verdict else silence
     lines = [
-        f"[torchdist] --on-hang observe: {culprit_line}{_silence(seconds)}; the ranks keep running. "
-        "Where each rank is (innermost frame first):"
+        f"[torchdist] --on-hang observe: {said}; the ranks keep running. Where each rank is (innermost frame first):"
     ]
     if verdict and verdict.suspects:
         shown = {r: stacks[r] for r in verdict.suspects if r in stacks}
