@@ -5,6 +5,7 @@ The decision's rules on given attempts first, then real runs on local processes 
 
 import gc
 import os
+import sys
 import time
 
 import pytest
@@ -471,4 +472,32 @@ def test_a_silent_job_has_its_start_up_measured_in_every_attempt(local_distribut
     assert "goodput: training" in summary(run.state)
     assert_no_survivors(run)
     del run
+    _forget_runs()
+
+
+def test_a_notebook_import_that_fails_on_the_ranks_is_not_retried(ip, tmp_path):
+    """The import of an earlier cell, replayed on every rank, fails there the same way each time."""
+    from helpers import cell
+
+    (tmp_path / "only_here.py").write_text("VALUE = 1\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        cell(ip, "import only_here")
+        os.remove(tmp_path / "only_here.py")
+        result = cell(
+            ip,
+            f"%%torchdist --np 2 --local --max-restarts 3 --checkpoint-dir {tmp_path / 'c'} --quiet\nonly_here.VALUE",
+        )
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("only_here", None)
+        ip.user_ns.pop("only_here", None)
+    err = result.error_in_exec
+    assert isinstance(err, RankFailure) and err.exc_type == "CellImportError"
+    assert '  File "<import from In[' in err.traceback  # where it failed: the replayed import
+    assert "raised the same CellImportError at the same line (<import from In[" in err.reason
+    assert err.reason.endswith("in attempts 1 and 2: not restarting; 2 restarts left")
+    assert_no_survivors(ip.user_ns["_torchdist_run"])
+    ip.user_ns.pop("_torchdist_run")
+    del result, err
     _forget_runs()

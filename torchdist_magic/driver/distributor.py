@@ -12,8 +12,8 @@ was cancelled, passed its ``timeout``, or hung (no output, progress or metrics f
 attempt, unless ``restarts`` says it would only fail again or ``restart_on`` does not ask for it;
 anything else ends the run.  A hang does what ``on_hang`` says: ``fail`` ends the run,
 ``observe`` shows where every rank is and leaves them running (the user stops the run),
-``restart`` is a failure of the culprit rank.  Before a timeout or a hang stops the ranks, every rank's
-stacks and collective records are captured: the error and the view say where each rank was,
+``restart`` is a failure of the culprit rank.  Before a timeout or a hang stops the ranks, every
+rank's stacks and collective records are captured: the error and the view say where each rank was,
 and which rank held the others up (``culprit``: behind, exited, mismatched).  The same happens
 when the first failure is a collective timeout (or a peer noticing one): if another rank is
 behind, that rank is the root cause and the timeouts are collateral.  Under ``--pdb`` a failing

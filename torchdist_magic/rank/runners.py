@@ -94,10 +94,12 @@ def run_cell(job, ns: Optional[dict] = None):
         try:
             exec(compile(statement, f"<import from {origin}>", "exec"), ns)
         except Exception as exc:
+            # with the import's own frame (``<import from In[1]>``, line 1): where it failed, which
+            # a restart compares (``restarts``: the same import failing again is not retried)
             raise CellImportError(
                 f"the notebook import `{statement}` ({origin}) failed on rank "
                 f"{os.environ.get('RANK', '0')} ({socket.gethostname()}): {type(exc).__name__}: {exc}"
-            ) from None
+            ).with_traceback(exc.__traceback__) from None
     if cell.values:
         ns.update(values.loads_apart(cell.values, cell.buffers))
     padded = "\n" * cell.line_offset + cell.source
