@@ -264,29 +264,34 @@ def test_a_different_failure_is_restarted(local_distributor):
     _forget_runs()
 
 
-def steps_then_fails_at(fail_at, marks):
-    """Steps from the checkpoint on, saves one every 5 steps, raises at step ``fail_at``."""
+def steps_then_fails_at(fail_at):
+    """Steps from the checkpoint on, saves one every 5 steps, raises at step ``fail_at[attempt]``
+    (the same line each time)."""
     from torchdist_magic import load_checkpoint, progress, save_checkpoint
 
     start = (load_checkpoint() or {"step": 0})["step"]
     for step in progress(range(start, 100), desc="step"):
-        if step == fail_at:
+        if step == fail_at[restart_count()]:
             raise ValueError(f"step {step} went wrong")
         if step and step % 5 == 0:
             save_checkpoint({"step": step}, step=step)
     return start
 
 
-def test_a_failure_after_a_new_checkpoint_is_progress_and_one_before_it_repeats(local_distributor, tmp_path):
-    # resumed at step 5, attempt 2 fails at step 7 again before its next checkpoint: a repeat
-    run = local_distributor(1, max_restarts=3, checkpoint_dir=str(tmp_path / "c")).submit(
-        steps_then_fails_at, 7, str(tmp_path)
-    )
-    with pytest.raises(RankFailure, match="in attempts 1 and 2: not restarting; 2 restarts left"):
+def test_a_failure_after_a_newer_checkpoint_is_progress_and_one_before_it_repeats(local_distributor, tmp_path):
+    # attempt 1 saves step 5, fails at 7; attempt 2 resumes at 5, saves 5 again and 10, fails at 12:
+    # further than before, restarted; attempt 3 resumes at 10, saves 10 again, fails at 12: a repeat
+    run = local_distributor(1, max_restarts=3, checkpoint_dir=str(tmp_path)).submit(steps_then_fails_at, [7, 12, 12])
+    with pytest.raises(RankFailure) as info:
         run.result(timeout=120)
-    assert run.attempt == 2
+    assert info.value.reason.endswith("in attempts 2 and 3: not restarting; 1 restart left")
+    assert run.attempt == 3 and [f.message for f in info.value.attempts] == [
+        "step 7 went wrong",
+        "step 12 went wrong",
+        "step 12 went wrong",
+    ]
     assert_no_survivors(run)
-    del run
+    del run, info
     _forget_runs()
 
 
