@@ -213,7 +213,7 @@ def test_bad_num_processes(n, error, text):
         (
             {"nprocs": 2},
             "unknown option(s): nprocs; known: backend, timeout, hang_timeout, max_restarts, "
-            "checkpoint_dir, keep_checkpoints, env, backend_options, all_ranks, warm, ranks, pool_idle_timeout, pdb, "
+            "checkpoint_dir, keep_checkpoints, restart_on, on_hang, env, backend_options, all_ranks, warm, ranks, pool_idle_timeout, pdb, "
             "debug_idle_timeout, tls, system_metrics, profile, trace_collectives, mlflow, preflight, detach, channel",
         ),
         ({"show": "html"}, "show must be one of 'text', 'auto', 'widget', None, got 'html'"),

@@ -70,6 +70,8 @@ def test_control_kinds_follow_the_field_metadata(panel):
         "max_restarts": widgets.IntText,
         "checkpoint_dir": widgets.Text,
         "keep_checkpoints": widgets.IntText,
+        "restart_on": widgets.Text,
+        "on_hang": widgets.Dropdown,
         "env": widgets.Textarea,
         "backend_options": widgets.Textarea,
         "all_ranks": widgets.Checkbox,

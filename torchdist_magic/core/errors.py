@@ -29,6 +29,8 @@ class RankFailure(RuntimeError):
     ``verdict`` (a ``culprit.Verdict``, ``None`` when the ranks' collective records were not
     compared) and ``suspects`` (its sorted ranks): where a collective timed out because a rank
     was behind, that rank is the root cause (``rank``) and the verdict leads the message.
+    ``reason``: why a run with restarts left did not restart (the failure repeated the previous
+    attempt's, or ``--restart-on`` did not ask for it); ``""`` otherwise.
 
     Example:
 
@@ -54,11 +56,13 @@ class RankFailure(RuntimeError):
         others: Optional[List[Failure]] = None,
         earlier: Optional[List[Optional[Failure]]] = None,
         verdict: Optional[Verdict] = None,
+        reason: str = "",
     ):
         self.failure = failure
         self.failures = [failure] + list(others or [])
         self.earlier = list(earlier or [])
         self.verdict = verdict
+        self.reason = reason
         super().__init__(failure.summary())
 
     rank = property(lambda self: self.failure.rank)
@@ -79,13 +83,15 @@ class RankFailure(RuntimeError):
         return self.verdict.suspects if self.verdict else ()
 
     def __reduce__(self):
-        return (RankFailure, (self.failure, self.failures[1:], self.earlier, self.verdict))
+        return (RankFailure, (self.failure, self.failures[1:], self.earlier, self.verdict, self.reason))
 
     def details(self) -> str:
         """The text a user reads: the verdict when there is one, the root cause with its
         traceback (a rank behind: its stack), then the other ranks."""
         f = self.failure
         lines = [f"RankFailure: {self.verdict.sentence}" if self.verdict else f"RankFailure: {f.summary()}"]
+        if self.reason:
+            lines.append(f"Not restarted: {self.reason}")
         body = f.traceback.rstrip()
         if body:
             what = "stack" if self.verdict and not f.exc_type else "traceback"

@@ -9,7 +9,7 @@ decoded: a field of the wrong type, a missing field or an unknown type raises
 Who may send what (the channel enforces it, ``SENDERS``):
 
 - a **worker** (the rank's own process): ``Started``, ``Progress``, ``Metrics``, ``StepSplit``,
-  ``Checkpoint``, ``ProfilePiece``, ``ProfileDone``, ``Dropped``,
+  ``Checkpoint``, ``CodeStarted`` (its job's own code began), ``ProfilePiece``, ``ProfileDone``, ``Dropped``,
   ``DebugOutput`` (its debugger's output and prompts), ``SystemMetrics`` (what only the
   rank's process knows: torch's peak GPU memory), ``Collectives`` (where it is in each process
   group: when the driver asked, and when its job failed), ``Preflight`` (its versions, GPUs and
@@ -238,6 +238,16 @@ class ProfileDone(Event):
     peak_memory_bytes: float = 0.0
     peak_gpu_memory_bytes: Optional[float] = None
     error: str = ""
+    time: float = 0.0
+
+
+@dataclass
+class CodeStarted(Event):
+    """The rank began to run the user's code (a cell after the notebook's imports, its values and
+    the run's process group; a function as it is called; a script), at ``time``: the job's first
+    sign of work even where it never steps nor reports (``goodput``: its start-up ends here)."""
+
+    type: ClassVar[str] = "code_started"
     time: float = 0.0
 
 
@@ -572,6 +582,7 @@ RANK_TO_DRIVER = (
     Preflight,
     StepSplit,
     Checkpoint,
+    CodeStarted,
 )
 DRIVER_TO_RANK = (Stop, DumpStacks, RunJob, Peers, DebugInput, DumpCollectives, StartProfile)
 #: records that a backend takes for itself, never a RunState
@@ -607,6 +618,7 @@ SENDERS: Dict[str, frozenset] = {
             Metrics,
             StepSplit,
             Checkpoint,
+            CodeStarted,
             ProfilePiece,
             ProfileDone,
             Dropped,

@@ -62,6 +62,9 @@ GPU_HELP = (
 )
 
 
+#: what ``--hang-timeout`` does when a run hangs (``LaunchOptions.on_hang``)
+HANG_MODES = ("fail", "observe", "restart")
+
 #: where a run's channel and state live (``LaunchOptions.channel``)
 CHANNELS = ("auto", "process", "kernel")
 #: from this many ranks, ``channel="auto"`` puts a run's channel in a process of its own: the
@@ -153,6 +156,36 @@ class LaunchOptions:
             "how many of the newest checkpoints to keep; older ones are removed",
             metavar="K",
             type=int,
+        ),
+    )
+    restart_on: Any = field(
+        default="any",
+        metadata=_flag(
+            "--restart-on",
+            "with --max-restarts: which failures start the job again. 'any' (the default): every "
+            "failure, except one that repeats the previous attempt's (the same exception type at the "
+            "same line of your code, with no step or checkpoint gained: it would only fail again, so "
+            "the run ends and says so); 'always': every failure, repeated or not; or exception type "
+            "names, comma-separated (RuntimeError,DistBackendError; their class names, subclasses not "
+            "included), with 'killed' for a rank killed by a signal (out of memory) and HangTimeout "
+            "for a hang under --on-hang restart: only those, and not when repeated. From Python also "
+            "a function of the root cause (a Failure: exc_type, message, rank, host, exit_code, "
+            "traceback) that returns True to restart",
+            metavar="WHEN",
+            text=lambda value: value if isinstance(value, str) else getattr(value, "__name__", repr(value)),
+        ),
+    )
+    on_hang: str = field(
+        default="fail",
+        metadata=_flag(
+            "--on-hang",
+            "what --hang-timeout does when no rank has sent anything for that long: 'fail' (the "
+            "default) stops every rank and raises HangTimeout; 'observe' names the culprit, shows "
+            "every rank's stack and collective record and keeps the ranks running, for you to look "
+            "(the run's log says how to stop it: the view's Stop button, an interrupt, run.cancel()); "
+            "'restart' stops every rank and starts the job again as after a failure, within "
+            "--max-restarts",
+            choices=HANG_MODES,
         ),
     )
     env: dict = field(
@@ -362,6 +395,8 @@ class LaunchOptions:
                     "checkpoint_dir", f"{{name}} must be a directory path, got {self.checkpoint_dir!r}"
                 )
         _check_count("keep_checkpoints", self.keep_checkpoints, 1)
+        self.restart_on = check_restart_on(self.restart_on)
+        self._check_hang_mode()
         self.env = parse_env(self.env)
         self.backend_options = parse_backend_options(self.backend_options)
         _check_bool("all_ranks", self.all_ranks)
@@ -426,6 +461,39 @@ class LaunchOptions:
                 "after a failure, and a warm pool keeps its ranks: use one or the other",
             )
 
+    def _check_hang_mode(self) -> None:
+        """``on_hang`` with what it needs, and a policy that can say yes to a hang's restart."""
+        if self.on_hang not in HANG_MODES:
+            raise OptionValueError(
+                "on_hang", f"{{name}} must be one of {', '.join(map(repr, HANG_MODES))}, got {_literal(self.on_hang)}"
+            )
+        if self.on_hang != "fail" and self.hang_timeout is None:
+            raise OptionValueError(
+                "on_hang",
+                f"{{name}} {self.on_hang} says what a hang does, and this run has no hang timeout: "
+                "give it one (--hang-timeout SECONDS, hang_timeout=)",
+            )
+        if self.on_hang == "restart" and not self.max_restarts:
+            raise OptionValueError(
+                "on_hang",
+                "{name} restart starts the job again after a hang, within --max-restarts, which is 0: "
+                "give it restarts (--max-restarts N, max_restarts=)",
+            )
+        named = restart_names(self.restart_on)
+        if self.on_hang == "restart" and named is not None and "HangTimeout" not in named:
+            raise OptionValueError(
+                "on_hang",
+                f"{{name}} restart starts the job again after a hang, and --restart-on "
+                f"{_literal(self.restart_on)} does not name HangTimeout: add it, or use --on-hang fail",
+            )
+        if callable(self.restart_on) and (self.detach or self.channel == "process"):
+            raise OptionValueError(
+                "restart_on",
+                "{name} as a function decides in this kernel, and a run under a process of its own "
+                "(--detach, --channel process) cannot call it: name exception types instead "
+                "('RuntimeError,killed')",
+            )
+
     def replace(self, **changes: Any) -> "LaunchOptions":
         """A copy with ``changes``, validated like a new one."""
         return dataclasses.replace(self, **changes)
@@ -454,6 +522,53 @@ def masked_repr(value: Any) -> str:
                 shown = masked_env(shown)
             parts.append(f"{f.name}={shown!r}")
     return f"{type(value).__qualname__}({', '.join(parts)})"
+
+
+#: the words of ``--restart-on`` that stand alone (anything else is a list of names)
+RESTART_WORDS = ("any", "always")
+#: a name in ``--restart-on``: an exception class (``DistBackendError``, ``torch.cuda.OutOfMemoryError``)
+#: or ``killed``
+_RESTART_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def check_restart_on(value: Any) -> Any:
+    """``restart_on`` as a run keeps it: ``"any"``, ``"always"``, names joined by commas
+    (``"RuntimeError,killed"``; a list or tuple of names is joined), or a function, as given."""
+    if callable(value) and not isinstance(value, type):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        value = ",".join(value)
+    if not isinstance(value, str):
+        raise OptionTypeError(
+            "restart_on",
+            "{name} must be 'any', 'always', exception type names ('RuntimeError,killed') or a "
+            f"function of the failure that returns True to restart, got {_literal(value)}",
+        )
+    names = [part.strip() for part in value.split(",")]
+    if len(names) == 1 and names[0] in RESTART_WORDS:
+        return names[0]
+    if any(word in names for word in RESTART_WORDS):
+        raise OptionValueError(
+            "restart_on",
+            f"{{name}} {_literal(value)}: 'any' and 'always' stand alone; "
+            "to restart on some failures only, name their exception types",
+        )
+    bad = [name for name in names if not _RESTART_NAME.match(name)]
+    if bad:
+        raise OptionValueError(
+            "restart_on",
+            f"{{name}}: {_literal(bad[0] or value)} is not an exception type name; give 'any', 'always' "
+            "or names separated by commas (RuntimeError,DistBackendError,killed)",
+        )
+    return ",".join(dict.fromkeys(names))
+
+
+def restart_names(restart_on: Any) -> Optional[Tuple[str, ...]]:
+    """The names a ``restart_on`` list gives, each its last dotted part (what a rank reports of
+    its exception); ``None`` for a word (``any``, ``always``) or a function."""
+    if not isinstance(restart_on, str) or restart_on in RESTART_WORDS:
+        return None
+    return tuple(name.rsplit(".", 1)[-1] for name in restart_on.split(","))
 
 
 def _check_seconds(name: str, value: Any) -> None:

@@ -9,8 +9,11 @@ Supervision.  A run is one or more attempts: each starts every rank (a new proce
 own channel, port and Spark stage) and ends when every rank succeeded, or one failed, or the run
 was cancelled, passed its ``timeout``, or hung (no output, progress or metrics from any rank for
 ``hang_timeout``).  A failure stops every rank and, while ``max_restarts`` allow, starts the next
-attempt; anything else ends the run.  Before a timeout or a hang stops the ranks, every rank's
-stacks and collective records are captured: the error and the view say where each rank was,
+attempt, unless ``restarts`` says it would only fail again or ``restart_on`` does not ask for it;
+anything else ends the run.  A hang does what ``on_hang`` says: ``fail`` ends the run,
+``observe`` shows where every rank is and leaves them running (the user stops the run),
+``restart`` is a failure of the culprit rank.  Before a timeout or a hang stops the ranks, every
+rank's stacks and collective records are captured: the error and the view say where each rank was,
 and which rank held the others up (``culprit``: behind, exited, mismatched).  The same happens
 when the first failure is a collective timeout (or a peer noticing one): if another rank is
 behind, that rank is the root cause and the timeouts are collateral.  Under ``--pdb`` a failing
@@ -38,12 +41,13 @@ from ..core.fdlimit import make_room
 from .console import NO_STDIN_PDB, Console, rank_env
 from ..core import culprit
 from ..core.errors import HangTimeout, JobTimeout, NotAvailable, RankFailure, ResultTimeout, RunCancelled
+from ..core.failure import Failure
 from ..core.events import DebugOutput, DumpCollectives, Log, ProfileDone, ProfilePiece, Stacks, StartProfile
 from ..core.job import Job, build_job
 from ..core.options import LaunchOptions
 from ..core import values
 from ..core.rankenv import RunSpec
-from . import hangs
+from . import hangs, restarts
 from .handle import StateAnswers
 from .history import RecordKeeper
 from .profiles import ProfileCollector
@@ -217,6 +221,10 @@ class Run(StateAnswers):
         self.value_as_bytes = False
         self._error: Optional[BaseException] = None
         self._cancel = threading.Event()
+        #: whether a failed attempt starts again (``restarts``), and a hang's failure that ended
+        #: the current attempt (``--on-hang restart``), which the next attempt's record keeps
+        self._restarts = restarts.RestartDecision(options.restart_on)
+        self._hang_cause: Optional[Failure] = None
         #: the current attempt's channel (None: a warm run's, on its pool's channel) and its
         #: started ranks (None between attempts); one capture of stacks and records at a time
         self._channel: Optional[ChannelServer] = None
@@ -363,7 +371,8 @@ class Run(StateAnswers):
             if self.options.max_restarts and not self.options.checkpoint_dir:
                 checkpoints = _subdirectory(self.directory, "checkpoints")
             while self._attempt(deadline, checkpoints):
-                self.state.restart()
+                self.state.restart(self._hang_cause)
+                self._hang_cause = None
         except BaseException as exc:  # reported through result(), never lost in this thread  # noqa: BLE001
             self._error = exc
             if not self.state.finished:
@@ -470,6 +479,8 @@ class Run(StateAnswers):
         hang = self.options.hang_timeout
         debug = self.debugger
         bystanders_stopped: set = set()
+        observed: Optional[float] = None  # when a hang was last observed (--on-hang observe)
+        said: List[str] = []  # and what its notice said of where the ranks were
         while True:
             failures = self.state.failures()
             if failures:
@@ -505,12 +516,17 @@ class Run(StateAnswers):
                     and (culprit.is_collective_timeout(failures[0]) or is_collateral(failures[0]))
                 ):
                     failures = [hangs.suspect_failure(self.state, verdict, stacks, failures[0].time)] + failures
-                if self.state.attempt <= self.options.max_restarts and not self._cancel.is_set():
+                reason = self._no_restart(failures[0])
+                if reason is None:
                     return True
                 self._error = RankFailure(
-                    failures[0], failures[1:], [a.failure for a in self.state.attempts], verdict=verdict or None
+                    failures[0],
+                    failures[1:],
+                    [a.failure for a in self.state.attempts],
+                    verdict=verdict or None,
+                    reason=reason,
                 )
-                self.state.finish("failed", failures[0])
+                self.state.finish("failed", failures[0], message=reason)
                 return False
             if self.state.all_exited_ok():
                 self._value = self._collect(backend_run)
@@ -527,18 +543,62 @@ class Run(StateAnswers):
                 self._timed_out(stacks)
                 return False
             if hang is not None and min(self.state.idle(), debug.idle()) >= hang:
+                if self.options.on_hang == "observe":
+                    # asked again each hang_timeout of silence; said when where they are changed
+                    if observed is None or time.monotonic() - observed >= hang:
+                        observed = time.monotonic()
+                        said = self._observe_hang(backend_run, hang, said)
+                    time.sleep(SUPERVISE_POLL)
+                    continue
+                running = self.state.running()
                 stacks = self._capture_stacks(backend_run)
                 backend_run.stop(STOP_GRACE)
+                reason = ""
+                if self.options.on_hang == "restart":
+                    cause = hangs.hang_failure(self.state, self.state.verdict, stacks, running, hang)
+                    reason = self._no_restart(cause)
+                    if reason is None:
+                        self._hang_cause = cause
+                        return True
+                hint = "; ".join(
+                    filter(None, [hangs.hang_hint(self.options.ranks), reason and f"not restarted: {reason}"])
+                )
                 self._error = HangTimeout(
                     hang,
                     stacks,
                     self.options.num_processes,
-                    hint=hangs.hang_hint(self.options.ranks),
+                    hint=hint,
                     verdict=self.state.verdict or None,
                 )
                 self.state.finish("hung", message=self._error.headline)
                 return False
             time.sleep(SUPERVISE_POLL)
+
+    def _no_restart(self, failure: Failure) -> Optional[str]:
+        """None when the attempt that ``failure`` ended starts again; else why not: ``""`` when no
+        restart remains (or the run was cancelled), the sentence of ``restarts`` otherwise."""
+        if self.state.attempt > self.options.max_restarts or self._cancel.is_set():
+            return ""
+        ending = restarts.Ending.of(
+            self.state.attempt,
+            failure,
+            restarts.failing_step(self.state, failure.rank),
+            self.state.last_checkpoint_step,
+        )
+        return self._restarts.decide(ending, self.options.max_restarts - self.state.attempt + 1)
+
+    def _observe_hang(self, backend_run: BackendRun, seconds: float, said: List[str]) -> List[str]:
+        """``--on-hang observe``: every rank's stacks and collective records (the view shows
+        them), and, unless the notice would say what ``said`` said, in the culprit's log what they
+        say and how to stop the run; the ranks go on.  What the notice said of them."""
+        stacks = self._capture_stacks(backend_run)
+        verdict = self.state.verdict
+        lines = hangs.observed_notice(self.state, stacks, verdict, seconds, self.options.num_processes)
+        if lines[:-1] == said:
+            return said
+        rank = verdict.suspects[0] if verdict and verdict.suspects else min(self.state.running() or [0])
+        self.state.apply(Log(rank=rank, stream="stderr", line=lines[0], more=lines[1:]), attempt=self.state.attempt)
+        return lines[:-1]
 
     def _stop_bystanders(self, backend_run: BackendRun, held: List[int], stopped: set) -> set:
         """Stop the running ranks that hold no post-mortem session (``held``: root cause first)

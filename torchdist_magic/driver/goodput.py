@@ -2,8 +2,9 @@
 
 The run's wall time, from its start to its end (or now), split into
 
-- ``startup_s``: until the first attempt's first work (any rank's first ``progress()`` step,
-  ``report()`` or step split): starting processes, imports, the process group;
+- ``startup_s``: until the first attempt's first work (any rank's start of the user's own code,
+  ``events.CodeStarted``, or else its first ``progress()`` step, ``report()`` or step split):
+  starting processes, imports, the process group;
 - ``lost_to_restarts_s``: for each attempt that failed and restarted, its work after its last
   checkpoint (all of its work without one: ``runtime.save_checkpoint`` sends
   ``events.Checkpoint``), and the restart itself, up to the next attempt's first work;
@@ -13,11 +14,12 @@ The run's wall time, from its start to its end (or now), split into
 - ``training_s``: the rest (steps, evaluation, writing the value);
 
 plus ``rank_seconds`` (the wall time times the run's ranks) and, when the run asked for GPUs,
-``gpu_hours`` (a GPU per rank).  A job that never steps, reports nor splits has no first work:
-its startup counts as training.  Such a run's split is "training 100 %" whatever the job did (a
-cell that prints a line, or a cell that trains without ``progress()``); ``says_something`` is
-false for it, and the run's summary leaves the line out (``run.goodput`` and MLflow keep the
-numbers).
+``gpu_hours`` (a GPU per rank).  Every job that reaches its own code has a first work, also one
+that never steps nor reports (a plain function that trains and checkpoints): its start-up, and
+every restart's, is measured, not counted as training.  An attempt whose ranks never reached
+the job's code (an import that failed first) has no first work: its startup counts as training.
+Such a split is "training 100 %" whatever happened; ``says_something`` is false for it, and the
+run's summary leaves the line out (``run.goodput`` and MLflow keep the numbers).
 """
 
 from __future__ import annotations
@@ -75,8 +77,8 @@ def goodput(
 
 def says_something(parts: Dict[str, float]) -> bool:
     """Whether a split tells more than the wall time: some of it went to startup, data stalls,
-    restarts or hangs.  Without a first sign of work (no ``progress()``, ``report()`` or step
-    split) and nothing lost, everything is "training", which a reader takes as a measurement."""
+    restarts or hangs.  Without a first sign of work (no rank reached the job's code) and nothing
+    lost, everything is "training", which a reader takes as a measurement."""
     return any(parts.get(key, 0.0) > 0 for key in PARTS if key != "training_s")
 
 

@@ -408,6 +408,8 @@ def options_json(options: Any) -> Dict[str, Any]:
     if data.get("ranks") is not None:
         data["ranks"] = list(data["ranks"])
     data["env"] = masked_env(data.get("env") or {})
+    if callable(data.get("restart_on")):  # a policy function: its name (it stays in the kernel)
+        data["restart_on"] = getattr(options.restart_on, "__name__", "a function")
     return data
 
 

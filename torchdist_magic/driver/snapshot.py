@@ -81,7 +81,7 @@ class Attempt:
     ended: float
     failure: Optional[Failure]  # the root cause
     failures: List[Failure] = field(default_factory=list)  # every failed rank, root cause first
-    first_work: Optional[float] = None  # its first progress step, report or step split (``goodput``)
+    first_work: Optional[float] = None  # its first sign of work: code started, a step, a report (``goodput``)
     checkpoint: Optional[float] = None  # when its newest checkpoint arrived
     data_stall_s: float = 0.0  # the longest any of its ranks waited for data
 

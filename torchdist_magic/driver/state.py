@@ -192,6 +192,8 @@ class RunState:
         #: the current attempt's first work and newest checkpoint (``time.time()``), for goodput
         self.first_work: Optional[float] = None
         self.last_checkpoint: Optional[float] = None
+        #: the step of the current attempt's newest checkpoint (``restarts``: did it get further?)
+        self.last_checkpoint_step: Optional[int] = None
         #: seconds lost to a hang: from the last sign of life to the run's end (a run that hung)
         self.hang_lost_s = 0.0
         #: the current attempt's profiles (``profiles.ProfileCollector``, ``--profile``), or None
@@ -353,9 +355,15 @@ class RunState:
         rs.step_totals = {"step_s": e.step_s, "data_s": e.data_s, "comm_s": e.comm_s}
         self._pace.step_split(rs.rank, rs.step_split)
 
+    def _on_code_started(self, rs: RankState, e: events.CodeStarted) -> None:
+        """The rank's job began its own code: a sign of life, and of work (``goodput``)."""
+        self._alive()
+        self._worked()
+
     def _on_checkpoint(self, rs: RankState, e: events.Checkpoint) -> None:
         self._alive()
         self.last_checkpoint = time.time()  # the driver's clock, as the attempts' times
+        self.last_checkpoint_step = max(e.step, self.last_checkpoint_step or 0)
 
     def _on_metrics(self, rs: RankState, e: events.Metrics) -> None:
         """The points of one record (a rank's flush), a column at a time: each name is looked
@@ -477,13 +485,14 @@ class RunState:
         events.SystemMetrics: _on_system,
         events.StepSplit: _on_step_split,
         events.Checkpoint: _on_checkpoint,
+        events.CodeStarted: _on_code_started,
     }
 
-    def restart(self) -> None:
-        """End the current attempt (its root cause is the first of ``failures()``) and start the
-        next: fresh rank states, the logs kept."""
+    def restart(self, cause: Optional[Failure] = None) -> None:
+        """End the current attempt (its root cause is ``cause`` when given, a hang's, else the
+        first of ``failures()``) and start the next: fresh rank states, the logs kept."""
         with self._lock:
-            failures = self.failures()
+            failures = ([cause] if cause is not None else []) + self.failures()
             now = time.time()
             self.attempts.append(
                 Attempt(
@@ -497,7 +506,7 @@ class RunState:
                     data_stall_s=self._data_stall(),
                 )
             )
-            self.first_work = self.last_checkpoint = None
+            self.first_work = self.last_checkpoint = self.last_checkpoint_step = None
             self.attempt += 1
             self.attempt_started = now
             self.state = "restarting"

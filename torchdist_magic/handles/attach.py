@@ -69,12 +69,12 @@ def supervised(options: LaunchOptions, data: Any = None) -> bool:
     """Whether a run with ``options`` runs under a supervising process of its own: detached
     (``detach``), ``channel="process"``, or ``channel="auto"`` from ``PROCESS_CHANNEL_RANKS``
     ranks where nothing keeps it in the kernel (a DataFrame, a warm pool, a rank's debugger, a
-    classic Spark session that only the notebook can use)."""
+    ``restart_on`` function, a classic Spark session that only the notebook can use)."""
     if options.detach or options.channel == "process":
         return True
     if options.channel != "auto" or options.num_processes < PROCESS_CHANNEL_RANKS:
         return False
-    if options.warm or options.pdb or data is not None:
+    if options.warm or options.pdb or data is not None or callable(options.restart_on):
         return False
     try:
         check_detachable(options, active_spark_session(), data)

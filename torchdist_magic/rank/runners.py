@@ -19,7 +19,10 @@ class CellImportError(ImportError):
 def _run_function(job):
     from torchdist_magic.core import values
 
+    from torchdist_magic.rank import runtime
+
     fn, args, kwargs = values.loads_apart(job.payload, job.buffers)
+    runtime._code_started()
     return fn(*args, **kwargs)
 
 
@@ -31,7 +34,11 @@ def _run_script(job):
         with open(job.script_path, encoding="utf-8") as fh:
             source = fh.read()
     namespace = {"__name__": "__main__", "__file__": job.script_path, "__builtins__": __builtins__}
-    exec(compile(source, job.script_path, "exec"), namespace)
+    code = compile(source, job.script_path, "exec")
+    from torchdist_magic.rank import runtime
+
+    runtime._code_started()
+    exec(code, namespace)
     return None
 
 
@@ -87,10 +94,12 @@ def run_cell(job, ns: Optional[dict] = None):
         try:
             exec(compile(statement, f"<import from {origin}>", "exec"), ns)
         except Exception as exc:  # noqa: BLE001
+            # with the import's own frame (``<import from In[1]>``, line 1): where it failed, which
+            # a restart compares (``restarts``: the same import failing again is not retried)
             raise CellImportError(
                 f"the notebook import `{statement}` ({origin}) failed on rank "
                 f"{os.environ.get('RANK', '0')} ({socket.gethostname()}): {type(exc).__name__}: {exc}"
-            ) from None
+            ).with_traceback(exc.__traceback__) from None
     if cell.values:
         ns.update(values.loads_apart(cell.values, cell.buffers))
     padded = "\n" * cell.line_offset + cell.source
@@ -102,7 +111,11 @@ def run_cell(job, ns: Optional[dict] = None):
     ours = start_process_group() if cell.init_process_group else False
     import torch.distributed as dist
 
-    exec(compile(body, cell.filename, "exec"), ns)
+    from torchdist_magic.rank import runtime
+
+    code = compile(body, cell.filename, "exec")
+    runtime._code_started()
+    exec(code, ns)
     value = eval(compile(ast.Expression(last.value), cell.filename, "eval"), ns) if last else None
     # Only on success: a failing rank exits with its group intact, so that its peers see the
     # connection drop after its own failure was recorded, never before (root-cause order).

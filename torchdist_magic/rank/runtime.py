@@ -188,6 +188,11 @@ def _emit(event: events.Event) -> None:
         sink.send(event)
 
 
+def _code_started() -> None:
+    """Tell the driver that the job's own code begins now (``events.CodeStarted``)."""
+    _emit(events.CodeStarted(rank=_env_int("RANK", 0), time=time.time()))
+
+
 def _env_int(name: str, default: int) -> int:
     try:
         return int(os.environ.get(name, default))

@@ -153,6 +153,8 @@ def run_facts(state: State) -> RunFacts:
     snap = snapshot(state)
     if snap.failure is not None:
         outcome = f"root cause: {snap.failure.summary()}"
+        if snap.message:  # why a run with restarts left did not restart (``restarts``)
+            outcome += f"; {snap.message}"
     elif snap.state in STOPPED_STATES:
         outcome = snap.message
     else:
