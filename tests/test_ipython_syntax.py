@@ -238,7 +238,7 @@ def test_a_magic_the_ranks_lack_is_named_when_called(shell):
     ],
 )
 def test_traceback_through_time_shows_the_cells_lines(source, lines, shown):
-    from torchdist_magic.rank.worker import _format_exception
+    from torchdist_magic.rank.jobrun import _format_exception
 
     filename = "<torchdist cell In[7]>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)

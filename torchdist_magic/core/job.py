@@ -206,7 +206,7 @@ def cell_job(cell: CellCode, name: str) -> Job:
 
 
 def serve_job() -> Job:
-    """What a warm pool's ranks start with: serve the jobs the driver sends (``worker.serve``)."""
+    """What a warm pool's ranks start with: serve the jobs the driver sends (``serving.serve``)."""
     return Job(kind="serve", name="warm pool")
 
 

@@ -36,7 +36,7 @@ KEEP_CHECKPOINTS_ENV = "TORCHDIST_KEEP_CHECKPOINTS"
 DATA_FILE_ENV = "TORCHDIST_DATA_FILE"
 #: what the run's ``env`` changed in a rank's environment, ``{name: its value without it}`` as
 #: JSON (``null``: unset): a warm pool's rank started with the ``env`` of the run that started
-#: the pool and sets these back (``worker.serve``), so that a later run without it does not see
+#: the pool and sets these back (``serving.serve``), so that a later run without it does not see
 #: it.  The worker removes the variable itself before any job runs.
 ENV_BEFORE = "TORCHDIST_ENV_BEFORE"
 #: the paths a rank's worker removes when its launcher dies (the run's directory, which the dead

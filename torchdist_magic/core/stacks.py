@@ -14,6 +14,8 @@ _LIBRARY_PARTS = ("site-packages", "dist-packages", "<frozen ")
 #: timing of collectives): never where a rank "was"
 _RUNNER_FILES = (
     "torchdist_magic/rank/worker.py",
+    "torchdist_magic/rank/jobrun.py",
+    "torchdist_magic/rank/serving.py",
     "torchdist_magic/rank/runners.py",
     "<frozen runpy>",
     "torchdist_magic/rank/stepsplit.py",
