@@ -54,11 +54,14 @@ class RankFailure(RuntimeError):
         others: Optional[List[Failure]] = None,
         earlier: Optional[List[Optional[Failure]]] = None,
         verdict: Optional[Verdict] = None,
+        note: str = "",
     ):
         self.failure = failure
         self.failures = [failure] + list(others or [])
         self.earlier = list(earlier or [])
         self.verdict = verdict
+        #: why the run did not restart although restarts remained ("" when none were left)
+        self.note = note
         super().__init__(failure.summary())
 
     rank = property(lambda self: self.failure.rank)
@@ -79,7 +82,7 @@ class RankFailure(RuntimeError):
         return self.verdict.suspects if self.verdict else ()
 
     def __reduce__(self):
-        return (RankFailure, (self.failure, self.failures[1:], self.earlier, self.verdict))
+        return (RankFailure, (self.failure, self.failures[1:], self.earlier, self.verdict, self.note))
 
     def details(self) -> str:
         """The text a user reads: the verdict when there is one, the root cause with its
@@ -104,6 +107,8 @@ class RankFailure(RuntimeError):
                 f"  attempt {n}: {cause.summary() if cause else 'failed'}"
                 for n, cause in enumerate(self.attempts, start=1)
             ]
+        if self.note:
+            lines += ["", f"Not restarted: {self.note}"]
         return "\n".join(lines)
 
     def _render_traceback_(self) -> List[str]:

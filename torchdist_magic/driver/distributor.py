@@ -36,14 +36,14 @@ from ..backends.channels import open_channel
 from ..wire.server import ChannelServer
 from ..core.fdlimit import make_room
 from .console import NO_STDIN_PDB, Console, rank_env
-from ..core import culprit
+from ..core import culprit, faults
 from ..core.errors import HangTimeout, JobTimeout, NotAvailable, RankFailure, ResultTimeout, RunCancelled
 from ..core.events import DebugOutput, DumpCollectives, Log, ProfileDone, ProfilePiece, Stacks, StartProfile
 from ..core.job import Job, build_job
 from ..core.options import LaunchOptions
 from ..core import values
 from ..core.rankenv import RunSpec
-from . import hangs
+from . import elastic, hangs
 from .handle import StateAnswers
 from .history import RecordKeeper
 from .profiles import ProfileCollector
@@ -126,6 +126,7 @@ def submit(
 
         check_cold_run(options, backend)  # a warm pool may hold the Spark task slots
     try:
+        options = elastic.first_world(options, backend)
         plan = backend.check(options)
         make_room(options.num_processes, local=backend.ranks_share_machine())
         prepared = None
@@ -222,6 +223,8 @@ class Run(StateAnswers):
         self._channel: Optional[ChannelServer] = None
         self._backend_run: Optional[BackendRun] = None
         self._capturing = threading.Lock()
+        #: the class of the current attempt's root cause, once it failed (``faults.classify``)
+        self._fault: Optional[faults.Fault] = None
         self._cancelled_by = "cancel()"
         self._done = threading.Event()
         #: the ranks' debugger sessions, which ``follow`` serves (``debugger``)
@@ -363,7 +366,8 @@ class Run(StateAnswers):
             if self.options.max_restarts and not self.options.checkpoint_dir:
                 checkpoints = _subdirectory(self.directory, "checkpoints")
             while self._attempt(deadline, checkpoints):
-                self.state.restart()
+                if not self._next_attempt():
+                    break
         except BaseException as exc:  # reported through result(), never lost in this thread
             self._error = exc
             if not self.state.finished:
@@ -379,6 +383,23 @@ class Run(StateAnswers):
             finally:
                 self.record.end()  # before result() returns: the history has the run's end
                 self._done.set()
+
+    def _next_attempt(self) -> bool:
+        """Start the next attempt after a failure: its host left out where the backend can, on
+        fewer ranks where ``--np MIN:MAX`` allows (``elastic``); False when it cannot go on (the
+        run has failed, saying why)."""
+        failures = self.state.failures()
+        cause = failures[0] if failures else None
+        plan = elastic.next_world(self.options, self.backend, cause, self._fault, self.state.attempt)
+        if plan.refusal:
+            self._error = RankFailure(cause, failures[1:], [a.failure for a in self.state.attempts], note=plan.refusal)
+            self.state.finish("failed", cause, message=plan.refusal, fault=self._fault)
+            return False
+        if plan.num_processes != self.options.num_processes:
+            self.options = self.options.replace(num_processes=plan.num_processes)
+            self.plan = self.backend.check(self.options)
+        self.state.restart(self._fault, num_processes=plan.num_processes, excluded=plan.excluded)
+        return True
 
     def _attempt(self, deadline: Optional[float], checkpoints: str) -> bool:
         """Run the current attempt to its end; True when the job is to start again."""
@@ -505,12 +526,13 @@ class Run(StateAnswers):
                     and (culprit.is_collective_timeout(failures[0]) or is_collateral(failures[0]))
                 ):
                     failures = [hangs.suspect_failure(self.state, verdict, stacks, failures[0].time)] + failures
+                self._fault = faults.classify(failures[0], preflight=self.state.preflight.get(failures[0].rank))
                 if self.state.attempt <= self.options.max_restarts and not self._cancel.is_set():
                     return True
                 self._error = RankFailure(
                     failures[0], failures[1:], [a.failure for a in self.state.attempts], verdict=verdict or None
                 )
-                self.state.finish("failed", failures[0])
+                self.state.finish("failed", failures[0], fault=self._fault)
                 return False
             if self.state.all_exited_ok():
                 self._value = self._collect(backend_run)
@@ -536,7 +558,7 @@ class Run(StateAnswers):
                     hint=hangs.hang_hint(self.options.ranks),
                     verdict=self.state.verdict or None,
                 )
-                self.state.finish("hung", message=self._error.headline)
+                self.state.finish("hung", message=self._error.headline, fault=faults.classify(None, hung=True))
                 return False
             time.sleep(SUPERVISE_POLL)
 
