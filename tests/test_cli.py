@@ -552,7 +552,7 @@ def test_the_status_has_json_values_only_and_the_same_keys_as_run_status(home):
     run.result(60)
     own = run.status()
     check(own, STATUS_SCHEMA)
-    assert set(own) == set(status) and own["state"] == "succeeded" and own["schema"] == 1
+    assert set(own) == set(status) and own["state"] == "succeeded" and own["schema"] == 2
 
 
 def _returns_one():
