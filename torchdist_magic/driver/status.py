@@ -304,6 +304,9 @@ RECORD_SCHEMA: Dict[str, Any] = {
         "host",
         "root_cause",
         "failure",
+        "fault",
+        "excluded",
+        "world_sizes",
     ],
     "properties": {
         "schema": {"const": SCHEMA_VERSION},
@@ -320,6 +323,9 @@ RECORD_SCHEMA: Dict[str, Any] = {
         "host": {"type": "string"},
         "root_cause": _FAILURE,
         "failure": {"type": "string"},
+        "fault": {"type": "string"},
+        "excluded": _STRINGS,
+        "world_sizes": {"type": "array", "items": {"type": "integer"}},
     },
 }
 
@@ -555,6 +561,9 @@ def record_json(record: Any, now: Optional[float] = None) -> Dict[str, Any]:
         "host": record.host or "",
         "root_cause": failure_json(record.root_cause),
         "failure": record.failure or "",
+        "fault": record.fault,
+        "excluded": list(record.excluded),
+        "world_sizes": list(record.world_sizes),
     }
 
 
