@@ -180,6 +180,8 @@ STATUS_SCHEMA: Dict[str, Any] = {
         "root_cause": _FAILURE,
         "message": {"type": "string"},
         "goodput": {"type": "object", "additionalProperties": {"type": "number"}},
+        "fault": _FAULT,
+        "excluded": _EXCLUDED,
         "ranks": {
             "type": "array",
             "items": {
