@@ -149,16 +149,16 @@ MEASURES = ("detection_s", "attempt_end_s", "first_step_s", "steps_lost")
 
 
 def print_table(rows: dict, about: dict) -> None:
-    header = f"{'backend':<32} {'measure':<15} {'median':>8} {'min':>8} {'max':>8}"
+    header = f"{'backend':<40} {'measure':<15} {'median':>8} {'min':>8} {'max':>8}"
     print(header)
     print("-" * len(header))
     for mode, row in rows.items():
         for name in MEASURES:
             cell = row[name]
-            print(f"{mode:<32} {name:<15} {cell['median']:>8.2f} {cell['min']:>8.2f} {cell['max']:>8.2f}")
-        print(f"{'':<32} fault {about[mode]['fault']}; world sizes {about[mode]['world_sizes']}")
+            print(f"{mode:<40} {name:<15} {cell['median']:>8.2f} {cell['min']:>8.2f} {cell['max']:>8.2f}")
+        print(f"{'':<40} fault {about[mode]['fault']}; world sizes {about[mode]['world_sizes']}")
         for sentence in about[mode]["excluded"]:
-            print(f"{'':<32} {sentence}")
+            print(f"{'':<40} {sentence}")
     print("warm pools: not measured (a warm run refuses max_restarts: nothing restarts)")
 
 

@@ -171,6 +171,7 @@ def killed_on_rank1():
 def test_a_local_rank_killed_like_the_oom_killer_does_is_named_a_machine_fault(local_distributor):
     from torchdist_magic.cli import explain_text
     from torchdist_magic.driver.status import explain, run_status
+    from torchdist_magic.view.text import summary
 
     run = local_distributor(2, max_restarts=1).submit(killed_on_rank1)
     with pytest.raises(RankFailure) as info:
@@ -183,6 +184,10 @@ def test_a_local_rank_killed_like_the_oom_killer_does_is_named_a_machine_fault(l
     text = explain_text(explain(run.state))
     assert "fault: machine (its process was killed by SIGKILL, as the kernel's OOM killer does" in text
     assert "  attempt 1 on 2 ranks: rank 1" in text and "[machine fault]" in text
+    assert "was killed by SIGKILL [machine fault, 2 ranks] (restarted)" in summary(run.state)
+    record = run.record.record  # the run's record in the history of runs
+    assert record.fault.startswith("machine: its process was killed by SIGKILL")
+    assert (record.world_sizes, record.excluded) == ([2, 2], [])
     assert_no_survivors(run)
     del run, info
     distributor._last_run = None  # the run's directory goes with its last reference

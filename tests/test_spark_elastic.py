@@ -12,6 +12,7 @@ import pytest
 from helpers import assert_nothing_left, wait_until
 from torchdist_magic import Distributor
 from torchdist_magic.driver.status import explain, run_status
+from torchdist_magic.view.text import summary
 
 pytest.importorskip("pyspark")
 
@@ -80,4 +81,11 @@ def test_a_lost_worker_is_left_out_and_the_run_finishes_on_two_ranks(spark_clust
     assert left_out["kind"] == "lost" and left_out["attempt"] == 1 and left_out["executor"]
     assert f"executor {left_out['executor']} was lost" == left_out["why"]
     assert explain(run.state)["excluded"] == status["excluded"]
+    sentence = (
+        f"executor {left_out['executor']} on {left_out['host']} left out after attempt 1: "
+        f"lost fault, executor {left_out['executor']} was lost"
+    )
+    assert f"  {sentence}" in summary(run.state).splitlines()  # the view
+    record = run.record.record  # the run's record in the history of runs
+    assert (record.excluded, record.world_sizes) == ([sentence], [3, 2])
     assert_nothing_left(run)
