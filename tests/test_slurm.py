@@ -2,6 +2,7 @@
 suite, ``test_contract``, runs on it too): ranks placed by node as torchrun places them, a run
 inside an allocation the notebook runs in, and what the backend refuses before anything starts."""
 
+import gc
 import os
 import re
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 
 from helpers import assert_no_survivors, rank_failure_of, wait_until
 from torchdist_magic import Distributor
+from torchdist_magic.driver import distributor
 from torchdist_magic.backends.slurm import block_placement, tasks_per_node
 
 
@@ -184,3 +186,32 @@ def test_the_channel_is_encrypted_when_the_nodes_reach_it_beyond_loopback(slurm)
         run = Distributor(2, backend="slurm", show=None, backend_options={"address": address}).submit(placement)
         assert run.result(timeout=120)["MASTER_ADDR"] == address  # the address the nodes reach it at
         assert run.channel_encrypted
+
+
+def cuda_error_on_node2():
+    import time
+
+    from torchdist_magic import restart_count
+
+    if restart_count() == 0:
+        if os.environ["SLURMD_NODENAME"] == "node2" and os.environ["LOCAL_RANK"] == "0":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        time.sleep(600)
+    return {"node": os.environ["SLURMD_NODENAME"], "WORLD_SIZE": os.environ["WORLD_SIZE"]}
+
+
+def test_a_node_with_a_machine_fault_is_left_out_and_the_run_goes_on_with_fewer_ranks(slurm):
+    run = Distributor(
+        (2, 4), backend="slurm", show=None, all_ranks=True, max_restarts=1, backend_options={"nodes": "2"}
+    ).submit(cuda_error_on_node2)
+    values = run.result(timeout=180)
+    (first,) = run.attempts
+    assert (first.failure.rank, first.fault.kind, first.world_size) == (2, "machine", 4)
+    # node2 held ranks 2 and 3; the next attempt runs on node1's two tasks
+    assert values == [{"node": "node1", "WORLD_SIZE": "2"}] * 2
+    (left_out,) = run.state.excluded
+    assert (left_out.host, left_out.kind, left_out.why) == ("node2", "machine", "a CUDA error")
+    assert_no_survivors(run)
+    del run
+    distributor._last_run = None  # the run's directory (its checkpoints) goes with its last reference
+    gc.collect()

@@ -139,15 +139,18 @@ def executor_of(failure: Any) -> str:
     return (m.group(1) or m.group(2) or "") if m else ""
 
 
-def exclusion(failure: Any, fault: Fault, attempt: int) -> Optional[Exclusion]:
+def exclusion(failure: Any, fault: Fault, attempt: int, host: str = "") -> Optional[Exclusion]:
     """What the next attempt leaves out for ``failure`` of class ``fault``: ``None`` when the
-    class keeps the host, or nothing names a host or executor to leave out."""
+    class keeps the host, or nothing names a host or executor to leave out.  ``host``: the
+    failing rank's host as its backend places ranks (a Slurm node's name, where the rank's own
+    report has the machine's host name), else the failure's."""
     if not fault.excludes_host:
         return None
     executor = executor_of(failure)
-    if not (failure.host or executor):
+    host = host or failure.host or ""
+    if not (host or executor):
         return None
-    return Exclusion(failure.host or "", executor, fault.kind, fault.why, attempt)
+    return Exclusion(host, executor, fault.kind, fault.why, attempt)
 
 
 def excluded_hosts(exclusions: Iterable[Exclusion]) -> list:

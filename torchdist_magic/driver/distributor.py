@@ -390,7 +390,9 @@ class Run(StateAnswers):
         run has failed, saying why)."""
         failures = self.state.failures()
         cause = failures[0] if failures else None
-        plan = elastic.next_world(self.options, self.backend, cause, self._fault, self.state.attempt)
+        ranks = self.state.snapshot().ranks
+        host = (ranks[cause.rank].host or "") if cause is not None and cause.rank < len(ranks) else ""
+        plan = elastic.next_world(self.options, self.backend, cause, self._fault, self.state.attempt, host)
         if plan.refusal:
             self._error = RankFailure(cause, failures[1:], [a.failure for a in self.state.attempts], note=plan.refusal)
             self.state.finish("failed", cause, message=plan.refusal, fault=self._fault)

@@ -51,13 +51,14 @@ def first_world(options: LaunchOptions, backend: Any) -> LaunchOptions:
 
 
 def next_world(
-    options: LaunchOptions, backend: Any, cause: Any, fault: Optional[faults.Fault], attempt: int
+    options: LaunchOptions, backend: Any, cause: Any, fault: Optional[faults.Fault], attempt: int, host: str = ""
 ) -> NextWorld:
     """The attempt after ``attempt``, whose root cause ``cause`` (a ``Failure``) was of class
-    ``fault``: the exclusion ``backend`` took for it, and the ranks the next attempt runs."""
+    ``fault`` on ``host`` (its rank's, as the backend placed it): the exclusion ``backend``
+    took for it, and the ranks the next attempt runs."""
     excluded: Tuple[faults.Exclusion, ...] = ()
     if cause is not None and fault is not None:
-        exclusion = faults.exclusion(cause, fault, attempt)
+        exclusion = faults.exclusion(cause, fault, attempt, host)
         if exclusion is not None and backend.exclude(exclusion):
             excluded = (exclusion,)
     n = options.num_processes
