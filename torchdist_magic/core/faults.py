@@ -80,6 +80,7 @@ class Exclusion:
     kind: str
     why: str
     attempt: int
+    rank: int = 0  # the failing rank, in that attempt (a backend that places by rank reads it)
 
     def sentence(self) -> str:
         what = f"executor {self.executor} on {self.host}" if self.executor else self.host
@@ -150,7 +151,7 @@ def exclusion(failure: Any, fault: Fault, attempt: int, host: str = "") -> Optio
     host = host or failure.host or ""
     if not (host or executor):
         return None
-    return Exclusion(host, executor, fault.kind, fault.why, attempt)
+    return Exclusion(host, executor, fault.kind, fault.why, attempt, failure.rank)
 
 
 def excluded_hosts(exclusions: Iterable[Exclusion]) -> list:
