@@ -133,7 +133,9 @@ class Cluster:
 def test_the_first_attempt_places_what_fits_and_refuses_below_min():
     assert elastic.first_world(LaunchOptions(num_processes=(2, 4)), Cluster(3)).num_processes == 3
     assert elastic.first_world(LaunchOptions(num_processes=(2, 4)), Cluster(None)).num_processes == 4
-    with pytest.raises(ValueError, match="--np 3:4 needs at least 3 ranks, but a cluster of 2 slots has room for 2"):
+    with pytest.raises(
+        ValueError, match="--np/num_processes 3:4 needs at least 3 ranks, but a cluster of 2 slots has room for 2"
+    ):
         elastic.first_world(LaunchOptions(num_processes=(3, 4)), Cluster(2))
 
 
@@ -150,7 +152,7 @@ def test_a_restart_after_a_lost_executor_goes_on_with_fewer_ranks_down_to_min():
     below = elastic.next_world(LaunchOptions(num_processes=(3, 3), max_restarts=2), Cluster(3), lost, fault, 1)
     assert below.refusal.startswith("executor 2 on ")
     assert below.refusal.endswith(
-        "the next attempt could place 2 ranks, fewer than MIN 3 of --np MIN:MAX; 2 restarts left"
+        "the next attempt could place 2 ranks, fewer than MIN 3 of --np/num_processes MIN:MAX; 2 restarts left"
     )
     # a backend without hosts (local processes) leaves nothing out and keeps the world
     local = elastic.next_world(

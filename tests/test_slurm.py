@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from helpers import assert_no_survivors, rank_failure_of, wait_until
-from torchdist_magic import Distributor
+from torchdist_magic import Distributor, RankFailure
 from torchdist_magic.driver import distributor
 from torchdist_magic.backends.slurm import block_placement, tasks_per_node
 
@@ -214,4 +214,23 @@ def test_a_node_with_a_machine_fault_is_left_out_and_the_run_goes_on_with_fewer_
     assert_no_survivors(run)
     del run
     distributor._last_run = None  # the run's directory (its checkpoints) goes with its last reference
+    gc.collect()
+
+
+def test_a_restart_that_could_place_fewer_ranks_than_min_ends_the_run_saying_why(slurm):
+    run = Distributor((4, 4), backend="slurm", show=None, max_restarts=1, backend_options={"nodes": "2"}).submit(
+        cuda_error_on_node2
+    )
+    with pytest.raises(RankFailure) as info:
+        run.result(timeout=180)
+    assert (info.value.rank, info.value.message) == (2, "CUDA error: an illegal memory access was encountered")
+    assert info.value.note == (
+        "node2 left out after attempt 1: machine fault, a CUDA error; the next attempt could place 2 ranks, "
+        "fewer than MIN 4 of --np/num_processes MIN:MAX; 1 restart left"
+    )
+    assert str(info.value).endswith("Not restarted: " + info.value.note)
+    assert run.attempt == 1 and run.state.snapshot().state == "failed"
+    assert_no_survivors(run)
+    del run, info
+    distributor._last_run = None
     gc.collect()

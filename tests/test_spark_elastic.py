@@ -89,3 +89,12 @@ def test_a_lost_worker_is_left_out_and_the_run_finishes_on_two_ranks(spark_clust
     record = run.record.record  # the run's record in the history of runs
     assert (record.excluded, record.world_sizes) == ([sentence], [3, 2])
     assert_nothing_left(run)
+
+
+def test_a_range_whose_min_the_cluster_cannot_place_is_refused_before_anything_starts(spark_cluster3):
+    with pytest.raises(ValueError) as info:
+        Distributor(num_processes=(4, 5), local_mode=False, show=None).submit(train_on_what_is_left, 1)
+    assert str(info.value) == (
+        "--np/num_processes 4:5 needs at least 4 ranks, but Spark barrier stage on local-cluster[3,1,1024] has room "
+        "for 3: lower MIN, or add executors/hosts"
+    )

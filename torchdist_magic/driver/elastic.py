@@ -44,7 +44,7 @@ def first_world(options: LaunchOptions, backend: Any) -> LaunchOptions:
         return options
     if slots < options.min_processes:
         raise ValueError(
-            f"{flag_of('num_processes')} {_range(options)} needs at least {options.min_processes} ranks, but "
+            f"{flag_of('num_processes')}/num_processes {_range(options)} needs at least {options.min_processes} ranks, but "
             f"{backend.describe()} has room for {slots}: lower MIN, or add executors/hosts"
         )
     return options.replace(num_processes=slots)
@@ -76,6 +76,6 @@ def next_world(
         excluded,
         refusal=(
             f"{why}the next attempt could place {can} ranks, fewer than MIN {options.min_processes} of "
-            f"{flag_of('num_processes')} MIN:MAX; {left} restart{'s' if left != 1 else ''} left"
+            f"{flag_of('num_processes')}/num_processes MIN:MAX; {left} restart{'s' if left != 1 else ''} left"
         ),
     )
