@@ -101,12 +101,13 @@ def end_processes(procs, wait: float) -> None:
             p.join()
 
 
-def spark_session(app: str):
-    """A quiet ``local[2]`` SparkSession on the loopback interface, without the UI."""
+def spark_session(app: str, master: str = "local[2]"):
+    """A quiet SparkSession (``local[2]`` unless ``master`` says) on the loopback interface,
+    without the UI."""
     from pyspark.sql import SparkSession
 
     spark = (
-        SparkSession.builder.master("local[2]")
+        SparkSession.builder.master(master)
         .appName(app)
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")

@@ -1,6 +1,7 @@
 """Spark fixtures: ``spark_local2`` (master ``local[2]``), ``spark_local2_small_results`` (the
 same with 1 MiB of ``spark.driver.maxResultSize``), ``spark_cluster``
-(``local-cluster[2,1,1024]``: two executor JVMs with one core each), ``spark_fake_gpus``
+(``local-cluster[2,1,1024]``: two executor JVMs with one core each), ``spark_cluster3`` (the same
+with three), ``spark_fake_gpus``
 (TorchDistributor's own GPU fixture: ``local-cluster[2,2,1024]`` whose workers each find GPUs
 0, 1, 2 with a discovery script, one per executor and task), ``spark_standalone`` (a
 real standalone cluster started from the pyspark wheel: a master and two one-core workers bound
@@ -32,6 +33,7 @@ MASTERS = {
     "spark_local2": "local[2]",
     "spark_local2_small_results": "local[2]",
     "spark_cluster": "local-cluster[2,1,1024]",
+    "spark_cluster3": "local-cluster[3,1,1024]",
     "spark_fake_gpus": "local-cluster[2,2,1024]",
     "spark_standalone": None,
     "spark_connect": None,
@@ -380,6 +382,15 @@ def spark_local2_small_results(spark_sessions):
 def spark_cluster(spark_sessions):
     """The active SparkSession on ``local-cluster[2,1,1024]`` (ranks run in executor JVMs)."""
     return spark_sessions.get(MASTERS["spark_cluster"])
+
+
+@pytest.fixture
+def spark_cluster3(spark_sessions):
+    """The active SparkSession on ``local-cluster[3,1,1024]``: three executor JVMs, one of which a
+    test may kill (a lost worker), with all three registered."""
+    session = spark_sessions.get(MASTERS["spark_cluster3"])
+    _wait_for_executors(session.sparkContext, 3)
+    return session
 
 
 @pytest.fixture(scope="session")

@@ -552,7 +552,7 @@ def test_the_status_has_json_values_only_and_the_same_keys_as_run_status(home):
     run.result(60)
     own = run.status()
     check(own, STATUS_SCHEMA)
-    assert set(own) == set(status) and own["state"] == "succeeded" and own["schema"] == 1
+    assert set(own) == set(status) and own["state"] == "succeeded" and own["schema"] == 2
 
 
 def _returns_one():
@@ -599,7 +599,7 @@ def test_the_docs_page_names_every_key_of_each_schema():
     for schema in (STATUS_SCHEMA, RECORD_SCHEMA, EXPLAIN_SCHEMA):
         for key in schema["properties"]:
             assert f"`{key}`" in page, f"docs/guide/terminal.md does not name {schema['title']}'s key {key!r}"
-    assert "schema 1" in page and STATUS_SCHEMA["properties"]["schema"]["const"] == 1
+    assert "schema 2" in page and STATUS_SCHEMA["properties"]["schema"]["const"] == 2
 
 
 def test_a_rank_that_fails_while_a_hung_run_is_stopped_is_no_root_cause():

@@ -266,7 +266,7 @@ def test_failing_rank_shows_cell_line(ip, capsys):
     "source,expected",
     [
         ("%%torchdist --np 0\n1", "UsageError: --np must be at least 1, got 0"),
-        ("%%torchdist --np x\n1", "UsageError: argument --np: invalid int value: 'x'"),
+        ("%%torchdist --np x\n1", "UsageError: argument --np: needs N or MIN:MAX (whole numbers), got 'x'"),
         ("%%torchdist --bogus\n1", "UsageError: unrecognized arguments: --bogus"),
         (
             "%%torchdist --backend yarn\n1",
@@ -362,7 +362,8 @@ def test_help_text(ip):
 
     doc = ip.magics_manager.magics["cell"]["torchdist"].__doc__
     for flag in (
-        "--np N",
+        "--np <N|MIN:MAX>",
+        "--min-np N",
         "--gpu",
         "--local",
         "--spark",
@@ -380,7 +381,7 @@ def test_help_text(ip):
     assert "rank 0's value is the result" in doc
     words = " ".join(doc.split())  # argparse wraps to the terminal's width
     for flag_help in (
-        "--np N number of ranks (processes) to start",
+        "--np <N|MIN:MAX> number of ranks (processes) to start; MIN:MAX (num_processes=(MIN, MAX)) starts as many",
         "--timeout SECONDS stop every rank and raise TimeoutError after SECONDS",
         "--env <KEY=VALUE> extra environment variable for every rank (repeatable)",
         "--all-ranks return every rank's value as a list indexed by rank",

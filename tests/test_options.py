@@ -189,7 +189,7 @@ def test_flags_parse_into_options_with_defaults_for_what_is_not_given():
         ("--local --spark", "--local and --spark contradict each other: give one"),
         ("--spark --backend local", "--spark and --backend local contradict each other: give one"),
         ("--np", "argument --np: expected one argument"),
-        ("--np two", "argument --np: invalid int value: 'two'"),
+        ("--np two", "argument --np: needs N or MIN:MAX \\(whole numbers\\), got 'two'"),
         ("--frobnicate", "unrecognized arguments: --frobnicate"),
         ("--env 'A=1", "cannot parse the flags: No closing quotation"),
     ],

@@ -63,6 +63,7 @@ def test_control_kinds_follow_the_field_metadata(panel):
     kinds = {name: type(c) for name, c in panel.controls.items()}
     assert kinds == {
         "num_processes": widgets.IntText,
+        "min_processes": widgets.Text,
         "use_gpu": widgets.Checkbox,
         "backend": widgets.Dropdown,
         "timeout": widgets.Text,

@@ -4,6 +4,7 @@ them, a run the cluster cannot place refused in seconds naming what is missing, 
 failed run leaving no actor and no placement group, and what the backend refuses before anything
 starts."""
 
+import gc
 import os
 import re
 import signal
@@ -14,6 +15,7 @@ import pytest
 
 from helpers import assert_no_survivors, rank_failure_of, wait_until
 from torchdist_magic import Distributor, RunCancelled
+from torchdist_magic.driver import distributor
 
 pytestmark = pytest.mark.ray
 
@@ -239,3 +241,35 @@ def test_a_bad_address_is_refused_naming_it(tmp_path):
         "backend 'ray' could not connect to the Ray cluster at '127.0.0.1:1': nothing answers there "
         "(ConnectionRefusedError: Connection refused)"
     ), done.stdout + done.stderr[-2000:]
+
+
+def cuda_error_on_rank2():
+    import time
+
+    from torchdist_magic import restart_count
+
+    if restart_count() == 0:
+        if os.environ["RANK"] == "2":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        time.sleep(600)
+    return placement()
+
+
+def test_a_node_with_a_machine_fault_is_left_out_by_the_next_placement_group(ray_connected):
+    run = Distributor((2, 4), backend="ray", show=None, all_ranks=True, max_restarts=1).submit(cuda_error_on_rank2)
+    values = run.result(timeout=240)
+    (first,) = run.attempts
+    assert (first.failure.rank, first.fault.kind, first.world_size) == (2, "machine", 4)
+    (left_out,) = run.state.excluded
+    assert (left_out.rank, left_out.kind, left_out.why) == (2, "machine", "a CUDA error")
+    (bad_id,) = run.backend.left_out  # the node id its placement groups refuse from now on
+    bad = ray_nodes()[bad_id[:12]]
+    # the next attempt: the two bundles the other node holds, none on the node left out
+    nodes = ray_connected.nodes_by_raylet()
+    named = [nodes[int(v["raylet"])] for v in values]
+    assert len(named) == 2 and bad not in named and len(set(named)) == 1
+    assert {v["RANK"] for v in values} == {"0", "1"}
+    assert_no_survivors(run)
+    del run
+    distributor._last_run = None  # the run's directory (its checkpoints) goes with its last reference
+    gc.collect()

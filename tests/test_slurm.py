@@ -2,6 +2,7 @@
 suite, ``test_contract``, runs on it too): ranks placed by node as torchrun places them, a run
 inside an allocation the notebook runs in, and what the backend refuses before anything starts."""
 
+import gc
 import os
 import re
 import subprocess
@@ -9,7 +10,8 @@ import subprocess
 import pytest
 
 from helpers import assert_no_survivors, rank_failure_of, wait_until
-from torchdist_magic import Distributor
+from torchdist_magic import Distributor, RankFailure
+from torchdist_magic.driver import distributor
 from torchdist_magic.backends.slurm import block_placement, tasks_per_node
 
 
@@ -184,3 +186,51 @@ def test_the_channel_is_encrypted_when_the_nodes_reach_it_beyond_loopback(slurm)
         run = Distributor(2, backend="slurm", show=None, backend_options={"address": address}).submit(placement)
         assert run.result(timeout=120)["MASTER_ADDR"] == address  # the address the nodes reach it at
         assert run.channel_encrypted
+
+
+def cuda_error_on_node2():
+    import time
+
+    from torchdist_magic import restart_count
+
+    if restart_count() == 0:
+        if os.environ["SLURMD_NODENAME"] == "node2" and os.environ["LOCAL_RANK"] == "0":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        time.sleep(600)
+    return {"node": os.environ["SLURMD_NODENAME"], "WORLD_SIZE": os.environ["WORLD_SIZE"]}
+
+
+def test_a_node_with_a_machine_fault_is_left_out_and_the_run_goes_on_with_fewer_ranks(slurm):
+    run = Distributor(
+        (2, 4), backend="slurm", show=None, all_ranks=True, max_restarts=1, backend_options={"nodes": "2"}
+    ).submit(cuda_error_on_node2)
+    values = run.result(timeout=180)
+    (first,) = run.attempts
+    assert (first.failure.rank, first.fault.kind, first.world_size) == (2, "machine", 4)
+    # node2 held ranks 2 and 3; the next attempt runs on node1's two tasks
+    assert values == [{"node": "node1", "WORLD_SIZE": "2"}] * 2
+    (left_out,) = run.state.excluded
+    assert (left_out.host, left_out.kind, left_out.why) == ("node2", "machine", "a CUDA error")
+    assert_no_survivors(run)
+    del run
+    distributor._last_run = None  # the run's directory (its checkpoints) goes with its last reference
+    gc.collect()
+
+
+def test_a_restart_that_could_place_fewer_ranks_than_min_ends_the_run_saying_why(slurm):
+    run = Distributor((4, 4), backend="slurm", show=None, max_restarts=1, backend_options={"nodes": "2"}).submit(
+        cuda_error_on_node2
+    )
+    with pytest.raises(RankFailure) as info:
+        run.result(timeout=180)
+    assert (info.value.rank, info.value.message) == (2, "CUDA error: an illegal memory access was encountered")
+    assert info.value.reason == (
+        "node2 left out after attempt 1: machine fault, a CUDA error; the next attempt could place 2 ranks, "
+        "fewer than MIN 4 of --np/num_processes MIN:MAX; 1 restart left"
+    )
+    assert "\nNot restarted: " + info.value.reason + "\n" in str(info.value)
+    assert run.attempt == 1 and run.state.snapshot().state == "failed"
+    assert_no_survivors(run)
+    del run, info
+    distributor._last_run = None
+    gc.collect()

@@ -434,8 +434,25 @@ def explain_text(found: Dict[str, Any]) -> str:
     cause = found["root_cause"]
     if cause:
         rows += ["", f"root cause: {cause['summary']}"]
+        if found["fault"]:
+            rows += [f"fault: {found['fault']['kind']} ({found['fault']['why']})"]
         if cause["traceback"].strip():
             rows += ["", f"--- traceback of rank {cause['rank']} ---", cause["traceback"].rstrip()]
+    if found["attempts"]:
+        rows += ["", "earlier attempts:"]
+        rows += [
+            f"  attempt {a['attempt']} on {a['world_size']} ranks: {a['summary'] or 'failed'}"
+            + (f" [{a['fault']['kind']} fault]" if a["fault"] else "")
+            for a in found["attempts"]
+        ]
+    if found["excluded"]:
+        rows += ["", "left out by the restarts:"]
+        rows += [
+            "  "
+            + (f"executor {e['executor']} on {e['host']}" if e["executor"] else e["host"])
+            + f" after attempt {e['attempt']}: {e['kind']} fault, {e['why']}"
+            for e in found["excluded"]
+        ]
     if found["culprit"]:
         rows += ["", f"culprit: {found['culprit']['sentence']}", "collective records:"]
         rows += [f"  {line}" for line in found["culprit"]["records"]]

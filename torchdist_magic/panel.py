@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import ipywidgets as widgets
 
 from .driver.handle import RunHandle
-from .core.options import LaunchOptions, OptionError, option_fields
+from .core.options import LaunchOptions, OptionError, np_range, option_fields
 from .view.style import ERROR, MONO, MUTED, STATE_TEXT
 from .view.widget import UPDATE_EVERY, WidgetView, close_tree
 
@@ -77,7 +77,8 @@ def control_for(field: dataclasses.Field, value: Any) -> widgets.Widget:
             rows=2,
             layout=layout,
         )
-    elif meta.get("type") is int:
+    elif meta.get("type") in (int, np_range) and field.default is not None:
+        # --np's range is its own control here (--min-np): the panel's --np is a whole number
         control = widgets.IntText(value=value, layout=layout)
     else:
         optional = field.default is None

@@ -173,6 +173,17 @@ class Backend(abc.ABC):
         """How many ranks can run at once, or ``None`` when nothing limits it up front."""
         return None
 
+    def placeable(self) -> Optional[int]:
+        """How many ranks could be placed now, for a restart that may go on with fewer
+        (``--np MIN:MAX``): what is there at this moment, not what is still expected; ``None``
+        when nothing limits it."""
+        return self.slots()
+
+    def exclude(self, exclusion: Any) -> bool:
+        """Leave ``exclusion``'s host (a ``faults.Exclusion``) out of this backend's next starts;
+        whether it can (a backend without hosts to choose, local processes, cannot)."""
+        return False
+
     def slot_owner(self) -> Any:
         """What this backend's slots belong to, shared by every run on it (a Spark backend: its
         SparkSession), so that a warm pool holding some is seen by the next cold run, and ends

@@ -143,6 +143,10 @@ class RayBackend(Backend):
         self.num_cpus = 1.0
         self.num_gpus: Optional[float] = None
         self.strategy = "PACK"
+        #: the Ray node ids a restart leaves out (each bundle's label selector refuses them)
+        self.left_out: List[str] = []
+        #: the last attempt's Ray node id of each rank (its bundle's node)
+        self.rank_nodes: Dict[int, str] = {}
 
     def configure(self, options: Dict[str, str]) -> None:
         super().configure(options)
@@ -183,12 +187,12 @@ class RayBackend(Backend):
         return {"CPU": self.num_cpus, "GPU": gpus} if gpus else {"CPU": self.num_cpus}
 
     def check(self, options: LaunchOptions) -> LaunchPlan:
-        ray = self._ray()
+        self._ray()  # connected, or ValueError naming why not
         n = options.num_processes
         if options.use_gpu and self.num_gpus == 0:
             raise ValueError("use_gpu/--gpu needs GPUs for the ranks, and the backend option num_gpus is 0")
         bundle = self.bundle(options.use_gpu)
-        alive = [n_["Resources"] for n_ in ray.nodes() if n_.get("Alive")]
+        alive = [node["Resources"] for node in self._alive()]  # a node left out is none of them
         fit = placeable(alive, bundle, self.strategy)
         if fit < n:
             totals = {k: sum(node.get(k, 0.0) for node in alive) for k in bundle}
@@ -203,6 +207,27 @@ class RayBackend(Backend):
                 "or fewer ranks, smaller bundles (backend options num_cpus, num_gpus), or add nodes"
             )
         return LaunchPlan(n, tls=self.channel_tls(options))
+
+    def _alive(self) -> List[dict]:
+        return [node for node in self._ray().nodes() if node.get("Alive") and node["NodeID"] not in self.left_out]
+
+    def placeable(self) -> int:
+        """The bundles the alive nodes not left out can place now."""
+        return placeable([node["Resources"] for node in self._alive()], self.bundle(False), self.strategy)
+
+    def exclude(self, exclusion) -> bool:
+        """Leave out the Ray node the failing rank's bundle was on: the next placement group's
+        bundles refuse its node id (a label selector on ``ray.io/node-id``)."""
+        node = self.rank_nodes.get(exclusion.rank)
+        if node is None:
+            return False
+        if node not in self.left_out:
+            self.left_out.append(node)
+        return True
+
+    def label_selector(self) -> Optional[Dict[str, str]]:
+        """Each bundle's label selector: not on a node left out (``None``: any node)."""
+        return {"ray.io/node-id": f"!in({', '.join(self.left_out)})"} if self.left_out else None
 
     def start(self, ctx: LaunchContext) -> "RayRun":
         run = RayRun(self, ctx)
@@ -261,7 +286,13 @@ class RayRun(BackendRun):
             {rank: self._spec.value_path(rank) for rank in range(self._n) if ctx.spec.returns_value(rank)}
         )
         bundle = backend.bundle(ctx.spec.use_gpu)
-        self._group = placement_group([dict(bundle)] * self._n, strategy=backend.strategy, name=self.group_name)
+        selector = backend.label_selector()
+        self._group = placement_group(
+            [dict(bundle)] * self._n,
+            strategy=backend.strategy,
+            name=self.group_name,
+            bundle_label_selector=[dict(selector)] * self._n if selector else None,
+        )
         ready, _ = ray.wait([self._group.ready()], timeout=RAY_PLACEMENT_WAIT)
         if not ready:
             free = {k: v for k, v in ray.available_resources().items() if k in bundle}
@@ -271,6 +302,8 @@ class RayRun(BackendRun):
                 f"{', '.join(f'{free.get(k, 0):g} {k}' for k in bundle)} free now (other runs or actors "
                 "hold the rest); use fewer ranks, or run when they are free"
             )
+        placed = ray.util.placement_group_table(self._group).get("bundles_to_node_id", {})
+        backend.rank_nodes = {int(bundle): node for bundle, node in placed.items()}  # rank r is in bundle r
         self._spec_ref = ray.put(self._spec)  # once, in the object store; each node fetches it
         actor_class = ray.remote(RankLauncher)
         for rank in range(self._n):

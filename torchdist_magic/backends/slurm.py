@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 import subprocess
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ..core.options import LaunchOptions
 from .base import LaunchContext, LaunchPlan
@@ -98,6 +98,10 @@ class SlurmBackend(CommandLineBackend):
         self._job: Optional[str] = None  # the allocation the ranks run in
         self._own_job = False  # whether this run asked for it (and so cancels it)
         self._placement: List[str] = []
+        #: the allocation's nodes and their tasks, and the nodes a restart leaves out
+        self._nodes: List[str] = []
+        self._counts: List[int] = []
+        self._left_out: List[str] = []
         self._run_id = ""
         self._use_gpu = False
 
@@ -171,7 +175,26 @@ class SlurmBackend(CommandLineBackend):
         self._run_id, self._use_gpu = ctx.spec.run_id, ctx.spec.use_gpu
         if self._job is None:  # a restart runs in the same allocation
             self._allocate(ctx)
+        elif self._left_out:  # on its nodes that were not left out
+            self._placement = block_placement(*self._kept(), ctx.spec.num_processes)
         return super().start(ctx)
+
+    def _kept(self) -> Tuple[List[str], List[int]]:
+        kept = [(node, count) for node, count in zip(self._nodes, self._counts) if node not in self._left_out]
+        return [node for node, _ in kept], [count for _, count in kept]
+
+    def exclude(self, exclusion) -> bool:
+        """Leave a node of the allocation out of the next attempt's placement (its ranks go on
+        the other nodes' tasks); a host that is no node of it cannot be."""
+        if exclusion.host not in self._nodes:
+            return False
+        if exclusion.host not in self._left_out:
+            self._left_out.append(exclusion.host)
+        return True
+
+    def placeable(self) -> Optional[int]:
+        """The tasks of the allocation's nodes not left out (before the first start: unknown)."""
+        return sum(self._kept()[1]) if self._nodes else None
 
     def _allocate(self, ctx: LaunchContext) -> None:
         n = ctx.spec.num_processes
@@ -179,6 +202,7 @@ class SlurmBackend(CommandLineBackend):
         if job:
             nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", ""))
             counts = tasks_per_node(os.environ.get("SLURM_TASKS_PER_NODE", "1"))
+            self._nodes, self._counts = nodes, counts
             self._placement = block_placement(nodes, counts, n)
             self._job = job
             return
@@ -205,7 +229,8 @@ class SlurmBackend(CommandLineBackend):
         )
         names = expand_nodelist(info.stdout.strip())
         per_node = math.ceil(n / len(names))
-        self._placement = block_placement(names, [per_node] * len(names), n)
+        self._nodes, self._counts = names, [per_node] * len(names)
+        self._placement = block_placement(names, self._counts, n)
 
     def command(self, rank: int, argv: List[str]) -> List[str]:
         line = [
@@ -241,6 +266,7 @@ class SlurmBackend(CommandLineBackend):
                     subprocess.run(["scancel", *mine], capture_output=True, timeout=CLIENT_WAIT)
         finally:
             self._job, self._own_job = None, False
+            self._nodes, self._counts, self._left_out = [], [], []
 
     def _cancel_named(self) -> None:
         """Cancel a pending allocation of this run that ``salloc`` gave up waiting for."""

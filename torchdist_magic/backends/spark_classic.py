@@ -98,6 +98,25 @@ class SparkBarrierBackend(SparkStageBackend):
     def slots(self) -> int:
         return task_slots(self.context)
 
+    def placeable(self) -> int:
+        """The slots of the executors registered now (a lost one's replacement may be on its
+        way: a restart does not wait for it)."""
+        return max_concurrent_tasks(self.context)
+
+    def exclude(self, exclusion) -> bool:
+        """Leave a Spark executor out: one Spark named as lost is gone already; one still
+        registered (a machine fault on it) is killed without a replacement
+        (``SparkContext.killExecutor``: the cluster manager lowers the application's target).
+        A host without an executor id (a rank's own machine error) cannot be steered away from by
+        a barrier stage: not taken."""
+        if not exclusion.executor:
+            return False
+        try:
+            self.context._jsc.sc().killExecutor(exclusion.executor)
+        except Exception as exc:  # noqa: BLE001 - a master that cannot kill executors (local[N]), or it is gone
+            log.info("could not kill excluded executor %s (%s: %s)", exclusion.executor, type(exc).__name__, exc)
+        return True
+
     def slot_detail(self) -> str:
         return f" (master {self.context.master}, spark.task.cpus={self.conf('spark.task.cpus', '1')})"
 

@@ -30,7 +30,8 @@ class RankFailure(RuntimeError):
     compared) and ``suspects`` (its sorted ranks): where a collective timed out because a rank
     was behind, that rank is the root cause (``rank``) and the verdict leads the message.
     ``reason``: why a run with restarts left did not restart (the failure repeated the previous
-    attempt's, or ``--restart-on`` did not ask for it); ``""`` otherwise.
+    attempt's, ``--restart-on`` did not ask for it, or fewer ranks than ``--np MIN:MAX``'s MIN
+    could be placed); ``""`` otherwise.
 
     Example:
 

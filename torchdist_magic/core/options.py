@@ -13,6 +13,7 @@ Errors name what the user typed: ``num_processes must be at least 1, got 0`` fro
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
@@ -52,6 +53,19 @@ def _flag(flag: str, help: str, **extra: Any) -> dict:
     ``Optional[bool]`` whose ``None`` is the backend's choice: the flag sets True, the negative
     flag False, neither leaves the default)."""
     return {"flag": flag, "help": help, **extra}
+
+
+class NpRangeError(argparse.ArgumentTypeError, ValueError):
+    """``--np`` text that is neither N nor MIN:MAX (argparse shows it after the flag's name)."""
+
+
+def np_range(text: str) -> Any:
+    """``--np``'s value: ``"4"`` as 4, ``"2:4"`` as ``(2, 4)`` (checked by ``LaunchOptions``)."""
+    low, colon, high = text.strip().partition(":")
+    try:
+        return (int(low), int(high)) if colon else int(low)
+    except ValueError:
+        raise NpRangeError(f"needs N or MIN:MAX (whole numbers), got {text!r}") from None
 
 
 GPU_HELP = (
@@ -94,7 +108,23 @@ class LaunchOptions:
 
     num_processes: int = field(
         default=1,
-        metadata=_flag("--np", "number of ranks (processes) to start", metavar="N", type=int),
+        metadata=_flag(
+            "--np",
+            "number of ranks (processes) to start; MIN:MAX (num_processes=(MIN, MAX)) starts as many "
+            "as the backend can place up to MAX, and a restart after a lost host or a machine fault "
+            "goes on with fewer, down to MIN (world_size() tells the job)",
+            metavar="N|MIN:MAX",
+            type=np_range,
+        ),
+    )
+    min_processes: Optional[int] = field(
+        default=None,
+        metadata=_flag(
+            "--min-np",
+            "the fewest ranks the run may go on with (what --np MIN:MAX sets); None: always --np",
+            metavar="N",
+            type=int,
+        ),
     )
     use_gpu: bool = field(default=False, metadata=_flag("--gpu", GPU_HELP))
     backend: str = field(
@@ -374,7 +404,21 @@ class LaunchOptions:
     )
 
     def __post_init__(self) -> None:
-        _check_count("num_processes", self.num_processes, 1)
+        self.num_processes, least = _np_bounds(self.num_processes)
+        if least is not None:
+            if self.min_processes is not None and self.min_processes != least:
+                raise OptionValueError(
+                    "min_processes",
+                    f"{{name}} is {self.min_processes!r} but num_processes says {least}: give one of them",
+                )
+            self.min_processes = least
+        if self.min_processes is not None:
+            _check_count("min_processes", self.min_processes, 1)
+            if self.min_processes > self.num_processes:
+                raise OptionValueError(
+                    "min_processes",
+                    f"{{name}} ({self.min_processes}) must be at most num_processes ({self.num_processes})",
+                )
         _check_bool("use_gpu", self.use_gpu)
         if self.backend not in backend_names():
             told = unknown_backend(self.backend)[len("backend") :]
@@ -579,6 +623,31 @@ def _check_seconds(name: str, value: Any) -> None:
         raise OptionTypeError(name, f"{{name}} must be a number of seconds, got {value!r}")
     if not math.isfinite(value) or value <= 0:
         raise OptionValueError(name, f"{{name}} must be a positive number of seconds, got {value:g}")
+
+
+def _np_bounds(value: Any) -> Tuple[int, Optional[int]]:
+    """``num_processes`` as (MAX, MIN): a whole number (MIN ``None``), ``(MIN, MAX)`` or
+    ``"MIN:MAX"``."""
+    if isinstance(value, str) and ":" in value:
+        try:
+            value = np_range(value)
+        except NpRangeError as exc:
+            raise OptionValueError(
+                "num_processes", "{name} " + str(exc).replace("{", "{{").replace("}", "}}")
+            ) from None
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise OptionValueError(
+                "num_processes", f"{{name}} as a range is (MIN, MAX), two numbers; got {_literal(value)}"
+            )
+        low, high = value
+        _check_count("num_processes", low, 1)
+        _check_count("num_processes", high, 1)
+        if low > high:
+            raise OptionValueError("num_processes", f"{{name}} MIN:MAX needs MIN <= MAX, got {low}:{high}")
+        return high, low
+    _check_count("num_processes", value, 1)
+    return value, None
 
 
 def _check_count(name: str, value: Any, least: int) -> None:

@@ -39,7 +39,7 @@ from ..backends.channels import open_channel
 from ..wire.server import ChannelServer
 from ..core.fdlimit import make_room
 from .console import NO_STDIN_PDB, Console, rank_env
-from ..core import culprit
+from ..core import culprit, faults
 from ..core.errors import HangTimeout, JobTimeout, NotAvailable, RankFailure, ResultTimeout, RunCancelled
 from ..core.failure import Failure
 from ..core.events import DebugOutput, DumpCollectives, Log, ProfileDone, ProfilePiece, Stacks, StartProfile
@@ -47,7 +47,7 @@ from ..core.job import Job, build_job
 from ..core.options import LaunchOptions
 from ..core import values
 from ..core.rankenv import RunSpec
-from . import hangs, restarts
+from . import elastic, hangs, restarts
 from .handle import StateAnswers
 from .history import RecordKeeper
 from .profiles import ProfileCollector
@@ -130,6 +130,7 @@ def submit(
 
         check_cold_run(options, backend)  # a warm pool may hold the Spark task slots
     try:
+        options = elastic.first_world(options, backend)
         plan = backend.check(options)
         make_room(options.num_processes, local=backend.ranks_share_machine())
         prepared = None
@@ -230,6 +231,8 @@ class Run(StateAnswers):
         self._channel: Optional[ChannelServer] = None
         self._backend_run: Optional[BackendRun] = None
         self._capturing = threading.Lock()
+        #: the class of the current attempt's root cause, once it failed (``faults.classify``)
+        self._fault: Optional[faults.Fault] = None
         self._cancelled_by = "cancel()"
         self._done = threading.Event()
         #: the ranks' debugger sessions, which ``follow`` serves (``debugger``)
@@ -371,8 +374,8 @@ class Run(StateAnswers):
             if self.options.max_restarts and not self.options.checkpoint_dir:
                 checkpoints = _subdirectory(self.directory, "checkpoints")
             while self._attempt(deadline, checkpoints):
-                self.state.restart(self._hang_cause)
-                self._hang_cause = None
+                if not self._next_attempt():
+                    break
         except BaseException as exc:  # reported through result(), never lost in this thread  # noqa: BLE001
             self._error = exc
             if not self.state.finished:
@@ -388,6 +391,30 @@ class Run(StateAnswers):
             finally:
                 self.record.end()  # before result() returns: the history has the run's end
                 self._done.set()
+
+    def _next_attempt(self) -> bool:
+        """Start the next attempt after a failure: its host left out where the backend can, on
+        fewer ranks where ``--np MIN:MAX`` allows (``elastic``); False when it cannot go on (the
+        run has failed, saying why)."""
+        failures = self.state.failures()
+        hang_cause, self._hang_cause = self._hang_cause, None  # a hang restarted (--on-hang restart)
+        if hang_cause is not None:
+            failures = [hang_cause] + failures
+        cause = failures[0] if failures else None
+        ranks = self.state.snapshot().ranks
+        host = (ranks[cause.rank].host or "") if cause is not None and cause.rank < len(ranks) else ""
+        plan = elastic.next_world(self.options, self.backend, cause, self._fault, self.state.attempt, host)
+        if plan.refusal:
+            self._error = RankFailure(
+                cause, failures[1:], [a.failure for a in self.state.attempts], reason=plan.refusal
+            )
+            self.state.finish("failed", cause, message=plan.refusal, fault=self._fault)
+            return False
+        if plan.num_processes != self.options.num_processes:
+            self.options = self.options.replace(num_processes=plan.num_processes)
+            self.plan = self.backend.check(self.options)
+        self.state.restart(hang_cause, self._fault, num_processes=plan.num_processes, excluded=plan.excluded)
+        return True
 
     def _attempt(self, deadline: Optional[float], checkpoints: str) -> bool:
         """Run the current attempt to its end; True when the job is to start again."""
@@ -516,6 +543,7 @@ class Run(StateAnswers):
                     and (culprit.is_collective_timeout(failures[0]) or is_collateral(failures[0]))
                 ):
                     failures = [hangs.suspect_failure(self.state, verdict, stacks, failures[0].time)] + failures
+                self._fault = faults.classify(failures[0], preflight=self.state.preflight.get(failures[0].rank))
                 reason = self._no_restart(failures[0])
                 if reason is None:
                     return True
@@ -526,7 +554,7 @@ class Run(StateAnswers):
                     verdict=verdict or None,
                     reason=reason,
                 )
-                self.state.finish("failed", failures[0], message=reason)
+                self.state.finish("failed", failures[0], message=reason, fault=self._fault)
                 return False
             if self.state.all_exited_ok():
                 self._value = self._collect(backend_run)
@@ -559,6 +587,7 @@ class Run(StateAnswers):
                     reason = self._no_restart(cause)
                     if reason is None:
                         self._hang_cause = cause
+                        self._fault = faults.classify(None, hung=True)
                         return True
                 hint = "; ".join(
                     filter(None, [hangs.hang_hint(self.options.ranks), reason and f"not restarted: {reason}"])
@@ -570,7 +599,7 @@ class Run(StateAnswers):
                     hint=hint,
                     verdict=self.state.verdict or None,
                 )
-                self.state.finish("hung", message=self._error.headline)
+                self.state.finish("hung", message=self._error.headline, fault=faults.classify(None, hung=True))
                 return False
             time.sleep(SUPERVISE_POLL)
 

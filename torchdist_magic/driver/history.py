@@ -147,6 +147,12 @@ class RunRecord:
     #: the release of torchdist_magic that ran it (a record written before releases were recorded: "")
     version: str = __version__
     directory: str = ""
+    #: the class of the root cause (``faults.Fault``: "machine: an NCCL error"), "" for none
+    fault: str = ""
+    #: the hosts (executors) its restarts left out, and why (``faults.Exclusion.sentence``)
+    excluded: List[str] = field(default_factory=list)
+    #: each attempt's number of ranks, the first attempt's first (``--np MIN:MAX``)
+    world_sizes: List[int] = field(default_factory=list)
 
     @property
     def path(self) -> str:
@@ -465,6 +471,9 @@ class RecordKeeper:
             record.state = outcome_of(snapshot.state)
             record.ended = snapshot.ended or time.time()
             record.root_cause = snapshot.failure
+            record.fault = f"{snapshot.fault.kind}: {snapshot.fault.why}" if snapshot.fault else ""
+            record.excluded = [e.sentence() for e in snapshot.excluded]
+            record.world_sizes = [a.world_size for a in snapshot.attempts] + [snapshot.num_processes]
             record.failure = (
                 snapshot.failure.summary()
                 if snapshot.failure is not None

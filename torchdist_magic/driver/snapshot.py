@@ -12,6 +12,7 @@ from typing import Dict, FrozenSet, List, Optional, Tuple
 from ..core import events
 from ..core.culprit import Verdict
 from ..core.failure import Failure
+from ..core.faults import Exclusion, Fault
 from .rootcause import root_cause_first
 from .stragglers import Straggler
 
@@ -84,6 +85,8 @@ class Attempt:
     first_work: Optional[float] = None  # its first sign of work: code started, a step, a report (``goodput``)
     checkpoint: Optional[float] = None  # when its newest checkpoint arrived
     data_stall_s: float = 0.0  # the longest any of its ranks waited for data
+    world_size: int = 0  # how many ranks it ran (``--np MIN:MAX`` may run fewer after a loss)
+    fault: Optional[Fault] = None  # its root cause's class (``faults.classify``)
 
 
 @dataclass
@@ -138,6 +141,10 @@ class RunSnapshot:
     refusals: Tuple[Refusal, ...] = ()
     #: where its wall time went so far (``RunState.goodput``)
     goodput: Dict[str, float] = field(default_factory=dict)
+    #: the class of the run's root cause once it failed or hung (``faults.Fault``), else None
+    fault: Optional[Fault] = None
+    #: hosts (executors) the run's restarts left out, and why (``faults.Exclusion``)
+    excluded: Tuple[Exclusion, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -28,6 +28,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 from ..core import events
 from ..core.culprit import Verdict
 from ..core.failure import Failure
+from ..core.faults import Exclusion, Fault
 from .goodput import AttemptTimes, goodput
 from .logstore import LogLine, LogRead, LogStore, SpillFile, memory_share
 from .reading import MetricCursor, rank_snapshot, thinned
@@ -198,6 +199,10 @@ class RunState:
         self.hang_lost_s = 0.0
         #: the current attempt's profiles (``profiles.ProfileCollector``, ``--profile``), or None
         self.profiles = None
+        #: the class of the run's root cause (``faults.Fault``) once it failed or hung, else None
+        self.fault: Optional[Fault] = None
+        #: hosts (executors) left out by the run's restarts (``faults.Exclusion``), oldest first
+        self.excluded: List[Exclusion] = []
 
     def refused(self, kind: str, rank: int, detail: str) -> None:
         """The channel refused a record of ``rank`` (``ChannelServer``'s ``on_refusal``)."""
@@ -481,16 +486,22 @@ class RunState:
         events.SystemMetrics: _on_system,
         events.Collectives: _on_collectives,
         events.Preflight: _on_preflight,
-        events.Stacks: _on_stacks,
-        events.SystemMetrics: _on_system,
         events.StepSplit: _on_step_split,
         events.Checkpoint: _on_checkpoint,
         events.CodeStarted: _on_code_started,
     }
 
-    def restart(self, cause: Optional[Failure] = None) -> None:
+    def restart(
+        self,
+        cause: Optional[Failure] = None,
+        fault: Optional[Fault] = None,
+        num_processes: Optional[int] = None,
+        excluded: Iterable[Exclusion] = (),
+    ) -> None:
         """End the current attempt (its root cause is ``cause`` when given, a hang's, else the
-        first of ``failures()``) and start the next: fresh rank states, the logs kept."""
+        first of ``failures()``; of class ``fault``) and start the next: fresh rank states, the
+        logs kept; on ``num_processes`` ranks (fewer than before, ``--np MIN:MAX``) when given;
+        ``excluded``: the hosts it leaves out for the root cause."""
         with self._lock:
             failures = ([cause] if cause is not None else []) + self.failures()
             now = time.time()
@@ -504,8 +515,16 @@ class RunState:
                     first_work=self.first_work,
                     checkpoint=self.last_checkpoint,
                     data_stall_s=self._data_stall(),
+                    world_size=self.num_processes,
+                    fault=fault,
                 )
             )
+            self.excluded.extend(excluded)
+            if num_processes is not None and num_processes < self.num_processes:
+                # the ranks beyond the new world keep their logs (``logs``), not a rank state
+                self.num_processes = num_processes
+                self._rank_versions = self._rank_versions[:num_processes]
+                self._rank_snapshots = (None, 0)
             self.first_work = self.last_checkpoint = self.last_checkpoint_step = None
             self.attempt += 1
             self.attempt_started = now
@@ -522,11 +541,14 @@ class RunState:
             self._pace = Pace(self.num_processes, self._pace.clock)
             self._changed_all()
 
-    def finish(self, state: str, failure: Optional[Failure] = None, message: str = "") -> None:
+    def finish(
+        self, state: str, failure: Optional[Failure] = None, message: str = "", fault: Optional[Fault] = None
+    ) -> None:
         with self._lock:
             if self.ended is not None:
                 return
             self.state = state
+            self.fault = fault
             self.failure = failure
             self.message = message
             self.ended = time.time()
@@ -720,6 +742,8 @@ class RunState:
                 verdict=self.verdict,
                 preflight=dict(self.preflight),
                 goodput=self.goodput(),
+                fault=self.fault,
+                excluded=tuple(self.excluded),
                 stragglers=tuple(self._pace.stragglers([rs.host for rs in self.ranks], check=self.ended is None)),
             )
 
@@ -843,8 +867,10 @@ class RunState:
 
     def logs(self, rank: int, attempt: Optional[int] = None) -> str:
         """Everything ``rank`` printed, in order: in every attempt, or in attempt ``attempt``
-        (1 for the first)."""
-        self._check_rank(rank)
+        (1 for the first).  A rank an earlier attempt had and a smaller world has not (``--np
+        MIN:MAX``) keeps its logs."""
+        if not 0 <= rank < len(self._logs):
+            self._check_rank(rank)
         with self._lock:
             if attempt is None:
                 return self._logs[rank].text()

@@ -26,7 +26,7 @@ from ..core import culprit
 from ..core.preflight import compare
 
 #: the version of the dicts ``run_status`` and ``explain`` return (their ``"schema"`` key)
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: lines of each rank involved that ``explain`` shows
 EXPLAIN_LINES = 20
 #: run states after which nothing more happens
@@ -73,6 +73,27 @@ _CULPRIT = {
     },
 }
 _STRINGS = {"type": "array", "items": {"type": "string"}}
+_FAULT = {
+    "type": ["object", "null"],
+    "required": ["kind", "why"],
+    "additionalProperties": False,
+    "properties": {"kind": {"enum": ["user", "machine", "lost", "hang"]}, "why": {"type": "string"}},
+}
+_EXCLUDED = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["host", "executor", "kind", "why", "attempt"],
+        "additionalProperties": False,
+        "properties": {
+            "host": {"type": "string"},
+            "executor": {"type": "string"},
+            "kind": {"type": "string"},
+            "why": {"type": "string"},
+            "attempt": {"type": "integer"},
+        },
+    },
+}
 
 #: the status dict (``run_status``) as JSON Schema
 STATUS_SCHEMA: Dict[str, Any] = {
@@ -103,6 +124,8 @@ STATUS_SCHEMA: Dict[str, Any] = {
         "message",
         "goodput",
         "ranks",
+        "fault",
+        "excluded",
     ],
     "properties": {
         "schema": {"const": SCHEMA_VERSION},
@@ -122,13 +145,15 @@ STATUS_SCHEMA: Dict[str, Any] = {
             "type": "array",
             "items": {
                 "type": "object",
-                "required": ["attempt", "started", "ended", "root_cause"],
+                "required": ["attempt", "started", "ended", "root_cause", "fault", "world_size"],
                 "additionalProperties": False,
                 "properties": {
                     "attempt": {"type": "integer"},
                     "started": {"type": "number"},
                     "ended": {"type": "number"},
                     "root_cause": _FAILURE,
+                    "fault": _FAULT,
+                    "world_size": {"type": "integer"},
                 },
             },
         },
@@ -155,6 +180,8 @@ STATUS_SCHEMA: Dict[str, Any] = {
         "root_cause": _FAILURE,
         "message": {"type": "string"},
         "goodput": {"type": "object", "additionalProperties": {"type": "number"}},
+        "fault": _FAULT,
+        "excluded": _EXCLUDED,
         "ranks": {
             "type": "array",
             "items": {
@@ -193,9 +220,38 @@ EXPLAIN_SCHEMA: Dict[str, Any] = {
     "title": "torchdist run explanation",
     "type": "object",
     "additionalProperties": False,
-    "required": ["schema", "run_id", "state", "headline", "root_cause", "culprit", "ranks", "preflight", "remedies"],
+    "required": [
+        "schema",
+        "run_id",
+        "state",
+        "headline",
+        "root_cause",
+        "fault",
+        "attempts",
+        "excluded",
+        "culprit",
+        "ranks",
+        "preflight",
+        "remedies",
+    ],
     "properties": {
         "schema": {"const": SCHEMA_VERSION},
+        "fault": _FAULT,
+        "attempts": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["attempt", "world_size", "fault", "summary"],
+                "additionalProperties": False,
+                "properties": {
+                    "attempt": {"type": "integer"},
+                    "world_size": {"type": "integer"},
+                    "fault": _FAULT,
+                    "summary": {"type": "string"},
+                },
+            },
+        },
+        "excluded": _EXCLUDED,
         "run_id": {"type": "string"},
         "state": {"type": "string"},
         "headline": {"type": "string"},
@@ -250,6 +306,9 @@ RECORD_SCHEMA: Dict[str, Any] = {
         "host",
         "root_cause",
         "failure",
+        "fault",
+        "excluded",
+        "world_sizes",
     ],
     "properties": {
         "schema": {"const": SCHEMA_VERSION},
@@ -266,6 +325,9 @@ RECORD_SCHEMA: Dict[str, Any] = {
         "host": {"type": "string"},
         "root_cause": _FAILURE,
         "failure": {"type": "string"},
+        "fault": {"type": "string"},
+        "excluded": _STRINGS,
+        "world_sizes": {"type": "array", "items": {"type": "integer"}},
     },
 }
 
@@ -446,7 +508,14 @@ def run_status(state: Any) -> Dict[str, Any]:
         "attempt": snap.attempt,
         "max_attempts": snap.max_attempts,
         "restarts": [
-            {"attempt": a.number, "started": a.started, "ended": a.ended, "root_cause": failure_json(a.failure)}
+            {
+                "attempt": a.number,
+                "started": a.started,
+                "ended": a.ended,
+                "root_cause": failure_json(a.failure),
+                "fault": fault_json(a.fault),
+                "world_size": a.world_size,
+            }
             for a in snap.attempts
         ],
         "progress": _run_progress(outer, snap.finished),
@@ -457,7 +526,21 @@ def run_status(state: Any) -> Dict[str, Any]:
         "message": snap.message or "",
         "goodput": {key: float(value) for key, value in snap.goodput.items() if _number(value) is not None},
         "ranks": ranks,
+        "fault": fault_json(snap.fault),
+        "excluded": excluded_json(snap.excluded),
     }
+
+
+def fault_json(fault: Any) -> Optional[Dict[str, str]]:
+    """A root cause's class (``faults.Fault``) as ``{"kind", "why"}``; ``None`` for none."""
+    return None if fault is None else {"kind": fault.kind, "why": fault.why}
+
+
+def excluded_json(excluded: Any) -> List[Dict[str, Any]]:
+    """The hosts a run's restarts left out (``faults.Exclusion``), oldest first."""
+    return [
+        {"host": e.host, "executor": e.executor, "kind": e.kind, "why": e.why, "attempt": e.attempt} for e in excluded
+    ]
 
 
 def record_json(record: Any, now: Optional[float] = None) -> Dict[str, Any]:
@@ -480,6 +563,9 @@ def record_json(record: Any, now: Optional[float] = None) -> Dict[str, Any]:
         "host": record.host or "",
         "root_cause": failure_json(record.root_cause),
         "failure": record.failure or "",
+        "fault": record.fault,
+        "excluded": list(record.excluded),
+        "world_sizes": list(record.world_sizes),
     }
 
 
@@ -547,6 +633,17 @@ def explain(state: Any, lines: int = EXPLAIN_LINES) -> Dict[str, Any]:
         "state": snap.state,
         "headline": headline,
         "root_cause": failure_json(cause, traceback=True),
+        "fault": fault_json(snap.fault),
+        "attempts": [
+            {
+                "attempt": a.number,
+                "world_size": a.world_size,
+                "fault": fault_json(a.fault),
+                "summary": a.failure.summary() if a.failure else "",
+            }
+            for a in snap.attempts
+        ],
+        "excluded": excluded_json(snap.excluded),
         "culprit": _culprit_json(verdict),
         "ranks": ranks,
         "preflight": None

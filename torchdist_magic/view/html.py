@@ -329,6 +329,10 @@ def failure_html(facts: RunFacts) -> str:
         for line in facts.earlier
     ]
     out += [
+        f'<div class="torchdist-excluded" style="color:{MUTED};font-size:12px;margin-top:2px">{_esc(line)}</div>'
+        for line in facts.excluded
+    ]
+    out += [
         f'<div class="torchdist-preflight" style="color:{MUTED};font-size:12px;margin-top:2px;'
         f'white-space:pre-wrap">{_esc(line)}</div>'
         for line in facts.preflight

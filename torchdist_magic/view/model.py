@@ -134,6 +134,8 @@ class RunFacts:
     attempt: int = 1  # the current attempt, of ``max_attempts`` (1 + max_restarts)
     max_attempts: int = 1
     earlier: List[str] = field(default_factory=list)  # "attempt 1: rank 1 was killed by SIGKILL"
+    #: the hosts the restarts left out, and why ("executor 2 on vm left out after attempt 1: ...")
+    excluded: List[str] = field(default_factory=list)
     tracking_url: str = ""  # the page of the run's MLflow run, when its server has a UI
     tracking_text: str = ""  # "MLflow run <id>: <page, or where it is>"; "" when not tracked
     refused_text: str = ""  # what the run's channel refused, "" when nothing
@@ -159,7 +161,11 @@ def run_facts(state: State) -> RunFacts:
         outcome = snap.message
     else:
         outcome = ""
-    earlier = [f"attempt {a.number}: {a.failure.summary() if a.failure else 'failed'}" for a in snap.attempts]
+    earlier = [
+        f"attempt {a.number}: {a.failure.summary() if a.failure else 'failed'}"
+        + (f" [{a.fault.kind} fault, {a.world_size} ranks]" if a.fault else "")
+        for a in snap.attempts
+    ]
     return RunFacts(
         run_id=snap.run_id,
         state=snap.state,
@@ -173,6 +179,7 @@ def run_facts(state: State) -> RunFacts:
         attempt=snap.attempt,
         max_attempts=snap.max_attempts,
         earlier=earlier,
+        excluded=[e.sentence() for e in snap.excluded],
         tracking_url=snap.tracking.url if snap.tracking is not None else "",
         tracking_text=snap.tracking.text() if snap.tracking is not None else "",
         refused_text=refused_text(snap),

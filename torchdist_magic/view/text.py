@@ -125,6 +125,7 @@ def summary(state: State) -> str:
     if facts.culprit:
         rows.append(f"  culprit: {facts.culprit}")
     rows += [f"  {line} (restarted)" for line in facts.earlier]
+    rows += [f"  {line}" for line in facts.excluded]
     if facts.refused_text:
         rows.append(f"  {facts.refused_text}")
     if facts.outcome:
