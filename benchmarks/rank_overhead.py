@@ -303,8 +303,17 @@ def collective_costs(ranks: int, calls: int = 3000, rounds: int = 5) -> dict:
     }
 
 
-#: the phases of ``_instructions_child``, in order: one callgrind dump each
-PHASES = ("bare", "ring", "ring+split", "report_no_run", "report_run")
+#: the phases of ``_instructions_child``, in order: one callgrind dump each (``*_no_run``: the
+#: call outside a run, as under torchrun; ``*_run``: in a run, sending to a sink that drops it)
+PHASES = (
+    "bare",
+    "ring",
+    "ring+split",
+    "report_no_run",
+    "progress_no_run",
+    "report_run",
+    "progress_run",
+)
 
 
 def _instructions_child(recorder: str, calls: int) -> None:
@@ -324,31 +333,54 @@ def _instructions_child(recorder: str, calls: int) -> None:
     split = stepsplit.StepSplit(lambda record: None, lambda: 0)
     split.enter()
     tensor = torch.ones(SMALL)
+
+    def collectives(call, with_split: bool) -> None:
+        current[0] = split if with_split else None
+        for _ in range(calls):
+            call(tensor)
+
+    def reports() -> None:
+        for _ in range(calls):
+            runtime.report(loss=0.5, lr=1e-3, step_time=0.002)
+
+    def progress_steps() -> None:
+        for _ in runtime.progress(range(calls)):
+            pass
+
+    def run_phases(phases) -> None:
+        for phase in phases:
+            os.getppid()
+            phase()
+
     for _ in range(50):  # warm: first calls build what later ones reuse
         bare(tensor)
         c10d.all_reduce(tensor)
         runtime.report(loss=0.5, lr=1e-3, step_time=0.002)
-    for call, with_split in ((bare, False), (c10d.all_reduce, False), (c10d.all_reduce, True)):
-        current[0] = split if with_split else None
-        os.getppid()
-        for _ in range(calls):
-            call(tensor)
-    os.getppid()
-    for _ in range(calls):
-        runtime.report(loss=0.5, lr=1e-3, step_time=0.002)
+    run_phases(
+        (
+            lambda: collectives(bare, False),
+            lambda: collectives(c10d.all_reduce, False),
+            lambda: collectives(c10d.all_reduce, True),
+            reports,
+            progress_steps,
+        )
+    )
+    def reports_sent() -> None:
+        reports()
+        getattr(runtime, "flush_reports", lambda: None)()  # the sending of the last points counts too
+
     runtime._install_sink(_Discard())
-    os.getppid()
-    for _ in range(calls):
-        runtime.report(loss=0.5, lr=1e-3, step_time=0.002)
-    getattr(runtime, "flush_reports", lambda: None)()
+    run_phases((reports_sent, progress_steps))
     os.getppid()
     runtime._install_sink(None)
     dist.destroy_process_group()
 
 
-def instruction_costs(calls: int = 200) -> dict:
-    """Instructions per call of each of ``PHASES`` (valgrind's callgrind: counts that no other
-    load on the machine moves), with torch's Flight Recorder off and on; {} without valgrind."""
+def instruction_costs(calls: int = 2000) -> dict:
+    """Instructions per call of each of ``PHASES`` (valgrind's callgrind, every thread of the
+    process: counts that no other load on the machine moves), with torch's Flight Recorder off and
+    on, of ``TREE``'s torchdist_magic; {} without valgrind.  Python's string hashes are fixed
+    (``PYTHONHASHSEED=0``): they move a count by some hundreds from one process to the next."""
     import glob
     import shutil
 
@@ -362,7 +394,8 @@ def instruction_costs(calls: int = 200) -> dict:
             os.makedirs(out)
             env = {
                 **os.environ,
-                "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
+                "PYTHONPATH": os.pathsep.join([TREE, os.environ.get("PYTHONPATH", "")]),
+                "PYTHONHASHSEED": "0",
             }
             children[recorder] = (
                 out,
@@ -401,6 +434,7 @@ def instruction_costs(calls: int = 200) -> dict:
         "run": found["ring+split"] - found["bare"],
         "trace_collectives": found["ring+split +FR"] - found["bare"],
         "report_sending": found["report_run"] - found["report_no_run"],
+        "progress_in_a_run": found["progress_run"] - found["progress_no_run"],
     }
 
 
