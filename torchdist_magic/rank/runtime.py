@@ -461,7 +461,7 @@ class progress:
         # in a run, the wait for each next item is the step's data wait (``stepsplit``)
         items = iter(self.iterable)
         depth = split.enter()
-        clock = time.perf_counter
+        clock = stepsplit._clock
         try:
             while True:
                 asked = clock()
@@ -469,7 +469,8 @@ class progress:
                     item = next(items)
                 except StopIteration:
                     break
-                split.step(depth, clock() - asked)
+                got = clock()
+                split.step(depth, got - asked, got)
                 yield item
                 self.update()
         finally:

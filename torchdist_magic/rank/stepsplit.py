@@ -145,11 +145,13 @@ class StepSplit:
             if self.profiler is not None:
                 self.profiler.finish()
 
-    def step(self, depth: int, waited: float) -> None:
-        """The loop at ``depth`` got its next item after waiting ``waited`` seconds for it: a
-        step of the innermost loop began when it asked for it."""
+    def step(self, depth: int, waited: float, now: Optional[float] = None) -> None:
+        """The loop at ``depth`` got its next item after waiting ``waited`` seconds for it (at
+        ``now``, a reading of ``_clock`` the caller took: one call less a step; read here when
+        None): a step of the innermost loop began when it asked for it."""
         if depth == self._innermost:
-            now = _clock()
+            if now is None:
+                now = _clock()
             began = now - waited
             last, self._step_began = self._step_began, began
             if now - self._sent >= SEND_EVERY:
