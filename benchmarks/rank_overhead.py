@@ -32,9 +32,10 @@ end-to-end runs (reading and forwarding each rank's output, the channel's record
 Per call in instructions (valgrind's callgrind, a one-rank gloo group, every thread of the
 process), which no load moves: an ``all_reduce`` as torch has it, through the run's wrapper (the
 ring's record) and with the split's timing, with torch's Flight Recorder off and on; ``report()``
-of 3 values and a ``progress()`` step with no run and in a run.  What a run does once an interval
-(``report``'s points sent every 0.1 s) weighs more per call under callgrind, which runs the
-process some 50 times slower, than in a real run: those figures are upper bounds.
+of 3 values (its points sent every 50 calls, as a run of 2 ms steps sends them every 0.1 s) and a
+``progress()`` step with no run and in a run.  What ``progress`` does once an interval (a
+``Progress`` record every 0.1 s, the split's every second) weighs more per step under callgrind,
+which runs the process some 50 times slower or more, than in a real run: an upper bound.
 """
 
 from __future__ import annotations
@@ -329,6 +330,10 @@ PHASES = (
 )
 
 
+#: ``report()`` points a run of 2 ms steps sends in one record (``runtime.REPORT_INTERVAL``: 0.1 s)
+POINTS_PER_SEND = 50
+
+
 def _instructions_child(recorder: str, calls: int) -> None:
     """A one-rank gloo group in this process: ``calls`` calls of each of ``PHASES``, each after
     ``os.getppid()`` (the marker callgrind dumps its counts before: ``instruction_costs``)."""
@@ -352,9 +357,16 @@ def _instructions_child(recorder: str, calls: int) -> None:
         for _ in range(calls):
             call(tensor)
 
+    # the batch's points go every ``POINTS_PER_SEND`` calls, as a run of 2 ms steps sends them,
+    # not every 0.1 s of this process's time: callgrind slows it down by a factor that the load sets
+    runtime.REPORT_INTERVAL = 3600.0
+    flush = getattr(runtime, "flush_reports", lambda: None)  # a tree before the batch has none
+
     def reports() -> None:
-        for _ in range(calls):
+        for i in range(calls):
             runtime.report(loss=0.5, lr=1e-3, step_time=0.002)
+            if i % POINTS_PER_SEND == POINTS_PER_SEND - 1:
+                flush()
 
     def progress_steps() -> None:
         for _ in runtime.progress(range(calls)):
@@ -379,12 +391,8 @@ def _instructions_child(recorder: str, calls: int) -> None:
         )
     )
 
-    def reports_sent() -> None:
-        reports()
-        getattr(runtime, "flush_reports", lambda: None)()  # the sending of the last points counts too
-
     runtime._install_sink(_Discard())
-    run_phases((reports_sent, progress_steps))
+    run_phases((reports, progress_steps))
     os.getppid()
     runtime._install_sink(None)
     dist.destroy_process_group()
