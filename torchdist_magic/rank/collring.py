@@ -11,10 +11,10 @@ returns.  No Python stack is taken, nothing is looked up per call that can be lo
 (torch's reader of the count: ``count_reader``), and nothing the call makes is kept but the
 input's ``torch.Size`` (a reference to the tensor itself would keep the last ``RING_SIZE``
 inputs alive, gradient buckets included; a weak one costs as much as the ``Size`` and loses the
-shape of a temporary input, which the mismatch verdict compares).  A call costs about 5,000
-instructions more than torch's own, a third of them torch's reading of its count
-(``benchmarks/rank_overhead.py``); torch's Flight Recorder, which takes the Python stack of every
-collective, is off unless ``--trace-collectives`` turns it on.
+shape of a temporary input, which the mismatch verdict compares).  The wrapper with the ring
+costs about 7,300 instructions a call more than torch's own, a quarter of them torch's reading of
+its count (``benchmarks/rank_overhead.py``); torch's Flight Recorder, which takes the Python stack
+of every collective, is off unless ``--trace-collectives`` turns it on.
 
 The ring is read by the rank's channel thread when the driver asks (``collectives.record``); the
 main thread may write meanwhile: a slot read as it is written costs that slot's op, no more.
