@@ -1,8 +1,13 @@
 """What torchdist_magic costs a rank, end to end and part by part.
 
-    python benchmarks/rank_overhead.py [--ranks 2 4 8] [--steps 1000] [--rounds 3]
-                                       [--before TREE] [--parts-only]
-                                       [--json benchmarks/results/rank_overhead.json]
+    python benchmarks/rank_overhead.py --end-to-end      # torchrun vs Distributor.run: a quiet machine
+    python benchmarks/rank_overhead.py --parts-only      # each part's cost (CPU time, instructions)
+    python benchmarks/rank_overhead.py --instructions-only   # callgrind's counts only (any load)
+    python benchmarks/rank_overhead.py                   # all of it
+        [--ranks 2 4 8] [--steps 1000] [--rounds 5] [--before TREE]
+        [--json benchmarks/results/rank_overhead.json]
+
+Each mode writes its own sections of the JSON and keeps the others it finds there.
 
 End to end: the same DDP training script, steps of about 2 ms (a small model, gloo, CPU) that
 call ``progress``, ``report`` and ``print`` every step, run by ``torchrun`` (``python -m
@@ -23,6 +28,14 @@ small collectives a step) the same; per ``progress()`` step the split's timing o
 per DDP step its timers at sample rate 1; per step ``progress`` + ``report`` (3 values) sending
 to a real driver, against the same calls with no run; and the driver's CPU per rank-step in the
 end-to-end runs (reading and forwarding each rank's output, the channel's records).
+
+Per call in instructions (valgrind's callgrind, a one-rank gloo group, every thread of the
+process), which no load moves: an ``all_reduce`` as torch has it, through the run's wrapper (the
+ring's record) and with the split's timing, with torch's Flight Recorder off and on; ``report()``
+of 3 values (its points sent every 50 calls, as a run of 2 ms steps sends them every 0.1 s) and a
+``progress()`` step with no run and in a run.  What ``progress`` does once an interval (a
+``Progress`` record every 0.1 s, the split's every second) weighs more per step under callgrind,
+which runs the process some 50 times slower or more, than in a real run: an upper bound.
 """
 
 from __future__ import annotations
@@ -36,10 +49,11 @@ import sys
 import tempfile
 import textwrap
 import time
+from typing import List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-from report import machine, write_json  # noqa: E402  (this script's folder is on sys.path)
+from report import describe_machine, machine, write_json  # noqa: E402  (this script's folder is on sys.path)
 
 #: the tree whose torchdist_magic the parts are measured from (this checkout's unless named: an
 #: earlier one's figures, ``RANK_OVERHEAD_TREE=TREE python benchmarks/rank_overhead.py --parts-only``)
@@ -303,8 +317,21 @@ def collective_costs(ranks: int, calls: int = 3000, rounds: int = 5) -> dict:
     }
 
 
-#: the phases of ``_instructions_child``, in order: one callgrind dump each
-PHASES = ("bare", "ring", "ring+split", "report_no_run", "report_run")
+#: the phases of ``_instructions_child``, in order: one callgrind dump each (``*_no_run``: the
+#: call outside a run, as under torchrun; ``*_run``: in a run, sending to a sink that drops it)
+PHASES = (
+    "bare",
+    "ring",
+    "ring+split",
+    "report_no_run",
+    "progress_no_run",
+    "report_run",
+    "progress_run",
+)
+
+
+#: ``report()`` points a run of 2 ms steps sends in one record (``runtime.REPORT_INTERVAL``: 0.1 s)
+POINTS_PER_SEND = 50
 
 
 def _instructions_child(recorder: str, calls: int) -> None:
@@ -324,31 +351,58 @@ def _instructions_child(recorder: str, calls: int) -> None:
     split = stepsplit.StepSplit(lambda record: None, lambda: 0)
     split.enter()
     tensor = torch.ones(SMALL)
+
+    def collectives(call, with_split: bool) -> None:
+        current[0] = split if with_split else None
+        for _ in range(calls):
+            call(tensor)
+
+    # the batch's points go every ``POINTS_PER_SEND`` calls, as a run of 2 ms steps sends them,
+    # not every 0.1 s of this process's time: callgrind slows it down by a factor that the load sets
+    runtime.REPORT_INTERVAL = 3600.0
+    flush = getattr(runtime, "flush_reports", lambda: None)  # a tree before the batch has none
+
+    def reports() -> None:
+        for i in range(calls):
+            runtime.report(loss=0.5, lr=1e-3, step_time=0.002)
+            if i % POINTS_PER_SEND == POINTS_PER_SEND - 1:
+                flush()
+
+    def progress_steps() -> None:
+        for _ in runtime.progress(range(calls)):
+            pass
+
+    def run_phases(phases) -> None:
+        for phase in phases:
+            os.getppid()
+            phase()
+
     for _ in range(50):  # warm: first calls build what later ones reuse
         bare(tensor)
         c10d.all_reduce(tensor)
         runtime.report(loss=0.5, lr=1e-3, step_time=0.002)
-    for call, with_split in ((bare, False), (c10d.all_reduce, False), (c10d.all_reduce, True)):
-        current[0] = split if with_split else None
-        os.getppid()
-        for _ in range(calls):
-            call(tensor)
-    os.getppid()
-    for _ in range(calls):
-        runtime.report(loss=0.5, lr=1e-3, step_time=0.002)
+    run_phases(
+        (
+            lambda: collectives(bare, False),
+            lambda: collectives(c10d.all_reduce, False),
+            lambda: collectives(c10d.all_reduce, True),
+            reports,
+            progress_steps,
+        )
+    )
+
     runtime._install_sink(_Discard())
-    os.getppid()
-    for _ in range(calls):
-        runtime.report(loss=0.5, lr=1e-3, step_time=0.002)
-    getattr(runtime, "flush_reports", lambda: None)()
+    run_phases((reports, progress_steps))
     os.getppid()
     runtime._install_sink(None)
     dist.destroy_process_group()
 
 
-def instruction_costs(calls: int = 200) -> dict:
-    """Instructions per call of each of ``PHASES`` (valgrind's callgrind: counts that no other
-    load on the machine moves), with torch's Flight Recorder off and on; {} without valgrind."""
+def instruction_costs(calls: int = 2000, tree: str = "") -> dict:
+    """Instructions per call of each of ``PHASES`` (valgrind's callgrind, every thread of the
+    process: counts that no other load on the machine moves), with torch's Flight Recorder off and
+    on, of the torchdist_magic in ``tree`` (``TREE`` by default); {} without valgrind.  Python's string hashes are fixed
+    (``PYTHONHASHSEED=0``): they move a count by some hundreds from one process to the next."""
     import glob
     import shutil
 
@@ -362,7 +416,9 @@ def instruction_costs(calls: int = 200) -> dict:
             os.makedirs(out)
             env = {
                 **os.environ,
-                "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
+                "PYTHONPATH": os.pathsep.join([tree or TREE, os.environ.get("PYTHONPATH", "")]),
+                "RANK_OVERHEAD_TREE": tree or TREE,
+                "PYTHONHASHSEED": "0",
             }
             children[recorder] = (
                 out,
@@ -394,6 +450,7 @@ def instruction_costs(calls: int = 200) -> dict:
                 found[f"{phase}{' +FR' if recorder != '0' else ''}"] = total / calls
     return {
         "calls": calls,
+        "tree": tree or TREE,
         "per_call": found,
         "ring": found["ring"] - found["bare"],
         "split": found["ring+split"] - found["ring"],
@@ -401,6 +458,7 @@ def instruction_costs(calls: int = 200) -> dict:
         "run": found["ring+split"] - found["bare"],
         "trace_collectives": found["ring+split +FR"] - found["bare"],
         "report_sending": found["report_run"] - found["report_no_run"],
+        "progress_in_a_run": found["progress_run"] - found["progress_no_run"],
     }
 
 
@@ -559,41 +617,63 @@ def end_to_end(ranks_list, steps: int, rounds: int, before: str) -> dict:
     return found
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--before", default="", help="a tree with an earlier torchdist_magic, run beside this one")
-    parser.add_argument("--parts-only", action="store_true", help="only the CPU costs part by part")
-    parser.add_argument("--calls", type=int, default=3000, help="collectives per configuration and round, per rank")
-    parser.add_argument("--json", default=os.path.join(HERE, "results", "rank_overhead.json"))
-    args = parser.parse_args()
+#: the rows of the instruction table: (what, its figure in ``instruction_costs``' result)
+INSTRUCTION_ROWS = (
+    ("an all_reduce as torch has it", lambda i: i["per_call"]["bare"]),
+    ("the ring's record (the wrapper, no split)", lambda i: i["ring"]),
+    ("the step split's timing of it", lambda i: i["split"]),
+    ("a Python-called collective, as shipped", lambda i: i["run"]),
+    ("torch's Flight Recorder, per collective", lambda i: i["flight_recorder"]),
+    ("a Python-called collective, --trace-collectives", lambda i: i["trace_collectives"]),
+    ("report() of 3 values, no run", lambda i: i["per_call"]["report_no_run"]),
+    ("report() of 3 values, in a run (sending)", lambda i: i["per_call"]["report_run"]),
+    ("progress() step, no run", lambda i: i["per_call"].get("progress_no_run")),
+    ("progress() step, in a run", lambda i: i["per_call"].get("progress_run")),
+)
 
-    import torch
 
-    load_at_start = os.getloadavg()
-    runs = {} if args.parts_only else end_to_end(args.ranks, args.steps, args.rounds, args.before)
-    collectives = {str(r): collective_costs(r, calls=args.calls) for r in args.ranks}
-    cost = reporting_cost()
-    split = split_cost()
-    instructions = instruction_costs()
-    load_at_end = os.getloadavg()
-    where = machine(torch=torch.__version__)
+def instruction_table(after: dict, before: Optional[dict] = None) -> List[dict]:
+    """The rows of ``INSTRUCTION_ROWS`` for ``after`` (``instruction_costs``), beside ``before``'s
+    where given (an earlier tree's): what the table prints and the JSON keeps."""
+    rows = []
+    for what, figure in INSTRUCTION_ROWS:
+        row = {"part": what, "after": figure(after)}
+        if before:
+            row["before"] = figure(before)
+        rows.append(row)
+    return rows
+
+
+def print_instruction_table(rows: List[dict], calls: int, before_label: str = "before") -> None:
+    with_before = any("before" in row for row in rows)
+    print(f"\nInstructions per call (callgrind, one rank, gloo, {calls} calls; no load moves these)")
+    print(f"{'part':<50} {before_label if with_before else '':>10} {'after':>10}")
+    for row in rows:
+        old = row.get("before")
+        cells = [f"{v:>10,.0f}" if v is not None else f"{'-':>10}" for v in (old, row["after"])]
+        print(f"{row['part']:<50} {cells[0] if with_before else '':>10} {cells[1]}")
+
+
+def print_end_to_end(runs: dict, where: dict, loads: Tuple[float, float]) -> None:
+    """The end-to-end table, named with its machine and its load."""
     print(
-        f"\n{where['cpu']}, {where['cores']} cores; load average {load_at_start[0]:.1f} at the start, "
-        f"{load_at_end[0]:.1f} at the end (1 min)"
+        f"\nEnd to end: the DDP script under torchrun and under Distributor.run(script); "
+        f"{describe_machine(where)}, torch {where.get('torch', '?')}; load average (1 min) "
+        f"{loads[0]:.1f} at the start, {loads[1]:.1f} at the end"
     )
-    if runs:
-        print(f"\n{'ranks':>5} {'launcher':<16} {'steps/s median':>14} {'min':>8} {'max':>8} {'ratio':>6} {'load':>11}")
-        for ranks, found in runs.items():
-            for name, values in found["runs"].items():
-                ratio = found["medians"][name] / found["medians"]["torchrun"]
-                low, _, high = found["load_average"]
-                print(
-                    f"{ranks:>5} {name:<16} {found['medians'][name]:>14.1f} {min(values):>8.1f} {max(values):>8.1f} "
-                    f"{ratio:>6.3f} {low:>5.1f}-{high:<5.1f}"
-                )
+    print(f"{'ranks':>5} {'launcher':<16} {'steps/s median':>14} {'min':>8} {'max':>8} {'ratio':>6} {'load':>11}")
+    for ranks, found in runs.items():
+        for name, values in found["runs"].items():
+            ratio = found["medians"][name] / found["medians"]["torchrun"]
+            low, _, high = found["load_average"]
+            print(
+                f"{ranks:>5} {name:<16} {found['medians'][name]:>14.1f} {min(values):>8.1f} {max(values):>8.1f} "
+                f"{ratio:>6.3f} {low:>5.1f}-{high:<5.1f}"
+            )
+
+
+def print_parts(collectives: dict, cost: dict, split: dict, runs: dict) -> None:
+    """The CPU-time table, part by part."""
     step_us = split["ddp_step_default_us"]
     print(
         f"\nCPU costs, part by part (per call; per step of the DDP script, {step_us / 1000:.1f} ms of CPU; per "
@@ -642,39 +722,89 @@ def main() -> None:
         f"{'progress + report(3 values), sending':<44} {'':>5} {sending:>11.2f} {100 * sending / step_us:>10.2f} {'':>11}  on"
         f"  ({cost['reporting_us']:.2f} us in a run, {cost['no_run_us']:.2f} us with none)"
     )
-    if instructions:
-        print(f"\nInstructions per call (callgrind, one rank, {instructions['calls']} calls; no load moves these)")
-        for part in ("ring", "split", "run", "flight_recorder", "trace_collectives", "report_sending"):
-            print(f"{part:<44} {instructions[part]:>11.0f}")
-        print(
-            f"{'an all_reduce as torch has it':<44} {instructions['per_call']['bare']:>11.0f}; "
-            f"report() with no run {instructions['per_call']['report_no_run']:.0f}, in a run "
-            f"{instructions['per_call']['report_run']:.0f}"
-        )
     for ranks, found in runs.items():
         for name, us in found["driver_cpu_us_per_rank_step"].items():
             print(
                 f"{'driver CPU per rank-step (output, records)':<44} {ranks:>5} {us:>11.2f} {'':>10} {'':>11}  "
                 f"on ({name}; shares the ranks' cores)"
             )
-    write_json(
-        args.json,
-        {
-            "benchmark": "a rank's overhead: torchdist_magic vs torchrun, same DDP script, and part by part",
-            "machine": where,
-            "load_average": {"start": load_at_start, "end": load_at_end},
-            "steps": args.steps,
-            "warmup": WARMUP,
-            "rounds": args.rounds,
-            "before": args.before,
-            "end_to_end": runs,
-            "collective_cost": collectives,
-            "reporting_cost": cost,
-            "step_split_cost": split,
-            "instructions": instructions,
-            "tree": TREE,
-        },
+
+
+def update_json(path: str, sections: dict) -> None:
+    """Write ``sections`` into the JSON at ``path``, keeping the sections of it that this run did
+    not measure (``--end-to-end`` on a quiet machine leaves the parts as they were, and the other
+    way round)."""
+    found: dict = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            found = json.load(fh)
+    found.update(sections)
+    found["benchmark"] = "a rank's overhead: torchdist_magic vs torchrun, same DDP script, and part by part"
+    write_json(path, found)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--end-to-end",
+        action="store_true",
+        help="only the end-to-end comparison (torchrun against Distributor.run(script)): on a quiet machine",
     )
+    mode.add_argument("--parts-only", action="store_true", help="only the costs part by part (CPU time, instructions)")
+    mode.add_argument("--instructions-only", action="store_true", help="only the callgrind instruction counts")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="interleaved rounds of each launcher at each number of ranks"
+    )
+    parser.add_argument("--before", default="", help="a tree with an earlier torchdist_magic, measured beside this one")
+    parser.add_argument("--calls", type=int, default=3000, help="collectives per configuration and round, per rank")
+    parser.add_argument("--json", default=os.path.join(HERE, "results", "rank_overhead.json"))
+    args = parser.parse_args()
+
+    import torch
+
+    where = machine(torch=torch.__version__)
+    start = os.getloadavg()[0]
+    sections: dict = {}
+    runs: dict = {}
+    if not (args.parts_only or args.instructions_only):
+        runs = end_to_end(args.ranks, args.steps, args.rounds, args.before)
+        loads = (start, os.getloadavg()[0])
+        print_end_to_end(runs, where, loads)
+        sections.update(
+            end_to_end=runs,
+            end_to_end_setup={
+                "machine": where,
+                "load_average": {"start": loads[0], "end": loads[1]},
+                "steps": args.steps,
+                "warmup": WARMUP,
+                "rounds": args.rounds,
+                "before": args.before,
+                "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            },
+        )
+    if not args.end_to_end:
+        part_start = os.getloadavg()[0]
+        if not args.instructions_only:
+            collectives = {str(r): collective_costs(r, calls=args.calls) for r in args.ranks}
+            cost = reporting_cost()
+            split = split_cost()
+            print_parts(collectives, cost, split, runs)
+            sections.update(collective_cost=collectives, reporting_cost=cost, step_split_cost=split)
+        instructions = instruction_costs()
+        before = instruction_costs(tree=args.before) if instructions and args.before else None
+        if instructions:
+            rows = instruction_table(instructions, before)
+            print_instruction_table(rows, instructions["calls"])
+            sections.update(instructions=instructions, instructions_before=before, instruction_table=rows)
+        sections.update(
+            machine=where,
+            load_average={"start": part_start, "end": os.getloadavg()[0]},
+            tree=TREE,
+        )
+    update_json(args.json, sections)
 
 
 if __name__ == "__main__":

@@ -110,3 +110,19 @@ def test_report_points_go_as_one_record_per_interval_and_a_lone_point_goes_too()
         runtime._install_sink(None)
     runtime.report(loss=2.0)  # no run: nothing kept, nothing sent
     assert len([r for r in sink.records if isinstance(r, events.Metrics)]) == 2
+
+
+def test_points_with_the_same_names_go_as_one_column_each_with_nan_and_inf_as_text():
+    sink = Collect()
+    runtime._install_sink(sink)
+    try:
+        runtime.report(loss=1.0, lr=0.5)
+        runtime.report(loss=float("inf"), lr=0.25)
+        runtime.report(lr=0.125, loss=2)  # the same names in another order, an int
+        runtime.report(loss=1e308, lr=1e308)  # finite values whose sum is not
+        runtime.flush_reports()
+        (record,) = [r for r in sink.records if isinstance(r, events.Metrics)]
+    finally:
+        runtime._install_sink(None)
+    assert record.names == ["loss", "lr"] and record.steps == [1, 2, 3, 4] and not record.malformed()
+    assert record.values == [[1.0, "inf", 2.0, 1e308], [0.5, 0.25, 0.125, 1e308]]

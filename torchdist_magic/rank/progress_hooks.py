@@ -262,6 +262,7 @@ _PROGRESS_MODULES: Dict[str, Callable[[Any], None]] = {
     "tqdm.std": lambda module: _patch_tqdm(module.tqdm),
     "rich.progress": lambda module: _patch_rich(module.Progress),
     # the step split's waits in collectives (``stepsplit``)
-    "torch.distributed.distributed_c10d": lambda module: stepsplit.patch_collectives(module, lambda: _split()),
+    # (``install``'s getter itself, set before any patch: one call less per collective)
+    "torch.distributed.distributed_c10d": lambda module: stepsplit.patch_collectives(module, _split),
     "torch.nn.parallel.distributed": stepsplit.patch_ddp,
 }

@@ -60,13 +60,13 @@ class _ReportBatch:
         self._thread: Optional[threading.Thread] = None
         self._closed = False
 
-    def add(self, step: int, when: float, values: dict) -> None:
-        if not self.points:
-            self.wake.set()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="torchdist-report", daemon=True)
-                self._thread.start()
-        self.points.append((step, when, values))
+    def first_point(self) -> None:
+        """A point comes to an empty batch (``report`` appends it to ``points`` itself, one call
+        less): the batch's thread sends the interval's points ``REPORT_INTERVAL`` from now."""
+        self.wake.set()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="torchdist-report", daemon=True)
+            self._thread.start()
 
     def _run(self) -> None:
         while not self._closed:
@@ -89,12 +89,33 @@ class _ReportBatch:
                 break
         if not points:
             return
-        by_rank = rank()
-        record = events.Metrics(rank=by_rank)
+        record = events.Metrics(rank=rank())
+        steps, times, points_values = zip(*points)
+        record.steps.extend(steps)
+        record.times.extend(times)
+        first = points_values[0]
+        width = len(first)
+        columns = None
+        if all(len(values) == width for values in points_values):
+            try:  # every point has the first one's names (the usual case): a column a name
+                columns = [[values[name] for values in points_values] for name in first]
+            except KeyError:
+                pass
+        if columns is not None:
+            record.names.extend(first)
+            for column in columns:
+                if not math.isfinite(sum(column)):  # a nan or an inf among them (or a sum that overflows)
+                    column[:] = [value if math.isfinite(value) else str(value) for value in column]
+            record.values.extend(columns)
+        else:
+            self._columns_by_point(record, points_values)
+        self._send(record)
+
+    @staticmethod
+    def _columns_by_point(record: events.Metrics, points_values: Tuple[dict, ...]) -> None:
+        """``record``'s names and columns from points whose names differ (None where a point lacks one)."""
         columns: dict = {}
-        for n, (step, when, values) in enumerate(points):
-            record.steps.append(step)
-            record.times.append(when)
+        for n, values in enumerate(points_values):
             for name, value in values.items():
                 column = columns.get(name)
                 if column is None:
@@ -105,7 +126,6 @@ class _ReportBatch:
             for column in record.values:  # a name this point lacks
                 if len(column) <= n:
                     column.append(None)
-        self._send(record)
 
     def close(self) -> None:
         self._closed = True
@@ -351,11 +371,15 @@ def report(step: Optional[int] = None, **metrics: Any) -> None:
         report(loss=loss, lr=scheduler.get_last_lr()[0])   # a tensor of one element is fine
     ```
     """
-    values = {name: _number(name, v) for name, v in metrics.items()}
+    # a float is taken as it is (the usual value: ``loss.item()``), without a call of its own
+    values = {name: v if type(v) is float else _number(name, v) for name, v in metrics.items()}
     batch = _reports
     if batch is None:
         return
-    batch.add(next(_report_step) if step is None else int(step), time.time(), values)
+    points = batch.points
+    if not points:
+        batch.first_point()
+    points.append((next(_report_step) if step is None else int(step), time.time(), values))
 
 
 class progress:
@@ -417,10 +441,11 @@ class progress:
     def update(self, n: int = 1) -> None:
         """Count ``n`` more steps."""
         self.n += n
-        now = time.time()
-        if _sink is not None and now - self._last >= PROGRESS_INTERVAL:
-            self._last = now
-            self._send("running")
+        if _sink is not None:
+            now = time.time()
+            if now - self._last >= PROGRESS_INTERVAL:
+                self._last = now
+                self._send("running")
 
     def close(self) -> None:
         """The bar's end: done when it reached ``total`` (or has none), else stopped."""
@@ -441,7 +466,7 @@ class progress:
         # in a run, the wait for each next item is the step's data wait (``stepsplit``)
         items = iter(self.iterable)
         depth = split.enter()
-        clock = time.perf_counter
+        clock = stepsplit._clock
         try:
             while True:
                 asked = clock()
@@ -449,7 +474,8 @@ class progress:
                     item = next(items)
                 except StopIteration:
                     break
-                split.step(depth, clock() - asked)
+                got = clock()
+                split.step(depth, got - asked, got)
                 yield item
                 self.update()
         finally:

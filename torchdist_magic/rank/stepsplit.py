@@ -145,11 +145,13 @@ class StepSplit:
             if self.profiler is not None:
                 self.profiler.finish()
 
-    def step(self, depth: int, waited: float) -> None:
-        """The loop at ``depth`` got its next item after waiting ``waited`` seconds for it: a
-        step of the innermost loop began when it asked for it."""
+    def step(self, depth: int, waited: float, now: Optional[float] = None) -> None:
+        """The loop at ``depth`` got its next item after waiting ``waited`` seconds for it (at
+        ``now``, a reading of ``_clock`` the caller took: one call less a step; read here when
+        None): a step of the innermost loop began when it asked for it."""
         if depth == self._innermost:
-            now = _clock()
+            if now is None:
+                now = _clock()
             began = now - waited
             last, self._step_began = self._step_began, began
             if now - self._sent >= SEND_EVERY:
@@ -171,7 +173,8 @@ class StepSplit:
     # -- collectives ---------------------------------------------------------------------------
     def collective(self, call: Callable, *args, **kwargs):
         """``call(*args, **kwargs)``, a collective: its time counts as waiting when it is
-        synchronous, the outermost one, and inside a loop."""
+        synchronous, the outermost one, and inside a loop.  (The patched collectives do the same
+        in their own call: ``_timed``.)"""
         if self._collective or not self._depth or kwargs.get("async_op"):
             self._collective += 1
             try:
@@ -287,35 +290,22 @@ def patch_collectives(module, split: Callable[[], Optional[StepSplit]]) -> None:
     rank; where ``torch.distributed`` took its names from it already, there too."""
     package = sys.modules.get("torch.distributed")
     world = getattr(module, "_world", None)
+    read = collring.count_reader(module)
     for code, name in enumerate(COLLECTIVES):
         original = getattr(module, name, None)
         if original is None or getattr(original, "_torchdist_split", False):
             continue
         input_name = _INPUTS.get(name, "")
-        record = (
-            collring.recorder(
-                original,
-                code,
-                _position(original, "group"),
-                _position(original, input_name) if input_name else None,
-                input_name,
-                world,
-            )
-            if world is not None
-            else None
+        timed = _timed(
+            original,
+            code,
+            _position(original, "group"),
+            _position(original, input_name) if input_name else None,
+            input_name,
+            world,
+            split,
+            read,
         )
-
-        def timed(*args, __original=original, __record=record, **kwargs):
-            slot = __record(args, kwargs) if __record is not None else -1
-            try:
-                current = split()
-                if current is None:
-                    return __original(*args, **kwargs)
-                return current.collective(__original, *args, **kwargs)
-            finally:
-                if slot >= 0:
-                    _done[slot] = 1
-
         functools.update_wrapper(timed, original)
         timed._torchdist_split = True
         setattr(module, name, timed)
@@ -323,4 +313,80 @@ def patch_collectives(module, split: Callable[[], Optional[StepSplit]]) -> None:
             setattr(package, name, timed)
 
 
-_done = collring.RING.done
+def _timed(
+    original: Callable,
+    code: int,
+    group_at: Optional[int],
+    input_at: Optional[int],
+    input_name: str,
+    world: Any,
+    split: Callable[[], Optional[StepSplit]],
+    read: Callable[[Any], Optional[int]],
+    ring: collring.CollectiveRing = collring.RING,
+) -> Callable:
+    """``original`` (collective ``COLLECTIVES[code]``) writing itself into ``ring`` and timed
+    for ``split()``: ``group_at``/``input_at`` are the positions of its ``group`` and input tensor
+    arguments (None: it has none); ``world`` is c10d's ``_world`` (None: no ring), whose default
+    group is the group of a call that names none; ``read`` reads a group's count
+    (``collring.count_reader``).
+
+    Every Python-called collective of a rank comes here, FSDP's hundreds a step among them: what
+    a recorder and ``StepSplit.collective`` would do in calls of their own is written out in this
+    one (a Python call costs more than most of what they do; ``benchmarks/rank_overhead.py``
+    counts the instructions of each part)."""
+    size = ring.size
+    groups, counts, ops, shapes, done = ring.groups, ring.counts, ring.ops, ring.shapes, ring.done
+    count_of = collring.count_of
+    # ``_World.default_pg`` is a property over ``_default_pg``: the attribute costs a fifth of it
+    direct = world is not None and "_default_pg" in getattr(world, "__dict__", ())
+
+    def timed(*args, **kwargs):
+        slot = -1
+        if world is not None:
+            if group_at is not None and len(args) > group_at:
+                group = args[group_at]
+            else:
+                group = kwargs.get("group") if kwargs else None
+            if group is None:
+                group = world._default_pg if direct else world.default_pg
+            try:
+                before = read(group)
+            except Exception:  # noqa: BLE001  not torch's class of group, or no group yet
+                before = count_of(group)
+            if before is not None:  # else a group that keeps no count: not recorded
+                slot = ring.next
+                ring.next = slot + 1 if slot + 1 < size else 0
+                groups[slot] = id(group)
+                counts[slot] = before
+                ops[slot] = code
+                shape = None
+                if input_at is not None:
+                    try:
+                        shape = (args[input_at] if len(args) > input_at else kwargs[input_name]).shape
+                    except (KeyError, AttributeError):  # no input, or not a tensor: torch will say so
+                        pass
+                shapes[slot] = shape
+                done[slot] = 0
+        try:
+            current = split()
+            # timed as ``StepSplit.collective`` times a call: the outermost synchronous one in a loop
+            if current is None:
+                return original(*args, **kwargs)
+            if current._collective or not current._depth or kwargs.get("async_op"):
+                current._collective += 1
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    current._collective -= 1
+            current._collective = 1
+            start = _clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                current._interval.comm += _clock() - start
+                current._collective = 0
+        finally:
+            if slot >= 0:
+                done[slot] = 1
+
+    return timed
