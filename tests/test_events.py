@@ -202,6 +202,7 @@ MORE_SAMPLES = [
     events.SystemMetrics(rank=0, values={"cpu_percent": 12.5, "rss_bytes": 1e9}, time=7.0),
     events.StepSplit(rank=0, data=0.25, compute=0.5, comm=0.25, seconds=2.0, steps=4, step_s=9.0, data_s=2.0, time=8.0),
     events.Checkpoint(rank=1, step=100, time=9.0),
+    events.CodeStarted(rank=1, time=9.5),
     events.ProfilePiece(rank=0, data='{"traceEvents": []}'),
     events.ProfileDone(
         rank=0,

@@ -183,6 +183,10 @@ def test_points_for_a_run_deleted_on_the_server_are_refused_counted_and_said(
     import torchdist_magic.driver.tracking as tracking
 
     monkeypatch.setattr(tracking, "MLFLOW_FLUSH_INTERVAL", 3600.0)  # nothing is written before the end
+    # the server is up: a connection it misses on a busy machine is tried again, as MLflow's own
+    # default does (its refusals, 4xx answers, are not)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     run = local_distributor(2, mlflow=True, system_metrics=False).submit(train_then_wait, str(tmp_path), 5)
     wait_until(
         lambda: len(run.state.metric_history(ranks=[0], names=["loss"]).get("loss", {}).get(0, [])) >= 5,

@@ -14,11 +14,15 @@ from torchdist_magic.core.values import SHARED_MEMORY
 #: "away" it leaves that to a child of its own in a new session, then exits: the child is left to
 #: init, with no process of the test session above it
 MAKER = """
-import os, subprocess, sys
+import os, subprocess, sys, time
 folder, tag, where, source = sys.argv[1:]
 if where == "away":
-    subprocess.Popen([sys.executable, "-c", source, folder, tag, "here", source], start_new_session=True)
+    left = f"left-by-{os.getpid()}"
+    subprocess.Popen([sys.executable, "-c", source, folder, tag, left, source], start_new_session=True)
     sys.exit(0)
+if where.startswith("left-by-"):  # made once its parent is gone (on a busy machine it may exit late)
+    while os.getppid() == int(where[len("left-by-"):]):
+        time.sleep(0.01)
 path = os.path.join(folder, f"torchdist-{tag}-values-{os.getpid()}-left")
 os.mkdir(path)
 print(path, flush=True)
