@@ -212,7 +212,7 @@ def test_bad_num_processes(n, error, text):
         ({"all_ranks": 1}, "all_ranks must be True or False, got 1"),
         (
             {"nprocs": 2},
-            "unknown option(s): nprocs; known: backend, timeout, hang_timeout, max_restarts, "
+            "unknown option(s): nprocs; known: min_processes, backend, timeout, hang_timeout, max_restarts, "
             "checkpoint_dir, keep_checkpoints, restart_on, on_hang, env, backend_options, all_ranks, warm, ranks, pool_idle_timeout, pdb, "
             "debug_idle_timeout, tls, system_metrics, profile, trace_collectives, mlflow, preflight, detach, channel",
         ),

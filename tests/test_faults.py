@@ -161,6 +161,41 @@ def test_a_restart_after_a_lost_executor_goes_on_with_fewer_ranks_down_to_min():
     assert (local.num_processes, local.excluded) == (2, ())
 
 
+class Hosts(Cluster):
+    """A backend whose places go with the hosts it leaves out (a Slurm allocation's nodes)."""
+
+    def __init__(self, per_host, hosts):
+        super().__init__(per_host * len(hosts))
+        self.per_host, self.hosts = per_host, list(hosts)
+
+    def placeable(self):
+        return self.per_host * sum(1 for h in self.hosts if h not in [e.host for e in self.excluded])
+
+    def readmit(self, exclusion):
+        self.excluded.remove(exclusion)
+        return True
+
+
+def test_a_machine_that_faulted_is_used_again_only_where_the_next_attempt_cannot_do_without_it():
+    failure = Failure(rank=2, host="node2", exit_code=1, exc_type="RuntimeError", message="CUDA error: unknown")
+    fault = faults.classify(failure)
+    assert fault.kind == "machine"
+    # a fixed world of 4 on two nodes of 2: without node2 it would not fit, so node2 is kept
+    tight = Hosts(2, ["node1", "node2"])
+    world = elastic.next_world(LaunchOptions(num_processes=4, max_restarts=1), tight, failure, fault, 1)
+    assert (world.num_processes, world.excluded, world.refusal, tight.excluded) == (4, (), "", [])
+    # MIN 4 of 2:4 alike; MIN 2 fits on node1: node2 is left out
+    assert (
+        elastic.next_world(LaunchOptions(num_processes=(4, 4), max_restarts=1), tight, failure, fault, 1).excluded == ()
+    )
+    roomy = elastic.next_world(LaunchOptions(num_processes=(2, 4), max_restarts=1), tight, failure, fault, 1)
+    assert (roomy.num_processes, [e.host for e in roomy.excluded]) == (2, ["node2"])
+    # with a third node, a fixed world of 4 runs without node2
+    spare = Hosts(2, ["node1", "node2", "node3"])
+    fixed = elastic.next_world(LaunchOptions(num_processes=4, max_restarts=1), spare, failure, fault, 1)
+    assert (fixed.num_processes, [e.host for e in fixed.excluded]) == (4, ["node2"])
+
+
 # -- a local run --------------------------------------------------------------------------------
 def killed_on_rank1():
     import time

@@ -307,7 +307,7 @@ def test_the_repr_of_options_and_of_a_runs_spec_shows_env_names_not_values():
     for text in (repr(options), str(options), repr(spec)):
         assert "s3cret-value" not in text and "fast" not in text
         assert "env={'API_KEY': '***', 'MODE': '***'}" in text
-    assert repr(options).startswith("LaunchOptions(num_processes=2, use_gpu=False, backend='auto',")
+    assert repr(options).startswith("LaunchOptions(num_processes=2, min_processes=None, use_gpu=False, backend='auto',")
     assert options.env == {"API_KEY": "s3cret-value", "MODE": "fast"}  # the ranks still get them
 
 

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from helpers import assert_no_survivors, rank_failure_of, wait_until
-from torchdist_magic import Distributor, RankFailure
+from torchdist_magic import Distributor
 from torchdist_magic.driver import distributor
 from torchdist_magic.backends.slurm import block_placement, tasks_per_node
 
@@ -217,20 +217,18 @@ def test_a_node_with_a_machine_fault_is_left_out_and_the_run_goes_on_with_fewer_
     gc.collect()
 
 
-def test_a_restart_that_could_place_fewer_ranks_than_min_ends_the_run_saying_why(slurm):
-    run = Distributor((4, 4), backend="slurm", show=None, max_restarts=1, backend_options={"nodes": "2"}).submit(
-        cuda_error_on_node2
-    )
-    with pytest.raises(RankFailure) as info:
-        run.result(timeout=180)
-    assert (info.value.rank, info.value.message) == (2, "CUDA error: an illegal memory access was encountered")
-    assert info.value.reason == (
-        "node2 left out after attempt 1: machine fault, a CUDA error; the next attempt could place 2 ranks, "
-        "fewer than MIN 4 of --np/num_processes MIN:MAX; 1 restart left"
-    )
-    assert "\nNot restarted: " + info.value.reason + "\n" in str(info.value)
-    assert run.attempt == 1 and run.state.snapshot().state == "failed"
+def test_a_node_the_next_attempt_cannot_do_without_is_used_again(slurm):
+    # MIN 4 on two nodes of 2 tasks: without node2 the restart would not fit, so node2 is kept
+    run = Distributor(
+        (4, 4), backend="slurm", show=None, all_ranks=True, max_restarts=1, backend_options={"nodes": "2"}
+    ).submit(cuda_error_on_node2)
+    values = run.result(timeout=180)
+    (first,) = run.attempts
+    assert (first.failure.rank, first.fault.kind, first.world_size) == (2, "machine", 4)
+    assert [v["node"] for v in values] == ["node1", "node1", "node2", "node2"]
+    assert {v["WORLD_SIZE"] for v in values} == {"4"}
+    assert run.state.excluded == []
     assert_no_survivors(run)
-    del run, info
+    del run
     distributor._last_run = None
     gc.collect()

@@ -184,6 +184,11 @@ class Backend(abc.ABC):
         whether it can (a backend without hosts to choose, local processes, cannot)."""
         return False
 
+    def readmit(self, exclusion: Any) -> bool:
+        """Take back ``exclude(exclusion)`` (without that host the next attempt would not fit);
+        whether it could (a Spark executor already killed cannot come back)."""
+        return False
+
     def slot_owner(self) -> Any:
         """What this backend's slots belong to, shared by every run on it (a Spark backend: its
         SparkSession), so that a warm pool holding some is seen by the next cold run, and ends

@@ -225,6 +225,13 @@ class RayBackend(Backend):
             self.left_out.append(node)
         return True
 
+    def readmit(self, exclusion) -> bool:
+        node = self.rank_nodes.get(exclusion.rank)
+        if node is None or node not in self.left_out:
+            return False
+        self.left_out.remove(node)
+        return True
+
     def label_selector(self) -> Optional[Dict[str, str]]:
         """Each bundle's label selector: not on a node left out (``None``: any node)."""
         return {"ray.io/node-id": f"!in({', '.join(self.left_out)})"} if self.left_out else None

@@ -192,6 +192,12 @@ class SlurmBackend(CommandLineBackend):
             self._left_out.append(exclusion.host)
         return True
 
+    def readmit(self, exclusion) -> bool:
+        if exclusion.host not in self._left_out:
+            return False
+        self._left_out.remove(exclusion.host)
+        return True
+
     def placeable(self) -> Optional[int]:
         """The tasks of the allocation's nodes not left out (before the first start: unknown)."""
         return sum(self._kept()[1]) if self._nodes else None

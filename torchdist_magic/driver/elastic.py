@@ -57,11 +57,18 @@ def next_world(
     ``fault`` on ``host`` (its rank's, as the backend placed it): the exclusion ``backend``
     took for it, and the ranks the next attempt runs."""
     excluded: Tuple[faults.Exclusion, ...] = ()
+    n = options.num_processes
     if cause is not None and fault is not None:
         exclusion = faults.exclusion(cause, fault, attempt, host)
         if exclusion is not None and backend.exclude(exclusion):
             excluded = (exclusion,)
-    n = options.num_processes
+            # a machine that faulted still runs: where the next attempt would not fit without it
+            # (a fixed --np, or below MIN), it is used again rather than the run ended for it
+            need = n if options.min_processes is None else options.min_processes
+            placeable = backend.placeable()
+            if fault.kind == faults.MACHINE and placeable is not None and placeable < need:
+                if backend.readmit(exclusion):
+                    excluded = ()
     if options.min_processes is None:
         return NextWorld(n, excluded)
     wanted = n - len(excluded)  # the place left out is not taken again
