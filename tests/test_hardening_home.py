@@ -419,6 +419,27 @@ def test_whoever_finds_a_supervising_process_killed_with_sigkill_removes_what_it
     assert_nothing_survives(run_id, record.pid)
 
 
+def test_a_process_is_alive_until_it_exits_and_not_when_reaped_between_the_signal_and_the_proc_read(monkeypatch):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert history.process_alive(child.pid)
+        child.kill()
+        wait_until(lambda: not history.process_alive(child.pid), 30, "the killed child to be seen as ended")
+        assert os.path.exists(f"/proc/{child.pid}/stat")  # a zombie: not reaped yet, already not alive
+    finally:
+        child.kill()
+        child.wait()
+    assert not history.process_alive(child.pid)
+
+    # the zombie reaped after the signal found it and before its /proc entry is read (as happened
+    # under a full test run): gone, not "alive because /proc could not be read"
+    def reaped(path, *args, **kwargs):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(history, "open", reaped, raising=False)
+    assert not history.process_alive(os.getpid())
+
+
 def test_a_socket_a_record_names_is_removed_only_when_it_is_this_runs_and_this_users(home, tmp_path):
     import socket
 

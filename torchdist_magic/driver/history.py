@@ -240,7 +240,9 @@ def process_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
+    except FileNotFoundError:  # reaped between the signal and the read: gone
+        return False
+    except (OSError, IndexError):  # no /proc to read (or hidden): the signal said it is there
         return True
 
 
