@@ -8,6 +8,7 @@ mode, and on the same Spark sessions) in the same process.
                                 [--fetch-sizes 1 64 512 2048] [--only-fetch]
                                 [--max-torchdistributor-mib N] [--torchdistributor-repeat N]
                                 [--connect-driver-memory 4g] [--directions back out]
+                                [--kept-sizes 1 1024] [--only-kept]
 
 Every figure is the whole run's wall time (start 2 ranks, train nothing, move the value,
 return), the median of ``--repeat`` (each run's is printed, and kept in the JSON as
@@ -32,6 +33,13 @@ result; the server stops), where torchdist_magic's value never enters the JVM.
 costs the driver by itself, timed apart from any run (the median of ``--repeat``): writing it into
 shared memory, as a run does while its ranks start, and giving its memory back (removing it), as
 a run does after its result is known.
+
+The out rows above send each run's tensor as a first run does (``TORCHDIST_KEEP_VALUES=0``).
+The "same tensor again" rows (``--kept-sizes``, on local processes) run the out cell once on a
+tensor, then ``--repeat`` times more on the same tensor, unchanged, as a notebook's second run of
+a cell does: the first run's file is kept and mapped again (``driver.sent.KeptValues``).  Their
+"beyond the smallest" column is the seconds the largest tensor costs a second run beyond the
+smallest one's; ``first`` is the first run's time.
 
 The "fetch" rows move the values the way a multi-host cluster does (``TORCHDIST_VALUES_FETCH=1``
 on ``local[2]``), with the channel's TLS (the default on Spark) and without: out, one task fetches
@@ -238,6 +246,56 @@ def measure(name: str, runner, sizes, repeat: int, rows: list, directions) -> No
             )
 
 
+KEPT_RUNNER = "torchdist local, same tensor again"
+
+
+def measure_kept(sizes, repeat: int, rows: list) -> None:
+    """The out cell on a tensor once, then ``repeat`` times more on the same tensor, unchanged."""
+    import torch
+
+    from torchdist_magic.driver.sent import KEEP_ENV, KeptValues
+
+    os.environ[KEEP_ENV] = "1"
+    _, run_out = torchdist_runner(True)
+    try:
+        for mib in sizes:
+            tensor = torch.ones(mib * 2**18)
+            start = time.perf_counter()
+            run_out(tensor)
+            row = {"runner": KEPT_RUNNER, "direction": "out", "mib": mib, "each_seconds": []}
+            row["first_seconds"] = time.perf_counter() - start
+            row["seconds"], row["cpu_seconds"] = time_runs(
+                lambda tensor=tensor: run_out(tensor), repeat, row["each_seconds"]
+            )
+            row["driver_peak_per_value"] = 0.0
+            rows.append(row)
+            print(
+                f"{KEPT_RUNNER:28s} out  {mib:5d} MiB  first {row['first_seconds']:.2f} s, again "
+                f"{row['seconds']:7.2f} s ({' '.join(f'{t:.2f}' for t in row['each_seconds'])})",
+                flush=True,
+            )
+            KeptValues.forget_current()
+            tensor = None
+    finally:
+        os.environ[KEEP_ENV] = "0"
+
+
+def print_kept_table(rows: list) -> None:
+    mine = [r for r in rows if r["runner"] == KEPT_RUNNER]
+    if not mine:
+        return
+    print()
+    print("| same tensor again (local) | MiB | first run s | each run after s (median) | beyond the smallest s |")
+    print("|---|---|---|---|---|")
+    for r in mine:
+        beyond = r["seconds"] - mine[0]["seconds"]
+        r["seconds_beyond_smallest"] = beyond
+        print(
+            f"| out | {r['mib']} | {r['first_seconds']:.2f} | {r['seconds']:.2f} "
+            f"({' '.join(f'{t:.2f}' for t in r['each_seconds'])}) | {beyond:+.2f} |"
+        )
+
+
 def rate(mine: list, key: str = "seconds"):
     """MiB/s of the largest size measured beyond the smallest, by wall time (or by ``key``:
     ``"cpu_seconds"``); ``None`` when not measurably slower."""
@@ -315,7 +373,12 @@ def main() -> None:
     parser.add_argument("--torchdistributor-repeat", type=int, default=1)
     parser.add_argument("--connect-driver-memory", default="4g")
     parser.add_argument("--directions", nargs="+", choices=["back", "out"], default=["back", "out"])
+    parser.add_argument("--kept-sizes", type=int, nargs="+", default=[1, 1024])
+    parser.add_argument("--only-kept", action="store_true", help="only the same-tensor-again rows")
     args = parser.parse_args()
+    from torchdist_magic.driver.sent import KEEP_ENV
+
+    os.environ[KEEP_ENV] = "0"  # every out row but the kept ones sends its tensor as a first run does
     import pyspark
     import torch
 
@@ -327,9 +390,11 @@ def main() -> None:
     td_repeat = args.torchdistributor_repeat
     # TorchDistributor's tasks run Spark's interpreter: the notebook's, as torchdist_magic picks
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    if not args.only_fetch:
+    if args.kept_sizes and "out" in args.directions and not args.only_fetch:
+        measure_kept(args.kept_sizes, args.repeat, rows)
+    if not args.only_fetch and not args.only_kept:
         measure("torchdist local", torchdist_runner(True), args.sizes, args.repeat, rows, args.directions)
-    if not args.no_spark:
+    if not args.no_spark and not args.only_kept:
         spark = spark_session("torchdist_magic values benchmark")
         if not args.no_torchdistributor and not args.only_fetch:  # it wants an active session even in local mode
             measure(
@@ -382,7 +447,8 @@ def main() -> None:
                     )
 
             on_connect(measure_connect, args.connect_driver_memory)
-    print_table(rows, args.sizes)
+    print_table([r for r in rows if r["runner"] != KEPT_RUNNER], args.sizes)
+    print_kept_table(rows)
     for r in rows:
         r["mib_per_s_beyond_smallest"] = r["mib_per_cpu_s_beyond_smallest"] = None
     for name, direction in {(r["runner"], r["direction"]) for r in rows}:

@@ -108,6 +108,32 @@ def test_ctrl_c_stops_a_run_whose_channel_is_in_a_process_of_its_own(home):
     assert_nothing_survives(record.run_id, record.pid)
 
 
+def test_ctrl_c_while_the_run_starts_stops_it_once_its_supervising_process_takes_requests(home):
+    """The interrupt lands while the kernel waits for the supervising process to start the run
+    (before any handle exists): the run is stopped all the same, never left running."""
+    from torchdist_magic.driver import history
+    from torchdist_magic.driver.layout import READY_FILE
+
+    interrupted = []
+
+    def interrupt_at_the_start():
+        def starting():
+            found = [r for r in history.runs() if r.pid > 0]
+            return found and not os.path.exists(os.path.join(found[0].directory, READY_FILE))
+
+        wait_until(starting, 60, "the supervising process to be started")
+        interrupted.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_at_the_start, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        Distributor(num_processes=2, local_mode=True, show=None, channel="process").run(sleeps)
+    assert interrupted
+    [record] = torchdist_magic.runs()
+    assert record.state == "cancelled" and record.failure.startswith("stopped by Ctrl-C")
+    assert_nothing_survives(record.run_id, record.pid)
+
+
 def test_the_magic_runs_a_cell_with_its_channel_in_a_process_of_its_own(home, ip, capsys):
     from IPython.core.error import UsageError
 

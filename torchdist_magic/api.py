@@ -170,12 +170,10 @@ class Distributor:
     def _follow_own(self, run: Any) -> Any:
         from .handles.attach import follow_attached
 
-        observer = None
-        if self.show is not None:
-            from .view import make_view
+        from .view import make_view
 
-            observer = make_view(run, self.show)
-        return follow_attached(run, observer, own=True)
+        show = self.show
+        return follow_attached(run, own=True, make_observer=None if show is None else lambda: make_view(run, show))
 
     def _follow(self, run: Run) -> Any:
         observer = None

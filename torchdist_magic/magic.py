@@ -261,8 +261,12 @@ class TorchdistMagics(Magics):
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
             self.shell.user_ns[RUN_VARIABLE] = run
-            observer = None if quiet else make_view(run, self.view, log_hint=f"{RUN_VARIABLE}.logs(rank)")
-            return follow_attached(run, observer, own=True)
+            view = self.view
+            return follow_attached(
+                run,
+                own=True,
+                make_observer=None if quiet else lambda: make_view(run, view, log_hint=f"{RUN_VARIABLE}.logs(rank)"),
+            )
         try:
             run = submit(target, target_args, {}, options, data=data, columns=columns, debug_input=stdin_available())
         except (TypeError, ValueError, MlflowUnavailable, TrackingError) as exc:

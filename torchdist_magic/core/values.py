@@ -54,6 +54,7 @@ import struct
 import tempfile
 import threading
 import types
+import weakref
 from typing import Any, Iterator, List, Optional, Tuple, Union
 
 from .names import VALUES_COPY_ENV
@@ -164,10 +165,13 @@ def pickle_for_ranks(value: Any, by_value: Optional[list] = None) -> bytes:
 
 class _Storage:
     """A tensor storage's bytes, pickled out of band; one per storage, so that the tensors
-    that share it (views, tied weights) share it again when loaded."""
+    that share it (views, tied weights) share it again when loaded.  ``tensors``: each tensor
+    pickled on it, as ``(weak reference, version counter)``, which tell the driver whether the
+    storage may have changed since (``Buffers.marks``)."""
 
-    def __init__(self, raw):
+    def __init__(self, raw: Any) -> None:
         self.raw = raw
+        self.tensors: List[Tuple[Any, int]] = []
 
     def __reduce__(self):
         return (_storage_from_buffer, (pickle.PickleBuffer(self.raw),))
@@ -191,6 +195,8 @@ def _reduce_tensor(obj, storages: dict, cpu_only: bool = False):
         cpu = storage if obj.device.type == "cpu" else storage.cpu()
         raw = torch.empty(0, dtype=torch.uint8).set_(cpu).numpy()
         storages[key] = _Storage(raw)
+    if obj.device.type == "cpu" and not obj.is_inference():  # an inference tensor has no version counter
+        storages[key].tensors.append((weakref.ref(obj), obj._version))
     return (
         _tensor_from_storage,
         (
@@ -224,10 +230,76 @@ def _tensor_from_storage(storage, dtype: str, shape, stride, offset: int, requir
 
 def _pickled(value: Any, cpu_only: bool = False) -> Tuple[bytes, List[memoryview]]:
     """The pickle stream of ``value`` and its out-of-band buffers (as raw memoryviews)."""
+    stream, raws, _ = _pickled_marked(value, cpu_only)
+    return stream, raws
+
+
+def _pickled_marked(value: Any, cpu_only: bool = False) -> Tuple[bytes, List[memoryview], List[Optional["Mark"]]]:
+    """``_pickled``, with each buffer's ``Mark`` (``None`` for one that is not a CPU tensor's
+    storage with a version counter: a NumPy array's, whose changes nothing counts)."""
     buffers: List[pickle.PickleBuffer] = []
     stream = io.BytesIO()
-    _pickler_class(cpu_only)(stream, protocol=5, buffer_callback=buffers.append).dump(value)
-    return stream.getvalue(), [b.raw() for b in buffers]
+    pickler = _pickler_class(cpu_only)(stream, protocol=5, buffer_callback=buffers.append)
+    pickler.dump(value)
+    raws = [b.raw() for b in buffers]
+    by_array = {id(s.raw): s for s in pickler._storages.values() if s.tensors}
+    marks: List[Optional[Mark]] = []
+    for raw in raws:
+        storage = by_array.get(id(raw.obj))
+        marks.append(Mark(raw, storage.tensors) if storage is not None else None)
+    return stream.getvalue(), raws, marks
+
+
+class Mark:
+    """What tells, at the next run, that a tensor storage sent to the ranks has not changed:
+    the tensors pickled on it are the same objects (alive), at the same version counter (every
+    in-place change of a tensor bumps it, torch's own check for autograd), on the same memory.
+    A write torch does not count (through ``.numpy()``, ``.data``, a NumPy array the tensor
+    shares) is not seen by these; ``fingerprint`` looks at a sample of the bytes for that."""
+
+    def __init__(self, raw: memoryview, tensors: List[Tuple[Any, int]]):
+        self.address = _address(raw)
+        self.nbytes = raw.nbytes
+        self.tensors = list(tensors)
+
+    def holds(self, raw: memoryview) -> bool:
+        """Whether ``raw`` (a buffer of a later pickling) is this storage, unchanged by torch."""
+        if self.address == -1 or _address(raw) != self.address or raw.nbytes != self.nbytes:
+            return False
+        for ref, version in self.tensors:
+            tensor = ref()
+            if tensor is None or tensor._version != version:
+                return False
+        return True
+
+
+def _address(raw: memoryview) -> int:
+    """Where ``raw``'s bytes are, by the NumPy array that exported it (a tensor storage's raw
+    bytes are one: ``_reduce_tensor``); -1 for any other buffer."""
+    interface = getattr(raw.obj, "__array_interface__", None)
+    return int(interface["data"][0]) if interface is not None else -1
+
+
+#: ``fingerprint`` reads this many bytes of every ``FINGERPRINT_STEP``
+FINGERPRINT_BLOCK = 4096
+FINGERPRINT_STEP = 64 * 1024
+
+
+def fingerprint(raws: List[memoryview]) -> int:
+    """A CRC-32 of a sixteenth of ``raws``' bytes (4 KiB of every 64 KiB, and each buffer's last
+    4 KiB): about 10 ms a GiB.  It sees a change of most of the bytes made behind torch's back
+    (a NumPy array the tensor shares, filled again), not a change of a few."""
+    import zlib
+
+    crc = 0
+    for raw in raws:
+        view = raw.cast("B") if raw.format != "B" or raw.ndim != 1 else raw
+        size = view.nbytes
+        for start in range(0, size, FINGERPRINT_STEP):
+            crc = zlib.crc32(view[start : start + FINGERPRINT_BLOCK], crc)
+        if size > FINGERPRINT_BLOCK:
+            crc = zlib.crc32(view[size - FINGERPRINT_BLOCK :], crc)
+    return crc
 
 
 def _header(stream: bytes, raws: List[memoryview]) -> bytes:
@@ -397,12 +469,30 @@ class Buffers:
     holds the bytes.
     """
 
-    def __init__(self, raws: List[memoryview], path: str = "", host_copy: str = ""):
+    def __init__(
+        self, raws: List[memoryview], path: str = "", host_copy: str = "", marks: Optional[List[Optional[Mark]]] = None
+    ):
         self._raws = raws
         self.sizes = [r.nbytes for r in raws]
         self.path = path
         #: the name of the machine's own copy of the file, fetched from the driver; else ""
         self.host_copy = host_copy
+        #: on the driver, each buffer's ``Mark`` where every one has one (all are tensors'
+        #: storages): what lets the next run with the same values map this run's file again
+        #: (``driver.sent``); else ``None``.  Never pickled.
+        self.marks = marks if marks and all(m is not None for m in marks) else None
+
+    def unchanged_since(self, marks: List[Optional[Mark]]) -> bool:
+        """Whether these buffers (of a later pickling) are the ones ``marks`` were taken of,
+        unchanged by torch: the same storages, in the same order, each tensor on them at the
+        same version counter."""
+        return len(marks) == len(self._raws) and all(
+            m is not None and m.holds(raw) for m, raw in zip(marks, self._raws)
+        )
+
+    def fingerprint(self) -> int:
+        """``fingerprint`` of these buffers (on the driver, before they are in a file)."""
+        return fingerprint(self._raws)
 
     @property
     def nbytes(self) -> int:
@@ -438,6 +528,7 @@ class Buffers:
         self.path, self.sizes = state["path"], state["sizes"]
         self.host_copy = state.get("host_copy", "")
         self._raws = [memoryview(r).cast("B") for r in state.get("raws", [])]
+        self.marks = None
 
     def load(self) -> List[memoryview]:
         """The buffers, on a rank: views of the file mapped copy-on-write (the machine's pages
@@ -620,8 +711,8 @@ def pickled_apart(value: Any, by_value: Optional[list] = None) -> Tuple[bytes, B
     travel by value) and its large buffers (``Buffers``): CPU tensors' storages and NumPy
     arrays, not copied.  ``pickle.loads(stream, buffers=buffers.load())`` rebuilds it."""
     with _sent_by_value(by_value):
-        stream, raws = _pickled(value, cpu_only=True)
-    return stream, Buffers(raws)
+        stream, raws, marks = _pickled_marked(value, cpu_only=True)
+    return stream, Buffers(raws, marks=marks)
 
 
 def loads_apart(stream: bytes, buffers: Optional[Buffers]) -> Any:

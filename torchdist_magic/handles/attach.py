@@ -34,10 +34,18 @@ from ..core.options import PROCESS_CHANNEL_RANKS, LaunchOptions
 from ..core.job import build_job
 from ..driver.handle import StateAnswers
 from ..driver.history import RunRecord, clear_dead_run, process_alive, read_record, take_value
-from ..driver.layout import DONE_FILE, FULL_LOGS_DIR, JOURNAL_FILE, JOURNAL_FULL_FILE, NO_JOURNAL_FILE, TOKEN_FILE
+from ..driver.layout import (
+    DONE_FILE,
+    FULL_LOGS_DIR,
+    JOURNAL_FILE,
+    JOURNAL_FULL_FILE,
+    NO_JOURNAL_FILE,
+    READY_FILE,
+    TOKEN_FILE,
+)
 from ..driver.state import RunState
 from ..supervise.feed import peer_uid
-from ..supervise.supervisor import check_detachable, read_full_logs, start_detached
+from ..supervise.supervisor import START_WAIT, check_detachable, read_full_logs, start_detached
 from .feed import HostedState
 
 #: how often the handle looks whether the run has ended
@@ -89,12 +97,39 @@ def submit_detached(target: Any, args: tuple, kwargs: dict, options: LaunchOptio
     raises ``ValueError`` before anything starts."""
     spark = check_detachable(options, active_spark_session(), data)
     job = build_job(target, tuple(args), dict(kwargs))
-    handle = AttachedRun(start_detached(job, options, spark, journal=options.detach))
+    run_id = ""
+    try:
+        run_id = start_detached(job, options, spark, journal=options.detach)
+        handle = AttachedRun(run_id)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C before the handle was given: the run stops
+        run_id = run_id or getattr(interrupt, "run_id", "")  # supervisor.StartInterrupted's
+        if run_id:
+            stop_started(run_id, by="Ctrl-C")
+        raise KeyboardInterrupt from None
     if not options.detach:  # the kernel's own run: the ranks' complete logs are this handle's
         weakref.finalize(handle, shutil.rmtree, os.path.join(handle.directory, FULL_LOGS_DIR), True)
     with _handles_lock:
         _handles[handle.run_id] = handle
     return handle
+
+
+def stop_started(run_id: str, by: str, wait: float = START_WAIT) -> None:
+    """Stop run ``run_id``, whose start was interrupted before its handle was given: once its
+    supervising process takes requests (``READY_FILE``), ask it to stop every rank, and wait for
+    the run's end (``DONE_FILE``) or that process's, within ``wait`` seconds each."""
+    record = read_record(run_id)
+    deadline = time.monotonic() + wait
+    while not os.path.exists(os.path.join(record.directory, READY_FILE)):
+        if not process_alive(record.pid) or time.monotonic() > deadline:
+            return  # it never started the run, or started nothing that answers
+        time.sleep(0.01)
+    if not stop(run_id, by=by):
+        return
+    deadline = time.monotonic() + wait
+    while not os.path.exists(os.path.join(record.directory, DONE_FILE)) and process_alive(record.pid):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def attach(run_id: str) -> "AttachedRun":
@@ -166,13 +201,18 @@ def stop(run_id: str, by: str = "stop()") -> bool:
     return True
 
 
-def follow_attached(run: "AttachedRun", observer: Any = None, interval: float = 0.1, own: bool = False) -> Any:
+def follow_attached(
+    run: "AttachedRun", observer: Any = None, interval: float = 0.1, own: bool = False, make_observer: Any = None
+) -> Any:
     """Wait for ``run`` here, calling ``observer.update()`` every ``interval`` seconds and
     ``observer.close()`` at the end; rank 0's value, or the run's error.  Ctrl-C (the kernel's
     interrupt) stops following, not the run: it says so and re-raises; with ``own`` (a run this
     cell started with its channel in a process of its own, ``--channel process``) it stops the
-    run, as for a run in the kernel, and re-raises once the run has ended."""
+    run, as for a run in the kernel, and re-raises once the run has ended.  ``make_observer``
+    (instead of ``observer``): made here, so that a Ctrl-C while it is made is one of these."""
     try:
+        if make_observer is not None:
+            observer = make_observer()
         while not run.wait(interval):
             if observer is not None:
                 observer.update()

@@ -284,16 +284,38 @@ def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = Non
         )
     finally:
         os.close(log)
-    record.pid = process.pid
-    record.save()
-    # after the record: the supervising process reads the handover to its end before anything else
-    try:  # more than a pipe's buffer waits here for the supervising process to read it, at its start
-        with process.stdin:
-            process.stdin.write(handover)
-    except BrokenPipeError:  # it ended before it read it: said below, with its exit code
-        pass
     # reaped here while this process lives (no zombie left); when it dies, init adopts it
     threading.Thread(target=process.wait, name=f"torchdist-supervisor-{run_id}", daemon=True).start()
+    handed = False
+    try:
+        record.pid = process.pid
+        record.save()
+        # after the record: the supervising process reads the handover to its end before anything else
+        try:  # more than a pipe's buffer waits here for the supervising process to read it, at its start
+            with process.stdin:
+                process.stdin.write(handover)
+        except BrokenPipeError:  # it ended before it read it: said below, with its exit code
+            pass
+        handed = True
+        _wait_ready(process, directory, run_id)
+    except KeyboardInterrupt:
+        if not handed:  # it started nothing: it reads the whole handover before anything else
+            process.kill()
+            raise
+        raise StartInterrupted(run_id) from None  # its ranks may have started: the caller stops them
+    return run_id
+
+
+class StartInterrupted(KeyboardInterrupt):
+    """Ctrl-C (the kernel's interrupt) while ``start_detached`` waited for run ``run_id`` to
+    start: its supervising process may have started its ranks already."""
+
+    def __init__(self, run_id: str):
+        super().__init__()
+        self.run_id = run_id
+
+
+def _wait_ready(process: subprocess.Popen, directory: str, run_id: str) -> None:
     deadline = time.monotonic() + START_WAIT
     while not os.path.exists(os.path.join(directory, READY_FILE)):
         refused = os.path.join(directory, REFUSED_FILE)
@@ -309,7 +331,6 @@ def start_detached(job: Any, options: LaunchOptions, spark: Optional[dict] = Non
                 f"{os.path.join(directory, LOG_FILE)}:\n{_tail(directory)}"
             )
         time.sleep(0.01)
-    return run_id
 
 
 def _tail(directory: str, chars: int = 2000) -> str:
@@ -467,8 +488,10 @@ def supervise(directory: str) -> int:
     journal = None if os.path.exists(os.path.join(directory, NO_JOURNAL_FILE)) else Journal(directory)
     cancel = threading.Event()  # a stop asked for before the run's handle exists
     run = None
+    stopped_by = ["%torchdist stop"]
 
     def stop(by: str) -> None:
+        stopped_by[0] = by
         cancel.set()
         if run is not None:
             run.cancel(by=by)
@@ -492,8 +515,8 @@ def supervise(directory: str) -> int:
         record.save()
         write_private(os.path.join(directory, REFUSED_FILE), str(exc))
         return 2
-    if cancel.is_set():
-        run.cancel(by="%torchdist stop")
+    if cancel.is_set():  # a stop asked for while the ranks started
+        run.cancel(by=stopped_by[0])
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: stop(f"{signal.Signals(signum).name} to its supervising process"))
     write_private(os.path.join(directory, READY_FILE), str(os.getpid()))
