@@ -384,13 +384,15 @@ def test_interrupting_the_kernel_stops_every_rank_of_a_torchdist_cell(tmp_path):
             f"open(os.path.join({marks!r}, f'rank{{rank}}-pid{{os.getpid()}}'), 'w').close()\n"
             "time.sleep(600)\n"
         )
-        started = wait_until(
-            lambda: (lambda found: found if len(found) == 2 else None)(
-                sorted(glob.glob(os.path.join(marks, "rank*-pid*")))
-            ),
-            120,
-            "both ranks to start",
-        )
+
+        def ranks_started():
+            if kc.shell_channel.msg_ready():  # the cell ended first: say how, not "timed out"
+                reply = kc.get_shell_msg(timeout=1)
+                raise AssertionError(f"the cell ended before both ranks started: {reply['content']}")
+            found = sorted(glob.glob(os.path.join(marks, "rank*-pid*")))
+            return found if len(found) == 2 else None
+
+        started = wait_until(ranks_started, 120, "both ranks to start")
         pids = [int(path.rsplit("-pid", 1)[1]) for path in started]
         kernel.km.interrupt_kernel()  # the frontend's ■
         outputs = []

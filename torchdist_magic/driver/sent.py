@@ -144,12 +144,16 @@ def _close_all(fds: list) -> None:
         os.close(fd)
 
 
+#: guards ``KeptValues``: reentrant, since a tensor's finalizer (``KeptValues.forget``) may run
+#: in a thread that holds it
+_KEPT_LOCK = threading.RLock()
+
+
 class KeptValues:
     """The file of the last run's values (all tensors), kept for the next run with the same
     values, unchanged: at most one per process (``current``).  ``users``: the runs mapping it
     now; once another run's file replaces it (``dropped``), it goes when the last of them ends."""
 
-    _lock = threading.RLock()  # a tensor's finalizer may run (``forget``) while it is held
     current: Optional["KeptValues"] = None
     _exit_registered = False
 
@@ -167,7 +171,7 @@ class KeptValues:
         """The kept file where ``sent`` (the buffers of a new run's values) are its values,
         unchanged, taken for the run (``release`` it); else ``None``, and the kept file is
         dropped: the new run's file is written without the old one beside it."""
-        with cls._lock:
+        with _KEPT_LOCK:
             kept = cls.current
             if kept is None:
                 return None
@@ -195,7 +199,7 @@ class KeptValues:
             marks,
             fingerprint,
         )
-        with cls._lock:
+        with _KEPT_LOCK:
             if cls.current is not None:
                 cls.current._drop()
             cls.current = kept
@@ -211,20 +215,20 @@ class KeptValues:
 
     def release(self) -> None:
         """A run that mapped this file has ended."""
-        with self._lock:
+        with _KEPT_LOCK:
             self.users -= 1
             if self.dropped and self.users == 0:
                 self._free()
 
     def forget(self) -> None:
         """Drop this file (one of its tensors was freed): it goes now, or when its last run ends."""
-        with self._lock:
+        with _KEPT_LOCK:
             self._drop()
 
     @classmethod
     def forget_current(cls) -> None:
         """Drop the kept file, if any (the process exits)."""
-        with cls._lock:
+        with _KEPT_LOCK:
             if cls.current is not None:
                 cls.current._drop()
 
