@@ -1,6 +1,8 @@
 """Pre-flight (``--preflight``): the comparison of the ranks' reports (pure: reports are data),
 a rank's report with a fake NVML, and the check end to end on real ranks (gloo)."""
 
+import socket
+
 import pytest
 
 from helpers import assert_no_survivors
@@ -100,6 +102,42 @@ def own_group_all_reduce():
     dist.all_reduce(t)
     dist.destroy_process_group()
     return float(t)
+
+
+def test_a_rank_waits_for_rank_0s_store_of_the_check_to_close_before_the_job_sets_up_its_own(monkeypatch):
+    """The job's own ``init_process_group`` uses the check's address: a rank that reached the
+    check's store, which rank 0 was about to close, failed with "Failed to recv, got 0 bytes"."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from helpers import free_port
+    from torchdist_magic.core import preflight
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    link = preflight._store_probe()
+    assert link is not None
+    closed = []
+
+    def close_later():
+        time.sleep(0.5)
+        closed.append(time.monotonic())
+        del closing[0]  # the last reference: the store's server stops
+
+    closing = [store]
+    del store
+    threading.Thread(target=close_later).start()
+    preflight._wait_until_closed(link)
+    assert closed and time.monotonic() >= closed[0]  # not before the store closed
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()  # nothing listens there now
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # a launcher's store, never rank 0's
+    assert preflight._store_probe() is None
 
 
 def test_preflight_end_to_end_on_real_ranks(local_distributor):

@@ -264,6 +264,7 @@ def run(
         if use_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         dist.init_process_group("nccl" if use_gpu else "gloo")
+    store_link = _store_probe() if created and dist.get_rank() != 0 else None
     try:
         device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
         devices = [str(device.index)] if use_gpu else []
@@ -278,11 +279,44 @@ def run(
     finally:
         if created:
             dist.destroy_process_group()
+        if store_link is not None:
+            _wait_until_closed(store_link)
     for warning in result.warnings:
         print(warning, flush=True)
     if result.refusal:
         raise PreflightRefused(result.refusal)
     return result
+
+
+#: how long a rank waits for rank 0's store of the check to close (``_wait_until_closed``)
+STORE_CLOSE_WAIT = 60.0
+
+
+def _store_probe() -> Optional[socket.socket]:
+    """A connection of this rank (not rank 0) to the check's store, on rank 0 at
+    ``MASTER_ADDR:MASTER_PORT``, which says nothing: it ends when that store closes.  The job's
+    own ``init_process_group`` on the same address must not reach the check's store, which rank 0
+    is about to close (its handshake would then fail with "Failed to recv, got 0 bytes"), so this
+    rank waits for its end (``_wait_until_closed``).  ``None`` where the store is not rank 0's
+    (a launcher's, ``TORCHELASTIC_USE_AGENT_STORE``) or cannot be reached this way."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    try:
+        return socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=10)
+    except (KeyError, ValueError, OSError):
+        return None
+
+
+def _wait_until_closed(probe: socket.socket) -> None:
+    """Return once rank 0's store of the check has closed (``probe`` reads its end), or after
+    ``STORE_CLOSE_WAIT`` seconds."""
+    with probe:
+        probe.settimeout(STORE_CLOSE_WAIT)
+        try:
+            while probe.recv(4096):
+                pass
+        except OSError:  # reset, or the wait passed: the job's own set-up says what is wrong, if anything
+            pass
 
 
 def open_health() -> Optional[GpuHealthSource]:
