@@ -121,6 +121,10 @@ def with_torchrun(script: str, ranks: int, steps: int, out: str) -> dict:
         return json.load(fh)
 
 
+#: how many times a failed run is run again (torchrun's or torchdist_magic's: a rank that torch's
+#: gloo teardown aborts, SIGABRT, now and then on a loaded machine; each one is in the JSON)
+RETRIES = 3
+
 #: the driver of a torchdist_magic run, in a process of its own: its CPU seconds on stdout
 DRIVER = (
     "import sys, time\n"
@@ -586,12 +590,15 @@ def end_to_end(ranks_list, steps: int, rounds: int, before: str) -> dict:
                 for name in order:
                     out = os.path.join(tmp, f"{ranks}-{name}-{i}.json")
                     started = time.monotonic()
-                    try:
-                        got = runners[name](script, ranks, steps, out)
-                    except RuntimeError as exc:  # torch's gloo teardown aborts a rank now and then: once more
-                        print(f"{ranks} ranks, {name} failed, run again: {str(exc)[-300:]}", flush=True)
-                        failures.append(f"{ranks} ranks, {name}: {str(exc)[-300:]}")
-                        got = runners[name](script, ranks, steps, out)
+                    for tries_left in range(RETRIES, -1, -1):
+                        try:
+                            got = runners[name](script, ranks, steps, out)
+                            break
+                        except RuntimeError as exc:  # torch's gloo teardown aborts a rank now and then
+                            if not tries_left:
+                                raise
+                            print(f"{ranks} ranks, {name} failed, run again: {str(exc)[-300:]}", flush=True)
+                            failures.append(f"{ranks} ranks, {name}: {str(exc)[-300:]}")
                     runs[name].append(got["steps_per_s"])
                     per_step.append(got.get("collectives_per_step", 0.0))
                     if name in driver:

@@ -39,7 +39,9 @@ The "same tensor again" rows (``--kept-sizes``, on local processes) run the out 
 tensor, then ``--repeat`` times more on the same tensor, unchanged, as a notebook's second run of
 a cell does: the first run's file is kept and mapped again (``driver.sent.KeptValues``).  Their
 "beyond the smallest" column is the seconds the largest tensor costs a second run beyond the
-smallest one's; ``first`` is the first run's time.
+smallest one's (the ranks still read the mapped pages: the cell sums every 4096th element);
+``first`` is the first run's time; "send" is what the driver spends sending the values out
+(the job pickled, then the file written, or the kept one found: ``SendTimer``).
 
 The "fetch" rows move the values the way a multi-host cluster does (``TORCHDIST_VALUES_FETCH=1``
 on ``local[2]``), with the channel's TLS (the default on Spark) and without: out, one task fetches
@@ -249,34 +251,78 @@ def measure(name: str, runner, sizes, repeat: int, rows: list, directions) -> No
 KEPT_RUNNER = "torchdist local, same tensor again"
 
 
+class SendTimer:
+    """The seconds a run's driver spends sending its values out (``SentValues.pickle``, then
+    ``wait`` for the file the ranks map: written, or the kept one found), each run's appended to
+    ``seconds``; timed around the package's own methods, which it leaves as they were."""
+
+    def __init__(self):
+        from torchdist_magic.driver.sent import SentValues
+
+        self.seconds: list = []
+        self._class = SentValues
+        self._pickle, self._wait = SentValues.pickle, SentValues.wait
+        timer = self
+
+        def pickle(sent, job):
+            start = time.perf_counter()
+            try:
+                return timer._pickle(sent, job)
+            finally:
+                sent._send_started = start
+
+        def wait(sent):
+            try:
+                return timer._wait(sent)
+            finally:
+                if getattr(sent, "_send_started", None) is not None:
+                    timer.seconds.append(time.perf_counter() - sent._send_started)
+                    sent._send_started = None
+
+        SentValues.pickle, SentValues.wait = pickle, wait
+
+    def close(self) -> None:
+        self._class.pickle, self._class.wait = self._pickle, self._wait
+
+
 def measure_kept(sizes, repeat: int, rows: list) -> None:
-    """The out cell on a tensor once, then ``repeat`` times more on the same tensor, unchanged."""
+    """The out cell on a tensor once, then ``repeat`` times more on the same tensor, unchanged;
+    each run's whole time and its driver's sending time (``SendTimer``)."""
     import torch
 
     from torchdist_magic.driver.sent import KEEP_ENV, KeptValues
 
     os.environ[KEEP_ENV] = "1"
     _, run_out = torchdist_runner(True)
+    timer = SendTimer()
     try:
         for mib in sizes:
             tensor = torch.ones(mib * 2**18)
             start = time.perf_counter()
+            del timer.seconds[:]
             run_out(tensor)
             row = {"runner": KEPT_RUNNER, "direction": "out", "mib": mib, "each_seconds": []}
             row["first_seconds"] = time.perf_counter() - start
+            row["first_send_seconds"] = timer.seconds[0]
+            del timer.seconds[:]
             row["seconds"], row["cpu_seconds"] = time_runs(
                 lambda tensor=tensor: run_out(tensor), repeat, row["each_seconds"]
             )
+            row["each_send_seconds"] = list(timer.seconds)
+            row["send_seconds"] = statistics.median(timer.seconds)
             row["driver_peak_per_value"] = 0.0
             rows.append(row)
             print(
-                f"{KEPT_RUNNER:28s} out  {mib:5d} MiB  first {row['first_seconds']:.2f} s, again "
-                f"{row['seconds']:7.2f} s ({' '.join(f'{t:.2f}' for t in row['each_seconds'])})",
+                f"{KEPT_RUNNER:28s} out  {mib:5d} MiB  first {row['first_seconds']:.2f} s (sent in "
+                f"{row['first_send_seconds']:.3f} s), again {row['seconds']:7.2f} s "
+                f"({' '.join(f'{t:.2f}' for t in row['each_seconds'])}; sent in "
+                f"{' '.join(f'{t:.3f}' for t in row['each_send_seconds'])} s)",
                 flush=True,
             )
             KeptValues.forget_current()
             tensor = None
     finally:
+        timer.close()
         os.environ[KEEP_ENV] = "0"
 
 
@@ -285,14 +331,17 @@ def print_kept_table(rows: list) -> None:
     if not mine:
         return
     print()
-    print("| same tensor again (local) | MiB | first run s | each run after s (median) | beyond the smallest s |")
-    print("|---|---|---|---|---|")
+    print(
+        "| same tensor again (local) | MiB | first run s | its send s | each run after s (median) "
+        "| beyond the smallest s | its send s (median) |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in mine:
         beyond = r["seconds"] - mine[0]["seconds"]
         r["seconds_beyond_smallest"] = beyond
         print(
-            f"| out | {r['mib']} | {r['first_seconds']:.2f} | {r['seconds']:.2f} "
-            f"({' '.join(f'{t:.2f}' for t in r['each_seconds'])}) | {beyond:+.2f} |"
+            f"| out | {r['mib']} | {r['first_seconds']:.2f} | {r['first_send_seconds']:.3f} | {r['seconds']:.2f} "
+            f"({' '.join(f'{t:.2f}' for t in r['each_seconds'])}) | {beyond:+.2f} | {r['send_seconds']:.3f} |"
         )
 
 
