@@ -113,7 +113,9 @@ def test_a_restart_loses_the_work_after_the_last_checkpoint(tmp_path):
     (attempt,) = run.attempts
     assert attempt.checkpoint is not None and attempt.first_work <= attempt.checkpoint
     parts = run.goodput
-    assert parts["lost_to_restarts_s"] >= 1.0  # the pause after the checkpoint, and the restart
+    # the 1 s pause after the checkpoint is lost: counted from when the checkpoint's record reached
+    # the driver, which a loaded machine delays by a few tenths (0.94 s was seen under CI's load)
+    assert parts["lost_to_restarts_s"] >= 0.5
     assert sum(parts[k] for k in PARTS) == pytest.approx(parts["wall_s"])
     assert_no_survivors(run)
 
