@@ -203,11 +203,16 @@ class KeptValues:
             if cls.current is not None:
                 cls.current._drop()
             cls.current = kept
+            freed = False
             for mark in marks:  # the file goes with the first of its tensors to be freed
                 for ref, _ in mark.tensors if mark is not None else ():
                     tensor = ref()
-                    if tensor is not None:
+                    if tensor is None:
+                        freed = True
+                    else:
                         kept._watches.append(weakref.finalize(tensor, kept.forget))
+            if freed:  # one went while the run ran: no next run can map it
+                kept._drop()
             if not cls._exit_registered:
                 atexit.register(cls.forget_current)
                 cls._exit_registered = True
