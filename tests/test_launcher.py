@@ -4,6 +4,7 @@ sent and every stop that failed is in the ``torchdist_magic`` log; one reading o
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -275,3 +276,69 @@ def test_group_members_are_the_live_processes_of_a_group():
         os.killpg(leader.pid, signal.SIGKILL)
         leader.wait()
     wait_until(lambda: procs.group_members(leader.pid) == [], 10, "the group to be gone")
+
+
+# -- rank 0's port ---------------------------------------------------------------------------------
+
+
+def test_rank_0_s_port_is_below_the_ephemeral_range_and_no_zmq_style_listener_can_share_it():
+    """What CI saw: a Jupyter kernel's ZeroMQ socket (SO_REUSEADDR) listened on the port a run had
+    reserved, picked in the ephemeral range, and rank 0's store failed with EADDRINUSE.  The
+    port is now below that range, held exclusively against another reservation, and rank 0's
+    store can still listen on it."""
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+
+    from torchdist_magic.launch import launcher
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+        low = int(fh.read().split()[0])
+    held = [launcher.reserve_port("127.0.0.1") for _ in range(8)]
+    try:
+        ports = [s.getsockname()[1] for s in held]
+        assert len(set(ports)) == len(ports), ports
+        assert all(launcher.PORT_FLOOR <= p < low for p in ports), (ports, low)
+        # a port picked the way Jupyter picks a kernel's (bind port 0, close) is never one of them
+        picks = set()
+        for _ in range(200):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                picks.add(s.getsockname()[1])
+        assert not picks & set(ports)
+        # no one binds it without SO_REUSEADDR (another run's reservation does so first)
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", ports[0]))
+        store = TCPStore("127.0.0.1", ports[0], 1, True, timeout=datetime.timedelta(seconds=10))
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        del store
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_where_the_ephemeral_range_leaves_no_room_a_port_in_it_is_taken(monkeypatch):
+    from torchdist_magic.launch import launcher
+
+    monkeypatch.setattr(launcher, "_ephemeral_low", lambda: launcher.PORT_FLOOR + 100)
+    with launcher.reserve_port("127.0.0.1") as sock:
+        assert sock.getsockname()[1] > 0
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+
+
+def test_the_system_s_reserved_ports_are_read_as_ranges(tmp_path, monkeypatch):
+    import builtins
+
+    from torchdist_magic.launch import launcher
+
+    real_open = builtins.open
+    listing = tmp_path / "reserved"
+    listing.write_text("8080,25000-25002,bad\n")
+
+    def fake_open(path, *args, **kwargs):
+        return real_open(listing if path == "/proc/sys/net/ipv4/ip_local_reserved_ports" else path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    assert launcher._reserved_ports() == {8080, 25000, 25001, 25002}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import re
 import signal
 import socket
@@ -57,17 +58,72 @@ if not log.handlers:  # the application decides where the package's log goes; by
     log.addHandler(logging.NullHandler())
 
 
-def reserve_port(host: str = "") -> socket.socket:
-    """Bind (without listening) a free port with SO_REUSEADDR and keep it.
+#: the lowest port a run's store is given: above the ports services are set up on (Ray's workers
+#: take 10002-19999 by default), below the system's ephemeral range (``reserve_port``)
+PORT_FLOOR = 20000
+#: how many ports below the ephemeral range ``reserve_port`` tries before it takes one in it
+PORT_TRIES = 64
 
-    While this socket is open no other process can bind the port or be given it as an
-    ephemeral port, yet rank 0's TCPStore (which binds with SO_REUSEADDR) can listen on it:
-    the port cannot be stolen between choosing it and using it.
+
+def reserve_port(host: str = "") -> socket.socket:
+    """A port for rank 0's store, bound (without listening) and kept: the socket.
+
+    The port is chosen below the system's ephemeral range (``PORT_FLOOR`` up), where no
+    ``bind(0)`` and no outgoing connection is given a port.  A bound socket that does not listen
+    cannot keep out another that binds with ``SO_REUSEADDR`` (a kernel's ZeroMQ sockets do), and
+    those who pick a "free" port by binding port 0 and closing it (Jupyter's kernel launcher)
+    pick from that range: a port there could be taken between now and rank 0's listen, which
+    then fails with EADDRINUSE.  The port is bound first without ``SO_REUSEADDR``, which fails
+    wherever any other socket holds it (another run's reservation included), and then with it,
+    so that rank 0's TCPStore (which binds with ``SO_REUSEADDR``) can listen on it.  Where the
+    system leaves no room below its ephemeral range, a port in it (``bind(0)``).
     """
+    low = _ephemeral_low()
+    if low - PORT_FLOOR >= 1024:
+        excluded = _reserved_ports()
+        choose = random.SystemRandom()
+        for _ in range(PORT_TRIES):
+            port = choose.randrange(PORT_FLOOR, low)
+            if port in excluded:
+                continue
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                sock.close()
+                continue
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            return sock
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     return sock
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the system's ephemeral range (Linux's default where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _reserved_ports() -> set:
+    """The ports the system keeps for services (``ip_local_reserved_ports``: "8080,9000-9010")."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_reserved_ports") as fh:
+            text = fh.read().strip()
+    except OSError:
+        return set()
+    ports: set = set()
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        try:
+            ports.update(range(int(first), int(last or first) + 1))
+        except ValueError:
+            continue
+    return ports
 
 
 def write_job_file(path: str, job_bytes: bytes) -> None:
