@@ -85,9 +85,12 @@ def alive(pid: int) -> bool:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+    """A TCP port on 127.0.0.1 that nothing holds now, for a server a test starts: chosen as a
+    run's store port is (``launcher.reserve_port``), below the ephemeral range, where no other
+    process's ``bind(0)`` or outgoing connection can take it before the server binds it."""
+    from torchdist_magic.launch.launcher import reserve_port
+
+    with reserve_port("127.0.0.1") as sock:
         return sock.getsockname()[1]
 
 

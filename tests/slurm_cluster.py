@@ -48,9 +48,9 @@ def why_not() -> str:
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from helpers import free_port
+
+    return free_port()
 
 
 class SlurmCluster:
