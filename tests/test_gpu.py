@@ -55,6 +55,7 @@ def test_gpu_without_cuda_is_a_clear_error():
         Distributor(1, use_gpu=True, show=None).run(print)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(cuda_count() == 0 or cuda_count() > 8, reason="needs CUDA")
 def test_more_ranks_than_gpus_is_a_clear_error():
     n = cuda_count()

@@ -433,10 +433,16 @@ def test_a_process_is_alive_until_it_exits_and_not_when_reaped_between_the_signa
 
     # the zombie reaped after the signal found it and before its /proc entry is read (as happened
     # under a full test run): gone, not "alive because /proc could not be read"
-    def reaped(path, *args, **kwargs):
-        raise FileNotFoundError(path)
+    from torchdist_magic.core import procs
 
-    monkeypatch.setattr(history, "open", reaped, raising=False)
+    real_open = open
+
+    def reaped(path, *args, **kwargs):
+        if str(path) == f"/proc/{os.getpid()}/stat":
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(procs, "open", reaped, raising=False)
     assert not history.process_alive(os.getpid())
 
 

@@ -44,6 +44,7 @@ from typing import Any, Dict, List, Optional
 from ..core import values
 from ..core.events import Failure, failure_from_json, failure_to_json
 from ..core.options import masked_env
+from ..core.procs import process_exited
 from .layout import RECORD_FILE, TOKEN_FILE, VALUE_EXPIRED_FILE, VALUE_FILE, VALUE_TAKEN_FILE
 from ..core.privdir import (
     UnsafePath,
@@ -228,22 +229,16 @@ def write_private(path: str, text: str) -> None:
 
 
 def process_alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie is not)."""
-    if pid <= 0:
+    """Whether ``pid`` is a live process of this user's: not exited (a zombie has,
+    ``procs.process_exited``), and not a pid another user's process has taken since (ours is
+    gone then)."""
+    if pid <= 0 or process_exited(pid):
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):  # gone since, or another user's
         return False
-    except PermissionError:  # another user's process took the pid: ours is gone
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except FileNotFoundError:  # reaped between the signal and the read: gone
-        return False
-    except (OSError, IndexError):  # no /proc to read (or hidden): the signal said it is there
-        return True
+    return True
 
 
 def read_record(run_id: str) -> RunRecord:
