@@ -1,11 +1,14 @@
 """The driver at scale, by simulation: a real ``ChannelServer`` (TLS by default, as on Spark), a
 real ``RunState`` and a real view, fed by a few load-generator processes that stand in for many
-ranks, each rank with two real authenticated connections (role worker and role launcher, as a
-Spark task and its worker have).
+ranks on hosts of ``--ranks-per-host`` ranks (8 by default), each host's ranks reaching the driver
+over one real authenticated connection, as its host relay's (``wire.relay``); with
+``--ranks-per-host 1``, each rank over two of its own (role worker and role launcher, as a Spark
+task and its worker have).
 
     python benchmarks/scale.py --ranks 1024 --rate 100 --seconds 60 --view widget
-                               [--tls/--no-tls] [--generators 3] [--driver process|kernel]
-                               [--repeat N] [--busy both|off|on] [--json benchmarks/results/scale.json]
+                               [--ranks-per-host 8] [--tls/--no-tls] [--generators 3]
+                               [--driver process|kernel] [--repeat N] [--busy both|off|on]
+                               [--json benchmarks/results/scale.json]
 
 Every simulated rank sends the project's own records at ``--rate`` records/s: per 10 records, 1
 progress update, 5 metrics of 3 values and 4 log lines; progress and metrics on its worker
@@ -15,6 +18,25 @@ every ``batching.flush_every(ranks)`` seconds as a rank's client does (longer fr
 ``batching.LARGE_RUN_RANKS`` ranks), but written from a template
 (``batch_bytes``): they stand in for a thousand machines on a few cores, so they must cost
 little.  In their first flushes they check their bytes against ``encode_batch``'s, byte for byte.
+
+How the ranks reach the driver.  With ``--ranks-per-host N`` above 1 (the default: 8) the ranks are
+grouped into hosts of N consecutive ranks (the last host may have fewer), as a cluster's machines
+hold them, the generators share out whole hosts, and each host reaches the driver over one
+connection: role ``relay`` of the host's first rank, with a key of the launchers' secret, its hello
+naming the host's ranks.  On it the generator writes what the host's relay (``relay.HostRelay``)
+would send (``fanin``): each rank's worker and launcher joined (``JOINED``), then at each flush
+every frame of the host's ranks (the worker's and the launcher's above, each a segment of its rank
+and role: ``relay_segments``) in one write per host (``fanin.bundle``), checked in the first
+flushes against the real relay's way of splitting the client's own bytes (``relay_bytes``), and at
+the end each rank's ``LEFT``.  The relay itself is not simulated: it runs on the ranks' hosts, not
+the driver's, so its CPU, the ranks' loopback connections to it and its gathering (up to
+``relay.RELAY_WINDOW`` more on a record's way, which the latencies here leave out) are not what
+this measures; nor does a host's write here ever split a flush of its ranks in two, as a real
+relay's window, which its ranks' flushes do not keep in step with, may.  ``--ranks-per-host 1`` is
+the run without relays: two connections per rank, each written as that rank's client writes it.
+``connections``: the connections to the driver the generators opened (one per host, or two per
+rank); ``driver_connections`` (``conns``): those the driver held once all were in;
+``authenticated``: the driver's count, which includes each role and rank joined through a relay.
 
 Measured in the driver: by default (``--driver process``) a process of its own that holds the
 run's channel and state, as a run's supervising process does (``--channel process``,
@@ -49,9 +71,10 @@ keeps (``--detach``), which a run whose kernel follows it does not.
   period the view had come to (``WidgetView.update_every``: longer where a refresh costs more); ``text`` is
   ``view.text.TextView`` writing to a counting sink (lines, bytes); ``none`` is no view.
 
-Each run names its machine (``machine``: CPU model and usable cores) and the 1-minute load
-average before and after it (``load_before``, ``load_after``), in the table and in the JSON: a
-table of runs gathered from several machines says which ran where, under what load.
+Each run names its ranks per host (``ranks_per_host``), its machine (``machine``: CPU model and
+usable cores) and the 1-minute load average before and after it (``load_before``,
+``load_after``), in the table and in the JSON: a table of runs gathered from several machines
+says which ran where, under what load, with or without host relays.
 
 The machine: the generators and the driver share its cores (two on the machine these figures
 were taken on, also shared with other work), so the generators' own cost, and whatever else
@@ -86,10 +109,10 @@ from report import BusyCore, describe_machine, end_processes, load, machine, sho
 
 sys.path.insert(0, os.path.dirname(HERE))
 
-from torchdist_magic.wire import tls  # noqa: E402
+from torchdist_magic.wire import fanin, tls  # noqa: E402
 from torchdist_magic.wire.batching import encode_batch, flush_every  # noqa: E402
-from torchdist_magic.wire.frames import LENGTH  # noqa: E402
-from torchdist_magic.wire.handshake import open_connection  # noqa: E402
+from torchdist_magic.wire.frames import LENGTH, MAX_FRAME, take_frames  # noqa: E402
+from torchdist_magic.wire.handshake import MAX_RELAY_RANKS, open_connection  # noqa: E402
 from torchdist_magic.wire.server import ChannelServer  # noqa: E402
 from torchdist_magic.core.rankenv import rank_key  # noqa: E402
 from torchdist_magic.core import events, fdlimit  # noqa: E402
@@ -130,9 +153,10 @@ def _rss_mb() -> float:
 # -- load generator (a process of its own) -------------------------------------------------------
 
 
-def generate(address, certificate, run_id, ranks, rate, seconds, every, go, results) -> None:
-    """Connect two clients per rank of ``ranks``, wait for ``go``, then send ``rate`` records/s
-    per rank for ``seconds``; put what was sent on ``results``."""
+def generate(address, certificate, run_id, ranks, rate, seconds, every, go, results, hosts=None) -> None:
+    """Connect two clients per rank of ``ranks`` (or, with ``hosts``, lists of ranks that cover
+    ``ranks``: one host relay's connection per host), wait for ``go``, then send ``rate``
+    records/s per rank for ``seconds``; put what was sent on ``results``."""
     from concurrent.futures import ThreadPoolExecutor
 
     context = tls.client_context(certificate) if certificate else None
@@ -144,10 +168,25 @@ def generate(address, certificate, run_id, ranks, rate, seconds, every, go, resu
         secret = LAUNCHER_SECRET if role == "launcher" else WORKER_SECRET
         return open_connection(where, rank_key(secret, role, rank), run_id, rank, role, context)
 
-    keys = [(r, role) for r in ranks for role in ("worker", "launcher")]
+    def connect_relay(first):
+        """A host relay's connection, its ranks' workers and launchers joined (``fanin``)."""
+        named = of_host[first]
+        sock = open_connection(
+            where, rank_key(LAUNCHER_SECRET, "relay", first), run_id, first, "relay", context, ranks=named
+        )
+        sock.sendall(fanin.bundle(relay_joined(named, fanin.JOINED)))
+        return sock
+
+    if hosts is None:  # two connections per rank, each its own
+        keys = [(r, role) for r in ranks for role in ("worker", "launcher")]
+        opener = connect
+    else:  # one per host, its relay's: keyed by the host's first rank
+        of_host = {named[0]: named for named in hosts}
+        keys = list(of_host)
+        opener = connect_relay
     started = time.monotonic()
     with ThreadPoolExecutor(CONNECT_THREADS) as pool:
-        socks = dict(zip(keys, pool.map(connect, keys)))
+        socks = dict(zip(keys, pool.map(opener, keys)))
     connect_s = time.monotonic() - started
     results.put(("connected", connect_s))
     go.wait()
@@ -160,6 +199,26 @@ def generate(address, certificate, run_id, ranks, rate, seconds, every, go, resu
     start = time.time()
     end = start + seconds
     total = int(rate * seconds)
+
+    def make(r, upto):
+        """The records rank ``r`` makes in this flush: (kind, its numbers), in order."""
+        made = []
+        while seq[r] < upto:
+            kind = PATTERN[seq[r] % len(PATTERN)]
+            seq[r] += 1
+            if kind == "P":
+                made.append(("P", seq[r]))
+                sent["progress"] += 1
+            elif kind == "M":
+                metric_seq[r] += 1
+                made.append(("M", metric_seq[r]))
+                sent["points"] += 1
+            else:
+                log_seq[r] += 1
+                made.append(("L", log_seq[r], seq[r]))
+                sent["logs"] += 1
+        return made
+
     tick = 0
     while True:
         tick += 1
@@ -170,38 +229,43 @@ def generate(address, certificate, run_id, ranks, rate, seconds, every, go, resu
         now = time.time()
         behind = max(behind, now - due_at)
         upto = int(rate * (min(now, end) - start))  # records each rank should have made by now
-        for r in ranks:
-            made = []  # (kind, its numbers) of this flush, in order
-            while seq[r] < upto:
-                kind = PATTERN[seq[r] % len(PATTERN)]
-                seq[r] += 1
-                if kind == "P":
-                    made.append(("P", seq[r]))
-                    sent["progress"] += 1
-                elif kind == "M":
-                    metric_seq[r] += 1
-                    made.append(("M", metric_seq[r]))
-                    sent["points"] += 1
-                else:
-                    log_seq[r] += 1
-                    made.append(("L", log_seq[r], seq[r]))
-                    sent["logs"] += 1
-            if not made:
-                continue
-            to_worker, to_launcher = batch_bytes(made, r, now, start, total)
-            if tick <= 3:  # the same bytes as the client's own encoding, or this benchmark is wrong
-                expected = client_bytes(made, r, now, start, total)
-                if (to_worker, to_launcher) != expected:
-                    raise AssertionError(
-                        f"scale.py's frames differ from batching.encode_batch's: "
-                        f"{(to_worker, to_launcher)!r:.400} != {expected!r:.400}"
-                    )
-            if to_worker:
-                socks[(r, "worker")].sendall(to_worker)
-            if to_launcher:
-                socks[(r, "launcher")].sendall(to_launcher)
+        for group in hosts if hosts is not None else [ranks]:
+            segments = []  # with hosts: what the host's relay sends in this flush
+            expected_flushes = []  # and the client's own bytes for it, in the first flushes
+            for r in group:
+                made = make(r, upto)
+                if not made:
+                    continue
+                to_worker, to_launcher = batch_bytes(made, r, now, start, total)
+                if tick <= 3:  # the same bytes as the client's own encoding, or this benchmark is wrong
+                    expected = client_bytes(made, r, now, start, total)
+                    if (to_worker, to_launcher) != expected:
+                        raise AssertionError(
+                            f"scale.py's frames differ from batching.encode_batch's: "
+                            f"{(to_worker, to_launcher)!r:.400} != {expected!r:.400}"
+                        )
+                    expected_flushes.append((r, *expected))
+                if hosts is not None:
+                    segments += relay_segments(r, to_worker, to_launcher)
+                    continue
+                if to_worker:
+                    socks[(r, "worker")].sendall(to_worker)
+                if to_launcher:
+                    socks[(r, "launcher")].sendall(to_launcher)
+            if segments:
+                data = fanin.bundle(segments)
+                if tick <= 3:  # the same bytes as the real relay's, or this benchmark is wrong
+                    expected_data = relay_bytes(expected_flushes)
+                    if data != expected_data:
+                        raise AssertionError(
+                            f"scale.py's relay bundle differs from the relay's: {data!r:.400} != {expected_data!r:.400}"
+                        )
+                socks[group[0]].sendall(data)
         if now >= end:
             break
+    if hosts is not None:  # the ranks' connections to their relays end: it says so (``fanin.LEFT``)
+        for first, sock in socks.items():
+            sock.sendall(fanin.bundle(relay_joined(of_host[first], fanin.LEFT)))
     for sock in socks.values():
         sock.shutdown(socket.SHUT_WR)
     results.put(
@@ -214,6 +278,49 @@ def generate(address, certificate, run_id, ranks, rate, seconds, every, go, resu
         except OSError:
             pass
         sock.close()
+
+
+def frame_bodies(data: bytes) -> list:
+    """The bodies of the frames of ``data`` (whole frames, each behind its ``LENGTH``), in order."""
+    bodies, offset, size = [], 0, len(data)
+    while offset < size:
+        (length,) = LENGTH.unpack_from(data, offset)
+        offset += LENGTH.size
+        if offset + length > size:
+            raise ValueError(f"a frame of {length} bytes cut short at {size - offset}")
+        bodies.append(data[offset : offset + length])
+        offset += length
+    return bodies
+
+
+def relay_segments(r: int, to_worker: bytes, to_launcher: bytes) -> list:
+    """What a host relay sends the driver for the frames that rank ``r``'s worker (``to_worker``)
+    and launcher (``to_launcher``) sent it: one segment per frame, its body, its rank and role."""
+    return [fanin.segment(fanin.WORKER, r, body) for body in frame_bodies(to_worker)] + [
+        fanin.segment(fanin.LAUNCHER, r, body) for body in frame_bodies(to_launcher)
+    ]
+
+
+def relay_joined(ranks, kind: int) -> list:
+    """The segments of ``kind`` (``fanin.JOINED``, ``fanin.LEFT``) for the worker and the
+    launcher of each of ``ranks``."""
+    return [fanin.segment(kind, r, bytes([fanin.KINDS[role]])) for r in ranks for role in ("worker", "launcher")]
+
+
+def relay_bytes(flushes) -> bytes:
+    """What the real host relay sends for ``flushes`` (each ``(rank, worker's bytes, launcher's
+    bytes)``, as the rank's client wrote them to it): the frames split as the relay's local server
+    splits them (``frames.take_frames``), each a segment (``relay._Forward.frames``), all in one
+    write (``fanin.bundle``)."""
+    segments = []
+    for r, to_worker, to_launcher in flushes:
+        for kind, data in ((fanin.WORKER, to_worker), (fanin.LAUNCHER, to_launcher)):
+            buf = bytearray(data)
+            bodies, whole = take_frames(buf, MAX_FRAME)
+            if not whole or buf:
+                raise AssertionError(f"the client's bytes are not whole frames: {data!r:.400}")
+            segments += [fanin.segment(kind, r, body) for body in bodies]
+    return fanin.bundle(segments)
 
 
 def _values(r: int, step: int) -> dict:
@@ -508,7 +615,9 @@ class Host:
         }
 
     def begin(self) -> None:
-        self.authenticated = self.server.stats["authenticated"]
+        # the connections the driver holds once every generator's are in (a host relay's
+        # ranks join on its connection after it: ``results`` counts them)
+        self.connections = len(self.server._authed)
         self.rss_start = _rss_mb()
         self.cpu0 = _cpu_seconds()
         self.channel_cpu0 = _thread_cpu_seconds(self.server._thread)
@@ -545,10 +654,14 @@ class Host:
             "channel_us_per_record": 1e6 * channel_cpu / records,
             "rss_mb_start": self.rss_start,
             "rss_mb_end": _rss_mb(),
-            "authenticated": self.authenticated,
+            "driver_connections": self.connections,
+            # connections, and each role and rank joined through a host relay's
+            "authenticated": self.server.stats["authenticated"],
             "evicted": self.server.stats["evicted"],
             "malformed": self.server.stats["malformed"],
             "forbidden": self.server.stats["forbidden"],
+            "claims_refused": self.server.stats["claims_refused"],
+            "forged": self.server.stats["forged"],
             "nofile_soft_before": self.nofile_before,
             "nofile_soft_run": self.nofile_run,
         }
@@ -597,7 +710,9 @@ def simulate(
     generators: int,
     driver: str = "process",
     journal: bool = False,
+    per_host: int = 1,
 ) -> dict:
+    """One run of ``ranks`` on hosts of ``per_host`` ranks (1: no host relays), what it measured."""
     context = multiprocessing.get_context("spawn")
     host = hosting = None
     if driver == "process":
@@ -617,7 +732,13 @@ def simulate(
         state = host.state
     view, sink = make_view(view_kind, state)
     go, results = context.Event(), context.Queue()
-    shares = [list(range(ranks))[i::generators] for i in range(generators)]
+    if per_host > 1:  # each generator its share of whole hosts, one relay's connection each
+        hosts = [list(range(first, min(first + per_host, ranks))) for first in range(0, ranks, per_host)]
+        shares = [(sum(hosts[i::generators], []), hosts[i::generators]) for i in range(generators)]
+        connections = len(hosts)
+    else:  # each generator its share of ranks, two connections each
+        shares = [(list(range(ranks))[i::generators], None) for i in range(generators)]
+        connections = 2 * ranks
     every = flush_every(ranks)
     procs = [
         context.Process(
@@ -632,10 +753,11 @@ def simulate(
                 every,
                 go,
                 results,
+                share_hosts,
             ),
             daemon=True,
         )
-        for share in shares
+        for share, share_hosts in shares
         if share
     ]
     render_ms, render_cpu_ms, render_gc_ms = [], [], []
@@ -713,7 +835,10 @@ def simulate(
         "driver": driver,
         "journal": journal,
         "generators": len(procs),
-        "connections": 2 * ranks,
+        "ranks_per_host": per_host,
+        "host_relays": connections if per_host > 1 else 0,
+        # to the driver: one per host relay, or a worker's and a launcher's per rank
+        "connections": connections,
         "connect_s": connect_s,
         "gen_connect_s_max": max(connects),
         "sent": expected,
@@ -776,9 +901,27 @@ def _no_fallback():
     raise RuntimeError("the simulated supervising process went away while the view read its state")
 
 
+def describe_connections(r: dict) -> str:
+    """How run ``r``'s ranks reached the driver, in words."""
+    if r["ranks_per_host"] > 1:
+        return (
+            f"{r['host_relays']} host relays of up to {r['ranks_per_host']} ranks, each rank's worker and "
+            f"launcher joined through its host's"
+        )
+    return "a worker's and a launcher's per rank"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=64)
+    parser.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=8,
+        help="ranks per host (default 8, as on a cluster of 8-GPU machines): each host's ranks reach the "
+        "driver over one connection, their host relay's (the last host may have fewer ranks); 1: no "
+        "relays, each rank over two connections of its own (its worker's, its launcher's)",
+    )
     parser.add_argument("--rate", type=float, default=10, help="records per second per rank")
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--view", choices=("widget", "text", "none"), default="widget")
@@ -825,6 +968,8 @@ def main() -> None:
         "the run raises it toward the hard one as a run does (fdlimit)",
     )
     args = parser.parse_args()
+    if not 1 <= args.ranks_per_host <= MAX_RELAY_RANKS:
+        parser.error(f"--ranks-per-host: from 1 to {MAX_RELAY_RANKS} (the most one host relay speaks for)")
     for name in filter(None, args.kernel_imports.split(",")):
         importlib.import_module(name.strip())
     if args.nofile:
@@ -838,12 +983,24 @@ def main() -> None:
             load_before = load()
             with BusyCore() if busy else contextlib.nullcontext():
                 r = simulate(
-                    args.ranks, args.rate, args.seconds, args.view, args.tls, args.generators, args.driver, args.journal
+                    args.ranks,
+                    args.rate,
+                    args.seconds,
+                    args.view,
+                    args.tls,
+                    args.generators,
+                    args.driver,
+                    args.journal,
+                    args.ranks_per_host,
                 )
             runs.append({**r, "busy_core": busy, "machine": where, "load_before": load_before, "load_after": load()})
-    print(f"\n{describe_machine(m)}; load average {m['load']:g} at the start")
     print(
-        f"\n{'machine':<18} {'load':>9} {'busy':>4} {'driver':>7} {'ranks':>5} {'rate':>5} {'view':>6} {'tls':>3} "
+        f"\n{describe_machine(m)}; load average {m['load']:g} at the start; "
+        f"{args.ranks_per_host} rank{'s' if args.ranks_per_host > 1 else ''} per host"
+    )
+    print(
+        f"\n{'machine':<18} {'load':>9} {'busy':>4} {'driver':>7} {'ranks':>5} {'r/host':>6} {'conns':>5} "
+        f"{'rate':>5} {'view':>6} {'tls':>3} "
         f"{'sent':>9} {'lost':>5} {'ooo':>4} {'p50 ms':>8} {'p99 ms':>8} {'us/rec':>6} {'chan':>5} "
         f"{'catch-up':>8} {'cpu %':>6} {'kern %':>6} {'gen %':>6} {'rss MB':>13} "
         f"{'frame KB':>8} {'render ms':>13} {'gc ms':>5} {'conn s':>6}"
@@ -851,7 +1008,8 @@ def main() -> None:
     for r in runs:
         print(
             f"{r['machine']:<18.18} {r['load_before']:>4.1f}>{r['load_after']:<4.1f} {'yes' if r['busy_core'] else 'no':>4} "
-            f"{r['driver']:>7} {r['ranks']:>5} {r['rate']:>5g} {r['view']:>6} {'on' if r['tls'] else 'off':>3} "
+            f"{r['driver']:>7} {r['ranks']:>5} {r['ranks_per_host']:>6} {r['driver_connections']:>5} "
+            f"{r['rate']:>5g} {r['view']:>6} {'on' if r['tls'] else 'off':>3} "
             f"{r['sent']:>9,} {r['lost']:>5} {r['out_of_order']:>4} {r['p50_ms']:>8.0f} {r['p99_ms']:>8.0f} "
             f"{r['driver_us_per_record']:>6.1f} {r['channel_us_per_record']:>5.1f} "
             f"{r['catch_up_s']:>7.1f}s {r['driver_cpu_pct']:>6.0f} {r['kernel_cpu_pct']:>6.0f} "
@@ -862,14 +1020,27 @@ def main() -> None:
     r = runs[-1]
     print(
         f"load: the 1-minute load average before>after each run; busy: a loop spinning on one core beside "
-        f"it; us/rec: the driver's own CPU microseconds per record taken (its whole process), chan: its "
+        f"it; r/host: ranks per host, each host's over one connection (its host relay's; 1: none, each rank "
+        f"over two of its own); conns: the connections to the driver, as it counted them; us/rec: the "
+        f"driver's own CPU microseconds per record taken (its whole process), chan: its "
         f"channel thread's alone.  Last run: offered {r['offered_rate']:.1f} records/s per rank (asked {args.rate:g}); generators "
-        f"fell up to {r['gen_behind_s']:.2f} s behind; {r['authenticated']}/{r['connections']} connections, "
-        f"{r['evicted']} handshakes evicted.  {m['cores']} cores shared by the driver and "
+        f"fell up to {r['gen_behind_s']:.2f} s behind; {r['driver_connections']}/{r['connections']} connections "
+        f"({describe_connections(r)}), {r['authenticated']} authenticated, "
+        f"{r['evicted']} handshakes evicted; refused: {r['malformed']} malformed, {r['forbidden']} forbidden, "
+        f"{r['claims_refused']} claims, {r['forged']} forged.  {m['cores']} cores shared by the driver and "
         f"{r['generators']} generator processes (and whatever else runs here); open files: soft limit "
         f"{r['nofile_soft_before']} before the run, {r['nofile_soft_run']} during it"
     )
-    write_json(args.json, {"benchmark": "the driver at scale, simulated ranks", "machine": m, "runs": runs})
+    write_json(
+        args.json,
+        {
+            "benchmark": "the driver at scale, simulated ranks",
+            "machine": m,
+            "ranks_per_host": args.ranks_per_host,
+            "connections": runs[-1]["connections"],
+            "runs": runs,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -255,14 +255,15 @@ def test_the_check_finds_a_string_that_names_a_moved_module(tmp_path, monkeypatc
 
 def test_a_rank_and_its_launcher_need_no_msgspec():
     """Only the driver decodes with msgspec (``core.recorddecoder``): a rank on an executor that
-    lacks it encodes its records, decodes the driver's and runs its launcher with the standard
-    library alone."""
+    lacks it encodes its records, decodes the driver's and runs its launcher and its host's relay
+    with the standard library alone."""
     import subprocess
     import sys
 
     code = (
         "import sys; sys.modules['msgspec'] = None\n"  # an import of it fails
         "import torchdist_magic.rank.worker, torchdist_magic.launch.launcher, torchdist_magic.wire.client\n"
+        "import torchdist_magic.wire.relay\n"  # a host relay runs where the ranks run
         "from torchdist_magic.core import events\n"
         "from torchdist_magic.wire.batching import encode_batch\n"
         "assert encode_batch([events.Metrics.point(0, 1, {'loss': 0.5}), events.Log(rank=0, line='x')], 0)\n"

@@ -64,6 +64,21 @@ def test_four_ranks_on_two_nodes_are_placed_as_torchrun_places_them(ray_connecte
     assert_no_survivors(run)
 
 
+def channel_of_rank():
+    return os.environ["TORCHDIST_CHANNEL"]
+
+
+def test_the_ranks_reach_the_driver_through_their_machines_relay(ray_connected, monkeypatch):
+    """Four ranks' workers and launchers (eight connections without relays) reach the driver
+    over one connection per relay; every actor has ended."""
+    monkeypatch.setenv("TORCHDIST_HOST_RELAY", "1")
+    run = Distributor(4, backend="ray", show=None, all_ranks=True).submit(channel_of_rank)
+    relays = set(run.result(timeout=180))
+    assert run.channel_address not in relays and all(r.startswith("127.0.0.1:") for r in relays)
+    assert run._channel.stats["accepted"] == len(relays) < 4
+    assert_no_survivors(run)
+
+
 def test_strict_spread_puts_each_rank_on_a_node_of_its_own(ray_connected):
     run = Distributor(
         2, backend="ray", show=None, all_ranks=True, backend_options={"strategy": "strict_spread"}

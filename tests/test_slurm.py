@@ -42,6 +42,23 @@ def test_ranks_on_two_nodes_are_placed_as_torchrun_places_them(slurm):
     assert_no_survivors(run)
 
 
+def channel_of_rank():
+    return os.environ["TORCHDIST_CHANNEL"]
+
+
+def test_the_ranks_reach_the_driver_through_their_machines_relay(slurm, monkeypatch):
+    """Four ranks' workers and launchers (eight connections without relays) reach the driver
+    over one connection per relay; every step of the run has ended."""
+    monkeypatch.setenv("TORCHDIST_HOST_RELAY", "1")
+    run = Distributor(4, backend="slurm", show=None, all_ranks=True, backend_options={"nodes": "2"}).submit(
+        channel_of_rank
+    )
+    relays = set(run.result(timeout=120))
+    assert run.channel_address not in relays and all(r.startswith("127.0.0.1:") for r in relays)
+    assert run._channel.stats["accepted"] == len(relays) < 4
+    assert_no_survivors(run)
+
+
 def test_inside_an_allocation_the_ranks_are_its_steps(slurm, monkeypatch):
     granted = slurm.run(["salloc", "--no-shell", "-N2", "-n4", "--job-name=notebook"])
     job = re.search(r"Granted job allocation (\d+)", granted.stderr).group(1)

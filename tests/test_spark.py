@@ -322,6 +322,55 @@ def test_ranks_on_two_hosts_are_placed_as_torchrun_would(spark_standalone):
     assert_nothing_left(run)
 
 
+def channel_and_hello():
+    print(f"rank {rank()} says hello", flush=True)
+    return {"channel": os.environ["TORCHDIST_CHANNEL"], "cert": os.environ.get("TORCHDIST_CHANNEL_CERT", "")}
+
+
+@pytest.mark.spark
+def test_a_machines_ranks_reach_the_driver_through_one_relay(spark_cluster, monkeypatch):
+    """Two executors on this machine: their ranks' workers and launchers (four connections
+    without a relay) reach the driver over the one connection of the relay one launcher
+    started, and it leaves nothing behind."""
+    import glob
+
+    from helpers import EXECUTOR_TMP
+
+    monkeypatch.setenv("TORCHDIST_HOST_RELAY", "1")
+    run = spark_dist(2, all_ranks=True).submit(channel_and_hello)
+    values = run.result(timeout=180)
+    relay = values[0]["channel"]
+    assert relay.startswith("127.0.0.1:") and values[1]["channel"] == relay != run.channel_address
+    assert [v["cert"] for v in values] == ["", ""]  # the relay's loopback; the driver's side is TLS
+    assert run._channel.encrypted and run._channel.stats["accepted"] == 1
+    logs = [run.logs(r) for r in (0, 1)]
+    assert [f"rank {r} says hello" in logs[r] for r in (0, 1)] == [True, True]
+    started = [r for r in (0, 1) if "host relay: this machine's ranks reach the driver over one connection" in logs[r]]
+    assert len(started) == 1, logs
+    assert_nothing_left(run)
+    assert not glob.glob(os.path.join(EXECUTOR_TMP, f"torchdist-{os.geteuid()}*", "relay-*"))
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_killed_task_leaves_no_relay_files_whichever_started_the_relay(spark_cluster, monkeypatch, killed):
+    import glob
+
+    from helpers import EXECUTOR_TMP
+
+    monkeypatch.setenv("TORCHDIST_HOST_RELAY", "1")
+    run = spark_dist(2).submit(kill_my_spark_task, killed)
+    with pytest.raises(RankFailure) as info:
+        run.result(timeout=120)
+    assert info.value.rank == killed
+    assert_nothing_left(run)
+    wait_until(
+        lambda: not glob.glob(os.path.join(EXECUTOR_TMP, f"torchdist-{os.geteuid()}*", "relay-*")),
+        30,
+        "the relay's files to go",
+    )
+
+
 class OneTaskCannotReachTheDriver(SparkBarrierBackend):
     """Rank 1's task is given an address where no driver listens (a firewalled driver)."""
 

@@ -321,6 +321,23 @@ def test_every_ranks_value_comes_back_over_an_unencrypted_channel(spark_local2, 
     assert_nothing_left(run)
 
 
+@pytest.mark.spark
+def test_behind_a_host_relay_each_value_still_comes_back_on_a_connection_of_its_own(spark_cluster, monkeypatch):
+    """The records go through the machine's relay; each launcher sends its rank's value to the
+    driver itself, as a relay carries no file."""
+    monkeypatch.setenv(VALUES_FETCH_ENV, "1")
+    monkeypatch.setenv("TORCHDIST_HOST_RELAY", "1")
+    run = Distributor(2, local_mode=False, show=None, all_ranks=True).submit(rank_and_tensor, 8)
+    back = run.result(timeout=300)
+    assert [float(t[0]) for _, t in back] == [1.0, 2.0]
+    for rank in (0, 1):
+        (line,) = sent_line(run, rank)
+        assert re.fullmatch(SENT.format(rank=rank, size=r"8\.0 MiB"), line)
+    stats = run._channel.stats
+    assert (stats["accepted"], stats["values_received"]) == (3, 2)  # the relay's, and one per value
+    assert_nothing_left(run)
+
+
 def remove_the_drivers_value_directory():
     import glob
 

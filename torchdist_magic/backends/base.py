@@ -39,6 +39,7 @@ from typing import Any, Callable, Collection, Dict, Optional, Sequence, Set
 
 from ..core import events
 from ..core.options import LaunchOptions
+from ..core.rankenv import uses_relay
 from ..core.rankenv import RunSpec
 
 
@@ -61,6 +62,10 @@ class LaunchPlan:
     num_processes: int
     #: whether the run's event channel is TLS-encrypted (``Backend.channel_tls``)
     tls: bool = False
+    #: whether the run's launchers reach the driver through one relay per machine
+    #: (``launch.hostrelay``: ``TORCHDIST_HOST_RELAY``); a backend whose ranks' launcher is
+    #: the driver itself (local processes) never does
+    host_relay: bool = False
 
 
 @dataclass
@@ -213,7 +218,9 @@ class Backend(abc.ABC):
     def check(self, options: LaunchOptions) -> LaunchPlan:
         """The plan for a run of ``options``; ``ValueError`` before anything starts if the run
         cannot be placed."""
-        return LaunchPlan(options.num_processes, tls=self.channel_tls(options))
+        return LaunchPlan(
+            options.num_processes, tls=self.channel_tls(options), host_relay=uses_relay(options.num_processes)
+        )
 
     def channel_tls(self, options: LaunchOptions) -> bool:
         """Whether the run's event channel is encrypted: ``options.tls``, where ``None`` (the

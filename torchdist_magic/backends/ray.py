@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Optional, Set, Collection
 from ..core import events
 from ..core.names import VALUES_FETCH_ENV
 from ..core.options import LaunchOptions
+from ..core.rankenv import uses_relay
 from ..core.timing import CLOSE_GRACE, RAY_CONNECT_WAIT, RAY_KILL_WAIT, RAY_PLACEMENT_WAIT, SPARK_STAGE_END_WAIT
 from ..core.values import map_value
 from ..launch.remote import RemoteSpec, marked_value_directory
@@ -206,7 +207,7 @@ class RayBackend(Backend):
                 f"cluster can place {fit}: its {len(alive)} alive nodes hold {held} in all; use {fit} "
                 "or fewer ranks, smaller bundles (backend options num_cpus, num_gpus), or add nodes"
             )
-        return LaunchPlan(n, tls=self.channel_tls(options))
+        return LaunchPlan(n, tls=self.channel_tls(options), host_relay=uses_relay(n))
 
     def _alive(self) -> List[dict]:
         return [node for node in self._ray().nodes() if node.get("Alive") and node["NodeID"] not in self.left_out]

@@ -34,6 +34,7 @@ from typing import Callable, Collection, Dict, List, Optional, Set, Tuple
 
 from ..core import events
 from ..core.options import LaunchOptions
+from ..core.rankenv import uses_relay
 from ..core.values import map_value
 from ..core.rankenv import RunSpec
 from ..core.names import VALUES_FETCH_ENV
@@ -120,7 +121,7 @@ class SparkStageBackend(Backend):
                 "or fewer ranks, or add executors"
             )
         tls = self.channel_tls(options)
-        return SparkPlan(n, python=self.check_python(n), tls=tls)
+        return SparkPlan(n, python=self.check_python(n), tls=tls, host_relay=uses_relay(n))
 
     def channel_tls(self, options: LaunchOptions) -> bool:
         """On unless ``tls=False``: the ranks reach the driver over the cluster's network.  A

@@ -59,6 +59,24 @@ def private_token(secret: str, run_id: str) -> str:
     return hmac.new(secret.encode(), f"torchdist private directory {run_id}".encode(), hashlib.sha256).hexdigest()[:24]
 
 
+#: ``auto`` (the default): a relay per machine for runs of ``RELAY_FROM`` ranks or more;
+#: ``1``: for every run of launchers (Spark, Slurm, Ray); ``0``: never
+RELAY_ENV = "TORCHDIST_HOST_RELAY"
+#: from this many ranks an ``auto`` run's launchers use host relays
+RELAY_FROM = 64
+
+
+def uses_relay(num_processes: int, environ: Optional[dict] = None) -> bool:
+    """Whether a run of ``num_processes`` ranks reaches its driver through host relays
+    (``RELAY_ENV``); ``ValueError`` for a value it does not know."""
+    text = (os.environ if environ is None else environ).get(RELAY_ENV, "auto").strip().lower()
+    if text not in ("auto", "1", "0"):
+        raise ValueError(
+            f"{RELAY_ENV} is auto (a relay per machine from {RELAY_FROM} ranks), 1 (always) or 0 (never), not {text!r}"
+        )
+    return text == "1" or (text == "auto" and num_processes >= RELAY_FROM)
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One run's settings as every backend needs them (``LaunchOptions`` resolved once)."""
@@ -98,6 +116,8 @@ class RunSpec:
     preflight: bool = False
     #: every rank keeps torch's Flight Recorder (``--trace-collectives``: ``collectives``)
     trace_collectives: bool = False
+    #: the run's launchers reach the driver through one relay per machine (``launch.hostrelay``)
+    host_relay: bool = False
 
     @classmethod
     def resolve(

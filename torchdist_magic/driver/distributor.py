@@ -470,7 +470,9 @@ class Run(StateAnswers):
                 data_files=data_files,
                 channel_cert=certificate,
             )
-            spec = dataclasses.replace(spec, env={**self._debug_env, **spec.env}, **self._sent.fetch)
+            spec = dataclasses.replace(
+                spec, env={**self._debug_env, **spec.env}, host_relay=self.plan.host_relay, **self._sent.fetch
+            )
             routes[DebugOutput] = self.debugger.on_output
             self._profile_routes = routes
             if self.options.profile:  # each attempt profiles its steps afresh

@@ -58,7 +58,7 @@ from ..core.timing import STOP_GRACE
 from ..core.values import value_directory
 from ..wire.batching import flush_every
 from ..wire.client import ChannelClient
-from . import hostcopy, valueupload
+from . import hostcopy, hostrelay, valueupload
 from .launcher import RankProcess, open_gpus, read_result, reserve_port, start_rank, stop_all, write_job_file
 
 #: lines of a rank's output a launcher keeps, for when its channel to the driver is lost
@@ -78,6 +78,35 @@ _GUARD_MAIN = r"""
 import fcntl, shutil, sys
 workdir, grace, users, copy = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 own_directory = sys.argv[5] == "1"  # the copy is in the run's own directory: it goes too
+relay, relay_users = sys.argv[6], -1  # the machine's host relay's files ("": none)
+if relay:  # a user of the relay of its own, beside its launcher (which is one while it runs)
+    try:
+        relay_users = os.open(relay + ".users", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fcntl.flock(relay_users, fcntl.LOCK_SH)
+    except OSError:
+        relay_users = -1
+def leave_relay():
+    # the last of the machine's launchers to leave, where the relay's owner was killed (no live
+    # pid in its address), removes the relay's files; a live owner removes them itself
+    if relay_users < 0:
+        return
+    fcntl.flock(relay_users, fcntl.LOCK_UN)
+    try:
+        fcntl.flock(relay_users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return
+    try:
+        with open(relay + ".address", "rb") as fh:
+            pid = fh.read().split(b" ")[0]
+    except OSError:
+        pid = b""
+    if pid.isdigit() and not process_exited(int(pid)):
+        return
+    for suffix in (".address", ".users", ".lock"):
+        try:
+            os.unlink(relay + suffix)
+        except OSError:
+            pass
 def leave_copy():
     if users < 0:
         return
@@ -105,6 +134,7 @@ ranks = []
 for line in sys.stdin:
     if line.strip() == "done":
         leave_copy()
+        leave_relay()
         sys.exit(0)
     pgid, _, mark = line.strip().partition(" ")
     ranks.append((int(pgid), mark))
@@ -123,6 +153,7 @@ for _, mark in ranks:
     end_marked_processes(mark, grace)
 shutil.rmtree(workdir, ignore_errors=True)
 leave_copy()
+leave_relay()
 """
 
 
@@ -300,14 +331,15 @@ def run_launcher(spec: RemoteSpec, site: Site) -> TaskOutcome:
     """One rank's launcher: run it, report it live over the channel, and return its outcome."""
     rank = site.rank
     driver = DriverMessages()
+    relay, relay_lines = _join_relay(spec.run, rank)
     channel = ChannelClient(
-        spec.run.channel_address,
+        relay.address if relay is not None else spec.run.channel_address,
         rank_key(spec.run.launcher_secret, "launcher", rank),
         spec.run.run_id,
         rank,
         role="launcher",
         on_message=driver.on_message,
-        certificate=spec.run.channel_cert,
+        certificate="" if relay is not None else spec.run.channel_cert,
         flush=flush_every(spec.run.num_processes),
     )
     exits: List[events.Exit] = []
@@ -320,8 +352,10 @@ def run_launcher(spec: RemoteSpec, site: Site) -> TaskOutcome:
             tail.append(event.line)
         channel.send(event)
 
+    for line in relay_lines:
+        emit(events.Log(rank=rank, stream="stderr", line=line))
     try:
-        value, value_file = _run_rank(spec, site, channel, emit, driver)
+        value, value_file = _run_rank(spec, site, channel, emit, driver, relay)
     except Exception as exc:  # the launcher's own failure (not the rank's): report it as this rank's  # noqa: BLE001
         value, value_file = None, ""
         host = socket.gethostname()
@@ -337,6 +371,8 @@ def run_launcher(spec: RemoteSpec, site: Site) -> TaskOutcome:
         )
     lost = channel.lost
     channel.close()
+    if relay is not None:  # the machine's relay's owner waits here for its other launchers
+        relay.leave()
     final = exits[-1]
     if final.failure is not None:  # its output travels with it when nothing else carries it
         final = dataclasses.replace(final, failure=final.failure.for_rank(rank, log_tail=list(tail)))
@@ -345,6 +381,29 @@ def run_launcher(spec: RemoteSpec, site: Site) -> TaskOutcome:
     return TaskOutcome(
         rank, value, events.encode(final), channel_lost=lost, log_tail=list(tail) if lost else [], value_file=value_file
     )
+
+
+def _join_relay(run: RunSpec, rank: int) -> Tuple[Optional[hostrelay.Membership], List[str]]:
+    """This launcher's place among its machine's users of the run's host relay, where the run
+    uses them (``RunSpec.host_relay``), and lines for the rank's log: the relay's owner says it
+    started it; a private directory another user took first is named; where the relay's files
+    cannot be made, the rank connects to the driver itself and says why."""
+    if not run.host_relay:
+        return None, []
+    lines: List[str] = []
+    try:
+        relay = hostrelay.join(run, rank, say=lambda line: lines.append(f"[torchdist] {line}"))
+    except OSError as exc:
+        return None, [
+            f"[torchdist] host relay: not used on {socket.gethostname()} ({exc}); "
+            "this rank connects to the driver itself"
+        ]
+    if relay.owner:
+        lines.append(
+            "[torchdist] host relay: this machine's ranks reach the driver over one connection, "
+            f"through the relay rank {rank}'s launcher started"
+        )
+    return relay, lines
 
 
 def rendezvous(site: Site, channel: ChannelClient, driver: DriverMessages, mine: events.Joined) -> List[events.Joined]:
@@ -383,7 +442,12 @@ def value_route(returns_value: bool, value_file: str, channel_lost: bool) -> str
 
 
 def _run_rank(
-    spec: RemoteSpec, site: Site, channel: ChannelClient, emit: Callable[[events.Event], None], driver: DriverMessages
+    spec: RemoteSpec,
+    site: Site,
+    channel: ChannelClient,
+    emit: Callable[[events.Event], None],
+    driver: DriverMessages,
+    relay: Optional[hostrelay.Membership] = None,
 ) -> Tuple[Optional[bytearray], str]:
     """Start and watch the rank; its value blob, or the file in the driver's value directory
     that holds it (``RemoteSpec.value_path``), as ``value_route`` chose; the rank's ``Exit`` is
@@ -396,7 +460,7 @@ def _run_rank(
     copy = hostcopy.copy_path(run, say=refusals.append) if run.values_fetch else ""
     users = hostcopy.join(copy) if copy else -1
     own_directory = "1" if copy and is_fallback(os.path.dirname(copy)) else "0"
-    guard_args = [workdir, str(STOP_GRACE), str(users), copy, own_directory]
+    guard_args = [workdir, str(STOP_GRACE), str(users), copy, own_directory, relay.base if relay is not None else ""]
     try:
         guard = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", guard_source(), *guard_args],
@@ -447,7 +511,8 @@ def _run_rank(
         write_job_file(job_file, spec.job_bytes)
         gpu_source = open_gpus(run)
         proc = start_rank(
-            run,
+            # the worker connects where its launcher did: the machine's relay (without TLS), or the driver
+            dataclasses.replace(run, channel_address=relay.address, channel_cert="") if relay is not None else run,
             place,
             job_file,
             os.path.join(workdir, f"rank-{rank}"),

@@ -7,4 +7,5 @@ challenge and the hello, both ends), ``server`` (the driver's one thread: strang
 ``connection`` (one connection it accepted, its TLS or authenticated records), ``delivery`` (what
 the driver does with an authenticated connection's frames), ``transfers`` (files both ways),
 ``client`` (a rank's side), ``batching`` (what a rank sends in one frame), ``tls`` (the run's
-identity, the client's TLS socket) and ``framemac`` (records without TLS)."""
+identity, the client's TLS socket), ``framemac`` (records without TLS), ``relay`` (a host's
+ranks over one connection) and ``fanin`` (what a relay and the driver say)."""

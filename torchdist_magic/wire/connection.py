@@ -33,7 +33,7 @@ import secrets
 import selectors
 import socket
 import ssl
-from typing import Optional, Tuple
+from typing import Any, Dict, FrozenSet, Optional, Tuple
 
 from . import framemac
 from .frames import LENGTH, MAX_HELLO, RECV_CHUNK
@@ -69,6 +69,8 @@ class Connection:
         "heard",
         "sealer",
         "opener",
+        "relayed",
+        "subs",
     )
 
     def __init__(self, sock: socket.socket, deadline: float, context: Optional[ssl.SSLContext]):
@@ -90,6 +92,9 @@ class Connection:
         # without TLS, once authenticated: what it sends and receives as authenticated records
         self.sealer: Optional[framemac.Sealer] = None
         self.opener: Optional[framemac.Opener] = None
+        # a host relay's (``fanin``): the ranks its hello named, and each role and rank it connected
+        self.relayed: FrozenSet[int] = frozenset()
+        self.subs: Dict[Tuple[str, int], Any] = {}
         if context is not None:
             self.tls_in, self.tls_out = ssl.MemoryBIO(), ssl.MemoryBIO()
             self.tls = context.wrap_bio(self.tls_in, self.tls_out, server_side=True)

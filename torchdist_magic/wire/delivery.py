@@ -5,12 +5,22 @@ the run, and counts, says once and hands on every refusal."""
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Protocol
 
 from ..core import events
 from ..core.recorddecoder import RecordDecoder
 from .connection import Connection
 from .frames import LENGTH, MAX_FRAME
+
+
+class Sender(Protocol):
+    """Who sent a frame: an authenticated connection, or a role and rank behind a host relay
+    (``fanin.SubStream``)."""
+
+    role: Optional[str]
+    rank: int
+    heard: bool
+
 
 _log = logging.getLogger("torchdist_magic")
 
@@ -60,11 +70,15 @@ class Delivery:
                 break
             body = bytes(buf[offset + LENGTH.size : end])
             offset = end
-            self._deliver(conn, body)
+            self.deliver(conn, body)
         del buf[:offset]
         return True
 
-    def _deliver(self, conn: Connection, body: bytes) -> None:
+    def peer(self, conn: Connection, joined: bool) -> None:
+        """A role and rank authenticated (``joined``) or ended: nothing to do on the driver."""
+
+    def deliver(self, conn: Sender, body: bytes) -> None:
+        """Decode, check and hand on the records of one frame's ``body`` from ``conn``."""
         self._stats["frames"] += 1
         conn.heard = True
         items = self._decoder.frame(body)
@@ -98,7 +112,7 @@ class Delivery:
                 delivered += 1
         self._stats["delivered"] += delivered
 
-    def refuse(self, kind: str, conn: Connection, detail: str) -> None:
+    def refuse(self, kind: str, conn: Sender, detail: str) -> None:
         """Count a refused record (``kind``: a ``stats`` key), say it once per kind in the log,
         and hand it to ``on_refusal``."""
         self._stats[kind] += 1

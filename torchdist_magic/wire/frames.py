@@ -26,7 +26,7 @@ import hmac
 import json
 import secrets
 import struct
-from typing import Optional, Protocol
+from typing import List, Optional, Protocol, Tuple
 
 from ..core import events
 
@@ -117,6 +117,34 @@ def _read_exact(sock: Receiver, n: int) -> bytes:
         chunks.append(chunk)
         n -= len(chunk)
     return b"".join(chunks)
+
+
+def read_body(sock: Receiver, limit: int) -> bytes:
+    """The next frame's body on a blocking ``sock``, as bytes; ``FrameError`` for one over
+    ``limit`` bytes, ``EOFError`` when the connection ends first."""
+    (length,) = LENGTH.unpack(_read_exact(sock, LENGTH.size))
+    if length > limit:
+        raise FrameError(f"frame of {length} bytes is over the {limit} byte limit")
+    return _read_exact(sock, length)
+
+
+def take_frames(buf: bytearray, limit: int) -> Tuple[List[bytes], bool]:
+    """The bodies of the whole frames at the start of ``buf`` (taken out of it), and ``False``
+    when a frame's length is over ``limit`` (the stream can no longer be split into frames)."""
+    bodies: List[bytes] = []
+    offset, size = 0, len(buf)
+    while size - offset >= LENGTH.size:
+        (length,) = LENGTH.unpack_from(buf, offset)
+        if length > limit:
+            del buf[:offset]
+            return bodies, False
+        end = offset + LENGTH.size + length
+        if size < end:
+            break
+        bodies.append(bytes(buf[offset + LENGTH.size : end]))
+        offset = end
+    del buf[:offset]
+    return bodies, True
 
 
 def read_frame(sock: Receiver, limit: int) -> dict:

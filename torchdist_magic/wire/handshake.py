@@ -14,7 +14,7 @@ import secrets
 import socket
 import ssl
 import time
-from typing import TYPE_CHECKING, Dict, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 from ..core import events
 from ..core.rankenv import rank_key
@@ -53,10 +53,12 @@ def open_connection(
     context: Optional[ssl.SSLContext] = None,
     fetch: str = "",
     upload: Optional[int] = None,
+    ranks: Optional[List[int]] = None,
 ) -> Union[framemac.MacSocket, TlsSocket]:
     """An authenticated connection to the driver at ``address`` as ``role`` of ``rank`` (TLS
     with ``context``; ``fetch``: to fetch the file of that name; ``upload``: to send the rank's
-    value of that many bytes; see ``transfers``): each
+    value of that many bytes; see ``transfers``; ``ranks``: a host relay's ranks, see
+    ``relay``): each
     handshake within ``HANDSHAKE_DEADLINE``; one that the driver cut off (evicted from its
     pending table) or that took too long is tried again after a jittered, growing pause, for at most ``CONNECT_ATTEMPTS`` times ``HANDSHAKE_DEADLINE``.  Raises
     ``Refused``, ``NotTheDriver``, ``FrameError``, ``EOFError`` or ``OSError`` (``TimeoutError``
@@ -68,7 +70,16 @@ def open_connection(
         attempt = time.monotonic()
         try:
             return _handshake(
-                address, secret, run_id, rank, role, context, min(attempt + HANDSHAKE_DEADLINE, give_up), fetch, upload
+                address,
+                secret,
+                run_id,
+                rank,
+                role,
+                context,
+                min(attempt + HANDSHAKE_DEADLINE, give_up),
+                fetch,
+                upload,
+                ranks,
             )
         except (
             EOFError,
@@ -96,6 +107,7 @@ def _handshake(
     deadline: float,
     fetch: str = "",
     upload: Optional[int] = None,
+    ranks: Optional[List[int]] = None,
 ) -> Union[framemac.MacSocket, TlsSocket]:
     def left() -> float:
         remaining = deadline - time.monotonic()
@@ -131,6 +143,8 @@ def _handshake(
             hello["fetch"] = fetch
         if upload is not None:
             hello.update(upload=rank, size=upload)
+        if ranks is not None:
+            hello["ranks"] = list(ranks)
         hello["mac"] = hello_proof(secret, nonce, hello)
         sock.sendall(pack_frame(hello))
         sock.settimeout(left())
@@ -181,6 +195,10 @@ def check_hello(
         return f"authentication failed: wrong secret for role {role} of rank {rank}"
     if hello.get("run_id") != run_id:
         return f"wrong run: this channel serves run {run_id}"
+    if role == "relay" or "ranks" in hello:
+        reason = relay_ranks_problem(hello, role, rank, ranks)
+        if reason is not None:
+            return reason
     fetch = hello.get("fetch")
     if fetch is not None and role != "launcher":  # a worker's key fetches nothing (workers never do)
         return "only a rank's launcher fetches files"
@@ -194,4 +212,32 @@ def check_hello(
             return "an upload needs the value's size"
         if not files.takes_value(rank):
             return f"this channel waits for no value from rank {rank}"
+    return None
+
+
+#: the most ranks one host relay speaks for (its hello names them all, within ``MAX_HELLO``)
+MAX_RELAY_RANKS = 256
+
+
+def relay_ranks_problem(hello: dict, role: str, rank: int, ranks: Optional[int]) -> Optional[str]:
+    """Why a hello's ``"ranks"`` (a host relay's: the ranks of its host, ``relay``) do not open
+    the channel; ``None`` when they do.  A relay authenticates as the first of its ranks and
+    names them all; no other role names ranks, and a relay fetches and uploads nothing."""
+    named = hello.get("ranks")
+    if role != "relay":
+        return "only a host relay names ranks"
+    if "fetch" in hello or "upload" in hello:
+        return "a host relay fetches and uploads nothing"
+    if (
+        not isinstance(named, list)
+        or not named
+        or len(named) > MAX_RELAY_RANKS
+        or any(type(r) is not int or r < 0 or (ranks is not None and r >= ranks) for r in named)
+        or len(set(named)) != len(named)
+        or min(named) != rank
+    ):
+        return (
+            f"a host relay names its ranks: from 1 to {MAX_RELAY_RANKS} different ranks of this run, "
+            "the first of them the rank it authenticates as"
+        )
     return None

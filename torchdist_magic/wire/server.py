@@ -31,15 +31,14 @@ import socket
 import ssl
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from ..core import events, fdlimit
 from ..core.rankenv import rank_key
 from ..core.timing import CHANNEL_CLOSE_WAIT, CHANNEL_THREAD_WAIT, HANDSHAKE_DEADLINE
-from . import framemac, tls
+from . import fanin, framemac, tls
 from .connection import TLS_PLAINTEXT, Connection
-from .delivery import Delivery
-from .frames import LENGTH, MAX_FRAME, MAX_HELLO, hello_mac, pack_frame, parse_object
+from .frames import LENGTH, MAX_FRAME, MAX_HELLO, hello_mac, pack_frame, parse_object, take_frames
 from .handshake import check_hello
 from .transfers import TRANSFERS_PER_RANK, FileTransfers
 
@@ -80,7 +79,8 @@ class ChannelServer:
     handshakes), ``evicted`` (unauthenticated connections closed to make room), ``frames`` and
     ``delivered`` (after authentication), ``malformed`` (undecodable frames or records),
     ``forbidden`` (records the connection's role may not send), ``callback_errors``,
-    ``forged`` (records without TLS whose MAC was wrong: their connection ended),
+    ``forged`` (records without TLS whose MAC was wrong: their connection ended; ``authenticated``
+    also counts each role and rank that joined through a host relay),
     ``accept_failed`` and ``out_of_files`` (``accept`` found no descriptor left).  Nothing is
     refused in silence: the first refusal of each kind is logged (the ``torchdist_magic`` logger,
     a warning), and every one goes to ``on_refusal(kind, rank, detail)`` (the run's state counts
@@ -93,6 +93,11 @@ class ChannelServer:
     (the first, ``claims_refused`` counts the others), a run has at most two per rank, and at
     most ``transfers.TRANSFERS_PER_RANK`` file transfers per rank's launcher
     (``transfers_refused`` counts the others).
+
+    Host relays (``fanin``, ``relay``): with ``relays`` (the driver's channel) a relay may
+    speak for the ranks its hello names and those that join it (no rank for two relays), each
+    of its segments delivered as that rank's role would have sent it.  A relay's own local server passes ``relays=False``, ``only_ranks`` (its
+    host's) and ``delivery`` (what takes its ranks' frames: ``relay``'s, which reads none).
     """
 
     def __init__(
@@ -107,10 +112,17 @@ class ChannelServer:
         files: Optional[Dict[str, str]] = None,
         ranks: Optional[int] = None,
         on_refusal: Optional[Callable[[str, int, str], None]] = None,
+        relays: bool = True,
+        only_ranks: Optional[FrozenSet[int]] = None,
+        delivery: Any = None,
     ):
         self._run_id = run_id
         self._ranks = ranks
+        self._only_ranks = only_ranks
+        # a host relay speaks for its host's ranks with a key of the launchers' secret (``fanin``)
         self._secrets = {"worker": secret, "launcher": launcher_secret}
+        if relays:
+            self._secrets["relay"] = launcher_secret
         self._tls = identity.server_context() if identity is not None else None
         #: whether every connection speaks TLS (``identity`` was given)
         self.encrypted = self._tls is not None
@@ -135,7 +147,13 @@ class ChannelServer:
             ),
             0,
         )
-        self._delivery = Delivery(on_event, on_refusal, self.stats, run_id)
+        if delivery is None:  # the driver's: it decodes (msgspec), which a host relay does not
+            from .delivery import Delivery
+
+            delivery = Delivery(on_event, on_refusal, self.stats, run_id)
+        self._delivery = delivery
+        # each rank's host relay (server thread only)
+        self._relay_of: Dict[int, Connection] = {}
         self._files = FileTransfers(dict(files or {}), self.stats)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener: Optional[socket.socket] = socket.create_server((host, 0), family=family, backlog=512)
@@ -163,6 +181,7 @@ class ChannelServer:
         # gave up on a slow reply and tries again)
         self._claims: Dict[Tuple[Optional[str], int], Connection] = {}
         self._dirty: set = set()  # connections with new output
+        self._closing: set = set()  # connections to close (``close_peer``)
         self._close_deadline: Optional[float] = None
         self._thread = threading.Thread(target=self._serve, name="torchdist-channel", daemon=True)
         self._thread.start()
@@ -173,6 +192,20 @@ class ChannelServer:
         """Queue ``record`` for the connection of ``role`` and ``rank``; ``False`` when there is
         none (not connected, already gone, the channel closed) or it has stopped reading."""
         return self._send_to([(role, rank)], pack_frame({"events": [events.encode(record)]})) == 1
+
+    def send_frame(self, role: str, rank: int, body: bytes) -> bool:
+        """Queue one frame's ``body`` (already encoded) for the connection of ``role`` and
+        ``rank``, as ``send`` does (a host relay passes on what the driver sent one of its
+        ranks)."""
+        return self._send_to([(role, rank)], LENGTH.pack(len(body)) + body) == 1
+
+    def close_peer(self, role: str, rank: int) -> None:
+        """Close the connection of ``role`` and ``rank``, if there is one."""
+        with self._lock:
+            conn = self._routes.get((role, rank))
+            if conn is not None:
+                self._closing.add(conn)
+        self._wake()
 
     def broadcast(self, record: events.Event, role: str = "launcher") -> int:
         """Queue ``record`` for every rank connected as ``role``; the number it was queued for."""
@@ -206,14 +239,26 @@ class ChannelServer:
     # -- server thread --------------------------------------------------------------------
 
     def _send_to(self, keys: List[Tuple[Optional[str], int]], data: bytes) -> int:
+        """Queue one frame, ``data``, for each connection of ``keys``; through its host relay
+        (``fanin``) for a role and rank behind one."""
         sent = 0
         with self._lock:
             if self._close_deadline is not None:
                 return 0
             for key in keys:
                 conn = self._routes.get(key)
-                if conn is not None and len(conn.outbox) + len(data) <= MAX_OUTBOX:
-                    conn.outbox += data
+                if conn is None:
+                    continue
+                out = data
+                if conn.role == "relay":
+                    role, rank = key
+                    body = memoryview(data)[LENGTH.size :]
+                    head = fanin.SEGMENT.pack(fanin.KINDS[role or ""], rank, len(body))
+                    out = LENGTH.pack(len(head) + len(body)) + head + body
+                # a host relay's outbox serves each role and rank behind it
+                limit = MAX_OUTBOX * max(1, len(conn.subs)) if conn.role == "relay" else MAX_OUTBOX
+                if len(conn.outbox) + len(out) <= limit:
+                    conn.outbox += out
                     self._dirty.add(conn)
                     sent += 1
         if sent:
@@ -349,6 +394,9 @@ class ChannelServer:
     def _flush_dirty(self) -> None:
         with self._lock:
             dirty, self._dirty = self._dirty, set()
+            closing, self._closing = self._closing, set()
+        for conn in closing:
+            self._drop(conn)
         for conn in dirty:
             if conn.open:
                 self._write(conn)
@@ -465,6 +513,8 @@ class ChannelServer:
         reason = check_hello(
             hello, conn.nonce, run_id=self._run_id, ranks=self._ranks, role_secrets=self._secrets, files=self._files
         )
+        if reason is None and self._only_ranks is not None and hello["rank"] not in self._only_ranks:
+            reason = f"rank {hello['rank']} is not a rank of this host's relay"
         if reason is not None:
             return self._reject(conn, reason)
         if "fetch" in hello or "upload" in hello:
@@ -476,11 +526,20 @@ class ChannelServer:
         claim: Tuple[str, int] = (hello["role"], hello["rank"])
         if claim in self._claims:
             return self._second_claim(conn, *claim)
+        if claim[0] == "relay":
+            taken = sorted(r for r in hello["ranks"] if r in self._relay_of)
+            if taken:
+                self.stats["claims_refused"] += 1
+                return self._reject(conn, f"rank {taken[0]} already has a host relay in this run")
+            conn.relayed = frozenset(hello["ranks"])
+            for r in conn.relayed:
+                self._relay_of[r] = conn
         del self._pending[conn]
         self._authed.add(conn)
         conn.role, conn.rank = claim
         self._claims[claim] = conn
         self.stats["authenticated"] += 1
+        self._delivery.peer(conn, True)
         with self._lock:
             self._routes[claim] = conn
             proof = hello_mac(self._key(conn.role, conn.rank), hello["nonce"]).decode()
@@ -574,15 +633,104 @@ class ChannelServer:
             self._files.start_upload(conn, hello["rank"], hello["size"])
 
     def _frames(self, conn: Connection) -> None:
+        if conn.role == "relay":
+            return self._bundles(conn)
         if not self._delivery.frames(conn):
             self._drop(conn)
+
+    # -- a host relay's connection (``fanin``) ----------------------------------------------
+
+    def _bundles(self, conn: Connection) -> None:
+        """Deliver the segments of a host relay's whole frames, each as its rank's role would
+        have sent it; a frame that cannot be split ends the relay's connection."""
+        bodies, whole = take_frames(conn.inbuf, fanin.MAX_BUNDLE)
+        deliver = self._delivery.deliver
+        try:
+            for body in bodies:
+                conn.heard = True
+                for kind, rank, payload in fanin.segments(body):
+                    if kind == fanin.WORKER or kind == fanin.LAUNCHER:
+                        sub = conn.subs.get((fanin.ROLES[kind], rank))
+                        if sub is None:
+                            self._delivery.refuse(
+                                "forbidden",
+                                conn,
+                                f"records of rank {rank}'s {fanin.ROLES[kind]}, which this relay has not connected",
+                            )
+                        else:
+                            deliver(sub, payload)
+                    elif kind == fanin.JOINED:
+                        self._sub_joined(conn, rank, fanin.role_of(payload))
+                    elif kind == fanin.LEFT:
+                        role = fanin.role_of(payload)
+                        if role is not None:
+                            self._sub_left(conn, role, rank)
+                    elif kind == fanin.NOTE and rank in conn.relayed:
+                        self._delivery.tell(rank, payload.decode("utf-8", "replace")[:2000])
+        except fanin.MalformedBundle as exc:
+            whole = False
+            self._delivery.refuse("malformed", conn, f"a relay's frame that cannot be split ({exc})")
+        if not whole:
+            self._drop(conn)
+
+    def _sub_joined(self, conn: Connection, rank: int, role: Optional[str]) -> None:
+        """A role and rank that authenticated with the relay: it speaks for them from now on,
+        unless another relay speaks for that rank, or another connection for that role."""
+        if role is None or (self._ranks is not None and rank >= self._ranks):
+            self._delivery.refuse("forbidden", conn, f"a connection of no role or rank of this run ({rank})")
+            return
+        if self._relay_of.get(rank, conn) is not conn:
+            self._delivery.refuse("forbidden", conn, f"a connection of rank {rank}, which another relay speaks for")
+            return
+        if (role, rank) in conn.subs:  # said twice: the first stands
+            return
+        if rank not in conn.relayed:  # not named in its hello: a launcher's relay learns its ranks as they come
+            conn.relayed = conn.relayed | {rank}
+            self._relay_of[rank] = conn
+        key = (role, rank)
+        owner = self._claims.get(key)
+        if owner is not None and owner is not conn:
+            self.stats["claims_refused"] += 1
+            line = (
+                f"torchdist: refused rank {rank}'s {role} through its host's relay: another "
+                "connection already speaks for it; only the first is heard"
+            )
+            _log.warning("run %s: %s", self._run_id, line)
+            self._delivery.tell(rank, line)
+            with self._lock:
+                conn.outbox += fanin.bundle([fanin.segment(fanin.DROP, rank, bytes([fanin.KINDS[role]]))])
+                self._dirty.add(conn)
+            return
+        conn.subs[key] = fanin.SubStream(role, rank)
+        self._claims[key] = conn
+        self.stats["authenticated"] += 1
+        with self._lock:
+            self._routes[key] = conn
+
+    def _sub_left(self, conn: Connection, role: str, rank: int) -> None:
+        key = (role, rank)
+        sub = conn.subs.pop(key, None)
+        if sub is None:
+            return
+        if not sub.heard and self._claims.get(key) is conn:
+            del self._claims[key]
+        with self._lock:
+            if self._routes.get(key) is conn:
+                del self._routes[key]
 
     def _drop(self, conn: Connection) -> None:
         if not conn.open:
             return
         conn.open = False
         self._pending.pop(conn, None)
-        self._authed.discard(conn)
+        if conn in self._authed:
+            self._authed.discard(conn)
+            self._delivery.peer(conn, False)
+        for role, rank in list(conn.subs):
+            self._sub_left(conn, role, rank)
+        for rank in conn.relayed:
+            if self._relay_of.get(rank) is conn:
+                del self._relay_of[rank]
         if not conn.heard and self._claims.get((conn.role, conn.rank)) is conn:
             del self._claims[(conn.role, conn.rank)]
         with self._lock:
