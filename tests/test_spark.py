@@ -322,9 +322,31 @@ def test_ranks_on_two_hosts_are_placed_as_torchrun_would(spark_standalone):
     assert_nothing_left(run)
 
 
+def this_runs_relay_files():
+    """Where this rank's host relay keeps its files (``launch.hostrelay``), less their suffix: the
+    relay whose address is this rank's channel (other tests' runs may have relays of their own)."""
+    import glob
+    import tempfile
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"torchdist-{os.geteuid()}*", "relay-*.address")):
+        with open(path) as fh:
+            if fh.read().split()[-1] == os.environ["TORCHDIST_CHANNEL"]:
+                return path[: -len(".address")]
+    return ""
+
+
 def channel_and_hello():
     print(f"rank {rank()} says hello", flush=True)
-    return {"channel": os.environ["TORCHDIST_CHANNEL"], "cert": os.environ.get("TORCHDIST_CHANNEL_CERT", "")}
+    return {
+        "channel": os.environ["TORCHDIST_CHANNEL"],
+        "cert": os.environ.get("TORCHDIST_CHANNEL_CERT", ""),
+        "relay_files": this_runs_relay_files(),
+    }
+
+
+def say_relay_files_then_kill_my_spark_task(bad_rank):
+    print(f"relay files: {this_runs_relay_files()}", flush=True)
+    kill_my_spark_task(bad_rank)
 
 
 @pytest.mark.spark
@@ -333,8 +355,6 @@ def test_a_machines_ranks_reach_the_driver_through_one_relay(spark_cluster, monk
     without a relay) reach the driver over the one connection of the relay one launcher
     started, and it leaves nothing behind."""
     import glob
-
-    from helpers import EXECUTOR_TMP
 
     monkeypatch.setenv("TORCHDIST_HOST_RELAY", "1")
     run = spark_dist(2, all_ranks=True).submit(channel_and_hello)
@@ -348,27 +368,27 @@ def test_a_machines_ranks_reach_the_driver_through_one_relay(spark_cluster, monk
     started = [r for r in (0, 1) if "host relay: this machine's ranks reach the driver over one connection" in logs[r]]
     assert len(started) == 1, logs
     assert_nothing_left(run)
-    assert not glob.glob(os.path.join(EXECUTOR_TMP, f"torchdist-{os.geteuid()}*", "relay-*"))
+    files = {v["relay_files"] for v in values}
+    assert len(files) == 1 and files != {""}  # both ranks saw the one relay's files while it ran
+    assert glob.glob(files.pop() + ".*") == []  # and they went with it
 
 
 @pytest.mark.spark
 @pytest.mark.parametrize("killed", [0, 1])
 def test_a_killed_task_leaves_no_relay_files_whichever_started_the_relay(spark_cluster, monkeypatch, killed):
     import glob
-
-    from helpers import EXECUTOR_TMP
+    import re
 
     monkeypatch.setenv("TORCHDIST_HOST_RELAY", "1")
-    run = spark_dist(2).submit(kill_my_spark_task, killed)
+    run = spark_dist(2).submit(say_relay_files_then_kill_my_spark_task, killed)
     with pytest.raises(RankFailure) as info:
         run.result(timeout=120)
     assert info.value.rank == killed
     assert_nothing_left(run)
-    wait_until(
-        lambda: not glob.glob(os.path.join(EXECUTOR_TMP, f"torchdist-{os.geteuid()}*", "relay-*")),
-        30,
-        "the relay's files to go",
-    )
+    said = {m for r in (0, 1) for m in re.findall(r"relay files: (\S+)", run.logs(r))}
+    assert len(said) == 1, [run.logs(r) for r in (0, 1)]  # the machine's one relay, while it ran
+    files = said.pop()
+    wait_until(lambda: not glob.glob(files + ".*"), 30, "the relay's files to go")
 
 
 class OneTaskCannotReachTheDriver(SparkBarrierBackend):

@@ -73,7 +73,9 @@ EXIT_MARK = "torchdist-launcher-exit:"
 # exited), SIGKILL what is left of the group, end what the rank started in a session of its own
 # (its mark), remove the files.  Either way, it then leaves the users of the machine's copy of the
 # notebook values (``hostcopy``: the shared lock it holds on fd ``users``, -1 for none) and removes
-# the copy when it was the last, with the run's own directory of it where it is in one.
+# the copy when it was the last, with the run's own directory of it where it is in one; and the
+# users of the machine's host relay (``hostrelay``: a lock of its own on ``<relay>.users``), removing
+# the relay's files when it is the last and the relay's owner is dead.
 _GUARD_MAIN = r"""
 import fcntl, shutil, sys
 workdir, grace, users, copy = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -85,15 +87,19 @@ if relay:  # a user of the relay of its own, beside its launcher (which is one w
         fcntl.flock(relay_users, fcntl.LOCK_SH)
     except OSError:
         relay_users = -1
+def last_user(fd):
+    # lets go of its shared lock on the users file ``fd``; whether it then took it exclusively
+    # (no other user holds it), without waiting: of users leaving together, the last one does
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
 def leave_relay():
     # the last of the machine's launchers to leave, where the relay's owner was killed (no live
     # pid in its address), removes the relay's files; a live owner removes them itself
-    if relay_users < 0:
-        return
-    fcntl.flock(relay_users, fcntl.LOCK_UN)
-    try:
-        fcntl.flock(relay_users, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    if relay_users < 0 or not last_user(relay_users):
         return
     try:
         with open(relay + ".address", "rb") as fh:
@@ -108,12 +114,7 @@ def leave_relay():
         except OSError:
             pass
 def leave_copy():
-    if users < 0:
-        return
-    fcntl.flock(users, fcntl.LOCK_UN)
-    try:
-        fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    if users < 0 or not last_user(users):
         return  # another launcher of this machine uses the copy: the last one removes it
     try:
         last = os.stat(copy + ".users").st_ino == os.fstat(users).st_ino

@@ -123,6 +123,7 @@ class HostRelay:
         self._lost = False
         self._sock: Optional[Union[framemac.MacSocket, TlsSocket]] = None
         self._reader: Optional[threading.Thread] = None
+        self._closer: Optional[threading.Thread] = None  # closes the local server once the driver is lost
         forward = _Forward(self)
         self._local = ChannelServer(
             _never,
@@ -174,9 +175,9 @@ class HostRelay:
             self._closed = True
             self._changed.notify_all()
         self._sender.join(timeout)
-        reader = self._reader
-        if reader is not None:
-            reader.join(timeout)
+        for thread in (self._reader, self._closer):
+            if thread is not None and thread.ident is not None:  # a closer made, maybe not started yet
+                thread.join(timeout)
         with self._lock:
             sock, self._sock = self._sock, None
         if sock is not None:
@@ -239,12 +240,15 @@ class HostRelay:
             self._lost = True
             self._segments, self._queued = [], 0
             self._changed.notify_all()
+            closer = self._closer = threading.Thread(
+                target=self._local.close, name="torchdist-relay-close", daemon=True
+            )
         print(
             f"torchdist_magic: {message}; the events of ranks {self._named()} are dropped",
             file=sys.__stderr__,
             flush=True,
         )
-        threading.Thread(target=self._local.close, name="torchdist-relay-close", daemon=True).start()
+        closer.start()
 
     # -- reader thread ----------------------------------------------------------------------
 
