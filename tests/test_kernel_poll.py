@@ -92,6 +92,19 @@ class Kernel:
         assert reply["content"]["status"] == "ok", reply["content"]
         return reply
 
+    def settle(self, tries=20):
+        """Run an empty cell until one runs: after a cell that failed, ipykernel 6 aborts every
+        execute request it takes until its own "stop aborting" event comes off its queue
+        (``Kernel._abort_queues``, ``stop_on_error_timeout``), and a request sent right after the
+        failing cell's replies can come before it.  The next test's cell would be aborted."""
+        statuses = []
+        for _ in range(tries):
+            reply = self.kc.execute_interactive("pass", timeout=60, output_hook=lambda msg: None)
+            statuses.append(reply["content"]["status"])
+            if statuses[-1] == "ok":
+                return
+        raise AssertionError(f"the kernel ran no cell in {tries} tries: {statuses}")
+
     def close(self):
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=False)
@@ -113,6 +126,13 @@ def kernel():
     finally:
         kernel.close()
     wait_until(lambda: not alive(kernel.pid), 10, "the kernel to end")
+
+
+@pytest.fixture(autouse=True)
+def _settled(request):
+    """Each test of the module's kernel starts with a kernel that runs cells (``Kernel.settle``)."""
+    if "kernel" in request.fixturenames:
+        request.getfixturevalue("kernel").settle()
 
 
 def widget_state(msg):
