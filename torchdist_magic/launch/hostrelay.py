@@ -62,7 +62,6 @@ class Membership:
     def __init__(self, base: str, users: int, address: str, relay: Optional[HostRelay]):
         #: the path of the relay's files, less their suffix
         self.base = base
-        self._base = base
         self._users = users
         self.address = address
         self.relay = relay
@@ -87,10 +86,10 @@ class Membership:
                     break
                 except BlockingIOError:
                     time.sleep(LEAVE_POLL)
-            lock = open_private(self._base + ".lock", os.O_RDWR | os.O_CREAT)
+            lock = open_private(self.base + ".lock", os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                _remove(self._base)
+                _remove(self.base)
             finally:
                 os.close(lock)
             self.relay.close()
@@ -104,8 +103,8 @@ class Membership:
             fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return  # the owner, or another launcher, is still there
-        if not _live_address(self._base):
-            _remove(self._base)
+        if not _live_address(self.base):
+            _remove(self.base)
 
 
 def _remove(base: str) -> None:
