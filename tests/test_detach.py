@@ -222,8 +222,11 @@ def test_stop_sends_the_token_to_no_socket_another_user_listens_on(home):
             os.setgid(65534)
             os.setuid(65534)
             listener = socket.socket(socket.AF_UNIX)
-            listener.bind(path)
+            # listening before it takes the control socket's name: a connect between bind and
+            # listen is refused (the run would read as gone, and the test would test nothing)
+            listener.bind(path + ".new")
             listener.listen(1)
+            os.rename(path + ".new", path)
             conn = listener.accept()[0]
             conn.settimeout(30)
             got = b""

@@ -174,8 +174,11 @@ def test_a_socket_another_user_listens_on_is_not_read():
         try:
             os.setuid(65534)
             listener = socket.socket(socket.AF_UNIX)
-            listener.bind(path)
+            # bound under another name and listening before it takes the run's name: a connect
+            # between bind and listen is refused, and the read would rightly go to the fallback
+            listener.bind(path + ".new")
             listener.listen(1)
+            os.rename(path + ".new", path)
             listener.accept()[0].recv(100)
         finally:
             os._exit(0)
