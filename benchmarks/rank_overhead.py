@@ -16,8 +16,12 @@ own), in interleaved rounds at each number of ranks; ``--before TREE`` adds the 
 in ``TREE`` (an earlier checkout: ``git archive COMMIT torchdist_magic | tar -x -C TREE``).
 Under torchrun ``progress`` and ``report`` do nothing (there is no run) and the output goes to a
 pipe this process reads, as a launcher's does.  Rank 0 times the steps after a warm-up; the
-figure is the ratio of the medians, torchdist_magic / torchrun (1.0: no overhead).  The ranks,
-the driver and whatever else runs on the machine share its cores: steps/s move with the load.
+figure is the ratio of the medians, torchdist_magic / torchrun (1.0: no overhead); beside it the
+paired ratio (the median of each round's two runs' ratio, which leaves out how the machine's
+speed moved from round to round) and each launcher process's own CPU while rank 0 timed its
+steps (torchrun's agent, torchdist_magic's driver: read from ``/proc`` the same way for both).
+The ranks, the driver and whatever else runs on the machine share its cores: steps/s move with
+the load.
 Both launchers' ranks get the same ``OMP_NUM_THREADS`` (``THREADS``, unless it is set): left to
 themselves, torchrun gives each rank one thread where several share a machine and
 torchdist_magic gives each the cores over the ranks, a setting and not an overhead (on 16 cores
@@ -52,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from typing import List, Optional, Tuple
 
@@ -85,6 +90,8 @@ SCRIPT = textwrap.dedent('''
         if i == warmup:
             start = time.perf_counter()
             counted = group._get_sequence_number_for_group()
+            if dist.get_rank() == 0:
+                open(out + ".start", "w").close()  # the launcher's CPU is read from here on
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -101,9 +108,50 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+def _cpu_seconds(pid: int) -> float:
+    """The CPU seconds process ``pid``'s live threads have run so far: the scheduler's own
+    count, in nanoseconds (``/proc/PID/task/TID/schedstat``), where ``/proc/PID/stat`` counts in
+    ticks of 10 ms, too coarse for a few milliseconds a second over a few seconds."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                total += int(fh.read().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            pass
+    return total / 1e9
+
+
+def _launch(command: List[str], env: dict, out: str) -> Tuple[int, bytes, bytes, float]:
+    """Run a launcher (``command``) to its end; its exit code, output, and its own CPU (the
+    launcher process, not its ranks) in milliseconds per second while rank 0 timed its steps:
+    read the same way for torchrun's agent and torchdist_magic's driver, from outside, as
+    rank 0 starts and ends its timing (``out`` + ``.start``, then ``out``)."""
+    for path in (out, out + ".start"):
+        if os.path.exists(path):
+            os.unlink(path)
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    got: dict = {}
+    reader = threading.Thread(target=lambda: got.update(zip(("out", "err"), proc.communicate())), daemon=True)
+    reader.start()
+    marks = []  # (monotonic, launcher CPU s) at the start and at the end of the timed steps
+    for path in (out + ".start", out):
+        while not os.path.exists(path) and proc.poll() is None:
+            time.sleep(0.05)  # as often for either launcher: a wake-up of this process each time
+        try:
+            marks.append((time.monotonic(), _cpu_seconds(proc.pid)))
+        except OSError:  # it ended first
+            break
+    reader.join()
+    launcher_ms_per_s = float("nan")
+    if len(marks) == 2 and marks[1][0] > marks[0][0]:
+        launcher_ms_per_s = 1000 * (marks[1][1] - marks[0][1]) / (marks[1][0] - marks[0][0])
+    return proc.returncode, got.get("out", b""), got.get("err", b""), launcher_ms_per_s
+
+
 def with_torchrun(script: str, ranks: int, steps: int, out: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
+    code, _, err, launcher = _launch(
         [
             sys.executable,
             "-m",
@@ -115,14 +163,15 @@ def with_torchrun(script: str, ranks: int, steps: int, out: str) -> dict:
             str(WARMUP),
             out,
         ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        env,
+        out,
     )
-    if proc.returncode:
-        raise RuntimeError(f"torchrun failed ({proc.returncode}): {proc.stderr.decode()[-2000:]}")
+    if code:
+        raise RuntimeError(f"torchrun failed ({code}): {err.decode()[-2000:]}")
     with open(out) as fh:
-        return json.load(fh)
+        found = json.load(fh)
+    found["launcher_ms_per_s"] = launcher
+    return found
 
 
 #: how many times a failed run is run again (torchrun's or torchdist_magic's: a rank that torch's
@@ -142,17 +191,15 @@ def with_torchdist(script: str, ranks: int, steps: int, out: str, tree: str = ""
     """A run of ``script`` by the torchdist_magic of ``tree`` (this checkout's by default)."""
     tree = tree or os.path.dirname(HERE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, "-c", DRIVER, str(ranks), script, str(steps), str(WARMUP), out],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+    code, stdout, err, launcher = _launch(
+        [sys.executable, "-c", DRIVER, str(ranks), script, str(steps), str(WARMUP), out], env, out
     )
-    if proc.returncode:
-        raise RuntimeError(f"torchdist_magic failed ({proc.returncode}): {proc.stderr.decode()[-2000:]}")
+    if code:
+        raise RuntimeError(f"torchdist_magic failed ({code}): {err.decode()[-2000:]}")
     with open(out) as fh:
         found = json.load(fh)
-    found["driver_cpu_s"] = float(proc.stdout.decode().split()[-1])
+    found["driver_cpu_s"] = float(stdout.decode().split()[-1])
+    found["launcher_ms_per_s"] = launcher
     return found
 
 
@@ -592,6 +639,7 @@ def end_to_end(ranks_list, steps: int, rounds: int, before: str) -> dict:
         for ranks in ranks_list:
             runs = {name: [] for name in runners}
             driver = {name: [] for name in runners if name != "torchrun"}
+            launcher_cpu = {name: [] for name in runners}
             per_step = []
             loads = []
             for i in range(rounds):
@@ -612,6 +660,7 @@ def end_to_end(ranks_list, steps: int, rounds: int, before: str) -> dict:
                     per_step.append(got.get("collectives_per_step", 0.0))
                     if name in driver:
                         driver[name].append(1e6 * got["driver_cpu_s"] / (steps * ranks))
+                    launcher_cpu[name].append(got["launcher_ms_per_s"])
                     loads.append(os.getloadavg()[0])
                     print(
                         f"{ranks} ranks, round {i + 1}/{rounds} {name:<16} {runs[name][-1]:8.1f} steps/s "
@@ -619,10 +668,17 @@ def end_to_end(ranks_list, steps: int, rounds: int, before: str) -> dict:
                         flush=True,
                     )
             medians = {name: statistics.median(v) for name, v in runs.items()}
+            # each round's two runs ran back to back: their ratio leaves out what moved the
+            # machine's speed from one round to the next
+            paired = [mine / theirs for mine, theirs in zip(runs["torchdist_magic"], runs["torchrun"])]
             found[str(ranks)] = {
                 "runs": runs,
                 "medians": medians,
                 "ratio": medians["torchdist_magic"] / medians["torchrun"],
+                "paired_ratios": paired,
+                "paired_ratio": statistics.median(paired),
+                "launcher_cpu_ms_per_s": {name: statistics.median(v) for name, v in launcher_cpu.items()},
+                "launcher_cpu_ms_per_s_runs": launcher_cpu,
                 "ratio_before": medians["before"] / medians["torchrun"] if before else None,
                 "driver_cpu_us_per_rank_step": {name: statistics.median(v) for name, v in driver.items()},
                 "collectives_per_step": statistics.median(per_step),
@@ -677,15 +733,24 @@ def print_end_to_end(runs: dict, where: dict, loads: Tuple[float, float]) -> Non
         f"{describe_machine(where)}, torch {where.get('torch', '?')}; load average (1 min) "
         f"{loads[0]:.1f} at the start, {loads[1]:.1f} at the end"
     )
-    print(f"{'ranks':>5} {'launcher':<16} {'steps/s median':>14} {'min':>8} {'max':>8} {'ratio':>6} {'load':>11}")
+    print(
+        f"{'ranks':>5} {'launcher':<16} {'steps/s median':>14} {'min':>8} {'max':>8} {'ratio':>6} {'paired':>6} "
+        f"{'launcher CPU':>12} {'load':>11}"
+    )
     for ranks, found in runs.items():
         for name, values in found["runs"].items():
             ratio = found["medians"][name] / found["medians"]["torchrun"]
+            paired = found.get("paired_ratio") if name == "torchdist_magic" else None
+            cpu = found.get("launcher_cpu_ms_per_s", {}).get(name, float("nan"))
             low, _, high = found["load_average"]
             print(
                 f"{ranks:>5} {name:<16} {found['medians'][name]:>14.1f} {min(values):>8.1f} {max(values):>8.1f} "
-                f"{ratio:>6.3f} {low:>5.1f}-{high:<5.1f}"
+                f"{ratio:>6.3f} {f'{paired:.3f}' if paired else '':>6} {cpu:>7.1f} ms/s {low:>5.1f}-{high:<5.1f}"
             )
+    print(
+        "  (ratio: of the medians; paired: the median of each round's two runs' ratio; launcher CPU: the "
+        "launcher process alone (torchrun's agent, torchdist_magic's driver) while rank 0 timed its steps)"
+    )
 
 
 def print_parts(collectives: dict, cost: dict, split: dict, runs: dict) -> None:

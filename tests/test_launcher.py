@@ -342,3 +342,36 @@ def test_the_system_s_reserved_ports_are_read_as_ranges(tmp_path, monkeypatch):
 
     monkeypatch.setattr(builtins, "open", fake_open)
     assert launcher._reserved_ports() == {8080, 25000, 25001, 25002}
+
+
+def test_the_lines_of_one_read_are_one_record_and_a_redrawn_line_one_of_its_own(tmp_path):
+    """A rank that prints a line a step: the driver takes the lines its launcher read at once as
+    one ``Log`` (the others in ``more``), not one record a line; a ``\\r`` line stays apart."""
+    from helpers import Collector
+    from torchdist_magic.core import events
+    from torchdist_magic.launch.launcher import RankProcess
+
+    not_a_worker = tmp_path / "python"  # one write of several lines, then a second one
+    not_a_worker.write_text(
+        "#!/bin/sh\nprintf 'step 1\\nstep 2\\nbar 50%%\\rstep 3\\nstep 4\\n'\nsleep 0.5\necho last\n"
+    )
+    not_a_worker.chmod(0o755)
+    got = Collector()
+    proc = RankProcess(0, "job", str(tmp_path / "rank-0"), dict(os.environ), got, python=str(not_a_worker))
+    wait_until(lambda: any(r.type == "exit" for r in got.records), 30, "the rank's exit record")
+    logs = [r for r in got.records if isinstance(r, events.Log)]
+    assert [(r.line, r.more, r.cr) for r in logs] == [
+        ("step 1", ["step 2"], False),
+        ("bar 50%", [], True),
+        ("step 3", ["step 4"], False),
+        ("last", [], False),
+    ]
+    assert [line.line for r in logs for line in r.lines()] == [
+        "step 1",
+        "step 2",
+        "bar 50%",
+        "step 3",
+        "step 4",
+        "last",
+    ]
+    assert proc.returncode == 0 and not alive(proc.pgid)

@@ -21,10 +21,14 @@ PIPE_DRAIN_WAIT = 0.2
 #: long the driver waits for the failure that caused it before naming a root cause
 ROOT_CAUSE_WAIT = 2.0
 #: how long a launcher lets a rank's output gather in its pipe after a short read: a few reads
-#: a second per pipe, not one per line a rank prints
-OUTPUT_GATHER = 0.02
-#: how often the driver checks a run's state (failures, exits, cancel, deadline)
+#: a second per pipe, not one per line a rank prints (each read is one record, ``Log.more``)
+OUTPUT_GATHER = 0.05
+#: how often the driver checks a run's state while a debugger session holds a rank or a hang
+#: is observed
 SUPERVISE_POLL = 0.02
+#: how often the driver's watcher looks at a run that nothing woke it for: a rank's exit and a
+#: cancel wake it at once; a deadline, a hang timeout, a debugger session are seen within this
+WATCH_INTERVAL = 0.1
 #: how often an orphaned worker checks whether its launcher is gone
 PARENT_WATCH_INTERVAL = 0.5
 #: at a rank's exit, how long its ``atexit`` handlers may run before the process ends anyway

@@ -55,7 +55,7 @@ from .sent import SentValues
 from .rootcause import is_collateral
 from .rundir import RunDirectory
 from .state import RunState
-from ..core.timing import ROOT_CAUSE_WAIT, STOP_GRACE, SUPERVISE_POLL
+from ..core.timing import ROOT_CAUSE_WAIT, STOP_GRACE, SUPERVISE_POLL, WATCH_INTERVAL
 from .tracking import MlflowLogger
 
 _last_run: Optional["Run"] = None
@@ -278,6 +278,7 @@ class Run(StateAnswers):
         if not self._cancel.is_set():
             self._cancelled_by = by
         self._cancel.set()
+        self.state.exits.set()  # the watcher looks now
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -511,6 +512,7 @@ class Run(StateAnswers):
         observed: Optional[float] = None  # when a hang was last observed (--on-hang observe)
         said: List[str] = []  # and what its notice said of where the ranks were
         while True:
+            self.state.exits.clear()  # before looking: an exit from now on wakes the next wait
             failures = self.state.failures()
             if failures:
                 debug.ranks_gone({f.rank for f in failures})
@@ -603,7 +605,9 @@ class Run(StateAnswers):
                 )
                 self.state.finish("hung", message=self._error.headline, fault=faults.classify(None, hung=True))
                 return False
-            time.sleep(SUPERVISE_POLL)
+            # nothing to do: until a rank exits or the run is cancelled (at once), or until the
+            # clocks (deadline, hang timeout) or a debugger session may have moved
+            self.state.exits.wait(WATCH_INTERVAL)
 
     def _no_restart(self, failure: Failure) -> Optional[str]:
         """None when the attempt that ``failure`` ended starts again; else why not: ``""`` when no

@@ -186,6 +186,9 @@ class RunState:
         self._over_cap: set = set()  # (rank, what) of caps a rank's log has named
         self._pace = Pace(num_processes, clock)  # stragglers, from what arrives when
         self._listeners: List[Callable[[events.Event], None]] = []
+        #: set when a rank's exit is taken: the run's watcher (``Run._watch``) wakes at once for
+        #: it, and otherwise looks only every ``WATCH_INTERVAL``
+        self.exits = threading.Event()
         self._tracking = None
         #: what the run's channel refused, by kind (``malformed``, ``forbidden``,
         #: ``callback_errors``): how many, and the first one's rank and what it was
@@ -429,6 +432,7 @@ class RunState:
     def _on_exit(self, rs: RankState, e: events.Exit) -> None:
         if rs.state in ("done", "failed", "cancelled") and rs.exit_code is not None:
             return  # a repeated exit (the channel and the Spark stage both report it)
+        self.exits.set()
         rs.exit_code = e.code
         rs.ended = e.time or time.time()
         rs.host = e.host or rs.host

@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..core import events, timing, values
 from .gpu_metrics import GpuSource, open_gpu_source, rank_device
@@ -45,6 +45,7 @@ from ..core.timing import OUTPUT_GATHER, PIPE_DRAIN_WAIT, REAP_WAIT, STACKS_SETT
 from ..core.names import ERROR_FILE, RESULT_FILE, STACKS_FILE, STACKS_HEADER, STACKS_SIGNAL
 from ..core.names import CLEANUP_ENV, LAUNCHER_PID_ENV, RUN_ID_ENV, VALUE_FILE_ENV, VALUES_COPY_ENV
 from ..core.rankenv import Placement, RunSpec, rank_environment
+from ..wire.batching import MERGED_LOG_CHARS
 
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 _OUTPUT_END = events.OUTPUT_END_MARK.encode()
@@ -288,9 +289,8 @@ class RankProcess:
                 pending = pending[:-1]
             parts = _LINE_END.split(pending)
             ends = _LINE_END.findall(pending)
-            for text, end in zip(parts, ends):
-                if text or end != b"\r":  # a \r at a line's start (tqdm's redraws begin so) moves nothing
-                    self._line(stream, text, end == b"\r")
+            self._lines(stream, [(text, end == b"\r") for text, end in zip(parts, ends) if text or end != b"\r"])
+            # (a \r at a line's start, as tqdm's redraws begin, moves nothing)
             pending = parts[-1] + (b"\r" if hold_cr else b"")
             if len(chunk) < _GATHER_BELOW:
                 # A rank that prints a line per training step would otherwise wake this thread
@@ -302,6 +302,32 @@ class RankProcess:
         if pending:
             self._line(stream, pending.rstrip(b"\r"), pending.endswith(b"\r"))
         pipe.close()
+
+    def _lines(self, stream: str, lines: Sequence[Tuple[bytes, bool]]) -> None:
+        """The lines of one read, ``(text, cr)`` in order, in as few ``Log`` records as keep
+        them apart: a line and the plain lines that follow it are one record (``Log.more``), as
+        a client's flush is, so that the driver takes a read of a rank that prints every step
+        at once and not a line at a time; a redrawn line (``cr``) or a warm job's end mark is a
+        record of its own."""
+        group: List[str] = []
+        size = 0
+        for text, cr in lines:
+            if cr or _OUTPUT_END in text:
+                self._group(stream, group)
+                group, size = [], 0
+                self._line(stream, text, cr)
+                continue
+            line = text.decode("utf-8", "replace")
+            if group and size + len(line) > MERGED_LOG_CHARS:
+                self._group(stream, group)
+                group, size = [], 0
+            group.append(line)
+            size += len(line)
+        self._group(stream, group)
+
+    def _group(self, stream: str, group: List[str]) -> None:
+        if group:
+            self.emit(events.Log(rank=self.rank, stream=stream, line=group[0], more=group[1:]))
 
     def _line(self, stream: str, text: bytes, cr: bool) -> None:
         mark = text.find(_OUTPUT_END) if not cr else -1
