@@ -278,7 +278,7 @@ class Run(StateAnswers):
         if not self._cancel.is_set():
             self._cancelled_by = by
         self._cancel.set()
-        self.state.exits.set()  # the watcher looks now
+        self.state.exit_seen.set()  # the watcher looks now
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -512,7 +512,7 @@ class Run(StateAnswers):
         observed: Optional[float] = None  # when a hang was last observed (--on-hang observe)
         said: List[str] = []  # and what its notice said of where the ranks were
         while True:
-            self.state.exits.clear()  # before looking: an exit from now on wakes the next wait
+            self.state.exit_seen.clear()  # before looking: an exit from now on wakes the next wait
             failures = self.state.failures()
             if failures:
                 debug.ranks_gone({f.rank for f in failures})
@@ -607,7 +607,7 @@ class Run(StateAnswers):
                 return False
             # nothing to do: until a rank exits or the run is cancelled (at once), or until the
             # clocks (deadline, hang timeout) or a debugger session may have moved
-            self.state.exits.wait(WATCH_INTERVAL)
+            self.state.exit_seen.wait(WATCH_INTERVAL)
 
     def _no_restart(self, failure: Failure) -> Optional[str]:
         """None when the attempt that ``failure`` ended starts again; else why not: ``""`` when no

@@ -188,7 +188,7 @@ class RunState:
         self._listeners: List[Callable[[events.Event], None]] = []
         #: set when a rank's exit is taken: the run's watcher (``Run._watch``) wakes at once for
         #: it, and otherwise looks only every ``WATCH_INTERVAL``
-        self.exits = threading.Event()
+        self.exit_seen = threading.Event()
         self._tracking = None
         #: what the run's channel refused, by kind (``malformed``, ``forbidden``,
         #: ``callback_errors``): how many, and the first one's rank and what it was
@@ -432,7 +432,7 @@ class RunState:
     def _on_exit(self, rs: RankState, e: events.Exit) -> None:
         if rs.state in ("done", "failed", "cancelled") and rs.exit_code is not None:
             return  # a repeated exit (the channel and the Spark stage both report it)
-        self.exits.set()
+        self.exit_seen.set()
         rs.exit_code = e.code
         rs.ended = e.time or time.time()
         rs.host = e.host or rs.host
