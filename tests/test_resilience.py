@@ -183,7 +183,11 @@ def test_a_rank_is_not_signalled_before_it_can_take_the_stack_signal(tmp_path):
     proc = RankProcess(0, "job", str(tmp_path / "rank-0"), dict(os.environ), got, python=str(not_a_worker))
     try:
         # its launcher also sends system samples: wait for the records meant, whatever came between
-        wait_until(lambda: any(r.type == "log" and r.line == "up" for r in got.records), 10, '"up": it runs')
+        wait_until(
+            lambda: any(r.type == "log" and "up" in [o.line for o in r.lines()] for r in got.records),
+            10,
+            '"up": it runs',
+        )
         proc.dump_stacks()
         wait_until(lambda: any(r.type == "stacks" for r in got.records), 10, "its stacks record")
         stacks = [r for r in got.wait_for(1) if r.type == "stacks"]

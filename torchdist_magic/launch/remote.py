@@ -349,8 +349,10 @@ def run_launcher(spec: RemoteSpec, site: Site) -> TaskOutcome:
     def emit(event: events.Event) -> None:
         if isinstance(event, events.Exit):
             exits.append(event)
-        elif isinstance(event, events.Log) and not event.cr:
-            tail.append(event.line)
+        elif isinstance(event, events.Log):  # a read's lines are one record: its head and ``more``
+            if not event.cr:
+                tail.append(event.line)
+            tail.extend(event.more)
         channel.send(event)
 
     for line in relay_lines:
